@@ -1,0 +1,52 @@
+"""ModelConfig: the architecture hyper-parameters every loader produces and the runtime consumes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Ernie4_5_ForCausalLM": "ernie4_5",
+    "Ernie4_5ForCausalLM": "ernie4_5",
+}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling ("rope_type": "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a decoder-only Llama-family model.
+
+    Weight layout conventions (HF names, HF [out, in] layout) are those of `transformers`' Llama.
+    """
+
+    architecture: str  # one of ARCHITECTURES' values
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False  # qwen2; ernie4_5 with use_bias
+    o_bias: bool = False  # ernie4_5 with use_bias
+    mlp_bias: bool = False  # ernie4_5 with use_bias
+    qk_norm: bool = False  # qwen3: RMSNorm on each head of q and k before RoPE
+    rope_interleaved: bool = False  # rotate pairs (2i, 2i+1) instead of halves (GPT-J style)
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
