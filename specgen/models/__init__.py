@@ -1,0 +1,30 @@
+"""Checkpoint loading: HF directories, GGUF files, and the built-in default model."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from specgen.errors import CheckpointError
+from specgen.models.checkpoint import Checkpoint
+
+
+def load_checkpoint(path: str | Path | None) -> Checkpoint:
+    """Load an HF directory or a .gguf file; None means the default SmolLM2-135M-Instruct (cached)."""
+    from specgen.models import hf_loader
+
+    if path is None or Path(path).suffix == ".gguf":
+        from specgen.models import default_model
+    if path is None:
+        return default_model.load_cached(default_model.default_gguf_path())
+    p = Path(path)
+    if p.is_dir():
+        return hf_loader.load_hf_dir(p)
+    if p.suffix == ".gguf":
+        if not p.exists():
+            raise CheckpointError(f"{p}: file not found")
+        return default_model.load_cached(p)
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such checkpoint (give an HF directory or a .gguf file)")
+    raise CheckpointError(f"{p}: not a checkpoint (give an HF directory or a .gguf file)")
+
+
+__all__ = ["Checkpoint", "load_checkpoint"]

@@ -1,0 +1,251 @@
+"""The main model's packed variable-length forward in Paddle: Llama / Mistral / Qwen2 / Qwen3 / ERNIE-4.5."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+from specgen.engine.kv_cache import KVCache
+from specgen.engine.types import ForwardBatch
+from specgen.errors import CheckpointError
+from specgen.models.checkpoint import Checkpoint
+from specgen.models.config import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim / 2], with Llama-3 scaling when configured (as transformers does)."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled)
+
+
+def _interleaved_to_half(w: np.ndarray, num_heads: int, head_dim: int) -> np.ndarray:
+    """Reorder each head's rows from pairs (2i, 2i+1) to halves (i, i + d/2).
+
+    q and k permuted alike leave q.k unchanged, and rotate-half RoPE on the reordered rows equals
+    pairwise RoPE on the original ones; so one RoPE implementation serves both layouts.
+    """
+    order = np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
+    shaped = w.reshape(num_heads, head_dim, *w.shape[1:])
+    return shaped[:, order].reshape(w.shape)
+
+
+class Weights:
+    """The checkpoint's tensors checked, fused (QKV, gate/up) and transposed to Paddle's [in, out]."""
+
+    def __init__(self, ckpt: Checkpoint, dtype: str):
+        cfg = ckpt.config
+        self._ckpt = ckpt
+        self._dtype = dtype
+        h, hd = cfg.hidden_size, cfg.head_dim
+        q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        self.embed = self._param("model.embed_tokens.weight", (cfg.vocab_size, h))
+        self.final_norm = self._param("model.norm.weight", (h,))
+        if cfg.tie_word_embeddings and "lm_head.weight" not in ckpt.weights:
+            self.lm_head = self._to_paddle(self._get("model.embed_tokens.weight", (cfg.vocab_size, h)).T)
+        else:
+            self.lm_head = self._to_paddle(self._get("lm_head.weight", (cfg.vocab_size, h)).T)
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            q = self._get(p + "self_attn.q_proj.weight", (q_out, h))
+            k = self._get(p + "self_attn.k_proj.weight", (kv_out, h))
+            v = self._get(p + "self_attn.v_proj.weight", (kv_out, h))
+            qb = kb = vb = None
+            if cfg.qkv_bias:
+                qb = self._get(p + "self_attn.q_proj.bias", (q_out,))
+                kb = self._get(p + "self_attn.k_proj.bias", (kv_out,))
+                vb = self._get(p + "self_attn.v_proj.bias", (kv_out,))
+            if cfg.rope_interleaved:
+                q, k = _interleaved_to_half(q, cfg.num_heads, hd), _interleaved_to_half(k, cfg.num_kv_heads, hd)
+                if qb is not None:
+                    qb = _interleaved_to_half(qb, cfg.num_heads, hd)
+                    kb = _interleaved_to_half(kb, cfg.num_kv_heads, hd)
+            layer = {
+                "attn_norm": self._param(p + "input_layernorm.weight", (h,)),
+                "mlp_norm": self._param(p + "post_attention_layernorm.weight", (h,)),
+                "w_qkv": self._to_paddle(np.concatenate([q, k, v], axis=0).T),  # [hidden, q_out + 2 kv_out]
+                "b_qkv": self._to_paddle(np.concatenate([qb, kb, vb])) if cfg.qkv_bias else None,
+                "w_o": self._to_paddle(self._get(p + "self_attn.o_proj.weight", (h, q_out)).T),
+                "b_o": self._param(p + "self_attn.o_proj.bias", (h,)) if cfg.o_bias else None,
+                "w_gate_up": self._to_paddle(
+                    np.concatenate(
+                        [
+                            self._get(p + "mlp.gate_proj.weight", (cfg.intermediate_size, h)),
+                            self._get(p + "mlp.up_proj.weight", (cfg.intermediate_size, h)),
+                        ],
+                        axis=0,
+                    ).T
+                ),  # [hidden, 2 * intermediate]
+                "b_gate_up": None,
+                "w_down": self._to_paddle(self._get(p + "mlp.down_proj.weight", (h, cfg.intermediate_size)).T),
+                "b_down": self._param(p + "mlp.down_proj.bias", (h,)) if cfg.mlp_bias else None,
+                "q_norm": None,
+                "k_norm": None,
+            }
+            if cfg.mlp_bias:
+                layer["b_gate_up"] = self._to_paddle(
+                    np.concatenate(
+                        [
+                            self._get(p + "mlp.gate_proj.bias", (cfg.intermediate_size,)),
+                            self._get(p + "mlp.up_proj.bias", (cfg.intermediate_size,)),
+                        ]
+                    )
+                )
+            if cfg.qk_norm:
+                layer["q_norm"] = self._param(p + "self_attn.q_norm.weight", (hd,))
+                layer["k_norm"] = self._param(p + "self_attn.k_norm.weight", (hd,))
+            self.layers.append(layer)
+        self._ckpt = None  # the numpy copies can be freed by the caller
+
+    def _get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        w = self._ckpt.weights.get(name)
+        if w is None:
+            raise CheckpointError(f"{self._ckpt.source}: missing tensor {name!r}")
+        if tuple(w.shape) != shape:
+            raise CheckpointError(
+                f"{self._ckpt.source}: tensor {name!r} has shape {list(w.shape)}, expected {list(shape)}"
+            )
+        return w
+
+    def _to_paddle(self, arr: np.ndarray) -> paddle.Tensor:
+        return paddle.to_tensor(np.ascontiguousarray(arr, dtype=self._dtype))
+
+    def _param(self, name: str, shape: tuple[int, ...]) -> paddle.Tensor:
+        return self._to_paddle(self._get(name, shape))
+
+
+def rms_norm(x: paddle.Tensor, w: paddle.Tensor, eps: float) -> paddle.Tensor:
+    """x / sqrt(mean(x^2) + eps) * w over the last axis (HF's LlamaRMSNorm)."""
+    var = paddle.mean(x * x, axis=-1, keepdim=True)
+    return x * paddle.rsqrt(var + eps) * w
+
+
+class Model:
+    """Holds weights and RoPE tables; `forward` runs one packed step and updates the KV cache."""
+
+    def __init__(self, ckpt: Checkpoint, dtype: str = "float32"):
+        if dtype not in ("float32", "float64"):
+            raise CheckpointError(f"dtype {dtype!r} is not supported (supported: float32, float64)")
+        self.config = ckpt.config
+        self.dtype = dtype
+        self.w = Weights(ckpt, dtype)
+        cfg = self.config
+        self.max_len = cfg.max_position_embeddings
+        inv = rope_inv_freq(cfg)  # [head_dim / 2]
+        # HF computes the angles in float32; matching that keeps fp32 logits within 1e-6 of theirs.
+        ang_dtype = np.float32 if dtype == "float32" else np.float64
+        ang = np.arange(self.max_len, dtype=ang_dtype)[:, None] * inv.astype(ang_dtype)[None, :]
+        self.cos = paddle.to_tensor(np.cos(ang).astype(dtype))  # [max_len, head_dim / 2]
+        self.sin = paddle.to_tensor(np.sin(ang).astype(dtype))
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def new_cache(self, num_slots: int, max_capacity: int) -> KVCache:
+        cfg = self.config
+        return KVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, self.dtype, max_capacity)
+
+    def _rope(self, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
+        # x [num_tokens, heads, head_dim]; cos/sin [num_tokens, 1, head_dim / 2]
+        x1, x2 = paddle.split(x, 2, axis=-1)
+        return paddle.concat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """Returns (logits [num_logits, vocab], final hidden [num_tokens, hidden]) and writes K/V."""
+        cfg = self.config
+        cache.ensure(batch.max_position)
+        ids = paddle.to_tensor(batch.token_ids)  # [num_tokens]
+        pos = paddle.to_tensor(batch.positions)  # [num_tokens]
+        cos = paddle.gather(self.cos, pos).unsqueeze(1)  # [num_tokens, 1, head_dim / 2]
+        sin = paddle.gather(self.sin, pos).unsqueeze(1)
+        cache_rows = paddle.to_tensor(batch.token_slots * cache.capacity + batch.positions)  # [num_tokens]
+        groups = [_GroupIndex(g, cache.capacity, self.scale, self.dtype) for g in batch.groups]
+        single = len(groups) == 1 and len(batch.groups[0].token_rows) == len(batch.token_ids)
+        x = F.embedding(ids, self.w.embed)  # [num_tokens, hidden]
+        n = len(batch.token_ids)
+        H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        for li, L in enumerate(self.w.layers):
+            h = rms_norm(x, L["attn_norm"], cfg.rms_norm_eps)
+            qkv = paddle.matmul(h, L["w_qkv"])  # [num_tokens, (H + 2 KV) * D]
+            if L["b_qkv"] is not None:
+                qkv = qkv + L["b_qkv"]
+            q, k, v = paddle.split(qkv, [H * D, KV * D, KV * D], axis=-1)
+            q = q.reshape([n, H, D])
+            k = k.reshape([n, KV, D])
+            if L["q_norm"] is not None:
+                q = rms_norm(q, L["q_norm"], cfg.rms_norm_eps)
+                k = rms_norm(k, L["k_norm"], cfg.rms_norm_eps)
+            q = self._rope(q, cos, sin)
+            k = self._rope(k, cos, sin)
+            paddle.scatter_(cache.k[li], cache_rows, k.reshape([n, KV * D]), overwrite=True)
+            paddle.scatter_(cache.v[li], cache_rows, v, overwrite=True)
+            parts = [g.attend(q, cache.k[li], cache.v[li], H, KV, D) for g in groups]
+            if single:
+                attn = parts[0]
+            else:
+                attn = paddle.zeros([n, H * D], dtype=self.dtype)
+                for g, part in zip(groups, parts):
+                    attn = paddle.scatter(attn, g.token_rows, part, overwrite=True)
+            o = paddle.matmul(attn, L["w_o"])  # [num_tokens, hidden]
+            if L["b_o"] is not None:
+                o = o + L["b_o"]
+            x = x + o
+            h = rms_norm(x, L["mlp_norm"], cfg.rms_norm_eps)
+            gu = paddle.matmul(h, L["w_gate_up"])  # [num_tokens, 2 * intermediate]
+            if L["b_gate_up"] is not None:
+                gu = gu + L["b_gate_up"]
+            gate, up = paddle.split(gu, 2, axis=-1)
+            m = paddle.matmul(F.silu(gate) * up, L["w_down"])  # [num_tokens, hidden]
+            if L["b_down"] is not None:
+                m = m + L["b_down"]
+            x = x + m
+        hidden = rms_norm(x, self.w.final_norm, cfg.rms_norm_eps)  # [num_tokens, hidden]
+        rows = paddle.to_tensor(batch.logit_rows)
+        logits = paddle.matmul(paddle.gather(hidden, rows), self.w.lm_head)  # [num_logits, vocab]
+        return logits, hidden
+
+
+class _GroupIndex:
+    """Device-side indices of one attention group, built once per forward and reused by every layer."""
+
+    def __init__(self, g, capacity: int, scale: float, dtype: str):
+        num_seqs, max_q = g.pad_token_index.shape
+        self.num_seqs, self.max_q, self.max_kv = num_seqs, max_q, g.max_kv
+        self.scale = scale
+        self.pad_token_index = paddle.to_tensor(g.pad_token_index.reshape(-1))  # [num_seqs * max_q]
+        kv_rows = g.seq_slots[:, None] * capacity + np.arange(g.max_kv)[None, :]  # [num_seqs, max_kv]
+        self.kv_rows = paddle.to_tensor(kv_rows.reshape(-1))
+        allowed = np.arange(g.max_kv)[None, None, :] <= g.pad_positions[:, :, None]  # [num_seqs, max_q, max_kv]
+        neg = np.finfo(np.float32).min if dtype == "float32" else np.finfo(np.float64).min
+        bias = np.where(allowed, 0.0, neg).astype(dtype)[:, None, None]  # [num_seqs, 1, 1, max_q, max_kv]
+        self.bias = paddle.to_tensor(bias)
+        self.token_pad_index = paddle.to_tensor(g.token_pad_index)  # [num_tokens_g]
+        self.token_rows = paddle.to_tensor(g.token_rows)  # [num_tokens_g]
+
+    def attend(self, q, k_cache, v_cache, H: int, KV: int, D: int) -> paddle.Tensor:
+        """Causal attention of the group's queries over their slots' cached keys; [num_tokens_g, H * D]."""
+        S, Q, L, G = self.num_seqs, self.max_q, self.max_kv, H // KV
+        q_ext = paddle.concat([q, paddle.zeros([1, H, D], dtype=q.dtype)], axis=0)  # padding row at the end
+        qp = paddle.gather(q_ext, self.pad_token_index).reshape([S, Q, KV, G, D])
+        qp = qp.transpose([0, 2, 3, 1, 4]).reshape([S, KV, G * Q, D])
+        kp = paddle.gather(k_cache, self.kv_rows).reshape([S, L, KV, D]).transpose([0, 2, 1, 3])  # [S, KV, L, D]
+        vp = paddle.gather(v_cache, self.kv_rows).reshape([S, L, KV, D]).transpose([0, 2, 1, 3])
+        scores = paddle.matmul(qp, kp, transpose_y=True) * self.scale  # [S, KV, G * Q, L]
+        scores = scores.reshape([S, KV, G, Q, L]) + self.bias
+        probs = F.softmax(scores, axis=-1).reshape([S, KV, G * Q, L])
+        out = paddle.matmul(probs, vp).reshape([S, KV, G, Q, D]).transpose([0, 3, 1, 2, 4])  # [S, Q, KV, G, D]
+        out = out.reshape([S * Q, H * D])
+        return paddle.gather(out, self.token_pad_index)  # [num_tokens_g, H * D]

@@ -1,0 +1,31 @@
+"""The proposer protocol and the view of slot state proposers read."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from specgen.engine.types import DraftTokens
+
+
+@dataclass(frozen=True)
+class SlotView:
+    """Read-only view of the decoding slots a proposer drafts for."""
+
+    slots: np.ndarray  # [num_seqs] int64 cache rows of the decoding slots
+    tokens: np.ndarray  # [num_slots, capacity] int64 prompt + output tokens of every slot
+    seq_lens: np.ndarray  # [num_seqs] int64 valid tokens of each decoding slot
+    max_draft: np.ndarray  # [num_seqs] int64 upper bound of drafts per slot this step
+
+
+class Proposer(Protocol):
+    def propose(self, view: SlotView) -> DraftTokens: ...
+
+
+class NoProposer:
+    """Plain decoding: no drafts."""
+
+    def propose(self, view: SlotView) -> DraftTokens:
+        n = len(view.slots)
+        return DraftTokens(np.zeros((n, 0), dtype=np.int64), np.zeros(n, dtype=np.int64))

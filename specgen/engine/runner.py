@@ -1,0 +1,224 @@
+"""The step loop: admit, propose, one packed forward, sample + verify all slots at once, commit."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from specgen.config import EngineConfig
+from specgen.engine.model import Model
+from specgen.engine.proposers.base import NoProposer, Proposer, SlotView
+from specgen.engine.sampling import request_key, sample, uniforms
+from specgen.engine.scheduler import Scheduler
+from specgen.engine.types import Request, RequestOutput, RequestStats, build_forward_batch
+from specgen.engine.verify import accept_lengths, first_stop
+from specgen.models.tokenizer import TextTokenizer
+
+MAX_DRAFT = 5
+
+
+@dataclass
+class SlotTable:
+    """Host-side state of every slot, indexed by slot (cache row)."""
+
+    tokens: np.ndarray  # [num_slots, capacity] int64 prompt + output
+    seq_len: np.ndarray  # [num_slots] int64 valid tokens (KV is cached for all but the last)
+    prompt_len: np.ndarray  # [num_slots] int64
+    max_len: np.ndarray  # [num_slots] int64 prompt_len + max_tokens, capped by the context length
+    active: np.ndarray  # [num_slots] bool
+    prefilled: np.ndarray  # [num_slots] bool
+    temperature: np.ndarray  # [num_slots] float64
+    top_p: np.ndarray  # [num_slots] float64
+    top_k: np.ndarray  # [num_slots] int64
+    rng_key: np.ndarray  # [num_slots] uint64
+    ignore_eos: np.ndarray  # [num_slots] bool
+    num_steps: np.ndarray  # [num_slots] int64
+    num_draft: np.ndarray  # [num_slots] int64
+    num_accepted: np.ndarray  # [num_slots] int64
+    accepted_per_pos: np.ndarray  # [num_slots, MAX_DRAFT] int64
+
+    @classmethod
+    def empty(cls, num_slots: int, capacity: int) -> "SlotTable":
+        z = lambda dt: np.zeros(num_slots, dtype=dt)  # noqa: E731
+        return cls(np.zeros((num_slots, capacity), np.int64), z(np.int64), z(np.int64), z(np.int64), z(bool),
+                   z(bool), z(np.float64), z(np.float64), z(np.int64), z(np.uint64), z(bool), z(np.int64), z(np.int64),
+                   z(np.int64), np.zeros((num_slots, MAX_DRAFT), np.int64))
+
+    def grow(self, capacity: int) -> None:
+        if capacity > self.tokens.shape[1]:
+            new = np.zeros((self.tokens.shape[0], max(capacity, 2 * self.tokens.shape[1])), np.int64)
+            new[:, : self.tokens.shape[1]] = self.tokens
+            self.tokens = new
+
+
+class Engine:
+    """Generates completions for a stream of requests with a static batch of slots."""
+
+    def __init__(self, model: Model, tokenizer: TextTokenizer | None, config: EngineConfig,
+                 proposer: Proposer | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.proposer = proposer or NoProposer()
+        ctx = model.config.max_position_embeddings
+        self.context_len = min(ctx, config.max_model_len) if config.max_model_len else ctx
+        self.eos_ids = np.array(model.config.eos_token_ids, dtype=np.int64)
+        self.cache = model.new_cache(config.batch_size, self.context_len)
+        self.table = SlotTable.empty(config.batch_size, 256)
+        self.requests: list[Request | None] = [None] * config.batch_size
+
+    # ---- admission and retirement (per request, outside the step's hot path) ----
+
+    def _reject(self, req: Request) -> RequestOutput | None:
+        n = len(req.prompt_ids)
+        if n == 0:
+            return _error_output(req, "empty prompt")
+        if n >= self.context_len:
+            return _error_output(
+                req, f"prompt has {n} tokens; the model's context is {self.context_len} (room for none to generate)"
+            )
+        bad = [t for t in req.prompt_ids if not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            return _error_output(req, f"token id {bad[0]} outside the vocabulary [0, {self.model.config.vocab_size})")
+        return None
+
+    def _place(self, slot: int, req: Request) -> None:
+        t, p, n = self.table, req.params, len(req.prompt_ids)
+        t.grow(min(n + p.max_tokens, self.context_len) + MAX_DRAFT + 1)
+        t.tokens[slot, :n] = req.prompt_ids
+        t.seq_len[slot] = n
+        t.prompt_len[slot] = n
+        t.max_len[slot] = min(n + p.max_tokens, self.context_len)
+        t.active[slot], t.prefilled[slot] = True, False
+        t.temperature[slot], t.top_p[slot], t.top_k[slot] = p.temperature, p.top_p, p.top_k
+        t.rng_key[slot] = request_key(p.seed, req.id)
+        t.ignore_eos[slot] = p.ignore_eos
+        t.num_steps[slot] = t.num_draft[slot] = t.num_accepted[slot] = 0
+        t.accepted_per_pos[slot] = 0
+        self.requests[slot] = req
+
+    def _finish(self, slot: int, reason: str, text_cut: str | None) -> RequestOutput:
+        t, req = self.table, self.requests[slot]
+        out_ids = t.tokens[slot, t.prompt_len[slot] : t.seq_len[slot]].tolist()
+        text = text_cut if text_cut is not None else self._decode(out_ids)
+        stats = RequestStats(
+            num_steps=int(t.num_steps[slot]),
+            num_draft_tokens=int(t.num_draft[slot]),
+            num_accepted_tokens=int(t.num_accepted[slot]),
+            num_emitted_tokens=len(out_ids),
+            accepted_per_position=t.accepted_per_pos[slot].tolist(),
+        )
+        t.active[slot] = False
+        self.requests[slot] = None
+        return RequestOutput(req.id, req.index, text, out_ids, reason, int(t.prompt_len[slot]), stats)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    # ---- the loop ----
+
+    def run(self, requests: Iterable[Request]) -> Iterator[RequestOutput]:
+        """Yields outputs as requests finish (completion order)."""
+        sched = Scheduler(requests, self.config.batch_size, self.config.max_prefill_tokens)
+        while sched.has_work(int(self.table.active.sum())):
+            for slot, req in sched.admit():
+                err = self._reject(req)
+                if err is not None:
+                    sched.retire(slot)
+                    yield err
+                else:
+                    self._place(slot, req)
+            if not self.table.active.any():
+                continue
+            for out, slot in self.step():
+                sched.retire(slot)
+                yield out
+
+    def step(self) -> list[tuple[RequestOutput, int]]:
+        """One forward for every active slot: prefill blocks of new slots, [last + drafts] of decoding ones."""
+        t = self.table
+        dec = np.nonzero(t.active & t.prefilled)[0]  # [num_dec]
+        new = np.nonzero(t.active & ~t.prefilled)[0]  # [num_new]
+        room = t.max_len - t.seq_len  # [num_slots] tokens each slot may still emit (>= 1 while active)
+        view = SlotView(dec, t.tokens, t.seq_len[dec], np.minimum(room[dec] - 1, MAX_DRAFT))
+        drafts = self.proposer.propose(view)
+        num_draft = np.minimum(drafts.num_draft, view.max_draft)  # [num_dec]
+        width = drafts.draft_ids.shape[1]
+
+        # Packed tokens: decoding blocks [last, drafts...] first, then the new slots' prompts.
+        dec_blocks = np.concatenate([t.tokens[dec, t.seq_len[dec] - 1][:, None], drafts.draft_ids], axis=1)
+        dec_mask = np.arange(width + 1)[None, :] <= num_draft[:, None]  # [num_dec, width + 1]
+        new_mask = np.arange(t.tokens.shape[1])[None, :] < t.prompt_len[new][:, None]
+        token_ids = np.concatenate([dec_blocks[dec_mask], t.tokens[new][new_mask]])
+        slots = np.concatenate([dec, new])
+        lens = np.concatenate([num_draft + 1, t.prompt_len[new]])
+        starts = np.concatenate([t.seq_len[dec] - 1, np.zeros(len(new), np.int64)])
+        logits_all = np.concatenate([np.ones(len(dec), bool), np.zeros(len(new), bool)])
+        batch = build_forward_batch(slots, starts, lens, token_ids, logits_all)
+        logits, _hidden = self.model.forward(batch, self.cache)
+
+        row_tok = batch.logit_rows  # [num_logits]
+        row_slot = batch.token_slots[row_tok]
+        out_pos = batch.positions[row_tok] + 1 - t.prompt_len[row_slot]
+        u = uniforms(t.rng_key[row_slot], out_pos)
+        targets = sample(logits, t.temperature[row_slot], t.top_k[row_slot], t.top_p[row_slot], u).numpy()
+
+        # Targets back into [num_seqs, width + 1]: decode rows are the first sum(num_draft + 1) logit rows.
+        emitted = np.zeros((len(slots), width + 1), np.int64)
+        emitted[: len(dec)][dec_mask] = targets[: int(dec_mask.sum())]
+        emitted[len(dec):, 0] = targets[int(dec_mask.sum()):]
+        accepted = accept_lengths(drafts.draft_ids, num_draft, emitted[: len(dec)])
+        num_emitted = np.concatenate([accepted + 1, np.ones(len(new), np.int64)])
+        kept, by_eos = first_stop(emitted, num_emitted, self.eos_ids, room[slots], t.ignore_eos[slots])
+        by_stop, texts = self._stop_strings(slots, emitted, kept)
+
+        # Commit: tokens, lengths, statistics.
+        col = np.arange(width + 1)[None, :]
+        keep_mask = col < kept[:, None]
+        rows = np.repeat(slots, kept)
+        t.tokens[rows, (t.seq_len[slots][:, None] + col)[keep_mask]] = emitted[keep_mask]
+        t.seq_len[slots] += kept
+        t.prefilled[new] = True
+        t.num_steps[slots] += 1
+        t.num_draft[dec] += num_draft
+        t.num_accepted[slots] += kept - 1
+        if width:
+            t.accepted_per_pos[slots, :width] += (col[:, :width] < (kept - 1)[:, None])
+        done = by_eos | by_stop | (t.seq_len[slots] >= t.max_len[slots])
+        finished = []
+        for i in np.nonzero(done)[0]:
+            s = int(slots[i])
+            reason = "stop" if (by_eos[i] or by_stop[i]) else "length"
+            finished.append((self._finish(s, reason, texts.get(s)), s))
+        return finished
+
+    def _stop_strings(self, slots: np.ndarray, emitted: np.ndarray, kept: np.ndarray):
+        """Cut runs at the first token after which the output text contains a stop string.
+
+        Only requests that have stop strings are looked at (a per-request loop over that subset).
+        Modifies `kept` in place; returns (stopped [num_seqs] bool, {slot: text cut before the stop}).
+        """
+        stopped = np.zeros(len(slots), bool)
+        texts: dict[int, str] = {}
+        if self.tokenizer is None:
+            return stopped, texts
+        t = self.table
+        for i, s in enumerate(slots.tolist()):
+            stops = self.requests[s].params.stop
+            if not stops:
+                continue
+            prior = t.tokens[s, t.prompt_len[s] : t.seq_len[s]].tolist()
+            for j in range(int(kept[i])):
+                text = self._decode(prior + emitted[i, : j + 1].tolist())
+                hits = [text.find(x) for x in stops if x in text]
+                if hits:
+                    kept[i] = j + 1
+                    stopped[i] = True
+                    texts[s] = text[: min(hits)]
+                    break
+        return stopped, texts
+
+
+def _error_output(req: Request, message: str) -> RequestOutput:
+    return RequestOutput(req.id, req.index, "", [], None, len(req.prompt_ids), RequestStats(), error=message)

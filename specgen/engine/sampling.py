@@ -1,0 +1,87 @@
+"""Temperature / top-k / top-p sampling driven by counter-based per-(seed, request, position) uniforms.
+
+Every output position of every request owns one uniform u in (0, 1], a pure function of (seed, request id,
+position): no global RNG state. A token is sampled by filtering, normalizing, and taking the first token
+(in token-id order) where the cumulative probability reaches u. Plain and speculative decoding apply the same
+rule to the same logits row, so a draft is accepted exactly when it equals the token plain decoding samples.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import paddle
+
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+_TOPP_CANDIDATES = 256  # top-p looks at this many most likely tokens first; falls back to a full sort
+
+
+def request_key(seed: int, request_id: str) -> np.uint64:
+    """A 64-bit key for one request's random stream."""
+    digest = hashlib.blake2b(f"{int(seed)}\x1f{request_id}".encode(), digest_size=8).digest()
+    return np.uint64(int.from_bytes(digest, "little"))
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def uniforms(keys: np.ndarray, out_positions: np.ndarray) -> np.ndarray:
+    """u in (0, 1] for each (request key, output position); [num_rows] float64."""
+    with np.errstate(over="ignore"):
+        x = _splitmix64(keys.astype(np.uint64) ^ _splitmix64(out_positions.astype(np.uint64)))
+    return ((x >> np.uint64(11)).astype(np.float64) + 1.0) * (1.0 / 9007199254740992.0)
+
+
+def _top_p_threshold(probs: paddle.Tensor, top_p: paddle.Tensor) -> paddle.Tensor:
+    """Smallest probability kept by top-p: keep the most likely tokens until their mass reaches top_p.
+
+    Returns [rows, 1]. Ties at the threshold are all kept, so the rule is independent of sort order.
+    """
+    vocab = probs.shape[-1]
+    k = min(vocab, _TOPP_CANDIDATES)
+    vals, _ = paddle.topk(probs, k, axis=-1)  # [rows, k] descending
+    before = paddle.cumsum(vals, axis=-1) - vals  # mass strictly before each candidate
+    if k < vocab and bool((before[:, -1] + vals[:, -1] < top_p).any()):
+        vals = paddle.sort(probs, axis=-1, descending=True)
+        before = paddle.cumsum(vals, axis=-1) - vals
+    kept = paddle.sum((before < top_p.unsqueeze(-1)).astype("int64"), axis=-1, keepdim=True)  # >= 1
+    return paddle.take_along_axis(vals, kept - 1, axis=-1)
+
+
+def sample(
+    logits: paddle.Tensor,  # [rows, vocab]
+    temperature: np.ndarray,  # [rows] float64, 0 = greedy
+    top_k: np.ndarray,  # [rows] int64, 0 = off
+    top_p: np.ndarray,  # [rows] float64, 1 = off
+    u: np.ndarray,  # [rows] float64 in (0, 1]
+) -> paddle.Tensor:
+    """Token per row; [rows] int64. Greedy rows take the argmax (lowest id on a tie)."""
+    greedy = paddle.argmax(logits, axis=-1)  # [rows]
+    sampled_rows = np.nonzero(temperature > 0)[0]
+    if len(sampled_rows) == 0:
+        return greedy
+    rows = paddle.to_tensor(sampled_rows)
+    dtype = logits.dtype
+    x = paddle.gather(logits, rows) / paddle.to_tensor(temperature[sampled_rows], dtype=dtype).unsqueeze(-1)
+    ks = top_k[sampled_rows]
+    if (ks > 0).any():
+        kmax = int(min(ks.max(), x.shape[-1]))
+        vals, _ = paddle.topk(x, kmax, axis=-1)  # [n, kmax]
+        kth = paddle.take_along_axis(vals, paddle.to_tensor(np.clip(ks, 1, kmax) - 1).unsqueeze(-1), axis=-1)
+        kth = paddle.where(paddle.to_tensor(ks > 0).unsqueeze(-1), kth, paddle.full_like(kth, -np.inf))
+        x = paddle.where(x < kth, paddle.full_like(x, -np.inf), x)
+    probs = paddle.nn.functional.softmax(x, axis=-1)  # [n, vocab]
+    ps = top_p[sampled_rows]
+    if (ps < 1).any():
+        thr = _top_p_threshold(probs, paddle.to_tensor(ps, dtype=dtype))
+        thr = paddle.where(paddle.to_tensor(ps < 1).unsqueeze(-1), thr, paddle.zeros_like(thr))
+        probs = paddle.where(probs < thr, paddle.zeros_like(probs), probs)
+    cdf = paddle.cumsum(probs, axis=-1)  # [n, vocab]
+    target = cdf[:, -1:] * paddle.to_tensor(u[sampled_rows], dtype=dtype).unsqueeze(-1)
+    idx = paddle.sum((cdf < target).astype("int64"), axis=-1)  # first index where cdf >= target
+    idx = paddle.clip(idx, max=probs.shape[-1] - 1)
+    return paddle.scatter(greedy, rows, idx, overwrite=True)

@@ -1,0 +1,45 @@
+"""Static slots: which requests enter which free slot, and when (pure Python, no tensors)."""
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable, Iterator
+
+from specgen.engine.types import Request
+
+
+class Scheduler:
+    """Pulls requests lazily from an iterator (bounded memory) and hands them to free slots in input order."""
+
+    def __init__(self, requests: Iterable[Request], num_slots: int, max_prefill_tokens: int):
+        self._source: Iterator[Request] = iter(requests)
+        self._pending: deque[Request] = deque()
+        self._exhausted = False
+        self.free = deque(range(num_slots))
+        self.max_prefill_tokens = max_prefill_tokens
+
+    def _peek(self) -> Request | None:
+        if not self._pending and not self._exhausted:
+            try:
+                self._pending.append(next(self._source))
+            except StopIteration:
+                self._exhausted = True
+        return self._pending[0] if self._pending else None
+
+    def has_work(self, num_active: int) -> bool:
+        return num_active > 0 or self._peek() is not None
+
+    def admit(self) -> list[tuple[int, Request]]:
+        """Fill free slots while the step's prompt-token budget lasts (at least one request per step)."""
+        admitted: list[tuple[int, Request]] = []
+        budget = self.max_prefill_tokens
+        while self.free:
+            req = self._peek()
+            if req is None or (admitted and len(req.prompt_ids) > budget):
+                break
+            self._pending.popleft()
+            budget -= len(req.prompt_ids)
+            admitted.append((self.free.popleft(), req))
+        return admitted
+
+    def retire(self, slot: int) -> None:
+        self.free.append(slot)

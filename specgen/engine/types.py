@@ -1,0 +1,144 @@
+"""Typed batch state shared by the runner, the model and the proposers.
+
+Dimension vocabulary (used in every shape comment):
+  num_tokens   all query tokens of one forward, packed slot after slot
+  num_seqs     query blocks (one per participating slot) in one forward
+  num_slots    static batch size (cache rows)
+  max_q        longest query block of an attention group; max_kv its longest key range
+  num_logits   rows that need logits (a prefill's last token, every verify position)
+  max_draft    the largest number of draft tokens any slot proposes this step (k)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class AttnGroup:
+    """Query blocks of similar length that share one padded attention computation ("virtual padding")."""
+
+    seq_slots: np.ndarray  # [num_seqs_g] int64 cache row of each block
+    pad_token_index: np.ndarray  # [num_seqs_g, max_q] int64 packed-token index, or num_tokens for padding
+    pad_positions: np.ndarray  # [num_seqs_g, max_q] int64 position of each padded query (0 for padding)
+    max_kv: int  # keys attended: positions [0, max_kv) of each block's slot
+    token_rows: np.ndarray  # [num_tokens_g] int64 packed-token indices of this group's tokens, in order
+    token_pad_index: np.ndarray  # [num_tokens_g] int64 flat index into [num_seqs_g * max_q] of each token
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """One packed forward: every participating slot's new tokens, in slot-block order."""
+
+    token_ids: np.ndarray  # [num_tokens] int64
+    positions: np.ndarray  # [num_tokens] int64
+    token_slots: np.ndarray  # [num_tokens] int64 cache row of each token
+    logit_rows: np.ndarray  # [num_logits] int64 packed-token indices that need logits
+    groups: tuple[AttnGroup, ...]
+    max_position: int  # 1 + the largest position written (the cache must hold it)
+
+
+def build_forward_batch(
+    slots: np.ndarray,  # [num_seqs] int64 cache row of each block
+    starts: np.ndarray,  # [num_seqs] int64 position of each block's first token
+    lens: np.ndarray,  # [num_seqs] int64 tokens in each block (>= 1)
+    token_ids: np.ndarray,  # [num_tokens] int64 the blocks' tokens, packed in block order
+    logits_all: np.ndarray,  # [num_seqs] bool: logits for every row of the block (verify) or only the last
+    prefill_group_threshold: int = 16,
+) -> ForwardBatch:
+    """Pack blocks and build the attention groups: short blocks (decode/verify) apart from long ones (prefill)."""
+    cu = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu[1:])
+    num_tokens = int(cu[-1])
+    seq_of_token = np.repeat(np.arange(len(lens)), lens)  # [num_tokens]
+    offset = np.arange(num_tokens) - cu[:-1][seq_of_token]  # [num_tokens]
+    positions = starts[seq_of_token] + offset
+    token_slots = slots[seq_of_token]
+    need = logits_all[seq_of_token].copy()
+    need[cu[1:] - 1] = True
+    logit_rows = np.nonzero(need)[0].astype(np.int64)
+
+    groups = []
+    is_long = lens > prefill_group_threshold
+    for member in (~is_long, is_long):
+        seqs = np.nonzero(member)[0]
+        if len(seqs) == 0:
+            continue
+        max_q = int(lens[seqs].max())
+        col = np.arange(max_q)
+        valid = col[None, :] < lens[seqs][:, None]  # [num_seqs_g, max_q]
+        pad_index = np.where(valid, cu[seqs][:, None] + col[None, :], num_tokens)
+        pad_pos = np.where(valid, starts[seqs][:, None] + col[None, :], 0)
+        groups.append(
+            AttnGroup(
+                seq_slots=slots[seqs].astype(np.int64),
+                pad_token_index=pad_index.astype(np.int64),
+                pad_positions=pad_pos.astype(np.int64),
+                max_kv=int((starts[seqs] + lens[seqs]).max()),
+                token_rows=pad_index[valid].astype(np.int64),
+                token_pad_index=np.nonzero(valid.reshape(-1))[0].astype(np.int64),
+            )
+        )
+    return ForwardBatch(
+        token_ids=np.asarray(token_ids, dtype=np.int64),
+        positions=positions.astype(np.int64),
+        token_slots=token_slots.astype(np.int64),
+        logit_rows=logit_rows,
+        groups=tuple(groups),
+        max_position=int(positions.max()) + 1 if num_tokens else 0,
+    )
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt to complete. `index` is its place in the input; `id` names it in the output."""
+
+    id: str
+    index: int
+    prompt_ids: tuple[int, ...]
+    params: "SamplingParams"
+
+
+@dataclass(frozen=True)
+class DraftTokens:
+    """What a proposer offers for the decoding slots of one step."""
+
+    draft_ids: np.ndarray  # [num_seqs, max_draft] int64 (entries past num_draft are ignored)
+    num_draft: np.ndarray  # [num_seqs] int64
+
+
+@dataclass
+class RequestStats:
+    """Speculation statistics of one request (definitions in the README's output schema)."""
+
+    num_steps: int = 0  # forward passes that produced its tokens (its prefill included)
+    num_draft_tokens: int = 0  # draft tokens verified
+    num_accepted_tokens: int = 0  # emitted tokens that were drafts (emitted minus one per step)
+    num_emitted_tokens: int = 0  # output tokens = accepted + steps
+    accepted_per_position: list[int] | None = None  # [max_draft] how often draft position i was accepted
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        return self.num_emitted_tokens / self.num_steps if self.num_steps else None
+
+
+@dataclass
+class RequestOutput:
+    """A finished request (or one rejected with `error`)."""
+
+    id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | None when error
+    num_prompt_tokens: int
+    stats: RequestStats
+    error: str | None = None
+
+
+from specgen.config import SamplingParams  # noqa: E402  (type used in annotations above)
