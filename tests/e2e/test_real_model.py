@@ -1,0 +1,64 @@
+"""SmolLM2-135M-Instruct (the default model): equal to transformers, and invariant to batching."""
+import json
+
+import numpy as np
+import pytest
+
+from conftest import FIXTURES
+from specgen import EngineConfig, SamplingParams, generate
+from specgen.engine.types import build_forward_batch
+
+pytestmark = pytest.mark.realmodel
+
+REF = json.loads((FIXTURES / "smollm2_greedy.json").read_text())
+
+
+def test_greedy_equals_transformers_and_knows_paris(real_model):
+    items = REF["prompts"]
+    assert [list(real_model.tokenizer.encode_chat(it["messages"])) for it in items] == [it["prompt_ids"] for it in items]
+    outs = generate([it["messages"] for it in items], model=real_model, sampling=SamplingParams(max_tokens=32),
+                    engine=EngineConfig(batch_size=5))
+    for it, out in zip(items, outs):
+        assert out.token_ids == it["output_ids"]
+    paris = [o for it, o in zip(items, outs) if "capital of France" in it["messages"][-1]["content"]][0]
+    assert "Paris" in paris.text
+
+
+def test_tokenizer_matches_transformers(real_model):
+    for case in REF["tokenizer_cases"]:
+        assert real_model.tokenizer.encode(case["text"], add_special_tokens=False) == case["ids"]
+
+
+def chat_prompts(real_model, spec_bench, n):
+    return [list(real_model.tokenizer.encode_chat([{"role": "user", "content": q["turns"][0][:600]}]))
+            for q in spec_bench[::480 // n][:n]]
+
+
+def test_float64_batch_invariance(real_model64, spec_bench):
+    prompts = chat_prompts(real_model64, spec_bench, 8)
+    params = [SamplingParams(max_tokens=12 + i, temperature=0.8 if i % 2 else 0.0, top_p=0.9, seed=i) for i in range(8)]
+    runs = [generate(prompts, model=real_model64, sampling=params, engine=EngineConfig(batch_size=bs, dtype="float64"))
+            for bs in (8, 3, 1)]
+    for run in runs[1:]:
+        assert [o.token_ids for o in run] == [o.token_ids for o in runs[0]]
+
+
+def top2_gap(model, ids):
+    """Probability gap between the two most likely next tokens after `ids`, from a one-sequence forward."""
+    batch = build_forward_batch(np.array([0]), np.array([0]), np.array([len(ids)]), np.array(ids), np.array([False]))
+    logits = model.model.forward(batch, model.model.new_cache(1, 2048))[0].numpy()[0].astype(np.float64)
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    top = np.sort(p)[-2:]
+    return top[1] - top[0]
+
+
+def test_float32_divergences_sit_at_near_ties(real_model, spec_bench):
+    prompts = chat_prompts(real_model, spec_bench, 16)
+    sp = SamplingParams(max_tokens=24)
+    batched = generate(prompts, model=real_model, sampling=sp, engine=EngineConfig(batch_size=16))
+    single = generate(prompts, model=real_model, sampling=sp, engine=EngineConfig(batch_size=1))
+    for p, a, b in zip(prompts, batched, single):
+        if a.token_ids != b.token_ids:
+            j = next(i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y)
+            assert top2_gap(real_model, p + b.token_ids[:j]) < 1e-4
