@@ -1,0 +1,331 @@
+"""load_gguf: a llama.cpp GGUF file -> Checkpoint (float32 HF-layout weights, config, tokenizer)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from gguf.quants import dequantize
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+from tokenizers.models import BPE
+
+from specgen.errors import CheckpointError
+from specgen.models.checkpoint import Checkpoint
+from specgen.models.config import ModelConfig
+from specgen.models.tokenizer import TextTokenizer
+
+# general.architecture -> ModelConfig.architecture. Mistral models are written by llama.cpp as "llama".
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel.permute) reorders the q/k rows of these
+# architectures from HF's rotate-half order into interleaved-pair order; the Qwen converters do not.
+_PERMUTED_QK = {"llama"}
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSORS = {  # blk.N.<key> -> model.layers.N.<value>
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
+
+# tokenizer.ggml.pre -> pre-tokenizer. The regexes are those of llama.cpp's llama-vocab.cpp for the same
+# pre type, written the way each model's HF tokenizer.json spells them.
+_GPT2_DIGITS_PRE = {"smollm", "starcoder", "refact"}  # \p{N} split first, then the GPT-2 regex
+_GPT2_PRE = {"gpt-2", "mpt", "olmo"}
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
+_SPLIT_PRE = {"llama-bpe": _LLAMA3_REGEX, "smaug-bpe": _LLAMA3_REGEX, "qwen2": _QWEN2_REGEX}
+SUPPORTED_PRE = sorted(_GPT2_DIGITS_PRE | _GPT2_PRE | set(_SPLIT_PRE))
+# Chat end-of-turn markers: added to eos_token_ids when the chat template writes them.
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>")
+_CONTROL, _USER_DEFINED = int(gguf.TokenType.CONTROL), int(gguf.TokenType.USER_DEFINED)
+
+
+def load_gguf(path: str | Path) -> Checkpoint:
+    """Read, dequantize and rename every tensor of `path`; build its ModelConfig and tokenizer."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file not found: {path}")
+    try:
+        reader = gguf.GGUFReader(path)
+    except (OSError, ValueError, IndexError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from e
+    meta = _Metadata(reader, path)
+    arch_name = meta.require("general.architecture")
+    if arch_name not in GGUF_ARCHITECTURES:
+        raise CheckpointError(
+            f"{path}: GGUF architecture {arch_name!r} is not supported; "
+            f"supported: {sorted(GGUF_ARCHITECTURES)}"
+        )
+    tokens = meta.get("tokenizer.ggml.tokens")
+    weights = _read_weights(reader, path)
+    config = _build_config(meta, arch_name, weights, tokens)
+    _check_tensors(weights, config, path)
+    if arch_name in _PERMUTED_QK:
+        for i in range(config.num_layers):
+            for proj, num in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
+                for kind in ("weight", "bias"):
+                    name = f"model.layers.{i}.self_attn.{proj}.{kind}"
+                    if name in weights:
+                        weights[name] = unpermute_qk(weights[name], num)
+    tokenizer = _build_tokenizer(meta, path)
+    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
+
+
+def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (same as transformers' GGUF loader `_reverse_permute_weights`).
+
+    llama.cpp stored rows in order reshape(num_heads, 2, head_dim // 2).swapaxes(1, 2), i.e. the rotate-half
+    pair (j, j + head_dim/2) of each head as adjacent rows (2j, 2j+1); this puts them back.
+    """
+    rows = w.shape[0]  # w: [num_heads * head_dim, hidden_size] or bias [num_heads * head_dim]
+    head_dim = rows // num_heads
+    out = w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2)  # [heads, 2, head_dim/2, ...]
+    return np.ascontiguousarray(out.reshape(w.shape))
+
+
+class _Metadata:
+    """Typed access to the GGUF key/value metadata, with errors naming the file and key."""
+
+    def __init__(self, reader: gguf.GGUFReader, path: Path):
+        self._fields = reader.fields
+        self.path = path
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self._fields.get(key)
+        return default if field is None else field.contents()
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise CheckpointError(f"{self.path}: GGUF metadata key {key!r} is missing")
+        return value
+
+    def integer(self, key: str, default: int | None = None) -> int:
+        value = self.get(key, default) if default is not None else self.require(key)
+        if isinstance(value, list):  # per-layer head counts (e.g. OpenELM) have no ModelConfig equivalent
+            raise CheckpointError(f"{self.path}: per-layer values for {key!r} are not supported")
+        return int(value)
+
+    def real(self, key: str, default: float | None = None) -> float:
+        value = self.get(key, default) if default is not None else self.require(key)
+        # GGUF stores float32: take the shortest decimal that rounds to it (1e-05, not 9.99999974e-06).
+        return float(str(np.float32(value)))
+
+
+def _read_weights(reader: gguf.GGUFReader, path: Path) -> dict[str, np.ndarray]:
+    weights: dict[str, np.ndarray] = {}
+    for tensor in reader.tensors:
+        hf_name = _hf_name(tensor.name)
+        if hf_name is None:
+            if tensor.name == "rope_freqs.weight":
+                raise CheckpointError(
+                    f"{path}: tensor 'rope_freqs.weight' (Llama-3.1-style rope scaling) is not supported"
+                )
+            raise CheckpointError(f"{path}: unexpected tensor {tensor.name!r} for a Llama-family model")
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists ne0 (the row length) first
+        try:
+            values = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as e:
+            kind = tensor.tensor_type.name
+            raise CheckpointError(f"{path}: tensor {tensor.name!r} has unsupported type {kind}") from e
+        # F32 data is a read-only view of the memory-mapped file: copy it so the checkpoint owns its memory.
+        values = np.array(values, dtype=np.float32, copy=tensor.tensor_type == gguf.GGMLQuantizationType.F32)
+        weights[hf_name] = values.reshape(shape)
+    return weights
+
+
+def _hf_name(name: str) -> str | None:
+    if name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[name]
+    match = _LAYER_NAME.fullmatch(name)
+    if match is None or match.group(2) not in _LAYER_TENSORS:
+        return None
+    return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}"
+
+
+def _build_config(
+    meta: _Metadata, arch_name: str, weights: dict[str, np.ndarray], tokens: list[str] | None
+) -> ModelConfig:
+    path = meta.path
+    hidden_size = meta.integer(f"{arch_name}.embedding_length")
+    num_heads = meta.integer(f"{arch_name}.attention.head_count")
+    head_dim = meta.integer(f"{arch_name}.attention.key_length", hidden_size // num_heads)
+    if meta.integer(f"{arch_name}.attention.value_length", head_dim) != head_dim:
+        raise CheckpointError(f"{path}: different key and value head sizes are not supported")
+    if meta.integer(f"{arch_name}.rope.dimension_count", head_dim) != head_dim:
+        raise CheckpointError(f"{path}: partial rotary embeddings (rope dimension != head_dim) not supported")
+    scaling = meta.get(f"{arch_name}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise CheckpointError(f"{path}: rope scaling {scaling!r} is not supported")
+    if "model.embed_tokens.weight" not in weights:
+        raise CheckpointError(f"{path}: tensor 'token_embd.weight' (model.embed_tokens.weight) is missing")
+    vocab_size = weights["model.embed_tokens.weight"].shape[0]
+    if tokens is not None and len(tokens) > vocab_size:
+        raise CheckpointError(f"{path}: {len(tokens)} tokens but token_embd.weight has {vocab_size} rows")
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch_name],
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=meta.integer(f"{arch_name}.feed_forward_length"),
+        num_layers=meta.integer(f"{arch_name}.block_count"),
+        num_heads=num_heads,
+        num_kv_heads=meta.integer(f"{arch_name}.attention.head_count_kv", num_heads),
+        head_dim=head_dim,
+        rms_norm_eps=meta.real(f"{arch_name}.attention.layer_norm_rms_epsilon"),
+        rope_theta=meta.real(f"{arch_name}.rope.freq_base", 10000.0),
+        max_position_embeddings=meta.integer(f"{arch_name}.context_length"),
+        tie_word_embeddings="lm_head.weight" not in weights,
+        qkv_bias="model.layers.0.self_attn.q_proj.bias" in weights,
+        o_bias="model.layers.0.self_attn.o_proj.bias" in weights,
+        qk_norm=arch_name == "qwen3",
+        eos_token_ids=_eos_token_ids(meta, tokens),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+    )
+
+
+def _eos_token_ids(meta: _Metadata, tokens: list | None) -> tuple[int, ...]:
+    """eos, llama.cpp's end-of-turn id, and any chat end-of-turn marker that the chat template writes."""
+    ids = [meta.get(key) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    template = meta.get("tokenizer.chat_template") or ""
+    if tokens is not None:
+        ids += [tokens.index(marker) for marker in _END_OF_TURN if marker in template and marker in tokens]
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    hidden, inter, dim = config.hidden_size, config.intermediate_size, config.head_dim
+    q_rows, kv_rows = config.num_heads * dim, config.num_kv_heads * dim
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden), "model.norm.weight": (hidden,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    layer = {
+        "input_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (q_rows, hidden),
+        "self_attn.k_proj.weight": (kv_rows, hidden),
+        "self_attn.v_proj.weight": (kv_rows, hidden),
+        "self_attn.o_proj.weight": (hidden, q_rows),
+        "post_attention_layernorm.weight": (hidden,),
+        "mlp.gate_proj.weight": (inter, hidden),
+        "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+    }
+    if config.qkv_bias:
+        layer |= {
+            "self_attn.q_proj.bias": (q_rows,),
+            "self_attn.k_proj.bias": (kv_rows,),
+            "self_attn.v_proj.bias": (kv_rows,),
+        }
+    if config.o_bias:
+        layer["self_attn.o_proj.bias"] = (hidden,)
+    if config.qk_norm:
+        layer |= {"self_attn.q_norm.weight": (dim,), "self_attn.k_norm.weight": (dim,)}
+    for i in range(config.num_layers):
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+    return shapes
+
+
+def _gguf_name(hf_name: str) -> str:
+    for gguf_name, name in _GLOBAL_TENSORS.items():
+        if name == hf_name:
+            return gguf_name
+    _, _, i, rest = hf_name.split(".", 3)
+    return f"blk.{i}." + next(key for key, value in _LAYER_TENSORS.items() if value == rest)
+
+
+def _check_tensors(weights: dict[str, np.ndarray], config: ModelConfig, path: Path) -> None:
+    expected = _expected_shapes(config)
+    for name, shape in expected.items():
+        if name not in weights:
+            raise CheckpointError(f"{path}: tensor {_gguf_name(name)!r} ({name}) is missing")
+        if weights[name].shape != shape:
+            raise CheckpointError(
+                f"{path}: tensor {_gguf_name(name)!r} ({name}) has shape {list(weights[name].shape)}, "
+                f"expected {list(shape)} (HF [out, in] layout)"
+            )
+    extra = sorted(set(weights) - set(expected))
+    if extra:
+        raise CheckpointError(f"{path}: unexpected tensor {_gguf_name(extra[0])!r} for this configuration")
+
+
+def _build_tokenizer(meta: _Metadata, path: Path) -> TextTokenizer | None:
+    """A `tokenizers` byte-level BPE equal to the model's HF tokenizer.json (no tokenizer metadata: None)."""
+    model = meta.get("tokenizer.ggml.model")
+    if model is None:
+        return None
+    if model != "gpt2":
+        raise CheckpointError(
+            f"{path}: tokenizer model {model!r} is not supported (only 'gpt2', byte-level BPE); "
+            "give 'input_ids' with a model whose tokenizer is supported"
+        )
+    tokens: list[str] = meta.require("tokenizer.ggml.tokens")
+    merges = []
+    for merge in meta.require("tokenizer.ggml.merges"):
+        pair = merge.split(" ")
+        if len(pair) != 2:
+            raise CheckpointError(f"{path}: malformed BPE merge {merge!r} in tokenizer.ggml.merges")
+        merges.append((pair[0], pair[1]))
+    # As in HF's byte-level tokenizer.json files: no unk token and no byte fallback (bytes missing from the
+    # alphabet are dropped, exactly as `tokenizers` does for the original tokenizer).
+    tokenizer = Tokenizer(BPE({token: i for i, token in enumerate(tokens)}, merges))
+    _set_pre_tokenizer(tokenizer, meta.get("tokenizer.ggml.pre"), path)
+    tokenizer.decoder = decoders.ByteLevel()
+    types = meta.get("tokenizer.ggml.token_type") or []
+    # CONTROL tokens are HF's special added tokens (<|im_start|>: one id, skipped when decoding);
+    # USER_DEFINED ones are plain added tokens, also matched whole before BPE.
+    control = [tokens[i] for i, t in enumerate(types) if t == _CONTROL]
+    user_defined = [tokens[i] for i, t in enumerate(types) if t == _USER_DEFINED]
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in user_defined])
+    bos_id, eos_id = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    return TextTokenizer(
+        tokenizer=tokenizer,
+        chat_template=meta.get("tokenizer.chat_template"),
+        bos_token=tokens[bos_id] if bos_id is not None and bos_id < len(tokens) else None,
+        eos_token=tokens[eos_id] if eos_id is not None and eos_id < len(tokens) else None,
+        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+    )
+
+
+def _set_pre_tokenizer(tokenizer: Tokenizer, pre: str | None, path: Path) -> None:
+    # No `pre` key (older converters): SmolLM2's setup, the default model's.
+    pre = "smollm" if pre is None else pre
+    if pre in _GPT2_DIGITS_PRE:
+        # HF SmolLM2 / StarCoder tokenizer.json: Sequence[Digits(individual_digits), ByteLevel(use_regex)].
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
+    elif pre in _GPT2_PRE:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    elif pre in _SPLIT_PRE:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLIT_PRE[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+        if pre == "qwen2":
+            tokenizer.normalizer = normalizers.NFC()
+    else:
+        raise CheckpointError(
+            f"{path}: tokenizer pre-type {pre!r} is not supported; supported: {SUPPORTED_PRE}"
+        )

