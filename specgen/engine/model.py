@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import paddle
@@ -44,89 +45,77 @@ def _interleaved_to_half(w: np.ndarray, num_heads: int, head_dim: int) -> np.nda
     return shaped[:, order].reshape(w.shape)
 
 
+class TensorReader:
+    """Checked access to a checkpoint's numpy tensors, converted to Paddle in the model's dtype."""
+
+    def __init__(self, weights: dict[str, np.ndarray], source: str, cfg: ModelConfig, dtype: str):
+        self.weights, self.source, self.cfg, self.dtype = weights, source, cfg, dtype
+
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        w = self.weights.get(name)
+        if w is None:
+            raise CheckpointError(f"{self.source}: missing tensor {name!r}")
+        if tuple(w.shape) != shape:
+            raise CheckpointError(f"{self.source}: tensor {name!r} has shape {list(w.shape)}, expected {list(shape)}")
+        return w
+
+    def to_paddle(self, arr: np.ndarray) -> paddle.Tensor:
+        return paddle.to_tensor(np.ascontiguousarray(arr, dtype=self.dtype))
+
+    def param(self, name: str, shape: tuple[int, ...]) -> paddle.Tensor:
+        return self.to_paddle(self.get(name, shape))
+
+    def linear(self, names: list[str], out_sizes: list[int], in_size: int) -> paddle.Tensor:
+        """HF [out, in] weights, concatenated along out (fused), as one Paddle [in, sum(out)] matrix."""
+        return self.to_paddle(np.concatenate([self.get(n, (o, in_size)) for n, o in zip(names, out_sizes)]).T)
+
+    def layer(self, p: str) -> dict:
+        """One decoder block under prefix `p` (e.g. "model.layers.3."): fused QKV and gate/up."""
+        cfg = self.cfg
+        h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        q = self.get(p + "self_attn.q_proj.weight", (q_out, h))
+        k = self.get(p + "self_attn.k_proj.weight", (kv_out, h))
+        v = self.get(p + "self_attn.v_proj.weight", (kv_out, h))
+        qkv_b = None
+        if cfg.qkv_bias:
+            qkv_b = [self.get(p + f"self_attn.{n}_proj.bias", (o,)) for n, o in (("q", q_out), ("k", kv_out), ("v", kv_out))]
+        if cfg.rope_interleaved:
+            q, k = _interleaved_to_half(q, cfg.num_heads, hd), _interleaved_to_half(k, cfg.num_kv_heads, hd)
+            if qkv_b is not None:
+                qkv_b[0] = _interleaved_to_half(qkv_b[0], cfg.num_heads, hd)
+                qkv_b[1] = _interleaved_to_half(qkv_b[1], cfg.num_kv_heads, hd)
+        mlp = [p + "mlp.gate_proj.", p + "mlp.up_proj."]
+        return {
+            "attn_norm": self.param(p + "input_layernorm.weight", (h,)),
+            "mlp_norm": self.param(p + "post_attention_layernorm.weight", (h,)),
+            "w_qkv": self.to_paddle(np.concatenate([q, k, v], axis=0).T),  # [hidden, q_out + 2 kv_out]
+            "b_qkv": self.to_paddle(np.concatenate(qkv_b)) if qkv_b is not None else None,
+            "w_o": self.to_paddle(self.get(p + "self_attn.o_proj.weight", (h, q_out)).T),  # [q_out, hidden]
+            "b_o": self.param(p + "self_attn.o_proj.bias", (h,)) if cfg.o_bias else None,
+            "w_gate_up": self.linear([m + "weight" for m in mlp], [inter, inter], h),  # [hidden, 2 inter]
+            "b_gate_up": self.to_paddle(np.concatenate([self.get(m + "bias", (inter,)) for m in mlp]))
+            if cfg.mlp_bias else None,
+            "w_down": self.to_paddle(self.get(p + "mlp.down_proj.weight", (h, inter)).T),  # [inter, hidden]
+            "b_down": self.param(p + "mlp.down_proj.bias", (h,)) if cfg.mlp_bias else None,
+            "q_norm": self.param(p + "self_attn.q_norm.weight", (hd,)) if cfg.qk_norm else None,
+            "k_norm": self.param(p + "self_attn.k_norm.weight", (hd,)) if cfg.qk_norm else None,
+        }
+
+
 class Weights:
-    """The checkpoint's tensors checked, fused (QKV, gate/up) and transposed to Paddle's [in, out]."""
+    """The main model's tensors checked, fused (QKV, gate/up) and transposed to Paddle's [in, out]."""
 
     def __init__(self, ckpt: Checkpoint, dtype: str):
         cfg = ckpt.config
-        self._ckpt = ckpt
-        self._dtype = dtype
-        h, hd = cfg.hidden_size, cfg.head_dim
-        q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
-        self.embed = self._param("model.embed_tokens.weight", (cfg.vocab_size, h))
-        self.final_norm = self._param("model.norm.weight", (h,))
-        if cfg.tie_word_embeddings and "lm_head.weight" not in ckpt.weights:
-            self.lm_head = self._to_paddle(self._get("model.embed_tokens.weight", (cfg.vocab_size, h)).T)
-        else:
-            self.lm_head = self._to_paddle(self._get("lm_head.weight", (cfg.vocab_size, h)).T)
-        self.layers = []
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            q = self._get(p + "self_attn.q_proj.weight", (q_out, h))
-            k = self._get(p + "self_attn.k_proj.weight", (kv_out, h))
-            v = self._get(p + "self_attn.v_proj.weight", (kv_out, h))
-            qb = kb = vb = None
-            if cfg.qkv_bias:
-                qb = self._get(p + "self_attn.q_proj.bias", (q_out,))
-                kb = self._get(p + "self_attn.k_proj.bias", (kv_out,))
-                vb = self._get(p + "self_attn.v_proj.bias", (kv_out,))
-            if cfg.rope_interleaved:
-                q, k = _interleaved_to_half(q, cfg.num_heads, hd), _interleaved_to_half(k, cfg.num_kv_heads, hd)
-                if qb is not None:
-                    qb = _interleaved_to_half(qb, cfg.num_heads, hd)
-                    kb = _interleaved_to_half(kb, cfg.num_kv_heads, hd)
-            layer = {
-                "attn_norm": self._param(p + "input_layernorm.weight", (h,)),
-                "mlp_norm": self._param(p + "post_attention_layernorm.weight", (h,)),
-                "w_qkv": self._to_paddle(np.concatenate([q, k, v], axis=0).T),  # [hidden, q_out + 2 kv_out]
-                "b_qkv": self._to_paddle(np.concatenate([qb, kb, vb])) if cfg.qkv_bias else None,
-                "w_o": self._to_paddle(self._get(p + "self_attn.o_proj.weight", (h, q_out)).T),
-                "b_o": self._param(p + "self_attn.o_proj.bias", (h,)) if cfg.o_bias else None,
-                "w_gate_up": self._to_paddle(
-                    np.concatenate(
-                        [
-                            self._get(p + "mlp.gate_proj.weight", (cfg.intermediate_size, h)),
-                            self._get(p + "mlp.up_proj.weight", (cfg.intermediate_size, h)),
-                        ],
-                        axis=0,
-                    ).T
-                ),  # [hidden, 2 * intermediate]
-                "b_gate_up": None,
-                "w_down": self._to_paddle(self._get(p + "mlp.down_proj.weight", (h, cfg.intermediate_size)).T),
-                "b_down": self._param(p + "mlp.down_proj.bias", (h,)) if cfg.mlp_bias else None,
-                "q_norm": None,
-                "k_norm": None,
-            }
-            if cfg.mlp_bias:
-                layer["b_gate_up"] = self._to_paddle(
-                    np.concatenate(
-                        [
-                            self._get(p + "mlp.gate_proj.bias", (cfg.intermediate_size,)),
-                            self._get(p + "mlp.up_proj.bias", (cfg.intermediate_size,)),
-                        ]
-                    )
-                )
-            if cfg.qk_norm:
-                layer["q_norm"] = self._param(p + "self_attn.q_norm.weight", (hd,))
-                layer["k_norm"] = self._param(p + "self_attn.k_norm.weight", (hd,))
-            self.layers.append(layer)
-        self._ckpt = None  # the numpy copies can be freed by the caller
-
-    def _get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        w = self._ckpt.weights.get(name)
-        if w is None:
-            raise CheckpointError(f"{self._ckpt.source}: missing tensor {name!r}")
-        if tuple(w.shape) != shape:
-            raise CheckpointError(
-                f"{self._ckpt.source}: tensor {name!r} has shape {list(w.shape)}, expected {list(shape)}"
-            )
-        return w
-
-    def _to_paddle(self, arr: np.ndarray) -> paddle.Tensor:
-        return paddle.to_tensor(np.ascontiguousarray(arr, dtype=self._dtype))
-
-    def _param(self, name: str, shape: tuple[int, ...]) -> paddle.Tensor:
-        return self._to_paddle(self._get(name, shape))
+        r = TensorReader(ckpt.weights, ckpt.source, cfg, dtype)
+        h = cfg.hidden_size
+        self.embed = r.param("model.embed_tokens.weight", (cfg.vocab_size, h))  # [vocab, hidden]
+        self.final_norm = r.param("model.norm.weight", (h,))
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings and "lm_head.weight" not in ckpt.weights \
+            else "lm_head.weight"
+        self.lm_head = r.to_paddle(r.get(head, (cfg.vocab_size, h)).T)  # [hidden, vocab]
+        self.layers = [r.layer(f"model.layers.{i}.") for i in range(cfg.num_layers)]
 
 
 def rms_norm(x: paddle.Tensor, w: paddle.Tensor, eps: float) -> paddle.Tensor:
@@ -163,59 +152,81 @@ class Model:
         x1, x2 = paddle.split(x, 2, axis=-1)
         return paddle.concat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
-    def forward(self, batch: ForwardBatch, cache: KVCache) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """Returns (logits [num_logits, vocab], final hidden [num_tokens, hidden]) and writes K/V."""
-        cfg = self.config
+    def context(self, batch: ForwardBatch, cache: KVCache) -> "StepContext":
+        """Device-side indices of one packed forward, shared by every layer (and by the MTP block)."""
         cache.ensure(batch.max_position)
-        ids = paddle.to_tensor(batch.token_ids)  # [num_tokens]
         pos = paddle.to_tensor(batch.positions)  # [num_tokens]
-        cos = paddle.gather(self.cos, pos).unsqueeze(1)  # [num_tokens, 1, head_dim / 2]
-        sin = paddle.gather(self.sin, pos).unsqueeze(1)
-        cache_rows = paddle.to_tensor(batch.token_slots * cache.capacity + batch.positions)  # [num_tokens]
         groups = [_GroupIndex(g, cache.capacity, self.scale, self.dtype) for g in batch.groups]
-        single = len(groups) == 1 and len(batch.groups[0].token_rows) == len(batch.token_ids)
-        x = F.embedding(ids, self.w.embed)  # [num_tokens, hidden]
-        n = len(batch.token_ids)
-        H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        return StepContext(
+            num_tokens=len(batch.token_ids),
+            cos=paddle.gather(self.cos, pos).unsqueeze(1),  # [num_tokens, 1, head_dim / 2]
+            sin=paddle.gather(self.sin, pos).unsqueeze(1),
+            cache_rows=paddle.to_tensor(batch.token_slots * cache.capacity + batch.positions),  # [num_tokens]
+            groups=groups,
+            single=len(groups) == 1 and len(batch.groups[0].token_rows) == len(batch.token_ids),
+        )
+
+    def layer(self, x: paddle.Tensor, L: dict, ctx: "StepContext", k_cache: paddle.Tensor,
+              v_cache: paddle.Tensor) -> paddle.Tensor:
+        """One pre-norm decoder block on packed tokens x [num_tokens, hidden]; writes this layer's K/V."""
+        cfg = self.config
+        n, H, KV, D = ctx.num_tokens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h = rms_norm(x, L["attn_norm"], cfg.rms_norm_eps)
+        qkv = paddle.matmul(h, L["w_qkv"])  # [num_tokens, (H + 2 KV) * D]
+        if L["b_qkv"] is not None:
+            qkv = qkv + L["b_qkv"]
+        q, k, v = paddle.split(qkv, [H * D, KV * D, KV * D], axis=-1)
+        q = q.reshape([n, H, D])
+        k = k.reshape([n, KV, D])
+        if L["q_norm"] is not None:
+            q = rms_norm(q, L["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, L["k_norm"], cfg.rms_norm_eps)
+        q = self._rope(q, ctx.cos, ctx.sin)
+        k = self._rope(k, ctx.cos, ctx.sin)
+        paddle.scatter_(k_cache, ctx.cache_rows, k.reshape([n, KV * D]), overwrite=True)
+        paddle.scatter_(v_cache, ctx.cache_rows, v, overwrite=True)
+        parts = [g.attend(q, k_cache, v_cache, H, KV, D) for g in ctx.groups]
+        if ctx.single:
+            attn = parts[0]
+        else:
+            attn = paddle.zeros([n, H * D], dtype=self.dtype)
+            for g, part in zip(ctx.groups, parts):
+                attn = paddle.scatter(attn, g.token_rows, part, overwrite=True)
+        o = paddle.matmul(attn, L["w_o"])  # [num_tokens, hidden]
+        if L["b_o"] is not None:
+            o = o + L["b_o"]
+        x = x + o
+        h = rms_norm(x, L["mlp_norm"], cfg.rms_norm_eps)
+        gu = paddle.matmul(h, L["w_gate_up"])  # [num_tokens, 2 * intermediate]
+        if L["b_gate_up"] is not None:
+            gu = gu + L["b_gate_up"]
+        gate, up = paddle.split(gu, 2, axis=-1)
+        m = paddle.matmul(F.silu(gate) * up, L["w_down"])  # [num_tokens, hidden]
+        if L["b_down"] is not None:
+            m = m + L["b_down"]
+        return x + m
+
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """Returns (logits [num_logits, vocab], final normed hidden [num_tokens, hidden]) and writes K/V."""
+        ctx = self.context(batch, cache)
+        x = F.embedding(paddle.to_tensor(batch.token_ids), self.w.embed)  # [num_tokens, hidden]
         for li, L in enumerate(self.w.layers):
-            h = rms_norm(x, L["attn_norm"], cfg.rms_norm_eps)
-            qkv = paddle.matmul(h, L["w_qkv"])  # [num_tokens, (H + 2 KV) * D]
-            if L["b_qkv"] is not None:
-                qkv = qkv + L["b_qkv"]
-            q, k, v = paddle.split(qkv, [H * D, KV * D, KV * D], axis=-1)
-            q = q.reshape([n, H, D])
-            k = k.reshape([n, KV, D])
-            if L["q_norm"] is not None:
-                q = rms_norm(q, L["q_norm"], cfg.rms_norm_eps)
-                k = rms_norm(k, L["k_norm"], cfg.rms_norm_eps)
-            q = self._rope(q, cos, sin)
-            k = self._rope(k, cos, sin)
-            paddle.scatter_(cache.k[li], cache_rows, k.reshape([n, KV * D]), overwrite=True)
-            paddle.scatter_(cache.v[li], cache_rows, v, overwrite=True)
-            parts = [g.attend(q, cache.k[li], cache.v[li], H, KV, D) for g in groups]
-            if single:
-                attn = parts[0]
-            else:
-                attn = paddle.zeros([n, H * D], dtype=self.dtype)
-                for g, part in zip(groups, parts):
-                    attn = paddle.scatter(attn, g.token_rows, part, overwrite=True)
-            o = paddle.matmul(attn, L["w_o"])  # [num_tokens, hidden]
-            if L["b_o"] is not None:
-                o = o + L["b_o"]
-            x = x + o
-            h = rms_norm(x, L["mlp_norm"], cfg.rms_norm_eps)
-            gu = paddle.matmul(h, L["w_gate_up"])  # [num_tokens, 2 * intermediate]
-            if L["b_gate_up"] is not None:
-                gu = gu + L["b_gate_up"]
-            gate, up = paddle.split(gu, 2, axis=-1)
-            m = paddle.matmul(F.silu(gate) * up, L["w_down"])  # [num_tokens, hidden]
-            if L["b_down"] is not None:
-                m = m + L["b_down"]
-            x = x + m
-        hidden = rms_norm(x, self.w.final_norm, cfg.rms_norm_eps)  # [num_tokens, hidden]
-        rows = paddle.to_tensor(batch.logit_rows)
-        logits = paddle.matmul(paddle.gather(hidden, rows), self.w.lm_head)  # [num_logits, vocab]
-        return logits, hidden
+            x = self.layer(x, L, ctx, cache.k[li], cache.v[li])
+        hidden = rms_norm(x, self.w.final_norm, self.config.rms_norm_eps)  # [num_tokens, hidden]
+        logits = paddle.matmul(paddle.gather(hidden, paddle.to_tensor(batch.logit_rows)), self.w.lm_head)
+        return logits, hidden  # logits [num_logits, vocab]
+
+
+@dataclass
+class StepContext:
+    """Per-forward device indices: RoPE rows, cache rows, attention groups."""
+
+    num_tokens: int
+    cos: paddle.Tensor  # [num_tokens, 1, head_dim / 2]
+    sin: paddle.Tensor
+    cache_rows: paddle.Tensor  # [num_tokens] slot * capacity + position
+    groups: list
+    single: bool  # one group holding every token in order: no scatter needed
 
 
 class _GroupIndex:

@@ -11,7 +11,7 @@ from specgen.engine.model import Model
 from specgen.engine.proposers.base import NoProposer, Proposer, SlotView
 from specgen.engine.sampling import request_key, sample, uniforms
 from specgen.engine.scheduler import Scheduler
-from specgen.engine.types import Request, RequestOutput, RequestStats, build_forward_batch
+from specgen.engine.types import Request, RequestOutput, RequestStats, StepUpdate, build_forward_batch
 from specgen.engine.verify import accept_lengths, first_stop
 from specgen.models.tokenizer import TextTokenizer
 
@@ -156,7 +156,7 @@ class Engine:
         starts = np.concatenate([t.seq_len[dec] - 1, np.zeros(len(new), np.int64)])
         logits_all = np.concatenate([np.ones(len(dec), bool), np.zeros(len(new), bool)])
         batch = build_forward_batch(slots, starts, lens, token_ids, logits_all)
-        logits, _hidden = self.model.forward(batch, self.cache)
+        logits, hidden = self.model.forward(batch, self.cache)
 
         row_tok = batch.logit_rows  # [num_logits]
         row_slot = batch.token_slots[row_tok]
@@ -186,6 +186,10 @@ class Engine:
         if width:
             t.accepted_per_pos[slots, :width] += (col[:, :width] < (kept - 1)[:, None])
         done = by_eos | by_stop | (t.seq_len[slots] >= t.max_len[slots])
+        all_drafts = np.concatenate([num_draft, np.zeros(len(new), np.int64)])
+        block_start = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+        self.proposer.observe(StepUpdate(slots, block_start, starts, lens - 1 - all_drafts + kept, done, t.tokens,
+                                         hidden))
         finished = []
         for i in np.nonzero(done)[0]:
             s = int(slots[i])

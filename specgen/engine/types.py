@@ -108,6 +108,19 @@ class DraftTokens:
     num_draft: np.ndarray  # [num_seqs] int64
 
 
+@dataclass(frozen=True)
+class StepUpdate:
+    """What a step committed, for proposers that keep state (the MTP head's cache)."""
+
+    slots: np.ndarray  # [num_seqs] int64 cache rows that took part in the forward
+    block_start: np.ndarray  # [num_seqs] int64 packed row of each block's first token
+    first_pos: np.ndarray  # [num_seqs] int64 position of each block's first token
+    num_valid: np.ndarray  # [num_seqs] int64 leading block positions whose input was right and whose next token is known
+    finished: np.ndarray  # [num_seqs] bool
+    tokens: np.ndarray  # [num_slots, capacity] int64 after the commit
+    hidden: object  # paddle.Tensor [num_tokens, hidden] final normed hidden states of the forward
+
+
 @dataclass
 class RequestStats:
     """Speculation statistics of one request (definitions in the README's output schema)."""

@@ -6,7 +6,7 @@ from typing import Protocol
 
 import numpy as np
 
-from specgen.engine.types import DraftTokens
+from specgen.engine.types import DraftTokens, StepUpdate
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,11 @@ class SlotView:
 
 
 class Proposer(Protocol):
-    def propose(self, view: SlotView) -> DraftTokens: ...
+    def propose(self, view: SlotView) -> DraftTokens:
+        """Drafts for the decoding slots of the coming step."""
+
+    def observe(self, update: StepUpdate) -> None:
+        """Called after each commit; stateless proposers ignore it."""
 
 
 class NoProposer:
@@ -29,3 +33,6 @@ class NoProposer:
     def propose(self, view: SlotView) -> DraftTokens:
         n = len(view.slots)
         return DraftTokens(np.zeros((n, 0), dtype=np.int64), np.zeros(n, dtype=np.int64))
+
+    def observe(self, update: StepUpdate) -> None:
+        return None

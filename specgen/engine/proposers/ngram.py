@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from specgen.engine.proposers.base import SlotView
-from specgen.engine.types import DraftTokens
+from specgen.engine.types import DraftTokens, StepUpdate
 
 
 def ngram_propose(
@@ -66,3 +66,6 @@ class NgramProposer:
         width = int(view.seq_lens.max())
         drafts = ngram_propose(view.tokens[view.slots, :width], view.seq_lens, self.k, self.n_min, self.n_max)
         return DraftTokens(drafts.draft_ids, np.minimum(drafts.num_draft, view.max_draft))
+
+    def observe(self, update: StepUpdate) -> None:
+        return None  # the token buffer is all the state n-gram lookup needs

@@ -1,0 +1,179 @@
+"""MTP drafting (DeepSeek-V3 section 2.2): a one-block head that predicts the token after next.
+
+At position i the head combines RMSNorm(embedding of token i+1) and RMSNorm(main model's final hidden state at
+i) through a projection, runs one decoder block with its own KV cache, and the (shared) LM head predicts token
+i+2. For k > 1 it is applied again to its own output hidden state and its own draft.
+
+Cache invariant: after each step the head's cache holds exact entries for every position whose main-model
+hidden state was verified (positions [0, seq_len - 1)); entries past that were written by the draft chain and
+are overwritten by the next catch-up, like the main cache's rejected drafts.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+from specgen.config import SpecConfig
+from specgen.engine.kv_cache import KVCache
+from specgen.engine.model import Model, TensorReader, rms_norm
+from specgen.engine.proposers.base import SlotView
+from specgen.engine.types import DraftTokens, StepUpdate, build_forward_batch
+from specgen.errors import CheckpointError
+from specgen.models.config import ModelConfig
+
+
+class MtpHead:
+    """The head's weights, from the DeepSeek-V3 layout (`model.layers.{N}.eh_proj`, `enorm`, `hnorm`,
+    `shared_head.*`) or the ERNIE-4.5 layout (`model.mtp_linear_proj.0`, `mtp_emb_norm.0`, `mtp_hidden_norm.0`,
+    `mtp_block.0.*`); embedding, final norm and LM head are the main model's unless the head has its own."""
+
+    def __init__(self, weights: dict[str, np.ndarray], source: str, main: Model):
+        cfg = main.config
+        h = cfg.hidden_size
+        ds = sorted({int(m.group(1)) for n in weights if (m := re.match(r"model\.layers\.(\d+)\.eh_proj\.weight$", n))})
+        r = TensorReader(weights, source, _block_config(cfg, weights), main.dtype)
+        if ds:
+            p = f"model.layers.{ds[0]}."
+            names = (p + "enorm.weight", p + "hnorm.weight", p + "eh_proj.weight")
+            block, norm, head, embed = p, p + "shared_head.norm.weight", p + "shared_head.head.weight", p + "embed_tokens.weight"
+        elif "model.mtp_linear_proj.0.weight" in weights:
+            names = ("model.mtp_emb_norm.0.weight", "model.mtp_hidden_norm.0.weight", "model.mtp_linear_proj.0.weight")
+            block, norm, head, embed = "model.mtp_block.0.", "", "", ""
+        else:
+            raise CheckpointError(f"{source}: no MTP weights (expected model.layers.N.eh_proj.weight or "
+                                  f"model.mtp_linear_proj.0.weight)")
+        self.enorm = r.param(names[0], (h,))
+        self.hnorm = r.param(names[1], (h,))
+        self.eh_proj = r.to_paddle(r.get(names[2], (h, 2 * h)).T)  # [2 hidden, hidden]: [emb; hidden] -> hidden
+        self.block = r.layer(block)
+        self.final_norm = r.param(norm, (h,)) if norm in weights else main.w.final_norm
+        self.lm_head = r.to_paddle(r.get(head, (cfg.vocab_size, h)).T) if head in weights else main.w.lm_head
+        self.embed = r.param(embed, (cfg.vocab_size, h)) if embed in weights else main.w.embed
+
+
+def _block_config(cfg: ModelConfig, weights: dict[str, np.ndarray]) -> ModelConfig:
+    """The main config, with the head block's own intermediate size when it differs."""
+    import dataclasses
+
+    for name, w in weights.items():
+        if name.endswith("mlp.gate_proj.weight"):
+            return dataclasses.replace(cfg, intermediate_size=int(w.shape[0]))
+    return cfg
+
+
+def random_mtp_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[str, np.ndarray]:
+    """A randomly initialised head in the DeepSeek-V3 layout (for tests until a trained head exists)."""
+    rng = np.random.default_rng(seed)
+    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    p = f"model.layers.{cfg.num_layers}."
+    shapes = {
+        "self_attn.q_proj.weight": (cfg.num_heads * hd, h), "self_attn.k_proj.weight": (cfg.num_kv_heads * hd, h),
+        "self_attn.v_proj.weight": (cfg.num_kv_heads * hd, h), "self_attn.o_proj.weight": (h, cfg.num_heads * hd),
+        "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter),
+        "eh_proj.weight": (h, 2 * h),
+    }
+    if cfg.qkv_bias:
+        shapes.update({"self_attn.q_proj.bias": (cfg.num_heads * hd,), "self_attn.k_proj.bias": (cfg.num_kv_heads * hd,),
+                       "self_attn.v_proj.bias": (cfg.num_kv_heads * hd,)})
+    if cfg.o_bias:
+        shapes["self_attn.o_proj.bias"] = (h,)
+    if cfg.mlp_bias:
+        shapes.update({"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,), "mlp.down_proj.bias": (h,)})
+    w = {p + n: (rng.standard_normal(s) * std).astype(np.float32) for n, s in shapes.items()}
+    for n in ("enorm.weight", "hnorm.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+              "shared_head.norm.weight"):
+        w[p + n] = np.ones(h, np.float32)
+    if cfg.qk_norm:
+        w[p + "self_attn.q_norm.weight"] = np.ones(hd, np.float32)
+        w[p + "self_attn.k_norm.weight"] = np.ones(hd, np.float32)
+    return w
+
+
+def save_mtp(directory: str | Path, weights: dict[str, np.ndarray], extra: dict[str, Any] | None = None) -> None:
+    """Write a head as `model.safetensors` + `config.json` (loadable with --mtp-model DIR)."""
+    from safetensors.numpy import save_file
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3MTP"], "num_nextn_predict_layers": 1,
+                                               **(extra or {})}, indent=2))
+
+
+def load_mtp_weights(directory: str | Path) -> dict[str, np.ndarray]:
+    from specgen.models.hf_loader import _weight_files, read_safetensors
+
+    d = Path(directory)
+    if not d.is_dir():
+        raise CheckpointError(f"{d}: MTP model directory not found")
+    return read_safetensors(_weight_files(d))
+
+
+class MtpProposer:
+    """Drafts k tokens per slot with an MTP head; its cache is brought up to date after every step."""
+
+    def __init__(self, model: Model, head: MtpHead, k: int):
+        self.model, self.head, self.k = model, head, k
+        self.cache: KVCache | None = None
+        self.drafts = np.zeros((0, k), np.int64)  # [num_slots, k] drafts ready for each slot's next step
+        self.num_drafts = np.zeros(0, np.int64)  # [num_slots]
+
+    def propose(self, view: SlotView) -> DraftTokens:
+        if self.cache is None:
+            return DraftTokens(np.zeros((len(view.slots), self.k), np.int64), np.zeros(len(view.slots), np.int64))
+        return DraftTokens(self.drafts[view.slots], np.minimum(self.num_drafts[view.slots], view.max_draft))
+
+    def _ensure(self, num_slots: int) -> None:
+        if self.cache is None:
+            cfg = self.model.config
+            self.cache = KVCache(1, num_slots, cfg.num_kv_heads, cfg.head_dim, self.model.dtype, self.model.max_len)
+            self.drafts = np.zeros((num_slots, self.k), np.int64)
+            self.num_drafts = np.zeros(num_slots, np.int64)
+
+    def _run(self, slots, starts, lens, token_ids, prev_hidden):
+        """One packed pass of the head; returns (block output [num_tokens, hidden], argmax at each block's end)."""
+        batch = build_forward_batch(slots, starts, lens, token_ids, np.zeros(len(slots), bool))
+        hd = self.head
+        emb = F.embedding(paddle.to_tensor(batch.token_ids), hd.embed)  # [num_tokens, hidden]
+        eps = self.model.config.rms_norm_eps
+        x = paddle.matmul(paddle.concat([rms_norm(emb, hd.enorm, eps), rms_norm(prev_hidden, hd.hnorm, eps)], axis=-1),
+                          hd.eh_proj)  # [num_tokens, hidden]
+        x = self.model.layer(x, hd.block, self.model.context(batch, self.cache), self.cache.k[0], self.cache.v[0])
+        last = paddle.to_tensor(batch.logit_rows)
+        logits = paddle.matmul(rms_norm(paddle.gather(x, last), hd.final_norm, eps), hd.lm_head)  # [num_seqs, vocab]
+        return paddle.gather(x, last), paddle.argmax(logits, axis=-1).numpy()
+
+    def observe(self, update: StepUpdate) -> None:
+        self._ensure(update.tokens.shape[0])
+        live = ~update.finished & (update.num_valid > 0)
+        if not live.any():
+            return
+        slots, first, nv = update.slots[live], update.first_pos[live], update.num_valid[live]
+        seq = np.repeat(np.arange(len(slots)), nv)  # [num_tokens] block of each catch-up token
+        offset = np.arange(len(seq)) - np.concatenate([[0], np.cumsum(nv)[:-1]])[seq]
+        rows = update.block_start[live][seq] + offset  # rows of the main forward's hidden states
+        next_ids = update.tokens[slots[seq], first[seq] + offset + 1]  # token i+1 for position i
+        h_main = paddle.gather(update.hidden, paddle.to_tensor(rows))  # [num_tokens, hidden]
+        x, d = self._run(slots, first, nv, next_ids, h_main)
+        last_pos = first + nv - 1
+        self.drafts[slots, 0] = d
+        ones = np.ones(len(slots), np.int64)
+        for i in range(1, self.k):
+            x, d = self._run(slots, last_pos + i, ones, d, x)
+            self.drafts[slots, i] = d
+        self.num_drafts[slots] = self.k
+
+
+def build_mtp_proposer(spec: SpecConfig, loaded: Any) -> MtpProposer:
+    """The head comes from --mtp-model DIR, or from the main checkpoint when it carries one."""
+    if spec.mtp_model is None:
+        raise CheckpointError("--method mtp needs an MTP head: give --mtp-model DIR (DeepSeek-V3 or ERNIE-4.5 "
+                              "layout); the main checkpoint has none")
+    head = MtpHead(load_mtp_weights(spec.mtp_model), str(spec.mtp_model), loaded.model)
+    return MtpProposer(loaded.model, head, spec.num_speculative_tokens)

@@ -1,0 +1,107 @@
+"""The MTP head: incremental drafts equal a from-scratch reference; both weight layouts load alike."""
+import numpy as np
+import pytest
+
+from specgen import EngineConfig, SamplingParams, SpecConfig, generate
+from specgen.engine.proposers.mtp import MtpHead, MtpProposer, random_mtp_weights, save_mtp
+from specgen.engine.runner import Engine
+from specgen.engine.types import Request, build_forward_batch
+from specgen.errors import CheckpointError
+
+
+class Recording(MtpProposer):
+    """Records every proposal with the sequence it was made for. With an oracle (the plain run's outputs) it
+    offers the true continuation instead, so every draft is accepted and each catch-up spans k + 1 positions."""
+
+    def __init__(self, *a, oracle=None):
+        super().__init__(*a)
+        self.log, self.oracle = [], oracle
+
+    def propose(self, view):
+        d = super().propose(view)
+        if self.cache is not None:
+            for i, s in enumerate(view.slots):
+                self.log.append((view.tokens[s, : view.seq_lens[i]].copy(), self.drafts[s].copy()))
+        if self.oracle is None:
+            return d
+        draft = np.zeros((len(view.slots), self.k), np.int64)
+        for i, s in enumerate(view.slots):
+            seq = view.tokens[s, : view.seq_lens[i]].tolist()
+            full = next(f for f in self.oracle if f[: len(seq)] == seq)
+            nxt = full[len(seq): len(seq) + self.k]
+            draft[i, : len(nxt)] = nxt
+        return type(d)(draft, np.minimum(self.k, view.max_draft))
+
+
+def reference_drafts(lm, head, seq, k):
+    """Recompute everything for one sequence: main prefill of seq[:-1], head over all positions, then chain."""
+    m = lm.model
+    n = len(seq) - 1
+    batch = build_forward_batch(np.array([0]), np.array([0]), np.array([n]), np.array(seq[:-1]), np.array([True]))
+    _, hidden = m.forward(batch, m.new_cache(1, 256))
+    fresh = MtpProposer(m, head, k)
+    fresh._ensure(1)
+    x, d = fresh._run(np.array([0]), np.array([0]), np.array([n]), np.array(seq[1:]), hidden)
+    out = [int(d[0])]
+    for i in range(1, k):
+        x, d = fresh._run(np.array([0]), np.array([n - 1 + i]), np.array([1]), d, x)
+        out.append(int(d[0]))
+    return out
+
+
+@pytest.mark.parametrize("k,oracle", [(1, False), (3, False), (3, True)])
+def test_incremental_drafts_equal_reference(tiny_model64, k, oracle):
+    head = MtpHead(random_mtp_weights(tiny_model64.config, seed=1, std=0.3), "random", tiny_model64.model)
+    rng = np.random.default_rng(0)
+    reqs = [Request(str(i), i, tuple(int(x) for x in rng.integers(3, 300, int(rng.integers(2, 20)))),
+                    SamplingParams(max_tokens=64, ignore_eos=True)) for i in range(10)]
+    full = None
+    if oracle:
+        plain = Engine(tiny_model64.model, None, EngineConfig(batch_size=4, dtype="float64"))
+        full = [list(r.prompt_ids) + o.token_ids for r, o in zip(reqs, sorted(plain.run(reqs), key=lambda o: o.index))]
+    prop = Recording(tiny_model64.model, head, k, oracle=full)
+    eng = Engine(tiny_model64.model, None, EngineConfig(batch_size=4, dtype="float64"), prop)
+    outs = sorted(eng.run(reqs), key=lambda o: o.index)
+    assert len(outs) == 10 and len(prop.log) >= (10 * 64 // (k + 1) if oracle else 10 * 63)
+    if oracle:
+        assert [list(r.prompt_ids) + o.token_ids for r, o in zip(reqs, outs)] == full
+        assert sum(o.stats.num_accepted_tokens for o in outs) >= 10 * 64 * k // (k + 1) - 10 * k
+    mismatches = [(len(seq), list(d), reference_drafts(tiny_model64, head, seq, k))
+                  for seq, d in prop.log if list(d) != reference_drafts(tiny_model64, head, seq, k)]
+    assert mismatches == []
+
+
+def test_ernie_layout_gives_the_same_drafts(tiny_model64, tmp_path):
+    cfg = tiny_model64.config
+    ds = random_mtp_weights(cfg, seed=2, std=0.3)
+    p = f"model.layers.{cfg.num_layers}."
+    ernie = {}
+    for name, w in ds.items():
+        rest = name[len(p):]
+        if rest == "enorm.weight":
+            ernie["model.mtp_emb_norm.0.weight"] = w
+        elif rest == "hnorm.weight":
+            ernie["model.mtp_hidden_norm.0.weight"] = w
+        elif rest == "eh_proj.weight":
+            ernie["model.mtp_linear_proj.0.weight"] = w
+        elif not rest.startswith("shared_head"):
+            ernie["model.mtp_block.0." + rest] = w
+    seq = [5, 9, 31, 7, 5, 9, 44, 12]
+    a = reference_drafts(tiny_model64, MtpHead(ds, "ds", tiny_model64.model), seq, 2)
+    b = reference_drafts(tiny_model64, MtpHead(ernie, "ernie", tiny_model64.model), seq, 2)
+    assert a == b
+
+
+def test_mtp_through_the_api_and_missing_head(tiny_model64, tmp_path):
+    save_mtp(tmp_path / "head", random_mtp_weights(tiny_model64.config, std=0.3))
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    sp = SamplingParams(max_tokens=10, ignore_eos=True)
+    plain = generate(prompts, model=tiny_model64, sampling=sp, engine=EngineConfig(dtype="float64"))
+    spec = generate(prompts, model=tiny_model64, sampling=sp, engine=EngineConfig(dtype="float64"),
+                    speculative=SpecConfig(method="mtp", num_speculative_tokens=2, mtp_model=str(tmp_path / "head")))
+    assert [o.token_ids for o in plain] == [o.token_ids for o in spec]
+    assert all(o.stats.num_draft_tokens > 0 for o in spec)
+    with pytest.raises(CheckpointError, match="needs an MTP head"):
+        generate(prompts, model=tiny_model64, speculative=SpecConfig(method="mtp"))
+    with pytest.raises(CheckpointError, match="no MTP weights"):
+        MtpHead({}, "empty", tiny_model64.model)
