@@ -1,0 +1,184 @@
+"""The `specgen` command line: Typer commands that build the config, run the job, map errors to exit codes."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from specgen.errors import ConfigError, SpecgenError
+
+PRECEDENCE = ("Settings resolve once, later winning: dataclass defaults < --config YAML "
+              "< --speculative-config < individual flags.")
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  help="Offline batch generation with lossless speculative decoding.")
+
+# Options shared by `run` and `bench`. None means "not given": the config dataclasses hold the defaults.
+Model = Annotated[str | None, typer.Option(
+    help="HF checkpoint directory or .gguf file [default: built-in SmolLM2-135M-Instruct]")]
+MethodOpt = Annotated[str | None, typer.Option("--method", help="Speculative method: none | ngram | mtp.")]
+NumSpec = Annotated[int | None, typer.Option(help="Draft tokens per step, 1..5.")]
+MtpModel = Annotated[str | None, typer.Option(help="Draft (MTP) checkpoint for --method mtp.")]
+SpecJson = Annotated[str | None, typer.Option(
+    help='FastDeploy-style JSON, inline or a file: '
+         '{"method": "mtp", "num_speculative_tokens": 1, "model": "path"}.')]
+BatchSize = Annotated[int | None, typer.Option(help="Static batch slots, 1..256.")]
+MaxTokens = Annotated[int | None, typer.Option(help="Output tokens per request (records may override).")]
+Temperature = Annotated[float | None, typer.Option(help="0 is greedy.")]
+TopP = Annotated[float | None, typer.Option(help="Nucleus sampling mass, (0, 1].")]
+TopK = Annotated[int | None, typer.Option(help="Top-k filter; 0 disables it.")]
+Seed = Annotated[int | None, typer.Option(help="Sampling seed (per request: seed and id).")]
+Stop = Annotated[list[str] | None, typer.Option(help="Stop string; repeat for several.")]
+IgnoreEos = Annotated[bool | None, typer.Option(
+    "--ignore-eos/--no-ignore-eos", help="Generate past EOS (fixed-length outputs).")]
+Dtype = Annotated[str | None, typer.Option(help="float32 | float64.")]
+Threads = Annotated[int | None, typer.Option(help="CPU threads; 0 uses every core available.")]
+MaxModelLen = Annotated[int | None, typer.Option(help="Cap on the context length; 0 keeps the model's.")]
+ConfigFile = Annotated[Path | None, typer.Option(
+    "--config", help="YAML file with sampling / engine / speculative sections.")]
+InputFormat = Annotated[str | None, typer.Option(help="jsonl | parquet [default: from the extension].")]
+SummaryJson = Annotated[Path | None, typer.Option(help="Also write the summary to this JSON file.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")]
+
+
+@contextmanager
+def exit_codes(interrupted: str = "interrupted") -> Iterator[None]:
+    """The one place where errors become exit codes: SpecgenError.exit_code, 130 for Ctrl-C."""
+    try:
+        yield
+    except SpecgenError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(exc.exit_code) from None
+    except KeyboardInterrupt:
+        typer.echo(interrupted, err=True)
+        raise typer.Exit(130) from None
+
+
+def resolve_config(config: Path | None, speculative_config: str | None, flags: dict[str, Any]):
+    """Flags (field name -> value or None) over --speculative-config over the YAML file over defaults."""
+    from specgen.io.run_config import load_yaml, parse_speculative_config, resolve
+
+    sections = load_yaml(config) if config is not None else None
+    spec_json = parse_speculative_config(speculative_config) if speculative_config is not None else None
+    return resolve(sections, flags, spec_json)
+
+
+def _load(model: str | None, cfg) -> Any:
+    from specgen.api import load_model
+
+    return load_model(model, dtype=cfg.engine.dtype, threads=cfg.engine.threads)
+
+
+def _print_summary(summary, title: str) -> None:
+    from rich.console import Console
+
+    from specgen.io.report import summary_table
+
+    Console().print(summary_table(summary, title))
+
+
+def _write_json(path: Path | None, data: Any) -> None:
+    if path is not None:
+        try:
+            path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot write the summary ({exc})") from None
+
+
+@app.command(help="Generate a completion for every record of INPUT into OUTPUT (.jsonl or .parquet). "
+                  + PRECEDENCE)
+def run(
+    input: Annotated[Path, typer.Argument(help="Prompts: .jsonl / .json lines, or .parquet.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Results: .jsonl or .parquet.")],
+    model: Model = None, method: MethodOpt = None, num_speculative_tokens: NumSpec = None,
+    mtp_model: MtpModel = None, speculative_config: SpecJson = None, batch_size: BatchSize = None,
+    max_tokens: MaxTokens = None, temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None,
+    seed: Seed = None, stop: Stop = None, ignore_eos: IgnoreEos = None, dtype: Dtype = None,
+    threads: Threads = None, max_model_len: MaxModelLen = None, config: ConfigFile = None,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Continue an existing output, skipping the ids it holds.")] = False,
+    on_error: Annotated[str, typer.Option(
+        help="Bad records: skip (write an error record) | fail (exit 2).")] = "skip",
+    quiet: Quiet = False, summary_json: SummaryJson = None, input_format: InputFormat = None,
+) -> None:
+    from specgen.io.job import plan_job, run_job
+    from specgen.io.report import run_progress
+
+    with exit_codes(f"interrupted: finished records are in {output}; rerun with --resume to complete it"):
+        cfg = resolve_config(config, speculative_config, {
+            "method": method, "num_speculative_tokens": num_speculative_tokens, "mtp_model": mtp_model,
+            "batch_size": batch_size, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+            "top_k": top_k, "seed": seed, "stop": stop, "ignore_eos": ignore_eos, "dtype": dtype,
+            "threads": threads, "max_model_len": max_model_len})
+        plan = plan_job(input, output, input_format, resume, on_error)
+        loaded = _load(model, cfg)
+        with run_progress(quiet) as progress:
+            result = run_job(plan, loaded, cfg, progress)
+        if not quiet:
+            if result.num_resumed:
+                typer.echo(f"resumed: {result.num_resumed} records were already in {output}")
+            _print_summary(result.summary, "run summary")
+        _write_json(summary_json, {**result.summary.to_dict(), "num_resumed": result.num_resumed})
+
+
+@app.command(help="Print the summary of an output file (.jsonl or .parquet), finished or not.")
+def stats(
+    output: Annotated[Path, typer.Argument(help="An output of `specgen run`.")],
+    summary_json: SummaryJson = None,
+) -> None:
+    from specgen.io.outputs import iter_output_records, output_format
+    from specgen.io.summary import summarize
+
+    with exit_codes():
+        output_format(output)
+        summary = summarize(iter_output_records(output))
+        _print_summary(summary, f"{output.name}")
+        _write_json(summary_json, summary.to_dict())
+
+
+@app.command(help="Run INPUT once per method on one loaded model and compare them side by side. "
+                  + PRECEDENCE)
+def bench(
+    input: Annotated[Path, typer.Argument(help="Prompts: .jsonl / .json lines, or .parquet.")],
+    methods: Annotated[str, typer.Option(help="Comma-separated; the first is the baseline.")] = "none,ngram",
+    model: Model = None, num_speculative_tokens: NumSpec = None, mtp_model: MtpModel = None,
+    batch_size: BatchSize = None, max_tokens: MaxTokens = None, temperature: Temperature = None,
+    top_p: TopP = None, top_k: TopK = None, seed: Seed = None, stop: Stop = None,
+    ignore_eos: IgnoreEos = None, dtype: Dtype = None, threads: Threads = None,
+    max_model_len: MaxModelLen = None, config: ConfigFile = None, input_format: InputFormat = None,
+    summary_json: SummaryJson = None,
+) -> None:
+    from rich.console import Console
+
+    from specgen.io.bench import parse_methods, run_bench
+    from specgen.io.readers import check_input
+    from specgen.io.readers import input_format as detect_format
+    from specgen.io.report import bench_table
+
+    with exit_codes():
+        method_list = parse_methods(methods)
+        # The speculative options apply to every speculative method listed; resolve them as for `run`.
+        cfg = resolve_config(config, None, {
+            "method": _bench_spec_method(method_list), "num_speculative_tokens": num_speculative_tokens,
+            "mtp_model": mtp_model, "batch_size": batch_size, "max_tokens": max_tokens,
+            "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop,
+            "ignore_eos": ignore_eos, "dtype": dtype, "threads": threads, "max_model_len": max_model_len})
+        check_input(input)
+        fmt = detect_format(input, input_format)
+        rows = run_bench(input, fmt, _load(model, cfg), cfg, method_list)
+        Console().print(bench_table(rows))
+        _write_json(summary_json, [{"method": m, "identical": same, **s.to_dict()} for m, s, same in rows])
+
+
+def _bench_spec_method(methods) -> str | None:
+    """The method the speculative options are checked against: mtp if listed, else ngram if listed."""
+    names = [m.value for m in methods]
+    return next((n for n in ("mtp", "ngram") if n in names), None)
+
+
+def main() -> None:
+    app(prog_name="specgen")

@@ -1,0 +1,164 @@
+"""Input records: one JSON object / Parquet row -> an id, a prompt and per-request sampling overrides.
+
+Two shapes are accepted, told apart by their keys:
+  native        {"id"?, one of "prompt" | "messages" | "input_ids", "max_tokens"?, "temperature"?, ...}
+  OpenAI Batch  {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
+                 "body": {...}}
+A field whose value is null counts as absent (Parquet rows carry nulls for columns a row does not use).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from specgen.errors import InputError
+
+PROMPT_KEYS = ("prompt", "messages", "input_ids")
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+NATIVE_KEYS = ("id", *PROMPT_KEYS, *SAMPLING_KEYS)
+
+OPENAI_KEYS = ("custom_id", "method", "url", "body")
+OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+# body fields specgen reads, and those it accepts without effect (the model is chosen by --model).
+OPENAI_BODY_READ = ("messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+                    "top_k", "seed", "stop")
+OPENAI_BODY_IGNORED = ("model", "user", "metadata", "store")
+
+
+class RecordError(InputError):
+    """A bad input record; `record_id` is its id when it could be read (else None)."""
+
+    def __init__(self, message: str, record_id: str | None = None, num_prompt_tokens: int | None = None):
+        super().__init__(message)
+        self.record_id = record_id
+        self.num_prompt_tokens = num_prompt_tokens  # known when the prompt was tokenized
+
+
+@dataclass(frozen=True)
+class InputRecord:
+    """A parsed input record: the prompt is text, chat messages, or token ids."""
+
+    id: str
+    prompt: Any  # str | list[dict] | list[int]
+    overrides: tuple[tuple[str, Any], ...]  # (SamplingParams field, value) given by this record
+
+
+def parse_record(raw: Any, default_id: str) -> InputRecord:
+    """Validate one decoded record; raises RecordError with a message that names the field."""
+    if not isinstance(raw, dict):
+        raise RecordError(f"expected a JSON object, got {_type_name(raw)}")
+    raw = {k: v for k, v in raw.items() if v is not None}
+    if "custom_id" in raw or "body" in raw:
+        return _parse_openai(raw)
+    record_id = _parse_id(raw.get("id", default_id), "id")
+    unknown = sorted(str(k) for k in raw if k not in NATIVE_KEYS)
+    if unknown:
+        raise RecordError(f"unknown field(s) {', '.join(unknown)} (valid: {', '.join(NATIVE_KEYS)})",
+                          record_id)
+    given = [k for k in PROMPT_KEYS if k in raw]
+    if len(given) != 1:
+        found = f"got {', '.join(given)}" if given else "got none"
+        raise RecordError(f"need exactly one of prompt, messages, input_ids ({found})", record_id)
+    prompt = _check_prompt(given[0], raw[given[0]], record_id)
+    overrides = _check_sampling({k: raw[k] for k in SAMPLING_KEYS if k in raw}, record_id)
+    return InputRecord(record_id, prompt, overrides)
+
+
+def _parse_openai(raw: dict[str, Any]) -> InputRecord:
+    record_id = _parse_id(raw["custom_id"], "custom_id") if "custom_id" in raw else None
+    unknown = sorted(str(k) for k in raw if k not in OPENAI_KEYS)
+    if unknown:
+        raise RecordError(f"unknown field(s) {', '.join(unknown)} in an OpenAI Batch line "
+                          f"(valid: {', '.join(OPENAI_KEYS)})", record_id)
+    if record_id is None:
+        raise RecordError("OpenAI Batch line without custom_id")
+    if raw.get("method", "POST") != "POST":
+        raise RecordError(f"method must be POST, got {raw['method']!r}", record_id)
+    url = raw.get("url")
+    if url is not None and url not in OPENAI_URLS:
+        raise RecordError(f"url {url!r} is not supported (valid: {', '.join(OPENAI_URLS)})", record_id)
+    body = raw.get("body")
+    if not isinstance(body, dict):
+        raise RecordError("body must be a JSON object", record_id)
+    body = {k: v for k, v in body.items() if v is not None}
+    known = OPENAI_BODY_READ + OPENAI_BODY_IGNORED + ("n", "stream")
+    unknown = sorted(str(k) for k in body if k not in known)
+    if unknown:
+        raise RecordError(f"unsupported field(s) body.{', body.'.join(unknown)}", record_id)
+    if body.get("n", 1) != 1 or body.get("stream", False) is not False:
+        raise RecordError("only n=1 and stream=false are supported", record_id)
+    return _openai_prompt(body, url, record_id)
+
+
+def _openai_prompt(body: dict[str, Any], url: str | None, record_id: str) -> InputRecord:
+    key = OPENAI_URLS.get(url) if url else ("messages" if "messages" in body else "prompt")
+    if key not in body:
+        raise RecordError(f"body.{key} is missing", record_id)
+    other = "prompt" if key == "messages" else "messages"
+    if other in body:
+        raise RecordError(f"body has both messages and prompt (give one; url {url or 'not given'})",
+                          record_id)
+    prompt = body[key]
+    if key == "prompt" and isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        key = "input_ids"  # the completions API takes token ids as the prompt
+    sampling = {k: body[k] for k in SAMPLING_KEYS if k in body}
+    if "max_completion_tokens" in body:
+        if "max_tokens" in body and body["max_tokens"] != body["max_completion_tokens"]:
+            raise RecordError("body.max_tokens and body.max_completion_tokens disagree", record_id)
+        sampling["max_tokens"] = body["max_completion_tokens"]
+    return InputRecord(record_id, _check_prompt(key, prompt, record_id), _check_sampling(sampling, record_id))
+
+
+def _parse_id(value: Any, name: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise RecordError(f"{name} must be a string or an integer, got {_type_name(value)}")
+    text = str(value)
+    if not text:
+        raise RecordError(f"{name} must not be empty")
+    return text
+
+
+def _check_prompt(key: str, value: Any, record_id: str) -> Any:
+    if key == "prompt":
+        if not isinstance(value, str):
+            raise RecordError(f"prompt must be a string, got {_type_name(value)}", record_id)
+        if not value:
+            raise RecordError("empty prompt", record_id)
+        return value
+    if not isinstance(value, list):
+        raise RecordError(f"{key} must be a list, got {_type_name(value)}", record_id)
+    if not value:
+        raise RecordError(f"empty prompt ({key} is an empty list)", record_id)
+    if key == "input_ids":
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            raise RecordError("input_ids must be a list of integers", record_id)
+        return list(value)
+    for i, m in enumerate(value):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise RecordError(f"messages[{i}] must be an object with string role and content", record_id)
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _check_sampling(values: dict[str, Any], record_id: str) -> tuple[tuple[str, Any], ...]:
+    """Type-check per-request sampling fields; the ranges are SamplingParams' to check."""
+    out = []
+    for key, value in values.items():
+        if key == "stop":
+            value = [value] if isinstance(value, str) else value
+            if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+                raise RecordError("stop must be a string or a list of strings", record_id)
+            value = tuple(value)
+        elif key in ("temperature", "top_p"):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise RecordError(f"{key} must be a number, got {_type_name(value)}", record_id)
+            value = float(value)
+        elif isinstance(value, bool) or not isinstance(value, int):
+            raise RecordError(f"{key} must be an integer, got {_type_name(value)}", record_id)
+        out.append((key, value))
+    return tuple(out)
+
+
+def _type_name(value: Any) -> str:
+    names = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "a list",
+             dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)

@@ -1,0 +1,99 @@
+"""What the user sees: the rich progress bar (stderr), the summary and bench tables (stdout)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from specgen.io.summary import Summary, SummaryAccumulator
+
+MAX_ERRORS_SHOWN = 20
+
+
+def _fmt(value: float | None, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+class RunProgress:
+    """Requests done/total, output tokens/s, acceptance rate and ETA; silent when `quiet`."""
+
+    def __init__(self, quiet: bool, console: Console | None = None):
+        self.quiet = quiet
+        self.console = console or Console(stderr=True)
+        self._progress = Progress(
+            TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[tps]} tok/s"), TextColumn("accept {task.fields[acc]}"),
+            TimeRemainingColumn(),
+            console=self.console, disable=quiet, transient=False,
+        )
+        self._task = None
+        self._start = time.perf_counter()
+        self._errors_shown = 0
+
+    def start(self, total: int | None, completed: int) -> None:
+        self._start = time.perf_counter()
+        self._task = self._progress.add_task("run", total=total, completed=completed, tps="-", acc="-")
+
+    def update(self, acc: SummaryAccumulator, completed: int) -> None:
+        if self._task is None or self.quiet:
+            return
+        elapsed = time.perf_counter() - self._start
+        tps = f"{acc.num_output_tokens / elapsed:.1f}" if elapsed > 0 else "-"
+        self._progress.update(self._task, completed=completed, tps=tps, acc=_fmt(acc.acceptance_rate, ".2f"))
+
+    def record_error(self, message: str) -> None:
+        """Bad records are errors: shown even with --quiet, up to MAX_ERRORS_SHOWN."""
+        self._errors_shown += 1
+        if self._errors_shown <= MAX_ERRORS_SHOWN:
+            self._progress.console.print(f"error: {message}", markup=False, highlight=False)
+        elif self._errors_shown == MAX_ERRORS_SHOWN + 1:
+            self._progress.console.print("error: further bad records are only in the output's error field",
+                                         markup=False, highlight=False)
+
+
+@contextmanager
+def run_progress(quiet: bool) -> Iterator[RunProgress]:
+    """A live progress display for the duration of the block."""
+    progress = RunProgress(quiet)
+    with progress._progress:
+        yield progress
+
+
+def summary_table(summary: Summary, title: str = "summary") -> Table:
+    table = Table(title=title, show_header=False)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("requests", str(summary.num_requests)),
+        ("errors", str(summary.num_errors)),
+        ("method", ", ".join(summary.methods) or "-"),
+        ("prompt tokens", str(summary.num_prompt_tokens)),
+        ("output tokens", str(summary.num_output_tokens)),
+        ("wall time (s)", _fmt(summary.wall_time_s, ".2f")),
+        ("output tokens/s", _fmt(summary.output_tokens_per_s, ".1f")),
+        ("mean accepted length", _fmt(summary.mean_accepted_length)),
+        ("acceptance rate", _fmt(summary.acceptance_rate)),
+    ]
+    rows += [(f"accepted at draft position {i + 1}", f"{p:.3f}")
+             for i, p in enumerate(summary.per_position_acceptance)]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def bench_table(rows: Sequence[tuple[str, Summary, bool]]) -> Table:
+    """One row per method: (method, its summary, token-identical to the first method's outputs)."""
+    table = Table(title="bench")
+    for name in ("method", "reqs", "tokens", "tok/s", "speedup", "accept", "acc len", "identical"):
+        table.add_column(name, justify="left" if name == "method" else "right")
+    base = rows[0][1].output_tokens_per_s if rows else None
+    for method, s, identical in rows:
+        speedup = s.output_tokens_per_s / base if base and s.output_tokens_per_s else None
+        table.add_row(method, str(s.num_requests), str(s.num_output_tokens),
+                      _fmt(s.output_tokens_per_s, ".1f"), _fmt(speedup, ".2f") + ("x" if speedup else ""),
+                      _fmt(s.acceptance_rate), _fmt(s.mean_accepted_length), "yes" if identical else "NO")
+    return table

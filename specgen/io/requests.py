@@ -1,0 +1,127 @@
+"""Input records -> engine Requests: tokenize in the reader so that every error names its line or row."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from specgen.config import SamplingParams
+from specgen.engine.types import Request
+from specgen.errors import ConfigError, InputError
+from specgen.io.readers import RawRecord
+from specgen.io.records import RecordError, parse_record
+
+Encode = Callable[[Any, str], "tuple[int, ...]"]
+# Called with (record id, message naming the line, number of prompt tokens or None) for each bad record.
+OnBad = Callable[[str, str, "int | None"], None]
+
+
+class SeenIds:
+    """Ids met so far, for duplicate detection in little memory.
+
+    An id that is a line/row number not past the current record (every default id) is a bit in a bitmap
+    (an eighth of a byte per record); any other id is kept in a set.
+    """
+
+    def __init__(self) -> None:
+        self._bits = bytearray()
+        self._others: set[str] = set()
+
+    @staticmethod
+    def _number(record_id: str) -> int | None:
+        if record_id.isascii() and record_id.isdigit() and str(int(record_id)) == record_id:
+            return int(record_id)
+        return None
+
+    def __contains__(self, record_id: str) -> bool:
+        k = self._number(record_id)
+        if k is not None and k < 8 * len(self._bits) and self._bits[k >> 3] & (1 << (k & 7)):
+            return True
+        return record_id in self._others
+
+    def add(self, record_id: str, number: int) -> None:
+        """Record `record_id`, met at line/row `number`."""
+        k = self._number(record_id)
+        if k is None or k > number:
+            self._others.add(record_id)
+            return
+        if k >= 8 * len(self._bits):
+            self._bits.extend(bytes(max(len(self._bits), (k >> 3) + 1 - len(self._bits))))
+        self._bits[k >> 3] |= 1 << (k & 7)
+
+
+@dataclass
+class RequestSource:
+    """Iterable of Requests, pulled lazily by the engine; bad records go to `on_bad` (None: raise InputError).
+
+    A record's id defaults to its 1-based line/row number; ids in `done_ids` (a resumed run) are skipped.
+    """
+
+    records: Iterable[RawRecord]
+    encode: Encode  # (prompt, where) -> token ids; raises InputError
+    sampling: SamplingParams  # the run's defaults; a record's own fields override them
+    context_len: int  # a prompt must leave room for at least one generated token
+    vocab_size: int
+    unit: str = "line"
+    done_ids: frozenset[str] | set[str] = frozenset()
+    on_bad: OnBad | None = None
+    num_skipped: int = 0  # records skipped because their id was already done
+    _seen: SeenIds = field(default_factory=SeenIds, repr=False)
+
+    def __iter__(self) -> Iterator[Request]:
+        for raw in self.records:
+            where = f"{self.unit} {raw.number}"
+            default_id = str(raw.number)
+            try:
+                req = self._request(raw, where, default_id)
+            except RecordError as exc:
+                rid = exc.record_id or default_id
+                if rid in self.done_ids:
+                    self.num_skipped += 1
+                    continue
+                self._bad(rid, f"{where}: {exc}", exc.num_prompt_tokens)
+                continue
+            if req is not None:
+                yield req
+
+    def _request(self, raw: RawRecord, where: str, default_id: str) -> Request | None:
+        """None when the record was already done; raises RecordError for a bad one."""
+        if raw.error is not None:
+            raise RecordError(raw.error)
+        rec = parse_record(raw.value, default_id)
+        if rec.id in self.done_ids:
+            self.num_skipped += 1
+            return None
+        if rec.id in self._seen:
+            raise RecordError(f"duplicate id {rec.id!r}", rec.id)
+        self._seen.add(rec.id, raw.number)
+        params = self.sampling
+        if rec.overrides:
+            try:
+                params = dataclasses.replace(self.sampling, **dict(rec.overrides))
+            except ConfigError as exc:
+                raise RecordError(str(exc), rec.id) from None
+        try:
+            ids = tuple(self.encode(rec.prompt, where))
+        except InputError as exc:
+            raise RecordError(str(exc).removeprefix(f"{where}: "), rec.id) from None
+        self._check_ids(ids, rec.id)
+        return Request(id=rec.id, index=raw.number, prompt_ids=ids, params=params)
+
+    def _check_ids(self, ids: tuple[int, ...], record_id: str) -> None:
+        """The engine's own admission checks, made here so that the message names the line."""
+        n = len(ids)
+        if n == 0:
+            raise RecordError("empty prompt (no tokens)", record_id)
+        if n >= self.context_len:
+            raise RecordError(f"prompt has {n} tokens; the model's context is {self.context_len} "
+                              "(room for none to generate)", record_id, n)
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RecordError(f"token id {bad} outside the vocabulary [0, {self.vocab_size})", record_id, n)
+
+    def _bad(self, record_id: str, message: str, num_prompt_tokens: int | None) -> None:
+        if self.on_bad is None:
+            raise InputError(message)
+        self.on_bad(record_id, message, num_prompt_tokens)

@@ -1,0 +1,100 @@
+"""The run summary, computed in one place from output records (used by run, stats and bench)."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Totals over a set of output records; ratios are None when undefined.
+
+    mean_accepted_length = emitted / steps and acceptance_rate = accepted / drafted, both over all successful
+    requests; per_position_acceptance[i] = steps in which draft position i was accepted / decode steps
+    (steps after each request's prefill).
+    """
+
+    num_requests: int
+    num_errors: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_steps: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    wall_time_s: float | None
+    output_tokens_per_s: float | None
+    mean_accepted_length: float | None
+    acceptance_rate: float | None
+    per_position_acceptance: list[float]
+    methods: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class SummaryAccumulator:
+    """Running totals, updated one record at a time (the progress bar reads them too)."""
+
+    num_requests: int = 0
+    num_errors: int = 0
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_steps: int = 0
+    num_decode_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    methods: dict[str, None] = field(default_factory=dict)  # insertion-ordered set
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.num_requests += 1
+        if record.get("method"):
+            self.methods.setdefault(record["method"], None)
+        if record.get("error") is not None:
+            self.num_errors += 1
+            return
+        self.num_prompt_tokens += record["num_prompt_tokens"] or 0
+        self.num_output_tokens += record["num_output_tokens"]
+        self.num_steps += record["num_steps"]
+        self.num_decode_steps += max(record["num_steps"] - 1, 0)
+        self.num_draft_tokens += record["num_draft_tokens"]
+        self.num_accepted_tokens += record["num_accepted_tokens"]
+        self.num_emitted_tokens += record["num_emitted_tokens"]
+        per_pos = record.get("accepted_per_position") or []
+        if len(per_pos) > len(self.accepted_per_position):
+            self.accepted_per_position.extend([0] * (len(per_pos) - len(self.accepted_per_position)))
+        for i, n in enumerate(per_pos):
+            self.accepted_per_position[i] += n
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    def summary(self, wall_time_s: float | None = None) -> Summary:
+        steps = self.num_decode_steps
+        return Summary(
+            num_requests=self.num_requests,
+            num_errors=self.num_errors,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens,
+            num_steps=self.num_steps,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
+            wall_time_s=wall_time_s,
+            output_tokens_per_s=self.num_output_tokens / wall_time_s if wall_time_s else None,
+            mean_accepted_length=self.num_emitted_tokens / self.num_steps if self.num_steps else None,
+            acceptance_rate=self.acceptance_rate,
+            per_position_acceptance=[n / steps if steps else 0.0 for n in self.accepted_per_position],
+            methods=list(self.methods),
+        )
+
+
+def summarize(records: Iterable[dict[str, Any]], wall_time_s: float | None = None) -> Summary:
+    """The summary of output records (a finished file, or what one run wrote)."""
+    acc = SummaryAccumulator()
+    for record in records:
+        acc.add(record)
+    return acc.summary(wall_time_s)

@@ -1,0 +1,189 @@
+"""`specgen run`, `stats` and `bench` end to end on the tiny llama checkpoint, through Typer's CliRunner."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from cli_support import (
+    TINY_LLAMA,
+    by_id,
+    invoke,
+    needs_ngram,
+    prompts,
+    read_output,
+    write_jsonl,
+    write_parquet,
+)
+
+import specgen.api
+from specgen.io.schema import FIELDS
+
+N = 12
+
+
+@pytest.fixture(scope="module")
+def jsonl_in(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("in") / "in.jsonl", prompts(N))
+
+
+@pytest.fixture(scope="module")
+def jsonl_run(jsonl_in):
+    """One plain run shared by the tests that only read its output."""
+    out = jsonl_in.parent / "out.jsonl"
+    summary = jsonl_in.parent / "summary.json"
+    result = invoke("run", jsonl_in, "-o", out, "--max-tokens", "8", "--batch-size", "4",
+                    "--summary-json", summary)
+    assert result.exit_code == 0, result.output
+    return out, summary, result
+
+
+def test_jsonl_round_trip(jsonl_run):
+    out, summary_path, result = jsonl_run
+    records = by_id(read_output(out))
+    assert sorted(records) == sorted(f"r{i}" for i in range(N))
+    for rec in records.values():
+        assert tuple(rec) == FIELDS
+        assert rec["error"] is None and rec["method"] == "none"
+        assert 1 <= rec["num_output_tokens"] == len(rec["token_ids"]) <= 8
+        assert rec["num_emitted_tokens"] == rec["num_accepted_tokens"] + rec["num_steps"]
+        assert rec["finish_reason"] in ("stop", "length")
+        assert rec["accepted_per_position"] == [] and rec["acceptance_rate"] is None
+    summary = json.loads(summary_path.read_text())
+    assert summary["num_requests"] == N and summary["num_errors"] == 0
+    assert summary["num_output_tokens"] == sum(r["num_output_tokens"] for r in records.values())
+    assert summary["mean_accepted_length"] == 1.0
+    assert "output tokens/s" in result.output and "mean accepted length" in result.output
+
+
+def test_stats_reads_back_the_summary(jsonl_run, tmp_path):
+    out, summary_path, _ = jsonl_run
+    stats_json = tmp_path / "stats.json"
+    result = invoke("stats", out, "--summary-json", stats_json)
+    assert result.exit_code == 0, result.output
+    assert "requests" in result.output and str(N) in result.output
+    ran, read = json.loads(summary_path.read_text()), json.loads(stats_json.read_text())
+    keys = ("num_requests", "num_errors", "num_prompt_tokens", "num_output_tokens", "mean_accepted_length")
+    for key in keys:
+        assert read[key] == ran[key], key
+    assert read["wall_time_s"] is None
+
+
+def test_parquet_in_and_out_equal_jsonl(jsonl_run, tmp_path):
+    out_jsonl, _, _ = jsonl_run
+    records = prompts(N)
+    for r in records:  # Parquet wants one schema: give every row every column, null where unused
+        for key in ("prompt", "messages", "input_ids"):
+            r.setdefault(key, None)
+    inp = write_parquet(tmp_path / "in.parquet", records)
+    out = tmp_path / "out.parquet"
+    result = invoke("run", inp, "-o", out, "--max-tokens", "8", "--batch-size", "3", "-q")
+    assert result.exit_code == 0, result.output
+    assert result.output == ""
+    got, want = by_id(read_output(out)), by_id(read_output(out_jsonl))
+    assert got == want
+
+
+def test_openai_batch_lines(tmp_path):
+    lines = [
+        {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "anything", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}},
+        {"custom_id": "comp-1", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "anything", "prompt": "once upon", "max_completion_tokens": 3, "temperature": 0.7,
+                  "seed": 3}},
+    ]
+    inp = write_jsonl(tmp_path / "batch.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    result = invoke("run", inp, "-o", out, "--ignore-eos", "-q")
+    assert result.exit_code == 0, result.output
+    records = by_id(read_output(out))
+    assert records["chat-1"]["num_output_tokens"] == 5 and records["comp-1"]["num_output_tokens"] == 3
+    loaded = specgen.api.load_model(TINY_LLAMA)
+    chat_ids = specgen.api.encode_prompt(loaded, lines[0]["body"]["messages"])
+    assert records["chat-1"]["num_prompt_tokens"] == len(chat_ids)
+
+
+def test_per_record_overrides_and_stop(tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "short", "prompt": "abc", "max_tokens": 2},
+        {"id": "long", "prompt": "abc"},
+    ])
+    out = tmp_path / "out.jsonl"
+    result = invoke("run", inp, "-o", out, "--max-tokens", "6", "--ignore-eos", "-q")
+    assert result.exit_code == 0, result.output
+    records = by_id(read_output(out))
+    assert records["short"]["num_output_tokens"] == 2 and records["long"]["num_output_tokens"] == 6
+
+
+def test_resume_of_a_finished_output_adds_nothing(jsonl_in, tmp_path):
+    out = tmp_path / "out.jsonl"
+    assert invoke("run", jsonl_in, "-o", out, "--max-tokens", "4", "-q").exit_code == 0
+    before = out.read_text()
+    result = invoke("run", jsonl_in, "-o", out, "--max-tokens", "4", "--resume")
+    assert result.exit_code == 0, result.output
+    assert out.read_text() == before
+    assert f"resumed: {N} records" in result.output
+
+
+def test_resume_completes_a_partial_output(jsonl_in, tmp_path):
+    full, partial = tmp_path / "full.jsonl", tmp_path / "partial.jsonl"
+    assert invoke("run", jsonl_in, "-o", full, "--max-tokens", "6", "-q").exit_code == 0
+    lines = full.read_text().splitlines(keepends=True)
+    partial.write_text("".join(lines[:5]) + lines[5][:17])  # five records and a torn sixth
+    result = invoke("run", jsonl_in, "-o", partial, "--max-tokens", "6", "--resume", "-q")
+    assert result.exit_code == 0, result.output
+    assert by_id(read_output(partial)) == by_id(read_output(full))
+
+
+def test_interrupt_keeps_finished_records(jsonl_in, tmp_path, monkeypatch):
+    """Ctrl-C (KeyboardInterrupt) mid-run: exit 130, finished records kept, Parquet finalized, resumable."""
+    real = specgen.api.iter_generate
+
+    def interrupted(*args, **kwargs):
+        for i, out in enumerate(real(*args, **kwargs)):
+            if i == 3:
+                raise KeyboardInterrupt
+            yield out
+
+    out = tmp_path / "out.parquet"
+    monkeypatch.setattr(specgen.api, "iter_generate", interrupted)
+    result = invoke("run", jsonl_in, "-o", out, "--max-tokens", "4", "-q")
+    assert result.exit_code == 130
+    assert "rerun with --resume" in result.output
+    assert len(read_output(out)) == 3
+    monkeypatch.setattr(specgen.api, "iter_generate", real)
+    assert invoke("run", jsonl_in, "-o", out, "--max-tokens", "4", "--resume", "-q").exit_code == 0
+    assert len(by_id(read_output(out))) == N
+
+
+@needs_ngram
+def test_ngram_is_lossless_and_reports_acceptance(jsonl_run, tmp_path):
+    out_none, _, _ = jsonl_run
+    out = tmp_path / "ngram.jsonl"
+    result = invoke("run", out_none.parent / "in.jsonl", "-o", out, "--max-tokens", "8", "--batch-size", "4",
+                    "--method", "ngram", "--num-speculative-tokens", "2", "-q")
+    assert result.exit_code == 0, result.output
+    got, want = by_id(read_output(out)), by_id(read_output(out_none))
+    for rid, rec in got.items():
+        assert rec["token_ids"] == want[rid]["token_ids"]
+        assert rec["method"] == "ngram" and len(rec["accepted_per_position"]) == 2
+        assert rec["num_emitted_tokens"] == rec["num_accepted_tokens"] + rec["num_steps"]
+
+
+@needs_ngram
+def test_bench_side_by_side(jsonl_in, tmp_path):
+    summary = tmp_path / "bench.json"
+    result = invoke("bench", jsonl_in, "--methods", "none,ngram", "--max-tokens", "6", "--batch-size", "4",
+                    "--summary-json", summary)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(summary.read_text())
+    assert [r["method"] for r in rows] == ["none", "ngram"]
+    assert all(r["identical"] for r in rows)
+    assert rows[0]["num_requests"] == rows[1]["num_requests"] == N
+    for column in ("tok/s", "speedup", "accept", "identical"):
+        assert column in result.output
+
+
+def test_bench_single_method(jsonl_in):
+    result = invoke("bench", jsonl_in, "--methods", "none", "--max-tokens", "3")
+    assert result.exit_code == 0, result.output
+    assert "1.00x" in result.output and "yes" in result.output

@@ -1,0 +1,79 @@
+"""Input record parsing: native and OpenAI Batch shapes, and every kind of bad record."""
+from __future__ import annotations
+
+import pytest
+
+from specgen.io.records import RecordError, parse_record
+
+
+def test_native_prompt_with_overrides():
+    raw = {"id": 7, "prompt": "hi", "max_tokens": 4, "temperature": 1, "stop": "x", "seed": 3}
+    rec = parse_record(raw, "1")
+    assert rec.id == "7"
+    assert rec.prompt == "hi"
+    assert dict(rec.overrides) == {"max_tokens": 4, "temperature": 1.0, "stop": ("x",), "seed": 3}
+
+
+def test_default_id_and_null_fields_are_absent():
+    rec = parse_record({"prompt": None, "messages": [{"role": "user", "content": "a"}], "top_k": None}, "12")
+    assert rec.id == "12"
+    assert rec.prompt == [{"role": "user", "content": "a"}]
+    assert rec.overrides == ()
+
+
+def test_input_ids():
+    assert parse_record({"input_ids": [1, 2]}, "1").prompt == [1, 2]
+
+
+def test_openai_chat_line():
+    line = {"custom_id": "req-1", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "gpt-x", "messages": [{"role": "user", "content": "hello"}],
+                     "max_completion_tokens": 9, "temperature": 0.5, "top_p": 0.9, "seed": 1, "stop": ["\n"]}}
+    rec = parse_record(line, "1")
+    assert rec.id == "req-1"
+    assert rec.prompt == [{"role": "user", "content": "hello"}]
+    want = {"max_tokens": 9, "temperature": 0.5, "top_p": 0.9, "seed": 1, "stop": ("\n",)}
+    assert dict(rec.overrides) == want
+
+
+def test_openai_completions_text_and_ids():
+    base = {"custom_id": "c", "method": "POST", "url": "/v1/completions"}
+    assert parse_record({**base, "body": {"prompt": "abc", "max_tokens": 3}}, "1").prompt == "abc"
+    assert parse_record({**base, "body": {"prompt": [5, 6]}}, "1").prompt == [5, 6]
+
+
+BAD = [
+    ("[1, 2]", [1, 2], "expected a JSON object, got a list"),
+    ("no prompt", {"id": "a"}, "need exactly one of prompt, messages, input_ids (got none)"),
+    ("two prompts", {"prompt": "a", "input_ids": [1]}, "got prompt, input_ids"),
+    ("empty text", {"prompt": ""}, "empty prompt"),
+    ("empty messages", {"messages": []}, "empty prompt"),
+    ("prompt type", {"prompt": 5}, "prompt must be a string, got an integer"),
+    ("messages type", {"messages": [{"role": "user"}]}, "messages[0] must be an object"),
+    ("ids type", {"input_ids": [1, "2"]}, "input_ids must be a list of integers"),
+    ("unknown field", {"prompt": "a", "colour": 1}, "unknown field(s) colour"),
+    ("max_tokens type", {"prompt": "a", "max_tokens": "3"}, "max_tokens must be an integer, got a string"),
+    ("temperature type", {"prompt": "a", "temperature": True}, "temperature must be a number"),
+    ("stop type", {"prompt": "a", "stop": [1]}, "stop must be a string or a list of strings"),
+    ("id type", {"id": [1], "prompt": "a"}, "id must be a string or an integer"),
+    ("openai url", {"custom_id": "x", "url": "/v1/embeddings", "body": {"input": "a"}},
+     "url '/v1/embeddings'"),
+    ("openai body field",
+     {"custom_id": "x", "body": {"messages": [{"role": "u", "content": "c"}], "tools": []}},
+     "unsupported field(s) body.tools"),
+    ("openai n", {"custom_id": "x", "body": {"prompt": "a", "n": 2}}, "only n=1"),
+    ("openai no id", {"body": {"prompt": "a"}}, "without custom_id"),
+]
+
+
+@pytest.mark.parametrize("name,raw,fragment", BAD, ids=[b[0] for b in BAD])
+def test_bad_records(name, raw, fragment):
+    with pytest.raises(RecordError) as info:
+        parse_record(raw, "3")
+    assert fragment in str(info.value)
+
+
+def test_record_error_carries_the_id_when_known():
+    with pytest.raises(RecordError) as info:
+        parse_record({"id": "mine", "prompt": ""}, "3")
+    assert info.value.record_id == "mine"
