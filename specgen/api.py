@@ -71,9 +71,7 @@ def generate(
 
     `prompts`: text, chat messages, or token-id lists. `sampling`: one SamplingParams for all, or one each.
     """
-    from specgen.engine.runner import Engine
     from specgen.engine.types import Request
-    from specgen.engine.proposers import build_proposer
 
     engine = engine or EngineConfig()
     speculative = speculative or SpecConfig()
@@ -89,15 +87,21 @@ def generate(
         Request(id=ids[i], index=i, prompt_ids=encode_prompt(loaded, p, f"prompt {i}"), params=params[i])
         for i, p in enumerate(prompts)
     ]
-    eng = Engine(loaded.model, loaded.tokenizer, engine, build_proposer(speculative, loaded))
+    eng = make_engine(loaded, engine, speculative)
     outputs = sorted(eng.run(requests), key=lambda o: o.index)
     return outputs
 
 
 def iter_generate(loaded: LoadedModel, requests: Iterable, engine: EngineConfig, speculative: SpecConfig):
     """Stream outputs in completion order for an iterable of Requests (used by the CLI)."""
-    from specgen.engine.runner import Engine
-    from specgen.engine.proposers import build_proposer
+    return make_engine(loaded, engine, speculative).run(requests)
 
-    eng = Engine(loaded.model, loaded.tokenizer, engine, build_proposer(speculative, loaded))
-    return eng.run(requests)
+
+def make_engine(loaded: LoadedModel, engine: EngineConfig, speculative: SpecConfig):
+    from specgen.config import Method
+    from specgen.engine.proposers import build_proposer
+    from specgen.engine.runner import Engine
+
+    speculating = speculative.method is not Method.NONE
+    return Engine(loaded.model, loaded.tokenizer, engine, build_proposer(speculative, loaded),
+                  adaptive=speculating and speculative.adaptive, max_draft=speculative.num_speculative_tokens)

@@ -5,22 +5,24 @@ import paddle
 
 
 class KVCache:
-    """Per layer, K and V of shape [num_slots, capacity, num_kv_heads, head_dim].
+    """Per layer, K and V of shape [num_slots, num_kv_heads, capacity, head_dim].
 
     A slot's valid positions are [0, its length); entries past it are stale (rejected drafts) and are
     overwritten by later writes, so rejection needs no copy. Stored flattened as
-    [num_slots * capacity, num_kv_heads * head_dim] so that a token's row is slot * capacity + position.
+    [num_slots * num_kv_heads * capacity, head_dim]: the row of (slot, head, position) is
+    (slot * num_kv_heads + head) * capacity + position, so one gather yields a contiguous
+    [num_seqs, num_kv_heads, max_kv, head_dim] block for attention (Paddle's CPU transposes are slow).
     """
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: str,
                  max_capacity: int, initial_capacity: int = 256):
         self.num_layers = num_layers
         self.num_slots = num_slots
-        self.row_width = num_kv_heads * head_dim
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype = dtype
         self.max_capacity = max_capacity
         self.capacity = 0
-        self.k: list[paddle.Tensor] = []  # per layer [num_slots * capacity, num_kv_heads * head_dim]
+        self.k: list[paddle.Tensor] = []  # per layer [num_slots * num_kv_heads * capacity, head_dim]
         self.v: list[paddle.Tensor] = []
         self.ensure(min(initial_capacity, max_capacity))
 
@@ -31,11 +33,11 @@ class KVCache:
         new_cap = max(needed, min(self.max_capacity, max(2 * self.capacity, 64)))
         for store in (self.k, self.v):
             for layer in range(self.num_layers):
-                fresh = paddle.zeros([self.num_slots, new_cap, self.row_width], dtype=self.dtype)
+                rows = self.num_slots * self.num_kv_heads
+                fresh = paddle.zeros([rows, new_cap, self.head_dim], dtype=self.dtype)
                 if store and self.capacity:
-                    old = store[layer].reshape([self.num_slots, self.capacity, self.row_width])
-                    fresh[:, : self.capacity] = old
-                fresh = fresh.reshape([self.num_slots * new_cap, self.row_width])
+                    fresh[:, : self.capacity] = store[layer].reshape([rows, self.capacity, self.head_dim])
+                fresh = fresh.reshape([rows * new_cap, self.head_dim])
                 if len(store) > layer:
                     store[layer] = fresh
                 else:
@@ -44,4 +46,5 @@ class KVCache:
 
     def nbytes(self) -> int:
         itemsize = 8 if self.dtype == "float64" else 4
-        return 2 * self.num_layers * self.num_slots * self.capacity * self.row_width * itemsize
+        width = self.num_kv_heads * self.head_dim
+        return 2 * self.num_layers * self.num_slots * self.capacity * width * itemsize

@@ -156,12 +156,17 @@ class Model:
         """Device-side indices of one packed forward, shared by every layer (and by the MTP block)."""
         cache.ensure(batch.max_position)
         pos = paddle.to_tensor(batch.positions)  # [num_tokens]
-        groups = [_GroupIndex(g, cache.capacity, self.scale, self.dtype) for g in batch.groups]
+        cfg = self.config
+        groups = [_GroupIndex(g, cache.capacity, cache.num_slots, cfg.num_heads, cfg.num_kv_heads, self.dtype)
+                  for g in batch.groups]
+        kv = np.arange(cfg.num_kv_heads)
+        rows = ((batch.token_slots[:, None] * cfg.num_kv_heads + kv[None, :]) * cache.capacity
+                + batch.positions[:, None])  # [num_tokens, num_kv_heads]
         return StepContext(
             num_tokens=len(batch.token_ids),
             cos=paddle.gather(self.cos, pos).unsqueeze(1),  # [num_tokens, 1, head_dim / 2]
             sin=paddle.gather(self.sin, pos).unsqueeze(1),
-            cache_rows=paddle.to_tensor(batch.token_slots * cache.capacity + batch.positions),  # [num_tokens]
+            cache_rows=paddle.to_tensor(rows.reshape(-1)),  # [num_tokens * num_kv_heads]
             groups=groups,
             single=len(groups) == 1 and len(batch.groups[0].token_rows) == len(batch.token_ids),
         )
@@ -183,9 +188,10 @@ class Model:
             k = rms_norm(k, L["k_norm"], cfg.rms_norm_eps)
         q = self._rope(q, ctx.cos, ctx.sin)
         k = self._rope(k, ctx.cos, ctx.sin)
-        paddle.scatter_(k_cache, ctx.cache_rows, k.reshape([n, KV * D]), overwrite=True)
-        paddle.scatter_(v_cache, ctx.cache_rows, v, overwrite=True)
-        parts = [g.attend(q, k_cache, v_cache, H, KV, D) for g in ctx.groups]
+        paddle.scatter_(k_cache, ctx.cache_rows, k.reshape([n * KV, D]), overwrite=True)
+        paddle.scatter_(v_cache, ctx.cache_rows, v.reshape([n * KV, D]), overwrite=True)
+        q = q.reshape([n * H, D]) * self.scale
+        parts = [g.attend(q, k_cache, v_cache, KV, D) for g in ctx.groups]
         if ctx.single:
             attn = parts[0]
         else:
@@ -224,39 +230,63 @@ class StepContext:
     num_tokens: int
     cos: paddle.Tensor  # [num_tokens, 1, head_dim / 2]
     sin: paddle.Tensor
-    cache_rows: paddle.Tensor  # [num_tokens] slot * capacity + position
+    cache_rows: paddle.Tensor  # [num_tokens * num_kv_heads] cache row of each token's K/V per head
     groups: list
     single: bool  # one group holding every token in order: no scatter needed
 
 
 class _GroupIndex:
-    """Device-side indices of one attention group, built once per forward and reused by every layer."""
+    """Device-side gather indices of one attention group, built once per forward and used by every layer.
 
-    def __init__(self, g, capacity: int, scale: float, dtype: str):
-        num_seqs, max_q = g.pad_token_index.shape
-        self.num_seqs, self.max_q, self.max_kv = num_seqs, max_q, g.max_kv
-        self.scale = scale
-        self.pad_token_index = paddle.to_tensor(g.pad_token_index.reshape(-1))  # [num_seqs * max_q]
-        kv_rows = g.seq_slots[:, None] * capacity + np.arange(g.max_kv)[None, :]  # [num_seqs, max_kv]
-        self.kv_rows = paddle.to_tensor(kv_rows.reshape(-1))
-        allowed = np.arange(g.max_kv)[None, None, :] <= g.pad_positions[:, :, None]  # [num_seqs, max_q, max_kv]
+    Every reordering is one gather (no transposes): queries into [num_seqs, kv_heads, group * max_q, D],
+    keys/values from the cache into [num_seqs, kv_heads, max_kv, D], and the output back to packed tokens.
+    """
+
+    def __init__(self, g, capacity: int, num_slots: int, num_heads: int, num_kv_heads: int, dtype: str):
+        S, Q = g.pad_token_index.shape
+        KV, G = num_kv_heads, num_heads // num_kv_heads
+        # When the group is every slot in cache order, attend over the cache tensor itself (a free view):
+        # reading a few stale positions past max_kv costs less than gathering the keys into a copy.
+        self.direct = S == num_slots and bool((g.seq_slots == np.arange(num_slots)).all()) \
+            and capacity <= 2 * g.max_kv
+        L = capacity if self.direct else g.max_kv
+        self.shape = (S, KV, G, Q, L)
+        valid = np.zeros(S * Q, bool)
+        valid[g.token_pad_index] = True
+        tok = np.where(valid.reshape(S, Q), g.pad_token_index, 0)  # padding queries read token 0; dropped later
+        head = (np.arange(KV)[:, None] * G + np.arange(G)[None, :])  # [KV, G]
+        q_rows = tok[:, None, None, :] * num_heads + head[None, :, :, None]  # [S, KV, G, Q]
+        self.q_rows = paddle.to_tensor(q_rows.reshape(-1))
+        kv_rows = (g.seq_slots[:, None, None] * KV + np.arange(KV)[None, :, None]) * capacity + np.arange(L)
+        self.kv_rows = None if self.direct else paddle.to_tensor(kv_rows.reshape(-1))  # [S * KV * L]
+        allowed = np.arange(L)[None, None, :] <= g.pad_positions[:, :, None]  # [S, Q, L]
         neg = np.finfo(np.float32).min if dtype == "float32" else np.finfo(np.float64).min
-        bias = np.where(allowed, 0.0, neg).astype(dtype)[:, None, None]  # [num_seqs, 1, 1, max_q, max_kv]
-        self.bias = paddle.to_tensor(bias)
-        self.token_pad_index = paddle.to_tensor(g.token_pad_index)  # [num_tokens_g]
+        bias = np.where(allowed, 0.0, neg).astype(dtype)[:, None, None]  # [S, 1, 1, Q, L]
+        if S * num_heads * Q * L <= (1 << 24):
+            # Paddle's broadcasting add is ~30x slower than a same-shape add on CPU: materialise once per forward.
+            bias = np.broadcast_to(bias, (S, KV, G, Q, L))
+        self.bias = paddle.to_tensor(np.ascontiguousarray(bias))
+        # output rows: for each of the group's tokens (seq s, offset q) and head h = kv * G + g
+        s_of, q_of = np.divmod(g.token_pad_index, Q)  # [num_tokens_g]
+        out_rows = ((s_of[:, None] * KV + head.reshape(-1)[None, :] // G) * G + head.reshape(-1)[None, :] % G) * Q \
+            + q_of[:, None]  # [num_tokens_g, H]
+        self.out_rows = paddle.to_tensor(out_rows.reshape(-1))
+        self.num_tokens = len(g.token_rows)
         self.token_rows = paddle.to_tensor(g.token_rows)  # [num_tokens_g]
 
-    def attend(self, q, k_cache, v_cache, H: int, KV: int, D: int) -> paddle.Tensor:
-        """Causal attention of the group's queries over their slots' cached keys; [num_tokens_g, H * D]."""
-        S, Q, L, G = self.num_seqs, self.max_q, self.max_kv, H // KV
-        q_ext = paddle.concat([q, paddle.zeros([1, H, D], dtype=q.dtype)], axis=0)  # padding row at the end
-        qp = paddle.gather(q_ext, self.pad_token_index).reshape([S, Q, KV, G, D])
-        qp = qp.transpose([0, 2, 3, 1, 4]).reshape([S, KV, G * Q, D])
-        kp = paddle.gather(k_cache, self.kv_rows).reshape([S, L, KV, D]).transpose([0, 2, 1, 3])  # [S, KV, L, D]
-        vp = paddle.gather(v_cache, self.kv_rows).reshape([S, L, KV, D]).transpose([0, 2, 1, 3])
-        scores = paddle.matmul(qp, kp, transpose_y=True) * self.scale  # [S, KV, G * Q, L]
-        scores = scores.reshape([S, KV, G, Q, L]) + self.bias
+    def attend(self, q, k_cache, v_cache, KV: int, D: int) -> paddle.Tensor:
+        """Causal attention of the group's queries over their slots' cached keys; [num_tokens_g, H * D].
+
+        q [num_tokens * H, D] already scaled by 1 / sqrt(D).
+        """
+        S, _, G, Q, L = self.shape
+        qp = paddle.gather(q, self.q_rows).reshape([S, KV, G * Q, D])
+        if self.direct:
+            kp, vp = k_cache.reshape([S, KV, L, D]), v_cache.reshape([S, KV, L, D])
+        else:
+            kp = paddle.gather(k_cache, self.kv_rows).reshape([S, KV, L, D])
+            vp = paddle.gather(v_cache, self.kv_rows).reshape([S, KV, L, D])
+        scores = paddle.matmul(qp, kp, transpose_y=True).reshape([S, KV, G, Q, L]) + self.bias
         probs = F.softmax(scores, axis=-1).reshape([S, KV, G * Q, L])
-        out = paddle.matmul(probs, vp).reshape([S, KV, G, Q, D]).transpose([0, 3, 1, 2, 4])  # [S, Q, KV, G, D]
-        out = out.reshape([S * Q, H * D])
-        return paddle.gather(out, self.token_pad_index)  # [num_tokens_g, H * D]
+        out = paddle.matmul(probs, vp).reshape([S * KV * G * Q, D])
+        return paddle.gather(out, self.out_rows).reshape([self.num_tokens, KV * G * D])

@@ -1,12 +1,14 @@
 """The step loop: admit, propose, one packed forward, sample + verify all slots at once, commit."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import numpy as np
 
 from specgen.config import EngineConfig
+from specgen.engine.adaptive import Controller, CostModel
 from specgen.engine.model import Model
 from specgen.engine.proposers.base import NoProposer, Proposer, SlotView
 from specgen.engine.sampling import request_key, sample, uniforms
@@ -56,7 +58,7 @@ class Engine:
     """Generates completions for a stream of requests with a static batch of slots."""
 
     def __init__(self, model: Model, tokenizer: TextTokenizer | None, config: EngineConfig,
-                 proposer: Proposer | None = None):
+                 proposer: Proposer | None = None, adaptive: bool = False, max_draft: int = MAX_DRAFT):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -67,6 +69,7 @@ class Engine:
         self.cache = model.new_cache(config.batch_size, self.context_len)
         self.table = SlotTable.empty(config.batch_size, 256)
         self.requests: list[Request | None] = [None] * config.batch_size
+        self.controller = calibrate(model, self.cache, max_draft) if adaptive else None
 
     # ---- admission and retirement (per request, outside the step's hot path) ----
 
@@ -97,6 +100,8 @@ class Engine:
         t.num_steps[slot] = t.num_draft[slot] = t.num_accepted[slot] = 0
         t.accepted_per_pos[slot] = 0
         self.requests[slot] = req
+        if self.controller is not None:
+            self.controller.reset(slot)
 
     def _finish(self, slot: int, reason: str, text_cut: str | None) -> RequestOutput:
         t, req = self.table, self.requests[slot]
@@ -143,7 +148,11 @@ class Engine:
         room = t.max_len - t.seq_len  # [num_slots] tokens each slot may still emit (>= 1 while active)
         view = SlotView(dec, t.tokens, t.seq_len[dec], np.minimum(room[dec] - 1, MAX_DRAFT))
         drafts = self.proposer.propose(view)
-        num_draft = np.minimum(drafts.num_draft, view.max_draft)  # [num_dec]
+        num_avail = np.minimum(drafts.num_draft, view.max_draft)  # [num_dec]
+        num_draft = num_avail
+        if self.controller is not None:
+            num_draft = np.minimum(num_avail, self.controller.choose(dec, num_avail, int(t.prompt_len[new].sum())))
+        started = time.perf_counter()
         width = drafts.draft_ids.shape[1]
 
         # Packed tokens: decoding blocks [last, drafts...] first, then the new slots' prompts.
@@ -163,6 +172,8 @@ class Engine:
         out_pos = batch.positions[row_tok] + 1 - t.prompt_len[row_slot]
         u = uniforms(t.rng_key[row_slot], out_pos)
         targets = sample(logits, t.temperature[row_slot], t.top_k[row_slot], t.top_p[row_slot], u).numpy()
+        if self.controller is not None:
+            self.controller.cost.observe(len(batch.token_ids), time.perf_counter() - started)
 
         # Targets back into [num_seqs, width + 1]: decode rows are the first sum(num_draft + 1) logit rows.
         emitted = np.zeros((len(slots), width + 1), np.int64)
@@ -172,6 +183,8 @@ class Engine:
         num_emitted = np.concatenate([accepted + 1, np.ones(len(new), np.int64)])
         kept, by_eos = first_stop(emitted, num_emitted, self.eos_ids, room[slots], t.ignore_eos[slots])
         by_stop, texts = self._stop_strings(slots, emitted, kept)
+        if self.controller is not None:
+            self.controller.update(dec, drafts.draft_ids, num_avail, emitted[: len(dec)], kept[: len(dec)])
 
         # Commit: tokens, lengths, statistics.
         col = np.arange(width + 1)[None, :]
@@ -226,3 +239,21 @@ class Engine:
 
 def _error_output(req: Request, message: str) -> RequestOutput:
     return RequestOutput(req.id, req.index, "", [], None, len(req.prompt_ids), RequestStats(), error=message)
+
+
+def calibrate(model: Model, cache, max_draft: int) -> Controller:
+    """Time forwards feeding 1..max_draft+1 tokens to every slot (cache rows are overwritten later by prefill)."""
+    num_slots = cache.num_slots
+    slots = np.arange(num_slots, dtype=np.int64)
+    tokens, seconds = [], []
+    for q in range(1, max_draft + 2):
+        batch = build_forward_batch(slots, np.zeros(num_slots, np.int64), np.full(num_slots, q, np.int64),
+                                    np.zeros(num_slots * q, np.int64), np.ones(num_slots, bool))
+        best = np.inf
+        for _ in range(2):
+            start = time.perf_counter()
+            model.forward(batch, cache)[0].numpy()
+            best = min(best, time.perf_counter() - start)
+        tokens.append(num_slots * q)
+        seconds.append(best)
+    return Controller(CostModel(np.array(tokens), np.maximum.accumulate(np.array(seconds))), max_draft, num_slots)

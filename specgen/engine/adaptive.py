@@ -1,0 +1,112 @@
+"""Adaptive speculation: how many drafts each slot verifies this step, from measured costs and acceptance.
+
+A slot with acceptance estimate a that verifies k drafts emits (1 - a^(k+1)) / (1 - a) tokens on average
+(Leviathan et al., 2023). A step that feeds T tokens costs c(T), measured on this machine at this batch size
+(a table over T, interpolated, scaled online by the ratio of measured to predicted step times). Each step
+picks per-slot k_s (0 = no drafts) maximising emitted tokens per second, sum_s E_s(k_s) / c(sum_s (1 + k_s)),
+by Dinkelbach iteration: each slot maximises E_s(k) - rate * c'(T) * k, and rate is re-estimated.
+k = 0 for every slot is plain decoding, so the choice can only be slower than plain when the cost model is wrong.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+PRIOR_ACCEPTED = 1.0  # acceptance prior: 1 accepted of 2 drafted, until a slot has history
+PRIOR_DRAFTED = 2.0
+
+
+def expected_emitted(alpha: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """E[tokens per step] = 1 + a + ... + a^k, elementwise."""
+    alpha = np.clip(alpha, 0.0, 0.999)
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+class CostModel:
+    """Step time as a function of the tokens fed, from a start-up table and an online correction."""
+
+    def __init__(self, tokens: np.ndarray, seconds: np.ndarray):
+        self.tokens = np.asarray(tokens, np.float64)  # [num_points] increasing
+        self.seconds = np.asarray(seconds, np.float64)
+        self.scale = 1.0
+
+    def __call__(self, num_tokens: np.ndarray) -> np.ndarray:
+        t = np.asarray(num_tokens, np.float64)
+        slope = (self.seconds[-1] - self.seconds[0]) / max(self.tokens[-1] - self.tokens[0], 1.0)
+        inside = np.interp(t, self.tokens, self.seconds)
+        beyond = self.seconds[-1] + slope * (t - self.tokens[-1])
+        below = self.seconds[0] + slope * (t - self.tokens[0])
+        return self.scale * np.where(t > self.tokens[-1], beyond, np.where(t < self.tokens[0], below, inside))
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        predicted = float(self(np.array([num_tokens]))[0]) / self.scale
+        if predicted > 0:
+            self.scale = 0.9 * self.scale + 0.1 * (seconds / predicted)
+
+
+class Controller:
+    """Per-step draft counts for the decoding slots, and each slot's running acceptance estimate.
+
+    Acceptance is tracked from every draft the proposer offered whose fate is known, verified or not: a draft
+    not sent to verification is still compared with the token that came out (shadow acceptance), so a slot
+    whose text turns predictable is noticed. Counts decay by DECAY per step to follow changes within a request.
+    """
+
+    DECAY = 0.9
+
+    def __init__(self, cost: CostModel, max_draft: int, num_slots: int):
+        self.cost, self.max_draft = cost, max_draft
+        self.hits = np.zeros(num_slots)  # [num_slots] decayed count of drafts that matched
+        self.seen = np.zeros(num_slots)  # [num_slots] decayed count of drafts whose fate is known
+
+    def reset(self, slot: int) -> None:
+        self.hits[slot] = self.seen[slot] = 0.0
+
+    def alpha(self, slots: np.ndarray) -> np.ndarray:
+        return (self.hits[slots] + PRIOR_ACCEPTED) / (self.seen[slots] + PRIOR_DRAFTED)
+
+    def update(
+        self,
+        slots: np.ndarray,  # [num_seqs] decoding slots of the step
+        draft_ids: np.ndarray,  # [num_seqs, width] what the proposer offered
+        num_avail: np.ndarray,  # [num_seqs]
+        emitted: np.ndarray,  # [num_seqs, >= width + 1] the tokens that came out
+        kept: np.ndarray,  # [num_seqs] how many of them are real
+    ) -> None:
+        width = draft_ids.shape[1]
+        known = np.minimum(num_avail, kept)  # drafts whose true token is known
+        if width == 0:
+            return
+        col = np.arange(width)[None, :]
+        match = (draft_ids == emitted[:, :width]) & (col < known[:, None])
+        hits = np.cumprod(match, axis=1).sum(axis=1)
+        seen = hits + (hits < known)
+        self.hits[slots] = self.DECAY * self.hits[slots] + hits
+        self.seen[slots] = self.DECAY * self.seen[slots] + seen
+
+    def choose(
+        self,
+        slots: np.ndarray,  # [num_seqs] decoding slots
+        num_avail: np.ndarray,  # [num_seqs] drafts the proposer offers
+        other_tokens: int,  # tokens of the step that are not decode blocks (prefills)
+    ) -> np.ndarray:
+        """Drafts to verify per slot, [num_seqs] int64, each in [0, num_avail]."""
+        n = len(num_avail)
+        if n == 0 or num_avail.max() == 0:
+            return np.zeros(n, np.int64)
+        alpha = self.alpha(slots)  # [num_seqs]
+        ks = np.arange(self.max_draft + 1)[None, :]  # [1, max_draft + 1]
+        gain = np.where(ks <= num_avail[:, None], expected_emitted(alpha[:, None], ks), -np.inf)
+        k = np.zeros(n, np.int64)
+        base = n + other_tokens
+        for _ in range(4):
+            total = base + k.sum()
+            rate = expected_emitted(alpha, k).sum() / self.cost(np.array([total]))[0]
+            marginal = self.cost(np.array([total + 1]))[0] - self.cost(np.array([total]))[0]
+            k_new = np.argmax(gain - rate * marginal * ks, axis=1).astype(np.int64)
+            if (k_new == k).all():
+                break
+            k = k_new
+        # Keep the choice only if it beats plain decoding under the model.
+        plain = n / self.cost(np.array([base]))[0]
+        spec = expected_emitted(alpha, k).sum() / self.cost(np.array([base + k.sum()]))[0]
+        return k if spec > plain else np.zeros(n, np.int64)

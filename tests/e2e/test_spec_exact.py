@@ -1,0 +1,57 @@
+"""Speculation changes nothing: ngram and mtp outputs equal plain decoding on the real model (float64)."""
+import numpy as np
+import pytest
+
+from specgen import EngineConfig, SamplingParams, SpecConfig, generate
+from specgen.engine.proposers.mtp import random_mtp_weights, save_mtp
+
+pytestmark = [pytest.mark.realmodel, pytest.mark.slow]
+
+SAMPLING = {
+    "greedy": lambda i: SamplingParams(max_tokens=4 + (i * 5) % 17),
+    "sampled": lambda i: SamplingParams(max_tokens=4 + (i * 5) % 17, temperature=0.8, top_p=0.9, seed=1000 + i),
+}
+
+
+@pytest.fixture(scope="module")
+def prompts(real_model64, spec_bench):
+    picked = spec_bench[::15][:32]  # every category, mixed lengths
+    return [list(real_model64.tokenizer.encode_chat([{"role": "user", "content": q["turns"][0][: 120 + 37 * i]}]))
+            for i, q in enumerate(picked)]
+
+
+@pytest.fixture(scope="module")
+def plain(real_model64, prompts):
+    return {mode: generate(prompts, model=real_model64, sampling=[f(i) for i in range(len(prompts))],
+                           engine=EngineConfig(batch_size=32, dtype="float64"))
+            for mode, f in SAMPLING.items()}
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(real_model64, tmp_path_factory):
+    d = tmp_path_factory.mktemp("mtp")
+    save_mtp(d, random_mtp_weights(real_model64.config, seed=0, std=0.02))
+    return str(d)
+
+
+CASES = [("ngram", k, bs) for k in (1, 3, 5) for bs in (32, 7)] + [("ngram", 5, 1)] + \
+        [("mtp", k, bs) for k in (1, 2) for bs in (32, 7)] + [("mtp", 2, 1)]
+
+
+@pytest.mark.parametrize("mode", list(SAMPLING))
+@pytest.mark.parametrize("method,k,batch_size", CASES)
+def test_speculative_equals_plain(real_model64, prompts, plain, mtp_dir, mode, method, k, batch_size):
+    spec = SpecConfig(method=method, num_speculative_tokens=k, adaptive=False,
+                      mtp_model=mtp_dir if method == "mtp" else None)
+    outs = generate(prompts, model=real_model64, sampling=[SAMPLING[mode](i) for i in range(len(prompts))],
+                    engine=EngineConfig(batch_size=batch_size, dtype="float64"), speculative=spec)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain[mode]]
+    assert [o.finish_reason for o in outs] == [o.finish_reason for o in plain[mode]]
+    drafted = sum(o.stats.num_draft_tokens for o in outs)
+    assert drafted > 0
+    for o in outs:
+        s = o.stats
+        assert s.num_emitted_tokens == s.num_accepted_tokens + s.num_steps == len(o.token_ids)
+        assert sum(s.accepted_per_position) == s.num_accepted_tokens
+    if method == "ngram" and mode == "greedy":
+        assert sum(o.stats.num_accepted_tokens for o in outs) > 0
