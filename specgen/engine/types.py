@@ -46,8 +46,11 @@ def build_forward_batch(
     token_ids: np.ndarray,  # [num_tokens] int64 the blocks' tokens, packed in block order
     logits_all: np.ndarray,  # [num_seqs] bool: logits for every row of the block (verify) or only the last
     prefill_group_threshold: int = 16,
+    prefill_group_budget: int = 1 << 19,
 ) -> ForwardBatch:
-    """Pack blocks and build the attention groups: short blocks (decode/verify) apart from long ones (prefill)."""
+    """Pack blocks and build the attention groups: short blocks (decode/verify) in one group; long ones
+    (prefill) sorted by length and split so that each group's padded num_seqs * max_q * max_kv stays
+    within prefill_group_budget (padding a 30-token prompt to a 1,000-token one costs 30x)."""
     cu = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=cu[1:])
     num_tokens = int(cu[-1])
@@ -61,10 +64,20 @@ def build_forward_batch(
 
     groups = []
     is_long = lens > prefill_group_threshold
-    for member in (~is_long, is_long):
-        seqs = np.nonzero(member)[0]
-        if len(seqs) == 0:
-            continue
+    members = [np.nonzero(~is_long)[0]] if (~is_long).any() else []
+    long_seqs = np.nonzero(is_long)[0]
+    long_seqs = long_seqs[np.argsort(lens[long_seqs], kind="stable")]
+    start = 0
+    while start < len(long_seqs):
+        end = start + 1
+        while end < len(long_seqs):
+            q = lens[long_seqs[end]]
+            if (end - start + 1) * q * (starts[long_seqs[start:end + 1]] + q).max() > prefill_group_budget:
+                break
+            end += 1
+        members.append(long_seqs[start:end])
+        start = end
+    for seqs in members:
         max_q = int(lens[seqs].max())
         col = np.arange(max_q)
         valid = col[None, :] < lens[seqs][:, None]  # [num_seqs_g, max_q]
