@@ -168,7 +168,7 @@ class Model:
             sin=paddle.gather(self.sin, pos).unsqueeze(1),
             cache_rows=paddle.to_tensor(rows.reshape(-1)),  # [num_tokens * num_kv_heads]
             groups=groups,
-            single=len(groups) == 1 and len(batch.groups[0].token_rows) == len(batch.token_ids),
+            single=len(groups) == 1 and np.array_equal(batch.groups[0].token_rows, np.arange(len(batch.token_ids))),
         )
 
     def layer(self, x: paddle.Tensor, L: dict, ctx: "StepContext", k_cache: paddle.Tensor,

@@ -24,3 +24,36 @@ def test_logits_and_greedy_match_transformers(arch):
     for i, out in enumerate(outs):
         assert out.token_ids == ref[f"greedy_{i}"].tolist()
         assert out.finish_reason == "length"
+
+
+def test_packed_forward_equals_one_at_a_time_for_any_grouping():
+    """Mixed decode and prefill blocks, prefill groups split and reordered by length: same logits."""
+    lm = load_model(TINY / "llama", dtype="float64")
+    m = lm.model
+    rng = np.random.default_rng(0)
+    lens = np.array([30, 3, 50, 2, 40, 1, 20])
+    starts = np.array([0, 10, 0, 10, 0, 10, 0])
+    toks = rng.integers(3, 300, lens.sum())
+    context = np.tile(np.arange(10) + 5, 7)
+
+    def run(slots, budget):
+        cache = m.new_cache(7, 256)
+        m.forward(build_forward_batch(slots, np.zeros(7, np.int64), np.full(7, 10), context, np.zeros(7, bool)), cache)
+        b = build_forward_batch(slots, starts, lens, toks, np.ones(7, bool), prefill_group_budget=budget)
+        return m.forward(b, cache)[0].numpy(), len(b.groups)
+
+    ref, _ = run(np.arange(7), 1 << 30)
+    for slots in (np.arange(7), np.array([6, 0, 5, 1, 4, 2, 3])):
+        for budget in (1 << 30, 3000):
+            out, num_groups = run(slots, budget)
+            assert np.abs(out - ref).max() < 1e-12
+    assert num_groups == 4
+    # prefill blocks alone (one group, reordered by length) must come back in packed order
+    cache = m.new_cache(3, 256)
+    pl = np.array([25, 40, 18])
+    b = build_forward_batch(np.arange(3), np.zeros(3, np.int64), pl, toks[: pl.sum()], np.zeros(3, bool))
+    together = m.forward(b, cache)[0].numpy()
+    cu = np.concatenate([[0], np.cumsum(pl)])
+    for i in range(3):
+        one = build_forward_batch(np.array([0]), np.array([0]), pl[i:i + 1], toks[cu[i]:cu[i + 1]], np.zeros(1, bool))
+        assert np.abs(m.forward(one, m.new_cache(1, 256))[0].numpy()[0] - together[i]).max() < 1e-12

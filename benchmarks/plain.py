@@ -1,0 +1,90 @@
+"""Plain decoding throughput on the default model, and the ratio to transformers' greedy generate (if installed).
+
+    python benchmarks/plain.py --batch-sizes 1 16 64 256 --max-tokens 128
+
+Prompts are Spec-Bench questions (chat template applied). Every request generates exactly --max-tokens tokens
+(ignore_eos), so both tools do the same work. transformers runs on the same GGUF (dequantized to float32),
+with left padding for batches, in the same process, one after the other.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+
+
+def chat_prompts(n: int) -> list[list[dict]]:
+    lines = [json.loads(x) for x in (DATA / "spec_bench" / "question.jsonl").read_text().splitlines() if x.strip()]
+    picked = [lines[(i * 37) % len(lines)] for i in range(n)]
+    return [[{"role": "user", "content": q["turns"][0][:400]}] for q in picked]
+
+
+def run_specgen(model, prompts, batch_size, max_tokens):
+    from specgen import EngineConfig, SamplingParams, generate
+
+    start = time.perf_counter()
+    outs = generate(prompts, model=model, sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                    engine=EngineConfig(batch_size=batch_size, max_prefill_tokens=8192))
+    wall = time.perf_counter() - start
+    return sum(len(o.token_ids) for o in outs) / wall, [o.token_ids for o in outs]
+
+
+def run_transformers(prompts_ids, batch_size, max_tokens, threads):
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return None, None
+    from specgen.models.default_model import default_gguf_path
+
+    torch.set_num_threads(threads)
+    path = default_gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
+    hf.generation_config.pad_token_id = 2
+    tokens, outs = 0, []
+    start = time.perf_counter()
+    for i in range(0, len(prompts_ids), batch_size):
+        chunk = prompts_ids[i: i + batch_size]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[2] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        with torch.no_grad():
+            gen = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_tokens,
+                              min_new_tokens=max_tokens)
+        new = gen[:, width:]
+        tokens += new.numel()
+        outs.extend(new.tolist())
+    return tokens / (time.perf_counter() - start), outs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-transformers", action="store_true")
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    from specgen import load_model
+
+    model = load_model(None, threads=args.threads)
+    print(f"{'batch':>6}{'prompts':>9}{'specgen tok/s':>15}{'transformers tok/s':>20}{'ratio':>8}{'same greedy':>13}")
+    for bs in args.batch_sizes:
+        n = max(bs, 2) if bs > 1 else 2
+        msgs = chat_prompts(n)
+        ids = [list(model.tokenizer.encode_chat(m)) for m in msgs]
+        sg, sg_out = run_specgen(model, ids, bs, args.max_tokens)
+        hf, hf_out = (None, None) if args.no_transformers else run_transformers(ids, bs, args.max_tokens, args.threads)
+        same = "-" if hf_out is None else f"{sum(a == b for a, b in zip(sg_out, hf_out))}/{len(ids)}"
+        ratio = f"{sg / hf:.2f}x" if hf else "-"
+        hf_s = f"{hf:.1f}" if hf else "-"
+        print(f"{bs:>6}{n:>9}{sg:>15.1f}{hf_s:>20}{ratio:>8}{same:>13}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
