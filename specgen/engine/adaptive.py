@@ -6,6 +6,9 @@ A slot with acceptance estimate a that verifies k drafts emits (1 - a^(k+1)) / (
 picks per-slot k_s (0 = no drafts) maximising emitted tokens per second, sum_s E_s(k_s) / c(sum_s (1 + k_s)),
 by Dinkelbach iteration: each slot maximises E_s(k) - rate * c'(T) * k, and rate is re-estimated.
 k = 0 for every slot is plain decoding, so the choice can only be slower than plain when the cost model is wrong.
+A guard checks the model against reality: it keeps the measured throughput (emitted tokens per second of
+decode-only steps) of steps that speculated and of steps that did not, forces a plain step now and then to keep
+the second one current, and decodes plainly while speculating measures slower.
 """
 from __future__ import annotations
 
@@ -52,11 +55,34 @@ class Controller:
     """
 
     DECAY = 0.9
+    PROBE_EVERY = 16  # steps between forced plain (or, while speculation is off, speculative) probe steps
+    RATE_EMA = 0.2
 
     def __init__(self, cost: CostModel, max_draft: int, num_slots: int):
         self.cost, self.max_draft = cost, max_draft
         self.hits = np.zeros(num_slots)  # [num_slots] decayed count of drafts that matched
         self.seen = np.zeros(num_slots)  # [num_slots] decayed count of drafts whose fate is known
+        self.rate = {True: None, False: None}  # measured tokens/s of speculative and plain decode steps
+        self.steps = 0
+
+    def record(self, num_emitted: int, seconds: float, speculated: bool) -> None:
+        """Throughput of one decode-only step, for the guard."""
+        r = num_emitted / max(seconds, 1e-9)
+        old = self.rate[speculated]
+        self.rate[speculated] = r if old is None else (1 - self.RATE_EMA) * old + self.RATE_EMA * r
+
+    def _guard(self, k: np.ndarray) -> np.ndarray:
+        """Plain decoding while speculation measures slower; a probe step of the other kind now and then."""
+        self.steps += 1
+        if not k.any():
+            return k
+        spec, plain = self.rate[True], self.rate[False]
+        probe = self.steps % self.PROBE_EVERY == 0
+        if plain is None or spec is None:
+            return np.zeros_like(k) if (plain is None and probe) else k
+        if spec < plain:
+            return k if probe else np.zeros_like(k)
+        return np.zeros_like(k) if probe else k
 
     def reset(self, slot: int) -> None:
         self.hits[slot] = self.seen[slot] = 0.0
@@ -109,4 +135,4 @@ class Controller:
         # Keep the choice only if it beats plain decoding under the model.
         plain = n / self.cost(np.array([base]))[0]
         spec = expected_emitted(alpha, k).sum() / self.cost(np.array([base + k.sum()]))[0]
-        return k if spec > plain else np.zeros(n, np.int64)
+        return self._guard(k if spec > plain else np.zeros(n, np.int64))

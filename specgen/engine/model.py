@@ -142,6 +142,7 @@ class Model:
         self.cos = paddle.to_tensor(np.cos(ang).astype(dtype))  # [max_len, head_dim / 2]
         self.sin = paddle.to_tensor(np.sin(ang).astype(dtype))
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.calibrations: dict = {}  # (num_slots, max_draft) -> measured step-cost table, see runner.calibrate
 
     def new_cache(self, num_slots: int, max_capacity: int) -> KVCache:
         cfg = self.config

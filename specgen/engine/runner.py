@@ -143,6 +143,7 @@ class Engine:
     def step(self) -> list[tuple[RequestOutput, int]]:
         """One forward for every active slot: prefill blocks of new slots, [last + drafts] of decoding ones."""
         t = self.table
+        step_start = time.perf_counter()
         dec = np.nonzero(t.active & t.prefilled)[0]  # [num_dec]
         new = np.nonzero(t.active & ~t.prefilled)[0]  # [num_new]
         room = t.max_len - t.seq_len  # [num_slots] tokens each slot may still emit (>= 1 while active)
@@ -152,7 +153,6 @@ class Engine:
         num_draft = num_avail
         if self.controller is not None:
             num_draft = np.minimum(num_avail, self.controller.choose(dec, num_avail, int(t.prompt_len[new].sum())))
-        started = time.perf_counter()
         width = drafts.draft_ids.shape[1]
 
         # Packed tokens: decoding blocks [last, drafts...] first, then the new slots' prompts.
@@ -173,7 +173,7 @@ class Engine:
         u = uniforms(t.rng_key[row_slot], out_pos)
         targets = sample(logits, t.temperature[row_slot], t.top_k[row_slot], t.top_p[row_slot], u).numpy()
         if self.controller is not None:
-            self.controller.cost.observe(len(batch.token_ids), time.perf_counter() - started)
+            self.controller.cost.observe(len(batch.token_ids), time.perf_counter() - step_start)
 
         # Targets back into [num_seqs, width + 1]: decode rows are the first sum(num_draft + 1) logit rows.
         emitted = np.zeros((len(slots), width + 1), np.int64)
@@ -185,6 +185,8 @@ class Engine:
         by_stop, texts = self._stop_strings(slots, emitted, kept)
         if self.controller is not None:
             self.controller.update(dec, drafts.draft_ids, num_avail, emitted[: len(dec)], kept[: len(dec)])
+            if len(new) == 0:  # steps that prefill are not comparable
+                self.controller.record(int(kept.sum()), time.perf_counter() - step_start, bool(num_draft.sum()))
 
         # Commit: tokens, lengths, statistics.
         col = np.arange(width + 1)[None, :]
@@ -242,18 +244,24 @@ def _error_output(req: Request, message: str) -> RequestOutput:
 
 
 def calibrate(model: Model, cache, max_draft: int) -> Controller:
-    """Time forwards feeding 1..max_draft+1 tokens to every slot (cache rows are overwritten later by prefill)."""
+    """Time forwards feeding 1, 2 and max_draft + 1 tokens to every slot (their cache rows are overwritten later
+    by prefill). Measured once per (batch size, max_draft) and model, and kept on the model: a later engine
+    on the same model (e.g. `specgen bench`) reuses it."""
     num_slots = cache.num_slots
-    slots = np.arange(num_slots, dtype=np.int64)
-    tokens, seconds = [], []
-    for q in range(1, max_draft + 2):
-        batch = build_forward_batch(slots, np.zeros(num_slots, np.int64), np.full(num_slots, q, np.int64),
-                                    np.zeros(num_slots * q, np.int64), np.ones(num_slots, bool))
-        best = np.inf
-        for _ in range(2):
+    key = (num_slots, max_draft)
+    table = model.calibrations.get(key)
+    if table is None:
+        slots = np.arange(num_slots, dtype=np.int64)
+        tokens, seconds = [], []
+        for q in sorted({1, 2, max_draft + 1}):
+            batch = build_forward_batch(slots, np.zeros(num_slots, np.int64), np.full(num_slots, q, np.int64),
+                                        np.zeros(num_slots * q, np.int64), np.ones(num_slots, bool))
+            if q == 1:
+                model.forward(batch, cache)[0].numpy()  # warm-up
             start = time.perf_counter()
             model.forward(batch, cache)[0].numpy()
-            best = min(best, time.perf_counter() - start)
-        tokens.append(num_slots * q)
-        seconds.append(best)
-    return Controller(CostModel(np.array(tokens), np.maximum.accumulate(np.array(seconds))), max_draft, num_slots)
+            tokens.append(num_slots * q)
+            seconds.append(time.perf_counter() - start)
+        table = (np.array(tokens), np.maximum.accumulate(np.array(seconds)))
+        model.calibrations[key] = table
+    return Controller(CostModel(*table), max_draft, num_slots)
