@@ -9,6 +9,16 @@ if "OMP_NUM_THREADS" not in _os.environ:
 
     _os.environ["OMP_NUM_THREADS"] = str(_dt())
 
+import contextlib as _contextlib  # noqa: E402
+import io as _io  # noqa: E402
+import warnings as _warnings  # noqa: E402
+
+# Paddle prints a multi-thread banner to stderr at import whenever OMP_NUM_THREADS > 1, and warns about ccache;
+# neither concerns a specgen user, so the import runs with both silenced.
+_warnings.filterwarnings("ignore", message="No ccache found")
+with _contextlib.redirect_stderr(_io.StringIO()):
+    import paddle as _paddle  # noqa: E402,F401
+
 from specgen.api import LoadedModel, generate, load_model  # noqa: E402
 from specgen.config import EngineConfig, Method, SamplingParams, SpecConfig  # noqa: E402
 
