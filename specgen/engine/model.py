@@ -258,8 +258,10 @@ class _GroupIndex:
         head = (np.arange(KV)[:, None] * G + np.arange(G)[None, :])  # [KV, G]
         q_rows = tok[:, None, None, :] * num_heads + head[None, :, :, None]  # [S, KV, G, Q]
         self.q_rows = paddle.to_tensor(q_rows.reshape(-1))
-        kv_rows = (g.seq_slots[:, None, None] * KV + np.arange(KV)[None, :, None]) * capacity + np.arange(L)
-        self.kv_rows = None if self.direct else paddle.to_tensor(kv_rows.reshape(-1))  # [S * KV * L]
+        self.kv_rows = None
+        if not self.direct:
+            kv_rows = (g.seq_slots[:, None, None] * KV + np.arange(KV)[None, :, None]) * capacity + np.arange(L)
+            self.kv_rows = paddle.to_tensor(kv_rows.reshape(-1))  # [S * KV * L]
         allowed = np.arange(L)[None, None, :] <= g.pad_positions[:, :, None]  # [S, Q, L]
         neg = np.finfo(np.float32).min if dtype == "float32" else np.finfo(np.float64).min
         bias = np.where(allowed, 0.0, neg).astype(dtype)[:, None, None]  # [S, 1, 1, Q, L]
@@ -269,8 +271,8 @@ class _GroupIndex:
         self.bias = paddle.to_tensor(np.ascontiguousarray(bias))
         # output rows: for each of the group's tokens (seq s, offset q) and head h = kv * G + g
         s_of, q_of = np.divmod(g.token_pad_index, Q)  # [num_tokens_g]
-        out_rows = ((s_of[:, None] * KV + head.reshape(-1)[None, :] // G) * G + head.reshape(-1)[None, :] % G) * Q \
-            + q_of[:, None]  # [num_tokens_g, H]
+        # head h = kv * G + g sits at row ((s * KV + kv) * G + g) * Q + q = (s * H + h) * Q + q of the output
+        out_rows = (s_of[:, None] * num_heads + np.arange(num_heads)[None, :]) * Q + q_of[:, None]  # [num_tokens_g, H]
         self.out_rows = paddle.to_tensor(out_rows.reshape(-1))
         self.num_tokens = len(g.token_rows)
         self.token_rows = paddle.to_tensor(g.token_rows)  # [num_tokens_g]
