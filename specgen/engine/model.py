@@ -8,6 +8,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from specgen import kernels
 from specgen.engine.kv_cache import KVCache
 from specgen.engine.types import ForwardBatch
 from specgen.errors import CheckpointError
@@ -143,6 +144,9 @@ class Model:
         self.sin = paddle.to_tensor(np.sin(ang).astype(dtype))
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.calibrations: dict = {}  # (num_slots, max_draft) -> measured step-cost table, see runner.calibrate
+        # Fused CPU operators (specgen/kernels) when they build; None runs the Paddle reference path below.
+        self.ops = kernels.ops()
+        self._ones = paddle.ones([cfg.head_dim], dtype=dtype)  # stands in for absent q/k norm weights
 
     def new_cache(self, num_slots: int, max_capacity: int) -> KVCache:
         cfg = self.config
@@ -158,6 +162,10 @@ class Model:
         cache.ensure(batch.max_position)
         pos = paddle.to_tensor(batch.positions)  # [num_tokens]
         cfg = self.config
+        if self.ops is not None:
+            return StepContext(num_tokens=len(batch.token_ids), cos=None, sin=None, cache_rows=None, groups=[],
+                               single=True, positions=pos, token_slots=paddle.to_tensor(batch.token_slots),
+                               capacity=cache.capacity)
         groups = [_GroupIndex(g, cache.capacity, cache.num_slots, cfg.num_heads, cfg.num_kv_heads, self.dtype)
                   for g in batch.groups]
         kv = np.arange(cfg.num_kv_heads)
@@ -170,11 +178,14 @@ class Model:
             cache_rows=paddle.to_tensor(rows.reshape(-1)),  # [num_tokens * num_kv_heads]
             groups=groups,
             single=len(groups) == 1 and np.array_equal(batch.groups[0].token_rows, np.arange(len(batch.token_ids))),
+            positions=pos, token_slots=None, capacity=cache.capacity,
         )
 
     def layer(self, x: paddle.Tensor, L: dict, ctx: "StepContext", k_cache: paddle.Tensor,
               v_cache: paddle.Tensor) -> paddle.Tensor:
         """One pre-norm decoder block on packed tokens x [num_tokens, hidden]; writes this layer's K/V."""
+        if self.ops is not None:
+            return self._fused_layer(x, L, ctx, k_cache, v_cache)
         cfg = self.config
         n, H, KV, D = ctx.num_tokens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = rms_norm(x, L["attn_norm"], cfg.rms_norm_eps)
@@ -213,13 +224,45 @@ class Model:
             m = m + L["b_down"]
         return x + m
 
+    def _fused_layer(self, x: paddle.Tensor, L: dict, ctx: "StepContext", k_cache: paddle.Tensor,
+                     v_cache: paddle.Tensor) -> paddle.Tensor:
+        """`layer` with the fused operators: norms, RoPE + cache write + attention, and SiLU-gate each one op."""
+        cfg, ops = self.config, self.ops
+        eps = cfg.rms_norm_eps
+        h = ops.specgen_rms_norm(x, L["attn_norm"], eps)
+        qkv = paddle.matmul(h, L["w_qkv"])  # [num_tokens, (H + 2 KV) * D]
+        if L["b_qkv"] is not None:
+            qkv = qkv + L["b_qkv"]
+        qk_norm = L["q_norm"] is not None
+        attn = ops.specgen_attention(qkv, self.cos, self.sin, ctx.positions, ctx.token_slots, k_cache, v_cache,
+                                     L["q_norm"] if qk_norm else self._ones, L["k_norm"] if qk_norm else self._ones,
+                                     cfg.num_heads, cfg.num_kv_heads, ctx.capacity, qk_norm, eps)
+        attn = attn[0] if isinstance(attn, (list, tuple)) else attn  # [num_tokens, H * D]
+        o = paddle.matmul(attn, L["w_o"])  # [num_tokens, hidden]
+        if L["b_o"] is not None:
+            o = o + L["b_o"]
+        x, h = ops.specgen_add_rms_norm(x, o, L["mlp_norm"], eps)
+        gu = paddle.matmul(h, L["w_gate_up"])  # [num_tokens, 2 * intermediate]
+        if L["b_gate_up"] is not None:
+            gu = gu + L["b_gate_up"]
+        m = paddle.matmul(ops.specgen_silu_mul(gu), L["w_down"])  # [num_tokens, hidden]
+        if L["b_down"] is not None:
+            m = m + L["b_down"]
+        return x + m
+
+    def norm(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+        """RMSNorm over the last axis, fused when the kernels are built."""
+        if self.ops is not None:
+            return self.ops.specgen_rms_norm(x, w, self.config.rms_norm_eps)
+        return rms_norm(x, w, self.config.rms_norm_eps)
+
     def forward(self, batch: ForwardBatch, cache: KVCache) -> tuple[paddle.Tensor, paddle.Tensor]:
         """Returns (logits [num_logits, vocab], final normed hidden [num_tokens, hidden]) and writes K/V."""
         ctx = self.context(batch, cache)
         x = F.embedding(paddle.to_tensor(batch.token_ids), self.w.embed)  # [num_tokens, hidden]
         for li, L in enumerate(self.w.layers):
             x = self.layer(x, L, ctx, cache.k[li], cache.v[li])
-        hidden = rms_norm(x, self.w.final_norm, self.config.rms_norm_eps)  # [num_tokens, hidden]
+        hidden = self.norm(x, self.w.final_norm)  # [num_tokens, hidden]
         logits = paddle.matmul(paddle.gather(hidden, paddle.to_tensor(batch.logit_rows)), self.w.lm_head)
         return logits, hidden  # logits [num_logits, vocab]
 
@@ -229,11 +272,14 @@ class StepContext:
     """Per-forward device indices: RoPE rows, cache rows, attention groups."""
 
     num_tokens: int
-    cos: paddle.Tensor  # [num_tokens, 1, head_dim / 2]
-    sin: paddle.Tensor
-    cache_rows: paddle.Tensor  # [num_tokens * num_kv_heads] cache row of each token's K/V per head
+    cos: paddle.Tensor | None  # [num_tokens, 1, head_dim / 2] (reference path)
+    sin: paddle.Tensor | None
+    cache_rows: paddle.Tensor | None  # [num_tokens * num_kv_heads] cache row of each token's K/V per head
     groups: list
     single: bool  # one group holding every token in order: no scatter needed
+    positions: paddle.Tensor  # [num_tokens] int64
+    token_slots: paddle.Tensor | None  # [num_tokens] int64 cache slot of each token (fused path)
+    capacity: int  # cache positions per (slot, kv head)
 
 
 class _GroupIndex:

@@ -1,0 +1,80 @@
+"""Fused CPU operators (cpu_ops.cc), compiled on first use with Paddle's C++ extension builder.
+
+Built once per source version into ~/.cache/specgen/kernels (or $SPECGEN_CACHE/kernels) under a file lock, so
+concurrent processes share one build. When no compiler is present, the build fails, the tensors are not on the
+CPU, or SPECGEN_KERNELS=0, `ops()` returns None and the model runs its Paddle reference path
+(specgen/engine/model.py), which computes the same functions op by op.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.cc")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+_state: dict[str, ModuleType | None] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("SPECGEN_KERNELS", "1").lower() not in ("0", "false", "no", "off")
+
+
+def _build_dir() -> Path:
+    import paddle
+
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + paddle.__version__.encode()
+                         + platform.machine().encode() + platform.node().encode()).hexdigest()[:16]
+    root = Path(os.environ.get("SPECGEN_CACHE", Path.home() / ".cache" / "specgen"))
+    return root / "kernels" / key
+
+
+def _openmp_ldflags() -> list[str]:
+    """Link against the OpenMP runtime Paddle already loads (Intel's libiomp5, which also serves GCC's GOMP
+    entry points), so one thread pool serves both; two spinning pools would fight over the cores."""
+    import paddle
+
+    libs = Path(paddle.__file__).parent / "libs"
+    if (libs / "libiomp5.so").exists():
+        return [f"-L{libs}", "-l:libiomp5.so", f"-Wl,-rpath,{libs}"]
+    return ["-fopenmp"]
+
+
+def _build() -> ModuleType | None:
+    import fcntl
+
+    import paddle
+
+    if paddle.get_device() != "cpu" or shutil.which("c++") is None and shutil.which("g++") is None:
+        return None
+    from paddle.utils.cpp_extension import load
+
+    d = _build_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return load(name="specgen_cpu_ops", sources=[str(SOURCE)], extra_cxx_cflags=FLAGS,
+                        extra_ldflags=_openmp_ldflags(), build_directory=str(d), verbose=False)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def ops() -> ModuleType | None:
+    """The compiled operators, or None when they are disabled or cannot be built (logged once)."""
+    if not enabled():
+        return None
+    if "ops" not in _state:
+        try:
+            _state["ops"] = _build()
+        except Exception as e:  # no compiler, missing headers, ...: fall back to the reference path
+            log.warning("specgen: fused CPU kernels unavailable (%s); using the Paddle reference path",
+                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+            _state["ops"] = None
+    return _state["ops"]

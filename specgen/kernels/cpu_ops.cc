@@ -1,0 +1,350 @@
+// Fused CPU operators for the packed forward (see specgen/kernels/__init__.py for the build and
+// specgen/engine/model.py for the Paddle reference each one matches).
+//
+//   specgen_rms_norm      x [n, h], w [h]                  -> x * rsqrt(mean(x^2) + eps) * w
+//   specgen_add_rms_norm  x [n, h], r [n, h], w [h]        -> (x + r, rms_norm(x + r))
+//   specgen_silu_mul      gu [n, 2 i]                      -> silu(gu[:, :i]) * gu[:, i:]
+//   specgen_attention     qkv [n, (H + 2 KV) D], RoPE tables, per-token position and slot, the layer's cache
+//                         -> causal attention output [n, H D]; writes the tokens' K/V into the cache first.
+//
+// Every output row is computed from its own inputs in a fixed order, whatever else is in the batch, so results
+// do not depend on batch composition or on how many tokens a slot feeds (speculation on or off).
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "paddle/extension.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+template <typename T>
+inline T dot(const T* a, const T* b, int64_t d) {
+  T s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+template <typename T>
+inline void rms_norm_row(const T* x, const T* w, T* out, int64_t h, T eps) {
+  const T r = T(1) / std::sqrt(dot(x, x, h) / T(h) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < h; ++i) out[i] = x[i] * r * w[i];
+}
+
+void check_cpu(const paddle::Tensor& t, const char* name) {
+  PD_CHECK(t.is_cpu(), name, " must be a CPU tensor");
+}
+
+}  // namespace
+
+namespace {
+
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* out, int64_t n, int64_t h, T eps) {
+#pragma omp parallel for if (n > 8)
+  for (int64_t r = 0; r < n; ++r) rms_norm_row(x + r * h, w, out + r * h, h, eps);
+}
+
+template <typename T>
+void add_rms_norm_rows(const T* x, const T* res, const T* w, T* sum, T* out, int64_t n, int64_t h, T eps) {
+#pragma omp parallel for if (n > 8)
+  for (int64_t r = 0; r < n; ++r) {
+#pragma omp simd
+    for (int64_t i = 0; i < h; ++i) sum[r * h + i] = x[r * h + i] + res[r * h + i];
+    rms_norm_row(sum + r * h, w, out + r * h, h, eps);
+  }
+}
+
+template <typename T>
+void silu_mul_rows(const T* gu, T* out, int64_t n, int64_t inter) {
+#pragma omp parallel for if (n > 4)
+  for (int64_t r = 0; r < n; ++r) {
+    const T* g = gu + r * 2 * inter;
+    for (int64_t i = 0; i < inter; ++i) out[r * inter + i] = g[i] / (T(1) + std::exp(-g[i])) * g[inter + i];
+  }
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> RmsNorm(const paddle::Tensor& x, const paddle::Tensor& w, double eps) {
+  check_cpu(x, "x");
+  auto out = paddle::empty_like(x);
+  const int64_t h = x.shape().back(), n = x.numel() / h;
+  PD_DISPATCH_FLOATING_TYPES(x.type(), "specgen_rms_norm", ([&] {
+    rms_norm_rows<data_t>(x.data<data_t>(), w.data<data_t>(), out.data<data_t>(), n, h, data_t(eps));
+  }));
+  return {out};
+}
+
+std::vector<paddle::Tensor> AddRmsNorm(const paddle::Tensor& x, const paddle::Tensor& res, const paddle::Tensor& w,
+                                       double eps) {
+  check_cpu(x, "x");
+  auto sum = paddle::empty_like(x);
+  auto out = paddle::empty_like(x);
+  const int64_t h = x.shape().back(), n = x.numel() / h;
+  PD_DISPATCH_FLOATING_TYPES(x.type(), "specgen_add_rms_norm", ([&] {
+    add_rms_norm_rows<data_t>(x.data<data_t>(), res.data<data_t>(), w.data<data_t>(), sum.data<data_t>(),
+                              out.data<data_t>(), n, h, data_t(eps));
+  }));
+  return {sum, out};
+}
+
+std::vector<paddle::Tensor> SiluMul(const paddle::Tensor& gu) {
+  check_cpu(gu, "gu");
+  const int64_t two_i = gu.shape().back(), n = gu.numel() / two_i;
+  auto out = paddle::empty({n, two_i / 2}, gu.dtype(), gu.place());
+  PD_DISPATCH_FLOATING_TYPES(gu.type(), "specgen_silu_mul", ([&] {
+    silu_mul_rows<data_t>(gu.data<data_t>(), out.data<data_t>(), n, two_i / 2);
+  }));
+  return {out};
+}
+
+namespace {
+
+// Rotate-half RoPE of one head vector x [D] at a position whose cos/sin rows are c, s [D / 2].
+template <typename T>
+inline void rope(const T* x, const T* c, const T* s, T* out, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const T x1 = x[i], x2 = x[i + half];
+    out[i] = x1 * c[i] - x2 * s[i];
+    out[i + half] = x2 * c[i] + x1 * s[i];
+  }
+}
+
+// One work item: the queries of `nt` consecutive tokens of one slot (positions p0 ..), the G query heads that
+// share one KV head, against that head's keys/values [0, len).
+template <typename T>
+struct Tile {
+  const T* q;       // query of token a, group head g at q + a * q_stride + g * D
+  int64_t q_stride;  // H * D
+  int64_t G, nt, p0, len;
+  const T* k;  // [len, D] this slot's keys for this KV head
+  const T* v;
+  T* out;  // same indexing as q
+};
+
+// Reference-order version for any type: scores, max, exp, normalise, weighted sum of values.
+template <typename T>
+void tile_attention_generic(const Tile<T>& t, int64_t D, std::vector<T>& sc, std::vector<T>& acc) {
+  const int64_t rows = t.nt * t.G, len = t.len;
+  sc.assign(rows * len, T(0));
+  acc.assign(rows * D, T(0));
+  for (int64_t j = 0; j < len; ++j) {
+    const T* k = t.k + j * D;
+    for (int64_t a = (j > t.p0 ? j - t.p0 : 0); a < t.nt; ++a)
+      for (int64_t g = 0; g < t.G; ++g) sc[(a * t.G + g) * len + j] = dot(t.q + a * t.q_stride + g * D, k, D);
+  }
+  for (int64_t a = 0; a < t.nt; ++a) {
+    const int64_t last = t.p0 + a + 1;  // keys [0, last)
+    for (int64_t g = 0; g < t.G; ++g) {
+      T* r = sc.data() + (a * t.G + g) * len;
+      T m = r[0];
+      for (int64_t j = 1; j < last; ++j) m = r[j] > m ? r[j] : m;
+      T total = 0;
+      for (int64_t j = 0; j < last; ++j) { r[j] = std::exp(r[j] - m); total += r[j]; }
+      const T inv = T(1) / total;
+      for (int64_t j = 0; j < last; ++j) r[j] *= inv;
+    }
+  }
+  for (int64_t j = 0; j < len; ++j) {
+    const T* v = t.v + j * D;
+    for (int64_t a = (j > t.p0 ? j - t.p0 : 0); a < t.nt; ++a)
+      for (int64_t g = 0; g < t.G; ++g) {
+        const T p = sc[(a * t.G + g) * len + j];
+        T* o = acc.data() + (a * t.G + g) * D;
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) o[i] += p * v[i];
+      }
+  }
+  for (int64_t a = 0; a < t.nt; ++a)
+    for (int64_t g = 0; g < t.G; ++g)
+      std::copy(acc.data() + (a * t.G + g) * D, acc.data() + (a * t.G + g + 1) * D, t.out + a * t.q_stride + g * D);
+}
+
+template <typename T>
+void tile_attention(const Tile<T>& t, int64_t D, std::vector<T>& sc, std::vector<T>& acc) {
+  tile_attention_generic(t, D, sc, acc);
+}
+
+#if defined(__AVX512F__)
+// e^x for x <= 0 (scores minus their max): Cephes' expf range reduction and polynomial, about 1 ulp.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// float32 with head_dim a multiple of 16 (up to 256): the same steps, vectorised by hand. Each query row is
+// still computed on its own, in a fixed order.
+template <>
+void tile_attention<float>(const Tile<float>& t, int64_t D, std::vector<float>& sc, std::vector<float>& acc) {
+  if (D % 16 != 0 || D > 256) {
+    return tile_attention_generic(t, D, sc, acc);
+  }
+  const int64_t rows = t.nt * t.G, len = t.len, C = D / 16;
+  const int64_t stride = (len + 15) & ~int64_t(15);
+  sc.resize(rows * stride);
+  acc.assign(rows * D, 0.0f);
+  __m512 kv[16];
+  for (int64_t j = 0; j < len; ++j) {
+    const float* k = t.k + j * D;
+    for (int64_t c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(k + 16 * c);
+    for (int64_t a = (j > t.p0 ? j - t.p0 : 0); a < t.nt; ++a)
+      for (int64_t g = 0; g < t.G; ++g) {
+        const float* q = t.q + a * t.q_stride + g * D;
+        __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q), kv[0]);
+        for (int64_t c = 1; c < C; ++c) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), kv[c], s);
+        sc[(a * t.G + g) * stride + j] = _mm512_reduce_add_ps(s);
+      }
+  }
+  for (int64_t a = 0; a < t.nt; ++a) {
+    const int64_t last = t.p0 + a + 1;
+    for (int64_t g = 0; g < t.G; ++g) {
+      float* r = sc.data() + (a * t.G + g) * stride;
+      __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::max());
+      for (int64_t j = 0; j < last; j += 16) {
+        const __mmask16 mk = last - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (last - j)) - 1);
+        mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, r + j));
+      }
+      const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+      __m512 tot = _mm512_setzero_ps();
+      for (int64_t j = 0; j < last; j += 16) {
+        const __mmask16 mk = last - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (last - j)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, r + j), m)));
+        _mm512_mask_storeu_ps(r + j, mk, e);
+        tot = _mm512_add_ps(tot, e);
+      }
+      const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(tot));
+      for (int64_t j = 0; j < last; j += 16) {
+        const __mmask16 mk = last - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (last - j)) - 1);
+        _mm512_mask_storeu_ps(r + j, mk, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, r + j), inv));
+      }
+    }
+  }
+  for (int64_t j = 0; j < len; ++j) {
+    const float* v = t.v + j * D;
+    for (int64_t c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(v + 16 * c);
+    for (int64_t a = (j > t.p0 ? j - t.p0 : 0); a < t.nt; ++a)
+      for (int64_t g = 0; g < t.G; ++g) {
+        const __m512 p = _mm512_set1_ps(sc[(a * t.G + g) * stride + j]);
+        float* o = acc.data() + (a * t.G + g) * D;
+        for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_fmadd_ps(p, kv[c], _mm512_loadu_ps(o + 16 * c)));
+      }
+  }
+  for (int64_t a = 0; a < t.nt; ++a)
+    for (int64_t g = 0; g < t.G; ++g)
+      std::copy(acc.data() + (a * t.G + g) * D, acc.data() + (a * t.G + g + 1) * D, t.out + a * t.q_stride + g * D);
+}
+#endif
+
+template <typename T>
+void attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, const int64_t* slot, T* kc, T* vc,
+               const T* qn, const T* kn, T* out, int64_t n, int64_t H, int64_t KV, int64_t D, int64_t cap,
+               bool qk_norm, T eps, int64_t tile) {
+  const int64_t G = H / KV, width = (H + 2 * KV) * D, half = D / 2;
+  const T scale = T(1) / std::sqrt(T(D));
+  std::vector<T> q(n * H * D);  // [n, H, D] roped, scaled queries
+  // Phase 1: RoPE on q and k, K/V into the cache rows ((slot * KV + kv) * cap + pos).
+#pragma omp parallel for if (n > 4)
+  for (int64_t t = 0; t < n; ++t) {
+    const T* row = qkv + t * width;
+    const T* c = cos + pos[t] * half;
+    const T* s = sin + pos[t] * half;
+    std::vector<T> tmp(D);
+    for (int64_t h = 0; h < H; ++h) {
+      const T* x = row + h * D;
+      if (qk_norm) { rms_norm_row(x, qn, tmp.data(), D, eps); x = tmp.data(); }
+      rope(x, c, s, q.data() + (t * H + h) * D, D);
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) q[(t * H + h) * D + i] *= scale;
+    }
+    for (int64_t h = 0; h < KV; ++h) {
+      const int64_t dst = ((slot[t] * KV + h) * cap + pos[t]) * D;
+      const T* x = row + (H + h) * D;
+      if (qk_norm) { rms_norm_row(x, kn, tmp.data(), D, eps); x = tmp.data(); }
+      rope(x, c, s, kc + dst, D);
+      const T* v = row + (H + KV + h) * D;
+      for (int64_t i = 0; i < D; ++i) vc[dst + i] = v[i];
+    }
+  }
+  // Tiles: runs of up to `tile` tokens of one slot at consecutive positions (a decode/verify block, or a piece
+  // of a prompt); each tile and KV head is one work item that reads its keys and values once.
+  std::vector<int64_t> starts;
+  for (int64_t t = 0; t < n; ++t) {
+    if (t == 0 || slot[t] != slot[t - 1] || pos[t] != pos[t - 1] + 1 || t - starts.back() >= tile)
+      starts.push_back(t);
+  }
+  const int64_t num_tiles = starts.size();
+  starts.push_back(n);
+  // Phase 2: attention of each query over keys [0, pos] of its slot: scores, softmax, weighted values.
+#pragma omp parallel
+  {
+    std::vector<T> sc, acc;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < num_tiles * KV; ++w) {
+      const int64_t ti = w / KV, kvh = w % KV, t0 = starts[ti], nt = starts[ti + 1] - t0;
+      Tile<T> tl{q.data() + (t0 * H + kvh * G) * D, H * D, G, nt, pos[t0], pos[t0 + nt - 1] + 1,
+                 kc + (slot[t0] * KV + kvh) * cap * D, vc + (slot[t0] * KV + kvh) * cap * D,
+                 out + (t0 * H + kvh * G) * D};
+      tile_attention(tl, D, sc, acc);
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> Attention(const paddle::Tensor& qkv, const paddle::Tensor& cos, const paddle::Tensor& sin,
+                                      const paddle::Tensor& positions, const paddle::Tensor& slots,
+                                      paddle::Tensor& k_cache, paddle::Tensor& v_cache, const paddle::Tensor& q_norm,
+                                      const paddle::Tensor& k_norm, int num_heads, int num_kv_heads, int64_t capacity,
+                                      bool qk_norm, double eps) {
+  check_cpu(qkv, "qkv");
+  check_cpu(k_cache, "k_cache");
+  const int64_t n = qkv.shape()[0], D = k_cache.shape().back();
+  PD_CHECK(qkv.shape()[1] == (num_heads + 2 * num_kv_heads) * D, "qkv width does not match the heads");
+  PD_CHECK(positions.dtype() == paddle::DataType::INT64 && slots.dtype() == paddle::DataType::INT64,
+           "positions and slots must be int64");
+  auto out = paddle::empty({n, num_heads * D}, qkv.dtype(), qkv.place());
+  PD_DISPATCH_FLOATING_TYPES(qkv.type(), "specgen_attention", ([&] {
+    attention<data_t>(qkv.data<data_t>(), cos.data<data_t>(), sin.data<data_t>(), positions.data<int64_t>(),
+                      slots.data<int64_t>(), k_cache.data<data_t>(), v_cache.data<data_t>(), q_norm.data<data_t>(),
+                      k_norm.data<data_t>(), out.data<data_t>(), n, num_heads, num_kv_heads, D, capacity, qk_norm,
+                      data_t(eps), 8);
+  }));
+  return {out};
+}
+
+PD_BUILD_OP(specgen_rms_norm).Inputs({"X", "W"}).Outputs({"Out"}).Attrs({"eps: double"}).SetKernelFn(PD_KERNEL(RmsNorm));
+
+PD_BUILD_OP(specgen_add_rms_norm)
+    .Inputs({"X", "Res", "W"})
+    .Outputs({"Sum", "Out"})
+    .Attrs({"eps: double"})
+    .SetKernelFn(PD_KERNEL(AddRmsNorm));
+
+PD_BUILD_OP(specgen_silu_mul).Inputs({"GU"}).Outputs({"Out"}).SetKernelFn(PD_KERNEL(SiluMul));
+
+PD_BUILD_OP(specgen_attention)
+    .Inputs({"QKV", "Cos", "Sin", "Positions", "Slots", "KCache", "VCache", "QNorm", "KNorm"})
+    .Outputs({"Out", "KCacheOut", "VCacheOut"})
+    .SetInplaceMap({{"KCache", "KCacheOut"}, {"VCache", "VCacheOut"}})
+    .Attrs({"num_heads: int", "num_kv_heads: int", "capacity: int64_t", "qk_norm: bool", "eps: double"})
+    .SetKernelFn(PD_KERNEL(Attention));
+

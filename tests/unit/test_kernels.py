@@ -1,0 +1,123 @@
+"""The fused CPU operators (specgen/kernels) against their references: numpy and the model's Paddle path."""
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+import pytest
+
+from conftest import TINY, TINY_ARCHS
+from specgen import load_model
+from specgen.engine.model import rms_norm
+from specgen.engine.types import build_forward_batch
+from specgen.kernels import ops
+
+K = ops()
+pytestmark = pytest.mark.skipif(K is None, reason="fused CPU kernels not built (no C++ compiler or not on CPU)")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_norms_and_silu_match_reference(dtype):
+    rng = np.random.default_rng(0)
+    x, r = (paddle.to_tensor(rng.standard_normal((7, 48)).astype(dtype)) for _ in range(2))
+    w = paddle.to_tensor(rng.random(48).astype(dtype))
+    tol = 1e-6 if dtype == "float32" else 1e-14
+    assert float((K.specgen_rms_norm(x, w, 1e-5) - rms_norm(x, w, 1e-5)).abs().max()) <= tol
+    s, n = K.specgen_add_rms_norm(x, r, w, 1e-5)
+    assert float((s - (x + r)).abs().max()) == 0.0
+    assert float((n - rms_norm(x + r, w, 1e-5)).abs().max()) <= tol
+    gu = paddle.to_tensor(rng.standard_normal((5, 64)).astype(dtype))
+    assert float((K.specgen_silu_mul(gu) - F.silu(gu[:, :32]) * gu[:, 32:]).abs().max()) <= tol
+
+
+def _numpy_attention(qkv, cos, sin, pos, slots, kc, vc, H, KV, cap):
+    """Straightforward reference: RoPE, cache write, causal softmax attention per token (float64)."""
+    n, D = len(pos), kc.shape[1]
+    G, half = H // KV, D // 2
+    x = qkv.reshape(n, H + 2 * KV, D).astype(np.float64)
+    c, s = cos[pos][:, None, :], sin[pos][:, None, :]
+    rot = np.concatenate([x[..., :half] * c - x[..., half:] * s, x[..., half:] * c + x[..., :half] * s], axis=-1)
+    q, k, v = rot[:, :H] / np.sqrt(D), rot[:, H:H + KV], x[:, H + KV:]
+    kc, vc = kc.astype(np.float64).copy(), vc.astype(np.float64).copy()
+    for t in range(n):
+        for h in range(KV):
+            row = (slots[t] * KV + h) * cap + pos[t]
+            kc[row], vc[row] = k[t, h], v[t, h]
+    out = np.zeros((n, H, D))
+    for t in range(n):
+        for h in range(H):
+            base = (slots[t] * KV + h // G) * cap
+            sc = kc[base: base + pos[t] + 1] @ q[t, h]
+            p = np.exp(sc - sc.max())
+            out[t, h] = (p / p.sum()) @ vc[base: base + pos[t] + 1]
+    return out.reshape(n, H * D), kc, vc
+
+
+@pytest.mark.parametrize("D,H,KV", [(64, 9, 3), (24, 4, 2), (32, 4, 4)])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_attention_matches_numpy_and_writes_the_cache(D, H, KV, dtype):
+    """Ragged blocks: a 21-token prompt (several tiles), a 6-token verify block, a 1-token decode, and a
+    block of another slot sitting between two blocks of... distinct slots at unrelated positions."""
+    rng = np.random.default_rng(D + H)
+    cap, num_slots = 64, 4
+    slots = np.array([2] * 21 + [0] * 6 + [3] + [1] * 2, np.int64)
+    pos = np.concatenate([np.arange(21), np.arange(30, 36), [40], [5, 6]]).astype(np.int64)
+    qkv = rng.standard_normal((len(pos), (H + 2 * KV) * D)).astype(dtype)
+    ang = np.arange(cap)[:, None] * (1e4 ** (-np.arange(0, D, 2) / D))[None, :]
+    cos, sin = np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
+    kc = rng.standard_normal((num_slots * KV * cap, D)).astype(dtype)  # stale history the queries also read
+    vc = rng.standard_normal((num_slots * KV * cap, D)).astype(dtype)
+    want, want_k, want_v = _numpy_attention(qkv, cos, sin, pos, slots, kc, vc, H, KV, cap)
+    pk, pv = paddle.to_tensor(kc), paddle.to_tensor(vc)
+    ones = paddle.ones([D], dtype=dtype)
+    got = K.specgen_attention(paddle.to_tensor(qkv), paddle.to_tensor(cos), paddle.to_tensor(sin),
+                              paddle.to_tensor(pos), paddle.to_tensor(slots), pk, pv, ones, ones, H, KV, cap, False,
+                              1e-6)
+    got = got[0] if isinstance(got, (list, tuple)) else got
+    tol = 2e-5 if dtype == "float32" else 1e-12
+    assert np.abs(got.numpy() - want).max() <= tol
+    assert np.abs(pk.numpy() - want_k).max() <= tol  # written in place
+    assert np.abs(pv.numpy() - want_v).max() == 0.0
+
+
+def test_attention_rows_do_not_depend_on_the_rest_of_the_batch():
+    """A token's output is bit-identical whether it runs alone or packed with other slots' blocks."""
+    rng = np.random.default_rng(1)
+    H, KV, D, cap = 9, 3, 64, 64
+    kc0 = rng.standard_normal((3 * KV * cap, D)).astype(np.float32)
+    vc0 = rng.standard_normal((3 * KV * cap, D)).astype(np.float32)
+    cos = paddle.to_tensor(rng.random((cap, D // 2)).astype(np.float32))
+    sin = paddle.to_tensor(rng.random((cap, D // 2)).astype(np.float32))
+    ones = paddle.ones([D])
+    qkv = rng.standard_normal((9, (H + 2 * KV) * D)).astype(np.float32)
+    slots = np.array([0, 1, 1, 1, 1, 1, 1, 2, 2], np.int64)
+    pos = np.array([7, 20, 21, 22, 23, 24, 25, 3, 4], np.int64)
+
+    def run(rows):
+        out = K.specgen_attention(paddle.to_tensor(qkv[rows]), cos, sin, paddle.to_tensor(pos[rows]),
+                                  paddle.to_tensor(slots[rows]), paddle.to_tensor(kc0), paddle.to_tensor(vc0), ones,
+                                  ones, H, KV, cap, False, 1e-6)
+        return (out[0] if isinstance(out, (list, tuple)) else out).numpy()
+
+    together = run(np.arange(9))
+    assert np.array_equal(run(np.array([0])), together[:1])
+    assert np.array_equal(run(np.arange(1, 7)), together[1:7])
+    assert np.array_equal(run(np.arange(1, 2)), together[1:2])  # first token of the block alone
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_model_forward_with_kernels_equals_paddle_reference(arch):
+    """Every architecture (biases, qk-norm, GQA, interleaved RoPE) in float64: prefill then verify blocks."""
+    lm = load_model(TINY / arch, dtype="float64")
+    m = lm.model
+    rng = np.random.default_rng(2)
+    pre = build_forward_batch(np.arange(3), np.zeros(3, np.int64), np.array([20, 5, 33]),
+                              rng.integers(3, 250, 58), np.zeros(3, bool))
+    ver = build_forward_batch(np.array([0, 1, 2, 3]), np.array([20, 5, 33, 0]), np.array([1, 4, 6, 17]),
+                              rng.integers(3, 250, 28), np.array([True, True, True, False]))
+    results = []
+    for use in (K, None):
+        m.ops = use
+        cache = m.new_cache(4, 64)
+        results.append([m.forward(b, cache)[0].numpy() for b in (pre, ver)])
+    m.ops = K
+    for a, b in zip(*results):
+        assert np.abs(a - b).max() < 1e-10
