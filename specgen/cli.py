@@ -38,6 +38,8 @@ IgnoreEos = Annotated[bool | None, typer.Option(
 Dtype = Annotated[str | None, typer.Option(help="float32 | float64.")]
 Threads = Annotated[int | None, typer.Option(help="CPU threads; 0 uses every core available.")]
 MaxModelLen = Annotated[int | None, typer.Option(help="Cap on the context length; 0 keeps the model's.")]
+PrefillChunk = Annotated[int | None, typer.Option(
+    help="Prefill prompts longer than this many tokens in chunks, mixed into decode steps (0: whole prompts).")]
 ConfigFile = Annotated[Path | None, typer.Option(
     "--config", help="YAML file with sampling / engine / speculative sections.")]
 InputFormat = Annotated[str | None, typer.Option(help="jsonl | parquet [default: from the extension].")]
@@ -98,8 +100,8 @@ def run(
     mtp_model: MtpModel = None, speculative_config: SpecJson = None, batch_size: BatchSize = None,
     max_tokens: MaxTokens = None, temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None,
     seed: Seed = None, stop: Stop = None, ignore_eos: IgnoreEos = None, dtype: Dtype = None,
-    threads: Threads = None, max_model_len: MaxModelLen = None, config: ConfigFile = None,
-    resume: Annotated[bool, typer.Option(
+    threads: Threads = None, max_model_len: MaxModelLen = None, prefill_chunk: PrefillChunk = None,
+    config: ConfigFile = None, resume: Annotated[bool, typer.Option(
         "--resume", help="Continue an existing output, skipping the ids it holds.")] = False,
     on_error: Annotated[str, typer.Option(
         help="Bad records: skip (write an error record) | fail (exit 2).")] = "skip",
@@ -113,7 +115,7 @@ def run(
             "method": method, "num_speculative_tokens": num_speculative_tokens, "mtp_model": mtp_model,
             "batch_size": batch_size, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
             "top_k": top_k, "seed": seed, "stop": stop, "ignore_eos": ignore_eos, "dtype": dtype,
-            "threads": threads, "max_model_len": max_model_len})
+            "threads": threads, "max_model_len": max_model_len, "prefill_chunk": prefill_chunk})
         plan = plan_job(input, output, input_format, resume, on_error)
         loaded = _load(model, cfg)
         with run_progress(quiet) as progress:

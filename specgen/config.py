@@ -68,7 +68,8 @@ class EngineConfig:
     dtype: str = "float32"
     threads: int = 0  # 0: the cores available
     max_model_len: int = 0  # 0: the model's context length
-    max_prefill_tokens: int = 4096  # prompt tokens admitted per step
+    max_prefill_tokens: int = 4096  # prompt tokens admitted (and prefilled) per step
+    prefill_chunk: int = 0  # prompts longer than this are prefilled in chunks across steps; 0: whole prompts
 
     def __post_init__(self) -> None:
         if not 1 <= self.batch_size <= 256:
@@ -79,6 +80,8 @@ class EngineConfig:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
         if self.max_model_len < 0 or self.max_prefill_tokens < 1:
             raise ConfigError("max_model_len must be >= 0 and max_prefill_tokens >= 1")
+        if self.prefill_chunk < 0:
+            raise ConfigError(f"prefill_chunk must be >= 0 (0: no chunking), got {self.prefill_chunk}")
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ class SlotTable:
     prompt_len: np.ndarray  # [num_slots] int64
     max_len: np.ndarray  # [num_slots] int64 prompt_len + max_tokens, capped by the context length
     active: np.ndarray  # [num_slots] bool
-    prefilled: np.ndarray  # [num_slots] bool
+    prefilled: np.ndarray  # [num_slots] bool the whole prompt is in the cache
+    prefill_pos: np.ndarray  # [num_slots] int64 prompt tokens already in the cache (chunked prefill)
     temperature: np.ndarray  # [num_slots] float64
     top_p: np.ndarray  # [num_slots] float64
     top_k: np.ndarray  # [num_slots] int64
@@ -39,13 +40,14 @@ class SlotTable:
     num_draft: np.ndarray  # [num_slots] int64
     num_accepted: np.ndarray  # [num_slots] int64
     accepted_per_pos: np.ndarray  # [num_slots, MAX_DRAFT] int64
+    num_chunks: np.ndarray  # [num_slots] int64 prefill forwards
 
     @classmethod
     def empty(cls, num_slots: int, capacity: int) -> "SlotTable":
         z = lambda dt: np.zeros(num_slots, dtype=dt)  # noqa: E731
         return cls(np.zeros((num_slots, capacity), np.int64), z(np.int64), z(np.int64), z(np.int64), z(bool),
-                   z(bool), z(np.float64), z(np.float64), z(np.int64), z(np.uint64), z(bool), z(np.int64), z(np.int64),
-                   z(np.int64), np.zeros((num_slots, MAX_DRAFT), np.int64))
+                   z(bool), z(np.int64), z(np.float64), z(np.float64), z(np.int64), z(np.uint64), z(bool), z(np.int64),
+                   z(np.int64), z(np.int64), np.zeros((num_slots, MAX_DRAFT), np.int64), z(np.int64))
 
     def grow(self, capacity: int) -> None:
         if capacity > self.tokens.shape[1]:
@@ -93,12 +95,13 @@ class Engine:
         t.seq_len[slot] = n
         t.prompt_len[slot] = n
         t.max_len[slot] = min(n + p.max_tokens, self.context_len)
-        t.active[slot], t.prefilled[slot] = True, False
+        t.active[slot], t.prefilled[slot], t.prefill_pos[slot] = True, False, 0
         t.temperature[slot], t.top_p[slot], t.top_k[slot] = p.temperature, p.top_p, p.top_k
         t.rng_key[slot] = request_key(p.seed, req.id)
         t.ignore_eos[slot] = p.ignore_eos
         t.num_steps[slot] = t.num_draft[slot] = t.num_accepted[slot] = 0
         t.accepted_per_pos[slot] = 0
+        t.num_chunks[slot] = 0
         self.requests[slot] = req
         if self.controller is not None:
             self.controller.reset(slot)
@@ -113,6 +116,7 @@ class Engine:
             num_accepted_tokens=int(t.num_accepted[slot]),
             num_emitted_tokens=len(out_ids),
             accepted_per_position=t.accepted_per_pos[slot].tolist(),
+            num_prefill_chunks=int(t.num_chunks[slot]),
         )
         t.active[slot] = False
         self.requests[slot] = None
@@ -125,7 +129,7 @@ class Engine:
 
     def run(self, requests: Iterable[Request]) -> Iterator[RequestOutput]:
         """Yields outputs as requests finish (completion order)."""
-        sched = Scheduler(requests, self.config.batch_size, self.config.max_prefill_tokens)
+        sched = Scheduler(requests, self.config.batch_size, self.config.max_prefill_tokens, self.config.prefill_chunk)
         while sched.has_work(int(self.table.active.sum())):
             for slot, req in sched.admit():
                 err = self._reject(req)
@@ -141,30 +145,35 @@ class Engine:
                 yield out
 
     def step(self) -> list[tuple[RequestOutput, int]]:
-        """One forward for every active slot: prefill blocks of new slots, [last + drafts] of decoding ones."""
+        """One forward for every active slot: prefill blocks (or prompt chunks) of new slots, [last + drafts] of
+        decoding ones."""
         t = self.table
         step_start = time.perf_counter()
         dec = np.nonzero(t.active & t.prefilled)[0]  # [num_dec]
-        new = np.nonzero(t.active & ~t.prefilled)[0]  # [num_new]
+        new, chunk = self._prefill_chunks()  # [num_new] slots prefilling this step and their chunk lengths
+        final = t.prefill_pos[new] + chunk == t.prompt_len[new]  # [num_new] chunk ends the prompt: sample
         room = t.max_len - t.seq_len  # [num_slots] tokens each slot may still emit (>= 1 while active)
         view = SlotView(dec, t.tokens, t.seq_len[dec], np.minimum(room[dec] - 1, MAX_DRAFT))
         drafts = self.proposer.propose(view)
         num_avail = np.minimum(drafts.num_draft, view.max_draft)  # [num_dec]
         num_draft = num_avail
         if self.controller is not None:
-            num_draft = np.minimum(num_avail, self.controller.choose(dec, num_avail, int(t.prompt_len[new].sum())))
+            num_draft = np.minimum(num_avail, self.controller.choose(dec, num_avail, int(chunk.sum())))
         width = drafts.draft_ids.shape[1]
 
         # Packed tokens: decoding blocks [last, drafts...] first, then the new slots' prompts.
         dec_blocks = np.concatenate([t.tokens[dec, t.seq_len[dec] - 1][:, None], drafts.draft_ids], axis=1)
         dec_mask = np.arange(width + 1)[None, :] <= num_draft[:, None]  # [num_dec, width + 1]
-        new_mask = np.arange(t.tokens.shape[1])[None, :] < t.prompt_len[new][:, None]
+        col_all = np.arange(t.tokens.shape[1])[None, :]
+        new_start = t.prefill_pos[new]
+        new_mask = (col_all >= new_start[:, None]) & (col_all < (new_start + chunk)[:, None])
         token_ids = np.concatenate([dec_blocks[dec_mask], t.tokens[new][new_mask]])
         slots = np.concatenate([dec, new])
-        lens = np.concatenate([num_draft + 1, t.prompt_len[new]])
-        starts = np.concatenate([t.seq_len[dec] - 1, np.zeros(len(new), np.int64)])
+        lens = np.concatenate([num_draft + 1, chunk])
+        starts = np.concatenate([t.seq_len[dec] - 1, new_start])
         logits_all = np.concatenate([np.ones(len(dec), bool), np.zeros(len(new), bool)])
-        batch = build_forward_batch(slots, starts, lens, token_ids, logits_all)
+        no_logits = np.concatenate([np.zeros(len(dec), bool), ~final])
+        batch = build_forward_batch(slots, starts, lens, token_ids, logits_all, no_logits=no_logits)
         logits, hidden = self.model.forward(batch, self.cache)
 
         row_tok = batch.logit_rows  # [num_logits]
@@ -178,9 +187,9 @@ class Engine:
         # Targets back into [num_seqs, width + 1]: decode rows are the first sum(num_draft + 1) logit rows.
         emitted = np.zeros((len(slots), width + 1), np.int64)
         emitted[: len(dec)][dec_mask] = targets[: int(dec_mask.sum())]
-        emitted[len(dec):, 0] = targets[int(dec_mask.sum()):]
+        emitted[len(dec):, 0][final] = targets[int(dec_mask.sum()):]
         accepted = accept_lengths(drafts.draft_ids, num_draft, emitted[: len(dec)])
-        num_emitted = np.concatenate([accepted + 1, np.ones(len(new), np.int64)])
+        num_emitted = np.concatenate([accepted + 1, final.astype(np.int64)])  # a mid-prompt chunk emits nothing
         kept, by_eos = first_stop(emitted, num_emitted, self.eos_ids, room[slots], t.ignore_eos[slots])
         by_stop, texts = self._stop_strings(slots, emitted, kept)
         if self.controller is not None:
@@ -194,23 +203,40 @@ class Engine:
         rows = np.repeat(slots, kept)
         t.tokens[rows, (t.seq_len[slots][:, None] + col)[keep_mask]] = emitted[keep_mask]
         t.seq_len[slots] += kept
-        t.prefilled[new] = True
-        t.num_steps[slots] += 1
+        t.prefill_pos[new] += chunk
+        t.prefilled[new] = final
+        t.num_chunks[new] += 1
+        produced = np.concatenate([np.ones(len(dec), np.int64), final.astype(np.int64)])  # steps that emit
+        t.num_steps[slots] += produced
         t.num_draft[dec] += num_draft
-        t.num_accepted[slots] += kept - 1
+        t.num_accepted[slots] += kept - produced
         if width:
             t.accepted_per_pos[slots, :width] += (col[:, :width] < (kept - 1)[:, None])
         done = by_eos | by_stop | (t.seq_len[slots] >= t.max_len[slots])
         all_drafts = np.concatenate([num_draft, np.zeros(len(new), np.int64)])
         block_start = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
-        self.proposer.observe(StepUpdate(slots, block_start, starts, lens - 1 - all_drafts + kept, done, t.tokens,
-                                         hidden))
+        # positions whose input was right and whose next token is known (a mid-prompt chunk: all of them)
+        num_valid = np.where(produced == 1, lens - 1 - all_drafts + kept, lens)
+        self.proposer.observe(StepUpdate(slots, block_start, starts, num_valid, done, t.tokens, hidden))
         finished = []
         for i in np.nonzero(done)[0]:
             s = int(slots[i])
             reason = "stop" if (by_eos[i] or by_stop[i]) else "length"
             finished.append((self._finish(s, reason, texts.get(s)), s))
         return finished
+
+    def _prefill_chunks(self) -> tuple[np.ndarray, np.ndarray]:
+        """Slots still prefilling and how many prompt tokens each feeds this step: the rest of its prompt, or at
+        most `prefill_chunk` of it; with chunking, in slot order while `max_prefill_tokens` lasts (at least one)."""
+        t, cfg = self.table, self.config
+        new = np.nonzero(t.active & ~t.prefilled)[0]  # [num_new]
+        chunk = t.prompt_len[new] - t.prefill_pos[new]
+        if cfg.prefill_chunk and len(new):
+            chunk = np.minimum(chunk, cfg.prefill_chunk)
+            fits = np.cumsum(chunk) <= cfg.max_prefill_tokens
+            fits[0] = True
+            new, chunk = new[fits], chunk[fits]
+        return new, chunk.astype(np.int64)
 
     def _stop_strings(self, slots: np.ndarray, emitted: np.ndarray, kept: np.ndarray):
         """Cut runs at the first token after which the output text contains a stop string.

@@ -10,12 +10,13 @@ from specgen.engine.types import Request
 class Scheduler:
     """Pulls requests lazily from an iterator (bounded memory) and hands them to free slots in input order."""
 
-    def __init__(self, requests: Iterable[Request], num_slots: int, max_prefill_tokens: int):
+    def __init__(self, requests: Iterable[Request], num_slots: int, max_prefill_tokens: int, prefill_chunk: int = 0):
         self._source: Iterator[Request] = iter(requests)
         self._pending: deque[Request] = deque()
         self._exhausted = False
         self.free = deque(range(num_slots))
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_chunk = prefill_chunk  # with chunked prefill a prompt costs at most one chunk per step
 
     def _peek(self) -> Request | None:
         if not self._pending and not self._exhausted:
@@ -34,10 +35,13 @@ class Scheduler:
         budget = self.max_prefill_tokens
         while self.free:
             req = self._peek()
-            if req is None or (admitted and len(req.prompt_ids) > budget):
+            if req is None:
+                break
+            cost = min(len(req.prompt_ids), self.prefill_chunk) if self.prefill_chunk else len(req.prompt_ids)
+            if admitted and cost > budget:
                 break
             self._pending.popleft()
-            budget -= len(req.prompt_ids)
+            budget -= cost
             admitted.append((self.free.popleft(), req))
         return admitted
 

@@ -46,6 +46,7 @@ def build_forward_batch(
     token_ids: np.ndarray,  # [num_tokens] int64 the blocks' tokens, packed in block order
     logits_all: np.ndarray,  # [num_seqs] bool: logits for every row of the block (verify) or only the last
     prefill_group_threshold: int = 16,
+    no_logits: np.ndarray | None = None,  # [num_seqs] bool: no logits at all (a prompt chunk that is not the last)
     prefill_group_budget: int = 1 << 19,
 ) -> ForwardBatch:
     """Pack blocks and build the attention groups: short blocks (decode/verify) in one group; long ones
@@ -60,6 +61,8 @@ def build_forward_batch(
     token_slots = slots[seq_of_token]
     need = logits_all[seq_of_token].copy()
     need[cu[1:] - 1] = True
+    if no_logits is not None:
+        need[no_logits[seq_of_token]] = False
     logit_rows = np.nonzero(need)[0].astype(np.int64)
 
     groups = []
@@ -143,6 +146,7 @@ class RequestStats:
     num_accepted_tokens: int = 0  # emitted tokens that were drafts (emitted minus one per step)
     num_emitted_tokens: int = 0  # output tokens = accepted + steps
     accepted_per_position: list[int] | None = None  # [max_draft] how often draft position i was accepted
+    num_prefill_chunks: int = 0  # forwards its prompt was prefilled in (1 without chunking)
 
     @property
     def acceptance_rate(self) -> float | None:

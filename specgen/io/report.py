@@ -72,6 +72,7 @@ def summary_table(summary: Summary, title: str = "summary") -> Table:
         ("errors", str(summary.num_errors)),
         ("method", ", ".join(summary.methods) or "-"),
         ("prompt tokens", str(summary.num_prompt_tokens)),
+        ("prefill chunks", str(summary.num_prefill_chunks)),
         ("output tokens", str(summary.num_output_tokens)),
         ("wall time (s)", _fmt(summary.wall_time_s, ".2f")),
         ("output tokens/s", _fmt(summary.output_tokens_per_s, ".1f")),

@@ -9,7 +9,7 @@ from specgen.engine.types import RequestOutput
 FIELDS = (
     "id", "text", "token_ids", "finish_reason", "num_prompt_tokens", "num_output_tokens", "num_steps",
     "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "acceptance_rate",
-    "mean_accepted_length", "accepted_per_position", "method", "error",
+    "mean_accepted_length", "accepted_per_position", "num_prefill_chunks", "method", "error",
 )
 
 
@@ -32,6 +32,7 @@ def arrow_schema():
         ("acceptance_rate", pa.float64()),
         ("mean_accepted_length", pa.float64()),
         ("accepted_per_position", pa.list_(i64)),
+        ("num_prefill_chunks", i64),
         ("method", pa.string()),
         ("error", pa.string()),
     ])
@@ -62,6 +63,7 @@ def result_record(out: RequestOutput, spec: SpecConfig, error: str | None = None
         "acceptance_rate": s.acceptance_rate,
         "mean_accepted_length": s.mean_accepted_length,
         "accepted_per_position": [int(x) for x in per_pos],
+        "num_prefill_chunks": s.num_prefill_chunks,
         "method": spec.method.value,
         "error": None,
     }
@@ -84,6 +86,7 @@ def error_record(record_id: str, message: str, spec: SpecConfig,
         "acceptance_rate": None,
         "mean_accepted_length": None,
         "accepted_per_position": [],
+        "num_prefill_chunks": 0,
         "method": spec.method.value,
         "error": message,
     }

@@ -22,6 +22,7 @@ class Summary:
     num_steps: int
     num_draft_tokens: int
     num_accepted_tokens: int
+    num_prefill_chunks: int
     wall_time_s: float | None
     output_tokens_per_s: float | None
     mean_accepted_length: float | None
@@ -46,6 +47,7 @@ class SummaryAccumulator:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0
+    num_prefill_chunks: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     methods: dict[str, None] = field(default_factory=dict)  # insertion-ordered set
 
@@ -63,6 +65,7 @@ class SummaryAccumulator:
         self.num_draft_tokens += record["num_draft_tokens"]
         self.num_accepted_tokens += record["num_accepted_tokens"]
         self.num_emitted_tokens += record["num_emitted_tokens"]
+        self.num_prefill_chunks += record.get("num_prefill_chunks") or 0  # absent in files from before chunking
         per_pos = record.get("accepted_per_position") or []
         if len(per_pos) > len(self.accepted_per_position):
             self.accepted_per_position.extend([0] * (len(per_pos) - len(self.accepted_per_position)))
@@ -83,6 +86,7 @@ class SummaryAccumulator:
             num_steps=self.num_steps,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
+            num_prefill_chunks=self.num_prefill_chunks,
             wall_time_s=wall_time_s,
             output_tokens_per_s=self.num_output_tokens / wall_time_s if wall_time_s else None,
             mean_accepted_length=self.num_emitted_tokens / self.num_steps if self.num_steps else None,

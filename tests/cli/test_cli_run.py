@@ -187,3 +187,18 @@ def test_bench_single_method(jsonl_in):
     result = invoke("bench", jsonl_in, "--methods", "none", "--max-tokens", "3")
     assert result.exit_code == 0, result.output
     assert "1.00x" in result.output and "yes" in result.output
+
+
+def test_prefill_chunk_flag_counts_chunks_and_keeps_outputs(jsonl_in, jsonl_run):
+    """--prefill-chunk cuts every prompt into ceil(len / chunk) prefill forwards; outputs stay the same."""
+    out = jsonl_in.parent / "chunked.jsonl"
+    summary = jsonl_in.parent / "chunked_summary.json"
+    result = invoke("run", jsonl_in, "-o", out, "--max-tokens", "8", "--batch-size", "4", "--prefill-chunk", "4",
+                    "--summary-json", summary)
+    assert result.exit_code == 0, result.output
+    chunked, plain = by_id(read_output(out)), by_id(read_output(jsonl_run[0]))
+    for rid, rec in chunked.items():
+        assert rec["num_prefill_chunks"] == -(-rec["num_prompt_tokens"] // 4)
+        assert plain[rid]["num_prefill_chunks"] == 1
+        assert rec["token_ids"] == plain[rid]["token_ids"]
+    assert json.loads(summary.read_text())["num_prefill_chunks"] == sum(r["num_prefill_chunks"] for r in chunked.values())
