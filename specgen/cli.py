@@ -40,6 +40,8 @@ Threads = Annotated[int | None, typer.Option(help="CPU threads; 0 uses every cor
 MaxModelLen = Annotated[int | None, typer.Option(help="Cap on the context length; 0 keeps the model's.")]
 PrefillChunk = Annotated[int | None, typer.Option(
     help="Prefill prompts longer than this many tokens in chunks, mixed into decode steps (0: whole prompts).")]
+SharedPrefix = Annotated[str | None, typer.Option(
+    help="auto: compute the prompt prefix the first batch shares (64+ tokens) once, for every slot; off.")]
 ConfigFile = Annotated[Path | None, typer.Option(
     "--config", help="YAML file with sampling / engine / speculative sections.")]
 InputFormat = Annotated[str | None, typer.Option(help="jsonl | parquet [default: from the extension].")]
@@ -101,7 +103,7 @@ def run(
     max_tokens: MaxTokens = None, temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None,
     seed: Seed = None, stop: Stop = None, ignore_eos: IgnoreEos = None, dtype: Dtype = None,
     threads: Threads = None, max_model_len: MaxModelLen = None, prefill_chunk: PrefillChunk = None,
-    config: ConfigFile = None, resume: Annotated[bool, typer.Option(
+    shared_prefix: SharedPrefix = None, config: ConfigFile = None, resume: Annotated[bool, typer.Option(
         "--resume", help="Continue an existing output, skipping the ids it holds.")] = False,
     on_error: Annotated[str, typer.Option(
         help="Bad records: skip (write an error record) | fail (exit 2).")] = "skip",
@@ -115,7 +117,8 @@ def run(
             "method": method, "num_speculative_tokens": num_speculative_tokens, "mtp_model": mtp_model,
             "batch_size": batch_size, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
             "top_k": top_k, "seed": seed, "stop": stop, "ignore_eos": ignore_eos, "dtype": dtype,
-            "threads": threads, "max_model_len": max_model_len, "prefill_chunk": prefill_chunk})
+            "threads": threads, "max_model_len": max_model_len, "prefill_chunk": prefill_chunk,
+            "shared_prefix": shared_prefix})
         plan = plan_job(input, output, input_format, resume, on_error)
         loaded = _load(model, cfg)
         with run_progress(quiet) as progress:

@@ -70,6 +70,8 @@ class EngineConfig:
     max_model_len: int = 0  # 0: the model's context length
     max_prefill_tokens: int = 4096  # prompt tokens admitted (and prefilled) per step
     prefill_chunk: int = 0  # prompts longer than this are prefilled in chunks across steps; 0: whole prompts
+    shared_prefix: str = "auto"  # auto: the first batch's common prompt prefix is computed once (cascade); off
+    min_shared_prefix: int = 64  # shorter common prefixes are not shared
 
     def __post_init__(self) -> None:
         if not 1 <= self.batch_size <= 256:
@@ -80,6 +82,10 @@ class EngineConfig:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
         if self.max_model_len < 0 or self.max_prefill_tokens < 1:
             raise ConfigError("max_model_len must be >= 0 and max_prefill_tokens >= 1")
+        if self.shared_prefix not in ("auto", "off"):
+            raise ConfigError(f"shared_prefix must be 'auto' or 'off', got {self.shared_prefix!r}")
+        if self.min_shared_prefix < 1:
+            raise ConfigError(f"min_shared_prefix must be >= 1, got {self.min_shared_prefix}")
         if self.prefill_chunk < 0:
             raise ConfigError(f"prefill_chunk must be >= 0 (0: no chunking), got {self.prefill_chunk}")
 

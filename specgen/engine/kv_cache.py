@@ -22,9 +22,15 @@ class KVCache:
         self.dtype = dtype
         self.max_capacity = max_capacity
         self.capacity = 0
+        self.initial_capacity = min(initial_capacity, max_capacity)
         self.k: list[paddle.Tensor] = []  # per layer [num_slots * num_kv_heads * capacity, head_dim]
         self.v: list[paddle.Tensor] = []
-        self.ensure(min(initial_capacity, max_capacity))
+        # Shared prefix (cascade attention): one 1-slot cache holding positions [0, prefix_tokens) for every
+        # slot; a slot with prefix length p stores its own position j at row j - p.
+        self.prefix: "KVCache | None" = None
+        self.peak_position = 0  # largest absolute position + 1 any slot reached (memory report)
+        self.peak_own = 0  # largest row + 1 any slot stored in its own rows
+        self.ensure(self.initial_capacity)
 
     def ensure(self, needed: int) -> None:
         """Make room for positions [0, needed); doubles, keeps existing contents."""
@@ -44,7 +50,9 @@ class KVCache:
                     store.append(fresh)
         self.capacity = new_cap
 
-    def nbytes(self) -> int:
+    def nbytes(self, capacity: int | None = None) -> int:
+        """Bytes of K and V over all layers (with the shared prefix's), or for another per-slot capacity."""
         itemsize = 8 if self.dtype == "float64" else 4
         width = self.num_kv_heads * self.head_dim
-        return 2 * self.num_layers * self.num_slots * self.capacity * width * itemsize
+        own = 2 * self.num_layers * self.num_slots * (capacity or self.capacity) * width * itemsize
+        return own + (self.prefix.nbytes() if self.prefix is not None and capacity is None else 0)

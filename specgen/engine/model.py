@@ -11,7 +11,7 @@ import paddle.nn.functional as F
 from specgen import kernels
 from specgen.engine.kv_cache import KVCache
 from specgen.engine.types import ForwardBatch
-from specgen.errors import CheckpointError
+from specgen.errors import CheckpointError, EngineError
 from specgen.models.checkpoint import Checkpoint
 from specgen.models.config import ModelConfig
 
@@ -159,13 +159,24 @@ class Model:
 
     def context(self, batch: ForwardBatch, cache: KVCache) -> "StepContext":
         """Device-side indices of one packed forward, shared by every layer (and by the MTP block)."""
-        cache.ensure(batch.max_position)
+        plen = batch.token_prefix_len
+        own_max = batch.max_position if plen is None else int((batch.positions - plen).max()) + 1
+        cache.ensure(own_max)
+        cache.peak_position = max(cache.peak_position, batch.max_position)
+        cache.peak_own = max(cache.peak_own, own_max)
         pos = paddle.to_tensor(batch.positions)  # [num_tokens]
         cfg = self.config
         if self.ops is not None:
+            pre = cache.prefix
             return StepContext(num_tokens=len(batch.token_ids), cos=None, sin=None, cache_rows=None, groups=[],
                                single=True, positions=pos, token_slots=paddle.to_tensor(batch.token_slots),
-                               capacity=cache.capacity)
+                               capacity=cache.capacity,
+                               prefix_len=paddle.to_tensor(plen if plen is not None
+                                                           else np.zeros(len(batch.token_ids), np.int64)),
+                               prefix_k=pre.k if pre is not None else None, prefix_v=pre.v if pre is not None else None,
+                               prefix_capacity=pre.capacity if pre is not None else 0)
+        if plen is not None:
+            raise EngineError("a shared prefix needs the fused CPU kernels (specgen/kernels)")
         groups = [_GroupIndex(g, cache.capacity, cache.num_slots, cfg.num_heads, cfg.num_kv_heads, self.dtype)
                   for g in batch.groups]
         kv = np.arange(cfg.num_kv_heads)
@@ -182,10 +193,11 @@ class Model:
         )
 
     def layer(self, x: paddle.Tensor, L: dict, ctx: "StepContext", k_cache: paddle.Tensor,
-              v_cache: paddle.Tensor) -> paddle.Tensor:
-        """One pre-norm decoder block on packed tokens x [num_tokens, hidden]; writes this layer's K/V."""
+              v_cache: paddle.Tensor, index: int = 0) -> paddle.Tensor:
+        """One pre-norm decoder block (layer `index` of its cache) on packed tokens x [num_tokens, hidden];
+        writes this layer's K/V."""
         if self.ops is not None:
-            return self._fused_layer(x, L, ctx, k_cache, v_cache)
+            return self._fused_layer(x, L, ctx, k_cache, v_cache, index)
         cfg = self.config
         n, H, KV, D = ctx.num_tokens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = rms_norm(x, L["attn_norm"], cfg.rms_norm_eps)
@@ -225,7 +237,7 @@ class Model:
         return x + m
 
     def _fused_layer(self, x: paddle.Tensor, L: dict, ctx: "StepContext", k_cache: paddle.Tensor,
-                     v_cache: paddle.Tensor) -> paddle.Tensor:
+                     v_cache: paddle.Tensor, index: int) -> paddle.Tensor:
         """`layer` with the fused operators: norms, RoPE + cache write + attention, and SiLU-gate each one op."""
         cfg, ops = self.config, self.ops
         eps = cfg.rms_norm_eps
@@ -234,9 +246,12 @@ class Model:
         if L["b_qkv"] is not None:
             qkv = qkv + L["b_qkv"]
         qk_norm = L["q_norm"] is not None
+        pk = ctx.prefix_k[index] if ctx.prefix_k is not None else self._ones
+        pv = ctx.prefix_v[index] if ctx.prefix_v is not None else self._ones
         attn = ops.specgen_attention(qkv, self.cos, self.sin, ctx.positions, ctx.token_slots, k_cache, v_cache,
                                      L["q_norm"] if qk_norm else self._ones, L["k_norm"] if qk_norm else self._ones,
-                                     cfg.num_heads, cfg.num_kv_heads, ctx.capacity, qk_norm, eps)
+                                     ctx.prefix_len, pk, pv, cfg.num_heads, cfg.num_kv_heads, ctx.capacity, qk_norm,
+                                     eps, ctx.prefix_capacity)
         attn = attn[0] if isinstance(attn, (list, tuple)) else attn  # [num_tokens, H * D]
         o = paddle.matmul(attn, L["w_o"])  # [num_tokens, hidden]
         if L["b_o"] is not None:
@@ -261,7 +276,7 @@ class Model:
         ctx = self.context(batch, cache)
         x = F.embedding(paddle.to_tensor(batch.token_ids), self.w.embed)  # [num_tokens, hidden]
         for li, L in enumerate(self.w.layers):
-            x = self.layer(x, L, ctx, cache.k[li], cache.v[li])
+            x = self.layer(x, L, ctx, cache.k[li], cache.v[li], li)
         hidden = self.norm(x, self.w.final_norm)  # [num_tokens, hidden]
         logits = paddle.matmul(paddle.gather(hidden, paddle.to_tensor(batch.logit_rows)), self.w.lm_head)
         return logits, hidden  # logits [num_logits, vocab]
@@ -280,6 +295,10 @@ class StepContext:
     positions: paddle.Tensor  # [num_tokens] int64
     token_slots: paddle.Tensor | None  # [num_tokens] int64 cache slot of each token (fused path)
     capacity: int  # cache positions per (slot, kv head)
+    prefix_len: paddle.Tensor | None = None  # [num_tokens] int64 positions read from the shared prefix (fused)
+    prefix_k: list | None = None  # per layer [num_kv_heads * prefix_capacity, head_dim] shared prefix K
+    prefix_v: list | None = None
+    prefix_capacity: int = 0
 
 
 class _GroupIndex:

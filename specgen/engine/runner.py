@@ -9,6 +9,7 @@ import numpy as np
 
 from specgen.config import EngineConfig
 from specgen.engine.adaptive import Controller, CostModel
+from specgen.engine.kv_cache import KVCache
 from specgen.engine.model import Model
 from specgen.engine.proposers.base import NoProposer, Proposer, SlotView
 from specgen.engine.sampling import request_key, sample, uniforms
@@ -31,6 +32,7 @@ class SlotTable:
     active: np.ndarray  # [num_slots] bool
     prefilled: np.ndarray  # [num_slots] bool the whole prompt is in the cache
     prefill_pos: np.ndarray  # [num_slots] int64 prompt tokens already in the cache (chunked prefill)
+    prefix_len: np.ndarray  # [num_slots] int64 leading positions read from the shared prefix cache
     temperature: np.ndarray  # [num_slots] float64
     top_p: np.ndarray  # [num_slots] float64
     top_k: np.ndarray  # [num_slots] int64
@@ -46,7 +48,7 @@ class SlotTable:
     def empty(cls, num_slots: int, capacity: int) -> "SlotTable":
         z = lambda dt: np.zeros(num_slots, dtype=dt)  # noqa: E731
         return cls(np.zeros((num_slots, capacity), np.int64), z(np.int64), z(np.int64), z(np.int64), z(bool),
-                   z(bool), z(np.int64), z(np.float64), z(np.float64), z(np.int64), z(np.uint64), z(bool), z(np.int64),
+                   z(bool), z(np.int64), z(np.int64), z(np.float64), z(np.float64), z(np.int64), z(np.uint64), z(bool), z(np.int64),
                    z(np.int64), z(np.int64), np.zeros((num_slots, MAX_DRAFT), np.int64), z(np.int64))
 
     def grow(self, capacity: int) -> None:
@@ -72,6 +74,8 @@ class Engine:
         self.table = SlotTable.empty(config.batch_size, 256)
         self.requests: list[Request | None] = [None] * config.batch_size
         self.controller = calibrate(model, self.cache, max_draft) if adaptive else None
+        self.prefix_ids: np.ndarray | None = None  # [prefix_tokens] the shared prefix, once computed
+        self.prefix_hidden = None  # paddle [prefix_tokens, hidden]
 
     # ---- admission and retirement (per request, outside the step's hot path) ----
 
@@ -95,7 +99,13 @@ class Engine:
         t.seq_len[slot] = n
         t.prompt_len[slot] = n
         t.max_len[slot] = min(n + p.max_tokens, self.context_len)
-        t.active[slot], t.prefilled[slot], t.prefill_pos[slot] = True, False, 0
+        # A prompt that starts with the shared prefix skips it (keeping at least one token of its own to prefill).
+        shared = 0
+        if self.prefix_ids is not None and n > 1 and len(self.prefix_ids) <= n:
+            if np.array_equal(self.prefix_ids, req.prompt_ids[: len(self.prefix_ids)]):
+                shared = min(len(self.prefix_ids), n - 1)
+        t.active[slot], t.prefilled[slot] = True, False
+        t.prefill_pos[slot] = t.prefix_len[slot] = shared
         t.temperature[slot], t.top_p[slot], t.top_k[slot] = p.temperature, p.top_p, p.top_k
         t.rng_key[slot] = request_key(p.seed, req.id)
         t.ignore_eos[slot] = p.ignore_eos
@@ -117,6 +127,7 @@ class Engine:
             num_emitted_tokens=len(out_ids),
             accepted_per_position=t.accepted_per_pos[slot].tolist(),
             num_prefill_chunks=int(t.num_chunks[slot]),
+            num_cached_prompt_tokens=int(t.prefix_len[slot]),
         )
         t.active[slot] = False
         self.requests[slot] = None
@@ -130,6 +141,8 @@ class Engine:
     def run(self, requests: Iterable[Request]) -> Iterator[RequestOutput]:
         """Yields outputs as requests finish (completion order)."""
         sched = Scheduler(requests, self.config.batch_size, self.config.max_prefill_tokens, self.config.prefill_chunk)
+        if self.config.shared_prefix == "auto" and self.prefix_ids is None:
+            self.share_prefix(common_prefix([r.prompt_ids for r in sched.peek(self.config.batch_size)]))
         while sched.has_work(int(self.table.active.sum())):
             for slot, req in sched.admit():
                 err = self._reject(req)
@@ -166,6 +179,7 @@ class Engine:
         dec_mask = np.arange(width + 1)[None, :] <= num_draft[:, None]  # [num_dec, width + 1]
         col_all = np.arange(t.tokens.shape[1])[None, :]
         new_start = t.prefill_pos[new]
+        first_block = new_start == t.prefix_len[new]  # [num_new] the slot's first block (after any shared prefix)
         new_mask = (col_all >= new_start[:, None]) & (col_all < (new_start + chunk)[:, None])
         token_ids = np.concatenate([dec_blocks[dec_mask], t.tokens[new][new_mask]])
         slots = np.concatenate([dec, new])
@@ -173,7 +187,8 @@ class Engine:
         starts = np.concatenate([t.seq_len[dec] - 1, new_start])
         logits_all = np.concatenate([np.ones(len(dec), bool), np.zeros(len(new), bool)])
         no_logits = np.concatenate([np.zeros(len(dec), bool), ~final])
-        batch = build_forward_batch(slots, starts, lens, token_ids, logits_all, no_logits=no_logits)
+        batch = build_forward_batch(slots, starts, lens, token_ids, logits_all, no_logits=no_logits,
+                                    prefix_lens=t.prefix_len[slots] if self.prefix_ids is not None else None)
         logits, hidden = self.model.forward(batch, self.cache)
 
         row_tok = batch.logit_rows  # [num_logits]
@@ -217,13 +232,40 @@ class Engine:
         block_start = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
         # positions whose input was right and whose next token is known (a mid-prompt chunk: all of them)
         num_valid = np.where(produced == 1, lens - 1 - all_drafts + kept, lens)
-        self.proposer.observe(StepUpdate(slots, block_start, starts, num_valid, done, t.tokens, hidden))
+        catch_up = np.concatenate([np.zeros(len(dec), np.int64), np.where(first_block, t.prefix_len[new], 0)])
+        self.proposer.observe(StepUpdate(slots, block_start, starts, num_valid, done, t.tokens, hidden,
+                                         catch_up, self.prefix_hidden))
         finished = []
         for i in np.nonzero(done)[0]:
             s = int(slots[i])
             reason = "stop" if (by_eos[i] or by_stop[i]) else "length"
             finished.append((self._finish(s, reason, texts.get(s)), s))
         return finished
+
+    def share_prefix(self, prefix_ids) -> int:
+        """Compute the KV of `prefix_ids` once, into the cache's shared prefix; prompts placed afterwards that start
+        with it read it from there (cascade attention) instead of prefilling and storing it per slot. Needs the
+        fused kernels; a prefix shorter than `min_shared_prefix` is not worth it. Returns the tokens shared."""
+        if self.model.ops is None or len(prefix_ids) < self.config.min_shared_prefix or self.table.active.any():
+            return 0
+        n = min(len(prefix_ids), self.context_len - 1)
+        ids = np.asarray(prefix_ids[:n], dtype=np.int64)
+        cfg = self.model.config
+        pre = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, self.model.dtype, n, initial_capacity=n)
+        batch = build_forward_batch(np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([n]), ids, np.zeros(1, bool))
+        _, hidden = self.model.forward(batch, pre)
+        self.cache.prefix = pre
+        self.prefix_ids, self.prefix_hidden = ids, hidden  # hidden [n, hidden]: the MTP head's catch-up input
+        return n
+
+    def memory(self) -> dict[str, int]:
+        """KV cache bytes the run needed at its peak: every slot's rows up to the longest one (plus the shared
+        prefix, once), and the same without sharing (every slot holding the prefix itself). The allocation
+        rounds these up (it grows by doubling)."""
+        c = self.cache
+        prefix = c.prefix.nbytes() if c.prefix is not None else 0
+        return {"kv_cache_bytes": c.nbytes(c.peak_own) + prefix,
+                "kv_cache_bytes_unshared": c.nbytes(c.peak_position)}
 
     def _prefill_chunks(self) -> tuple[np.ndarray, np.ndarray]:
         """Slots still prefilling and how many prompt tokens each feeds this step: the rest of its prompt, or at
@@ -263,6 +305,16 @@ class Engine:
                     texts[s] = text[: min(hits)]
                     break
         return stopped, texts
+
+
+def common_prefix(prompts: list) -> list[int]:
+    """The longest token prefix every prompt starts with ([] for fewer than two prompts)."""
+    if len(prompts) < 2:
+        return []
+    arrs = [np.asarray(p, dtype=np.int64) for p in prompts]
+    n = min(len(a) for a in arrs)
+    same = np.all(np.stack([a[:n] for a in arrs]) == arrs[0][:n], axis=0)  # [n]
+    return arrs[0][: int(np.argmin(same)) if not same.all() else n].tolist()
 
 
 def _error_output(req: Request, message: str) -> RequestOutput:

@@ -26,6 +26,15 @@ class Scheduler:
                 self._exhausted = True
         return self._pending[0] if self._pending else None
 
+    def peek(self, n: int) -> list[Request]:
+        """Up to n upcoming requests, without admitting them (to find a prefix they share)."""
+        while len(self._pending) < n and not self._exhausted:
+            try:
+                self._pending.append(next(self._source))
+            except StopIteration:
+                self._exhausted = True
+        return list(self._pending)[:n]
+
     def has_work(self, num_active: int) -> bool:
         return num_active > 0 or self._peek() is not None
 

@@ -37,6 +37,7 @@ class ForwardBatch:
     logit_rows: np.ndarray  # [num_logits] int64 packed-token indices that need logits
     groups: tuple[AttnGroup, ...]
     max_position: int  # 1 + the largest position written (the cache must hold it)
+    token_prefix_len: np.ndarray | None = None  # [num_tokens] int64 shared-prefix positions of each token's slot
 
 
 def build_forward_batch(
@@ -47,6 +48,7 @@ def build_forward_batch(
     logits_all: np.ndarray,  # [num_seqs] bool: logits for every row of the block (verify) or only the last
     prefill_group_threshold: int = 16,
     no_logits: np.ndarray | None = None,  # [num_seqs] bool: no logits at all (a prompt chunk that is not the last)
+    prefix_lens: np.ndarray | None = None,  # [num_seqs] int64 positions each slot reads from the shared prefix
     prefill_group_budget: int = 1 << 19,
 ) -> ForwardBatch:
     """Pack blocks and build the attention groups: short blocks (decode/verify) in one group; long ones
@@ -103,6 +105,8 @@ def build_forward_batch(
         logit_rows=logit_rows,
         groups=tuple(groups),
         max_position=int(positions.max()) + 1 if num_tokens else 0,
+        token_prefix_len=None if prefix_lens is None or not prefix_lens.any()
+        else prefix_lens[seq_of_token].astype(np.int64),
     )
 
 
@@ -135,6 +139,10 @@ class StepUpdate:
     finished: np.ndarray  # [num_seqs] bool
     tokens: np.ndarray  # [num_slots, capacity] int64 after the commit
     hidden: object  # paddle.Tensor [num_tokens, hidden] final normed hidden states of the forward
+    # A slot's first block after a shared prefix: positions [first_pos - prefix_len, first_pos) were computed
+    # once for every slot; their hidden states are rows of prefix_hidden [prefix_tokens, hidden].
+    prefix_len: np.ndarray | None = None  # [num_seqs] int64 (0: nothing before first_pos to catch up)
+    prefix_hidden: object = None
 
 
 @dataclass
@@ -147,6 +155,7 @@ class RequestStats:
     num_emitted_tokens: int = 0  # output tokens = accepted + steps
     accepted_per_position: list[int] | None = None  # [max_draft] how often draft position i was accepted
     num_prefill_chunks: int = 0  # forwards its prompt was prefilled in (1 without chunking)
+    num_cached_prompt_tokens: int = 0  # prompt tokens read from the shared prefix instead of prefilled
 
     @property
     def acceptance_rate(self) -> float | None:

@@ -88,7 +88,7 @@ def deferred_sigint() -> Iterator[None]:
 
 def run_job(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress) -> JobResult:
     """Stream the input through the engine; a KeyboardInterrupt leaves every finished record on disk."""
-    from specgen.api import iter_generate
+    from specgen.api import make_engine
 
     unit = unit_name(plan.input_format)
     total = count_records(plan.input, plan.input_format)
@@ -113,7 +113,8 @@ def run_job(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress) -
     start = time.perf_counter()
     try:
         progress.start(total, completed=min(len(done), total))
-        for out in iter_generate(loaded, source, cfg.engine, cfg.spec):
+        engine = make_engine(loaded, cfg.engine, cfg.spec)
+        for out in engine.run(source):
             message = None
             if out.error is not None:
                 message = f"{unit} {out.index}: {out.error}"
@@ -124,4 +125,4 @@ def run_job(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress) -
     finally:
         with deferred_sigint():
             sink.close()
-    return JobResult(acc.summary(time.perf_counter() - start), source.num_skipped)
+    return JobResult(acc.summary(time.perf_counter() - start, **engine.memory()), source.num_skipped)

@@ -73,6 +73,7 @@ def summary_table(summary: Summary, title: str = "summary") -> Table:
         ("method", ", ".join(summary.methods) or "-"),
         ("prompt tokens", str(summary.num_prompt_tokens)),
         ("prefill chunks", str(summary.num_prefill_chunks)),
+        ("prompt tokens from the shared prefix", str(summary.num_cached_prompt_tokens)),
         ("output tokens", str(summary.num_output_tokens)),
         ("wall time (s)", _fmt(summary.wall_time_s, ".2f")),
         ("output tokens/s", _fmt(summary.output_tokens_per_s, ".1f")),
@@ -81,6 +82,10 @@ def summary_table(summary: Summary, title: str = "summary") -> Table:
     ]
     rows += [(f"accepted at draft position {i + 1}", f"{p:.3f}")
              for i, p in enumerate(summary.per_position_acceptance)]
+    if summary.kv_cache_bytes is not None:
+        rows.append(("KV cache at peak (MiB)", f"{summary.kv_cache_bytes / 2**20:.1f}"
+                     + (f" (without the shared prefix: {summary.kv_cache_bytes_unshared / 2**20:.1f})"
+                        if summary.kv_cache_bytes_unshared != summary.kv_cache_bytes else "")))
     for name, value in rows:
         table.add_row(name, value)
     return table

@@ -9,7 +9,8 @@ from specgen.engine.types import RequestOutput
 FIELDS = (
     "id", "text", "token_ids", "finish_reason", "num_prompt_tokens", "num_output_tokens", "num_steps",
     "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "acceptance_rate",
-    "mean_accepted_length", "accepted_per_position", "num_prefill_chunks", "method", "error",
+    "mean_accepted_length", "accepted_per_position", "num_prefill_chunks", "num_cached_prompt_tokens", "method",
+    "error",
 )
 
 
@@ -33,6 +34,7 @@ def arrow_schema():
         ("mean_accepted_length", pa.float64()),
         ("accepted_per_position", pa.list_(i64)),
         ("num_prefill_chunks", i64),
+        ("num_cached_prompt_tokens", i64),
         ("method", pa.string()),
         ("error", pa.string()),
     ])
@@ -64,6 +66,7 @@ def result_record(out: RequestOutput, spec: SpecConfig, error: str | None = None
         "mean_accepted_length": s.mean_accepted_length,
         "accepted_per_position": [int(x) for x in per_pos],
         "num_prefill_chunks": s.num_prefill_chunks,
+        "num_cached_prompt_tokens": s.num_cached_prompt_tokens,
         "method": spec.method.value,
         "error": None,
     }
@@ -87,6 +90,7 @@ def error_record(record_id: str, message: str, spec: SpecConfig,
         "mean_accepted_length": None,
         "accepted_per_position": [],
         "num_prefill_chunks": 0,
+        "num_cached_prompt_tokens": 0,
         "method": spec.method.value,
         "error": message,
     }

@@ -23,12 +23,15 @@ class Summary:
     num_draft_tokens: int
     num_accepted_tokens: int
     num_prefill_chunks: int
+    num_cached_prompt_tokens: int
     wall_time_s: float | None
     output_tokens_per_s: float | None
     mean_accepted_length: float | None
     acceptance_rate: float | None
     per_position_acceptance: list[float]
     methods: list[str]
+    kv_cache_bytes: int | None = None  # the engine's KV cache at its peak (a run, not a file), shared prefix once
+    kv_cache_bytes_unshared: int | None = None  # the same run if every slot held the prefix itself
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -48,6 +51,7 @@ class SummaryAccumulator:
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0
     num_prefill_chunks: int = 0
+    num_cached_prompt_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     methods: dict[str, None] = field(default_factory=dict)  # insertion-ordered set
 
@@ -66,6 +70,7 @@ class SummaryAccumulator:
         self.num_accepted_tokens += record["num_accepted_tokens"]
         self.num_emitted_tokens += record["num_emitted_tokens"]
         self.num_prefill_chunks += record.get("num_prefill_chunks") or 0  # absent in files from before chunking
+        self.num_cached_prompt_tokens += record.get("num_cached_prompt_tokens") or 0
         per_pos = record.get("accepted_per_position") or []
         if len(per_pos) > len(self.accepted_per_position):
             self.accepted_per_position.extend([0] * (len(per_pos) - len(self.accepted_per_position)))
@@ -76,7 +81,8 @@ class SummaryAccumulator:
     def acceptance_rate(self) -> float | None:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
-    def summary(self, wall_time_s: float | None = None) -> Summary:
+    def summary(self, wall_time_s: float | None = None, kv_cache_bytes: int | None = None,
+                kv_cache_bytes_unshared: int | None = None) -> Summary:
         steps = self.num_decode_steps
         return Summary(
             num_requests=self.num_requests,
@@ -87,12 +93,15 @@ class SummaryAccumulator:
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
             num_prefill_chunks=self.num_prefill_chunks,
+            num_cached_prompt_tokens=self.num_cached_prompt_tokens,
             wall_time_s=wall_time_s,
             output_tokens_per_s=self.num_output_tokens / wall_time_s if wall_time_s else None,
             mean_accepted_length=self.num_emitted_tokens / self.num_steps if self.num_steps else None,
             acceptance_rate=self.acceptance_rate,
             per_position_acceptance=[n / steps if steps else 0.0 for n in self.accepted_per_position],
             methods=list(self.methods),
+            kv_cache_bytes=kv_cache_bytes,
+            kv_cache_bytes_unshared=kv_cache_bytes_unshared,
         )
 
 

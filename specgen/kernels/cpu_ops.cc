@@ -6,6 +6,10 @@
 //   specgen_silu_mul      gu [n, 2 i]                      -> silu(gu[:, :i]) * gu[:, i:]
 //   specgen_attention     qkv [n, (H + 2 KV) D], RoPE tables, per-token position and slot, the layer's cache
 //                         -> causal attention output [n, H D]; writes the tokens' K/V into the cache first.
+//                         Shared prefix (cascade): a token with prefix_len p reads keys/values of positions < p
+//                         from one shared prefix cache [KV, prefix_capacity, D] and positions >= p from its slot's
+//                         own rows, where position j sits at row j - p. One softmax runs over both parts, so the
+//                         result equals attention over a private copy of the prefix.
 //
 // Every output row is computed from its own inputs in a fixed order, whatever else is in the batch, so results
 // do not depend on batch composition or on how many tokens a slot feeds (speculation on or off).
@@ -22,12 +26,16 @@
 
 namespace {
 
+// Eight interleaved partial sums combined in a fixed tree: the same order for any address alignment (an
+// `omp simd` reduction may peel for alignment, which would make a row's result depend on where it sits).
 template <typename T>
 inline T dot(const T* a, const T* b, int64_t d) {
-  T s = 0;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < d; ++i) s += a[i] * b[i];
-  return s;
+  T s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8)
+    for (int l = 0; l < 8; ++l) s[l] += a[i + l] * b[i + l];
+  for (; i < d; ++i) s[i % 8] += a[i] * b[i];
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
 }
 
 template <typename T>
@@ -125,9 +133,14 @@ struct Tile {
   const T* q;       // query of token a, group head g at q + a * q_stride + g * D
   int64_t q_stride;  // H * D
   int64_t G, nt, p0, len;
-  const T* k;  // [len, D] this slot's keys for this KV head
+  const T* k;  // this slot's own keys for this KV head: position j >= plen at k + (j - plen) * D
   const T* v;
   T* out;  // same indexing as q
+  int64_t plen;  // positions [0, plen) come from the shared prefix
+  const T* pk;   // shared prefix keys for this KV head: position j < plen at pk + j * D
+  const T* pv;
+  inline const T* key(int64_t j, int64_t D) const { return j < plen ? pk + j * D : k + (j - plen) * D; }
+  inline const T* value(int64_t j, int64_t D) const { return j < plen ? pv + j * D : v + (j - plen) * D; }
 };
 
 // Reference-order version for any type: scores, max, exp, normalise, weighted sum of values.
@@ -137,7 +150,7 @@ void tile_attention_generic(const Tile<T>& t, int64_t D, std::vector<T>& sc, std
   sc.assign(rows * len, T(0));
   acc.assign(rows * D, T(0));
   for (int64_t j = 0; j < len; ++j) {
-    const T* k = t.k + j * D;
+    const T* k = t.key(j, D);
     for (int64_t a = (j > t.p0 ? j - t.p0 : 0); a < t.nt; ++a)
       for (int64_t g = 0; g < t.G; ++g) sc[(a * t.G + g) * len + j] = dot(t.q + a * t.q_stride + g * D, k, D);
   }
@@ -154,7 +167,7 @@ void tile_attention_generic(const Tile<T>& t, int64_t D, std::vector<T>& sc, std
     }
   }
   for (int64_t j = 0; j < len; ++j) {
-    const T* v = t.v + j * D;
+    const T* v = t.value(j, D);
     for (int64_t a = (j > t.p0 ? j - t.p0 : 0); a < t.nt; ++a)
       for (int64_t g = 0; g < t.G; ++g) {
         const T p = sc[(a * t.G + g) * len + j];
@@ -204,7 +217,7 @@ void tile_attention<float>(const Tile<float>& t, int64_t D, std::vector<float>& 
   acc.assign(rows * D, 0.0f);
   __m512 kv[16];
   for (int64_t j = 0; j < len; ++j) {
-    const float* k = t.k + j * D;
+    const float* k = t.key(j, D);
     for (int64_t c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(k + 16 * c);
     for (int64_t a = (j > t.p0 ? j - t.p0 : 0); a < t.nt; ++a)
       for (int64_t g = 0; g < t.G; ++g) {
@@ -239,7 +252,7 @@ void tile_attention<float>(const Tile<float>& t, int64_t D, std::vector<float>& 
     }
   }
   for (int64_t j = 0; j < len; ++j) {
-    const float* v = t.v + j * D;
+    const float* v = t.value(j, D);
     for (int64_t c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(v + 16 * c);
     for (int64_t a = (j > t.p0 ? j - t.p0 : 0); a < t.nt; ++a)
       for (int64_t g = 0; g < t.G; ++g) {
@@ -257,7 +270,7 @@ void tile_attention<float>(const Tile<float>& t, int64_t D, std::vector<float>& 
 template <typename T>
 void attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, const int64_t* slot, T* kc, T* vc,
                const T* qn, const T* kn, T* out, int64_t n, int64_t H, int64_t KV, int64_t D, int64_t cap,
-               bool qk_norm, T eps, int64_t tile) {
+               bool qk_norm, T eps, int64_t tile, const int64_t* plen, const T* pk, const T* pv, int64_t pcap) {
   const int64_t G = H / KV, width = (H + 2 * KV) * D, half = D / 2;
   const T scale = T(1) / std::sqrt(T(D));
   std::vector<T> q(n * H * D);  // [n, H, D] roped, scaled queries
@@ -276,7 +289,7 @@ void attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, con
       for (int64_t i = 0; i < D; ++i) q[(t * H + h) * D + i] *= scale;
     }
     for (int64_t h = 0; h < KV; ++h) {
-      const int64_t dst = ((slot[t] * KV + h) * cap + pos[t]) * D;
+      const int64_t dst = ((slot[t] * KV + h) * cap + pos[t] - plen[t]) * D;
       const T* x = row + (H + h) * D;
       if (qk_norm) { rms_norm_row(x, kn, tmp.data(), D, eps); x = tmp.data(); }
       rope(x, c, s, kc + dst, D);
@@ -302,7 +315,7 @@ void attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, con
       const int64_t ti = w / KV, kvh = w % KV, t0 = starts[ti], nt = starts[ti + 1] - t0;
       Tile<T> tl{q.data() + (t0 * H + kvh * G) * D, H * D, G, nt, pos[t0], pos[t0 + nt - 1] + 1,
                  kc + (slot[t0] * KV + kvh) * cap * D, vc + (slot[t0] * KV + kvh) * cap * D,
-                 out + (t0 * H + kvh * G) * D};
+                 out + (t0 * H + kvh * G) * D, plen[t0], pk + kvh * pcap * D, pv + kvh * pcap * D};
       tile_attention(tl, D, sc, acc);
     }
   }
@@ -313,8 +326,10 @@ void attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, con
 std::vector<paddle::Tensor> Attention(const paddle::Tensor& qkv, const paddle::Tensor& cos, const paddle::Tensor& sin,
                                       const paddle::Tensor& positions, const paddle::Tensor& slots,
                                       paddle::Tensor& k_cache, paddle::Tensor& v_cache, const paddle::Tensor& q_norm,
-                                      const paddle::Tensor& k_norm, int num_heads, int num_kv_heads, int64_t capacity,
-                                      bool qk_norm, double eps) {
+                                      const paddle::Tensor& k_norm, const paddle::Tensor& prefix_len,
+                                      const paddle::Tensor& prefix_k, const paddle::Tensor& prefix_v, int num_heads,
+                                      int num_kv_heads, int64_t capacity, bool qk_norm, double eps,
+                                      int64_t prefix_capacity) {
   check_cpu(qkv, "qkv");
   check_cpu(k_cache, "k_cache");
   const int64_t n = qkv.shape()[0], D = k_cache.shape().back();
@@ -326,7 +341,8 @@ std::vector<paddle::Tensor> Attention(const paddle::Tensor& qkv, const paddle::T
     attention<data_t>(qkv.data<data_t>(), cos.data<data_t>(), sin.data<data_t>(), positions.data<int64_t>(),
                       slots.data<int64_t>(), k_cache.data<data_t>(), v_cache.data<data_t>(), q_norm.data<data_t>(),
                       k_norm.data<data_t>(), out.data<data_t>(), n, num_heads, num_kv_heads, D, capacity, qk_norm,
-                      data_t(eps), 8);
+                      data_t(eps), 8, prefix_len.data<int64_t>(), prefix_k.data<data_t>(), prefix_v.data<data_t>(),
+                      prefix_capacity);
   }));
   return {out};
 }
@@ -342,9 +358,11 @@ PD_BUILD_OP(specgen_add_rms_norm)
 PD_BUILD_OP(specgen_silu_mul).Inputs({"GU"}).Outputs({"Out"}).SetKernelFn(PD_KERNEL(SiluMul));
 
 PD_BUILD_OP(specgen_attention)
-    .Inputs({"QKV", "Cos", "Sin", "Positions", "Slots", "KCache", "VCache", "QNorm", "KNorm"})
+    .Inputs({"QKV", "Cos", "Sin", "Positions", "Slots", "KCache", "VCache", "QNorm", "KNorm", "PrefixLen", "PrefixK",
+             "PrefixV"})
     .Outputs({"Out", "KCacheOut", "VCacheOut"})
     .SetInplaceMap({{"KCache", "KCacheOut"}, {"VCache", "VCacheOut"}})
-    .Attrs({"num_heads: int", "num_kv_heads: int", "capacity: int64_t", "qk_norm: bool", "eps: double"})
+    .Attrs({"num_heads: int", "num_kv_heads: int", "capacity: int64_t", "qk_norm: bool", "eps: double",
+            "prefix_capacity: int64_t"})
     .SetKernelFn(PD_KERNEL(Attention));
 

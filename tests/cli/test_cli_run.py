@@ -136,21 +136,23 @@ def test_resume_completes_a_partial_output(jsonl_in, tmp_path):
 
 def test_interrupt_keeps_finished_records(jsonl_in, tmp_path, monkeypatch):
     """Ctrl-C (KeyboardInterrupt) mid-run: exit 130, finished records kept, Parquet finalized, resumable."""
-    real = specgen.api.iter_generate
+    from specgen.engine.runner import Engine
 
-    def interrupted(*args, **kwargs):
-        for i, out in enumerate(real(*args, **kwargs)):
+    real = Engine.run
+
+    def interrupted(self, requests):
+        for i, out in enumerate(real(self, requests)):
             if i == 3:
                 raise KeyboardInterrupt
             yield out
 
     out = tmp_path / "out.parquet"
-    monkeypatch.setattr(specgen.api, "iter_generate", interrupted)
+    monkeypatch.setattr(Engine, "run", interrupted)
     result = invoke("run", jsonl_in, "-o", out, "--max-tokens", "4", "-q")
     assert result.exit_code == 130
     assert "rerun with --resume" in result.output
     assert len(read_output(out)) == 3
-    monkeypatch.setattr(specgen.api, "iter_generate", real)
+    monkeypatch.setattr(Engine, "run", real)
     assert invoke("run", jsonl_in, "-o", out, "--max-tokens", "4", "--resume", "-q").exit_code == 0
     assert len(by_id(read_output(out))) == N
 
@@ -202,3 +204,23 @@ def test_prefill_chunk_flag_counts_chunks_and_keeps_outputs(jsonl_in, jsonl_run)
         assert plain[rid]["num_prefill_chunks"] == 1
         assert rec["token_ids"] == plain[rid]["token_ids"]
     assert json.loads(summary.read_text())["num_prefill_chunks"] == sum(r["num_prefill_chunks"] for r in chunked.values())
+
+
+def test_shared_prefix_is_reused_and_reported(tmp_path):
+    """Token prompts sharing 80 leading tokens: with --shared-prefix auto (the default) every record reads them from
+    the shared prefix, outputs equal --shared-prefix off, and the summary reports less KV cache."""
+    prefix = [3 + (7 * j) % 200 for j in range(80)]
+    recs = [{"id": f"s{i}", "input_ids": prefix + [5 + i, 9 + i][: 1 + i % 2]} for i in range(6)]
+    src = write_jsonl(tmp_path / "in.jsonl", recs)
+    outs = {}
+    for mode in ("auto", "off"):
+        out, summary = tmp_path / f"{mode}.jsonl", tmp_path / f"{mode}.json"
+        result = invoke("run", src, "-o", out, "--max-tokens", "5", "--batch-size", "6", "--shared-prefix", mode,
+                        "--summary-json", summary)
+        assert result.exit_code == 0, result.output
+        outs[mode] = (by_id(read_output(out)), json.loads(summary.read_text()))
+    (shared, s_sum), (plain, p_sum) = outs["auto"], outs["off"]
+    assert {k: v["token_ids"] for k, v in shared.items()} == {k: v["token_ids"] for k, v in plain.items()}
+    assert all(r["num_cached_prompt_tokens"] == 80 for r in shared.values())
+    assert s_sum["num_cached_prompt_tokens"] == 480 and p_sum["num_cached_prompt_tokens"] == 0
+    assert s_sum["kv_cache_bytes"] < s_sum["kv_cache_bytes_unshared"] == p_sum["kv_cache_bytes"]

@@ -1,5 +1,6 @@
-"""Chunked prefill changes nothing: outputs with prompts cut into 16/64/512-token chunks equal whole-prompt prefill,
-with plain decoding, n-gram and MTP drafting (float64), and the chunks are counted."""
+"""Chunked prefill and the shared prefix change nothing: outputs with prompts cut into 16/64/512-token chunks, and
+with a 500-token prefix computed once (cascade attention), equal whole-prompt prefill, with plain decoding,
+n-gram and MTP drafting (float64); chunks and reused prefix tokens are counted, and memory shrinks."""
 import numpy as np
 import pytest
 
@@ -35,8 +36,11 @@ def _sampling(n):
             for i in range(n)]
 
 
+VARIANTS = [("off", 16), ("off", 64), ("off", 512), ("auto", 0), ("auto", 16), ("auto", 64)]
+
+
 @pytest.mark.parametrize("method", ["none", "ngram", "mtp"])
-def test_chunked_prefill_is_token_identical(tiny64, shared_prefix_prompts, method, tmp_path):
+def test_chunked_prefill_and_shared_prefix_are_token_identical(tiny64, shared_prefix_prompts, method, tmp_path):
     spec = SpecConfig()
     if method == "ngram":
         spec = SpecConfig(method="ngram", num_speculative_tokens=3)
@@ -44,16 +48,57 @@ def test_chunked_prefill_is_token_identical(tiny64, shared_prefix_prompts, metho
         save_mtp(tmp_path, random_mtp_weights(tiny64.config, seed=3, std=0.3))
         spec = SpecConfig(method="mtp", num_speculative_tokens=2, mtp_model=str(tmp_path))
     sp = _sampling(len(shared_prefix_prompts))
-    whole = generate(shared_prefix_prompts, model=tiny64, sampling=sp,
-                     engine=EngineConfig(batch_size=8, dtype="float64"), speculative=spec)
-    assert all(o.stats.num_prefill_chunks == 1 for o in whole)
-    for chunk in (16, 64, 512):
-        out = generate(shared_prefix_prompts, model=tiny64, sampling=sp, speculative=spec,
-                       engine=EngineConfig(batch_size=8, dtype="float64", prefill_chunk=chunk, max_prefill_tokens=700))
-        assert [o.token_ids for o in out] == [o.token_ids for o in whole], f"chunk {chunk}"
+    whole = generate(shared_prefix_prompts, model=tiny64, sampling=sp, speculative=spec,
+                     engine=EngineConfig(batch_size=8, dtype="float64", shared_prefix="off"))
+    assert all(o.stats.num_prefill_chunks == 1 and o.stats.num_cached_prompt_tokens == 0 for o in whole)
+    for shared, chunk in VARIANTS:
+        engine = EngineConfig(batch_size=8, dtype="float64", prefill_chunk=chunk, max_prefill_tokens=700,
+                              shared_prefix=shared)
+        out = generate(shared_prefix_prompts, model=tiny64, sampling=sp, speculative=spec, engine=engine)
+        assert [o.token_ids for o in out] == [o.token_ids for o in whole], f"shared {shared} chunk {chunk}"
         for o in out:
-            assert o.stats.num_prefill_chunks == -(-o.num_prompt_tokens // chunk)
+            cached = 500 if shared == "auto" else 0
+            assert o.stats.num_cached_prompt_tokens == cached
+            own = o.num_prompt_tokens - cached
+            assert o.stats.num_prefill_chunks == (-(-own // chunk) if chunk else 1)
             assert o.stats.num_emitted_tokens == o.stats.num_accepted_tokens + o.stats.num_steps
+
+
+def test_shared_prefix_saves_cache_memory(tiny64, shared_prefix_prompts):
+    """With 32 slots sharing the 500-token prefix, the slots' own rows cover only tails and outputs."""
+    from specgen.api import make_engine
+    from specgen.engine.types import Request
+
+    def run(shared):
+        eng = make_engine(tiny64, EngineConfig(batch_size=32, dtype="float64", shared_prefix=shared), SpecConfig())
+        reqs = [Request(str(i), i, tuple(p), SamplingParams(max_tokens=8, ignore_eos=True))
+                for i, p in enumerate(shared_prefix_prompts)]
+        outs = list(eng.run(reqs))
+        return eng.memory(), sorted((o.id, o.token_ids) for o in outs)
+
+    (mem_shared, out_shared), (mem_plain, out_plain) = run("auto"), run("off")
+    assert out_shared == out_plain
+    assert mem_plain["kv_cache_bytes"] == mem_plain["kv_cache_bytes_unshared"]
+    assert mem_shared["kv_cache_bytes_unshared"] == mem_plain["kv_cache_bytes"]
+    assert mem_shared["kv_cache_bytes"] * 4 < mem_plain["kv_cache_bytes"]
+
+
+def test_no_sharing_below_the_minimum_or_for_prompts_without_the_prefix(tiny64):
+    from specgen.api import make_engine
+    from specgen.engine.runner import common_prefix
+
+    assert common_prefix([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == [1, 2]
+    assert common_prefix([[1, 2, 3]]) == []
+    eng = make_engine(tiny64, EngineConfig(batch_size=4, dtype="float64"), SpecConfig())
+    assert eng.share_prefix(list(range(3, 40))) == 0  # 37 < min_shared_prefix (64)
+    assert eng.share_prefix(list(range(3, 103))) == 100
+    from specgen.engine.types import Request
+
+    sp = SamplingParams(max_tokens=2)
+    eng._place(0, Request("a", 0, tuple(range(3, 103)) + (7, 8), sp))
+    eng._place(1, Request("b", 1, tuple(range(4, 110)), sp))
+    eng._place(2, Request("c", 2, tuple(range(3, 103)), sp))  # the prefix itself: keeps one token to prefill
+    assert eng.table.prefix_len[:3].tolist() == [100, 0, 99]
 
 
 def test_step_budget_limits_prefill_tokens(tiny64):
@@ -62,7 +107,7 @@ def test_step_budget_limits_prefill_tokens(tiny64):
     from specgen.engine.types import Request
 
     eng = Engine(tiny64.model, None, EngineConfig(batch_size=4, dtype="float64", prefill_chunk=32,
-                                                  max_prefill_tokens=50))
+                                                  max_prefill_tokens=50, shared_prefix="off"))
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
     for slot, n in enumerate((100, 40, 10, 5)):
         eng._place(slot, Request(str(slot), slot, tuple(range(3, 3 + n)), sp))

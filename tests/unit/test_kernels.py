@@ -69,8 +69,8 @@ def test_attention_matches_numpy_and_writes_the_cache(D, H, KV, dtype):
     pk, pv = paddle.to_tensor(kc), paddle.to_tensor(vc)
     ones = paddle.ones([D], dtype=dtype)
     got = K.specgen_attention(paddle.to_tensor(qkv), paddle.to_tensor(cos), paddle.to_tensor(sin),
-                              paddle.to_tensor(pos), paddle.to_tensor(slots), pk, pv, ones, ones, H, KV, cap, False,
-                              1e-6)
+                              paddle.to_tensor(pos), paddle.to_tensor(slots), pk, pv, ones, ones,
+                              paddle.zeros([len(pos)], dtype="int64"), ones, ones, H, KV, cap, False, 1e-6, 0)
     got = got[0] if isinstance(got, (list, tuple)) else got
     tol = 2e-5 if dtype == "float32" else 1e-12
     assert np.abs(got.numpy() - want).max() <= tol
@@ -94,13 +94,53 @@ def test_attention_rows_do_not_depend_on_the_rest_of_the_batch():
     def run(rows):
         out = K.specgen_attention(paddle.to_tensor(qkv[rows]), cos, sin, paddle.to_tensor(pos[rows]),
                                   paddle.to_tensor(slots[rows]), paddle.to_tensor(kc0), paddle.to_tensor(vc0), ones,
-                                  ones, H, KV, cap, False, 1e-6)
+                                  ones, paddle.zeros([len(rows)], dtype="int64"), ones, ones, H, KV, cap, False, 1e-6, 0)
         return (out[0] if isinstance(out, (list, tuple)) else out).numpy()
 
     together = run(np.arange(9))
     assert np.array_equal(run(np.array([0])), together[:1])
     assert np.array_equal(run(np.arange(1, 7)), together[1:7])
     assert np.array_equal(run(np.arange(1, 2)), together[1:2])  # first token of the block alone
+
+
+@pytest.mark.parametrize("D", [64, 24])
+def test_shared_prefix_attention_equals_a_private_copy(D):
+    """Cascade attention: keys [0, p) from the shared prefix cache, the rest from the slot's rows shifted by p,
+    gives bit-identical outputs to the same keys held privately; own K/V land at row position - p."""
+    rng = np.random.default_rng(D)
+    H, KV, cap, P = 4, 2, 32, 10
+    prefix_k = rng.standard_normal((KV * 16, D)).astype(np.float32)  # prefix capacity 16, P = 10 used
+    prefix_v = rng.standard_normal((KV * 16, D)).astype(np.float32)
+    own_k = rng.standard_normal((2 * KV * cap, D)).astype(np.float32)
+    own_v = rng.standard_normal((2 * KV * cap, D)).astype(np.float32)
+    # the private layout: slot s holds prefix rows [0, P) then its own rows
+    priv_k, priv_v = own_k.copy(), own_v.copy()
+    for s in range(2):
+        for h in range(KV):
+            base = (s * KV + h) * cap
+            priv_k[base + P: base + cap] = own_k[base: base + cap - P]
+            priv_v[base + P: base + cap] = own_v[base: base + cap - P]
+            priv_k[base: base + P] = prefix_k[h * 16: h * 16 + P]
+            priv_v[base: base + P] = prefix_v[h * 16: h * 16 + P]
+    slots = np.array([0, 0, 0, 1], np.int64)
+    pos = np.array([12, 13, 14, 20], np.int64)
+    qkv = paddle.to_tensor(rng.standard_normal((4, (H + 2 * KV) * D)).astype(np.float32))
+    cos = paddle.to_tensor(rng.random((cap, D // 2)).astype(np.float32))
+    sin = paddle.to_tensor(rng.random((cap, D // 2)).astype(np.float32))
+    ones = paddle.ones([D])
+    args = (paddle.to_tensor(pos), paddle.to_tensor(slots))
+    kc, vc = paddle.to_tensor(priv_k), paddle.to_tensor(priv_v)
+    want = K.specgen_attention(qkv, cos, sin, *args, kc, vc, ones, ones, paddle.zeros([4], dtype="int64"), ones, ones,
+                               H, KV, cap, False, 1e-6, 0)
+    sk, sv = paddle.to_tensor(own_k), paddle.to_tensor(own_v)
+    got = K.specgen_attention(qkv, cos, sin, *args, sk, sv, ones, ones, paddle.full([4], P, dtype="int64"),
+                              paddle.to_tensor(prefix_k), paddle.to_tensor(prefix_v), H, KV, cap, False, 1e-6, 16)
+    first = lambda r: r[0] if isinstance(r, (list, tuple)) else r  # noqa: E731
+    assert np.array_equal(first(got).numpy(), first(want).numpy())
+    for t in range(4):
+        for h in range(KV):
+            row = (slots[t] * KV + h) * cap
+            assert np.array_equal(sk.numpy()[row + pos[t] - P], kc.numpy()[row + pos[t]])
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)

@@ -155,12 +155,19 @@ class MtpProposer:
         if not live.any():
             return
         slots, first, nv = update.slots[live], update.first_pos[live], update.num_valid[live]
-        seq = np.repeat(np.arange(len(slots)), nv)  # [num_tokens] block of each catch-up token
-        offset = np.arange(len(seq)) - np.concatenate([[0], np.cumsum(nv)[:-1]])[seq]
-        rows = update.block_start[live][seq] + offset  # rows of the main forward's hidden states
-        next_ids = update.tokens[slots[seq], first[seq] + offset + 1]  # token i+1 for position i
-        h_main = paddle.gather(update.hidden, paddle.to_tensor(rows))  # [num_tokens, hidden]
-        x, d = self._run(slots, first, nv, next_ids, h_main)
+        # A slot's first block after a shared prefix also catches up the prefix positions (the head's own cache
+        # is per slot), from the prefix's hidden states, kept once, appended after the forward's rows.
+        pre = update.prefix_len[live] if update.prefix_len is not None else np.zeros(len(slots), np.int64)
+        start, total = first - pre, nv + pre  # [num_seqs]
+        seq = np.repeat(np.arange(len(slots)), total)  # [num_tokens] block of each catch-up token
+        offset = np.arange(len(seq)) - np.concatenate([[0], np.cumsum(total)[:-1]])[seq]
+        num_rows = int(update.hidden.shape[0])
+        rows = np.where(offset < pre[seq], num_rows + start[seq] + offset,  # prefix position -> prefix row
+                        update.block_start[live][seq] + offset - pre[seq])  # rows of the main forward
+        next_ids = update.tokens[slots[seq], start[seq] + offset + 1]  # token i+1 for position i
+        hidden = update.hidden if not pre.any() else paddle.concat([update.hidden, update.prefix_hidden])
+        h_main = paddle.gather(hidden, paddle.to_tensor(rows))  # [num_tokens, hidden]
+        x, d = self._run(slots, start, total, next_ids, h_main)
         last_pos = first + nv - 1
         self.drafts[slots, 0] = d
         ones = np.ones(len(slots), np.int64)
