@@ -4,7 +4,9 @@
 
 Prints, per prompt set and batch size: tokens/s of each method, speedup over `none` measured in the same run,
 acceptance rate, mean accepted length, whether outputs were token-identical to `none`, and the n-gram ceiling
-(n-gram drafting replayed teacher-forced on the plain outputs: tokens per step if verification were free).
+(n-gram drafting replayed teacher-forced on the plain outputs: tokens per step if verification were free),
+the bound (tokens per step x c(1) / c(k + 1) from the step costs measured at start-up) and the efficiency
+(speedup / bound: how much of what the forward's cost allows the whole step loop achieves).
 """
 from __future__ import annotations
 
@@ -69,8 +71,22 @@ def run_method(model, prompts, sp, batch_size, spec):
     drafted = sum(o.stats.num_draft_tokens for o in outs)
     accepted = sum(o.stats.num_accepted_tokens for o in outs)
     steps = sum(o.stats.num_steps for o in outs)
-    return outs, {"wall_s": wall, "tokens": n_out, "tok_s": n_out / wall,
+    return outs, {"wall_s": wall, "tokens": n_out, "tok_s": n_out / wall, "steps": steps, "drafted": drafted,
                   "acceptance": accepted / drafted if drafted else None, "mean_accepted_length": n_out / steps}
+
+
+def speedup_bound(model, batch_size: int, k: int, r: dict) -> float | None:
+    """(tokens emitted per step) x c(1 token per slot) / c(tokens fed per slot), with c the step costs measured at
+    start-up on this machine and batch size (the adaptive controller's table): the speedup if nothing but the
+    forward's cost counted."""
+    from specgen.engine.adaptive import CostModel
+
+    table = model.model.calibrations.get((batch_size, k))
+    if table is None or not r["steps"]:
+        return None
+    cost = CostModel(*table)
+    fed = 1 + r["drafted"] / r["steps"]  # tokens each slot feeds per step, on average
+    return r["mean_accepted_length"] * float(cost(batch_size) / cost(batch_size * fed))
 
 
 def main() -> None:
@@ -98,7 +114,7 @@ def main() -> None:
         methods["mtp"] = SpecConfig(method="mtp", num_speculative_tokens=min(args.k, 2), mtp_model=args.mtp_model)
     results = []
     print(f"{'set':<15}{'bs':>4} {'method':<6}{'tok/s':>8}{'speedup':>9}{'accept':>8}{'tok/step':>9}"
-          f"{'ceiling':>9}{'of ceil':>8} identical")
+          f"{'ceiling':>9}{'of ceil':>8}{'bound':>7}{'eff':>6} identical")
     for name, msgs in sets.items():
         prompts = [list(model.tokenizer.encode_chat(m)) for m in msgs]
         for bs in args.batch_sizes:
@@ -111,13 +127,17 @@ def main() -> None:
                 same = all(a.token_ids == b.token_ids for a, b in zip(base_outs, outs))
                 speedup = r["tok_s"] / base["tok_s"]
                 of_ceiling = (speedup - 1) / (ceiling - 1) if mname == "ngram" and ceiling > 1 else None
+                bound = speedup_bound(model, bs, spec.num_speculative_tokens, r) if mname != "none" else None
                 row = {"set": name, "batch_size": bs, "method": mname, **r, "speedup": speedup,
-                       "ngram_ceiling": ceiling, "identical": same}
+                       "ngram_ceiling": ceiling, "bound": bound, "efficiency": speedup / bound if bound else None,
+                       "identical": same}
                 results.append(row)
                 acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
                 oc = f"{of_ceiling:.2f}" if of_ceiling is not None else "-"
+                bd = f"{bound:.2f}" if bound else "-"
+                ef = f"{speedup / bound:.2f}" if bound else "-"
                 print(f"{name:<15}{bs:>4} {mname:<6}{r['tok_s']:>8.1f}{speedup:>8.2f}x{acc:>8}"
-                      f"{r['mean_accepted_length']:>9.2f}{ceiling:>9.2f}{oc:>8} {same}", flush=True)
+                      f"{r['mean_accepted_length']:>9.2f}{ceiling:>9.2f}{oc:>8}{bd:>7}{ef:>6} {same}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 
