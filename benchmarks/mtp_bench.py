@@ -1,0 +1,118 @@
+"""MTP drafting against plain decoding on held-out prompts, measured side by side in one run.
+
+    python benchmarks/mtp_bench.py --batch-sizes 1 32 --per-category 8 --mbpp 16 --max-tokens 128
+    python benchmarks/mtp_bench.py --mtp-model runs/mtp --ks 1 2 3 --no-adaptive    # raw per-position acceptance
+
+Prompt sets: the Spec-Bench categories and the MBPP code-rewriting set of benchmarks/spec_bench.py, taken from
+the evaluation slice (the first 40 per category, the first 200 MBPP items) that
+scripts/make_mtp_train_prompts.py keeps out of the head's training data.
+
+Prints, per set and batch size: tokens/s of none and of mtp at each k, the speedup over none measured in the
+same run, the acceptance rate, tokens per step, the acceptance at draft positions 1 and 2 (accepted / drafted
+at that position, summed over requests: `RequestStats.accepted_per_position` / `drafted_per_position`), and
+whether the outputs were token-identical to none.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spec_bench import CATEGORIES, load_sets
+
+EVAL_PER_CATEGORY, EVAL_MBPP = 40, 200  # the held-out slice (scripts/make_mtp_train_prompts.py)
+
+
+def per_position(outs, k: int) -> list[float | None]:
+    """Acceptance at draft positions 1..k: accepted / drafted there, summed over requests (None if never drafted
+    there, or when the engine does not count drafts per position)."""
+    acc = np.zeros(k)
+    drafted = np.zeros(k)
+    for o in outs:
+        a = getattr(o.stats, "accepted_per_position", None)
+        d = getattr(o.stats, "drafted_per_position", None)
+        if a is None or d is None:
+            return [None] * k
+        acc += np.asarray(a, float)[:k]
+        drafted += np.asarray(d, float)[:k]
+    return [float(a / d) if d else None for a, d in zip(acc, drafted)]
+
+
+def run(model, prompts, sp, batch_size, spec):
+    from specgen import EngineConfig, generate
+
+    start = time.perf_counter()
+    outs = generate(prompts, model=model, sampling=sp, engine=EngineConfig(batch_size=batch_size), speculative=spec)
+    wall = time.perf_counter() - start
+    n_out = sum(len(o.token_ids) for o in outs)
+    drafted = sum(o.stats.num_draft_tokens for o in outs)
+    accepted = sum(o.stats.num_accepted_tokens for o in outs)
+    steps = sum(o.stats.num_steps for o in outs)
+    return outs, {"wall_s": wall, "tokens": n_out, "tok_s": n_out / wall,
+                  "acceptance": accepted / drafted if drafted else None, "tokens_per_step": n_out / steps}
+
+
+def fmt(x, spec=".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--per-category", type=int, default=8, help=f"prompts per category (<= {EVAL_PER_CATEGORY})")
+    ap.add_argument("--mbpp", type=int, default=16, help=f"MBPP rewrite prompts (<= {EVAL_MBPP})")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3], help="num_speculative_tokens to compare")
+    ap.add_argument("--mtp-model", default=None,
+                    help="head directory [default: the head shipped for the default model]")
+    ap.add_argument("--no-adaptive", action="store_true", help="verify every draft (measures raw acceptance)")
+    ap.add_argument("--sets", nargs="*", default=None, help=f"subset of {CATEGORIES + ['code_rewrite']}")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+    if args.per_category > EVAL_PER_CATEGORY or args.mbpp > EVAL_MBPP:
+        ap.error(f"the held-out slice is {EVAL_PER_CATEGORY} per category and {EVAL_MBPP} MBPP items")
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    from specgen import SamplingParams, SpecConfig, load_model
+
+    model = load_model(None, threads=args.threads)
+    sets = load_sets(args.per_category, args.mbpp)
+    if args.sets:
+        sets = {k: v for k, v in sets.items() if k in args.sets}
+    sp = SamplingParams(max_tokens=args.max_tokens)
+    methods = {"none": SpecConfig()}
+    for k in args.ks:
+        methods[f"mtp k={k}"] = SpecConfig(method="mtp", num_speculative_tokens=k, mtp_model=args.mtp_model,
+                                           adaptive=not args.no_adaptive)
+    results = []
+    print(f"{'set':<15}{'bs':>4} {'method':<9}{'tok/s':>8}{'speedup':>9}{'accept':>8}{'tok/step':>9}"
+          f"{'acc@1':>7}{'acc@2':>7} identical", flush=True)
+    for name, msgs in sets.items():
+        prompts = [list(model.tokenizer.encode_chat(m)) for m in msgs]
+        for bs in args.batch_sizes:
+            base_outs = base = None
+            for mname, spec in methods.items():
+                outs, r = run(model, prompts, sp, bs, spec)
+                if base is None:
+                    base_outs, base = outs, r
+                same = all(a.token_ids == b.token_ids for a, b in zip(base_outs, outs))
+                pos = per_position(outs, max(2, spec.num_speculative_tokens)) if spec.method.value == "mtp" \
+                    else [None, None]
+                row = {"set": name, "batch_size": bs, "method": mname, **r, "speedup": r["tok_s"] / base["tok_s"],
+                       "acceptance_per_position": pos, "identical": same}
+                results.append(row)
+                print(f"{name:<15}{bs:>4} {mname:<9}{r['tok_s']:>8.1f}{row['speedup']:>8.2f}x"
+                      f"{fmt(r['acceptance']):>8}{r['tokens_per_step']:>9.2f}{fmt(pos[0]):>7}{fmt(pos[1]):>7} {same}",
+                      flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

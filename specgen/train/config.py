@@ -1,0 +1,69 @@
+"""Settings of `specgen train-mtp`: one frozen dataclass, the single source of defaults."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specgen.errors import ConfigError
+
+SAVE_DTYPES = ("float16", "float32")
+INITS = ("last-layer", "random")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Data generation, the head's optimisation and what is written where."""
+
+    # data: the main model's own greedy continuations of the prompts
+    gen_max_tokens: int = 256  # tokens generated per prompt (fewer when the model stops)
+    gen_batch_size: int = 64  # engine slots while generating
+    prompt_examples: bool = True  # prompt positions are training examples too (labels: the model's greedy choices)
+    context_tokens: int = 32  # without prompt examples: prompt positions kept as context before the continuation
+    eval_fraction: float = 0.05  # share of the sequences held out for evaluation
+    max_eval_windows: int = 32  # windows of the held-out sequences evaluated (full vocabulary)
+    # optimisation
+    steps: int = 800  # ~8 epochs of the default training prompts: more overfits (405 prompts are little data)
+    batch_size: int = 16  # windows per step
+    seq_len: int = 128  # positions per window
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    shortlist: int = 8192  # training softmax over the most frequent labels; 0: the full vocabulary
+    hidden_noise: float = 0.0  # Gaussian noise on the main hidden input, std relative to each row's RMS (EAGLE)
+    chain_weight: float = 0.5  # weight of the second-draft loss (the head applied to its own output); 0 halves a step
+    init: str = "last-layer"  # block initialised from the main model's last layer, or random
+    seed: int = 0
+    # bookkeeping
+    log_every: int = 10
+    eval_every: int = 100
+    checkpoint_every: int = 100
+    save_dtype: str = "float16"  # dtype of the saved head (loading upcasts)
+
+    def __post_init__(self) -> None:
+        positive = ("gen_max_tokens", "gen_batch_size", "steps", "batch_size", "log_every", "eval_every",
+                    "checkpoint_every", "max_eval_windows")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.gen_batch_size <= 256:
+            raise ConfigError(f"gen-batch-size must be in 1..256, got {self.gen_batch_size}")
+        if self.seq_len < 4:
+            raise ConfigError(f"seq-len must be >= 4, got {self.seq_len}")
+        if self.context_tokens < 0 or self.warmup_steps < 0 or self.shortlist < 0:
+            raise ConfigError("context-tokens, warmup-steps and shortlist must be >= 0")
+        if not 0 <= self.eval_fraction < 1:
+            raise ConfigError(f"eval-fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.weight_decay < 0 or self.grad_clip <= 0:
+            raise ConfigError("need lr > 0, 0 <= min-lr-ratio <= 1, weight-decay >= 0, grad-clip > 0")
+        if self.chain_weight < 0 or self.hidden_noise < 0:
+            raise ConfigError("chain-weight and hidden-noise must be >= 0")
+        if self.save_dtype not in SAVE_DTYPES:
+            raise ConfigError(f"save-dtype must be one of {', '.join(SAVE_DTYPES)}, got {self.save_dtype!r}")
+        if self.init not in INITS:
+            raise ConfigError(f"init must be one of {', '.join(INITS)}, got {self.init!r}")
+
+    @property
+    def overlap(self) -> int:
+        """Positions a window repeats from the one before it, as attention context (no loss on them)."""
+        return min(self.context_tokens, self.seq_len // 4)

@@ -1,0 +1,268 @@
+"""The training loop: batches, loss, held-out evaluation, checkpoints, loss.csv, and the final save.
+
+Batches are a pure function of (seed, step): window order is a seeded permutation per epoch. So a checkpoint
+(weights, optimizer state, step, the loss rows) is all a resumed run needs to end where an uninterrupted one
+would have.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+from specgen.errors import ConfigError, InputError
+from specgen.train.config import TrainConfig
+from specgen.train.data import CachedData, load_data
+from specgen.train.head import TrainableHead, export_weights, initial_weights, residual_rms
+from specgen.train.optim import AdamW, lr_at
+from specgen.train.windows import (
+    Batch,
+    Windows,
+    label_counts,
+    make_batch,
+    make_windows,
+    shortlist,
+    split_sequences,
+)
+
+COLUMNS = ("step", "lr", "loss", "acc", "acc2", "eval_loss", "eval_acc", "eval_acc2", "seconds")
+# Settings that only change what is logged or written: a checkpoint made with others can be resumed.
+NOT_FINGERPRINTED = ("log_every", "eval_every", "checkpoint_every", "save_dtype", "max_eval_windows",
+                     "gen_batch_size")
+OnStep = Callable[[int, int, "dict[str, Any] | None"], None]
+
+
+@dataclass(frozen=True)
+class TrainingSet:
+    """The windows, split into train and held-out, and the training vocabulary."""
+
+    data: CachedData
+    train: Windows
+    held_out: Windows
+    vocab_ids: np.ndarray  # [train_vocab] int64 token id of each training-vocabulary index
+    vocab_index: np.ndarray  # [vocab_size] int64 training-vocabulary index of each token, -1 outside it
+    coverage: float  # share of training labels inside the training vocabulary
+
+
+def training_set(data_dir: Path, vocab_size: int, cfg: TrainConfig) -> TrainingSet:
+    data = load_data(data_dir)
+    train_seqs, eval_seqs = split_sequences(len(data.ids), cfg.eval_fraction, cfg.seed)
+    windows = make_windows(data, cfg.seq_len, cfg.overlap, cfg.prompt_examples)
+    train = windows.subset(np.isin(windows.seq, train_seqs))
+    continuation = make_windows(data, cfg.seq_len, cfg.overlap, prompt_examples=False)
+    held = continuation.subset(np.isin(continuation.seq, eval_seqs))
+    if len(held) > cfg.max_eval_windows:  # evenly spaced, so that every held-out sequence tends to show up
+        held = held.subset(np.linspace(0, len(held) - 1, cfg.max_eval_windows).round().astype(np.int64))
+    if len(train) == 0:
+        raise InputError(f"{data_dir}: no training positions (every continuation is shorter than 2 tokens)")
+    counts = label_counts(data, train, vocab_size)
+    ids = shortlist(counts, cfg.shortlist)
+    index = np.full(vocab_size, -1, np.int64)
+    index[ids] = np.arange(len(ids))
+    return TrainingSet(data, train, held, ids, index, float(counts[ids].sum() / max(1, counts.sum())))
+
+
+def batch_picks(step: int, num_windows: int, batch_size: int, seed: int) -> np.ndarray:
+    """Windows of step `step`: items [step * B, (step + 1) * B) of the epochs' seeded permutations, end to end."""
+    flat = np.arange(step * batch_size, (step + 1) * batch_size)
+    epochs, offsets = np.divmod(flat, num_windows)
+    perms = {e: np.random.default_rng([seed, int(e)]).permutation(num_windows) for e in np.unique(epochs)}
+    return np.array([perms[e][o] for e, o in zip(epochs, offsets)], np.int64)
+
+
+def _tensors(b: Batch):
+    return (paddle.to_tensor(b.hidden), paddle.to_tensor(b.next_ids), paddle.to_tensor(b.positions))
+
+
+class Trainer:
+    """Trains a head for `loaded.model` on MTP_DIR/data and writes MTP_DIR/{model.safetensors, config.json, ...}."""
+
+    def __init__(self, loaded: Any, out_dir: Path, cfg: TrainConfig):
+        self.loaded, self.out_dir, self.cfg = loaded, out_dir, cfg
+        model = loaded.model
+        self.set = training_set(out_dir / "data", loaded.config.vocab_size, cfg)
+        paddle.seed(cfg.seed)
+        data = self.set.data
+        sample = data.tokens[data.tok_start[0]: data.tok_start[0] + min(256, data.num_rows[0] + 1)]
+        scale = residual_rms(model, sample) if cfg.init == "last-layer" else 1.0
+        self.head = TrainableHead(model, initial_weights(model, cfg.init, cfg.seed, scale))
+        self.params = dict(self.head.named_parameters())
+        self.opt = AdamW(self.params, cfg)
+        self.lm_train = paddle.gather(model.w.lm_head, paddle.to_tensor(self.set.vocab_ids), axis=1)  # [hidden, V']
+        self.lm_full = model.w.lm_head  # [hidden, vocab]
+        self.identity = np.arange(loaded.config.vocab_size, dtype=np.int64)
+
+    # ---- one step and one evaluation ----
+
+    def train_step(self, step: int) -> tuple[float, float, float | None]:
+        """Returns (loss, top-1 accuracy over the training vocabulary, second-draft accuracy or None)."""
+        cfg, s = self.cfg, self.set
+        picks = batch_picks(step, len(s.train), cfg.batch_size, cfg.seed)
+        b = make_batch(s.data, s.train, picks, cfg.seq_len, s.vocab_index)
+        if cfg.hidden_noise > 0:  # seeded by (seed, step): a resumed run draws the same noise
+            rms = np.sqrt((b.hidden ** 2).mean(-1, keepdims=True))
+            noise = np.random.default_rng([cfg.seed, step, 1]).standard_normal(b.hidden.shape, np.float32)
+            b = dataclasses.replace(b, hidden=b.hidden + cfg.hidden_noise * rms * noise)
+        hidden, next_ids, positions = _tensors(b)
+        x1, kv = self.head(hidden, next_ids, positions)
+        logits = self.head.logits(x1, paddle.to_tensor(b.loss_rows), self.lm_train)  # [num_loss, V']
+        labels = paddle.to_tensor(b.label_ids)
+        loss = F.cross_entropy(logits, labels.unsqueeze(-1)).mean()
+        acc = float((paddle.argmax(logits, axis=-1) == labels).astype("float32").mean())
+        acc2 = None
+        if cfg.chain_weight > 0 and len(b.chain_rows):
+            x2 = self.head.chain(x1, kv, paddle.to_tensor(b.after_ids), positions)
+            logits2 = self.head.logits(x2, paddle.to_tensor(b.chain_rows), self.lm_train)
+            labels2 = paddle.to_tensor(b.chain_ids)
+            loss = loss + cfg.chain_weight * F.cross_entropy(logits2, labels2.unsqueeze(-1)).mean()
+            acc2 = float((paddle.argmax(logits2, axis=-1) == labels2).astype("float32").mean())
+        loss.backward()
+        self.opt.step(lr_at(step, cfg))
+        self.head.clear_gradients()
+        return float(loss), acc, acc2
+
+    @paddle.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out loss and top-1 accuracy over the full vocabulary (what the engine's argmax sees); eval_acc2:
+        both drafts right (first one, and the head applied to its own output), i.e. position-2 acceptance."""
+        held = self.set.held_out
+        if len(held) == 0:
+            return {}
+        tot_loss = num = num_ok = num2 = num_ok2 = 0.0
+        for lo in range(0, len(held), self.cfg.batch_size):
+            picks = np.arange(lo, min(lo + self.cfg.batch_size, len(held)))
+            b = make_batch(self.set.data, held, picks, self.cfg.seq_len, self.identity)
+            hidden, next_ids, positions = _tensors(b)
+            x1, kv = self.head(hidden, next_ids, positions)
+            logits = self.head.logits(x1, paddle.to_tensor(b.loss_rows), self.lm_full)
+            labels = paddle.to_tensor(b.label_ids)
+            tot_loss += float(F.cross_entropy(logits, labels.unsqueeze(-1), reduction="sum"))
+            ok = np.zeros(b.hidden.shape[0] * b.hidden.shape[1], bool)
+            ok[b.loss_rows] = paddle.argmax(logits, axis=-1).numpy() == b.label_ids
+            num, num_ok = num + len(b.loss_rows), num_ok + ok.sum()
+            if len(b.chain_rows):
+                x2 = self.head.chain(x1, kv, paddle.to_tensor(b.after_ids), positions)
+                pred2 = paddle.argmax(self.head.logits(x2, paddle.to_tensor(b.chain_rows), self.lm_full), axis=-1)
+                num2 += len(b.chain_rows)
+                num_ok2 += (ok[b.chain_rows] & (pred2.numpy() == b.chain_ids)).sum()
+        return {"eval_loss": float(tot_loss / max(num, 1)), "eval_acc": float(num_ok / max(num, 1)),
+                "eval_acc2": float(num_ok2 / max(num2, 1))}
+
+    # ---- checkpoints ----
+
+    def fingerprint(self) -> dict[str, Any]:
+        d = {k: v for k, v in dataclasses.asdict(self.cfg).items() if k not in NOT_FINGERPRINTED}
+        return {**d, "num_sequences": len(self.set.data.ids)}
+
+    def save_checkpoint(self, state: dict[str, Any]) -> None:
+        """Write checkpoint.tmp, then swap it in; a kill at any point leaves a complete checkpoint or the old one."""
+        final, tmp, old = (self.out_dir / n for n in ("checkpoint", "checkpoint.tmp", "checkpoint.old"))
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        np.savez(tmp / "weights.npz", **{n: p.numpy() for n, p in self.params.items()})
+        np.savez(tmp / "optimizer.npz", **self.opt.state())
+        (tmp / "state.json").write_text(json.dumps({**state, "fingerprint": self.fingerprint()}))
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def load_checkpoint(self) -> dict[str, Any] | None:
+        for name in ("checkpoint", "checkpoint.old"):
+            d = self.out_dir / name
+            if (d / "state.json").exists():
+                state = json.loads((d / "state.json").read_text())
+                if state["fingerprint"] != self.fingerprint():
+                    diff = sorted(k for k, v in self.fingerprint().items() if state["fingerprint"].get(k) != v)
+                    raise ConfigError(f"{d} was made with other settings ({', '.join(diff)}); rerun with the same "
+                                      "settings to resume, or remove it to start over")
+                with np.load(d / "weights.npz") as w:
+                    for n, p in self.params.items():
+                        paddle.assign(paddle.to_tensor(w[n]), p)
+                with np.load(d / "optimizer.npz") as o:
+                    self.opt.load(dict(o))
+                return state
+        return None
+
+    # ---- the loop ----
+
+    def run(self, on_step: OnStep | None = None) -> dict[str, Any]:
+        """Train to cfg.steps (resuming from the last checkpoint), then save the head; returns its metadata."""
+        cfg = self.cfg
+        state = self.load_checkpoint() or {"step": 0, "rows": [], "acc": [0.0, 0.0, 0.0, 0], "seconds": 0.0}
+        step, rows = state["step"], state["rows"]
+        if step == 0 and not rows:
+            rows.append(self._row(0, None, self.evaluate(), 0.0))
+        sums = state["acc"]  # running [loss, acc, acc2] sums and their count since the last logged row
+        start = time.perf_counter() - state["seconds"]
+        self._write_csv(rows)
+        if on_step is not None:
+            on_step(step, cfg.steps, rows[-1])
+        while step < cfg.steps:
+            loss, acc, acc2 = self.train_step(step)
+            sums = [sums[0] + loss, sums[1] + acc, sums[2] + (acc2 or 0.0), sums[3] + 1]
+            step += 1
+            row = None
+            if step % cfg.log_every == 0 or step % cfg.eval_every == 0 or step == cfg.steps:
+                ev = self.evaluate() if step % cfg.eval_every == 0 or step == cfg.steps else {}
+                row = self._row(step, sums, ev, time.perf_counter() - start)
+                rows.append(row)
+                sums = [0.0, 0.0, 0.0, 0]
+                self._write_csv(rows)
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                self.save_checkpoint({"step": step, "rows": rows, "acc": sums,
+                                      "seconds": time.perf_counter() - start})
+            if on_step is not None:
+                on_step(step, cfg.steps, row)
+        return self.save(rows)
+
+    def _row(self, step: int, sums: list | None, ev: dict[str, float], seconds: float) -> dict[str, Any]:
+        n = sums[3] if sums else 0
+        row: dict[str, Any] = {"step": step, "lr": lr_at(max(step - 1, 0), self.cfg) if step else 0.0,
+                               "loss": sums[0] / n if n else None, "acc": sums[1] / n if n else None,
+                               "acc2": sums[2] / n if n and self.cfg.chain_weight > 0 else None}
+        row.update({k: ev.get(k) for k in ("eval_loss", "eval_acc", "eval_acc2")})
+        row["seconds"] = round(seconds, 2)
+        return row
+
+    def _write_csv(self, rows: list[dict[str, Any]]) -> None:
+        with open(self.out_dir / "loss.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            w.writeheader()
+            w.writerows({k: ("" if r.get(k) is None else r[k]) for k in COLUMNS} for r in rows)
+
+    def save(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        from specgen.engine.proposers.mtp import save_mtp
+        from specgen.train.plot import plot_loss
+
+        cfg, s = self.cfg, self.set
+        last_eval = next((r for r in reversed(rows) if r.get("eval_acc") is not None), {})
+        meta = {
+            "main_model": Path(str(self.loaded.source)).name, "hidden_size": self.loaded.config.hidden_size,
+            "vocab_size": self.loaded.config.vocab_size, "num_main_layers": self.loaded.config.num_layers,
+            "torch_dtype": cfg.save_dtype,
+            "specgen_training": {
+                **dataclasses.asdict(cfg), "num_sequences": len(s.data.ids),
+                "num_generated_tokens": s.data.num_generated, "num_train_windows": len(s.train),
+                "num_eval_windows": len(s.held_out), "train_vocab": len(s.vocab_ids),
+                "label_coverage": s.coverage, "eval_loss": last_eval.get("eval_loss"),
+                "eval_acc": last_eval.get("eval_acc"), "eval_acc2": last_eval.get("eval_acc2"),
+                "train_seconds": rows[-1]["seconds"] if rows else 0.0,
+            },
+        }
+        save_mtp(self.out_dir, export_weights(self.head, cfg.save_dtype), extra=meta)
+        # The training vocabulary, for a drafter that takes its argmax over these tokens only (a cheaper LM head).
+        np.save(self.out_dir / "draft_vocab.npy", s.vocab_ids)
+        plot_loss(self.out_dir / "loss.csv", self.out_dir / "loss.png")
+        return meta

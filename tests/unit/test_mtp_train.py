@@ -1,0 +1,321 @@
+"""`specgen train-mtp`: what is trained is what the engine runs; data, checkpoints and saves are exact."""
+import json
+import shutil
+
+import numpy as np
+import paddle
+import pytest
+from conftest import TINY
+
+from specgen import SamplingParams, SpecConfig, generate, load_model
+from specgen.engine.proposers.mtp import MtpHead, MtpProposer, load_mtp_weights, save_mtp
+from specgen.engine.types import build_forward_batch
+from specgen.train.config import TrainConfig
+from specgen.train.data import generate_data, load_data, read_requests
+from specgen.train.head import TrainableHead, export_weights, initial_weights
+from specgen.train.trainer import Trainer
+from specgen.train.windows import make_windows
+
+SMALL = {"gen_max_tokens": 24, "gen_batch_size": 8, "steps": 12, "batch_size": 4, "seq_len": 16, "lr": 3e-3,
+         "warmup_steps": 2, "log_every": 2, "eval_every": 4, "checkpoint_every": 4, "chain_weight": 0.5}
+
+
+def write_prompts(path, n=16, seed=0):
+    rng = np.random.default_rng(seed)
+    path.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": [int(x) for x in rng.integers(3, 290, 3 + i % 9)]})
+                            + "\n" for i in range(n)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model(TINY / "llama", threads=1)
+
+
+@pytest.fixture(scope="module")
+def data_dir(lm, tmp_path_factory):
+    """A generated data cache, shared (copied) by the training tests."""
+    d = tmp_path_factory.mktemp("mtp")
+    cfg = TrainConfig(**SMALL)
+    generate_data(lm, read_requests(write_prompts(d / "p.jsonl"), "jsonl", lm, cfg), d / "data", cfg)
+    return d
+
+
+def fresh_run(data_dir, tmp_path, name):
+    out = tmp_path / name
+    shutil.copytree(data_dir / "data", out / "data")
+    return out
+
+
+def perturbed_head(lm, arch_model, seed):
+    """A trainable head whose every weight is moved off its initial value, so that no term is trivially zero."""
+    w = initial_weights(arch_model, "random", seed)
+    rng = np.random.default_rng(seed)
+    w = {k: (v + rng.standard_normal(v.shape).astype(np.float32) * (0.3 if v.ndim == 1 else 0.1)) for k, v in w.items()}
+    return TrainableHead(arch_model, w)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "ernie4_5"])
+def test_training_forward_equals_engine_drafts(arch):
+    """Block outputs, logits and argmax of the training forward (both drafts) equal MtpProposer's for every
+    prefix of a sequence: the exported head, loaded by the engine, computes what was trained."""
+    lm = load_model(TINY / arch, threads=1)
+    m = lm.model
+    head = perturbed_head(lm, m, seed=3)
+    engine_head = MtpHead(export_weights(head), "exported", m)
+    seq = [5, 9, 31, 7, 5, 9, 44, 12, 100, 3, 77, 200]
+    n = len(seq) - 1
+    batch = build_forward_batch(np.array([0]), np.array([0]), np.array([n]), np.array(seq[:-1]), np.array([True]))
+    _, hidden = m.forward(batch, m.new_cache(1, 64))  # [n, hidden] what the engine hands the head
+    ref_x, ref_d, ref_x2, ref_d2 = [], [], [], []
+    for j in range(1, n + 1):  # the engine's head over positions [0, j), then one chained step at position j
+        prop = MtpProposer(m, engine_head, 2)
+        prop._ensure(1)
+        x, d = prop._run(np.array([0]), np.array([0]), np.array([j]), np.array(seq[1:j + 1]), hidden[:j])
+        x2, d2 = prop._run(np.array([0]), np.array([j]), np.array([1]), d, x)
+        ref_x.append(x.numpy()[0]), ref_d.append(int(d[0])), ref_x2.append(x2.numpy()[0]), ref_d2.append(int(d2[0]))
+    pos = paddle.to_tensor(np.arange(n)[None])
+    x1, kv = head(hidden.unsqueeze(0), paddle.to_tensor(np.array(seq[1:])[None]), pos)
+    rows = paddle.to_tensor(np.arange(n))
+    logits = head.logits(x1, rows, m.w.lm_head).numpy()
+    np.testing.assert_allclose(x1.numpy()[0], np.array(ref_x), rtol=1e-4, atol=1e-4)
+    assert logits.argmax(-1).tolist() == ref_d
+    x2 = head.chain(x1, kv, paddle.to_tensor(np.array(ref_d)[None]), pos)  # the engine chains on its own drafts
+    np.testing.assert_allclose(x2.numpy()[0], np.array(ref_x2), rtol=1e-4, atol=1e-4)
+    assert head.logits(x2, rows, m.w.lm_head).numpy().argmax(-1).tolist() == ref_d2
+
+
+def test_draft_vocabulary_restricts_the_drafts(lm):
+    """With draft_vocab.npy the engine drafts the argmax over those tokens only; a bad one is a CheckpointError."""
+    from specgen.errors import CheckpointError
+
+    m = lm.model
+    head = perturbed_head(lm, m, seed=4)
+    vocab = np.arange(1, 300, 3)
+    short = MtpHead(export_weights(head), "exported", m, vocab)
+    seq = [5, 9, 31, 7, 5, 9, 44, 12, 100, 3]
+    n = len(seq) - 1
+    batch = build_forward_batch(np.array([0]), np.array([0]), np.array([n]), np.array(seq[:-1]), np.array([True]))
+    _, hidden = m.forward(batch, m.new_cache(1, 64))
+    drafts = []
+    for j in range(1, n + 1):
+        prop = MtpProposer(m, short, 1)
+        prop._ensure(1)
+        drafts.append(int(prop._run(np.array([0]), np.array([0]), np.array([j]), np.array(seq[1:j + 1]),
+                                    hidden[:j])[1][0]))
+    x1, _ = head(hidden.unsqueeze(0), paddle.to_tensor(np.array(seq[1:])[None]), paddle.to_tensor(np.arange(n)[None]))
+    logits = head.logits(x1, paddle.to_tensor(np.arange(n)), m.w.lm_head).numpy()
+    assert drafts == vocab[logits[:, vocab].argmax(-1)].tolist()
+    for bad in (np.array([0, 300]), np.array([[1, 2]]), np.array([0.5])):
+        with pytest.raises(CheckpointError, match="draft vocabulary"):
+            MtpHead(export_weights(head), "bad", m, bad)
+
+
+def test_recorded_data_is_what_the_engine_computes(lm, data_dir):
+    """The cached rows equal a teacher-forced forward of prompt + continuation (up to float16 rounding), the
+    continuations are the plain greedy outputs, and every target is the model's greedy choice at its position."""
+    data = load_data(data_dir / "data")
+    m = lm.model
+    for s in range(3):
+        first, n = int(data.first_pos[s]), int(data.num_rows[s])
+        toks = data.tokens[data.tok_start[s]: data.tok_start[s] + n + 1]
+        targets = data.targets[data.tok_start[s]: data.tok_start[s] + n + 1]
+        prompt = json.loads((data_dir / "p.jsonl").read_text().splitlines()[int(data.ids[s][1:])])["input_ids"]
+        assert first == 0 and data.prompt_len[s] == len(prompt)
+        plain = generate([prompt], model=lm, sampling=SamplingParams(max_tokens=SMALL["gen_max_tokens"]))[0]
+        assert toks.tolist() == prompt + plain.token_ids
+        batch = build_forward_batch(np.array([0]), np.array([0]), np.array([n]), toks[:-1], np.array([True]))
+        logits, hidden = m.forward(batch, m.new_cache(1, 64))
+        rows = np.asarray(data.hidden[data.row_start[s]: data.row_start[s] + n], np.float32)
+        np.testing.assert_allclose(rows, hidden.numpy(), rtol=2e-3, atol=2e-3)
+        assert targets[1:].tolist() == logits.numpy().argmax(-1).tolist()  # greedy choice at positions 1..T-1
+
+
+def test_chunked_prefill_and_shared_prefix_record_the_same_data(lm, tmp_path):
+    """Prompt chunks and a shared prompt prefix (computed once by the engine) leave the recorded data unchanged."""
+    from specgen.config import EngineConfig
+
+    rng = np.random.default_rng(1)
+    common = [int(x) for x in rng.integers(3, 290, 6)]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": common + [int(x) for x in rng.integers(3, 290, 2 + i)]}) + "\n"
+                            for i in range(6)))
+    cfg = TrainConfig(**SMALL)
+    reqs = read_requests(path, "jsonl", lm, cfg)
+    plain = EngineConfig(batch_size=4, shared_prefix="off")
+    packed = EngineConfig(batch_size=4, prefill_chunk=3, shared_prefix="auto", min_shared_prefix=2)
+    generate_data(lm, reqs, tmp_path / "a", cfg, engine_config=plain)
+    generate_data(lm, reqs, tmp_path / "b", cfg, engine_config=packed)
+    a, b = load_data(tmp_path / "a"), load_data(tmp_path / "b")
+    order = [b.ids.index(i) for i in a.ids]
+    assert np.array_equal(a.tokens, np.concatenate([b.tokens[b.tok_start[s]: b.tok_start[s] + b.num_rows[s] + 1]
+                                                    for s in order]))
+    assert np.array_equal(a.targets, np.concatenate([b.targets[b.tok_start[s]: b.tok_start[s] + b.num_rows[s] + 1]
+                                                     for s in order]))
+    rows_b = np.concatenate([b.hidden[b.row_start[s]: b.row_start[s] + b.num_rows[s]] for s in order])
+    np.testing.assert_allclose(np.asarray(a.hidden, np.float32), rows_b.astype(np.float32), atol=1e-2)
+
+
+def test_windows_cover_each_example_once(lm, data_dir):
+    data = load_data(data_dir / "data")
+    for prompt_examples in (True, False):
+        w = make_windows(data, seq_len=8, overlap=2, prompt_examples=prompt_examples)
+        assert (w.length <= 8).all() and (w.loss_from >= w.start).all()
+        for s in range(len(data.ids)):
+            mine = np.nonzero(w.seq == s)[0]
+            loss = [p for i in mine for p in range(w.loss_from[i], w.start[i] + w.length[i])]
+            end = data.first_pos[s] + data.num_rows[s] - 1  # position i + 2 exists for i < end
+            assert loss == list(range(0 if prompt_examples else data.prompt_len[s] - 1, end))
+
+
+def test_data_generation_resumes(lm, data_dir, tmp_path):
+    cfg = TrainConfig(**SMALL)
+    reqs = read_requests(data_dir / "p.jsonl", "jsonl", lm, cfg)
+    out = tmp_path / "data"
+
+    def stop_after_5(done, total, tokens):
+        if done == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        generate_data(lm, reqs, out, cfg, stop_after_5)
+    with open(out / "hidden.f16", "ab") as f:  # a row written before a kill, and a half-written line
+        f.write(b"\0" * 2 * lm.config.hidden_size)
+    with open(out / "sequences.jsonl", "a") as f:
+        f.write('{"id": "p9", "prom')
+    generate_data(lm, reqs, out, cfg)
+    a, b = load_data(out), load_data(data_dir / "data")
+    assert sorted(a.ids) == sorted(b.ids) and len(a.ids) == len(set(a.ids)) == 16
+    for s, sid in enumerate(a.ids):
+        t = b.ids.index(sid)
+        seq_a = a.tokens[a.tok_start[s]: a.tok_start[s] + a.num_rows[s] + 1]
+        assert seq_a.tolist() == b.tokens[b.tok_start[t]: b.tok_start[t] + b.num_rows[t] + 1].tolist()
+        np.testing.assert_allclose(np.asarray(a.hidden[a.row_start[s]: a.row_start[s] + a.num_rows[s]], np.float32),
+                                   np.asarray(b.hidden[b.row_start[t]: b.row_start[t] + b.num_rows[t]], np.float32),
+                                   atol=1e-2)
+
+
+def test_training_lowers_the_loss(lm, data_dir, tmp_path):
+    out = fresh_run(data_dir, tmp_path, "run")
+    cfg = TrainConfig(**{**SMALL, "steps": 30, "log_every": 5, "eval_every": 30})
+    trainer = Trainer(lm, out, cfg)
+    rows = []
+    trainer.run(lambda step, total, row: row and rows.append(row))
+    train = [r["loss"] for r in rows if r["loss"] is not None]
+    assert train[-1] < 0.8 * train[0]
+    assert rows[-1]["eval_loss"] < rows[0]["eval_loss"]  # held-out, full vocabulary: step 0 vs the end
+    assert (out / "loss.png").stat().st_size > 1000 and (out / "loss.csv").read_text().count("\n") == len(rows) + 1
+
+
+def final_weights(out):
+    return dict(np.load(out / "checkpoint" / "weights.npz"))
+
+
+def csv_rows(out):
+    return [line.rsplit(",", 1)[0] for line in (out / "loss.csv").read_text().splitlines()]  # without seconds
+
+
+def test_training_is_reproducible_and_resumes_exactly(lm, data_dir, tmp_path):
+    cfg = TrainConfig(**SMALL)
+    a = fresh_run(data_dir, tmp_path, "a")
+    Trainer(lm, a, cfg).run()
+    b = fresh_run(data_dir, tmp_path, "b")
+    Trainer(lm, b, cfg).run()
+    wa, wb = final_weights(a), final_weights(b)
+    assert all(np.array_equal(wa[k], wb[k]) for k in wa)
+
+    c = fresh_run(data_dir, tmp_path, "c")
+
+    def kill_at_6(step, total, row):
+        if step == 6:  # after the checkpoint of step 4
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(lm, c, cfg).run(kill_at_6)
+    assert json.loads((c / "checkpoint" / "state.json").read_text())["step"] == 4
+    Trainer(lm, c, cfg).run()
+    wc = final_weights(c)
+    assert all(np.array_equal(wa[k], wc[k]) for k in wa)
+    assert csv_rows(a) == csv_rows(c)
+    assert (a / "model.safetensors").read_bytes() == (c / "model.safetensors").read_bytes()
+
+    d = fresh_run(data_dir, tmp_path, "d")
+    Trainer(lm, d, TrainConfig(**{**SMALL, "seed": 1})).run()
+    assert not np.array_equal(final_weights(d)["w_qkv"], wa["w_qkv"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_saved_head_reloads_bit_identically(lm, tmp_path, dtype):
+    head = perturbed_head(lm, lm.model, seed=5)
+    weights = export_weights(head, dtype)
+    save_mtp(tmp_path, weights)
+    loaded = load_mtp_weights(tmp_path)
+    assert sorted(loaded) == sorted(weights)
+    assert all(loaded[k].dtype == np.float32 and np.array_equal(loaded[k], weights[k].astype(np.float32))
+               for k in weights)
+    if dtype == "float32":  # and the engine's copy of every tensor is the trained parameter itself
+        eh = MtpHead(loaded, "saved", lm.model)
+        params = dict(head.named_parameters())
+        assert np.array_equal(eh.eh_proj.numpy(), params["eh_proj"].numpy())
+        assert all(np.array_equal(eh.block[k].numpy(), params[k].numpy()) for k in eh.block if eh.block[k] is not None)
+        assert np.array_equal(eh.final_norm.numpy(), params["final_norm"].numpy())
+
+
+def test_cli_train_then_run_with_the_head(tmp_path):
+    from typer.testing import CliRunner
+
+    from specgen.cli import app
+
+    prompts = write_prompts(tmp_path / "p.jsonl", n=10)
+    out = tmp_path / "head"
+    args = ["train-mtp", "--model", str(TINY / "llama"), "--data", str(prompts), "-o", str(out), "--steps", "6",
+            "--batch-size", "4", "--seq-len", "16", "--gen-max-tokens", "16", "--threads", "1", "--quiet"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    meta = json.loads((out / "config.json").read_text())
+    assert meta["specgen_training"]["steps"] == 6 and meta["torch_dtype"] == "float16"
+    assert CliRunner().invoke(app, args).exit_code == 0  # rerun: everything is there, nothing is redone
+    src = [json.loads(x)["input_ids"] for x in prompts.read_text().splitlines()]
+    sp = SamplingParams(max_tokens=12)
+    tiny = load_model(TINY / "llama", threads=1)
+    plain = generate(src, model=tiny, sampling=sp)
+    spec = generate(src, model=tiny, sampling=sp,
+                    speculative=SpecConfig(method="mtp", num_speculative_tokens=2, mtp_model=str(out)))
+    assert [o.token_ids for o in plain] == [o.token_ids for o in spec]
+
+    help_text = " ".join(CliRunner().invoke(app, ["train-mtp", "--help"]).output.split())
+    for option in ("--data", "--output", "--model", "--steps", "--batch-size", "--lr", "--seq-len", "--threads",
+                   "--gen-max-tokens", "--shortlist", "--chain-weight", "--save-dtype"):
+        assert option in help_text, option
+    assert f"[default: {TrainConfig.steps}]" in help_text
+    bad = CliRunner().invoke(app, ["train-mtp", "--data", str(tmp_path / "none.jsonl"), "-o", str(out)])
+    assert bad.exit_code == 2 and "not found" in bad.output
+    bad = CliRunner().invoke(app, args[:-1] + ["--steps", "0"])
+    assert bad.exit_code == 2 and "steps must be >= 1" in bad.output
+    bad = CliRunner().invoke(app, args + ["--seq-len", "32"])  # other settings than the checkpoint's
+    assert bad.exit_code == 2 and "seq_len" in bad.output
+
+
+
+def test_method_mtp_finds_the_shipped_head_for_the_default_model(lm, tmp_path, monkeypatch):
+    """Without --mtp-model, the default model (its GGUF file name) gets the head shipped in the package; any other
+    model, or a package without a head, gets the error naming --mtp-model."""
+    import dataclasses
+
+    from specgen.engine.proposers import mtp
+    from specgen.errors import CheckpointError
+    from specgen.models.default_model import DEFAULT_GGUF
+
+    monkeypatch.setattr(mtp, "SHIPPED_HEAD", tmp_path / "head")
+    as_default = dataclasses.replace(lm, source=f"/somewhere/{DEFAULT_GGUF}")
+    spec = SpecConfig(method="mtp", num_speculative_tokens=2, adaptive=False)
+    with pytest.raises(CheckpointError, match="needs an MTP head"):
+        generate([[5, 6, 7]], model=as_default, speculative=spec)
+    save_mtp(tmp_path / "head", export_weights(perturbed_head(lm, lm.model, seed=7), "float16"))
+    assert mtp.shipped_head(as_default.source) == tmp_path / "head" and mtp.shipped_head(lm.source) is None
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    out = generate([[5, 6, 7]], model=as_default, sampling=sp, speculative=spec)[0]
+    assert out.stats.num_draft_tokens > 0
+    assert out.token_ids == generate([[5, 6, 7]], model=lm, sampling=sp)[0].token_ids
+    with pytest.raises(CheckpointError, match="needs an MTP head"):
+        generate([[5, 6, 7]], model=lm, speculative=spec)
