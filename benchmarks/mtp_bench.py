@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spec_bench import CATEGORIES, load_sets
+from spec_bench import CATEGORIES, load_sets, run_method, speedup_bound
 
 EVAL_PER_CATEGORY, EVAL_MBPP = 40, 200  # the held-out slice (scripts/make_mtp_train_prompts.py)
 
@@ -42,20 +42,6 @@ def per_position(outs, k: int) -> list[float | None]:
         acc += np.asarray(a, float)[:k]
         drafted += np.asarray(d, float)[:k]
     return [float(a / d) if d else None for a, d in zip(acc, drafted)]
-
-
-def run(model, prompts, sp, batch_size, spec):
-    from specgen import EngineConfig, generate
-
-    start = time.perf_counter()
-    outs = generate(prompts, model=model, sampling=sp, engine=EngineConfig(batch_size=batch_size), speculative=spec)
-    wall = time.perf_counter() - start
-    n_out = sum(len(o.token_ids) for o in outs)
-    drafted = sum(o.stats.num_draft_tokens for o in outs)
-    accepted = sum(o.stats.num_accepted_tokens for o in outs)
-    steps = sum(o.stats.num_steps for o in outs)
-    return outs, {"wall_s": wall, "tokens": n_out, "tok_s": n_out / wall,
-                  "acceptance": accepted / drafted if drafted else None, "tokens_per_step": n_out / steps}
 
 
 def fmt(x, spec=".2f") -> str:
@@ -98,7 +84,7 @@ def main() -> None:
         for bs in args.batch_sizes:
             base_outs = base = None
             for mname, spec in methods.items():
-                outs, r = run(model, prompts, sp, bs, spec)
+                outs, r = run_method(model, prompts, sp, bs, spec)
                 if base is None:
                     base_outs, base = outs, r
                 same = all(a.token_ids == b.token_ids for a, b in zip(base_outs, outs))
@@ -108,7 +94,7 @@ def main() -> None:
                        "acceptance_per_position": pos, "identical": same}
                 results.append(row)
                 print(f"{name:<15}{bs:>4} {mname:<9}{r['tok_s']:>8.1f}{row['speedup']:>8.2f}x"
-                      f"{fmt(r['acceptance']):>8}{r['tokens_per_step']:>9.2f}{fmt(pos[0]):>7}{fmt(pos[1]):>7} {same}",
+                      f"{fmt(r['acceptance']):>8}{r['mean_accepted_length']:>9.2f}{fmt(pos[0]):>7}{fmt(pos[1]):>7} {same}",
                       flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

@@ -42,6 +42,7 @@ class SlotTable:
     num_draft: np.ndarray  # [num_slots] int64
     num_accepted: np.ndarray  # [num_slots] int64
     accepted_per_pos: np.ndarray  # [num_slots, MAX_DRAFT] int64
+    drafted_per_pos: np.ndarray  # [num_slots, MAX_DRAFT] int64 steps that verified a draft at that position
     num_chunks: np.ndarray  # [num_slots] int64 prefill forwards
 
     @classmethod
@@ -49,7 +50,8 @@ class SlotTable:
         z = lambda dt: np.zeros(num_slots, dtype=dt)  # noqa: E731
         return cls(np.zeros((num_slots, capacity), np.int64), z(np.int64), z(np.int64), z(np.int64), z(bool),
                    z(bool), z(np.int64), z(np.int64), z(np.float64), z(np.float64), z(np.int64), z(np.uint64), z(bool), z(np.int64),
-                   z(np.int64), z(np.int64), np.zeros((num_slots, MAX_DRAFT), np.int64), z(np.int64))
+                   z(np.int64), z(np.int64), np.zeros((num_slots, MAX_DRAFT), np.int64),
+                   np.zeros((num_slots, MAX_DRAFT), np.int64), z(np.int64))
 
     def grow(self, capacity: int) -> None:
         if capacity > self.tokens.shape[1]:
@@ -110,7 +112,7 @@ class Engine:
         t.rng_key[slot] = request_key(p.seed, req.id)
         t.ignore_eos[slot] = p.ignore_eos
         t.num_steps[slot] = t.num_draft[slot] = t.num_accepted[slot] = 0
-        t.accepted_per_pos[slot] = 0
+        t.accepted_per_pos[slot] = t.drafted_per_pos[slot] = 0
         t.num_chunks[slot] = 0
         self.requests[slot] = req
         if self.controller is not None:
@@ -126,6 +128,7 @@ class Engine:
             num_accepted_tokens=int(t.num_accepted[slot]),
             num_emitted_tokens=len(out_ids),
             accepted_per_position=t.accepted_per_pos[slot].tolist(),
+            drafted_per_position=t.drafted_per_pos[slot].tolist(),
             num_prefill_chunks=int(t.num_chunks[slot]),
             num_cached_prompt_tokens=int(t.prefix_len[slot]),
         )
@@ -209,8 +212,6 @@ class Engine:
         by_stop, texts = self._stop_strings(slots, emitted, kept)
         if self.controller is not None:
             self.controller.update(dec, drafts.draft_ids, num_avail, emitted[: len(dec)], kept[: len(dec)])
-            if len(new) == 0:  # steps that prefill are not comparable
-                self.controller.record(int(kept.sum()), time.perf_counter() - step_start, bool(num_draft.sum()))
 
         # Commit: tokens, lengths, statistics.
         col = np.arange(width + 1)[None, :]
@@ -227,14 +228,21 @@ class Engine:
         t.num_accepted[slots] += kept - produced
         if width:
             t.accepted_per_pos[slots, :width] += (col[:, :width] < (kept - 1)[:, None])
+            t.drafted_per_pos[dec, :width] += (col[:, :width] < num_draft[:, None])
         done = by_eos | by_stop | (t.seq_len[slots] >= t.max_len[slots])
         all_drafts = np.concatenate([num_draft, np.zeros(len(new), np.int64)])
         block_start = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
         # positions whose input was right and whose next token is known (a mid-prompt chunk: all of them)
         num_valid = np.where(produced == 1, lens - 1 - all_drafts + kept, lens)
         catch_up = np.concatenate([np.zeros(len(dec), np.int64), np.where(first_block, t.prefix_len[new], 0)])
+        # With the adaptive controller, a proposer whose drafts cost time (MTP) prepares one more than this step
+        # verified at most (one while speculation is off: enough for shadow acceptance), not always k.
+        depth = MAX_DRAFT if self.controller is None else int(num_draft.max(initial=0)) + 1
         self.proposer.observe(StepUpdate(slots, block_start, starts, num_valid, done, t.tokens, hidden,
-                                         catch_up, self.prefix_hidden))
+                                         catch_up, self.prefix_hidden, depth))
+        if self.controller is not None and len(new) == 0:  # steps that prefill are not comparable
+            # the whole step, drafting for the next one included, against the emitted tokens
+            self.controller.record(int(kept.sum()), time.perf_counter() - step_start, bool(num_draft.sum()))
         finished = []
         for i in np.nonzero(done)[0]:
             s = int(slots[i])

@@ -143,6 +143,7 @@ class StepUpdate:
     # once for every slot; their hidden states are rows of prefix_hidden [prefix_tokens, hidden].
     prefix_len: np.ndarray | None = None  # [num_seqs] int64 (0: nothing before first_pos to catch up)
     prefix_hidden: object = None
+    max_draft_next: int = 5  # drafts worth preparing for the next step (the adaptive controller's hint)
 
 
 @dataclass
@@ -154,6 +155,7 @@ class RequestStats:
     num_accepted_tokens: int = 0  # emitted tokens that were drafts (emitted minus one per step)
     num_emitted_tokens: int = 0  # output tokens = accepted + steps
     accepted_per_position: list[int] | None = None  # [max_draft] how often draft position i was accepted
+    drafted_per_position: list[int] | None = None  # [max_draft] how often a draft at position i was verified
     num_prefill_chunks: int = 0  # forwards its prompt was prefilled in (1 without chunking)
     num_cached_prompt_tokens: int = 0  # prompt tokens read from the shared prefix instead of prefilled
 

@@ -62,6 +62,8 @@ def test_chunked_prefill_and_shared_prefix_are_token_identical(tiny64, shared_pr
             own = o.num_prompt_tokens - cached
             assert o.stats.num_prefill_chunks == (-(-own // chunk) if chunk else 1)
             assert o.stats.num_emitted_tokens == o.stats.num_accepted_tokens + o.stats.num_steps
+            assert sum(o.stats.drafted_per_position) == o.stats.num_draft_tokens
+            assert all(a <= d for a, d in zip(o.stats.accepted_per_position, o.stats.drafted_per_position))
 
 
 def test_shared_prefix_saves_cache_memory(tiny64, shared_prefix_prompts):

@@ -196,10 +196,11 @@ class MtpProposer:
         last_pos = first + nv - 1
         self.drafts[slots, 0] = d
         ones = np.ones(len(slots), np.int64)
-        for i in range(1, self.k):
+        depth = max(1, min(self.k, update.max_draft_next))  # chained drafts worth computing for the next step
+        for i in range(1, depth):
             x, d = self._run(slots, last_pos + i, ones, d, x)
             self.drafts[slots, i] = d
-        self.num_drafts[slots] = self.k
+        self.num_drafts[slots] = depth
 
 
 # The head shipped with the package for the default model, trained by `specgen train-mtp`
