@@ -1,10 +1,11 @@
 """Plain decoding throughput on the default model, and the ratio to transformers' greedy generate (if installed).
 
-    python benchmarks/plain.py --batch-sizes 1 16 64 256 --max-tokens 128
+    python benchmarks/plain.py --batch-sizes 1 16 64 256 --max-tokens 128 [--reference]
 
 Prompts are Spec-Bench questions (chat template applied). Every request generates exactly --max-tokens tokens
 (ignore_eos), so both tools do the same work. transformers runs on the same GGUF (dequantized to float32),
-with left padding for batches, in the same process, one after the other.
+with left padding for batches, in the same process, one after the other. --reference also runs specgen's Paddle
+reference path (the forward before the fused CPU kernels: SPECGEN_KERNELS=0) in the same process: "before/after".
 """
 from __future__ import annotations
 
@@ -68,22 +69,30 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--reference", action="store_true", help="also time the Paddle reference path (no kernels)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     from specgen import load_model
 
     model = load_model(None, threads=args.threads)
-    print(f"{'batch':>6}{'prompts':>9}{'specgen tok/s':>15}{'transformers tok/s':>20}{'ratio':>8}{'same greedy':>13}")
+    print(f"{'batch':>6}{'prompts':>9}{'reference tok/s':>17}{'specgen tok/s':>15}{'after/before':>14}"
+          f"{'transformers tok/s':>20}{'ratio':>8}{'same greedy':>13}")
     for bs in args.batch_sizes:
         n = max(bs, 2) if bs > 1 else 2
         msgs = chat_prompts(n)
         ids = [list(model.tokenizer.encode_chat(m)) for m in msgs]
+        ref = None
+        if args.reference:
+            fused, model.model.ops = model.model.ops, None
+            ref, _ = run_specgen(model, ids, bs, args.max_tokens)
+            model.model.ops = fused
         sg, sg_out = run_specgen(model, ids, bs, args.max_tokens)
         hf, hf_out = (None, None) if args.no_transformers else run_transformers(ids, bs, args.max_tokens, args.threads)
         same = "-" if hf_out is None else f"{sum(a == b for a, b in zip(sg_out, hf_out))}/{len(ids)}"
         ratio = f"{sg / hf:.2f}x" if hf else "-"
         hf_s = f"{hf:.1f}" if hf else "-"
-        print(f"{bs:>6}{n:>9}{sg:>15.1f}{hf_s:>20}{ratio:>8}{same:>13}", flush=True)
+        ref_s, gain = (f"{ref:.1f}", f"{sg / ref:.2f}x") if ref else ("-", "-")
+        print(f"{bs:>6}{n:>9}{ref_s:>17}{sg:>15.1f}{gain:>14}{hf_s:>20}{ratio:>8}{same:>13}", flush=True)
 
 
 if __name__ == "__main__":

@@ -89,6 +89,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 256])
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--prompt-chars", type=int, default=1500, help="characters of each prompt kept")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reference", action="store_true", help="Paddle reference ops instead of the fused kernels")
     args = ap.parse_args()
@@ -115,7 +116,7 @@ def main() -> None:
             engine = make_engine(lm, EngineConfig(batch_size=bs, max_prefill_tokens=1 << 16), spec)
             sp = SamplingParams(max_tokens=10_000, ignore_eos=True)
             reqs = [Request(str(i), i, tuple(lm.tokenizer.encode_chat(
-                [{"role": "user", "content": lines[(i * 7) % len(lines)]["turns"][0][:1500]}])), sp)
+                [{"role": "user", "content": lines[(i * 7) % len(lines)]["turns"][0][: args.prompt_chars]}])), sp)
                 for i in range(bs)]
             for slot, r in enumerate(reqs):
                 engine._place(slot, r)

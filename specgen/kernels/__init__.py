@@ -7,11 +7,13 @@ CPU, or SPECGEN_KERNELS=0, `ops()` returns None and the model runs its Paddle re
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -60,10 +62,34 @@ def _build() -> ModuleType | None:
     with open(d / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            return load(name="specgen_cpu_ops", sources=[str(SOURCE)], extra_cxx_cflags=FLAGS,
-                        extra_ldflags=_openmp_ldflags(), build_directory=str(d), verbose=False)
+            with _quiet(d / "build.log"):  # the builder prints to stdout/stderr even when nothing is rebuilt
+                return load(name="specgen_cpu_ops", sources=[str(SOURCE)], extra_cxx_cflags=FLAGS,
+                            extra_ldflags=_openmp_ldflags(), build_directory=str(d), verbose=False)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _quiet(log_path: Path):
+    """Send file descriptors 1 and 2 (the compiler's and the builder's output) to `log_path` meanwhile; on
+    failure the exception names the log."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(log_path, "w") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        except Exception as e:
+            raise RuntimeError(f"build failed ({type(e).__name__}); compiler output in {log_path}") from e
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
 
 
 def ops() -> ModuleType | None:
