@@ -56,6 +56,7 @@ class Controller:
 
     DECAY = 0.9
     PROBE_EVERY = 16  # steps between forced plain (or, while speculation is off, speculative) probe steps
+    DETACH_AFTER = 8  # steps in a row in which drafts did not pay for a slot before its drafter stops for it
     RATE_EMA = 0.2
 
     def __init__(self, cost: CostModel, max_draft: int, num_slots: int):
@@ -64,6 +65,7 @@ class Controller:
         self.seen = np.zeros(num_slots)  # [num_slots] decayed count of drafts whose fate is known
         self.rate = {True: None, False: None}  # measured tokens/s of speculative and plain decode steps
         self.steps = 0
+        self.idle = np.zeros(num_slots, np.int64)  # [num_slots] steps in a row the cost model chose k = 0
 
     def record(self, num_emitted: int, seconds: float, speculated: bool) -> None:
         """Throughput of one decode-only step, for the guard."""
@@ -86,6 +88,12 @@ class Controller:
 
     def reset(self, slot: int) -> None:
         self.hits[slot] = self.seen[slot] = 0.0
+        self.idle[slot] = 0
+
+    def detached(self, slots: np.ndarray) -> np.ndarray:
+        """[num_seqs] bool: slots whose drafts have not paid for DETACH_AFTER steps in a row. A drafter that costs
+        time per slot (the MTP head) stops drafting for them until the slot takes a new request."""
+        return self.idle[slots] >= self.DETACH_AFTER
 
     def alpha(self, slots: np.ndarray) -> np.ndarray:
         return (self.hits[slots] + PRIOR_ACCEPTED) / (self.seen[slots] + PRIOR_DRAFTED)
@@ -132,6 +140,7 @@ class Controller:
             if (k_new == k).all():
                 break
             k = k_new
+        self.idle[slots] = np.where(k == 0, self.idle[slots] + 1, 0)
         # Keep the choice only if it beats plain decoding under the model.
         plain = n / self.cost(np.array([base]))[0]
         spec = expected_emitted(alpha, k).sum() / self.cost(np.array([base + k.sum()]))[0]

@@ -238,8 +238,9 @@ class Engine:
         # With the adaptive controller, a proposer whose drafts cost time (MTP) prepares one more than this step
         # verified at most (one while speculation is off: enough for shadow acceptance), not always k.
         depth = MAX_DRAFT if self.controller is None else int(num_draft.max(initial=0)) + 1
+        detached = None if self.controller is None else self.controller.detached(slots)
         self.proposer.observe(StepUpdate(slots, block_start, starts, num_valid, done, t.tokens, hidden,
-                                         catch_up, self.prefix_hidden, depth))
+                                         catch_up, self.prefix_hidden, depth, detached))
         if self.controller is not None and len(new) == 0:  # steps that prefill are not comparable
             # the whole step, drafting for the next one included, against the emitted tokens
             self.controller.record(int(kept.sum()), time.perf_counter() - step_start, bool(num_draft.sum()))

@@ -144,6 +144,7 @@ class StepUpdate:
     prefix_len: np.ndarray | None = None  # [num_seqs] int64 (0: nothing before first_pos to catch up)
     prefix_hidden: object = None
     max_draft_next: int = 5  # drafts worth preparing for the next step (the adaptive controller's hint)
+    detached: np.ndarray | None = None  # [num_seqs] bool: stop drafting for these slots (drafts stopped paying)
 
 
 @dataclass

@@ -98,7 +98,8 @@ def test_mtp_through_the_api_and_missing_head(tiny_model64, tmp_path):
     sp = SamplingParams(max_tokens=10, ignore_eos=True)
     plain = generate(prompts, model=tiny_model64, sampling=sp, engine=EngineConfig(dtype="float64"))
     spec = generate(prompts, model=tiny_model64, sampling=sp, engine=EngineConfig(dtype="float64"),
-                    speculative=SpecConfig(method="mtp", num_speculative_tokens=2, mtp_model=str(tmp_path / "head")))
+                    speculative=SpecConfig(method="mtp", num_speculative_tokens=2, mtp_model=str(tmp_path / "head"),
+                                           adaptive=False))
     assert [o.token_ids for o in plain] == [o.token_ids for o in spec]
     assert all(o.stats.num_draft_tokens > 0 for o in spec)
     with pytest.raises(CheckpointError, match="needs an MTP head"):

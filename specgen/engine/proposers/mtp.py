@@ -177,6 +177,9 @@ class MtpProposer:
     def observe(self, update: StepUpdate) -> None:
         self._ensure(update.tokens.shape[0])
         live = ~update.finished & (update.num_valid > 0)
+        if update.detached is not None:  # drafts stopped paying for these slots: no more head passes for them
+            self.num_drafts[update.slots[update.detached]] = 0
+            live &= ~update.detached
         if not live.any():
             return
         slots, first, nv = update.slots[live], update.first_pos[live], update.num_valid[live]
