@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spec_bench import CATEGORIES, load_sets, run_method, speedup_bound
+from spec_bench import CATEGORIES, run_method, setup
 
 EVAL_PER_CATEGORY, EVAL_MBPP = 40, 200  # the held-out slice (scripts/make_mtp_train_prompts.py)
 
@@ -64,14 +63,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.per_category > EVAL_PER_CATEGORY or args.mbpp > EVAL_MBPP:
         ap.error(f"the held-out slice is {EVAL_PER_CATEGORY} per category and {EVAL_MBPP} MBPP items")
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    from specgen import SamplingParams, SpecConfig, load_model
+    model, sets, sp = setup(args)
+    from specgen import SpecConfig
 
-    model = load_model(None, threads=args.threads)
-    sets = load_sets(args.per_category, args.mbpp)
-    if args.sets:
-        sets = {k: v for k, v in sets.items() if k in args.sets}
-    sp = SamplingParams(max_tokens=args.max_tokens)
     methods = {"none": SpecConfig()}
     for k in args.ks:
         methods[f"mtp k={k}"] = SpecConfig(method="mtp", num_speculative_tokens=k, mtp_model=args.mtp_model,

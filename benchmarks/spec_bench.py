@@ -89,6 +89,19 @@ def speedup_bound(model, batch_size: int, k: int, r: dict) -> float | None:
     return r["mean_accepted_length"] * float(cost(batch_size) / cost(batch_size * fed))
 
 
+def setup(args):
+    """The default model, the prompt sets picked by --per-category / --mbpp / --sets, and greedy sampling with
+    --max-tokens (shared with benchmarks/mtp_bench.py)."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    from specgen import SamplingParams, load_model
+
+    model = load_model(None, threads=args.threads)
+    sets = load_sets(args.per_category, args.mbpp)
+    if args.sets:
+        sets = {k: v for k, v in sets.items() if k in args.sets}
+    return model, sets, SamplingParams(max_tokens=args.max_tokens)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
@@ -101,14 +114,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    from specgen import SamplingParams, SpecConfig, load_model
+    model, sets, sp = setup(args)
+    from specgen import SpecConfig
 
-    model = load_model(None, threads=args.threads)
-    sets = load_sets(args.per_category, args.mbpp)
-    if args.sets:
-        sets = {k: v for k, v in sets.items() if k in args.sets}
-    sp = SamplingParams(max_tokens=args.max_tokens)
     methods = {"none": SpecConfig(), "ngram": SpecConfig(method="ngram", num_speculative_tokens=args.k)}
     if args.mtp_model:
         methods["mtp"] = SpecConfig(method="mtp", num_speculative_tokens=min(args.k, 2), mtp_model=args.mtp_model)
