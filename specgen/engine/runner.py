@@ -1,6 +1,7 @@
 """The step loop: admit, propose, one packed forward, sample + verify all slots at once, commit."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator
@@ -19,6 +20,10 @@ from specgen.engine.verify import accept_lengths, first_stop
 from specgen.models.tokenizer import TextTokenizer
 
 MAX_DRAFT = 5
+
+
+_DTYPES = {"active": bool, "prefilled": bool, "ignore_eos": bool, "temperature": np.float64, "top_p": np.float64,
+           "rng_key": np.uint64}
 
 
 @dataclass
@@ -47,11 +52,10 @@ class SlotTable:
 
     @classmethod
     def empty(cls, num_slots: int, capacity: int) -> "SlotTable":
-        z = lambda dt: np.zeros(num_slots, dtype=dt)  # noqa: E731
-        return cls(np.zeros((num_slots, capacity), np.int64), z(np.int64), z(np.int64), z(np.int64), z(bool),
-                   z(bool), z(np.int64), z(np.int64), z(np.float64), z(np.float64), z(np.int64), z(np.uint64), z(bool), z(np.int64),
-                   z(np.int64), z(np.int64), np.zeros((num_slots, MAX_DRAFT), np.int64),
-                   np.zeros((num_slots, MAX_DRAFT), np.int64), z(np.int64))
+        """Zeros for every field: int64 unless listed in _DTYPES; [num_slots] unless a second axis is listed."""
+        second = {"tokens": capacity, "accepted_per_pos": MAX_DRAFT, "drafted_per_pos": MAX_DRAFT}
+        return cls(**{f.name: np.zeros((num_slots, second[f.name]) if f.name in second else num_slots,
+                                       dtype=_DTYPES.get(f.name, np.int64)) for f in dataclasses.fields(cls)})
 
     def grow(self, capacity: int) -> None:
         if capacity > self.tokens.shape[1]:
