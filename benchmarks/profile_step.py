@@ -78,6 +78,8 @@ def instrument(timer: Timer, model, engine_mod, vocab: int):
         for op, label in names.items():
             setattr(t, op, getattr(model.ops, op))
             timer.wrap(t, op, lambda *a, _l=label, **kw: _l)
+        t.specgen_linear = model.ops.specgen_linear  # packed weights: args (x, panels, n)
+        timer.wrap(t, "specgen_linear", lambda x, w, n, *a, **kw: "lm_head" if n == vocab else "linear")
         model.ops = t
     timer.wrap(engine_mod, "sample", lambda *a, **kw: "sampling")
     timer.wrap(engine_mod, "uniforms", lambda *a, **kw: "sampling")

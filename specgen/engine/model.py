@@ -104,6 +104,9 @@ class TensorReader:
         }
 
 
+LINEAR_KEYS = ("w_qkv", "w_o", "w_gate_up", "w_down")  # a block's projections, [in, out] (or kernels.Packed)
+
+
 class Weights:
     """The main model's tensors checked, fused (QKV, gate/up) and transposed to Paddle's [in, out]."""
 
@@ -146,7 +149,31 @@ class Model:
         self.calibrations: dict = {}  # (num_slots, max_draft) -> measured step-cost table, see runner.calibrate
         # Fused CPU operators (specgen/kernels) when they build; None runs the Paddle reference path below.
         self.ops = kernels.ops()
+        # Float32 weights packed into panels for specgen_linear (specgen/kernels/linear.cc) where that pays.
+        self.packs = kernels.packed_linear_enabled(self.ops, dtype)
+        if self.packs:
+            for L in self.w.layers:
+                self.pack_layer(L)
+            self.w.lm_head = self.pack(self.w.lm_head)
         self._ones = paddle.ones([cfg.head_dim], dtype=dtype)  # stands in for absent q/k norm weights
+
+    def pack(self, w):
+        """w [k, n] packed for `matmul` when this model packs its weights, else w as it is."""
+        return kernels.pack_linear(w) if self.packs and not isinstance(w, kernels.Packed) else w
+
+    def pack_layer(self, L: dict) -> dict:
+        """Packs a decoder block's projection weights in place when this model packs (see `matmul`)."""
+        for key in LINEAR_KEYS:
+            L[key] = self.pack(L[key])
+        return L
+
+    def matmul(self, x: paddle.Tensor, w) -> paddle.Tensor:
+        """x [rows, k] @ w [k, n]; a packed weight runs specgen_linear, whose rows do not depend on each other."""
+        if isinstance(w, kernels.Packed):
+            if self.ops is None:  # kernels switched off after packing (tests, debugging): unpack
+                return paddle.matmul(x, w.dense())
+            return self.ops.specgen_linear(x, w.panels, w.n)
+        return paddle.matmul(x, w)
 
     def new_cache(self, num_slots: int, max_capacity: int) -> KVCache:
         cfg = self.config
@@ -201,7 +228,7 @@ class Model:
         cfg = self.config
         n, H, KV, D = ctx.num_tokens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = rms_norm(x, L["attn_norm"], cfg.rms_norm_eps)
-        qkv = paddle.matmul(h, L["w_qkv"])  # [num_tokens, (H + 2 KV) * D]
+        qkv = self.matmul(h, L["w_qkv"])  # [num_tokens, (H + 2 KV) * D]
         if L["b_qkv"] is not None:
             qkv = qkv + L["b_qkv"]
         q, k, v = paddle.split(qkv, [H * D, KV * D, KV * D], axis=-1)
@@ -222,16 +249,16 @@ class Model:
             attn = paddle.zeros([n, H * D], dtype=self.dtype)
             for g, part in zip(ctx.groups, parts):
                 attn = paddle.scatter(attn, g.token_rows, part, overwrite=True)
-        o = paddle.matmul(attn, L["w_o"])  # [num_tokens, hidden]
+        o = self.matmul(attn, L["w_o"])  # [num_tokens, hidden]
         if L["b_o"] is not None:
             o = o + L["b_o"]
         x = x + o
         h = rms_norm(x, L["mlp_norm"], cfg.rms_norm_eps)
-        gu = paddle.matmul(h, L["w_gate_up"])  # [num_tokens, 2 * intermediate]
+        gu = self.matmul(h, L["w_gate_up"])  # [num_tokens, 2 * intermediate]
         if L["b_gate_up"] is not None:
             gu = gu + L["b_gate_up"]
         gate, up = paddle.split(gu, 2, axis=-1)
-        m = paddle.matmul(F.silu(gate) * up, L["w_down"])  # [num_tokens, hidden]
+        m = self.matmul(F.silu(gate) * up, L["w_down"])  # [num_tokens, hidden]
         if L["b_down"] is not None:
             m = m + L["b_down"]
         return x + m
@@ -242,7 +269,7 @@ class Model:
         cfg, ops = self.config, self.ops
         eps = cfg.rms_norm_eps
         h = ops.specgen_rms_norm(x, L["attn_norm"], eps)
-        qkv = paddle.matmul(h, L["w_qkv"])  # [num_tokens, (H + 2 KV) * D]
+        qkv = self.matmul(h, L["w_qkv"])  # [num_tokens, (H + 2 KV) * D]
         if L["b_qkv"] is not None:
             qkv = qkv + L["b_qkv"]
         qk_norm = L["q_norm"] is not None
@@ -253,14 +280,14 @@ class Model:
                                      ctx.prefix_len, pk, pv, cfg.num_heads, cfg.num_kv_heads, ctx.capacity, qk_norm,
                                      eps, ctx.prefix_capacity)
         attn = attn[0] if isinstance(attn, (list, tuple)) else attn  # [num_tokens, H * D]
-        o = paddle.matmul(attn, L["w_o"])  # [num_tokens, hidden]
+        o = self.matmul(attn, L["w_o"])  # [num_tokens, hidden]
         if L["b_o"] is not None:
             o = o + L["b_o"]
         x, h = ops.specgen_add_rms_norm(x, o, L["mlp_norm"], eps)
-        gu = paddle.matmul(h, L["w_gate_up"])  # [num_tokens, 2 * intermediate]
+        gu = self.matmul(h, L["w_gate_up"])  # [num_tokens, 2 * intermediate]
         if L["b_gate_up"] is not None:
             gu = gu + L["b_gate_up"]
-        m = paddle.matmul(ops.specgen_silu_mul(gu), L["w_down"])  # [num_tokens, hidden]
+        m = self.matmul(ops.specgen_silu_mul(gu), L["w_down"])  # [num_tokens, hidden]
         if L["b_down"] is not None:
             m = m + L["b_down"]
         return x + m
@@ -278,7 +305,7 @@ class Model:
         for li, L in enumerate(self.w.layers):
             x = self.layer(x, L, ctx, cache.k[li], cache.v[li], li)
         hidden = self.norm(x, self.w.final_norm)  # [num_tokens, hidden]
-        logits = paddle.matmul(paddle.gather(hidden, paddle.to_tensor(batch.logit_rows)), self.w.lm_head)
+        logits = self.matmul(paddle.gather(hidden, paddle.to_tensor(batch.logit_rows)), self.w.lm_head)
         return logits, hidden  # logits [num_logits, vocab]
 
 

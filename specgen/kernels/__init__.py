@@ -1,4 +1,4 @@
-"""Fused CPU operators (cpu_ops.cc), compiled on first use with Paddle's C++ extension builder.
+"""Fused CPU operators (cpu_ops.cc, linear.cc), compiled on first use with Paddle's C++ extension builder.
 
 Built once per source version into ~/.cache/specgen/kernels (or $SPECGEN_CACHE/kernels) under a file lock, so
 concurrent processes share one build. When no compiler is present, the build fails, the tensors are not on the
@@ -15,11 +15,14 @@ import platform
 import shutil
 import sys
 from pathlib import Path
+from dataclasses import dataclass
 from types import ModuleType
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cc")
+SOURCES = [Path(__file__).with_name("cpu_ops.cc"), Path(__file__).with_name("linear.cc")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 _state: dict[str, ModuleType | None] = {}
 
@@ -31,7 +34,7 @@ def enabled() -> bool:
 def _build_dir() -> Path:
     import paddle
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + paddle.__version__.encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode() + paddle.__version__.encode()
                          + platform.machine().encode() + platform.node().encode()).hexdigest()[:16]
     root = Path(os.environ.get("SPECGEN_CACHE", Path.home() / ".cache" / "specgen"))
     return root / "kernels" / key
@@ -63,7 +66,7 @@ def _build() -> ModuleType | None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             with _quiet(d / "build.log"):  # the builder prints to stdout/stderr even when nothing is rebuilt
-                return load(name="specgen_cpu_ops", sources=[str(SOURCE)], extra_cxx_cflags=FLAGS,
+                return load(name="specgen_cpu_ops", sources=[str(p) for p in SOURCES], extra_cxx_cflags=FLAGS,
                             extra_ldflags=_openmp_ldflags(), build_directory=str(d), verbose=False)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
@@ -104,3 +107,60 @@ def ops() -> ModuleType | None:
                         str(e).splitlines()[0] if str(e) else type(e).__name__)
             _state["ops"] = None
     return _state["ops"]
+
+
+PANEL = 32  # output columns per panel of a packed weight (linear.cc)
+
+
+def packed_linear_enabled(ops_module: ModuleType | None, dtype: str) -> bool:
+    """Whether `Model` packs its float32 weights for specgen_linear: the kernels are built, the CPU has AVX-512
+    (elsewhere MKL's sgemm is kept: the generic fallback in linear.cc is only a reference) and
+    SPECGEN_PACKED_LINEAR is not 0."""
+    if ops_module is None or dtype != "float32":
+        return False
+    if os.environ.get("SPECGEN_PACKED_LINEAR", "1").lower() in ("0", "false", "no", "off"):
+        return False
+    try:
+        return " avx512f " in " " + Path("/proc/cpuinfo").read_text().replace("\n", " ") + " "
+    except OSError:
+        return False
+
+
+@dataclass
+class Packed:
+    """A float32 weight W [k, n] stored as panels [ceil(n / 32), k, 32] for specgen_linear."""
+
+    panels: object  # paddle.Tensor [ceil(n / 32), k, 32]
+    k: int
+    n: int
+
+    @property
+    def shape(self) -> list[int]:
+        return [self.k, self.n]
+
+    def numpy(self) -> np.ndarray:
+        """The dense [k, n] weight."""
+        p = self.panels.numpy()  # [panels, k, 32]
+        return np.ascontiguousarray(p.transpose(1, 0, 2).reshape(self.k, -1)[:, :self.n])
+
+    def dense(self):
+        import paddle
+
+        return paddle.to_tensor(self.numpy())
+
+
+def pack_linear(w) -> Packed:
+    """W [k, n] (a paddle tensor or array) -> Packed; zero columns pad n up to a multiple of 32."""
+    import paddle
+
+    a = w.numpy() if hasattr(w, "numpy") else np.asarray(w)
+    k, n = a.shape
+    panels = -(-n // PANEL)
+    if panels * PANEL != n:
+        a = np.concatenate([a, np.zeros((k, panels * PANEL - n), a.dtype)], axis=1)
+    return Packed(paddle.to_tensor(np.ascontiguousarray(a.reshape(k, panels, PANEL).transpose(1, 0, 2))), k, n)
+
+
+def dense(w):
+    """A weight as a dense paddle tensor [k, n], whether or not it is packed."""
+    return w.dense() if isinstance(w, Packed) else w

@@ -79,8 +79,8 @@ class HiddenRecorder:
     verified (as it hands them to an MTP proposer, shared-prefix rows and prefill chunks included), and the
     main model's greedy choice after each kept prompt position (argmax of the LM head over those rows)."""
 
-    def __init__(self, lm_head: Any, first_pos: Callable[[int], int]):
-        self.lm_head = lm_head  # [hidden, vocab]
+    def __init__(self, logits: Callable[[Any], Any], first_pos: Callable[[int], int]):
+        self.logits = logits  # hidden rows [n, hidden] -> the main model's logits [n, vocab]
         self.first_pos = first_pos  # prompt length -> first position kept
         self.request_of: Callable[[int], Request] | None = None  # slot -> the request it serves (the engine's)
         self._slots: dict[int, _SlotRecord] = {}
@@ -119,7 +119,7 @@ class HiddenRecorder:
         num_prompt = max(0, min(len(rows), rec.prompt_len - 1 - pos))  # rows whose next token is a prompt token
         for lo in range(0, num_prompt, GREEDY_CHUNK):
             block = paddle.to_tensor(rows[lo:min(lo + GREEDY_CHUNK, num_prompt)])
-            rec.greedy += paddle.argmax(paddle.matmul(block, self.lm_head), axis=-1).numpy().tolist()
+            rec.greedy += paddle.argmax(self.logits(block), axis=-1).numpy().tolist()
         rec.rows.append(rows.astype(np.float16))
         rec.next_pos = pos + len(rows)
 
@@ -203,7 +203,7 @@ def generate_data(loaded: Any, requests: list[Request], directory: Path, cfg: Tr
     def first_pos(prompt_len: int) -> int:
         return 0 if cfg.prompt_examples else max(0, prompt_len - 1 - cfg.context_tokens)
 
-    recorder = HiddenRecorder(loaded.model.w.lm_head, first_pos)
+    recorder = HiddenRecorder(lambda x: loaded.model.matmul(x, loaded.model.w.lm_head), first_pos)
     engine = Engine(loaded.model, loaded.tokenizer, engine_config or EngineConfig(batch_size=cfg.gen_batch_size),
                     recorder)
     recorder.request_of = lambda slot: engine.requests[slot]

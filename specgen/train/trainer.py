@@ -20,6 +20,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from specgen import kernels
 from specgen.errors import ConfigError, InputError
 from specgen.train.config import TrainConfig
 from specgen.train.data import CachedData, load_data
@@ -98,8 +99,8 @@ class Trainer:
         self.head = TrainableHead(model, initial_weights(model, cfg.init, cfg.seed, scale))
         self.params = dict(self.head.named_parameters())
         self.opt = AdamW(self.params, cfg)
-        self.lm_train = paddle.gather(model.w.lm_head, paddle.to_tensor(self.set.vocab_ids), axis=1)  # [hidden, V']
-        self.lm_full = model.w.lm_head  # [hidden, vocab]
+        self.lm_full = kernels.dense(model.w.lm_head)  # [hidden, vocab]
+        self.lm_train = paddle.gather(self.lm_full, paddle.to_tensor(self.set.vocab_ids), axis=1)  # [hidden, V']
         self.identity = np.arange(loaded.config.vocab_size, dtype=np.int64)
 
     # ---- one step and one evaluation ----

@@ -161,3 +161,54 @@ def test_model_forward_with_kernels_equals_paddle_reference(arch):
     m.ops = K
     for a, b in zip(*results):
         assert np.abs(a - b).max() < 1e-10
+
+
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (7, 45), (64, 33), (32, 32)])
+def test_packed_linear_matches_numpy_and_rows_do_not_depend_on_each_other(k, n):
+    """specgen_linear over a packed weight: pack/unpack round trip, float64 reference, and each row's result
+    bit-identical whatever rows come with it (1 to 20 rows, any offset) - the property that keeps float32
+    speculation exact."""
+    from specgen.kernels import pack_linear
+
+    rng = np.random.default_rng(k + n)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    p = pack_linear(paddle.to_tensor(w))
+    assert p.panels.shape == [-(-n // 32), k, 32] and np.array_equal(p.numpy(), w)
+    x = rng.standard_normal((20, k)).astype(np.float32)
+    y = K.specgen_linear(paddle.to_tensor(x), p.panels, n).numpy()
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    assert y.shape == (20, n)
+    assert np.abs(y - ref).max() <= 1e-6 * np.sqrt(k) * np.abs(ref).max() + 1e-6
+    for m, at in [(1, 0), (1, 19), (3, 5), (6, 2), (8, 12), (9, 0), (15, 4)]:
+        part = K.specgen_linear(paddle.to_tensor(x[at:at + m]), p.panels, n).numpy()
+        assert np.array_equal(part, y[at:at + m]), (m, at)
+    assert K.specgen_linear(paddle.to_tensor(x[:0]), p.panels, n).shape == [0, n]
+
+
+def test_packed_float32_model_rows_equal_whatever_the_block():
+    """Float32 with packed weights: a position's hidden state is bit-identical whether it is computed inside a
+    whole-prompt prefill or as part of a later verify block beside another slot; and it stays within float32
+    rounding of MKL's unpacked product."""
+    lm = load_model(TINY / "llama", dtype="float32")
+    m = lm.model
+    if not m.packs:
+        pytest.skip("packed linear needs AVX-512")
+    rng = np.random.default_rng(5)
+    ids = rng.integers(3, 250, 24)
+    whole = build_forward_batch(np.array([0]), np.array([0]), np.array([24]), ids, np.array([False]))
+    h_whole = m.forward(whole, m.new_cache(2, 64))[1].numpy()
+    cache = m.new_cache(2, 64)
+    m.forward(build_forward_batch(np.array([0, 1]), np.array([0, 0]), np.array([18, 9]),
+                                  np.concatenate([ids[:18], ids[:9]]), np.zeros(2, bool)), cache)
+    ver = build_forward_batch(np.array([1, 0]), np.array([9, 18]), np.array([3, 6]),
+                              np.concatenate([ids[9:12], ids[18:24]]), np.ones(2, bool))
+    h_ver = m.forward(ver, cache)[1].numpy()
+    assert np.array_equal(h_ver[3:], h_whole[18:24])
+    assert np.array_equal(h_ver[:3], h_whole[9:12])
+    ops_saved = m.ops
+    m.ops = None  # Paddle reference path, the packed weights unpacked into paddle.matmul
+    try:
+        h_ref = m.forward(whole, m.new_cache(2, 64))[1].numpy()
+    finally:
+        m.ops = ops_saved
+    assert np.abs(h_ref - h_whole).max() < 1e-4

@@ -19,6 +19,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from specgen import kernels
 from specgen.config import SpecConfig
 from specgen.engine.kv_cache import KVCache
 from specgen.engine.model import Model, TensorReader, rms_norm
@@ -55,8 +56,8 @@ class MtpHead:
                                   f"model.mtp_linear_proj.0.weight)")
         self.enorm = r.param(names[0], (h,))
         self.hnorm = r.param(names[1], (h,))
-        self.eh_proj = r.to_paddle(r.get(names[2], (h, 2 * h)).T)  # [2 hidden, hidden]: [emb; hidden] -> hidden
-        self.block = r.layer(block)
+        self.eh_proj = main.pack(r.to_paddle(r.get(names[2], (h, 2 * h)).T))  # [2 hidden, hidden]: [emb; hidden] -> hidden
+        self.block = main.pack_layer(r.layer(block))
         self.final_norm = r.param(norm, (h,)) if norm in weights else main.w.final_norm
         self.lm_head = r.to_paddle(r.get(head, (cfg.vocab_size, h)).T) if head in weights else main.w.lm_head
         self.embed = r.param(embed, (cfg.vocab_size, h)) if embed in weights else main.w.embed
@@ -67,7 +68,8 @@ class MtpHead:
                     or ids.max() >= cfg.vocab_size:
                 raise CheckpointError(f"{source}: draft vocabulary must be token ids in [0, {cfg.vocab_size})")
             self.draft_vocab = ids.astype(np.int64)
-            self.lm_head = paddle.gather(self.lm_head, paddle.to_tensor(self.draft_vocab), axis=1)  # [hidden, V']
+            self.lm_head = paddle.gather(kernels.dense(self.lm_head), paddle.to_tensor(self.draft_vocab), axis=1)  # [hidden, V']
+        self.lm_head = main.pack(self.lm_head)
 
 
 def _block_config(cfg: ModelConfig, weights: dict[str, np.ndarray]) -> ModelConfig:
@@ -166,11 +168,11 @@ class MtpProposer:
         hd = self.head
         emb = F.embedding(paddle.to_tensor(batch.token_ids), hd.embed)  # [num_tokens, hidden]
         eps = self.model.config.rms_norm_eps
-        x = paddle.matmul(paddle.concat([rms_norm(emb, hd.enorm, eps), rms_norm(prev_hidden, hd.hnorm, eps)], axis=-1),
-                          hd.eh_proj)  # [num_tokens, hidden]
+        x = self.model.matmul(paddle.concat([rms_norm(emb, hd.enorm, eps), rms_norm(prev_hidden, hd.hnorm, eps)],
+                                            axis=-1), hd.eh_proj)  # [num_tokens, hidden]
         x = self.model.layer(x, hd.block, self.model.context(batch, self.cache), self.cache.k[0], self.cache.v[0])
         last = paddle.to_tensor(batch.logit_rows)
-        logits = paddle.matmul(rms_norm(paddle.gather(x, last), hd.final_norm, eps), hd.lm_head)  # [num_seqs, vocab]
+        logits = self.model.matmul(rms_norm(paddle.gather(x, last), hd.final_norm, eps), hd.lm_head)  # [num_seqs, vocab]
         drafts = paddle.argmax(logits, axis=-1).numpy()
         return paddle.gather(x, last), drafts if hd.draft_vocab is None else hd.draft_vocab[drafts]
 
