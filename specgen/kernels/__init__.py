@@ -14,8 +14,8 @@ import os
 import platform
 import shutil
 import sys
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 import numpy as np
