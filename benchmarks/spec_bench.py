@@ -111,6 +111,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--mtp-model", default=None, help="MTP head directory; mtp is skipped without one")
     ap.add_argument("--sets", nargs="*", default=None)
+    ap.add_argument("--fixed", action="store_true", help="also run ngram with adaptive speculation off (k drafts "
+                    "whenever a match offers them): row 'fixed'")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
@@ -118,6 +120,8 @@ def main() -> None:
     from specgen import SpecConfig
 
     methods = {"none": SpecConfig(), "ngram": SpecConfig(method="ngram", num_speculative_tokens=args.k)}
+    if args.fixed:
+        methods["fixed"] = SpecConfig(method="ngram", num_speculative_tokens=args.k, adaptive=False)
     if args.mtp_model:
         methods["mtp"] = SpecConfig(method="mtp", num_speculative_tokens=min(args.k, 2), mtp_model=args.mtp_model)
     results = []
@@ -134,7 +138,7 @@ def main() -> None:
                     ceiling = replay_ceiling(prompts, [o.token_ids for o in outs], args.k, 1, 3)
                 same = all(a.token_ids == b.token_ids for a, b in zip(base_outs, outs))
                 speedup = r["tok_s"] / base["tok_s"]
-                of_ceiling = (speedup - 1) / (ceiling - 1) if mname == "ngram" and ceiling > 1 else None
+                of_ceiling = (speedup - 1) / (ceiling - 1) if mname in ("ngram", "fixed") and ceiling > 1 else None
                 bound = speedup_bound(model, bs, spec.num_speculative_tokens, r) if mname != "none" else None
                 row = {"set": name, "batch_size": bs, "method": mname, **r, "speedup": speedup,
                        "ngram_ceiling": ceiling, "bound": bound, "efficiency": speedup / bound if bound else None,

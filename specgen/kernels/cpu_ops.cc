@@ -204,8 +204,53 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
-// float32 with head_dim a multiple of 16 (up to 256): the same steps, vectorised by hand. Each query row is
-// still computed on its own, in a fixed order.
+// r[j] = sum of the 16 lanes of a[j], j = 0..15: pairs of vectors are folded lane-half by lane-half (a fixed
+// tree, 15 permute-and-add steps for 16 sums instead of 16 horizontal reductions).
+inline __m512 hsum16(const __m512* a) {
+  const __m512i l1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i h1 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const __m512i l2 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i h2 = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const __m512i l3 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+  const __m512i h3 = _mm512_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  const __m512i l4 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i h4 = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // b[i]: 8 partial sums of a[2i] in lanes 0-7, of a[2i + 1] in lanes 8-15
+    b[i] = _mm512_add_ps(_mm512_permutex2var_ps(a[2 * i], l1, a[2 * i + 1]),
+                         _mm512_permutex2var_ps(a[2 * i], h1, a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // c[i]: 4 partials each of a[4i .. 4i + 3]
+    c[i] = _mm512_add_ps(_mm512_permutex2var_ps(b[2 * i], l2, b[2 * i + 1]),
+                         _mm512_permutex2var_ps(b[2 * i], h2, b[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)  // d[i]: 2 partials each of a[8i .. 8i + 7]
+    d[i] = _mm512_add_ps(_mm512_permutex2var_ps(c[2 * i], l3, c[2 * i + 1]),
+                         _mm512_permutex2var_ps(c[2 * i], h3, c[2 * i + 1]));
+  return _mm512_add_ps(_mm512_permutex2var_ps(d[0], l4, d[1]), _mm512_permutex2var_ps(d[0], h4, d[1]));
+}
+
+// Weighted sum of values for R rows with their accumulators in registers: rows of acc [R, 16 C] =
+// sum_j p[r, j] * v_j over j < len in order (p is zero past each row's last key).
+template <int C, int R>
+inline void pv_rows(const Tile<float>& t, int64_t D, const float* p, int64_t stride, float* acc) {
+  __m512 o[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) o[r][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < t.len; ++j) {
+    const float* v = t.value(j, D);
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512 w = _mm512_set1_ps(p[r * stride + j]);
+      for (int c = 0; c < C; ++c) o[r][c] = _mm512_fmadd_ps(w, vv[c], o[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * D + 16 * c, o[r][c]);
+}
+
+// float32 with head_dim a multiple of 16 (up to 256): the same steps, vectorised by hand. Scores come 16 keys
+// at a time (hsum16); the weighted sum keeps up to 6 rows' accumulators in registers when head_dim is 64. Each
+// query row is still computed on its own, in a fixed order.
 template <>
 void tile_attention<float>(const Tile<float>& t, int64_t D, std::vector<float>& sc, std::vector<float>& acc) {
   if (D % 16 != 0 || D > 256) {
@@ -215,17 +260,24 @@ void tile_attention<float>(const Tile<float>& t, int64_t D, std::vector<float>& 
   const int64_t stride = (len + 15) & ~int64_t(15);
   sc.resize(rows * stride);
   acc.assign(rows * D, 0.0f);
-  __m512 kv[16];
-  for (int64_t j = 0; j < len; ++j) {
-    const float* k = t.key(j, D);
-    for (int64_t c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(k + 16 * c);
-    for (int64_t a = (j > t.p0 ? j - t.p0 : 0); a < t.nt; ++a)
-      for (int64_t g = 0; g < t.G; ++g) {
-        const float* q = t.q + a * t.q_stride + g * D;
-        __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q), kv[0]);
-        for (int64_t c = 1; c < C; ++c) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), kv[c], s);
-        sc[(a * t.G + g) * stride + j] = _mm512_reduce_add_ps(s);
+  const float* keys[16];
+  for (int64_t j0 = 0; j0 < len; j0 += 16) {
+    const int64_t nk = std::min<int64_t>(16, len - j0);
+    for (int64_t kk = 0; kk < 16; ++kk) keys[kk] = kk < nk ? t.key(j0 + kk, D) : nullptr;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t a = r / t.G, g = r % t.G;
+      if (j0 > t.p0 + a) continue;  // every key of the block is in this row's future (zeroed below)
+      const float* q = t.q + a * t.q_stride + g * D;
+      __m512 part[16];
+      for (int64_t kk = 0; kk < 16; ++kk) {
+        if (kk >= nk) { part[kk] = _mm512_setzero_ps(); continue; }
+        __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(keys[kk]));
+        for (int64_t c = 1; c < C; ++c)
+          s = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), _mm512_loadu_ps(keys[kk] + 16 * c), s);
+        part[kk] = s;
       }
+      _mm512_storeu_ps(sc.data() + r * stride + j0, hsum16(part));
+    }
   }
   for (int64_t a = 0; a < t.nt; ++a) {
     const int64_t last = t.p0 + a + 1;
@@ -249,17 +301,35 @@ void tile_attention<float>(const Tile<float>& t, int64_t D, std::vector<float>& 
         const __mmask16 mk = last - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (last - j)) - 1);
         _mm512_mask_storeu_ps(r + j, mk, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, r + j), inv));
       }
+      std::fill(r + last, r + stride, 0.0f);  // future keys weigh nothing in the weighted sum
     }
   }
-  for (int64_t j = 0; j < len; ++j) {
-    const float* v = t.value(j, D);
-    for (int64_t c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(v + 16 * c);
-    for (int64_t a = (j > t.p0 ? j - t.p0 : 0); a < t.nt; ++a)
-      for (int64_t g = 0; g < t.G; ++g) {
-        const __m512 p = _mm512_set1_ps(sc[(a * t.G + g) * stride + j]);
-        float* o = acc.data() + (a * t.G + g) * D;
-        for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_fmadd_ps(p, kv[c], _mm512_loadu_ps(o + 16 * c)));
+  if (C == 4) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 6) {
+      const float* p = sc.data() + r0 * stride;
+      float* o = acc.data() + r0 * D;
+      switch (std::min<int64_t>(6, rows - r0)) {
+        case 1: pv_rows<4, 1>(t, D, p, stride, o); break;
+        case 2: pv_rows<4, 2>(t, D, p, stride, o); break;
+        case 3: pv_rows<4, 3>(t, D, p, stride, o); break;
+        case 4: pv_rows<4, 4>(t, D, p, stride, o); break;
+        case 5: pv_rows<4, 5>(t, D, p, stride, o); break;
+        default: pv_rows<4, 6>(t, D, p, stride, o); break;
       }
+    }
+  } else {
+    __m512 kv[16];
+    for (int64_t j = 0; j < len; ++j) {
+      const float* v = t.value(j, D);
+      for (int64_t c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(v + 16 * c);
+      for (int64_t a = (j > t.p0 ? j - t.p0 : 0); a < t.nt; ++a)
+        for (int64_t g = 0; g < t.G; ++g) {
+          const __m512 p = _mm512_set1_ps(sc[(a * t.G + g) * stride + j]);
+          float* o = acc.data() + (a * t.G + g) * D;
+          for (int64_t c = 0; c < C; ++c)
+            _mm512_storeu_ps(o + 16 * c, _mm512_fmadd_ps(p, kv[c], _mm512_loadu_ps(o + 16 * c)));
+        }
+    }
   }
   for (int64_t a = 0; a < t.nt; ++a)
     for (int64_t g = 0; g < t.G; ++g)
