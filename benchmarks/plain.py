@@ -5,7 +5,8 @@
 Prompts are Spec-Bench questions (chat template applied). Every request generates exactly --max-tokens tokens
 (ignore_eos), so both tools do the same work. transformers runs on the same GGUF (dequantized to float32),
 with left padding for batches, in the same process, one after the other. --reference also runs specgen's Paddle
-reference path (the forward before the fused CPU kernels: SPECGEN_KERNELS=0) in the same process: "before/after".
+reference path (the forward before the fused CPU kernels: SPECGEN_KERNELS=0) in the same process: "before/after";
+--unpacked the fused kernels with MKL's sgemm for the weights (SPECGEN_PACKED_LINEAR=0).
 """
 from __future__ import annotations
 
@@ -70,29 +71,40 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--reference", action="store_true", help="also time the Paddle reference path (no kernels)")
+    ap.add_argument("--unpacked", action="store_true",
+                    help="also time the fused kernels with MKL's matmul instead of the packed linear kernel")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     from specgen import load_model
 
-    model = load_model(None, threads=args.threads)
-    print(f"{'batch':>6}{'prompts':>9}{'reference tok/s':>17}{'specgen tok/s':>15}{'after/before':>14}"
-          f"{'transformers tok/s':>20}{'ratio':>8}{'same greedy':>13}")
+    def load(**env):  # the default model, built under these environment settings (read when a model is made)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return load_model(None, threads=args.threads)
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+    model = load()
+    reference = load(SPECGEN_KERNELS="0") if args.reference else None
+    unpacked = load(SPECGEN_PACKED_LINEAR="0") if args.unpacked else None
+    print(f"{'batch':>6}{'prompts':>9}{'reference tok/s':>17}{'unpacked tok/s':>16}{'specgen tok/s':>15}"
+          f"{'after/before':>14}{'transformers tok/s':>20}{'ratio':>8}{'same greedy':>13}")
     for bs in args.batch_sizes:
         n = max(bs, 2) if bs > 1 else 2
         msgs = chat_prompts(n)
         ids = [list(model.tokenizer.encode_chat(m)) for m in msgs]
-        ref = None
-        if args.reference:
-            fused, model.model.ops = model.model.ops, None
-            ref, _ = run_specgen(model, ids, bs, args.max_tokens)
-            model.model.ops = fused
+        ref = run_specgen(reference, ids, bs, args.max_tokens)[0] if reference else None
+        unp = run_specgen(unpacked, ids, bs, args.max_tokens)[0] if unpacked else None
         sg, sg_out = run_specgen(model, ids, bs, args.max_tokens)
         hf, hf_out = (None, None) if args.no_transformers else run_transformers(ids, bs, args.max_tokens, args.threads)
         same = "-" if hf_out is None else f"{sum(a == b for a, b in zip(sg_out, hf_out))}/{len(ids)}"
         ratio = f"{sg / hf:.2f}x" if hf else "-"
         hf_s = f"{hf:.1f}" if hf else "-"
         ref_s, gain = (f"{ref:.1f}", f"{sg / ref:.2f}x") if ref else ("-", "-")
-        print(f"{bs:>6}{n:>9}{ref_s:>17}{sg:>15.1f}{gain:>14}{hf_s:>20}{ratio:>8}{same:>13}", flush=True)
+        unp_s = f"{unp:.1f}" if unp else "-"
+        print(f"{bs:>6}{n:>9}{ref_s:>17}{unp_s:>16}{sg:>15.1f}{gain:>14}{hf_s:>20}{ratio:>8}{same:>13}", flush=True)
 
 
 if __name__ == "__main__":

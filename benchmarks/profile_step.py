@@ -94,8 +94,11 @@ def main() -> None:
     ap.add_argument("--prompt-chars", type=int, default=1500, help="characters of each prompt kept")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reference", action="store_true", help="Paddle reference ops instead of the fused kernels")
+    ap.add_argument("--unpacked", action="store_true", help="MKL's matmul instead of the packed linear kernel")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    if args.unpacked:
+        os.environ["SPECGEN_PACKED_LINEAR"] = "0"
     if args.reference:
         os.environ["SPECGEN_KERNELS"] = "0"
     from specgen import SamplingParams, load_model
@@ -107,7 +110,8 @@ def main() -> None:
     lm = load_model(None, threads=args.threads)
     lines = [json.loads(x) for x in (DATA / "spec_bench" / "question.jsonl").read_text().splitlines() if x.strip()]
     lines = [q for q in lines if q["category"] in ("summarization", "rag")]  # input-grounded: n-gram drafts hit
-    print(f"kernels: {'off (reference)' if lm.model.ops is None else 'fused'}; threads {args.threads}")
+    print(f"kernels: {'off (reference)' if lm.model.ops is None else 'fused'}; packed linear "
+          f"{'on' if lm.model.packs else 'off'}; threads {args.threads}")
     sections = ["linear", "lm_head", "attention", "norms + silu", "other tensor ops", "sampling",
                 "verification + commit", "drafting", "python + rest"]
     print(f"{'batch':>5} {'method':>6} {'ms/step':>8} {'tok/step':>8} {'ops/step':>8}  " +

@@ -1,0 +1,72 @@
+"""The packed linear kernel (specgen/kernels/linear.cc) against Paddle's matmul (MKL sgemm) on the weights of the
+default model, side by side in one run:
+
+    python benchmarks/linear_kernel.py [--rows 1 2 4 6 8 12 16 32 64 128 192] [--threads 2]
+
+For each row count M, one "pass" multiplies [M, k] inputs by every projection of the model (30 layers of QKV, O,
+gate/up and down) and the LM head, as one decode or verify step does; ms per pass is the best of --repeats.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8, 12, 16, 32, 64, 128, 192])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    import numpy as np
+    import paddle
+
+    from specgen import load_model
+    from specgen.kernels import dense
+
+    lm = load_model(None, threads=args.threads)
+    m = lm.model
+    if not m.packs:
+        raise SystemExit("the packed linear kernel is off here (needs the fused kernels and AVX-512)")
+    weights = [L[key] for L in m.w.layers for key in ("w_qkv", "w_o", "w_gate_up", "w_down")] + [m.w.lm_head]
+    dense_w = [dense(w) for w in weights]
+    nbytes = sum(w.k * w.n * 4 for w in weights)
+    rng = np.random.default_rng(0)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    print(f"weights: {nbytes / 2**20:.0f} MiB float32; threads {args.threads}")
+    print(f"{'rows':>5}{'paddle.matmul ms':>18}{'packed ms':>11}{'packed GB/s':>13}{'speedup':>9}"
+          f"{'packed vs 1 row':>17}{'matmul vs 1 row':>17}")
+    base = {}
+    for rows in args.rows:
+        xs = {k: paddle.to_tensor(rng.standard_normal((rows, k)).astype(np.float32)) for k in {w.k for w in weights}}
+
+        def run_packed():
+            for w in weights:
+                y = m.matmul(xs[w.k], w)
+            y.numpy()
+
+        def run_matmul():
+            for w, d in zip(weights, dense_w):
+                y = paddle.matmul(xs[w.k], d)
+            y.numpy()
+
+        tm, tp = best(run_matmul), best(run_packed)
+        base.setdefault("m", tm)
+        base.setdefault("p", tp)
+        print(f"{rows:>5}{tm * 1e3:>18.2f}{tp * 1e3:>11.2f}{nbytes / tp / 1e9:>13.1f}{tm / tp:>8.2f}x"
+              f"{tp / base['p']:>16.2f}x{tm / base['m']:>16.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
