@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spec_bench import CATEGORIES, run_method, setup
+from spec_bench import CATEGORIES, run_method, setup, warm_up
 
 EVAL_PER_CATEGORY, EVAL_MBPP = 40, 200  # the held-out slice (scripts/make_mtp_train_prompts.py)
 
@@ -70,6 +70,7 @@ def main() -> None:
     for k in args.ks:
         methods[f"mtp k={k}"] = SpecConfig(method="mtp", num_speculative_tokens=k, mtp_model=args.mtp_model,
                                            adaptive=not args.no_adaptive)
+    warm_up(model, list(model.tokenizer.encode_chat(next(iter(sets.values()))[0])), args.batch_sizes, methods)
     results = []
     print(f"{'set':<15}{'bs':>4} {'method':<9}{'tok/s':>8}{'speedup':>9}{'accept':>8}{'tok/step':>9}"
           f"{'acc@1':>7}{'acc@2':>7} identical", flush=True)

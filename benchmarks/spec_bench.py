@@ -75,6 +75,20 @@ def run_method(model, prompts, sp, batch_size, spec):
                   "acceptance": accepted / drafted if drafted else None, "mean_accepted_length": n_out / steps}
 
 
+def warm_up(model, prompt: list[int], batch_sizes: list[int], methods: dict) -> None:
+    """One short run per batch size and method before timing: the one-time start-up of a job (the adaptive
+    controller's cost calibration, loading an MTP head) is paid here, once, as a real job pays it once, and
+    printed instead of being spread over a few timed prompts."""
+    from specgen import EngineConfig, SamplingParams, generate
+
+    for bs in batch_sizes:
+        for mname, spec in methods.items():
+            start = time.perf_counter()
+            generate([prompt], model=model, sampling=SamplingParams(max_tokens=4),
+                     engine=EngineConfig(batch_size=bs), speculative=spec)
+            print(f"start-up (one short run) bs {bs} {mname}: {time.perf_counter() - start:.2f} s", flush=True)
+
+
 def speedup_bound(model, batch_size: int, k: int, r: dict) -> float | None:
     """(tokens emitted per step) x c(1 token per slot) / c(tokens fed per slot), with c the step costs measured at
     start-up on this machine and batch size (the adaptive controller's table): the speedup if nothing but the
@@ -124,6 +138,8 @@ def main() -> None:
         methods["fixed"] = SpecConfig(method="ngram", num_speculative_tokens=args.k, adaptive=False)
     if args.mtp_model:
         methods["mtp"] = SpecConfig(method="mtp", num_speculative_tokens=min(args.k, 2), mtp_model=args.mtp_model)
+    first = next(iter(sets.values()))[0]
+    warm_up(model, list(model.tokenizer.encode_chat(first)), args.batch_sizes, methods)
     results = []
     print(f"{'set':<15}{'bs':>4} {'method':<6}{'tok/s':>8}{'speedup':>9}{'accept':>8}{'tok/step':>9}"
           f"{'ceiling':>9}{'of ceil':>8}{'bound':>7}{'eff':>6} identical")

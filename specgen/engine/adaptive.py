@@ -6,6 +6,9 @@ A slot with acceptance estimate a that verifies k drafts emits (1 - a^(k+1)) / (
 picks per-slot k_s (0 = no drafts) maximising emitted tokens per second, sum_s E_s(k_s) / c(sum_s (1 + k_s)),
 by Dinkelbach iteration: each slot maximises E_s(k) - rate * c'(T) * k, and rate is re-estimated.
 k = 0 for every slot is plain decoding, so the choice can only be slower than plain when the cost model is wrong.
+The drafter's own time per step (an MTP head's pass: its KV catch-up and chained drafts) is charged too: a step
+that speculates costs c(T) + d, with d the measured drafting time, while plain decoding costs c(n) alone (a
+slot left at k = 0 is detached from the drafter after DETACH_AFTER steps, so plain decoding stops paying d).
 A guard checks the model against reality: it keeps the measured throughput (emitted tokens per second of
 decode-only steps) of steps that speculated and of steps that did not, forces a plain step now and then to keep
 the second one current, and decodes plainly while speculating measures slower.
@@ -66,6 +69,12 @@ class Controller:
         self.rate = {True: None, False: None}  # measured tokens/s of speculative and plain decode steps
         self.steps = 0
         self.idle = np.zeros(num_slots, np.int64)  # [num_slots] steps in a row the cost model chose k = 0
+        self.draft_cost: float | None = None  # seconds per step the proposer takes (propose + observe), EMA
+
+    def drafting(self, seconds: float) -> None:
+        """The proposer's time in one step (drafting for the next step included)."""
+        old = self.draft_cost
+        self.draft_cost = seconds if old is None else (1 - self.RATE_EMA) * old + self.RATE_EMA * seconds
 
     def record(self, num_emitted: int, seconds: float, speculated: bool) -> None:
         """Throughput of one decode-only step, for the guard."""
@@ -132,16 +141,18 @@ class Controller:
         gain = np.where(ks <= num_avail[:, None], expected_emitted(alpha[:, None], ks), -np.inf)
         k = np.zeros(n, np.int64)
         base = n + other_tokens
+        d = self.draft_cost or 0.0
         for _ in range(4):
             total = base + k.sum()
-            rate = expected_emitted(alpha, k).sum() / self.cost(np.array([total]))[0]
+            rate = expected_emitted(alpha, k).sum() / (self.cost(np.array([total]))[0] + d)
             marginal = self.cost(np.array([total + 1]))[0] - self.cost(np.array([total]))[0]
             k_new = np.argmax(gain - rate * marginal * ks, axis=1).astype(np.int64)
             if (k_new == k).all():
                 break
             k = k_new
-        self.idle[slots] = np.where(k == 0, self.idle[slots] + 1, 0)
-        # Keep the choice only if it beats plain decoding under the model.
+        # Keep the choice only if it beats plain decoding under the model, and while the guard agrees.
         plain = n / self.cost(np.array([base]))[0]
-        spec = expected_emitted(alpha, k).sum() / self.cost(np.array([base + k.sum()]))[0]
-        return self._guard(k if spec > plain else np.zeros(n, np.int64))
+        spec = expected_emitted(alpha, k).sum() / (self.cost(np.array([base + k.sum()]))[0] + d)
+        k = self._guard(k if spec > plain else np.zeros(n, np.int64))
+        self.idle[slots] = np.where(k == 0, self.idle[slots] + 1, 0)
+        return k

@@ -146,6 +146,7 @@ class Model:
         self.cos = paddle.to_tensor(np.cos(ang).astype(dtype))  # [max_len, head_dim / 2]
         self.sin = paddle.to_tensor(np.sin(ang).astype(dtype))
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.heads: dict = {}  # (MTP head directory, its files' mtimes) -> MtpHead (weights; proposers hold state)
         self.calibrations: dict = {}  # (num_slots, max_draft) -> measured step-cost table, see runner.calibrate
         # Fused CPU operators (specgen/kernels) when they build; None runs the Paddle reference path below.
         self.ops = kernels.ops()

@@ -174,7 +174,9 @@ class Engine:
         final = t.prefill_pos[new] + chunk == t.prompt_len[new]  # [num_new] chunk ends the prompt: sample
         room = t.max_len - t.seq_len  # [num_slots] tokens each slot may still emit (>= 1 while active)
         view = SlotView(dec, t.tokens, t.seq_len[dec], np.minimum(room[dec] - 1, MAX_DRAFT))
+        draft_start = time.perf_counter()
         drafts = self.proposer.propose(view)
+        draft_seconds = time.perf_counter() - draft_start
         num_avail = np.minimum(drafts.num_draft, view.max_draft)  # [num_dec]
         num_draft = num_avail
         if self.controller is not None:
@@ -243,11 +245,18 @@ class Engine:
         # verified at most (one while speculation is off: enough for shadow acceptance), not always k.
         depth = MAX_DRAFT if self.controller is None else int(num_draft.max(initial=0)) + 1
         detached = None if self.controller is None else self.controller.detached(slots)
+        draft_start = time.perf_counter()
         self.proposer.observe(StepUpdate(slots, block_start, starts, num_valid, done, t.tokens, hidden,
                                          catch_up, self.prefix_hidden, depth, detached))
+        draft_seconds += time.perf_counter() - draft_start
+        if self.controller is not None and len(dec) and not detached[: len(dec)].all():
+            self.controller.drafting(draft_seconds)
         if self.controller is not None and len(new) == 0:  # steps that prefill are not comparable
-            # the whole step, drafting for the next one included, against the emitted tokens
-            self.controller.record(int(kept.sum()), time.perf_counter() - step_start, bool(num_draft.sum()))
+            # A speculative step counts whole, drafting for the next one included; a plain one without the
+            # drafter's time, which plain decoding would not spend (its slots detach from the drafter).
+            spec = bool(num_draft.sum())
+            self.controller.record(int(kept.sum()), time.perf_counter() - step_start - (0.0 if spec else draft_seconds),
+                                   spec)
         finished = []
         for i in np.nonzero(done)[0]:
             s = int(slots[i])

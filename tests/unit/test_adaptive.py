@@ -17,3 +17,27 @@ def test_slot_detaches_after_drafts_stop_paying_and_reattaches_on_reset():
     assert k[0] == 0
     ctl.reset(0)
     assert ctl.detached(slots).tolist() == [False, False]
+
+
+def test_drafter_time_is_charged_and_guard_forced_plain_steps_detach():
+    """A slot at acceptance 0.3: verifying one draft pays when drafting is free, not when the drafter (an MTP
+    head's pass) takes 30% of a step; the slot then counts idle steps and detaches from the drafter. And when
+    the guard measures speculative steps slower than plain ones (plain steps timed without the drafter), its
+    forced plain steps count as idle too."""
+    cost = CostModel(np.array([1, 2, 6]), np.array([1.0, 1.05, 1.25]))
+    ctl = Controller(cost, max_draft=2, num_slots=1)
+    slot = np.array([0])
+    ctl.hits[:], ctl.seen[:] = 30.0, 100.0
+    assert ctl.choose(slot, np.array([2]), 0)[0] >= 1  # E = 1.3 per 1.05 or better: pays
+    ctl.drafting(0.3)
+    ctl.idle[:] = 0
+    for _ in range(Controller.DETACH_AFTER):
+        assert ctl.choose(slot, np.array([2]), 0)[0] == 0  # 1.3 / (1.05 + 0.3) < 1
+    assert ctl.detached(slot).tolist() == [True]
+
+    ctl = Controller(cost, max_draft=2, num_slots=1)
+    ctl.hits[:], ctl.seen[:] = 30.0, 100.0
+    ctl.record(1, 1.0, speculated=False)  # plain: 1 token/s
+    ctl.record(1, 1.5, speculated=True)  # speculative: 0.67 tokens/s
+    ks = [int(ctl.choose(slot, np.array([2]), 0)[0]) for _ in range(Controller.DETACH_AFTER)]
+    assert ks == [0] * Controller.DETACH_AFTER and ctl.detached(slot).tolist() == [True]

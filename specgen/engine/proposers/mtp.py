@@ -228,5 +228,11 @@ def build_mtp_proposer(spec: SpecConfig, loaded: Any) -> MtpProposer:
     if path is None:
         raise CheckpointError("--method mtp needs an MTP head: give --mtp-model DIR (DeepSeek-V3 or ERNIE-4.5 "
                               "layout; `specgen train-mtp` trains one); the main checkpoint has none")
-    head = MtpHead(load_mtp_weights(path), str(path), loaded.model, load_draft_vocab(path))
+    d = Path(path).resolve()
+    # built once per model and directory version: later generate() calls in this process reuse it
+    key = (str(d), tuple(sorted((f.name, f.stat().st_mtime_ns) for f in d.iterdir())) if d.is_dir() else ())
+    head = loaded.model.heads.get(key)
+    if head is None:
+        head = loaded.model.heads[key] = MtpHead(load_mtp_weights(path), str(path), loaded.model,
+                                                 load_draft_vocab(path))
     return MtpProposer(loaded.model, head, spec.num_speculative_tokens)
