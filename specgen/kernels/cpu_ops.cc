@@ -228,6 +228,22 @@ inline __m512 hsum16(const __m512* a) {
   return _mm512_add_ps(_mm512_permutex2var_ps(d[0], l4, d[1]), _mm512_permutex2var_ps(d[0], h4, d[1]));
 }
 
+// Scores of one query row against up to 16 keys (nk of them; the rest score 0), the query held in registers:
+// the same operations in the same order as the generic-C loop below, so the same bits.
+template <int C>
+inline void scores16(const float* q, const float* const* keys, int64_t nk, float* out) {
+  __m512 qv[C];
+  for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  __m512 part[16];
+  for (int kk = 0; kk < 16; ++kk) {
+    if (kk >= nk) { part[kk] = _mm512_setzero_ps(); continue; }
+    __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(keys[kk]));
+    for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(keys[kk] + 16 * c), s);
+    part[kk] = s;
+  }
+  _mm512_storeu_ps(out, hsum16(part));
+}
+
 // Weighted sum of values for R rows with their accumulators in registers: rows of acc [R, 16 C] =
 // sum_j p[r, j] * v_j over j < len in order (p is zero past each row's last key).
 template <int C, int R>
@@ -249,8 +265,8 @@ inline void pv_rows(const Tile<float>& t, int64_t D, const float* p, int64_t str
 }
 
 // float32 with head_dim a multiple of 16 (up to 256): the same steps, vectorised by hand. Scores come 16 keys
-// at a time (hsum16); the weighted sum keeps up to 6 rows' accumulators in registers when head_dim is 64. Each
-// query row is still computed on its own, in a fixed order.
+// at a time (hsum16); the weighted sum keeps up to 6 rows' accumulators in registers when head_dim is 64 (3 at
+// 128). Each query row is still computed on its own, in a fixed order.
 template <>
 void tile_attention<float>(const Tile<float>& t, int64_t D, std::vector<float>& sc, std::vector<float>& acc) {
   if (D % 16 != 0 || D > 256) {
@@ -268,15 +284,22 @@ void tile_attention<float>(const Tile<float>& t, int64_t D, std::vector<float>& 
       const int64_t a = r / t.G, g = r % t.G;
       if (j0 > t.p0 + a) continue;  // every key of the block is in this row's future (zeroed below)
       const float* q = t.q + a * t.q_stride + g * D;
-      __m512 part[16];
-      for (int64_t kk = 0; kk < 16; ++kk) {
-        if (kk >= nk) { part[kk] = _mm512_setzero_ps(); continue; }
-        __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(keys[kk]));
-        for (int64_t c = 1; c < C; ++c)
-          s = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), _mm512_loadu_ps(keys[kk] + 16 * c), s);
-        part[kk] = s;
+      float* out = sc.data() + r * stride + j0;
+      if (C == 4) {
+        scores16<4>(q, keys, nk, out);
+      } else if (C == 8) {
+        scores16<8>(q, keys, nk, out);
+      } else {
+        __m512 part[16];
+        for (int64_t kk = 0; kk < 16; ++kk) {
+          if (kk >= nk) { part[kk] = _mm512_setzero_ps(); continue; }
+          __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(keys[kk]));
+          for (int64_t c = 1; c < C; ++c)
+            s = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), _mm512_loadu_ps(keys[kk] + 16 * c), s);
+          part[kk] = s;
+        }
+        _mm512_storeu_ps(out, hsum16(part));
       }
-      _mm512_storeu_ps(sc.data() + r * stride + j0, hsum16(part));
     }
   }
   for (int64_t a = 0; a < t.nt; ++a) {
@@ -304,7 +327,17 @@ void tile_attention<float>(const Tile<float>& t, int64_t D, std::vector<float>& 
       std::fill(r + last, r + stride, 0.0f);  // future keys weigh nothing in the weighted sum
     }
   }
-  if (C == 4) {
+  if (C == 8) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 3) {
+      const float* p = sc.data() + r0 * stride;
+      float* o = acc.data() + r0 * D;
+      switch (std::min<int64_t>(3, rows - r0)) {
+        case 1: pv_rows<8, 1>(t, D, p, stride, o); break;
+        case 2: pv_rows<8, 2>(t, D, p, stride, o); break;
+        default: pv_rows<8, 3>(t, D, p, stride, o); break;
+      }
+    }
+  } else if (C == 4) {
     for (int64_t r0 = 0; r0 < rows; r0 += 6) {
       const float* p = sc.data() + r0 * stride;
       float* o = acc.data() + r0 * D;

@@ -51,7 +51,7 @@ def _numpy_attention(qkv, cos, sin, pos, slots, kc, vc, H, KV, cap):
     return out.reshape(n, H * D), kc, vc
 
 
-@pytest.mark.parametrize("D,H,KV", [(64, 9, 3), (24, 4, 2), (32, 4, 4)])
+@pytest.mark.parametrize("D,H,KV", [(64, 9, 3), (24, 4, 2), (32, 4, 4), (128, 4, 2)])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_attention_matches_numpy_and_writes_the_cache(D, H, KV, dtype):
     """Ragged blocks: a 21-token prompt (several tiles), a 6-token verify block, a 1-token decode, and a
