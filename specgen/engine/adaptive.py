@@ -17,12 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-# Acceptance prior: 1 accepted of 3 drafted, until a slot has history. Cautious where verifying is dear (batch
-# 32: a first draft must be right ~40% of the time to pay), so a new slot decodes plainly until shadow
-# acceptance (drafts compared with the tokens that came out, verified or not) shows its drafts pay; where
-# verifying is cheap (batch 1: +3-5% for one draft) it still speculates from the start.
-PRIOR_ACCEPTED = 1.0
-PRIOR_DRAFTED = 3.0
+PRIOR_ACCEPTED = 1.0  # acceptance prior: 1 accepted of 2 drafted, until a slot has history
+PRIOR_DRAFTED = 2.0
 
 
 def expected_emitted(alpha: np.ndarray, k: np.ndarray) -> np.ndarray:
