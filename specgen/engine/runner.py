@@ -80,6 +80,8 @@ class Engine:
         self.table = SlotTable.empty(config.batch_size, 256)
         self.requests: list[Request | None] = [None] * config.batch_size
         self.controller = calibrate(model, self.cache, max_draft) if adaptive else None
+        if self.controller is not None:
+            self.controller.rule_out(getattr(self.proposer, "acceptance_hint", None))
         self.prefix_ids: np.ndarray | None = None  # [prefix_tokens] the shared prefix, once computed
         self.prefix_hidden = None  # paddle [prefix_tokens, hidden]
 

@@ -41,3 +41,21 @@ def test_drafter_time_is_charged_and_guard_forced_plain_steps_detach():
     ctl.record(1, 1.5, speculated=True)  # speculative: 0.67 tokens/s
     ks = [int(ctl.choose(slot, np.array([2]), 0)[0]) for _ in range(Controller.DETACH_AFTER)]
     assert ks == [0] * Controller.DETACH_AFTER and ctl.detached(slot).tolist() == [True]
+
+
+def test_rule_out_turns_a_drafter_off_where_one_draft_cannot_pay():
+    """With the drafter's held-out acceptance 0.4 (x1.5 headroom = 0.6): at 1.7x for a second token per slot
+    speculation is ruled out (every slot detached, k = 0); at 1.07x it stays on; without a hint nothing
+    changes."""
+    slots = np.arange(4)
+    dear = Controller(CostModel(np.array([4, 8, 24]), np.array([1.0, 1.7, 4.0])), max_draft=5, num_slots=4)
+    dear.rule_out(0.4)
+    assert dear.off and dear.detached(slots).all()
+    assert dear.choose(slots, np.full(4, 5), 0).tolist() == [0, 0, 0, 0]
+    cheap = Controller(CostModel(np.array([4, 8, 24]), np.array([1.0, 1.07, 1.3])), max_draft=5, num_slots=4)
+    cheap.rule_out(0.4)
+    assert not cheap.off and not cheap.detached(slots).any()
+    assert cheap.choose(slots, np.full(4, 5), 0).sum() > 0
+    dear2 = Controller(CostModel(np.array([4, 8, 24]), np.array([1.0, 1.7, 4.0])), max_draft=5, num_slots=4)
+    dear2.rule_out(None)
+    assert not dear2.off

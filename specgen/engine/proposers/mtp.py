@@ -144,8 +144,9 @@ def load_draft_vocab(directory: str | Path) -> np.ndarray | None:
 class MtpProposer:
     """Drafts k tokens per slot with an MTP head; its cache is brought up to date after every step."""
 
-    def __init__(self, model: Model, head: MtpHead, k: int):
+    def __init__(self, model: Model, head: MtpHead, k: int, acceptance_hint: float | None = None):
         self.model, self.head, self.k = model, head, k
+        self.acceptance_hint = acceptance_hint  # the head's held-out position-1 accuracy, when training recorded it
         self.cache: KVCache | None = None
         self.drafts = np.zeros((0, k), np.int64)  # [num_slots, k] drafts ready for each slot's next step
         self.num_drafts = np.zeros(0, np.int64)  # [num_slots]
@@ -235,4 +236,13 @@ def build_mtp_proposer(spec: SpecConfig, loaded: Any) -> MtpProposer:
     if head is None:
         head = loaded.model.heads[key] = MtpHead(load_mtp_weights(path), str(path), loaded.model,
                                                  load_draft_vocab(path))
-    return MtpProposer(loaded.model, head, spec.num_speculative_tokens)
+    return MtpProposer(loaded.model, head, spec.num_speculative_tokens, acceptance_hint(d))
+
+
+def acceptance_hint(directory: Path) -> float | None:
+    """The held-out position-1 accuracy `specgen train-mtp` recorded in the head's config.json, if any."""
+    try:
+        acc = json.loads((directory / "config.json").read_text())["specgen_training"]["eval_acc"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return float(acc) if isinstance(acc, (int, float)) else None
