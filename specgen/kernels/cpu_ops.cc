@@ -264,6 +264,22 @@ inline void pv_rows(const Tile<float>& t, int64_t D, const float* p, int64_t str
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * D + 16 * c, o[r][c]);
 }
 
+// pv_rows over rows [0, rows) in groups of R, the last group R' = rows mod R (a compile-time count each).
+template <int C, int R>
+inline void pv_tail(const Tile<float>& t, int64_t D, const float* p, int64_t stride, int64_t nr, float* acc) {
+  if constexpr (R > 0) {
+    if (nr == R) return pv_rows<C, R>(t, D, p, stride, acc);
+    pv_tail<C, R - 1>(t, D, p, stride, nr, acc);
+  }
+}
+
+template <int C, int R>
+inline void pv_all(const Tile<float>& t, int64_t D, const float* p, int64_t stride, int64_t rows, float* acc) {
+  int64_t r0 = 0;
+  for (; r0 + R <= rows; r0 += R) pv_rows<C, R>(t, D, p + r0 * stride, stride, acc + r0 * D);
+  pv_tail<C, R - 1>(t, D, p + r0 * stride, stride, rows - r0, acc + r0 * D);
+}
+
 // float32 with head_dim a multiple of 16 (up to 256): the same steps, vectorised by hand. Scores come 16 keys
 // at a time (hsum16); the weighted sum keeps up to 6 rows' accumulators in registers when head_dim is 64 (3 at
 // 128). Each query row is still computed on its own, in a fixed order.
@@ -328,28 +344,9 @@ void tile_attention<float>(const Tile<float>& t, int64_t D, std::vector<float>& 
     }
   }
   if (C == 8) {
-    for (int64_t r0 = 0; r0 < rows; r0 += 3) {
-      const float* p = sc.data() + r0 * stride;
-      float* o = acc.data() + r0 * D;
-      switch (std::min<int64_t>(3, rows - r0)) {
-        case 1: pv_rows<8, 1>(t, D, p, stride, o); break;
-        case 2: pv_rows<8, 2>(t, D, p, stride, o); break;
-        default: pv_rows<8, 3>(t, D, p, stride, o); break;
-      }
-    }
+    pv_all<8, 3>(t, D, sc.data(), stride, rows, acc.data());
   } else if (C == 4) {
-    for (int64_t r0 = 0; r0 < rows; r0 += 6) {
-      const float* p = sc.data() + r0 * stride;
-      float* o = acc.data() + r0 * D;
-      switch (std::min<int64_t>(6, rows - r0)) {
-        case 1: pv_rows<4, 1>(t, D, p, stride, o); break;
-        case 2: pv_rows<4, 2>(t, D, p, stride, o); break;
-        case 3: pv_rows<4, 3>(t, D, p, stride, o); break;
-        case 4: pv_rows<4, 4>(t, D, p, stride, o); break;
-        case 5: pv_rows<4, 5>(t, D, p, stride, o); break;
-        default: pv_rows<4, 6>(t, D, p, stride, o); break;
-      }
-    }
+    pv_all<4, 6>(t, D, sc.data(), stride, rows, acc.data());
   } else {
     __m512 kv[16];
     for (int64_t j = 0; j < len; ++j) {

@@ -55,22 +55,21 @@ inline void panel_rows(const float* x, int64_t k, const float* p, float* y, int6
   }
 }
 
+// The last m mod kGroup rows, with a compile-time row count.
+template <int G>
+inline void panel_tail(const float* x, int64_t rows, int64_t k, const float* p, float* y, int64_t n, int64_t c0,
+                       int64_t width) {
+  if constexpr (G > 0) {
+    if (rows == G) return panel_rows<G>(x, k, p, y, n, c0, width);
+    panel_tail<G - 1>(x, rows, k, p, y, n, c0, width);
+  }
+}
+
 void panel_all(const float* x, int64_t m, int64_t k, const float* p, float* y, int64_t n, int64_t c0) {
   const int64_t width = std::min<int64_t>(kPanel, n - c0);
   int64_t r = 0;
   for (; r + kGroup <= m; r += kGroup) panel_rows<kGroup>(x + r * k, k, p, y + r * n, n, c0, width);
-  const float* xr = x + r * k;
-  float* yr = y + r * n;
-  switch (m - r) {
-    case 1: panel_rows<1>(xr, k, p, yr, n, c0, width); break;
-    case 2: panel_rows<2>(xr, k, p, yr, n, c0, width); break;
-    case 3: panel_rows<3>(xr, k, p, yr, n, c0, width); break;
-    case 4: panel_rows<4>(xr, k, p, yr, n, c0, width); break;
-    case 5: panel_rows<5>(xr, k, p, yr, n, c0, width); break;
-    case 6: panel_rows<6>(xr, k, p, yr, n, c0, width); break;
-    case 7: panel_rows<7>(xr, k, p, yr, n, c0, width); break;
-    default: break;
-  }
+  panel_tail<kGroup - 1>(x + r * k, m - r, k, p, y + r * n, n, c0, width);
 }
 #else
 void panel_all(const float* x, int64_t m, int64_t k, const float* p, float* y, int64_t n, int64_t c0) {
