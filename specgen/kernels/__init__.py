@@ -27,8 +27,13 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 _state: dict[str, ModuleType | None] = {}
 
 
+def _switch(name: str) -> bool:
+    """An on/off environment switch, on unless set to 0/false/no/off."""
+    return os.environ.get(name, "1").lower() not in ("0", "false", "no", "off")
+
+
 def enabled() -> bool:
-    return os.environ.get("SPECGEN_KERNELS", "1").lower() not in ("0", "false", "no", "off")
+    return _switch("SPECGEN_KERNELS")
 
 
 def _build_dir() -> Path:
@@ -116,9 +121,7 @@ def packed_linear_enabled(ops_module: ModuleType | None, dtype: str) -> bool:
     """Whether `Model` packs its float32 weights for specgen_linear: the kernels are built, the CPU has AVX-512
     (elsewhere MKL's sgemm is kept: the generic fallback in linear.cc is only a reference) and
     SPECGEN_PACKED_LINEAR is not 0."""
-    if ops_module is None or dtype != "float32":
-        return False
-    if os.environ.get("SPECGEN_PACKED_LINEAR", "1").lower() in ("0", "false", "no", "off"):
+    if ops_module is None or dtype != "float32" or not _switch("SPECGEN_PACKED_LINEAR"):
         return False
     try:
         return " avx512f " in " " + Path("/proc/cpuinfo").read_text().replace("\n", " ") + " "
@@ -133,10 +136,6 @@ class Packed:
     panels: object  # paddle.Tensor [ceil(n / 32), k, 32]
     k: int
     n: int
-
-    @property
-    def shape(self) -> list[int]:
-        return [self.k, self.n]
 
     def numpy(self) -> np.ndarray:
         """The dense [k, n] weight."""

@@ -10,7 +10,6 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from specgen import kernels
 from specgen.engine.model import Model, TensorReader, rms_norm
 from specgen.engine.proposers.mtp import random_mtp_weights
 from specgen.errors import ConfigError
@@ -141,7 +140,7 @@ class TrainableHead(paddle.nn.Layer):
     def logits(self, x: paddle.Tensor, rows: paddle.Tensor, lm_head: paddle.Tensor) -> paddle.Tensor:
         """[num_rows, vocab'] logits of flat rows `rows` of x [batch, seq_len, hidden]; lm_head [hidden, vocab']."""
         flat = paddle.gather(x.reshape([-1, x.shape[-1]]), rows)
-        return paddle.matmul(rms_norm(flat, self.final_norm, self.eps), kernels.dense(lm_head))
+        return paddle.matmul(rms_norm(flat, self.final_norm, self.eps), lm_head)
 
 
 def _rope(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:

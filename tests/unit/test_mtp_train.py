@@ -10,6 +10,7 @@ from conftest import TINY
 from specgen import SamplingParams, SpecConfig, generate, load_model
 from specgen.engine.proposers.mtp import MtpHead, MtpProposer, load_mtp_weights, save_mtp
 from specgen.engine.types import build_forward_batch
+from specgen.kernels import dense
 from specgen.train.config import TrainConfig
 from specgen.train.data import generate_data, load_data, read_requests
 from specgen.train.head import TrainableHead, export_weights, initial_weights
@@ -77,12 +78,12 @@ def test_training_forward_equals_engine_drafts(arch):
     pos = paddle.to_tensor(np.arange(n)[None])
     x1, kv = head(hidden.unsqueeze(0), paddle.to_tensor(np.array(seq[1:])[None]), pos)
     rows = paddle.to_tensor(np.arange(n))
-    logits = head.logits(x1, rows, m.w.lm_head).numpy()
+    logits = head.logits(x1, rows, dense(m.w.lm_head)).numpy()
     np.testing.assert_allclose(x1.numpy()[0], np.array(ref_x), rtol=1e-4, atol=1e-4)
     assert logits.argmax(-1).tolist() == ref_d
     x2 = head.chain(x1, kv, paddle.to_tensor(np.array(ref_d)[None]), pos)  # the engine chains on its own drafts
     np.testing.assert_allclose(x2.numpy()[0], np.array(ref_x2), rtol=1e-4, atol=1e-4)
-    assert head.logits(x2, rows, m.w.lm_head).numpy().argmax(-1).tolist() == ref_d2
+    assert head.logits(x2, rows, dense(m.w.lm_head)).numpy().argmax(-1).tolist() == ref_d2
 
 
 def test_draft_vocabulary_restricts_the_drafts(lm):
@@ -104,7 +105,7 @@ def test_draft_vocabulary_restricts_the_drafts(lm):
         drafts.append(int(prop._run(np.array([0]), np.array([0]), np.array([j]), np.array(seq[1:j + 1]),
                                     hidden[:j])[1][0]))
     x1, _ = head(hidden.unsqueeze(0), paddle.to_tensor(np.array(seq[1:])[None]), paddle.to_tensor(np.arange(n)[None]))
-    logits = head.logits(x1, paddle.to_tensor(np.arange(n)), m.w.lm_head).numpy()
+    logits = head.logits(x1, paddle.to_tensor(np.arange(n)), dense(m.w.lm_head)).numpy()
     assert drafts == vocab[logits[:, vocab].argmax(-1)].tolist()
     for bad in (np.array([0, 300]), np.array([[1, 2]]), np.array([0.5])):
         with pytest.raises(CheckpointError, match="draft vocabulary"):
