@@ -75,20 +75,11 @@ def main() -> None:
                     help="also time the fused kernels with MKL's matmul instead of the packed linear kernel")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    from specgen import load_model
+    from spec_bench import load_default
 
-    def load(**env):  # the default model, built under these environment settings (read when a model is made)
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            return load_model(None, threads=args.threads)
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-
-    model = load()
-    reference = load(SPECGEN_KERNELS="0") if args.reference else None
-    unpacked = load(SPECGEN_PACKED_LINEAR="0") if args.unpacked else None
+    model = load_default(args.threads)
+    reference = load_default(args.threads, SPECGEN_KERNELS="0") if args.reference else None
+    unpacked = load_default(args.threads, SPECGEN_PACKED_LINEAR="0") if args.unpacked else None
     print(f"{'batch':>6}{'prompts':>9}{'reference tok/s':>17}{'unpacked tok/s':>16}{'specgen tok/s':>15}"
           f"{'after/before':>14}{'transformers tok/s':>20}{'ratio':>8}{'same greedy':>13}")
     for bs in args.batch_sizes:

@@ -20,14 +20,12 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     import numpy as np
+    from spec_bench import load_default
 
-    from specgen import load_model
     from specgen.engine.types import build_forward_batch
 
-    packed = load_model(None, threads=args.threads)
-    os.environ["SPECGEN_PACKED_LINEAR"] = "0"
-    mkl = load_model(None, threads=args.threads)
-    del os.environ["SPECGEN_PACKED_LINEAR"]
+    packed = load_default(args.threads)
+    mkl = load_default(args.threads, SPECGEN_PACKED_LINEAR="0")
     if not packed.model.packs:
         raise SystemExit("the packed linear kernel is off here (needs the fused kernels and AVX-512)")
     rng = np.random.default_rng(0)

@@ -103,6 +103,23 @@ def speedup_bound(model, batch_size: int, k: int, r: dict) -> float | None:
     return r["mean_accepted_length"] * float(cost(batch_size) / cost(batch_size * fed))
 
 
+def load_default(threads: int, **env: str):
+    """The default model, built with these environment settings (e.g. SPECGEN_PACKED_LINEAR="0"), which are
+    read when a model is made and restored afterwards."""
+    from specgen import load_model
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return load_model(None, threads=threads)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+
+
 def setup(args):
     """The default model, the prompt sets picked by --per-category / --mbpp / --sets, and greedy sampling with
     --max-tokens (shared with benchmarks/mtp_bench.py)."""
