@@ -4,7 +4,8 @@
 
 Prints, per prompt set and batch size: tokens/s of each method, speedup over `none` measured in the same run,
 acceptance rate, mean accepted length, whether outputs were token-identical to `none`, and the n-gram ceiling
-(n-gram drafting replayed teacher-forced on the plain outputs: tokens per step if verification were free),
+(n-gram drafting replayed teacher-forced on the plain outputs: tokens per step if verification were free; with
+the job's pool of finished requests for rows that use it, the requests replayed in order),
 the bound (tokens per step x c(1) / c(k + 1) from the step costs measured at start-up) and the efficiency
 (speedup / bound: how much of what the forward's cost allows the whole step loop achieves).
 """
@@ -36,28 +37,34 @@ def load_sets(per_category: int, mbpp_count: int) -> dict[str, list[list[dict]]]
     return sets
 
 
-def replay_ceiling(prompts: list[list[int]], outputs: list[list[int]], k: int, n_min: int, n_max: int) -> float:
-    """Tokens per step if every n-gram draft were verified for free, teacher-forced on the plain outputs."""
-    from specgen.engine.proposers.ngram import ngram_propose
+def replay_ceiling(prompts: list[list[int]], outputs: list[list[int]], k: int, n_min: int, n_max: int,
+                   pool: int = 0) -> float:
+    """Tokens per step if every n-gram draft were verified for free, teacher-forced on the plain outputs. With
+    pool > 0 the job's pool holds the requests replayed before (in order), as if they had finished earlier."""
+    from specgen.engine.proposers.base import SlotView
+    from specgen.engine.proposers.ngram import NgramProposer
 
+    proposer = NgramProposer(k, n_min, n_max, pool)
     steps = tokens = 0
     for p, out in zip(prompts, outputs):
-        seq = p + out
+        seq = np.array([p + out], np.int64)
         pos = len(p)
         # the first output token comes from the prefill step
         steps += 1
         tokens += 1
         pos += 1
-        while pos < len(seq):
-            d = ngram_propose(np.array([seq[:pos]]), np.array([pos]), k, n_min, n_max)
+        while pos < seq.shape[1]:
+            d = proposer.propose(SlotView(np.zeros(1, np.int64), seq, np.array([pos]), np.array([k])))
             drafts = d.draft_ids[0, : d.num_draft[0]].tolist()
             acc = 0
-            while acc < len(drafts) and pos + acc < len(seq) and drafts[acc] == seq[pos + acc]:
+            while acc < len(drafts) and pos + acc < seq.shape[1] and drafts[acc] == seq[0, pos + acc]:
                 acc += 1
-            emitted = min(acc + 1, len(seq) - pos)
+            emitted = min(acc + 1, seq.shape[1] - pos)
             steps += 1
             tokens += emitted
             pos += emitted
+        if proposer.pool is not None:
+            proposer.pool.add(seq[0])
     return tokens / max(steps, 1)
 
 
@@ -144,6 +151,8 @@ def main() -> None:
     ap.add_argument("--sets", nargs="*", default=None)
     ap.add_argument("--fixed", action="store_true", help="also run ngram with adaptive speculation off (k drafts "
                     "whenever a match offers them): row 'fixed'")
+    ap.add_argument("--own-only", action="store_true", help="also run ngram without the job's pool (lookup in each "
+                    "request's own text only): row 'own'")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
@@ -153,6 +162,8 @@ def main() -> None:
     methods = {"none": SpecConfig(), "ngram": SpecConfig(method="ngram", num_speculative_tokens=args.k)}
     if args.fixed:
         methods["fixed"] = SpecConfig(method="ngram", num_speculative_tokens=args.k, adaptive=False)
+    if args.own_only:
+        methods["own"] = SpecConfig(method="ngram", num_speculative_tokens=args.k, ngram_pool=0)
     if args.mtp_model:
         methods["mtp"] = SpecConfig(method="mtp", num_speculative_tokens=min(args.k, 2), mtp_model=args.mtp_model)
     first = next(iter(sets.values()))[0]
@@ -168,10 +179,13 @@ def main() -> None:
                 outs, r = run_method(model, prompts, sp, bs, spec)
                 if mname == "none":
                     base_outs, base = outs, r
-                    ceiling = replay_ceiling(prompts, [o.token_ids for o in outs], args.k, 1, 3)
+                    plain_outs = [o.token_ids for o in outs]
+                    ceilings = {pool: replay_ceiling(prompts, plain_outs, args.k, 1, 3, pool)
+                                for pool in {0, SpecConfig().ngram_pool}}
+                ceiling = ceilings[spec.ngram_pool]  # the replay of the lookup this method uses
                 same = all(a.token_ids == b.token_ids for a, b in zip(base_outs, outs))
                 speedup = r["tok_s"] / base["tok_s"]
-                of_ceiling = (speedup - 1) / (ceiling - 1) if mname in ("ngram", "fixed") and ceiling > 1 else None
+                of_ceiling = (speedup - 1) / (ceiling - 1) if spec.method.value == "ngram" and ceiling > 1 else None
                 bound = speedup_bound(model, bs, spec.num_speculative_tokens, r) if mname != "none" else None
                 row = {"set": name, "batch_size": bs, "method": mname, **r, "speedup": speedup,
                        "ngram_ceiling": ceiling, "bound": bound, "efficiency": speedup / bound if bound else None,

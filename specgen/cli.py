@@ -22,6 +22,8 @@ Model = Annotated[str | None, typer.Option(
     help="HF checkpoint directory or .gguf file [default: built-in SmolLM2-135M-Instruct]")]
 MethodOpt = Annotated[str | None, typer.Option("--method", help="Speculative method: none | ngram | mtp.")]
 NumSpec = Annotated[int | None, typer.Option(help="Draft tokens per step, 1..5.")]
+NgramPool = Annotated[int | None, typer.Option(
+    help="Tokens of finished requests' text searched for n-gram drafts too (0: each request's own text only).")]
 MtpModel = Annotated[str | None, typer.Option(help="Draft (MTP) checkpoint for --method mtp.")]
 SpecJson = Annotated[str | None, typer.Option(
     help='FastDeploy-style JSON, inline or a file: '
@@ -99,8 +101,9 @@ def run(
     input: Annotated[Path, typer.Argument(help="Prompts: .jsonl / .json lines, or .parquet.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Results: .jsonl or .parquet.")],
     model: Model = None, method: MethodOpt = None, num_speculative_tokens: NumSpec = None,
-    mtp_model: MtpModel = None, speculative_config: SpecJson = None, batch_size: BatchSize = None,
-    max_tokens: MaxTokens = None, temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None,
+    mtp_model: MtpModel = None, ngram_pool: NgramPool = None, speculative_config: SpecJson = None,
+    batch_size: BatchSize = None, max_tokens: MaxTokens = None, temperature: Temperature = None,
+    top_p: TopP = None, top_k: TopK = None,
     seed: Seed = None, stop: Stop = None, ignore_eos: IgnoreEos = None, dtype: Dtype = None,
     threads: Threads = None, max_model_len: MaxModelLen = None, prefill_chunk: PrefillChunk = None,
     shared_prefix: SharedPrefix = None, config: ConfigFile = None, resume: Annotated[bool, typer.Option(
@@ -115,8 +118,8 @@ def run(
     with exit_codes(f"interrupted: finished records are in {output}; rerun with --resume to complete it"):
         cfg = resolve_config(config, speculative_config, {
             "method": method, "num_speculative_tokens": num_speculative_tokens, "mtp_model": mtp_model,
-            "batch_size": batch_size, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
-            "top_k": top_k, "seed": seed, "stop": stop, "ignore_eos": ignore_eos, "dtype": dtype,
+            "ngram_pool": ngram_pool, "batch_size": batch_size, "max_tokens": max_tokens,
+            "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop, "ignore_eos": ignore_eos, "dtype": dtype,
             "threads": threads, "max_model_len": max_model_len, "prefill_chunk": prefill_chunk,
             "shared_prefix": shared_prefix})
         plan = plan_job(input, output, input_format, resume, on_error)
@@ -151,9 +154,9 @@ def bench(
     input: Annotated[Path, typer.Argument(help="Prompts: .jsonl / .json lines, or .parquet.")],
     methods: Annotated[str, typer.Option(help="Comma-separated; the first is the baseline.")] = "none,ngram",
     model: Model = None, num_speculative_tokens: NumSpec = None, mtp_model: MtpModel = None,
-    batch_size: BatchSize = None, max_tokens: MaxTokens = None, temperature: Temperature = None,
-    top_p: TopP = None, top_k: TopK = None, seed: Seed = None, stop: Stop = None,
-    ignore_eos: IgnoreEos = None, dtype: Dtype = None, threads: Threads = None,
+    ngram_pool: NgramPool = None, batch_size: BatchSize = None, max_tokens: MaxTokens = None,
+    temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
+    stop: Stop = None, ignore_eos: IgnoreEos = None, dtype: Dtype = None, threads: Threads = None,
     max_model_len: MaxModelLen = None, config: ConfigFile = None, input_format: InputFormat = None,
     summary_json: SummaryJson = None,
 ) -> None:
@@ -169,8 +172,8 @@ def bench(
         # The speculative options apply to every speculative method listed; resolve them as for `run`.
         cfg = resolve_config(config, None, {
             "method": _bench_spec_method(method_list), "num_speculative_tokens": num_speculative_tokens,
-            "mtp_model": mtp_model, "batch_size": batch_size, "max_tokens": max_tokens,
-            "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop,
+            "mtp_model": mtp_model, "ngram_pool": ngram_pool, "batch_size": batch_size,
+            "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop,
             "ignore_eos": ignore_eos, "dtype": dtype, "threads": threads, "max_model_len": max_model_len})
         check_input(input)
         fmt = detect_format(input, input_format)

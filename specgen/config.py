@@ -98,6 +98,7 @@ class SpecConfig:
     num_speculative_tokens: int = 3
     ngram_min: int = 1
     ngram_max: int = 3
+    ngram_pool: int = 1 << 20  # tokens of finished requests' text kept for n-gram lookup (0: own text only)
     mtp_model: str | None = None
     adaptive: bool = True
 
@@ -107,6 +108,8 @@ class SpecConfig:
             raise ConfigError(f"num_speculative_tokens must be in 1..5, got {self.num_speculative_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.ngram_pool < 0:
+            raise ConfigError(f"ngram_pool must be >= 0 tokens (0: no pool), got {self.ngram_pool}")
 
 
 def from_mapping(cls: type, values: dict[str, Any], where: str) -> Any:

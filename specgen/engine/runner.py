@@ -249,7 +249,7 @@ class Engine:
         detached = None if self.controller is None else self.controller.detached(slots)
         draft_start = time.perf_counter()
         self.proposer.observe(StepUpdate(slots, block_start, starts, num_valid, done, t.tokens, hidden,
-                                         catch_up, self.prefix_hidden, depth, detached))
+                                         catch_up, self.prefix_hidden, depth, detached, t.seq_len[slots]))
         draft_seconds += time.perf_counter() - draft_start
         if self.controller is not None and len(dec) and not detached[: len(dec)].all():
             self.controller.drafting(draft_seconds)

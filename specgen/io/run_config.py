@@ -4,7 +4,7 @@ YAML shape: up to three sections, each mapping onto one config dataclass's field
 
     sampling:     {max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos}   -> SamplingParams
     engine:       {batch_size, dtype, threads, max_model_len, max_prefill_tokens, prefill_chunk} -> EngineConfig
-    speculative:  {method, num_speculative_tokens, ngram_min, ngram_max, mtp_model, adaptive} -> SpecConfig
+    speculative:  {method, num_speculative_tokens, ngram_min, ngram_max, ngram_pool, mtp_model, adaptive} -> SpecConfig
 """
 from __future__ import annotations
 
@@ -127,7 +127,7 @@ def resolve(
 def _check_contradictions(spec: SpecConfig, explicit: set[str]) -> None:
     """Options given on the command line that the resolved method would silently ignore."""
     if spec.method is Method.NONE:
-        for name in ("num_speculative_tokens", "mtp_model", "ngram_min", "ngram_max"):
+        for name in ("num_speculative_tokens", "mtp_model", "ngram_min", "ngram_max", "ngram_pool"):
             if name in explicit:
                 raise ConfigError(f"{name} has no effect with method 'none'; choose a method (ngram or mtp) "
                                   "or drop the option")

@@ -88,12 +88,12 @@ def test_precedence_defaults_yaml_speculative_config_flags(captured, inp, tmp_pa
 
 
 @pytest.mark.parametrize("command,options", [
-    ("run", ["--output", "--model", "--method", "--num-speculative-tokens", "--mtp-model",
+    ("run", ["--output", "--model", "--method", "--num-speculative-tokens", "--mtp-model", "--ngram-pool",
              "--speculative-config", "--batch-size", "--max-tokens", "--temperature", "--top-p", "--top-k",
              "--seed", "--stop", "--ignore-eos", "--dtype", "--threads", "--max-model-len", "--config",
              "--resume", "--on-error", "--quiet", "--summary-json", "--input-format"]),
     ("stats", ["--summary-json"]),
-    ("bench", ["--methods", "--model", "--num-speculative-tokens", "--batch-size", "--max-tokens",
+    ("bench", ["--methods", "--model", "--num-speculative-tokens", "--ngram-pool", "--batch-size", "--max-tokens",
                "--config"]),
 ])
 def test_help_lists_the_options(command, options):

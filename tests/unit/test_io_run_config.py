@@ -77,12 +77,16 @@ def test_bad_values_are_config_errors():
         resolve(None, {"method": "eagle"})
     with pytest.raises(ConfigError, match="engine"):
         resolve({"engine": {"batch_size": "four"}}, {})
+    with pytest.raises(ConfigError, match="ngram_pool must be >= 0"):
+        resolve(None, {"method": "ngram", "ngram_pool": -1})
+    assert resolve(None, {"method": "ngram", "ngram_pool": 0}).spec.ngram_pool == 0
 
 
 @pytest.mark.parametrize("flags,js,fragment", [
     ({"num_speculative_tokens": 2}, None, "num_speculative_tokens has no effect with method 'none'"),
     ({"method": "none", "num_speculative_tokens": 2}, None, "no effect with method 'none'"),
     ({"method": "ngram", "mtp_model": "/m"}, None, "mtp_model needs method 'mtp'"),
+    ({"ngram_pool": 0}, None, "ngram_pool has no effect with method 'none'"),
     ({}, {"method": "none", "num_speculative_tokens": 3}, "no effect with method 'none'"),
 ])
 def test_contradictory_options(flags, js, fragment):

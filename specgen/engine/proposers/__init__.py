@@ -13,7 +13,7 @@ def build_proposer(spec: SpecConfig, loaded: Any) -> Proposer:
     if spec.method is Method.NGRAM:
         from specgen.engine.proposers.ngram import NgramProposer
 
-        return NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
+        return NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max, spec.ngram_pool)
     from specgen.engine.proposers.mtp import build_mtp_proposer
 
     return build_mtp_proposer(spec, loaded)

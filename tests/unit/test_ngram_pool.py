@@ -1,0 +1,87 @@
+"""The job's n-gram pool: hand-worked lookups, ring overwrite, and how the proposer combines it with a slot's own
+text."""
+import numpy as np
+
+from specgen.engine.proposers.base import SlotView
+from specgen.engine.proposers.ngram import NgramProposer
+from specgen.engine.proposers.ngram_pool import NgramPool
+
+
+def lookup(pool, tail, k=3):
+    tails = np.zeros((1, pool.n_max), np.int64)
+    tails[0, pool.n_max - min(len(tail), pool.n_max):] = tail[-pool.n_max:]
+    ids, num, n = pool.lookup(tails, np.array([len(tail)]), k)
+    return ids[0, : num[0]].tolist(), int(n[0])
+
+
+def test_latest_occurrence_and_longest_n_win():
+    pool = NgramPool(1000, 1, 3)
+    pool.add(np.array([5, 6, 7, 1, 2, 3]))
+    pool.add(np.array([9, 6, 7, 4, 4]))
+    assert lookup(pool, [6, 7]) == ([4, 4], 2)  # the later request's continuation of [6, 7]
+    assert lookup(pool, [5, 6, 7]) == ([1, 2, 3], 3)  # a 3-gram beats the later 2-gram
+    assert lookup(pool, [0, 8]) == ([], 0)  # no n-gram of the tail occurs
+
+
+def test_drafts_stop_at_the_end_of_a_request():
+    pool = NgramPool(1000, 1, 3)
+    pool.add(np.array([1, 2, 3, 4]))
+    pool.add(np.array([8, 8, 8, 8]))
+    assert lookup(pool, [2, 3], k=5) == ([4], 2)  # not running on into the next request's text
+    assert lookup(pool, [4]) == ([], 0)  # a request's last token has no follower and is not indexed
+
+
+def test_text_the_ring_overwrote_is_a_miss():
+    pool = NgramPool(12, 1, 2)
+    pool.add(np.array([1, 2, 3, 4, 5]))
+    assert lookup(pool, [1, 2]) == ([3, 4, 5], 2)
+    pool.add(np.array([20, 21, 22, 23, 24, 25, 26]))  # 14 tokens written into a ring of 12
+    assert lookup(pool, [1, 2]) == ([], 0)
+    assert lookup(pool, [21, 22]) == ([23, 24, 25], 2)
+
+
+def test_random_lookups_equal_a_scan():
+    rng = np.random.default_rng(1)
+    seqs = [rng.integers(0, 6, rng.integers(2, 30)) for _ in range(40)]
+    pool = NgramPool(1 << 12, 1, 3, table_bits=16)
+    for s in seqs:
+        pool.add(s)
+    text = np.concatenate([np.append(s, -1) for s in seqs]).tolist()
+    for _ in range(200):
+        tail = rng.integers(0, 6, 3).tolist()
+        want = ([], 0)
+        for n in (3, 2, 1):  # the longest n, and its latest occurrence that has a follower
+            ends = [i + n for i in range(len(text) - n) if text[i:i + n] == tail[3 - n:] and text[i + n] != -1]
+            if ends:
+                e = ends[-1]
+                cont = text[e:e + 4]
+                want = ((cont[: cont.index(-1)] if -1 in cont else cont), n)
+                break
+        assert lookup(pool, tail, k=4) == want
+
+
+def propose(proposer, seq, k=3):
+    view = SlotView(np.zeros(1, np.int64), np.array([seq]), np.array([len(seq)]), np.array([k]))
+    d = proposer.propose(view)
+    return d.draft_ids[0, : d.num_draft[0]].tolist()
+
+
+def test_proposer_takes_the_pool_only_for_a_longer_match():
+    proposer = NgramProposer(3, 1, 3, pool_capacity=1000)
+    proposer.pool.add(np.array([1, 2, 3, 50, 51, 52]))
+    assert propose(proposer, [9, 2, 3, 60, 1, 2, 3]) == [50, 51, 52]  # pool n=3 beats own n=2 ([2, 3] -> 60)
+    assert propose(proposer, [2, 3, 60, 0, 2, 3]) == [60, 0, 2]  # own n=2 vs pool n=2: own text wins the tie
+    assert propose(NgramProposer(3, 1, 3), [9, 2, 3, 60, 1, 2, 3]) == [60, 1, 2]  # no pool: own text only
+
+
+def test_finished_requests_enter_the_pool():
+    from specgen.engine.types import StepUpdate
+
+    proposer = NgramProposer(3, 1, 3, pool_capacity=1000)
+    tokens = np.array([[1, 2, 3, 4, 0, 0], [7, 8, 9, 7, 8, 0]])  # [num_slots, capacity]
+    z = np.zeros(2, np.int64)
+    update = StepUpdate(np.array([0, 1]), z, z, z, np.array([False, True]), tokens, None,
+                        seq_lens=np.array([4, 5]))
+    proposer.observe(update)
+    assert proposer.pool.written == 6  # slot 1's 5 tokens and a separator; slot 0 is still running
+    assert propose(proposer, [5, 7, 8, 9]) == [7, 8]
