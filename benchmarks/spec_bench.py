@@ -43,6 +43,7 @@ def replay_ceiling(prompts: list[list[int]], outputs: list[list[int]], k: int, n
     pool > 0 the job's pool holds the requests replayed before (in order), as if they had finished earlier."""
     from specgen.engine.proposers.base import SlotView
     from specgen.engine.proposers.ngram import NgramProposer
+    from specgen.engine.types import StepUpdate
 
     proposer = NgramProposer(k, n_min, n_max, pool)
     steps = tokens = 0
@@ -63,8 +64,9 @@ def replay_ceiling(prompts: list[list[int]], outputs: list[list[int]], k: int, n
             steps += 1
             tokens += emitted
             pos += emitted
-        if proposer.pool is not None:
-            proposer.pool.add(seq[0])
+            one = np.zeros(1, np.int64)  # the step's outcome, as the engine reports it to the proposer
+            proposer.observe(StepUpdate(one, one, np.array([pos - emitted - 1]), np.array([emitted]),
+                                        np.array([pos == seq.shape[1]]), seq, None, seq_lens=np.array([pos])))
     return tokens / max(steps, 1)
 
 

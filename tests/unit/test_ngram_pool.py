@@ -66,22 +66,34 @@ def propose(proposer, seq, k=3):
     return d.draft_ids[0, : d.num_draft[0]].tolist()
 
 
-def test_proposer_takes_the_pool_only_for_a_longer_match():
+def step_update(seq, emitted, finished=False):
+    """The StepUpdate of a one-slot decode step that emitted `emitted` after `seq`."""
+    from specgen.engine.types import StepUpdate
+
+    tokens = np.array([seq + emitted])
+    return StepUpdate(np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([len(seq) - 1]),
+                      np.array([len(emitted)]), np.array([finished]), tokens, None,
+                      seq_lens=np.array([len(seq) + len(emitted)]))
+
+
+def test_proposer_learns_which_source_to_follow():
     proposer = NgramProposer(3, 1, 3, pool_capacity=1000)
     proposer.pool.add(np.array([1, 2, 3, 50, 51, 52]))
-    assert propose(proposer, [9, 2, 3, 60, 1, 2, 3]) == [50, 51, 52]  # pool n=3 beats own n=2 ([2, 3] -> 60)
-    assert propose(proposer, [2, 3, 60, 0, 2, 3]) == [60, 0, 2]  # own n=2 vs pool n=2: own text wins the tie
-    assert propose(NgramProposer(3, 1, 3), [9, 2, 3, 60, 1, 2, 3]) == [60, 1, 2]  # no pool: own text only
+    seq = [9, 2, 3, 60, 1, 2, 3]  # own text: [2, 3] -> 60 (n=2); pool: [1, 2, 3] -> 50 (n=3)
+    assert propose(proposer, seq) == [60, 1, 2]  # no history: equal estimates, the slot's own text wins the tie
+    assert propose(proposer, [7, 1, 2, 3]) == [50, 51, 52]  # no own match: the pool's draft
+    for _ in range(3):  # the pool's n=3 drafts turn out right, the own n=2 ones wrong
+        propose(proposer, seq)
+        proposer.observe(step_update(seq, [50]))
+    assert proposer.stats.rate(1, np.array([3]))[0] > 0.5 > proposer.stats.rate(0, np.array([2]))[0]
+    assert propose(proposer, seq) == [50, 51, 52]
+    assert propose(NgramProposer(3, 1, 3), seq) == [60, 1, 2]  # no pool: own text only
 
 
 def test_finished_requests_enter_the_pool():
-    from specgen.engine.types import StepUpdate
-
     proposer = NgramProposer(3, 1, 3, pool_capacity=1000)
-    tokens = np.array([[1, 2, 3, 4, 0, 0], [7, 8, 9, 7, 8, 0]])  # [num_slots, capacity]
-    z = np.zeros(2, np.int64)
-    update = StepUpdate(np.array([0, 1]), z, z, z, np.array([False, True]), tokens, None,
-                        seq_lens=np.array([4, 5]))
-    proposer.observe(update)
-    assert proposer.pool.written == 6  # slot 1's 5 tokens and a separator; slot 0 is still running
+    proposer.observe(step_update([7, 8, 9, 7], [8], finished=True))
+    assert proposer.pool.written == 6  # the slot's 5 tokens and a separator
     assert propose(proposer, [5, 7, 8, 9]) == [7, 8]
+    proposer.observe(step_update([1, 2, 3], [4], finished=False))
+    assert proposer.pool.written == 6  # a running request is not in the pool

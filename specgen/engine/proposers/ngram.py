@@ -6,7 +6,10 @@ recent text predicts the next tokens best; a longer n wins over a shorter one. T
 tokens that followed the occurrence; they may run into the tail itself (overlap is allowed).
 
 With the job's pool on (SpecConfig.ngram_pool, ngram_pool.py), the same tail is also looked up in the text of
-requests that finished earlier in the job; that draft replaces the slot's own only when its n is longer.
+requests that finished earlier in the job. Which draft a slot gets when both offer one is learnt while the job
+runs (SourceStats): the source and match length whose first drafts were accepted more often. In a job of similar
+requests (code rewritten to one pattern) the pool's longer matches win; where each request copies from its own
+input (summarization) the slot's own text does.
 """
 from __future__ import annotations
 
@@ -66,16 +69,46 @@ def ngram_match(
     return DraftTokens(draft.astype(np.int64), num_draft), np.where(num_draft > 0, match_len, 0)
 
 
+class SourceStats:
+    """Which text a slot's draft comes from when both its own text and the job's pool offer one: decayed
+    first-draft acceptance per source (0: own text, 1: pool) and match length n. Both candidates are scored
+    against the token that came out, whichever one was verified, so a source that is never chosen is still
+    measured. Ties go to the slot's own text; a pool source that rarely hits is not used (POOL_MIN_RATE)."""
+
+    DECAY = 0.998  # per step: the estimates follow a job whose kind of text changes
+    POOL_MIN_RATE = 0.25  # a pool draft is offered only above this: guesses from other requests' text that miss
+    # most of the time (summarization: 0.1) would lower the slot's acceptance estimate, and with it k for the
+    # slot's good own-text drafts
+    PRIOR_HITS, PRIOR_SEEN = 1.0, 2.0
+
+    def __init__(self, n_max: int):
+        self.hits = np.full((2, n_max + 1), self.PRIOR_HITS)  # [2, n_max + 1]
+        self.seen = np.full((2, n_max + 1), self.PRIOR_SEEN)
+
+    def rate(self, source: int, match_len: np.ndarray) -> np.ndarray:
+        """[num_seqs] estimated acceptance of the first draft (0 where there is no match)."""
+        return np.where(match_len > 0, self.hits[source, match_len] / self.seen[source, match_len], 0.0)
+
+    def update(self, source: int, match_len: np.ndarray, hit: np.ndarray) -> None:
+        """match_len, hit: [num] the scored candidates of one step (match_len > 0)."""
+        np.add.at(self.hits[source], match_len, hit.astype(np.float64))
+        np.add.at(self.seen[source], match_len, 1.0)
+
+
 class NgramProposer:
     """Drafts up to k tokens per slot by n-gram lookup in its own prompt and output, and, when a pool is kept
-    (pool_capacity > 0), in the text of the job's finished requests: the pool's draft is taken only where its
-    match is longer than the slot's own (ties go to the slot's own text)."""
+    (pool_capacity > 0), in the text of the job's finished requests: where both offer a draft, the one whose
+    source and match length have accepted more first drafts so far (SourceStats)."""
 
     def __init__(self, k: int, n_min: int, n_max: int, pool_capacity: int = 0):
         self.k, self.n_min, self.n_max = k, n_min, n_max
         self.pool = NgramPool(pool_capacity, n_min, n_max) if pool_capacity > 0 else None
+        self.stats = SourceStats(n_max)
+        # candidates of the last propose, scored in observe: slots, first draft and match length per source
+        self._pending: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # [num_seqs], [2, num_seqs] x 2
 
     def propose(self, view: SlotView) -> DraftTokens:
+        self._pending = None
         if len(view.slots) == 0:
             return DraftTokens(np.zeros((0, self.k), np.int64), np.zeros(0, np.int64))
         width = int(view.seq_lens.max())
@@ -85,13 +118,31 @@ class NgramProposer:
             cols = view.seq_lens[:, None] - self.n_max + np.arange(self.n_max)[None, :]  # [num_seqs, n_max]
             tails = view.tokens[view.slots[:, None], np.maximum(cols, 0)]  # [num_seqs, n_max] right-aligned
             pool_ids, pool_num, pool_len = self.pool.lookup(tails, view.seq_lens, self.k)
-            take = pool_len > own_len  # [num_seqs]
+            pool_rate = self.stats.rate(1, pool_len)  # [num_seqs]
+            take = (pool_rate > self.stats.rate(0, own_len)) & (pool_rate >= self.stats.POOL_MIN_RATE)
             draft_ids = np.where(take[:, None], pool_ids, draft_ids)
             num_draft = np.where(take, pool_num, num_draft)
+            self._pending = (view.slots.copy(), np.stack([own.draft_ids[:, 0], pool_ids[:, 0]]),
+                             np.stack([own_len, pool_len]))
         return DraftTokens(draft_ids, np.minimum(num_draft, view.max_draft))
 
     def observe(self, update: StepUpdate) -> None:
-        if self.pool is None or not update.finished.any():
+        if self.pool is None:
             return  # the token buffer is all the state lookup in a slot's own text needs
+        if self._pending is not None:
+            self._score(update)
         for slot, seq_len in zip(update.slots[update.finished], update.seq_lens[update.finished]):
             self.pool.add(update.tokens[slot, :seq_len])
+
+    def _score(self, update: StepUpdate) -> None:
+        """Both candidates' first drafts against the first token each decoding slot emitted."""
+        slots, first, match_len = self._pending
+        n = len(slots)
+        assert (update.slots[:n] == slots).all(), "decode blocks come first in a step"
+        known = update.num_valid[:n] >= 1  # [num_seqs]
+        truth = update.tokens[slots, update.first_pos[:n] + 1]  # [num_seqs]
+        self.stats.hits *= self.stats.DECAY
+        self.stats.seen *= self.stats.DECAY
+        for source in (0, 1):
+            m = known & (match_len[source] > 0)
+            self.stats.update(source, match_len[source][m], first[source][m] == truth[m])
