@@ -207,6 +207,10 @@ def train_mtp(
     warmup_steps: Annotated[int | None, typer.Option(help=_train_default("Linear warmup steps.", "warmup_steps"))] = None,
     gen_max_tokens: Annotated[int | None, typer.Option(help=_train_default("Tokens generated per prompt.", "gen_max_tokens"))] = None,
     gen_batch_size: Annotated[int | None, typer.Option(help=_train_default("Engine slots while generating.", "gen_batch_size"))] = None,
+    gen_samples: Annotated[int | None, typer.Option(help=_train_default(
+        "Continuations per prompt: one greedy, the rest sampled at --gen-temperature.", "gen_samples"))] = None,
+    gen_temperature: Annotated[float | None, typer.Option(help=_train_default(
+        "Temperature of the sampled continuations.", "gen_temperature"))] = None,
     shortlist: Annotated[int | None, typer.Option(
         help=_train_default("Training softmax over this many most frequent labels; 0: the full vocabulary.",
                             "shortlist"))] = None,
@@ -231,7 +235,8 @@ def train_mtp(
         check_input(data)
         fmt = detect_format(data, input_format)
         flags = {"steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "warmup_steps": warmup_steps,
-                 "gen_max_tokens": gen_max_tokens, "gen_batch_size": gen_batch_size, "shortlist": shortlist,
+                 "gen_max_tokens": gen_max_tokens, "gen_batch_size": gen_batch_size, "gen_samples": gen_samples,
+                 "gen_temperature": gen_temperature, "shortlist": shortlist,
                  "chain_weight": chain_weight, "eval_every": eval_every, "checkpoint_every": checkpoint_every,
                  "save_dtype": save_dtype, "init": init, "seed": seed}
         cfg = from_mapping(TrainConfig, {k: v for k, v in flags.items() if v is not None}, "train-mtp")

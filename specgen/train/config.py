@@ -16,6 +16,9 @@ class TrainConfig:
     # data: the main model's own greedy continuations of the prompts
     gen_max_tokens: int = 256  # tokens generated per prompt (fewer when the model stops)
     gen_batch_size: int = 64  # engine slots while generating
+    gen_samples: int = 1  # continuations per prompt: the greedy one, and gen_samples - 1 sampled ones (more text
+    # in the model's own style from the same prompts; labels stay the model's greedy choices, recorded per position)
+    gen_temperature: float = 0.8  # temperature of the sampled continuations
     prompt_examples: bool = True  # prompt positions are training examples too (labels: the model's greedy choices)
     context_tokens: int = 32  # without prompt examples: prompt positions kept as context before the continuation
     eval_fraction: float = 0.05  # share of the sequences held out for evaluation
@@ -41,7 +44,7 @@ class TrainConfig:
     save_dtype: str = "float16"  # dtype of the saved head (loading upcasts)
 
     def __post_init__(self) -> None:
-        positive = ("gen_max_tokens", "gen_batch_size", "steps", "batch_size", "log_every", "eval_every",
+        positive = ("gen_max_tokens", "gen_batch_size", "gen_samples", "steps", "batch_size", "log_every", "eval_every",
                     "checkpoint_every", "max_eval_windows")
         for name in positive:
             if getattr(self, name) < 1:
@@ -56,6 +59,8 @@ class TrainConfig:
             raise ConfigError(f"eval-fraction must be in [0, 1), got {self.eval_fraction}")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.weight_decay < 0 or self.grad_clip <= 0:
             raise ConfigError("need lr > 0, 0 <= min-lr-ratio <= 1, weight-decay >= 0, grad-clip > 0")
+        if self.gen_temperature <= 0:
+            raise ConfigError(f"gen-temperature must be > 0, got {self.gen_temperature}")
         if self.chain_weight < 0 or self.hidden_noise < 0:
             raise ConfigError("chain-weight and hidden-noise must be >= 0")
         if self.save_dtype not in SAVE_DTYPES:

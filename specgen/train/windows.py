@@ -50,11 +50,15 @@ def make_windows(data: CachedData, seq_len: int, overlap: int, prompt_examples: 
     return Windows(seq, start, length, loss_from)
 
 
-def split_sequences(num_seqs: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(train, held-out) sequence indices; the held-out share is seeded and at least one when asked for any."""
-    order = np.random.default_rng(seed).permutation(num_seqs)
-    num_eval = min(num_seqs - 1, max(1, round(eval_fraction * num_seqs))) if eval_fraction > 0 else 0
-    return np.sort(order[num_eval:]), np.sort(order[:num_eval])
+def split_sequences(groups: np.ndarray, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, held-out) sequence indices. groups: [num_seqs] int64 the prompt of each sequence (0, 1, ... in
+    order of first appearance); a prompt's continuations go to the same side. The held-out share of prompts is
+    seeded and at least one when asked for any."""
+    num_groups = int(groups.max()) + 1
+    order = np.random.default_rng(seed).permutation(num_groups)
+    num_eval = min(num_groups - 1, max(1, round(eval_fraction * num_groups))) if eval_fraction > 0 else 0
+    held = np.isin(groups, order[:num_eval])
+    return np.nonzero(~held)[0], np.nonzero(held)[0]
 
 
 def label_counts(data: CachedData, windows: Windows, vocab_size: int) -> np.ndarray:

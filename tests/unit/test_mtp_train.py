@@ -132,6 +132,40 @@ def test_recorded_data_is_what_the_engine_computes(lm, data_dir):
         assert targets[1:].tolist() == logits.numpy().argmax(-1).tolist()  # greedy choice at positions 1..T-1
 
 
+def test_sampled_continuations_are_labelled_with_greedy_choices(lm, tmp_path):
+    """gen_samples = 2: each prompt gets a sampled sibling whose every target is the model's greedy choice (not
+    the sampled token), and the held-out split keeps a prompt's continuations on one side, holding out only
+    greedy ones."""
+    from specgen.train.data import prompt_groups
+    from specgen.train.trainer import training_set
+
+    cfg = TrainConfig(**{**SMALL, "gen_samples": 2, "gen_temperature": 1.0, "eval_fraction": 0.25})
+    path = write_prompts(tmp_path / "p.jsonl", n=8)
+    generate_data(lm, read_requests(path, "jsonl", lm, cfg), tmp_path / "data", cfg)
+    data = load_data(tmp_path / "data")
+    assert sorted(data.ids) == sorted([f"p{i}" for i in range(8)] + [f"p{i}#sample1" for i in range(8)])
+    m = lm.model
+    differs = 0
+    for s in range(len(data.ids)):
+        if "#sample" not in data.ids[s]:
+            continue
+        n = int(data.num_rows[s])
+        toks = data.tokens[data.tok_start[s]: data.tok_start[s] + n + 1]
+        targets = data.targets[data.tok_start[s]: data.tok_start[s] + n + 1]
+        batch = build_forward_batch(np.array([0]), np.array([0]), np.array([n]), toks[:-1], np.array([True]))
+        logits, _ = m.forward(batch, m.new_cache(1, 64))
+        assert targets[1:].tolist() == logits.numpy().argmax(-1).tolist()
+        differs += targets[1:].tolist() != toks[1:].tolist()
+    assert differs > 0  # sampling left the greedy path somewhere
+    groups = prompt_groups(data.ids)
+    assert len(set(groups.tolist())) == 8
+    tset = training_set(tmp_path / "data", lm.config.vocab_size, cfg)
+    train_groups = set(groups[np.unique(tset.train.seq)].tolist())
+    held_seqs = np.unique(tset.held_out.seq)
+    assert len(held_seqs) and all("#sample" not in data.ids[i] for i in held_seqs)
+    assert not train_groups & set(groups[held_seqs].tolist())
+
+
 def test_chunked_prefill_and_shared_prefix_record_the_same_data(lm, tmp_path):
     """Prompt chunks and a shared prompt prefix (computed once by the engine) leave the recorded data unchanged."""
     from specgen.config import EngineConfig
