@@ -97,3 +97,23 @@ def test_finished_requests_enter_the_pool():
     assert propose(proposer, [5, 7, 8, 9]) == [7, 8]
     proposer.observe(step_update([1, 2, 3], [4], finished=False))
     assert proposer.pool.written == 6  # a running request is not in the pool
+
+
+def test_a_repeated_request_drafts_from_the_pool_in_the_engine(tiny_model64):
+    """Through the engine: the same prompt six times, one slot. With the pool, requests 2-6 find their whole
+    output in it; the outputs are those of plain decoding either way, and the pool's drafts are accepted."""
+    from specgen import EngineConfig, SamplingParams, SpecConfig, generate
+
+    prompts = [[5, 6, 7, 8, 9]] * 6
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    engine = EngineConfig(batch_size=1, dtype="float64")
+    plain = generate(prompts, model=tiny_model64, sampling=sp, engine=engine)
+    runs = {pool: generate(prompts, model=tiny_model64, sampling=sp, engine=engine,
+                           speculative=SpecConfig(method="ngram", num_speculative_tokens=5, adaptive=False,
+                                                  ngram_pool=pool)) for pool in (0, 1 << 16)}
+    for outs in runs.values():
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    own, pooled = ([o.stats.num_accepted_tokens for o in runs[p]] for p in (0, 1 << 16))
+    assert pooled[0] == own[0]  # the first request has an empty pool
+    assert sum(pooled[1:]) > sum(own[1:])
+    assert min(pooled[1:]) >= 18  # 24 tokens in 6 or fewer steps: most drafts accepted
