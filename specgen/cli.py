@@ -103,9 +103,8 @@ def run(
     model: Model = None, method: MethodOpt = None, num_speculative_tokens: NumSpec = None,
     mtp_model: MtpModel = None, ngram_pool: NgramPool = None, speculative_config: SpecJson = None,
     batch_size: BatchSize = None, max_tokens: MaxTokens = None, temperature: Temperature = None,
-    top_p: TopP = None, top_k: TopK = None,
-    seed: Seed = None, stop: Stop = None, ignore_eos: IgnoreEos = None, dtype: Dtype = None,
-    threads: Threads = None, max_model_len: MaxModelLen = None, prefill_chunk: PrefillChunk = None,
+    top_p: TopP = None, top_k: TopK = None, seed: Seed = None, stop: Stop = None, ignore_eos: IgnoreEos = None,
+    dtype: Dtype = None, threads: Threads = None, max_model_len: MaxModelLen = None, prefill_chunk: PrefillChunk = None,
     shared_prefix: SharedPrefix = None, config: ConfigFile = None, resume: Annotated[bool, typer.Option(
         "--resume", help="Continue an existing output, skipping the ids it holds.")] = False,
     on_error: Annotated[str, typer.Option(
@@ -119,9 +118,9 @@ def run(
         cfg = resolve_config(config, speculative_config, {
             "method": method, "num_speculative_tokens": num_speculative_tokens, "mtp_model": mtp_model,
             "ngram_pool": ngram_pool, "batch_size": batch_size, "max_tokens": max_tokens,
-            "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop, "ignore_eos": ignore_eos, "dtype": dtype,
-            "threads": threads, "max_model_len": max_model_len, "prefill_chunk": prefill_chunk,
-            "shared_prefix": shared_prefix})
+            "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop,
+            "ignore_eos": ignore_eos, "dtype": dtype, "threads": threads, "max_model_len": max_model_len,
+            "prefill_chunk": prefill_chunk, "shared_prefix": shared_prefix})
         plan = plan_job(input, output, input_format, resume, on_error)
         loaded = _load(model, cfg)
         with run_progress(quiet) as progress:
@@ -173,8 +172,8 @@ def bench(
         cfg = resolve_config(config, None, {
             "method": _bench_spec_method(method_list), "num_speculative_tokens": num_speculative_tokens,
             "mtp_model": mtp_model, "ngram_pool": ngram_pool, "batch_size": batch_size,
-            "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop,
-            "ignore_eos": ignore_eos, "dtype": dtype, "threads": threads, "max_model_len": max_model_len})
+            "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
+            "stop": stop, "ignore_eos": ignore_eos, "dtype": dtype, "threads": threads, "max_model_len": max_model_len})
         check_input(input)
         fmt = detect_format(input, input_format)
         rows = run_bench(input, fmt, _load(model, cfg), cfg, method_list)

@@ -44,8 +44,8 @@ class TrainConfig:
     save_dtype: str = "float16"  # dtype of the saved head (loading upcasts)
 
     def __post_init__(self) -> None:
-        positive = ("gen_max_tokens", "gen_batch_size", "gen_samples", "steps", "batch_size", "log_every", "eval_every",
-                    "checkpoint_every", "max_eval_windows")
+        positive = ("gen_max_tokens", "gen_batch_size", "gen_samples", "steps", "batch_size", "log_every",
+                    "eval_every", "checkpoint_every", "max_eval_windows")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

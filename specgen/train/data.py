@@ -72,14 +72,14 @@ def read_requests(path: Path, fmt: str, loaded: Any, cfg: TrainConfig) -> list[R
                        for n in range(1, cfg.gen_samples) for r in requests]
 
 
-def prompt_groups(ids: tuple[str, ...]) -> np.ndarray:
-    """[num_seqs] int64: the same number for a prompt's greedy and sampled continuations, numbered in order of
-    first appearance."""
+def prompt_groups(ids: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """For stored sequence ids: [num_seqs] int64 the same number for a prompt's greedy and sampled continuations
+    (numbered in order of first appearance), and [num_seqs] bool whether the continuation is the greedy one."""
     base = [i.split(SAMPLE_SUFFIX)[0] for i in ids]
-    first = {}
+    first: dict[str, int] = {}
     for b in base:
         first.setdefault(b, len(first))
-    return np.array([first[b] for b in base], np.int64)
+    return np.array([first[b] for b in base], np.int64), np.array([b == i for b, i in zip(base, ids)], bool)
 
 
 @dataclass

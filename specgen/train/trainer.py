@@ -23,7 +23,7 @@ import paddle.nn.functional as F
 from specgen import kernels
 from specgen.errors import ConfigError, InputError
 from specgen.train.config import TrainConfig
-from specgen.train.data import SAMPLE_SUFFIX, CachedData, load_data, prompt_groups
+from specgen.train.data import CachedData, load_data, prompt_groups
 from specgen.train.head import TrainableHead, export_weights, initial_weights, residual_rms
 from specgen.train.optim import AdamW, lr_at
 from specgen.train.windows import (
@@ -57,10 +57,11 @@ class TrainingSet:
 
 def training_set(data_dir: Path, vocab_size: int, cfg: TrainConfig) -> TrainingSet:
     data = load_data(data_dir)
-    train_seqs, eval_seqs = split_sequences(prompt_groups(data.ids), cfg.eval_fraction, cfg.seed)
+    groups, greedy = prompt_groups(data.ids)  # [num_seqs] each
+    train_seqs, eval_seqs = split_sequences(groups, cfg.eval_fraction, cfg.seed)
     # held out: the greedy continuations of the held-out prompts (what greedy speculation meets); their sampled
     # siblings are used by neither side
-    eval_seqs = eval_seqs[np.array([SAMPLE_SUFFIX not in data.ids[i] for i in eval_seqs], bool)]
+    eval_seqs = eval_seqs[greedy[eval_seqs]]
     windows = make_windows(data, cfg.seq_len, cfg.overlap, cfg.prompt_examples)
     train = windows.subset(np.isin(windows.seq, train_seqs))
     continuation = make_windows(data, cfg.seq_len, cfg.overlap, prompt_examples=False)

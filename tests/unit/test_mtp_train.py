@@ -157,7 +157,8 @@ def test_sampled_continuations_are_labelled_with_greedy_choices(lm, tmp_path):
         assert targets[1:].tolist() == logits.numpy().argmax(-1).tolist()
         differs += targets[1:].tolist() != toks[1:].tolist()
     assert differs > 0  # sampling left the greedy path somewhere
-    groups = prompt_groups(data.ids)
+    groups, greedy = prompt_groups(data.ids)
+    assert greedy.tolist() == ['#sample' not in i for i in data.ids]
     assert len(set(groups.tolist())) == 8
     tset = training_set(tmp_path / "data", lm.config.vocab_size, cfg)
     train_groups = set(groups[np.unique(tset.train.seq)].tolist())

@@ -60,6 +60,24 @@ def test_random_lookups_equal_a_scan():
         assert lookup(pool, tail, k=4) == want
 
 
+def test_adding_a_step_s_requests_at_once_equals_adding_them_one_by_one():
+    rng = np.random.default_rng(2)
+    seqs = [rng.integers(0, 6, rng.integers(1, 30)) for _ in range(24)]
+    one, batched = NgramPool(200, 1, 3, table_bits=12), NgramPool(200, 1, 3, table_bits=12)  # the ring wraps
+    for s in seqs:
+        one.add(s)
+    for lo in range(0, len(seqs), 5):
+        group = seqs[lo:lo + 5]
+        tokens = np.zeros((len(group), 40), np.int64)
+        for i, s in enumerate(group):
+            tokens[i, : len(s)] = s
+        batched.add_batch(tokens, np.array([len(s) for s in group]))
+    assert one.written == batched.written
+    np.testing.assert_array_equal(one.ring, batched.ring)
+    np.testing.assert_array_equal(one.keys, batched.keys)
+    np.testing.assert_array_equal(one.ends, batched.ends)
+
+
 def propose(proposer, seq, k=3):
     view = SlotView(np.zeros(1, np.int64), np.array([seq]), np.array([len(seq)]), np.array([k]))
     d = proposer.propose(view)

@@ -89,10 +89,15 @@ class SourceStats:
         """[num_seqs] estimated acceptance of the first draft (0 where there is no match)."""
         return np.where(match_len > 0, self.hits[source, match_len] / self.seen[source, match_len], 0.0)
 
-    def update(self, source: int, match_len: np.ndarray, hit: np.ndarray) -> None:
-        """match_len, hit: [num] the scored candidates of one step (match_len > 0)."""
-        np.add.at(self.hits[source], match_len, hit.astype(np.float64))
-        np.add.at(self.seen[source], match_len, 1.0)
+    def record(self, match_len: np.ndarray, hit: np.ndarray) -> None:
+        """One step's scored candidates: match_len [2, num_seqs] int64 per source (0: no candidate), hit
+        [2, num_seqs] bool. Older evidence decays by DECAY per step."""
+        self.hits *= self.DECAY
+        self.seen *= self.DECAY
+        m = match_len > 0
+        source = np.broadcast_to(np.arange(2)[:, None], match_len.shape)[m]
+        np.add.at(self.hits, (source, match_len[m]), hit[m].astype(np.float64))
+        np.add.at(self.seen, (source, match_len[m]), 1.0)
 
 
 class NgramProposer:
@@ -131,18 +136,15 @@ class NgramProposer:
             return  # the token buffer is all the state lookup in a slot's own text needs
         if self._pending is not None:
             self._score(update)
-        for slot, seq_len in zip(update.slots[update.finished], update.seq_lens[update.finished]):
-            self.pool.add(update.tokens[slot, :seq_len])
+        if update.finished.any():
+            lens = update.seq_lens[update.finished]  # [num_finished]
+            self.pool.add_batch(update.tokens[update.slots[update.finished], : lens.max()], lens)
 
     def _score(self, update: StepUpdate) -> None:
         """Both candidates' first drafts against the first token each decoding slot emitted."""
-        slots, first, match_len = self._pending
+        slots, first, match_len = self._pending  # [num_seqs], [2, num_seqs], [2, num_seqs]
         n = len(slots)
         assert (update.slots[:n] == slots).all(), "decode blocks come first in a step"
         known = update.num_valid[:n] >= 1  # [num_seqs]
         truth = update.tokens[slots, update.first_pos[:n] + 1]  # [num_seqs]
-        self.stats.hits *= self.stats.DECAY
-        self.stats.seen *= self.stats.DECAY
-        for source in (0, 1):
-            m = known & (match_len[source] > 0)
-            self.stats.update(source, match_len[source][m], first[source][m] == truth[m])
+        self.stats.record(match_len * known[None, :], first == truth[None, :])

@@ -7,7 +7,8 @@ length a direct-mapped hash table from an n-gram to where its latest occurrence 
 n-gram overwrote, or one pointing at text the ring has since overwritten, is simply a miss: drafts are only
 guesses, verification keeps the output exact.
 
-Everything is vectorized over slots (lookup) and over a finished sequence's positions (insertion).
+Everything is vectorized: lookups over slots, insertion over the positions of the requests that finished in a
+step.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ class NgramPool:
     def __init__(self, capacity: int, n_min: int, n_max: int, table_bits: int = 18):
         self.capacity, self.n_min, self.n_max, self.table_bits = capacity, n_min, n_max, table_bits
         self.ring = np.full(capacity, _SEP, np.int64)  # [capacity] token ids, _SEP between sequences
-        self.written = 0  # tokens ever written: stream position p lives at ring[p % capacity] while p >= written - capacity
+        # tokens ever written: stream position p lives at ring[p % capacity] while p >= written - capacity
+        self.written = 0
         size = 1 << table_bits
         self.keys = np.zeros((n_max + 1, size), np.uint64)  # [n_max + 1, table_size] full hash of the n-gram
         self.ends = np.full((n_max + 1, size), -1, np.int64)  # [n_max + 1, table_size] stream position after it
@@ -42,22 +44,32 @@ class NgramPool:
             return ((h * _MULT) >> np.uint64(64 - self.table_bits)).astype(np.int64)
 
     def add(self, seq: np.ndarray) -> None:
-        """Append one finished request's prompt + output ([seq_len] int64) and index its n-grams."""
-        seq = seq[-(self.capacity - 1):]
+        """Append one finished request's prompt + output ([seq_len] int64)."""
+        self.add_batch(seq[None, :], np.array([len(seq)]))
+
+    def add_batch(self, tokens: np.ndarray, seq_lens: np.ndarray) -> None:
+        """Append the requests that finished in one step and index their n-grams.
+
+        tokens: [num_seqs, width] int64 each request's prompt + output, valid up to seq_lens ([num_seqs] int64)
+        """
+        col = np.arange(tokens.shape[1] + 1)[None, :]  # [1, width + 1]
+        padded = np.concatenate([tokens, np.full((len(tokens), 1), _SEP, np.int64)], axis=1)
+        padded = np.where(col < seq_lens[:, None], padded, _SEP)  # [num_seqs, width + 1] a separator after each
+        stream = padded[col <= seq_lens[:, None]][-self.capacity:]  # [num_stream] in order, at most the ring
         start = self.written
-        idx = (start + np.arange(len(seq) + 1)) % self.capacity
-        self.ring[idx] = np.append(seq, _SEP)
-        self.written += len(seq) + 1
+        self.ring[(start + np.arange(len(stream))) % self.capacity] = stream
+        self.written += len(stream)
         for n in range(self.n_min, self.n_max + 1):
-            if len(seq) <= n:
+            if len(stream) <= n:
                 continue
-            windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)  # [num, n]: n-grams with a follower
-            h = ngram_hashes(windows)  # [num]
+            windows = np.lib.stride_tricks.sliding_window_view(stream, n + 1)  # [num_windows, n + 1]
+            at = np.nonzero((windows != _SEP).all(axis=1))[0]  # n-grams followed by a token of the same request
+            h = ngram_hashes(windows[at, :n])  # [num_ngrams]
             slot = self._slot(h)
             # Later occurrences win: keep the last write to each table slot.
             last = len(slot) - 1 - np.unique(slot[::-1], return_index=True)[1]
             self.keys[n, slot[last]] = h[last]
-            self.ends[n, slot[last]] = start + last + n
+            self.ends[n, slot[last]] = start + at[last] + n
 
     def lookup(self, tails: np.ndarray, tail_lens: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Drafts for the slots whose last tokens are `tails`.
