@@ -6,7 +6,8 @@ Prompts are Spec-Bench questions (chat template applied). Every request generate
 (ignore_eos), so both tools do the same work. transformers runs on the same GGUF (dequantized to float32),
 with left padding for batches, in the same process, one after the other. --reference also runs specgen's Paddle
 reference path (the forward before the fused CPU kernels: SPECGEN_KERNELS=0) in the same process: "before/after";
---unpacked the fused kernels with MKL's sgemm for the weights (SPECGEN_PACKED_LINEAR=0).
+--unpacked the fused kernels with MKL's sgemm for the weights (SPECGEN_PACKED_LINEAR=0); --op-by-op the packed
+kernels called op by op instead of one fused op per decoder block (SPECGEN_FUSED_LAYER=0).
 """
 from __future__ import annotations
 
@@ -73,6 +74,8 @@ def main() -> None:
     ap.add_argument("--reference", action="store_true", help="also time the Paddle reference path (no kernels)")
     ap.add_argument("--unpacked", action="store_true",
                     help="also time the fused kernels with MKL's matmul instead of the packed linear kernel")
+    ap.add_argument("--op-by-op", action="store_true",
+                    help="also time the packed kernels called op by op instead of one op per decoder block")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     from spec_bench import load_default
@@ -80,7 +83,9 @@ def main() -> None:
     model = load_default(args.threads)
     reference = load_default(args.threads, SPECGEN_KERNELS="0") if args.reference else None
     unpacked = load_default(args.threads, SPECGEN_PACKED_LINEAR="0") if args.unpacked else None
-    print(f"{'batch':>6}{'prompts':>9}{'reference tok/s':>17}{'unpacked tok/s':>16}{'specgen tok/s':>15}"
+    by_op = load_default(args.threads, SPECGEN_FUSED_LAYER="0") if args.op_by_op else None
+    print(f"{'batch':>6}{'prompts':>9}{'reference tok/s':>17}{'unpacked tok/s':>16}{'op-by-op tok/s':>16}"
+          f"{'specgen tok/s':>15}"
           f"{'after/before':>14}{'transformers tok/s':>20}{'ratio':>8}{'same greedy':>13}")
     for bs in args.batch_sizes:
         n = max(bs, 2) if bs > 1 else 2
@@ -88,6 +93,7 @@ def main() -> None:
         ids = [list(model.tokenizer.encode_chat(m)) for m in msgs]
         ref = run_specgen(reference, ids, bs, args.max_tokens)[0] if reference else None
         unp = run_specgen(unpacked, ids, bs, args.max_tokens)[0] if unpacked else None
+        byop = run_specgen(by_op, ids, bs, args.max_tokens)[0] if by_op else None
         sg, sg_out = run_specgen(model, ids, bs, args.max_tokens)
         hf, hf_out = (None, None) if args.no_transformers else run_transformers(ids, bs, args.max_tokens, args.threads)
         same = "-" if hf_out is None else f"{sum(a == b for a, b in zip(sg_out, hf_out))}/{len(ids)}"
@@ -95,7 +101,8 @@ def main() -> None:
         hf_s = f"{hf:.1f}" if hf else "-"
         ref_s, gain = (f"{ref:.1f}", f"{sg / ref:.2f}x") if ref else ("-", "-")
         unp_s = f"{unp:.1f}" if unp else "-"
-        print(f"{bs:>6}{n:>9}{ref_s:>17}{unp_s:>16}{sg:>15.1f}{gain:>14}{hf_s:>20}{ratio:>8}{same:>13}", flush=True)
+        byop_s = f"{byop:.1f}" if byop else "-"
+        print(f"{bs:>6}{n:>9}{ref_s:>17}{unp_s:>16}{byop_s:>16}{sg:>15.1f}{gain:>14}{hf_s:>20}{ratio:>8}{same:>13}", flush=True)
 
 
 if __name__ == "__main__":

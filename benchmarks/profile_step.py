@@ -6,7 +6,9 @@ Fills every slot with a Spec-Bench summarization or RAG prompt, runs prefill and
 steps, split into: linear layers (matmuls on weights), LM head, attention (RoPE + cache write + attention,
 fused or the Paddle reference ops), norms and SiLU-gate, other tensor ops, sampling, verification and commit
 (the runner's host-side work), drafting (proposer), and the rest (Python). Also counts Paddle/fused op calls
-per step. --reference runs the Paddle reference path instead of the fused CPU kernels.
+per step. --reference runs the Paddle reference path instead of the fused CPU kernels. With packed weights each
+decoder block is one fused op (specgen_layer), timed whole as "blocks"; --op-by-op calls its kernels one by one
+(SPECGEN_FUSED_LAYER=0) to split that time into linear, attention and norms.
 """
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ def instrument(timer: Timer, model, engine_mod, vocab: int):
             pass
 
         t = TimedOps()
-        names = {"specgen_attention": "attention", "specgen_rms_norm": "norms + silu",
+        names = {"specgen_layer": "blocks", "specgen_attention": "attention", "specgen_rms_norm": "norms + silu",
                  "specgen_add_rms_norm": "norms + silu", "specgen_silu_mul": "norms + silu"}
         for op, label in names.items():
             setattr(t, op, getattr(model.ops, op))
@@ -95,12 +97,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reference", action="store_true", help="Paddle reference ops instead of the fused kernels")
     ap.add_argument("--unpacked", action="store_true", help="MKL's matmul instead of the packed linear kernel")
+    ap.add_argument("--op-by-op", action="store_true", help="the decoder block's kernels one by one, not fused")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     if args.unpacked:
         os.environ["SPECGEN_PACKED_LINEAR"] = "0"
     if args.reference:
         os.environ["SPECGEN_KERNELS"] = "0"
+    if args.op_by_op:
+        os.environ["SPECGEN_FUSED_LAYER"] = "0"
     from specgen import SamplingParams, load_model
     from specgen.config import EngineConfig, Method, SpecConfig
     from specgen.engine import runner as engine_mod
@@ -111,8 +116,9 @@ def main() -> None:
     lines = [json.loads(x) for x in (DATA / "spec_bench" / "question.jsonl").read_text().splitlines() if x.strip()]
     lines = [q for q in lines if q["category"] in ("summarization", "rag")]  # input-grounded: n-gram drafts hit
     print(f"kernels: {'off (reference)' if lm.model.ops is None else 'fused'}; packed linear "
-          f"{'on' if lm.model.packs else 'off'}; threads {args.threads}")
-    sections = ["linear", "lm_head", "attention", "norms + silu", "other tensor ops", "sampling",
+          f"{'on' if lm.model.packs else 'off'}; one op per block {'on' if lm.model.fused_layer else 'off'}; "
+          f"threads {args.threads}")
+    sections = ["blocks", "linear", "lm_head", "attention", "norms + silu", "other tensor ops", "sampling",
                 "verification + commit", "drafting", "python + rest"]
     print(f"{'batch':>5} {'method':>6} {'ms/step':>8} {'tok/step':>8} {'ops/step':>8}  " +
           "  ".join(f"{s:>12}" for s in sections))

@@ -156,7 +156,11 @@ class Model:
             for L in self.w.layers:
                 self.pack_layer(L)
             self.w.lm_head = self.pack(self.w.lm_head)
+        # With packed weights a whole decoder block is one fused op (specgen_layer: the same kernels in the same
+        # order, bit-identical to the op-by-op path); SPECGEN_FUSED_LAYER=0 keeps the op-by-op path.
+        self.fused_layer = self.packs and kernels.switch("SPECGEN_FUSED_LAYER")
         self._ones = paddle.ones([cfg.head_dim], dtype=dtype)  # stands in for absent q/k norm weights
+        self._none = paddle.zeros([0], dtype=dtype)  # stands in for absent biases
 
     def pack(self, w):
         """w [k, n] packed for `matmul` when this model packs its weights, else w as it is."""
@@ -267,13 +271,24 @@ class Model:
         """`layer` with the fused operators: norms, RoPE + cache write + attention, and SiLU-gate each one op."""
         cfg, ops = self.config, self.ops
         eps = cfg.rms_norm_eps
+        qk_norm = L["q_norm"] is not None
+        pk = ctx.prefix_k[index] if ctx.prefix_k is not None else self._ones
+        pv = ctx.prefix_v[index] if ctx.prefix_v is not None else self._ones
+        if self.fused_layer and all(isinstance(L[key], kernels.Packed) for key in LINEAR_KEYS):
+            nb = self._none
+            out = ops.specgen_layer(
+                x, L["attn_norm"], L["w_qkv"].panels, L["b_qkv"] if L["b_qkv"] is not None else nb,
+                L["w_o"].panels, L["b_o"] if L["b_o"] is not None else nb, L["mlp_norm"], L["w_gate_up"].panels,
+                L["b_gate_up"] if L["b_gate_up"] is not None else nb, L["w_down"].panels,
+                L["b_down"] if L["b_down"] is not None else nb, self.cos, self.sin, ctx.positions, ctx.token_slots,
+                k_cache, v_cache, L["q_norm"] if qk_norm else self._ones, L["k_norm"] if qk_norm else self._ones,
+                ctx.prefix_len, pk, pv, cfg.num_heads, cfg.num_kv_heads, ctx.capacity, qk_norm, eps,
+                ctx.prefix_capacity)
+            return out[0] if isinstance(out, (list, tuple)) else out  # [num_tokens, hidden]
         h = ops.specgen_rms_norm(x, L["attn_norm"], eps)
         qkv = self.matmul(h, L["w_qkv"])  # [num_tokens, (H + 2 KV) * D]
         if L["b_qkv"] is not None:
             qkv = qkv + L["b_qkv"]
-        qk_norm = L["q_norm"] is not None
-        pk = ctx.prefix_k[index] if ctx.prefix_k is not None else self._ones
-        pv = ctx.prefix_v[index] if ctx.prefix_v is not None else self._ones
         attn = ops.specgen_attention(qkv, self.cos, self.sin, ctx.positions, ctx.token_slots, k_cache, v_cache,
                                      L["q_norm"] if qk_norm else self._ones, L["k_norm"] if qk_norm else self._ones,
                                      ctx.prefix_len, pk, pv, cfg.num_heads, cfg.num_kv_heads, ctx.capacity, qk_norm,

@@ -1,4 +1,4 @@
-"""Fused CPU operators (cpu_ops.cc, linear.cc), compiled on first use with Paddle's C++ extension builder.
+"""Fused CPU operators (cpu_ops.cc, linear.cc, sharing specgen_kernels.h), compiled on first use with Paddle's C++ extension builder.
 
 Built once per source version into ~/.cache/specgen/kernels (or $SPECGEN_CACHE/kernels) under a file lock, so
 concurrent processes share one build. When no compiler is present, the build fails, the tensors are not on the
@@ -23,23 +23,24 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("cpu_ops.cc"), Path(__file__).with_name("linear.cc")]
+HEADERS = [Path(__file__).with_name("specgen_kernels.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 _state: dict[str, ModuleType | None] = {}
 
 
-def _switch(name: str) -> bool:
+def switch(name: str) -> bool:
     """An on/off environment switch, on unless set to 0/false/no/off."""
     return os.environ.get(name, "1").lower() not in ("0", "false", "no", "off")
 
 
 def enabled() -> bool:
-    return _switch("SPECGEN_KERNELS")
+    return switch("SPECGEN_KERNELS")
 
 
 def _build_dir() -> Path:
     import paddle
 
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode() + paddle.__version__.encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(FLAGS).encode() + paddle.__version__.encode()
                          + platform.machine().encode() + platform.node().encode()).hexdigest()[:16]
     root = Path(os.environ.get("SPECGEN_CACHE", Path.home() / ".cache" / "specgen"))
     return root / "kernels" / key
@@ -121,7 +122,7 @@ def packed_linear_enabled(ops_module: ModuleType | None, dtype: str) -> bool:
     """Whether `Model` packs its float32 weights for specgen_linear: the kernels are built, the CPU has AVX-512
     (elsewhere MKL's sgemm is kept: the generic fallback in linear.cc is only a reference) and
     SPECGEN_PACKED_LINEAR is not 0."""
-    if ops_module is None or dtype != "float32" or not _switch("SPECGEN_PACKED_LINEAR"):
+    if ops_module is None or dtype != "float32" or not switch("SPECGEN_PACKED_LINEAR"):
         return False
     try:
         return " avx512f " in " " + Path("/proc/cpuinfo").read_text().replace("\n", " ") + " "

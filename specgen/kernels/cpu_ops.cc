@@ -10,6 +10,9 @@
 //                         from one shared prefix cache [KV, prefix_capacity, D] and positions >= p from its slot's
 //                         own rows, where position j sits at row j - p. One softmax runs over both parts, so the
 //                         result equals attention over a private copy of the prefix.
+//   specgen_layer         one whole pre-norm decoder block, float32 with packed weights (linear.cc): the ops
+//                         above and the four projections in one call, the same functions in the same order, so
+//                         bit-identical to calling them one by one, without ~8 Python-side op dispatches.
 //
 // Every output row is computed from its own inputs in a fixed order, whatever else is in the batch, so results
 // do not depend on batch composition or on how many tokens a slot feeds (speculation on or off).
@@ -19,6 +22,7 @@
 #include <vector>
 
 #include "paddle/extension.h"
+#include "specgen_kernels.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -447,6 +451,86 @@ std::vector<paddle::Tensor> Attention(const paddle::Tensor& qkv, const paddle::T
   return {out};
 }
 
+namespace {
+
+// out[r, :] += b for each of the n rows (no-op for an empty bias).
+void add_bias(float* out, const paddle::Tensor& b, int64_t n, int64_t width) {
+  if (b.numel() == 0) return;
+  PD_CHECK(b.numel() == width, "bias width does not match its projection");
+  const float* bp = b.data<float>();
+  for (int64_t r = 0; r < n; ++r)
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i) out[r * width + i] += bp[i];
+}
+
+void check_packed(const paddle::Tensor& w, int64_t k, int64_t n, const char* name) {
+  PD_CHECK(w.dtype() == paddle::DataType::FLOAT32 && w.shape().size() == 3 && w.shape()[1] == k &&
+               w.shape()[2] == 32 && w.shape()[0] == (n + 31) / 32,
+           name, ": not a packed [ceil(n / 32), k, 32] float32 weight for this layer");
+}
+
+// Scratch for one block's intermediates, reused across calls (grown, never shrunk).
+struct LayerScratch {
+  std::vector<float> h, qkv, att, o, sum, gu, act, m;
+};
+
+}  // namespace
+
+std::vector<paddle::Tensor> Layer(const paddle::Tensor& x, const paddle::Tensor& attn_norm, const paddle::Tensor& w_qkv,
+                                  const paddle::Tensor& b_qkv, const paddle::Tensor& w_o, const paddle::Tensor& b_o,
+                                  const paddle::Tensor& mlp_norm, const paddle::Tensor& w_gu,
+                                  const paddle::Tensor& b_gu, const paddle::Tensor& w_down,
+                                  const paddle::Tensor& b_down, const paddle::Tensor& cos, const paddle::Tensor& sin,
+                                  const paddle::Tensor& positions, const paddle::Tensor& slots,
+                                  paddle::Tensor& k_cache, paddle::Tensor& v_cache, const paddle::Tensor& q_norm,
+                                  const paddle::Tensor& k_norm, const paddle::Tensor& prefix_len,
+                                  const paddle::Tensor& prefix_k, const paddle::Tensor& prefix_v, int num_heads,
+                                  int num_kv_heads, int64_t capacity, bool qk_norm, double eps,
+                                  int64_t prefix_capacity) {
+  check_cpu(x, "x");
+  check_cpu(k_cache, "k_cache");
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && k_cache.dtype() == paddle::DataType::FLOAT32,
+           "specgen_layer: float32 only");
+  const int64_t n = x.shape()[0], hid = x.shape()[1], D = k_cache.shape().back();
+  const int64_t H = num_heads, KV = num_kv_heads, wq = (H + 2 * KV) * D, inter = w_down.shape()[1];
+  check_packed(w_qkv, hid, wq, "w_qkv");
+  check_packed(w_o, H * D, hid, "w_o");
+  check_packed(w_gu, hid, 2 * inter, "w_gate_up");
+  check_packed(w_down, inter, hid, "w_down");
+  auto out = paddle::empty({n, hid}, paddle::DataType::FLOAT32, x.place());
+  if (n == 0) return {out};
+  static thread_local LayerScratch s;
+  s.h.resize(n * hid);
+  s.qkv.resize(n * wq);
+  s.att.resize(n * H * D);
+  s.o.resize(n * hid);
+  s.sum.resize(n * hid);
+  s.gu.resize(n * 2 * inter);
+  s.act.resize(n * inter);
+  s.m.resize(n * hid);
+  const float e = static_cast<float>(eps);
+  const float* xp = x.data<float>();
+  rms_norm_rows<float>(xp, attn_norm.data<float>(), s.h.data(), n, hid, e);
+  specgen::packed_linear(s.h.data(), n, hid, w_qkv.data<float>(), w_qkv.shape()[0], s.qkv.data(), wq);
+  add_bias(s.qkv.data(), b_qkv, n, wq);
+  attention<float>(s.qkv.data(), cos.data<float>(), sin.data<float>(), positions.data<int64_t>(),
+                   slots.data<int64_t>(), k_cache.data<float>(), v_cache.data<float>(), q_norm.data<float>(),
+                   k_norm.data<float>(), s.att.data(), n, H, KV, D, capacity, qk_norm, e, 8,
+                   prefix_len.data<int64_t>(), prefix_k.data<float>(), prefix_v.data<float>(), prefix_capacity);
+  specgen::packed_linear(s.att.data(), n, H * D, w_o.data<float>(), w_o.shape()[0], s.o.data(), hid);
+  add_bias(s.o.data(), b_o, n, hid);
+  add_rms_norm_rows<float>(xp, s.o.data(), mlp_norm.data<float>(), s.sum.data(), s.h.data(), n, hid, e);
+  specgen::packed_linear(s.h.data(), n, hid, w_gu.data<float>(), w_gu.shape()[0], s.gu.data(), 2 * inter);
+  add_bias(s.gu.data(), b_gu, n, 2 * inter);
+  silu_mul_rows<float>(s.gu.data(), s.act.data(), n, inter);
+  specgen::packed_linear(s.act.data(), n, inter, w_down.data<float>(), w_down.shape()[0], s.m.data(), hid);
+  add_bias(s.m.data(), b_down, n, hid);
+  float* op = out.data<float>();
+#pragma omp simd
+  for (int64_t i = 0; i < n * hid; ++i) op[i] = s.sum[i] + s.m[i];
+  return {out};
+}
+
 PD_BUILD_OP(specgen_rms_norm).Inputs({"X", "W"}).Outputs({"Out"}).Attrs({"eps: double"}).SetKernelFn(PD_KERNEL(RmsNorm));
 
 PD_BUILD_OP(specgen_add_rms_norm)
@@ -466,3 +550,12 @@ PD_BUILD_OP(specgen_attention)
             "prefix_capacity: int64_t"})
     .SetKernelFn(PD_KERNEL(Attention));
 
+
+PD_BUILD_OP(specgen_layer)
+    .Inputs({"X", "AttnNorm", "WQkv", "BQkv", "WO", "BO", "MlpNorm", "WGateUp", "BGateUp", "WDown", "BDown", "Cos",
+             "Sin", "Positions", "Slots", "KCache", "VCache", "QNorm", "KNorm", "PrefixLen", "PrefixK", "PrefixV"})
+    .Outputs({"Out", "KCacheOut", "VCacheOut"})
+    .SetInplaceMap({{"KCache", "KCacheOut"}, {"VCache", "VCacheOut"}})
+    .Attrs({"num_heads: int", "num_kv_heads: int", "capacity: int64_t", "qk_norm: bool", "eps: double",
+            "prefix_capacity: int64_t"})
+    .SetKernelFn(PD_KERNEL(Layer));

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "paddle/extension.h"
+#include "specgen_kernels.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -89,6 +90,16 @@ void panel_all(const float* x, int64_t m, int64_t k, const float* p, float* y, i
 
 }  // namespace
 
+namespace specgen {
+
+void packed_linear(const float* x, int64_t m, int64_t k, const float* w, int64_t panels, float* y, int64_t n) {
+  if (m == 0) return;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) panel_all(x, m, k, w + p * k * kPanel, y, n, p * kPanel);
+}
+
+}  // namespace specgen
+
 std::vector<paddle::Tensor> Linear(const paddle::Tensor& x, const paddle::Tensor& w, int64_t n) {
   PD_CHECK(x.is_cpu() && w.is_cpu(), "specgen_linear: CPU tensors only");
   PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && w.dtype() == paddle::DataType::FLOAT32,
@@ -98,12 +109,7 @@ std::vector<paddle::Tensor> Linear(const paddle::Tensor& x, const paddle::Tensor
   PD_CHECK(w.shape()[1] == k && panels * kPanel >= n && (panels - 1) * kPanel < n,
            "specgen_linear: packed weight does not match x or n");
   auto out = paddle::empty({m, n}, paddle::DataType::FLOAT32, x.place());
-  if (m == 0) return {out};
-  const float* xp = x.data<float>();
-  const float* wp = w.data<float>();
-  float* yp = out.data<float>();
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; ++p) panel_all(xp, m, k, wp + p * k * kPanel, yp, n, p * kPanel);
+  specgen::packed_linear(x.data<float>(), m, k, w.data<float>(), panels, out.data<float>(), n);
   return {out};
 }
 

@@ -210,3 +210,38 @@ def test_packed_float32_model_rows_equal_whatever_the_block(monkeypatch):
     assert not ref.packs
     h_ref = ref.forward(whole, ref.new_cache(2, 64))[1].numpy()
     assert np.abs(h_ref - h_whole).max() < 1e-4
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_fused_layer_op_is_bit_identical_to_op_by_op(arch):
+    """specgen_layer (one op per decoder block, float32 packed) against the same kernels called one by one:
+    every architecture (biases, qk-norm, GQA, interleaved RoPE), prefill then mixed verify/prefill blocks, with
+    and without a shared prefix: identical logits, hidden states and caches, bit for bit."""
+    m = load_model(TINY / arch, dtype="float32").model
+    if not m.packs:
+        pytest.skip("packed linear needs AVX-512")
+    assert m.fused_layer
+    rng = np.random.default_rng(7)
+    prefix = rng.integers(3, 250, 12)
+    pre = build_forward_batch(np.arange(3), np.zeros(3, np.int64), np.array([20, 5, 33]),
+                              rng.integers(3, 250, 58), np.zeros(3, bool))
+    ver = build_forward_batch(np.array([0, 1, 2, 3]), np.array([20, 5, 33, 0]), np.array([1, 4, 6, 17]),
+                              rng.integers(3, 250, 28), np.array([True, True, True, False]))
+    tails = rng.integers(3, 250, 9)
+    shared = build_forward_batch(np.array([0, 1]), np.array([12, 12]), np.array([4, 5]), tails,
+                                 np.zeros(2, bool), prefix_lens=np.array([12, 12]))
+    results = []
+    for fused in (True, False):
+        m.fused_layer = fused
+        cache = m.new_cache(4, 64)
+        out = [m.forward(b, cache) for b in (pre, ver)]
+        pcache = m.new_cache(1, 64)  # the shared prefix's own cache, computed once
+        m.forward(build_forward_batch(np.array([0]), np.array([0]), np.array([12]), prefix, np.array([False])),
+                  pcache)
+        scache = m.new_cache(2, 64)
+        scache.prefix = pcache
+        out.append(m.forward(shared, scache))
+        results.append([t.numpy() for pair in out for t in pair] + [c.numpy() for c in cache.k + cache.v])
+    m.fused_layer = True
+    for a, b in zip(*results):
+        assert np.array_equal(a, b)
