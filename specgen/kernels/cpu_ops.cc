@@ -17,8 +17,10 @@
 // Every output row is computed from its own inputs in a fixed order, whatever else is in the batch, so results
 // do not depend on batch composition or on how many tokens a slot feeds (speculation on or off).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
+#include <omp.h>
 #include <vector>
 
 #include "paddle/extension.h"
@@ -147,47 +149,86 @@ struct Tile {
   inline const T* value(int64_t j, int64_t D) const { return j < plen ? pv + j * D : v + (j - plen) * D; }
 };
 
-// Reference-order version for any type: scores, max, exp, normalise, weighted sum of values.
+// Keys per chunk. A row's softmax is assembled from partial results over the fixed key ranges [c kChunk,
+// (c + 1) kChunk) of its positions, merged in chunk order (merge_partials), so the arithmetic depends only on
+// the row's own positions: not on the batch, nor on whether a tile's chunks run as one work item or several.
+constexpr int64_t kChunk = 128;
+
+// Partial results of one chunk for the rows of a tile, at `part`: m [rows] (max score), l [rows] (sum of
+// e^(s - m)), acc [rows, D] (sum of e^(s - m) v). A row with no key in the chunk gets l = 0.
 template <typename T>
-void tile_attention_generic(const Tile<T>& t, int64_t D, std::vector<T>& sc, std::vector<T>& acc) {
-  const int64_t rows = t.nt * t.G, len = t.len;
+inline int64_t partial_size(int64_t rows, int64_t D) { return rows * (D + 2); }
+
+// Reference-order version for any type: scores, max, exp, sum, weighted sum of values over keys [jb, je).
+template <typename T>
+void chunk_partial_generic(const Tile<T>& t, int64_t D, int64_t jb, int64_t je, std::vector<T>& sc, T* part) {
+  const int64_t rows = t.nt * t.G, len = je - jb;
+  T *m = part, *l = part + rows, *acc = part + 2 * rows;
   sc.assign(rows * len, T(0));
-  acc.assign(rows * D, T(0));
-  for (int64_t j = 0; j < len; ++j) {
+  std::fill(acc, acc + rows * D, T(0));
+  for (int64_t j = jb; j < je; ++j) {
     const T* k = t.key(j, D);
     for (int64_t a = (j > t.p0 ? j - t.p0 : 0); a < t.nt; ++a)
-      for (int64_t g = 0; g < t.G; ++g) sc[(a * t.G + g) * len + j] = dot(t.q + a * t.q_stride + g * D, k, D);
+      for (int64_t g = 0; g < t.G; ++g) sc[(a * t.G + g) * len + j - jb] = dot(t.q + a * t.q_stride + g * D, k, D);
   }
   for (int64_t a = 0; a < t.nt; ++a) {
-    const int64_t last = t.p0 + a + 1;  // keys [0, last)
+    const int64_t last = std::min(je, t.p0 + a + 1);  // keys [jb, last)
     for (int64_t g = 0; g < t.G; ++g) {
-      T* r = sc.data() + (a * t.G + g) * len;
-      T m = r[0];
-      for (int64_t j = 1; j < last; ++j) m = r[j] > m ? r[j] : m;
+      const int64_t r = a * t.G + g;
+      T* e = sc.data() + r * len;
+      if (last <= jb) { m[r] = -std::numeric_limits<T>::max(); l[r] = 0; continue; }
+      T mx = e[0];
+      for (int64_t j = 1; j < last - jb; ++j) mx = e[j] > mx ? e[j] : mx;
       T total = 0;
-      for (int64_t j = 0; j < last; ++j) { r[j] = std::exp(r[j] - m); total += r[j]; }
-      const T inv = T(1) / total;
-      for (int64_t j = 0; j < last; ++j) r[j] *= inv;
+      for (int64_t j = 0; j < last - jb; ++j) { e[j] = std::exp(e[j] - mx); total += e[j]; }
+      m[r] = mx;
+      l[r] = total;
     }
   }
-  for (int64_t j = 0; j < len; ++j) {
+  for (int64_t j = jb; j < je; ++j) {
     const T* v = t.value(j, D);
     for (int64_t a = (j > t.p0 ? j - t.p0 : 0); a < t.nt; ++a)
       for (int64_t g = 0; g < t.G; ++g) {
-        const T p = sc[(a * t.G + g) * len + j];
-        T* o = acc.data() + (a * t.G + g) * D;
+        const T p = sc[(a * t.G + g) * len + j - jb];
+        T* o = acc + (a * t.G + g) * D;
 #pragma omp simd
         for (int64_t i = 0; i < D; ++i) o[i] += p * v[i];
       }
   }
-  for (int64_t a = 0; a < t.nt; ++a)
-    for (int64_t g = 0; g < t.G; ++g)
-      std::copy(acc.data() + (a * t.G + g) * D, acc.data() + (a * t.G + g + 1) * D, t.out + a * t.q_stride + g * D);
 }
 
 template <typename T>
-void tile_attention(const Tile<T>& t, int64_t D, std::vector<T>& sc, std::vector<T>& acc) {
-  tile_attention_generic(t, D, sc, acc);
+void chunk_partial(const Tile<T>& t, int64_t D, int64_t jb, int64_t je, std::vector<T>& sc, T* part) {
+  chunk_partial_generic(t, D, jb, je, sc, part);
+}
+
+// Each row's output from the partials of its chunks 0 .. nch-1 (chunk c at parts + c * partial_size), in chunk
+// order: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c with M the largest m_c.
+template <typename T>
+void merge_partials(const Tile<T>& t, int64_t D, const T* parts, int64_t nch) {
+  const int64_t rows = t.nt * t.G, stride = partial_size<T>(rows, D);
+  for (int64_t r = 0; r < rows; ++r) {
+    T mx = parts[r];  // chunk 0 holds key 0, which every row sees
+    for (int64_t c = 1; c < nch; ++c) {
+      const T* pc = parts + c * stride;
+      if (pc[rows + r] > 0 && pc[r] > mx) mx = pc[r];
+    }
+    T* o = t.out + (r / t.G) * t.q_stride + (r % t.G) * D;
+    std::fill(o, o + D, T(0));
+    T total = 0;
+    for (int64_t c = 0; c < nch; ++c) {
+      const T* pc = parts + c * stride;
+      if (!(pc[rows + r] > 0)) continue;
+      const T w = std::exp(pc[r] - mx);
+      total += w * pc[rows + r];
+      const T* acc = pc + 2 * rows + r * D;
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) o[i] += w * acc[i];
+    }
+    const T inv = T(1) / total;
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) o[i] *= inv;
+  }
 }
 
 #if defined(__AVX512F__)
@@ -249,18 +290,19 @@ inline void scores16(const float* q, const float* const* keys, int64_t nk, float
 }
 
 // Weighted sum of values for R rows with their accumulators in registers: rows of acc [R, 16 C] =
-// sum_j p[r, j] * v_j over j < len in order (p is zero past each row's last key).
+// sum_j p[r, j - jb] * v_j over jb <= j < je in order (p is zero past each row's last key).
 template <int C, int R>
-inline void pv_rows(const Tile<float>& t, int64_t D, const float* p, int64_t stride, float* acc) {
+inline void pv_rows(const Tile<float>& t, int64_t D, int64_t jb, int64_t je, const float* p, int64_t stride,
+                    float* acc) {
   __m512 o[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) o[r][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < t.len; ++j) {
+  for (int64_t j = jb; j < je; ++j) {
     const float* v = t.value(j, D);
     __m512 vv[C];
     for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
     for (int r = 0; r < R; ++r) {
-      const __m512 w = _mm512_set1_ps(p[r * stride + j]);
+      const __m512 w = _mm512_set1_ps(p[r * stride + j - jb]);
       for (int c = 0; c < C; ++c) o[r][c] = _mm512_fmadd_ps(w, vv[c], o[r][c]);
     }
   }
@@ -270,104 +312,110 @@ inline void pv_rows(const Tile<float>& t, int64_t D, const float* p, int64_t str
 
 // pv_rows over rows [0, rows) in groups of R, the last group R' = rows mod R (a compile-time count each).
 template <int C, int R>
-inline void pv_tail(const Tile<float>& t, int64_t D, const float* p, int64_t stride, int64_t nr, float* acc) {
+inline void pv_tail(const Tile<float>& t, int64_t D, int64_t jb, int64_t je, const float* p, int64_t stride,
+                    int64_t nr, float* acc) {
   if constexpr (R > 0) {
-    if (nr == R) return pv_rows<C, R>(t, D, p, stride, acc);
-    pv_tail<C, R - 1>(t, D, p, stride, nr, acc);
+    if (nr == R) return pv_rows<C, R>(t, D, jb, je, p, stride, acc);
+    pv_tail<C, R - 1>(t, D, jb, je, p, stride, nr, acc);
   }
 }
 
 template <int C, int R>
-inline void pv_all(const Tile<float>& t, int64_t D, const float* p, int64_t stride, int64_t rows, float* acc) {
+inline void pv_all(const Tile<float>& t, int64_t D, int64_t jb, int64_t je, const float* p, int64_t stride,
+                   int64_t rows, float* acc) {
   int64_t r0 = 0;
-  for (; r0 + R <= rows; r0 += R) pv_rows<C, R>(t, D, p + r0 * stride, stride, acc + r0 * D);
-  pv_tail<C, R - 1>(t, D, p + r0 * stride, stride, rows - r0, acc + r0 * D);
+  for (; r0 + R <= rows; r0 += R) pv_rows<C, R>(t, D, jb, je, p + r0 * stride, stride, acc + r0 * D);
+  pv_tail<C, R - 1>(t, D, jb, je, p + r0 * stride, stride, rows - r0, acc + r0 * D);
 }
 
 // float32 with head_dim a multiple of 16 (up to 256): the same steps, vectorised by hand. Scores come 16 keys
 // at a time (hsum16); the weighted sum keeps up to 6 rows' accumulators in registers when head_dim is 64 (3 at
 // 128). Each query row is still computed on its own, in a fixed order.
 template <>
-void tile_attention<float>(const Tile<float>& t, int64_t D, std::vector<float>& sc, std::vector<float>& acc) {
+void chunk_partial<float>(const Tile<float>& t, int64_t D, int64_t jb, int64_t je, std::vector<float>& sc,
+                          float* part) {
   if (D % 16 != 0 || D > 256) {
-    return tile_attention_generic(t, D, sc, acc);
+    return chunk_partial_generic(t, D, jb, je, sc, part);
   }
-  const int64_t rows = t.nt * t.G, len = t.len, C = D / 16;
-  const int64_t stride = (len + 15) & ~int64_t(15);
+  const int64_t rows = t.nt * t.G, C = D / 16;
+  const int64_t stride = (je - jb + 15) & ~int64_t(15);
+  float *m = part, *l = part + rows, *acc = part + 2 * rows;
   sc.resize(rows * stride);
-  acc.assign(rows * D, 0.0f);
   const float* keys[16];
-  for (int64_t j0 = 0; j0 < len; j0 += 16) {
-    const int64_t nk = std::min<int64_t>(16, len - j0);
+  for (int64_t j0 = jb; j0 < je; j0 += 16) {
+    const int64_t nk = std::min<int64_t>(16, je - j0);
     for (int64_t kk = 0; kk < 16; ++kk) keys[kk] = kk < nk ? t.key(j0 + kk, D) : nullptr;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t a = r / t.G, g = r % t.G;
       if (j0 > t.p0 + a) continue;  // every key of the block is in this row's future (zeroed below)
       const float* q = t.q + a * t.q_stride + g * D;
-      float* out = sc.data() + r * stride + j0;
+      float* out = sc.data() + r * stride + j0 - jb;
       if (C == 4) {
         scores16<4>(q, keys, nk, out);
       } else if (C == 8) {
         scores16<8>(q, keys, nk, out);
       } else {
-        __m512 part[16];
+        __m512 part16[16];
         for (int64_t kk = 0; kk < 16; ++kk) {
-          if (kk >= nk) { part[kk] = _mm512_setzero_ps(); continue; }
+          if (kk >= nk) { part16[kk] = _mm512_setzero_ps(); continue; }
           __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(keys[kk]));
           for (int64_t c = 1; c < C; ++c)
             s = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), _mm512_loadu_ps(keys[kk] + 16 * c), s);
-          part[kk] = s;
+          part16[kk] = s;
         }
-        _mm512_storeu_ps(out, hsum16(part));
+        _mm512_storeu_ps(out, hsum16(part16));
       }
     }
   }
   for (int64_t a = 0; a < t.nt; ++a) {
-    const int64_t last = t.p0 + a + 1;
+    const int64_t n = std::min(je, t.p0 + a + 1) - jb;  // this row's keys in the chunk: [jb, jb + n)
     for (int64_t g = 0; g < t.G; ++g) {
-      float* r = sc.data() + (a * t.G + g) * stride;
+      const int64_t ri = a * t.G + g;
+      float* r = sc.data() + ri * stride;
+      if (n <= 0) {
+        m[ri] = -std::numeric_limits<float>::max();
+        l[ri] = 0.0f;
+        std::fill(r, r + stride, 0.0f);
+        continue;
+      }
       __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::max());
-      for (int64_t j = 0; j < last; j += 16) {
-        const __mmask16 mk = last - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (last - j)) - 1);
+      for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 mk = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
         mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, r + j));
       }
-      const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+      const float mx = _mm512_reduce_max_ps(mv);
+      const __m512 mb = _mm512_set1_ps(mx);
       __m512 tot = _mm512_setzero_ps();
-      for (int64_t j = 0; j < last; j += 16) {
-        const __mmask16 mk = last - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (last - j)) - 1);
-        const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, r + j), m)));
+      for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 mk = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, r + j), mb)));
         _mm512_mask_storeu_ps(r + j, mk, e);
         tot = _mm512_add_ps(tot, e);
       }
-      const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(tot));
-      for (int64_t j = 0; j < last; j += 16) {
-        const __mmask16 mk = last - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (last - j)) - 1);
-        _mm512_mask_storeu_ps(r + j, mk, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, r + j), inv));
-      }
-      std::fill(r + last, r + stride, 0.0f);  // future keys weigh nothing in the weighted sum
+      m[ri] = mx;
+      l[ri] = _mm512_reduce_add_ps(tot);
+      std::fill(r + n, r + stride, 0.0f);  // future keys weigh nothing in the weighted sum
     }
   }
   if (C == 8) {
-    pv_all<8, 3>(t, D, sc.data(), stride, rows, acc.data());
+    pv_all<8, 3>(t, D, jb, je, sc.data(), stride, rows, acc);
   } else if (C == 4) {
-    pv_all<4, 6>(t, D, sc.data(), stride, rows, acc.data());
+    pv_all<4, 6>(t, D, jb, je, sc.data(), stride, rows, acc);
   } else {
+    std::fill(acc, acc + rows * D, 0.0f);
     __m512 kv[16];
-    for (int64_t j = 0; j < len; ++j) {
+    for (int64_t j = jb; j < je; ++j) {
       const float* v = t.value(j, D);
       for (int64_t c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(v + 16 * c);
       for (int64_t a = (j > t.p0 ? j - t.p0 : 0); a < t.nt; ++a)
         for (int64_t g = 0; g < t.G; ++g) {
-          const __m512 p = _mm512_set1_ps(sc[(a * t.G + g) * stride + j]);
-          float* o = acc.data() + (a * t.G + g) * D;
+          const __m512 p = _mm512_set1_ps(sc[(a * t.G + g) * stride + j - jb]);
+          float* o = acc + (a * t.G + g) * D;
           for (int64_t c = 0; c < C; ++c)
             _mm512_storeu_ps(o + 16 * c, _mm512_fmadd_ps(p, kv[c], _mm512_loadu_ps(o + 16 * c)));
         }
     }
   }
-  for (int64_t a = 0; a < t.nt; ++a)
-    for (int64_t g = 0; g < t.G; ++g)
-      std::copy(acc.data() + (a * t.G + g) * D, acc.data() + (a * t.G + g + 1) * D, t.out + a * t.q_stride + g * D);
 }
 #endif
 
@@ -410,18 +458,56 @@ void attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, con
   }
   const int64_t num_tiles = starts.size();
   starts.push_back(n);
-  // Phase 2: attention of each query over keys [0, pos] of its slot: scores, softmax, weighted values.
+  // Phase 2: attention of each query over keys [0, pos] of its slot, as partial softmaxes over fixed chunks of
+  // keys merged in order. With many (tile, KV head) items each is one work item (its chunks in turn); with few
+  // (one slot decoding: 3 items for 2 threads) every chunk is its own item, which balances the threads. Both
+  // compute the same partials and merge them alike, so the results are the same bits.
+  auto tile_of = [&](int64_t w) {
+    const int64_t ti = w / KV, kvh = w % KV, t0 = starts[ti], nt = starts[ti + 1] - t0;
+    return Tile<T>{q.data() + (t0 * H + kvh * G) * D, H * D, G, nt, pos[t0], pos[t0 + nt - 1] + 1,
+                   kc + (slot[t0] * KV + kvh) * cap * D, vc + (slot[t0] * KV + kvh) * cap * D,
+                   out + (t0 * H + kvh * G) * D, plen[t0], pk + kvh * pcap * D, pv + kvh * pcap * D};
+  };
+  // Work items are handed out through an atomic counter, not `omp for schedule(dynamic)`: with GCC's OpenMP
+  // calls served by Paddle's libiomp5, that schedule was seen to give one iteration to two threads.
+  const int64_t items = num_tiles * KV;
+  if (items >= 4 * omp_get_max_threads()) {
+    std::atomic<int64_t> next{0};
+#pragma omp parallel
+    {
+      std::vector<T> sc, parts;
+      for (int64_t w; (w = next.fetch_add(1)) < items;) {
+        const Tile<T> tl = tile_of(w);
+        const int64_t nch = (tl.len + kChunk - 1) / kChunk, size = partial_size<T>(tl.nt * G, D);
+        parts.resize(nch * size);
+        for (int64_t c = 0; c < nch; ++c)
+          chunk_partial(tl, D, c * kChunk, std::min(tl.len, (c + 1) * kChunk), sc, parts.data() + c * size);
+        merge_partials(tl, D, parts.data(), nch);
+      }
+    }
+    return;
+  }
+  std::vector<int64_t> first(items + 1, 0), offset(items + 1, 0);  // each item's first chunk and partials
+  for (int64_t w = 0; w < items; ++w) {
+    const int64_t ti = w / KV, nt = starts[ti + 1] - starts[ti], len = pos[starts[ti + 1] - 1] + 1;
+    const int64_t nch = (len + kChunk - 1) / kChunk;
+    first[w + 1] = first[w] + nch;
+    offset[w + 1] = offset[w] + nch * partial_size<T>(nt * G, D);
+  }
+  std::vector<T> parts(offset[items]);
+  std::atomic<int64_t> next{0};
 #pragma omp parallel
   {
-    std::vector<T> sc, acc;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < num_tiles * KV; ++w) {
-      const int64_t ti = w / KV, kvh = w % KV, t0 = starts[ti], nt = starts[ti + 1] - t0;
-      Tile<T> tl{q.data() + (t0 * H + kvh * G) * D, H * D, G, nt, pos[t0], pos[t0 + nt - 1] + 1,
-                 kc + (slot[t0] * KV + kvh) * cap * D, vc + (slot[t0] * KV + kvh) * cap * D,
-                 out + (t0 * H + kvh * G) * D, plen[t0], pk + kvh * pcap * D, pv + kvh * pcap * D};
-      tile_attention(tl, D, sc, acc);
+    std::vector<T> sc;
+    for (int64_t i; (i = next.fetch_add(1)) < first[items];) {
+      const int64_t w = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1, c = i - first[w];
+      const Tile<T> tl = tile_of(w);
+      chunk_partial(tl, D, c * kChunk, std::min(tl.len, (c + 1) * kChunk), sc,
+                    parts.data() + offset[w] + c * partial_size<T>(tl.nt * G, D));
     }
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (int64_t w = 0; w < items; ++w) merge_partials(tile_of(w), D, parts.data() + offset[w], first[w + 1] - first[w]);
   }
 }
 
