@@ -12,6 +12,8 @@ import hashlib
 import numpy as np
 import paddle
 
+from specgen import kernels
+
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _TOPP_CANDIDATES = 256  # top-p looks at this many most likely tokens first; falls back to a full sort
 
@@ -60,7 +62,7 @@ def sample(
     u: np.ndarray,  # [rows] float64 in (0, 1]
 ) -> paddle.Tensor:
     """Token per row; [rows] int64. Greedy rows take the argmax (lowest id on a tie)."""
-    greedy = paddle.argmax(logits, axis=-1)  # [rows]
+    greedy = kernels.argmax(logits)  # [rows]
     sampled_rows = np.nonzero(temperature > 0)[0]
     if len(sampled_rows) == 0:
         return greedy

@@ -164,3 +164,15 @@ def pack_linear(w) -> Packed:
 def dense(w):
     """A weight as a dense paddle tensor [k, n], whether or not it is packed."""
     return w.dense() if isinstance(w, Packed) else w
+
+
+def argmax(x):
+    """Index of the largest value in each row of x [rows, vocab]: int64 [rows], the lowest index on a tie (as
+    paddle.argmax); the fused op when the kernels are built and x is on the CPU."""
+    import paddle
+
+    k = ops()
+    if k is None or not x.place.is_cpu_place():
+        return paddle.argmax(x, axis=-1)
+    out = k.specgen_argmax(x)
+    return out[0] if isinstance(out, (list, tuple)) else out

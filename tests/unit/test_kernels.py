@@ -26,6 +26,11 @@ def test_norms_and_silu_match_reference(dtype):
     assert float((n - rms_norm(x + r, w, 1e-5)).abs().max()) <= tol
     gu = paddle.to_tensor(rng.standard_normal((5, 64)).astype(dtype))
     assert float((K.specgen_silu_mul(gu) - F.silu(gu[:, :32]) * gu[:, 32:]).abs().max()) <= tol
+    # a width that is not a multiple of 16 lanes, and gates far out in both tails (e^-g over- and underflows)
+    g = rng.standard_normal((6, 90)) * 40
+    out = K.specgen_silu_mul(paddle.to_tensor(g.astype(dtype))).numpy()
+    want = g[:, :45] / (1 + np.exp(-g[:, :45])) * g[:, 45:]
+    assert np.all(np.isfinite(out)) and np.abs(out - want).max() <= tol * np.abs(want).max()
 
 
 def _numpy_attention(qkv, cos, sin, pos, slots, kc, vc, H, KV, cap):
@@ -250,3 +255,21 @@ def test_fused_layer_op_is_bit_identical_to_op_by_op(arch):
     m.fused_layer = True
     for a, b in zip(*results):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_argmax_matches_paddle_lowest_index_on_ties(dtype):
+    """specgen_argmax against paddle.argmax: vocabularies that are and are not multiples of 16 lanes, rows with
+    ties (the lowest index wins), with the maximum in the last partial block, and all -inf."""
+    from specgen.kernels import argmax
+
+    rng = np.random.default_rng(3)
+    for v in (1, 7, 16, 33, 49152):
+        x = rng.integers(-3, 4, (9, v)).astype(dtype)  # many ties
+        x[1] = rng.standard_normal(v)
+        x[2, -1] = 10.0  # the maximum in the tail
+        x[3] = -np.inf
+        got = argmax(paddle.to_tensor(x)).numpy()
+        assert got.dtype == np.int64
+        assert np.array_equal(got, paddle.argmax(paddle.to_tensor(x), axis=-1).numpy())
+        assert np.array_equal(got, np.argmax(x, axis=-1))  # numpy: first occurrence

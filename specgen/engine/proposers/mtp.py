@@ -174,7 +174,7 @@ class MtpProposer:
         x = self.model.layer(x, hd.block, self.model.context(batch, self.cache), self.cache.k[0], self.cache.v[0])
         last = paddle.to_tensor(batch.logit_rows)
         logits = self.model.matmul(rms_norm(paddle.gather(x, last), hd.final_norm, eps), hd.lm_head)  # [num_seqs, vocab]
-        drafts = paddle.argmax(logits, axis=-1).numpy()
+        drafts = kernels.argmax(logits).numpy()
         return paddle.gather(x, last), drafts if hd.draft_vocab is None else hd.draft_vocab[drafts]
 
     def observe(self, update: StepUpdate) -> None:
