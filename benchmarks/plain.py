@@ -102,7 +102,8 @@ def main() -> None:
         ref_s, gain = (f"{ref:.1f}", f"{sg / ref:.2f}x") if ref else ("-", "-")
         unp_s = f"{unp:.1f}" if unp else "-"
         byop_s = f"{byop:.1f}" if byop else "-"
-        print(f"{bs:>6}{n:>9}{ref_s:>17}{unp_s:>16}{byop_s:>16}{sg:>15.1f}{gain:>14}{hf_s:>20}{ratio:>8}{same:>13}", flush=True)
+        print(f"{bs:>6}{n:>9}{ref_s:>17}{unp_s:>16}{byop_s:>16}{sg:>15.1f}{gain:>14}{hf_s:>20}{ratio:>8}"
+              f"{same:>13}", flush=True)
 
 
 if __name__ == "__main__":

@@ -268,7 +268,8 @@ class Model:
 
     def _fused_layer(self, x: paddle.Tensor, L: dict, ctx: "StepContext", k_cache: paddle.Tensor,
                      v_cache: paddle.Tensor, index: int) -> paddle.Tensor:
-        """`layer` with the fused operators: norms, RoPE + cache write + attention, and SiLU-gate each one op."""
+        """`layer` with the fused operators: with packed weights the whole block is one op (specgen_layer), else
+        norms, RoPE + cache write + attention, and SiLU-gate are one op each around the projections."""
         cfg, ops = self.config, self.ops
         eps = cfg.rms_norm_eps
         qk_norm = L["q_norm"] is not None

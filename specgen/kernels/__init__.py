@@ -1,4 +1,5 @@
-"""Fused CPU operators (cpu_ops.cc, linear.cc, sharing specgen_kernels.h), compiled on first use with Paddle's C++ extension builder.
+"""Fused CPU operators (cpu_ops.cc, linear.cc, sharing specgen_kernels.h), compiled on first use with Paddle's
+C++ extension builder.
 
 Built once per source version into ~/.cache/specgen/kernels (or $SPECGEN_CACHE/kernels) under a file lock, so
 concurrent processes share one build. When no compiler is present, the build fails, the tensors are not on the
@@ -40,8 +41,9 @@ def enabled() -> bool:
 def _build_dir() -> Path:
     import paddle
 
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(FLAGS).encode() + paddle.__version__.encode()
-                         + platform.machine().encode() + platform.node().encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(FLAGS).encode()
+                         + paddle.__version__.encode() + platform.machine().encode()
+                         + platform.node().encode()).hexdigest()[:16]
     root = Path(os.environ.get("SPECGEN_CACHE", Path.home() / ".cache" / "specgen"))
     return root / "kernels" / key
 
