@@ -273,3 +273,34 @@ def test_argmax_matches_paddle_lowest_index_on_ties(dtype):
         assert got.dtype == np.int64
         assert np.array_equal(got, paddle.argmax(paddle.to_tensor(x), axis=-1).numpy())
         assert np.array_equal(got, np.argmax(x, axis=-1))  # numpy: first occurrence
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_attention_over_many_key_chunks_matches_numpy(dtype):
+    """Contexts longer than one 128-key chunk: a decode at position 600 (5 chunks), a verify block whose rows
+    straddle the chunk boundary at 128, and a prompt piece at 250-270; against numpy, and each block alone (its
+    chunks spread over the threads) bit-identical to the whole batch (chunks run within one work item)."""
+    rng = np.random.default_rng(11)
+    H, KV, D, cap = 9, 3, 64, 704
+    slots = np.array([0] + [1] * 6 + [2] * 21, np.int64)
+    pos = np.concatenate([[600], np.arange(125, 131), np.arange(250, 271)]).astype(np.int64)
+    qkv = rng.standard_normal((len(pos), (H + 2 * KV) * D)).astype(dtype)
+    ang = np.arange(cap)[:, None] * (1e4 ** (-np.arange(0, D, 2) / D))[None, :]
+    cos, sin = np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
+    kc = rng.standard_normal((3 * KV * cap, D)).astype(dtype)
+    vc = rng.standard_normal((3 * KV * cap, D)).astype(dtype)
+    want = _numpy_attention(qkv, cos, sin, pos, slots, kc, vc, H, KV, cap)[0]
+    ones = paddle.ones([D], dtype=dtype)
+
+    def run(rows):
+        out = K.specgen_attention(paddle.to_tensor(qkv[rows]), paddle.to_tensor(cos), paddle.to_tensor(sin),
+                                  paddle.to_tensor(pos[rows]), paddle.to_tensor(slots[rows]), paddle.to_tensor(kc),
+                                  paddle.to_tensor(vc), ones, ones, paddle.zeros([len(rows)], dtype="int64"), ones,
+                                  ones, H, KV, cap, False, 1e-6, 0)
+        return (out[0] if isinstance(out, (list, tuple)) else out).numpy()
+
+    whole = run(np.arange(len(pos)))
+    tol = 2e-5 if dtype == "float32" else 1e-12
+    assert np.abs(whole - want).max() <= tol * max(1.0, np.abs(want).max())
+    for rows in (np.array([0]), np.arange(1, 7), np.arange(7, 28)):
+        assert np.array_equal(run(rows), whole[rows])
