@@ -275,16 +275,16 @@ class Model:
         qk_norm = L["q_norm"] is not None
         pk = ctx.prefix_k[index] if ctx.prefix_k is not None else self._ones
         pv = ctx.prefix_v[index] if ctx.prefix_v is not None else self._ones
-        if self.fused_layer and all(isinstance(L[key], kernels.Packed) for key in LINEAR_KEYS):
-            nb = self._none
+        if self.fused_layer:  # every block of a packing model went through pack_layer: its projections are Packed
+            def bias(key):
+                return L[key] if L[key] is not None else self._none
+
             out = ops.specgen_layer(
-                x, L["attn_norm"], L["w_qkv"].panels, L["b_qkv"] if L["b_qkv"] is not None else nb,
-                L["w_o"].panels, L["b_o"] if L["b_o"] is not None else nb, L["mlp_norm"], L["w_gate_up"].panels,
-                L["b_gate_up"] if L["b_gate_up"] is not None else nb, L["w_down"].panels,
-                L["b_down"] if L["b_down"] is not None else nb, self.cos, self.sin, ctx.positions, ctx.token_slots,
-                k_cache, v_cache, L["q_norm"] if qk_norm else self._ones, L["k_norm"] if qk_norm else self._ones,
-                ctx.prefix_len, pk, pv, cfg.num_heads, cfg.num_kv_heads, ctx.capacity, qk_norm, eps,
-                ctx.prefix_capacity)
+                x, L["attn_norm"], L["w_qkv"].panels, bias("b_qkv"), L["w_o"].panels, bias("b_o"), L["mlp_norm"],
+                L["w_gate_up"].panels, bias("b_gate_up"), L["w_down"].panels, bias("b_down"), self.cos, self.sin,
+                ctx.positions, ctx.token_slots, k_cache, v_cache, L["q_norm"] if qk_norm else self._ones,
+                L["k_norm"] if qk_norm else self._ones, ctx.prefix_len, pk, pv, cfg.num_heads, cfg.num_kv_heads,
+                ctx.capacity, qk_norm, eps, ctx.prefix_capacity)
             return out[0] if isinstance(out, (list, tuple)) else out  # [num_tokens, hidden]
         h = ops.specgen_rms_norm(x, L["attn_norm"], eps)
         qkv = self.matmul(h, L["w_qkv"])  # [num_tokens, (H + 2 KV) * D]

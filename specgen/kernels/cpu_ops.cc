@@ -78,6 +78,12 @@ void check_cpu(const paddle::Tensor& t, const char* name) {
   PD_CHECK(t.is_cpu(), name, " must be a CPU tensor");
 }
 
+// Each token's position and cache slot (the attention inputs of specgen_attention and specgen_layer).
+void check_token_index(const paddle::Tensor& positions, const paddle::Tensor& slots) {
+  PD_CHECK(positions.dtype() == paddle::DataType::INT64 && slots.dtype() == paddle::DataType::INT64,
+           "positions and slots must be int64");
+}
+
 }  // namespace
 
 namespace {
@@ -605,8 +611,7 @@ std::vector<paddle::Tensor> Attention(const paddle::Tensor& qkv, const paddle::T
   check_cpu(k_cache, "k_cache");
   const int64_t n = qkv.shape()[0], D = k_cache.shape().back();
   PD_CHECK(qkv.shape()[1] == (num_heads + 2 * num_kv_heads) * D, "qkv width does not match the heads");
-  PD_CHECK(positions.dtype() == paddle::DataType::INT64 && slots.dtype() == paddle::DataType::INT64,
-           "positions and slots must be int64");
+  check_token_index(positions, slots);
   auto out = paddle::empty({n, num_heads * D}, qkv.dtype(), qkv.place());
   PD_DISPATCH_FLOATING_TYPES(qkv.type(), "specgen_attention", ([&] {
     attention<data_t>(qkv.data<data_t>(), cos.data<data_t>(), sin.data<data_t>(), positions.data<int64_t>(),
@@ -659,6 +664,7 @@ std::vector<paddle::Tensor> Layer(const paddle::Tensor& x, const paddle::Tensor&
   check_cpu(k_cache, "k_cache");
   PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && k_cache.dtype() == paddle::DataType::FLOAT32,
            "specgen_layer: float32 only");
+  check_token_index(positions, slots);
   const int64_t n = x.shape()[0], hid = x.shape()[1], D = k_cache.shape().back();
   const int64_t H = num_heads, KV = num_kv_heads, wq = (H + 2 * KV) * D, inter = w_down.shape()[1];
   check_packed(w_qkv, hid, wq, "w_qkv");
