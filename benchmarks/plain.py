@@ -7,7 +7,9 @@ Prompts are Spec-Bench questions (chat template applied). Every request generate
 with left padding for batches, in the same process, one after the other. --reference also runs specgen's Paddle
 reference path (the forward before the fused CPU kernels: SPECGEN_KERNELS=0) in the same process: "before/after";
 --unpacked the fused kernels with MKL's sgemm for the weights (SPECGEN_PACKED_LINEAR=0); --op-by-op the packed
-kernels called op by op instead of one fused op per decoder block (SPECGEN_FUSED_LAYER=0).
+kernels called op by op instead of one fused op per decoder block (SPECGEN_FUSED_LAYER=0); --dequantized the
+packed kernels over the dequantized float32 weights instead of the GGUF file's Q4_1 / Q8_0 blocks
+(SPECGEN_QUANTIZED_WEIGHTS=0).
 """
 from __future__ import annotations
 
@@ -76,6 +78,9 @@ def main() -> None:
                     help="also time the fused kernels with MKL's matmul instead of the packed linear kernel")
     ap.add_argument("--op-by-op", action="store_true",
                     help="also time the packed kernels called op by op instead of one op per decoder block")
+    ap.add_argument("--dequantized", action="store_true",
+                    help="also time the packed kernels over float32 weights instead of the GGUF file's quantized "
+                         "blocks (SPECGEN_QUANTIZED_WEIGHTS=0)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     from spec_bench import load_default
@@ -84,7 +89,9 @@ def main() -> None:
     reference = load_default(args.threads, SPECGEN_KERNELS="0") if args.reference else None
     unpacked = load_default(args.threads, SPECGEN_PACKED_LINEAR="0") if args.unpacked else None
     by_op = load_default(args.threads, SPECGEN_FUSED_LAYER="0") if args.op_by_op else None
+    deq = load_default(args.threads, SPECGEN_QUANTIZED_WEIGHTS="0") if args.dequantized else None
     print(f"{'batch':>6}{'prompts':>9}{'reference tok/s':>17}{'unpacked tok/s':>16}{'op-by-op tok/s':>16}"
+          f"{'float32 w tok/s':>17}"
           f"{'specgen tok/s':>15}"
           f"{'after/before':>14}{'transformers tok/s':>20}{'ratio':>8}{'same greedy':>13}")
     for bs in args.batch_sizes:
@@ -94,6 +101,7 @@ def main() -> None:
         ref = run_specgen(reference, ids, bs, args.max_tokens)[0] if reference else None
         unp = run_specgen(unpacked, ids, bs, args.max_tokens)[0] if unpacked else None
         byop = run_specgen(by_op, ids, bs, args.max_tokens)[0] if by_op else None
+        dq = run_specgen(deq, ids, bs, args.max_tokens)[0] if deq else None
         sg, sg_out = run_specgen(model, ids, bs, args.max_tokens)
         hf, hf_out = (None, None) if args.no_transformers else run_transformers(ids, bs, args.max_tokens, args.threads)
         same = "-" if hf_out is None else f"{sum(a == b for a, b in zip(sg_out, hf_out))}/{len(ids)}"
@@ -102,7 +110,8 @@ def main() -> None:
         ref_s, gain = (f"{ref:.1f}", f"{sg / ref:.2f}x") if ref else ("-", "-")
         unp_s = f"{unp:.1f}" if unp else "-"
         byop_s = f"{byop:.1f}" if byop else "-"
-        print(f"{bs:>6}{n:>9}{ref_s:>17}{unp_s:>16}{byop_s:>16}{sg:>15.1f}{gain:>14}{hf_s:>20}{ratio:>8}"
+        dq_s = f"{dq:.1f}" if dq else "-"
+        print(f"{bs:>6}{n:>9}{ref_s:>17}{unp_s:>16}{byop_s:>16}{dq_s:>17}{sg:>15.1f}{gain:>14}{hf_s:>20}{ratio:>8}"
               f"{same:>13}", flush=True)
 
 

@@ -12,7 +12,7 @@ from specgen import kernels
 from specgen.engine.kv_cache import KVCache
 from specgen.engine.types import ForwardBatch
 from specgen.errors import CheckpointError, EngineError
-from specgen.models.checkpoint import Checkpoint
+from specgen.models.checkpoint import Checkpoint, QuantRows
 from specgen.models.config import ModelConfig
 
 
@@ -49,8 +49,20 @@ def _interleaved_to_half(w: np.ndarray, num_heads: int, head_dim: int) -> np.nda
 class TensorReader:
     """Checked access to a checkpoint's numpy tensors, converted to Paddle in the model's dtype."""
 
-    def __init__(self, weights: dict[str, np.ndarray], source: str, cfg: ModelConfig, dtype: str):
+    def __init__(self, weights: dict[str, np.ndarray], source: str, cfg: ModelConfig, dtype: str,
+                 quantized: dict[str, QuantRows] | None = None):
         self.weights, self.source, self.cfg, self.dtype = weights, source, cfg, dtype
+        self.quantized = quantized or {}
+
+    def quant(self, names: list[str], permute=None) -> QuantRows | None:
+        """The raw blocks of HF [out, in] weights `names`, each reordered by `permute` (None: kept) and
+        concatenated along out; None unless every one is stored block-quantized, all of one kind."""
+        rows = [self.quantized.get(n) for n in names]
+        if any(q is None for q in rows) or len({q.kind for q in rows}) != 1:
+            return None
+        permute = permute or [None] * len(rows)
+        blocks = [q.blocks if f is None else f(q.blocks) for q, f in zip(rows, permute)]
+        return QuantRows(rows[0].kind, np.concatenate(blocks))
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         w = self.weights.get(name)
@@ -103,6 +115,24 @@ class TensorReader:
             "k_norm": self.param(p + "self_attn.k_norm.weight", (hd,)) if cfg.qk_norm else None,
         }
 
+    def layer_quant(self, p: str) -> dict[str, QuantRows]:
+        """The raw GGUF blocks of the projections of block `p` that have them (keys of LINEAR_KEYS), fused and
+        reordered as `layer` fuses and reorders the float32 weights."""
+        cfg = self.cfg
+        hd = cfg.head_dim
+        permute = None
+        if cfg.rope_interleaved:
+            permute = [lambda w: _interleaved_to_half(w, cfg.num_heads, hd),
+                       lambda w: _interleaved_to_half(w, cfg.num_kv_heads, hd), None]
+        mlp = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        quant = {
+            "w_qkv": self.quant([p + f"self_attn.{n}_proj.weight" for n in "qkv"], permute),
+            "w_o": self.quant([p + "self_attn.o_proj.weight"]),
+            "w_gate_up": self.quant(mlp),
+            "w_down": self.quant([p + "mlp.down_proj.weight"]),
+        }
+        return {key: q for key, q in quant.items() if q is not None}
+
 
 LINEAR_KEYS = ("w_qkv", "w_o", "w_gate_up", "w_down")  # a block's projections, [in, out] (or kernels.Packed)
 
@@ -112,14 +142,16 @@ class Weights:
 
     def __init__(self, ckpt: Checkpoint, dtype: str):
         cfg = ckpt.config
-        r = TensorReader(ckpt.weights, ckpt.source, cfg, dtype)
+        r = TensorReader(ckpt.weights, ckpt.source, cfg, dtype, ckpt.quantized)
         h = cfg.hidden_size
         self.embed = r.param("model.embed_tokens.weight", (cfg.vocab_size, h))  # [vocab, hidden]
         self.final_norm = r.param("model.norm.weight", (h,))
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings and "lm_head.weight" not in ckpt.weights \
             else "lm_head.weight"
         self.lm_head = r.to_paddle(r.get(head, (cfg.vocab_size, h)).T)  # [hidden, vocab]
+        self.lm_head_quant = r.quant([head])  # its raw GGUF blocks, or None
         self.layers = [r.layer(f"model.layers.{i}.") for i in range(cfg.num_layers)]
+        self.layer_quants = [r.layer_quant(f"model.layers.{i}.") for i in range(cfg.num_layers)]
 
 
 def rms_norm(x: paddle.Tensor, w: paddle.Tensor, eps: float) -> paddle.Tensor:
@@ -152,24 +184,34 @@ class Model:
         self.ops = kernels.ops()
         # Float32 weights packed into panels for specgen_linear (specgen/kernels/linear.cc) where that pays.
         self.packs = kernels.packed_linear_enabled(self.ops, dtype)
+        # Projections a GGUF file stores as Q4_0 / Q4_1 / Q8_0 stay in their blocks: specgen_linear rebuilds each
+        # float32 weight in registers, with the same bits as the dequantized weight, reading 5-8.5 bits per weight
+        # instead of 32. SPECGEN_QUANTIZED_WEIGHTS=0 packs the dequantized float32 weights instead.
+        self.keeps_quantized = self.packs and kernels.switch("SPECGEN_QUANTIZED_WEIGHTS")
         if self.packs:
-            for L in self.w.layers:
-                self.pack_layer(L)
-            self.w.lm_head = self.pack(self.w.lm_head)
+            for L, quant in zip(self.w.layers, self.w.layer_quants):
+                self.pack_layer(L, quant)
+            self.w.lm_head = self.pack(self.w.lm_head, self.w.lm_head_quant)
         # With packed weights a whole decoder block is one fused op (specgen_layer: the same kernels in the same
         # order, bit-identical to the op-by-op path); SPECGEN_FUSED_LAYER=0 keeps the op-by-op path.
         self.fused_layer = self.packs and kernels.switch("SPECGEN_FUSED_LAYER")
         self._ones = paddle.ones([cfg.head_dim], dtype=dtype)  # stands in for absent q/k norm weights
         self._none = paddle.zeros([0], dtype=dtype)  # stands in for absent biases
 
-    def pack(self, w):
-        """w [k, n] packed for `matmul` when this model packs its weights, else w as it is."""
-        return kernels.pack_linear(w) if self.packs and not isinstance(w, kernels.Packed) else w
+    def pack(self, w, quant: QuantRows | None = None):
+        """w [k, n] packed for `matmul` when this model packs its weights (from `quant`, its raw GGUF blocks,
+        when given and this model keeps them), else w as it is."""
+        if not self.packs or isinstance(w, kernels.Packed):
+            return w
+        if quant is not None and self.keeps_quantized:
+            return kernels.pack_quantized(quant.kind, quant.blocks)
+        return kernels.pack_linear(w)
 
-    def pack_layer(self, L: dict) -> dict:
-        """Packs a decoder block's projection weights in place when this model packs (see `matmul`)."""
+    def pack_layer(self, L: dict, quant: dict[str, QuantRows] | None = None) -> dict:
+        """Packs a decoder block's projection weights in place when this model packs (see `matmul`), from their
+        raw GGUF blocks where `quant` (TensorReader.layer_quant) has them."""
         for key in LINEAR_KEYS:
-            L[key] = self.pack(L[key])
+            L[key] = self.pack(L[key], (quant or {}).get(key))
         return L
 
     def matmul(self, x: paddle.Tensor, w) -> paddle.Tensor:

@@ -134,15 +134,19 @@ def packed_linear_enabled(ops_module: ModuleType | None, dtype: str) -> bool:
 
 @dataclass
 class Packed:
-    """A float32 weight W [k, n] stored as panels [ceil(n / 32), k, 32] for specgen_linear."""
+    """A weight W [k, n] for specgen_linear: float32 panels [ceil(n / 32), k, 32], or block-quantized uint8
+    panels [ceil(n / 32), k / 32, QUANT_PANEL_BYTES[kind]] (see pack_quantized)."""
 
-    panels: object  # paddle.Tensor [ceil(n / 32), k, 32]
+    panels: object  # paddle.Tensor
     k: int
     n: int
+    kind: str = "F32"  # or a key of QUANT_PANEL_BYTES
 
     def numpy(self) -> np.ndarray:
-        """The dense [k, n] weight."""
-        p = self.panels.numpy()  # [panels, k, 32]
+        """The dense [k, n] float32 weight (quantized: rebuilt as the GGUF reader does)."""
+        p = self.panels.numpy()
+        if self.kind != "F32":
+            p = _dequantize_panels(p, self.kind)  # [panels, k, 32]
         return np.ascontiguousarray(p.transpose(1, 0, 2).reshape(self.k, -1)[:, :self.n])
 
     def dense(self):
@@ -161,6 +165,59 @@ def pack_linear(w) -> Packed:
     if panels * PANEL != n:
         a = np.concatenate([a, np.zeros((k, panels * PANEL - n), a.dtype)], axis=1)
     return Packed(paddle.to_tensor(np.ascontiguousarray(a.reshape(k, panels, PANEL).transpose(1, 0, 2))), k, n)
+
+
+# Bytes per panel (32 output columns) and block of 32 inputs in specgen_linear's quantized layout: the 32
+# columns' fp16 scales d (Q4_1: then their fp16 minimums m), then 32 rows of quants, one per input.
+QUANT_PANEL_BYTES = {"Q4_0": 64 + 512, "Q4_1": 128 + 512, "Q8_0": 64 + 1024}
+
+
+def pack_quantized(kind: str, blocks: np.ndarray) -> Packed:
+    """A GGUF block-quantized weight, uint8 blocks [n (out), k / 32, block bytes], -> Packed [k, n] for
+    specgen_linear, which multiplies by it without dequantizing it in memory. Zero blocks pad n to a multiple of
+    32 (d = m = 0: zero weights).
+
+    GGUF blocks (gguf.quants): Q8_0 = d, 32 int8; Q4_0 = d, 16 bytes; Q4_1 = d, m, 16 bytes, where byte j holds
+    input j in its low nibble and input j + 16 in its high one.
+    """
+    import paddle
+
+    if kind not in QUANT_PANEL_BYTES:
+        raise ValueError(f"unsupported quantization {kind!r}")
+    n, kb, _ = blocks.shape
+    panels = -(-n // PANEL)
+    if panels * PANEL != n:
+        blocks = np.concatenate([blocks, np.zeros((panels * PANEL - n, kb, blocks.shape[2]), np.uint8)])
+    b = blocks.reshape(panels, PANEL, kb, -1).transpose(0, 2, 1, 3)  # [panels, kb, 32 columns, block bytes]
+    parts = [b[..., 0:2].reshape(panels, kb, 64)]  # d of columns 0..31, fp16 little-endian
+    if kind == "Q4_1":
+        parts.append(b[..., 2:4].reshape(panels, kb, 64))  # m
+    qs = b[..., 2 if kind != "Q4_1" else 4:]  # [panels, kb, 32 columns, 16 or 32 bytes]
+    if kind == "Q8_0":
+        parts.append(qs.transpose(0, 1, 3, 2).reshape(panels, kb, 1024))  # [input, column] int8
+    else:
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).transpose(0, 1, 3, 2)  # [panels, kb, 32 inputs, 32 columns]
+        parts.append((q[..., :16] | (q[..., 16:] << 4)).reshape(panels, kb, 512))
+    packed = np.ascontiguousarray(np.concatenate(parts, axis=-1))
+    return Packed(paddle.to_tensor(packed), kb * 32, n, kind)
+
+
+def _dequantize_panels(p: np.ndarray, kind: str) -> np.ndarray:
+    """uint8 panels [panels, k / 32, bytes] -> float32 [panels, k, 32], with gguf.quants' float32 arithmetic."""
+    panels, kb, _ = p.shape
+    d = p[..., :64].copy().view(np.float16).astype(np.float32)[:, :, None, :]  # [panels, kb, 1, 32]
+    if kind == "Q8_0":
+        q = p[..., 64:].copy().view(np.int8).reshape(panels, kb, 32, 32).astype(np.float32)
+        w = q * d
+    else:
+        raw = p[..., -512:].reshape(panels, kb, 32, 16)
+        q = np.concatenate([raw & 0xF, raw >> 4], axis=-1).astype(np.float32)  # [panels, kb, 32 inputs, 32 columns]
+        if kind == "Q4_0":
+            w = d * (q - np.float32(8))
+        else:
+            m = p[..., 64:128].copy().view(np.float16).astype(np.float32)[:, :, None, :]
+            w = d * q + m
+    return w.reshape(panels, kb * 32, PANEL)
 
 
 def dense(w):

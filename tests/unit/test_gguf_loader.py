@@ -97,8 +97,9 @@ def gguf_name(hf_name: str) -> str:
 
 
 def write_tiny_gguf(path, arch="llama", tied=True, drop=None, reshape=None, tokenizer_model="gpt2",
-                    eos_id=2, qtype=T.Q8_0) -> dict[str, np.ndarray]:
-    """A 2-layer model; returns the HF-layout float32 weights that load_gguf must give back exactly."""
+                    eos_id=2, qtype=T.Q8_0, quantized=QUANTIZED) -> dict[str, np.ndarray]:
+    """A 2-layer model (the tensors named in `quantized` stored as `qtype`); returns the HF-layout float32
+    weights that load_gguf must give back exactly."""
     rng = np.random.default_rng(0)
     weights = hf_weights(rng, arch, tied)
     writer = gguf.GGUFWriter(str(path), arch)
@@ -130,7 +131,7 @@ def write_tiny_gguf(path, arch="llama", tied=True, drop=None, reshape=None, toke
             w = llama_cpp_permute(w, HEADS if ".attn_q." in name else KV_HEADS)
         if name == reshape:
             w = np.concatenate([w, w[:16]])
-        if any(q in name for q in QUANTIZED):
+        if any(q in name for q in quantized):
             if qtype in K_QUANTS:
                 data = rng.integers(0, 256, quant_shape_to_byte_shape(w.shape, qtype), dtype=np.uint8)
                 blocks = data.reshape(w.shape[0], -1, gguf.GGML_QUANT_SIZES[qtype][1])  # [rows, blocks, bytes]
@@ -297,12 +298,18 @@ def test_cache_roundtrip_key_and_corruption(tmp_path, tiny, monkeypatch):
     assert entry.parent == tmp_path / "cache" and entry.name.startswith("tiny-")
     first = load_cached(path)
     assert sorted(p.name for p in entry.iterdir()) == [
-        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_meta.json"]
+        "config.json", "model.safetensors", "quantized.safetensors", "tokenizer.json", "tokenizer_meta.json"]
     assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # no temporary directory left behind
     second = load_cached(path)
     assert second.config == first.config and second.source == str(path)
     for name, w in first.weights.items():
         assert second.weights[name].dtype == np.float32 and np.array_equal(second.weights[name], w), name
+    assert second.quantized.keys() == first.quantized.keys() == {  # Q8_0 in the file: the raw blocks too
+        "model.embed_tokens.weight", *(f"model.layers.{i}.mlp.{p}_proj.weight" for i in range(LAYERS)
+                                       for p in ("gate", "up", "down"))}
+    for name, q in first.quantized.items():
+        assert second.quantized[name].kind == q.kind == "Q8_0" and np.array_equal(second.quantized[name].blocks,
+                                                                                  q.blocks), name
     assert second.tokenizer.encode("<|im_start|>hello 12") == first.tokenizer.encode("<|im_start|>hello 12")
     assert (second.tokenizer.chat_template, second.tokenizer.eos_token) == (TEMPLATE, "<|im_end|>")
     os.utime(path, ns=(0, 10**9))
@@ -312,6 +319,58 @@ def test_cache_roundtrip_key_and_corruption(tmp_path, tiny, monkeypatch):
     monkeypatch.setattr(default_model, "cache_dir", lambda p, root=None: entry)
     with pytest.raises(CheckpointError, match=f"{entry}.*delete"):
         load_cached(path)
+
+
+ALL_LINEAR = ("token_embd", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+@pytest.mark.parametrize("qtype,quantized,arch", [
+    (T.Q4_1, ALL_LINEAR, "llama"),  # q/k rows permuted by llama.cpp: the blocks must be put back alike
+    (T.Q4_0, ALL_LINEAR, "qwen2"),
+    (T.Q8_0, QUANTIZED, "llama"),  # attention F32 in the file: QKV and O packed as float32, the rest as blocks
+    (T.Q4_1, ("attn_q", "ffn_gate", "ffn_down"), "llama"),  # K, V and up F32: fused QKV and gate/up stay float32
+], ids=lambda v: v.name if isinstance(v, T) else str(len(v)) if isinstance(v, tuple) else v)
+def test_quantized_weights_stay_blocks_and_give_the_same_bits(tmp_path, monkeypatch, qtype, quantized, arch):
+    """A GGUF's Q4_0 / Q4_1 / Q8_0 projections: load_gguf keeps their raw blocks beside the float32 weights,
+    each block set dequantizes (as packed for specgen_linear) to exactly the loaded weight, and a float32 model
+    that multiplies by the blocks gives logits bit-identical to one over the dequantized weights."""
+    from specgen import kernels
+    from specgen.engine.model import Model
+    from specgen.engine.types import build_forward_batch
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, arch=arch, qtype=qtype, quantized=quantized)
+    ckpt = load_gguf(path)
+    names = {gguf_name(n): n for n in ckpt.weights}
+    want = {names[g] for g in names if any(q in g for q in quantized) and g.endswith(".weight")}
+    assert set(ckpt.quantized) == want
+    for name, q in ckpt.quantized.items():
+        assert q.kind == qtype.name
+        assert np.array_equal(kernels.pack_quantized(q.kind, q.blocks).numpy(), ckpt.weights[name].T), name
+    rng = np.random.default_rng(3)
+    pre = build_forward_batch(np.arange(2), np.zeros(2, np.int64), np.array([9, 14]), rng.integers(3, 200, 23),
+                              np.zeros(2, bool))
+    ver = build_forward_batch(np.array([0, 1]), np.array([9, 14]), np.array([6, 1]), rng.integers(3, 200, 7),
+                              np.array([True, True]))
+    results = []
+    for keep in ("1", "0"):
+        monkeypatch.setenv("SPECGEN_QUANTIZED_WEIGHTS", keep)
+        m = Model(ckpt, "float32")
+        if not m.packs:
+            pytest.skip("packed linear needs the fused kernels and AVX-512")
+        kinds = {key: m.w.layers[0][key].kind for key in ("w_qkv", "w_o", "w_gate_up", "w_down")}
+        kinds["lm_head"] = m.w.lm_head.kind
+        if keep == "1":
+            fused = {"w_qkv": ("attn_q", "attn_k", "attn_v"), "w_o": ("attn_output",),
+                     "w_gate_up": ("ffn_gate", "ffn_up"), "w_down": ("ffn_down",), "lm_head": ("token_embd",)}
+            assert kinds == {key: qtype.name if set(parts) <= set(quantized) else "F32"
+                             for key, parts in fused.items()}
+        else:
+            assert set(kinds.values()) == {"F32"}
+        cache = m.new_cache(2, 32)
+        results.append([t.numpy() for b in (pre, ver) for t in m.forward(b, cache)] + [c.numpy() for c in cache.k])
+    for a, b in zip(*results):
+        assert np.array_equal(a, b)
 
 
 def test_default_path_missing_package_gives_install_hint(monkeypatch):

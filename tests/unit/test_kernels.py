@@ -195,6 +195,38 @@ def test_packed_linear_matches_numpy_and_rows_do_not_depend_on_each_other(k, n):
     assert K.specgen_linear(paddle.to_tensor(x[:0]), p.panels, n).shape == [0, n]
 
 
+@pytest.mark.parametrize("kind,k,n", [("Q4_1", 576, 960), ("Q4_1", 64, 45), ("Q4_0", 96, 70), ("Q8_0", 576, 33)])
+def test_quantized_linear_equals_float32_over_the_dequantized_weight(kind, k, n):
+    """specgen_linear over GGUF blocks packed by pack_quantized: the packed blocks dequantize to exactly what
+    gguf.quants gives, and every product (1 to 20 rows: the in-register path up to 8 rows and the dequantized
+    panel beyond) is bit-identical to specgen_linear over that float32 weight."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from specgen.kernels import pack_linear, pack_quantized
+    from specgen.models.checkpoint import QUANT_BLOCK_BYTES
+
+    rng = np.random.default_rng(k + n)
+    blocks = rng.integers(0, 256, (n, k // 32, QUANT_BLOCK_BYTES[kind]), dtype=np.uint8)
+    scales = 4 if kind == "Q4_1" else 2  # fp16 d (and m): finite values of either sign, some subnormal
+    halves = (rng.standard_normal((n, k // 32, scales // 2)) * np.where(rng.random((n, k // 32, 1)) < 0.1, 1e-6, 0.05))
+    blocks[..., :scales] = halves.astype(np.float16).view(np.uint8).reshape(n, k // 32, scales)
+    w = dequantize(blocks.reshape(n, -1), gguf.GGMLQuantizationType[kind]).reshape(n, k).T.astype(np.float32)
+    q = pack_quantized(kind, blocks)
+    assert q.panels.dtype == paddle.uint8 and q.panels.shape == [-(-n // 32), k // 32, {"Q4_0": 576, "Q4_1": 640,
+                                                                                         "Q8_0": 1088}[kind]]
+    assert np.array_equal(q.numpy(), w)
+    f = pack_linear(w)
+    x = rng.standard_normal((20, k)).astype(np.float32)
+    y = K.specgen_linear(paddle.to_tensor(x), q.panels, n).numpy()
+    assert np.array_equal(y, K.specgen_linear(paddle.to_tensor(x), f.panels, n).numpy())
+    for m, at in [(1, 0), (1, 19), (2, 3), (5, 5), (6, 2), (8, 12), (9, 0), (16, 4)]:
+        part = K.specgen_linear(paddle.to_tensor(x[at:at + m]), q.panels, n).numpy()
+        assert np.array_equal(part, y[at:at + m]), (m, at)
+    with pytest.raises(OSError, match="not a quantized"):
+        K.specgen_linear(paddle.to_tensor(x[:, :k - 32]), q.panels, n)  # blocks for k inputs, not k - 32
+
+
 def test_packed_float32_model_rows_equal_whatever_the_block(monkeypatch):
     """Float32 with packed weights: a position's hidden state is bit-identical whether it is computed inside a
     whole-prompt prefill or as part of a later verify block beside another slot; and it stays within float32
