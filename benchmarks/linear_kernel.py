@@ -5,6 +5,9 @@ default model, side by side in one run:
 
 For each row count M, one "pass" multiplies [M, k] inputs by every projection of the model (30 layers of QKV, O,
 gate/up and down) and the LM head, as one decode or verify step does; ms per pass is the best of --repeats.
+Three ways, all giving float32 products over the same float32 weights: Paddle's matmul over the dequantized
+weights, specgen_linear over them packed as float32 panels, and specgen_linear over the GGUF file's own
+Q4_1 / Q8_0 blocks (what the model runs by default). GB/s counts the bytes each way reads per pass.
 """
 from __future__ import annotations
 
@@ -24,15 +27,19 @@ def main() -> None:
     import paddle
 
     from specgen import load_model
-    from specgen.kernels import dense
+    from specgen.kernels import dense, pack_linear
 
     lm = load_model(None, threads=args.threads)
     m = lm.model
     if not m.packs:
         raise SystemExit("the packed linear kernel is off here (needs the fused kernels and AVX-512)")
     weights = [L[key] for L in m.w.layers for key in ("w_qkv", "w_o", "w_gate_up", "w_down")] + [m.w.lm_head]
+    if not m.keeps_quantized or any(w.kind == "F32" for w in weights):
+        raise SystemExit("the model does not keep its quantized blocks here (SPECGEN_QUANTIZED_WEIGHTS=0?)")
     dense_w = [dense(w) for w in weights]
+    f32_w = [pack_linear(d) for d in dense_w]
     nbytes = sum(w.k * w.n * 4 for w in weights)
+    qbytes = sum(int(np.prod(w.panels.shape)) for w in weights)
     rng = np.random.default_rng(0)
 
     def best(fn) -> float:
@@ -44,9 +51,9 @@ def main() -> None:
             times.append(time.perf_counter() - t)
         return min(times)
 
-    print(f"weights: {nbytes / 2**20:.0f} MiB float32; threads {args.threads}")
-    print(f"{'rows':>5}{'paddle.matmul ms':>18}{'packed ms':>11}{'packed GB/s':>13}{'speedup':>9}"
-          f"{'packed vs 1 row':>17}{'matmul vs 1 row':>17}")
+    print(f"weights: {nbytes / 2**20:.0f} MiB float32, {qbytes / 2**20:.0f} MiB as blocks; threads {args.threads}")
+    print(f"{'rows':>5}{'matmul ms':>11}{'packed f32 ms':>15}{'blocks ms':>11}{'f32 GB/s':>10}{'blocks GB/s':>13}"
+          f"{'blocks/f32':>12}{'blocks/matmul':>15}{'f32 vs 1 row':>14}{'blocks vs 1 row':>17}")
     base = {}
     for rows in args.rows:
         xs = {k: paddle.to_tensor(rng.standard_normal((rows, k)).astype(np.float32)) for k in {w.k for w in weights}}
@@ -56,16 +63,22 @@ def main() -> None:
                 y = m.matmul(xs[w.k], w)
             y.numpy()
 
+        def run_f32():
+            for w in f32_w:
+                y = m.matmul(xs[w.k], w)
+            y.numpy()
+
         def run_matmul():
             for w, d in zip(weights, dense_w):
                 y = paddle.matmul(xs[w.k], d)
             y.numpy()
 
-        tm, tp = best(run_matmul), best(run_packed)
-        base.setdefault("m", tm)
+        tm, tf, tp = best(run_matmul), best(run_f32), best(run_packed)
+        base.setdefault("f", tf)
         base.setdefault("p", tp)
-        print(f"{rows:>5}{tm * 1e3:>18.2f}{tp * 1e3:>11.2f}{nbytes / tp / 1e9:>13.1f}{tm / tp:>8.2f}x"
-              f"{tp / base['p']:>16.2f}x{tm / base['m']:>16.2f}x", flush=True)
+        print(f"{rows:>5}{tm * 1e3:>11.2f}{tf * 1e3:>15.2f}{tp * 1e3:>11.2f}{nbytes / tf / 1e9:>10.1f}"
+              f"{qbytes / tp / 1e9:>13.1f}{tf / tp:>11.2f}x{tm / tp:>14.2f}x{tf / base['f']:>13.2f}x"
+              f"{tp / base['p']:>16.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ def instrument(timer: Timer, model, engine_mod, vocab: int):
             pass
 
         t = TimedOps()
-        names = {"specgen_layer": "blocks", "specgen_attention": "attention", "specgen_rms_norm": "norms + silu",
+        names = {"specgen_stack": "blocks", "specgen_layer": "blocks", "specgen_attention": "attention", "specgen_rms_norm": "norms + silu",
                  "specgen_add_rms_norm": "norms + silu", "specgen_silu_mul": "norms + silu"}
         for op, label in names.items():
             setattr(t, op, getattr(model.ops, op))

@@ -195,6 +195,9 @@ class Model:
         # With packed weights a whole decoder block is one fused op (specgen_layer: the same kernels in the same
         # order, bit-identical to the op-by-op path); SPECGEN_FUSED_LAYER=0 keeps the op-by-op path.
         self.fused_layer = self.packs and kernels.switch("SPECGEN_FUSED_LAYER")
+        # ... and all the blocks of a forward one op (specgen_stack), unless SPECGEN_FUSED_STACK=0.
+        self.fused_stack = kernels.switch("SPECGEN_FUSED_STACK")
+        self._stack_weights = self._stack_norms = None  # gathered on first use
         self._ones = paddle.ones([cfg.head_dim], dtype=dtype)  # stands in for absent q/k norm weights
         self._none = paddle.zeros([0], dtype=dtype)  # stands in for absent biases
 
@@ -349,6 +352,28 @@ class Model:
             m = m + L["b_down"]
         return x + m
 
+    def _stack(self, x: paddle.Tensor, ctx: "StepContext", cache: KVCache) -> paddle.Tensor:
+        """Every decoder block in one op (specgen_stack: specgen_layer's code, block after block): x [num_tokens,
+        hidden] -> the last block's output, K/V written to every layer's cache."""
+        cfg = self.config
+        if self._stack_weights is None:  # the blocks' tensors, as lists, gathered once
+            def column(key):
+                stand_in = self._ones if key in ("q_norm", "k_norm") else self._none
+                return [L[key].panels if key in LINEAR_KEYS else L[key] if L[key] is not None else stand_in
+                        for L in self.w.layers]
+
+            self._stack_weights = [column(key) for key in ("attn_norm", "w_qkv", "b_qkv", "w_o", "b_o", "mlp_norm",
+                                                           "w_gate_up", "b_gate_up", "w_down", "b_down")]
+            self._stack_norms = [column("q_norm"), column("k_norm")]
+        layers = len(self.w.layers)
+        pk = ctx.prefix_k if ctx.prefix_k is not None else [self._ones] * layers
+        pv = ctx.prefix_v if ctx.prefix_v is not None else [self._ones] * layers
+        out = self.ops.specgen_stack(x, *self._stack_weights, self.cos, self.sin, ctx.positions, ctx.token_slots,
+                                     cache.k, cache.v, *self._stack_norms, ctx.prefix_len, pk, pv, cfg.num_heads,
+                                     cfg.num_kv_heads, ctx.capacity, cfg.qk_norm, cfg.rms_norm_eps,
+                                     ctx.prefix_capacity)
+        return out[0] if isinstance(out, (list, tuple)) else out  # [num_tokens, hidden]
+
     def norm(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
         """RMSNorm over the last axis, fused when the kernels are built."""
         if self.ops is not None:
@@ -359,8 +384,11 @@ class Model:
         """Returns (logits [num_logits, vocab], final normed hidden [num_tokens, hidden]) and writes K/V."""
         ctx = self.context(batch, cache)
         x = F.embedding(paddle.to_tensor(batch.token_ids), self.w.embed)  # [num_tokens, hidden]
-        for li, L in enumerate(self.w.layers):
-            x = self.layer(x, L, ctx, cache.k[li], cache.v[li], li)
+        if self.ops is not None and self.fused_layer and self.fused_stack:
+            x = self._stack(x, ctx, cache)
+        else:
+            for li, L in enumerate(self.w.layers):
+                x = self.layer(x, L, ctx, cache.k[li], cache.v[li], li)
         hidden = self.norm(x, self.w.final_norm)  # [num_tokens, hidden]
         logits = self.matmul(paddle.gather(hidden, paddle.to_tensor(batch.logit_rows)), self.w.lm_head)
         return logits, hidden  # logits [num_logits, vocab]

@@ -643,6 +643,87 @@ struct LayerScratch {
 
 }  // namespace
 
+namespace {
+
+// One decoder block's tensors.
+struct BlockTensors {
+  const paddle::Tensor &attn_norm, &w_qkv, &b_qkv, &w_o, &b_o, &mlp_norm, &w_gu, &b_gu, &w_down, &b_down;
+  paddle::Tensor &k_cache, &v_cache;
+  const paddle::Tensor &q_norm, &k_norm, &prefix_k, &prefix_v;
+};
+
+// What every block of one forward shares.
+struct StepInputs {
+  const paddle::Tensor &cos, &sin, &positions, &slots, &prefix_len;
+  int64_t H, KV, capacity;
+  bool qk_norm;
+  float eps;
+  int64_t prefix_capacity;
+};
+
+// The packed projections of a block, checked against the shapes they must have (errors name the block).
+struct BlockWeights {
+  specgen::PackedWeight qkv, o, gu, down;
+  int64_t D, inter;
+};
+
+BlockWeights check_block(const BlockTensors& b, const StepInputs& a, int64_t hid) {
+  check_cpu(b.k_cache, "k_cache");
+  PD_CHECK(b.k_cache.dtype() == paddle::DataType::FLOAT32, "specgen_layer: float32 caches only");
+  const int64_t D = b.k_cache.shape().back(), wq = (a.H + 2 * a.KV) * D;
+  // w_down's inputs: [panels, inter, 32] float32, or [panels, inter / 32, bytes] quantized
+  const int64_t inter = b.w_down.shape()[1] * (b.w_down.dtype() == paddle::DataType::FLOAT32 ? 1 : 32);
+  return {specgen::packed_weight(b.w_qkv, hid, wq, "w_qkv"), specgen::packed_weight(b.w_o, a.H * D, hid, "w_o"),
+          specgen::packed_weight(b.w_gu, hid, 2 * inter, "w_gate_up"),
+          specgen::packed_weight(b.w_down, inter, hid, "w_down"), D, inter};
+}
+
+// out [n, hid] = the pre-norm decoder block applied to x [n, hid], writing this block's K/V into its cache.
+void block_forward(const float* x, float* out, int64_t n, int64_t hid, const BlockTensors& b, const BlockWeights& w,
+                   const StepInputs& a) {
+  const int64_t H = a.H, KV = a.KV, D = w.D, inter = w.inter, wq = (H + 2 * KV) * D;
+  static thread_local LayerScratch s;
+  s.h.resize(n * hid);
+  s.qkv.resize(n * wq);
+  s.att.resize(n * H * D);
+  s.o.resize(n * hid);
+  s.sum.resize(n * hid);
+  s.gu.resize(n * 2 * inter);
+  s.act.resize(n * inter);
+  s.m.resize(n * hid);
+  rms_norm_rows<float>(x, b.attn_norm.data<float>(), s.h.data(), n, hid, a.eps);
+  specgen::packed_linear(s.h.data(), n, hid, w.qkv, s.qkv.data(), wq);
+  add_bias(s.qkv.data(), b.b_qkv, n, wq);
+  attention<float>(s.qkv.data(), a.cos.data<float>(), a.sin.data<float>(), a.positions.data<int64_t>(),
+                   a.slots.data<int64_t>(), b.k_cache.data<float>(), b.v_cache.data<float>(), b.q_norm.data<float>(),
+                   b.k_norm.data<float>(), s.att.data(), n, H, KV, D, a.capacity, a.qk_norm, a.eps, 8,
+                   a.prefix_len.data<int64_t>(), b.prefix_k.data<float>(), b.prefix_v.data<float>(),
+                   a.prefix_capacity);
+  specgen::packed_linear(s.att.data(), n, H * D, w.o, s.o.data(), hid);
+  add_bias(s.o.data(), b.b_o, n, hid);
+  add_rms_norm_rows<float>(x, s.o.data(), b.mlp_norm.data<float>(), s.sum.data(), s.h.data(), n, hid, a.eps);
+  specgen::packed_linear(s.h.data(), n, hid, w.gu, s.gu.data(), 2 * inter);
+  add_bias(s.gu.data(), b.b_gu, n, 2 * inter);
+  silu_mul_rows<float>(s.gu.data(), s.act.data(), n, inter);
+  specgen::packed_linear(s.act.data(), n, inter, w.down, s.m.data(), hid);
+  add_bias(s.m.data(), b.b_down, n, hid);
+#pragma omp simd
+  for (int64_t i = 0; i < n * hid; ++i) out[i] = s.sum[i] + s.m[i];
+}
+
+StepInputs step_inputs(const paddle::Tensor& x, const paddle::Tensor& cos, const paddle::Tensor& sin,
+                       const paddle::Tensor& positions, const paddle::Tensor& slots, const paddle::Tensor& prefix_len,
+                       int num_heads, int num_kv_heads, int64_t capacity, bool qk_norm, double eps,
+                       int64_t prefix_capacity) {
+  check_cpu(x, "x");
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && x.shape().size() == 2, "specgen_layer: float32 x [n, hidden]");
+  check_token_index(positions, slots);
+  return {cos, sin, positions, slots, prefix_len, num_heads, num_kv_heads, capacity, qk_norm,
+          static_cast<float>(eps), prefix_capacity};
+}
+
+}  // namespace
+
 std::vector<paddle::Tensor> Layer(const paddle::Tensor& x, const paddle::Tensor& attn_norm, const paddle::Tensor& w_qkv,
                                   const paddle::Tensor& b_qkv, const paddle::Tensor& w_o, const paddle::Tensor& b_o,
                                   const paddle::Tensor& mlp_norm, const paddle::Tensor& w_gu,
@@ -654,50 +735,58 @@ std::vector<paddle::Tensor> Layer(const paddle::Tensor& x, const paddle::Tensor&
                                   const paddle::Tensor& prefix_k, const paddle::Tensor& prefix_v, int num_heads,
                                   int num_kv_heads, int64_t capacity, bool qk_norm, double eps,
                                   int64_t prefix_capacity) {
-  check_cpu(x, "x");
-  check_cpu(k_cache, "k_cache");
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && k_cache.dtype() == paddle::DataType::FLOAT32,
-           "specgen_layer: float32 only");
-  check_token_index(positions, slots);
-  const int64_t n = x.shape()[0], hid = x.shape()[1], D = k_cache.shape().back();
-  const int64_t H = num_heads, KV = num_kv_heads, wq = (H + 2 * KV) * D;
-  // w_down's inputs: [panels, inter, 32] float32, or [panels, inter / 32, bytes] quantized
-  const int64_t inter = w_down.shape()[1] * (w_down.dtype() == paddle::DataType::FLOAT32 ? 1 : 32);
-  const specgen::PackedWeight pqkv = specgen::packed_weight(w_qkv, hid, wq, "w_qkv");
-  const specgen::PackedWeight po = specgen::packed_weight(w_o, H * D, hid, "w_o");
-  const specgen::PackedWeight pgu = specgen::packed_weight(w_gu, hid, 2 * inter, "w_gate_up");
-  const specgen::PackedWeight pdown = specgen::packed_weight(w_down, inter, hid, "w_down");
+  const StepInputs a = step_inputs(x, cos, sin, positions, slots, prefix_len, num_heads, num_kv_heads, capacity,
+                                   qk_norm, eps, prefix_capacity);
+  const BlockTensors b{attn_norm, w_qkv, b_qkv, w_o, b_o, mlp_norm, w_gu, b_gu, w_down, b_down,
+                       k_cache, v_cache, q_norm, k_norm, prefix_k, prefix_v};
+  const int64_t n = x.shape()[0], hid = x.shape()[1];
+  const BlockWeights w = check_block(b, a, hid);
+  auto out = paddle::empty({n, hid}, paddle::DataType::FLOAT32, x.place());
+  if (n > 0) block_forward(x.data<float>(), out.data<float>(), n, hid, b, w, a);
+  return {out};
+}
+
+// Every decoder block of the model in one call: block i of each list is specgen_layer's argument for layer i.
+std::vector<paddle::Tensor> Stack(const paddle::Tensor& x, const std::vector<paddle::Tensor>& attn_norm,
+                                  const std::vector<paddle::Tensor>& w_qkv, const std::vector<paddle::Tensor>& b_qkv,
+                                  const std::vector<paddle::Tensor>& w_o, const std::vector<paddle::Tensor>& b_o,
+                                  const std::vector<paddle::Tensor>& mlp_norm,
+                                  const std::vector<paddle::Tensor>& w_gu, const std::vector<paddle::Tensor>& b_gu,
+                                  const std::vector<paddle::Tensor>& w_down,
+                                  const std::vector<paddle::Tensor>& b_down, const paddle::Tensor& cos,
+                                  const paddle::Tensor& sin, const paddle::Tensor& positions,
+                                  const paddle::Tensor& slots, std::vector<paddle::Tensor>& k_cache,
+                                  std::vector<paddle::Tensor>& v_cache, const std::vector<paddle::Tensor>& q_norm,
+                                  const std::vector<paddle::Tensor>& k_norm, const paddle::Tensor& prefix_len,
+                                  const std::vector<paddle::Tensor>& prefix_k,
+                                  const std::vector<paddle::Tensor>& prefix_v, int num_heads, int num_kv_heads,
+                                  int64_t capacity, bool qk_norm, double eps, int64_t prefix_capacity) {
+  const StepInputs a = step_inputs(x, cos, sin, positions, slots, prefix_len, num_heads, num_kv_heads, capacity,
+                                   qk_norm, eps, prefix_capacity);
+  const size_t L = attn_norm.size();
+  for (const auto* list : {&w_qkv, &b_qkv, &w_o, &b_o, &mlp_norm, &w_gu, &b_gu, &w_down, &b_down, &q_norm, &k_norm,
+                           &prefix_k, &prefix_v})
+    PD_CHECK(list->size() == L, "specgen_stack: every list needs one tensor per block");
+  PD_CHECK(k_cache.size() == L && v_cache.size() == L && L > 0, "specgen_stack: one cache per block");
+  const int64_t n = x.shape()[0], hid = x.shape()[1];
+  std::vector<BlockTensors> blocks;
+  std::vector<BlockWeights> weights;
+  for (size_t i = 0; i < L; ++i) {
+    blocks.push_back({attn_norm[i], w_qkv[i], b_qkv[i], w_o[i], b_o[i], mlp_norm[i], w_gu[i], b_gu[i], w_down[i],
+                      b_down[i], k_cache[i], v_cache[i], q_norm[i], k_norm[i], prefix_k[i], prefix_v[i]});
+    weights.push_back(check_block(blocks.back(), a, hid));
+  }
   auto out = paddle::empty({n, hid}, paddle::DataType::FLOAT32, x.place());
   if (n == 0) return {out};
-  static thread_local LayerScratch s;
-  s.h.resize(n * hid);
-  s.qkv.resize(n * wq);
-  s.att.resize(n * H * D);
-  s.o.resize(n * hid);
-  s.sum.resize(n * hid);
-  s.gu.resize(n * 2 * inter);
-  s.act.resize(n * inter);
-  s.m.resize(n * hid);
-  const float e = static_cast<float>(eps);
-  const float* xp = x.data<float>();
-  rms_norm_rows<float>(xp, attn_norm.data<float>(), s.h.data(), n, hid, e);
-  specgen::packed_linear(s.h.data(), n, hid, pqkv, s.qkv.data(), wq);
-  add_bias(s.qkv.data(), b_qkv, n, wq);
-  attention<float>(s.qkv.data(), cos.data<float>(), sin.data<float>(), positions.data<int64_t>(),
-                   slots.data<int64_t>(), k_cache.data<float>(), v_cache.data<float>(), q_norm.data<float>(),
-                   k_norm.data<float>(), s.att.data(), n, H, KV, D, capacity, qk_norm, e, 8,
-                   prefix_len.data<int64_t>(), prefix_k.data<float>(), prefix_v.data<float>(), prefix_capacity);
-  specgen::packed_linear(s.att.data(), n, H * D, po, s.o.data(), hid);
-  add_bias(s.o.data(), b_o, n, hid);
-  add_rms_norm_rows<float>(xp, s.o.data(), mlp_norm.data<float>(), s.sum.data(), s.h.data(), n, hid, e);
-  specgen::packed_linear(s.h.data(), n, hid, pgu, s.gu.data(), 2 * inter);
-  add_bias(s.gu.data(), b_gu, n, 2 * inter);
-  silu_mul_rows<float>(s.gu.data(), s.act.data(), n, inter);
-  specgen::packed_linear(s.act.data(), n, inter, pdown, s.m.data(), hid);
-  add_bias(s.m.data(), b_down, n, hid);
-  float* op = out.data<float>();
-#pragma omp simd
-  for (int64_t i = 0; i < n * hid; ++i) op[i] = s.sum[i] + s.m[i];
+  static thread_local std::vector<float> ping, pong;  // block outputs between blocks
+  ping.resize(n * hid);
+  pong.resize(n * hid);
+  const float* in = x.data<float>();
+  for (size_t i = 0; i < L; ++i) {
+    float* dst = i + 1 == L ? out.data<float>() : (i % 2 == 0 ? ping.data() : pong.data());
+    block_forward(in, dst, n, hid, blocks[i], weights[i], a);
+    in = dst;
+  }
   return {out};
 }
 
@@ -731,3 +820,15 @@ PD_BUILD_OP(specgen_layer)
     .Attrs({"num_heads: int", "num_kv_heads: int", "capacity: int64_t", "qk_norm: bool", "eps: double",
             "prefix_capacity: int64_t"})
     .SetKernelFn(PD_KERNEL(Layer));
+
+PD_BUILD_OP(specgen_stack)
+    .Inputs({"X", paddle::Vec("AttnNorm"), paddle::Vec("WQkv"), paddle::Vec("BQkv"), paddle::Vec("WO"),
+             paddle::Vec("BO"), paddle::Vec("MlpNorm"), paddle::Vec("WGateUp"), paddle::Vec("BGateUp"),
+             paddle::Vec("WDown"), paddle::Vec("BDown"), "Cos", "Sin", "Positions", "Slots", paddle::Vec("KCache"),
+             paddle::Vec("VCache"), paddle::Vec("QNorm"), paddle::Vec("KNorm"), "PrefixLen", paddle::Vec("PrefixK"),
+             paddle::Vec("PrefixV")})
+    .Outputs({"Out", paddle::Vec("KCacheOut"), paddle::Vec("VCacheOut")})
+    .SetInplaceMap({{paddle::Vec("KCache"), paddle::Vec("KCacheOut")}, {paddle::Vec("VCache"), paddle::Vec("VCacheOut")}})
+    .Attrs({"num_heads: int", "num_kv_heads: int", "capacity: int64_t", "qk_norm: bool", "eps: double",
+            "prefix_capacity: int64_t"})
+    .SetKernelFn(PD_KERNEL(Stack));

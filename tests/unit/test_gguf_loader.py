@@ -336,6 +336,7 @@ def test_quantized_weights_stay_blocks_and_give_the_same_bits(tmp_path, monkeypa
     that multiplies by the blocks gives logits bit-identical to one over the dequantized weights."""
     from specgen import kernels
     from specgen.engine.model import Model
+    from specgen.engine.proposers.mtp import MtpHead, random_mtp_weights
     from specgen.engine.types import build_forward_batch
 
     path = tmp_path / "tiny.gguf"
@@ -369,6 +370,10 @@ def test_quantized_weights_stay_blocks_and_give_the_same_bits(tmp_path, monkeypa
             assert set(kinds.values()) == {"F32"}
         cache = m.new_cache(2, 32)
         results.append([t.numpy() for b in (pre, ver) for t in m.forward(b, cache)] + [c.numpy() for c in cache.k])
+        # an MTP head sharing the LM head over a draft vocabulary: those rows of the blocks, or of the float32 head
+        head = MtpHead(random_mtp_weights(ckpt.config, 5), "random", m, np.arange(3, 200, 7))
+        assert head.lm_head.kind == (kinds["lm_head"] if keep == "1" else "F32")
+        results[-1].append(head.lm_head.numpy())
     for a, b in zip(*results):
         assert np.array_equal(a, b)
 

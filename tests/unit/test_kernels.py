@@ -256,9 +256,10 @@ def test_packed_float32_model_rows_equal_whatever_the_block(monkeypatch):
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_fused_layer_op_is_bit_identical_to_op_by_op(arch):
-    """specgen_layer (one op per decoder block, float32 packed) against the same kernels called one by one:
-    every architecture (biases, qk-norm, GQA, interleaved RoPE), prefill then mixed verify/prefill blocks, with
-    and without a shared prefix: identical logits, hidden states and caches, bit for bit."""
+    """specgen_stack (every decoder block in one op) and specgen_layer (one op per block), float32 packed,
+    against the same kernels called one by one: every architecture (biases, qk-norm, GQA, interleaved RoPE),
+    prefill then mixed verify/prefill blocks, with and without a shared prefix: identical logits, hidden states
+    and caches, bit for bit."""
     m = load_model(TINY / arch, dtype="float32").model
     if not m.packs:
         pytest.skip("packed linear needs AVX-512")
@@ -273,8 +274,9 @@ def test_fused_layer_op_is_bit_identical_to_op_by_op(arch):
     shared = build_forward_batch(np.array([0, 1]), np.array([12, 12]), np.array([4, 5]), tails,
                                  np.zeros(2, bool), prefix_lens=np.array([12, 12]))
     results = []
-    for fused in (True, False):
-        m.fused_layer = fused
+    assert m.fused_stack
+    for fused, stack in ((True, True), (True, False), (False, False)):
+        m.fused_layer, m.fused_stack = fused, stack
         cache = m.new_cache(4, 64)
         out = [m.forward(b, cache) for b in (pre, ver)]
         pcache = m.new_cache(1, 64)  # the shared prefix's own cache, computed once
@@ -284,9 +286,9 @@ def test_fused_layer_op_is_bit_identical_to_op_by_op(arch):
         scache.prefix = pcache
         out.append(m.forward(shared, scache))
         results.append([t.numpy() for pair in out for t in pair] + [c.numpy() for c in cache.k + cache.v])
-    m.fused_layer = True
-    for a, b in zip(*results):
-        assert np.array_equal(a, b)
+    m.fused_layer = m.fused_stack = True
+    for a, b, c in zip(*results):
+        assert np.array_equal(a, b) and np.array_equal(a, c)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

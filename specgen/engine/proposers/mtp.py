@@ -68,7 +68,11 @@ class MtpHead:
                     or ids.max() >= cfg.vocab_size:
                 raise CheckpointError(f"{source}: draft vocabulary must be token ids in [0, {cfg.vocab_size})")
             self.draft_vocab = ids.astype(np.int64)
-            self.lm_head = paddle.gather(kernels.dense(self.lm_head), paddle.to_tensor(self.draft_vocab), axis=1)  # [hidden, V']
+            shared = main.w.lm_head_quant if head not in weights and main.keeps_quantized else None
+            if shared is not None:  # the main model's LM head kept in its GGUF blocks: their draft-vocabulary rows
+                self.lm_head = kernels.pack_quantized(shared.kind, shared.blocks[self.draft_vocab])  # [hidden, V']
+            else:
+                self.lm_head = paddle.gather(kernels.dense(self.lm_head), paddle.to_tensor(self.draft_vocab), axis=1)
         self.lm_head = main.pack(self.lm_head)
 
 
