@@ -641,10 +641,6 @@ struct LayerScratch {
   std::vector<float> h, qkv, att, o, sum, gu, act, m;
 };
 
-}  // namespace
-
-namespace {
-
 // One decoder block's tensors.
 struct BlockTensors {
   const paddle::Tensor &attn_norm, &w_qkv, &b_qkv, &w_o, &b_o, &mlp_norm, &w_gu, &b_gu, &w_down, &b_down;
@@ -661,7 +657,7 @@ struct StepInputs {
   int64_t prefix_capacity;
 };
 
-// The packed projections of a block, checked against the shapes they must have (errors name the block).
+// A block's packed projections, checked against the shapes the block needs (errors name the projection).
 struct BlockWeights {
   specgen::PackedWeight qkv, o, gu, down;
   int64_t D, inter;

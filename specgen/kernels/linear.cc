@@ -64,8 +64,8 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
-// The dequantized panel [k, 32] of one quantized panel (the reference path; also any m > kGroup on AVX-512,
-// where the panel is reused by several row groups).
+// The dequantized panel [k, 32] of one quantized panel, in scalar code: the quantized path of builds without
+// AVX-512 (with AVX-512, dequant_panel and qpanel_rows below do the same with vectors).
 void dequant_panel_ref(const uint8_t* p, int64_t k, Quant q, float* out) {
   const int64_t bytes = static_cast<int64_t>(q);
   for (int64_t b = 0; b < k / kBlock; ++b, p += bytes) {
