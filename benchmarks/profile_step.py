@@ -6,9 +6,9 @@ Fills every slot with a Spec-Bench summarization or RAG prompt, runs prefill and
 steps, split into: linear layers (matmuls on weights), LM head, attention (RoPE + cache write + attention,
 fused or the Paddle reference ops), norms and SiLU-gate, other tensor ops, sampling, verification and commit
 (the runner's host-side work), drafting (proposer), and the rest (Python). Also counts Paddle/fused op calls
-per step. --reference runs the Paddle reference path instead of the fused CPU kernels. With packed weights each
-decoder block is one fused op (specgen_layer), timed whole as "blocks"; --op-by-op calls its kernels one by one
-(SPECGEN_FUSED_LAYER=0) to split that time into linear, attention and norms.
+per step. --reference runs the Paddle reference path instead of the fused CPU kernels. With packed weights a
+forward's decoder blocks are one fused op (specgen_stack), timed whole as "blocks"; --op-by-op calls its kernels
+one by one (SPECGEN_FUSED_LAYER=0) to split that time into linear, attention and norms.
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def instrument(timer: Timer, model, engine_mod, vocab: int):
             pass
 
         t = TimedOps()
-        names = {"specgen_stack": "blocks", "specgen_layer": "blocks", "specgen_attention": "attention", "specgen_rms_norm": "norms + silu",
+        names = {"specgen_stack": "blocks", "specgen_attention": "attention", "specgen_rms_norm": "norms + silu",
                  "specgen_add_rms_norm": "norms + silu", "specgen_silu_mul": "norms + silu"}
         for op, label in names.items():
             setattr(t, op, getattr(model.ops, op))

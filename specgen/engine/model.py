@@ -135,6 +135,9 @@ class TensorReader:
 
 
 LINEAR_KEYS = ("w_qkv", "w_o", "w_gate_up", "w_down")  # a block's projections, [in, out] (or kernels.Packed)
+# specgen_stack's per-block arguments, in its order
+_BLOCK_ARGS = ("attn_norm", "w_qkv", "b_qkv", "w_o", "b_o", "mlp_norm", "w_gate_up", "b_gate_up", "w_down", "b_down",
+               "q_norm", "k_norm")
 
 
 class Weights:
@@ -192,12 +195,12 @@ class Model:
             for L, quant in zip(self.w.layers, self.w.layer_quants):
                 self.pack_layer(L, quant)
             self.w.lm_head = self.pack(self.w.lm_head, self.w.lm_head_quant)
-        # With packed weights a whole decoder block is one fused op (specgen_layer: the same kernels in the same
-        # order, bit-identical to the op-by-op path); SPECGEN_FUSED_LAYER=0 keeps the op-by-op path.
+        # With packed weights a decoder block is one fused op (specgen_stack: the same kernels in the same order,
+        # bit-identical to the op-by-op path), and all the blocks of a forward one call of it;
+        # SPECGEN_FUSED_STACK=0 calls it per block, SPECGEN_FUSED_LAYER=0 keeps the op-by-op path.
         self.fused_layer = self.packs and kernels.switch("SPECGEN_FUSED_LAYER")
-        # ... and all the blocks of a forward one op (specgen_stack), unless SPECGEN_FUSED_STACK=0.
         self.fused_stack = kernels.switch("SPECGEN_FUSED_STACK")
-        self._stack_weights = self._stack_norms = None  # gathered on first use
+        self._columns = None  # the main blocks' specgen_stack arguments, gathered on first use
         self._ones = paddle.ones([cfg.head_dim], dtype=dtype)  # stands in for absent q/k norm weights
         self._none = paddle.zeros([0], dtype=dtype)  # stands in for absent biases
 
@@ -313,24 +316,15 @@ class Model:
 
     def _fused_layer(self, x: paddle.Tensor, L: dict, ctx: "StepContext", k_cache: paddle.Tensor,
                      v_cache: paddle.Tensor, index: int) -> paddle.Tensor:
-        """`layer` with the fused operators: with packed weights the whole block is one op (specgen_layer), else
-        norms, RoPE + cache write + attention, and SiLU-gate are one op each around the projections."""
+        """`layer` with the fused operators: with packed weights the whole block is one op (specgen_stack over one
+        block), else norms, RoPE + cache write + attention, and SiLU-gate are one op each around the projections."""
+        if self.fused_layer:  # every block of a packing model went through pack_layer: its projections are Packed
+            return self._blocks(x, self._block_columns([L]), ctx, [k_cache], [v_cache], index)
         cfg, ops = self.config, self.ops
         eps = cfg.rms_norm_eps
         qk_norm = L["q_norm"] is not None
         pk = ctx.prefix_k[index] if ctx.prefix_k is not None else self._ones
         pv = ctx.prefix_v[index] if ctx.prefix_v is not None else self._ones
-        if self.fused_layer:  # every block of a packing model went through pack_layer: its projections are Packed
-            def bias(key):
-                return L[key] if L[key] is not None else self._none
-
-            out = ops.specgen_layer(
-                x, L["attn_norm"], L["w_qkv"].panels, bias("b_qkv"), L["w_o"].panels, bias("b_o"), L["mlp_norm"],
-                L["w_gate_up"].panels, bias("b_gate_up"), L["w_down"].panels, bias("b_down"), self.cos, self.sin,
-                ctx.positions, ctx.token_slots, k_cache, v_cache, L["q_norm"] if qk_norm else self._ones,
-                L["k_norm"] if qk_norm else self._ones, ctx.prefix_len, pk, pv, cfg.num_heads, cfg.num_kv_heads,
-                ctx.capacity, qk_norm, eps, ctx.prefix_capacity)
-            return out[0] if isinstance(out, (list, tuple)) else out  # [num_tokens, hidden]
         h = ops.specgen_rms_norm(x, L["attn_norm"], eps)
         qkv = self.matmul(h, L["w_qkv"])  # [num_tokens, (H + 2 KV) * D]
         if L["b_qkv"] is not None:
@@ -352,24 +346,25 @@ class Model:
             m = m + L["b_down"]
         return x + m
 
-    def _stack(self, x: paddle.Tensor, ctx: "StepContext", cache: KVCache) -> paddle.Tensor:
-        """Every decoder block in one op (specgen_stack: specgen_layer's code, block after block): x [num_tokens,
-        hidden] -> the last block's output, K/V written to every layer's cache."""
-        cfg = self.config
-        if self._stack_weights is None:  # the blocks' tensors, as lists, gathered once
-            def column(key):
-                stand_in = self._ones if key in ("q_norm", "k_norm") else self._none
-                return [L[key].panels if key in LINEAR_KEYS else L[key] if L[key] is not None else stand_in
-                        for L in self.w.layers]
+    def _block_columns(self, layers: list[dict]) -> list[list[paddle.Tensor]]:
+        """specgen_stack's per-block arguments for `layers`, one list per argument (absent biases and q/k norms
+        replaced by their stand-ins)."""
+        def column(key):
+            stand_in = self._ones if key in ("q_norm", "k_norm") else self._none
+            return [L[key].panels if key in LINEAR_KEYS else L[key] if L[key] is not None else stand_in for L in layers]
 
-            self._stack_weights = [column(key) for key in ("attn_norm", "w_qkv", "b_qkv", "w_o", "b_o", "mlp_norm",
-                                                           "w_gate_up", "b_gate_up", "w_down", "b_down")]
-            self._stack_norms = [column("q_norm"), column("k_norm")]
-        layers = len(self.w.layers)
-        pk = ctx.prefix_k if ctx.prefix_k is not None else [self._ones] * layers
-        pv = ctx.prefix_v if ctx.prefix_v is not None else [self._ones] * layers
-        out = self.ops.specgen_stack(x, *self._stack_weights, self.cos, self.sin, ctx.positions, ctx.token_slots,
-                                     cache.k, cache.v, *self._stack_norms, ctx.prefix_len, pk, pv, cfg.num_heads,
+        return [column(key) for key in _BLOCK_ARGS]
+
+    def _blocks(self, x: paddle.Tensor, columns: list, ctx: "StepContext", k_caches: list, v_caches: list,
+                first: int = 0) -> paddle.Tensor:
+        """Blocks first, first + 1, ... (their `_block_columns` and caches) in one specgen_stack call: x
+        [num_tokens, hidden] -> the last block's output; K/V written to each block's cache."""
+        cfg, count = self.config, len(k_caches)
+        pk = ctx.prefix_k[first:first + count] if ctx.prefix_k is not None else [self._ones] * count
+        pv = ctx.prefix_v[first:first + count] if ctx.prefix_v is not None else [self._ones] * count
+        *weights, q_norm, k_norm = columns
+        out = self.ops.specgen_stack(x, *weights, self.cos, self.sin, ctx.positions, ctx.token_slots, k_caches,
+                                     v_caches, q_norm, k_norm, ctx.prefix_len, pk, pv, cfg.num_heads,
                                      cfg.num_kv_heads, ctx.capacity, cfg.qk_norm, cfg.rms_norm_eps,
                                      ctx.prefix_capacity)
         return out[0] if isinstance(out, (list, tuple)) else out  # [num_tokens, hidden]
@@ -385,7 +380,9 @@ class Model:
         ctx = self.context(batch, cache)
         x = F.embedding(paddle.to_tensor(batch.token_ids), self.w.embed)  # [num_tokens, hidden]
         if self.ops is not None and self.fused_layer and self.fused_stack:
-            x = self._stack(x, ctx, cache)
+            if self._columns is None:  # every block's arguments, gathered once
+                self._columns = self._block_columns(self.w.layers)
+            x = self._blocks(x, self._columns, ctx, cache.k, cache.v)
         else:
             for li, L in enumerate(self.w.layers):
                 x = self.layer(x, L, ctx, cache.k[li], cache.v[li], li)

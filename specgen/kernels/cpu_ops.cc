@@ -12,9 +12,10 @@
 //                         result equals attention over a private copy of the prefix.
 //   specgen_argmax        x [n, v]                         -> int64 [n]: index of each row's largest value, the
 //                         lowest index on a tie (as paddle.argmax)
-//   specgen_layer         one whole pre-norm decoder block, float32 with packed weights (linear.cc): the ops
-//                         above and the four projections in one call, the same functions in the same order, so
-//                         bit-identical to calling them one by one, without ~8 Python-side op dispatches.
+//   specgen_stack         whole pre-norm decoder blocks, float32 with packed weights (linear.cc), one after the
+//                         other (each argument a list, one entry per block): the ops above and the four
+//                         projections, the same functions in the same order, so bit-identical to calling them one
+//                         by one; all 30 blocks of a forward are one call instead of ~250 Python-side dispatches.
 //
 // Every output row is computed from its own inputs in a fixed order, whatever else is in the batch, so results
 // do not depend on batch composition or on how many tokens a slot feeds (speculation on or off).
@@ -78,7 +79,7 @@ void check_cpu(const paddle::Tensor& t, const char* name) {
   PD_CHECK(t.is_cpu(), name, " must be a CPU tensor");
 }
 
-// Each token's position and cache slot (the attention inputs of specgen_attention and specgen_layer).
+// Each token's position and cache slot (the attention inputs of specgen_attention and specgen_stack).
 void check_token_index(const paddle::Tensor& positions, const paddle::Tensor& slots) {
   PD_CHECK(positions.dtype() == paddle::DataType::INT64 && slots.dtype() == paddle::DataType::INT64,
            "positions and slots must be int64");
@@ -665,7 +666,7 @@ struct BlockWeights {
 
 BlockWeights check_block(const BlockTensors& b, const StepInputs& a, int64_t hid) {
   check_cpu(b.k_cache, "k_cache");
-  PD_CHECK(b.k_cache.dtype() == paddle::DataType::FLOAT32, "specgen_layer: float32 caches only");
+  PD_CHECK(b.k_cache.dtype() == paddle::DataType::FLOAT32, "specgen_stack: float32 caches only");
   const int64_t D = b.k_cache.shape().back(), wq = (a.H + 2 * a.KV) * D;
   // w_down's inputs: [panels, inter, 32] float32, or [panels, inter / 32, bytes] quantized
   const int64_t inter = b.w_down.shape()[1] * (b.w_down.dtype() == paddle::DataType::FLOAT32 ? 1 : 32);
@@ -712,7 +713,7 @@ StepInputs step_inputs(const paddle::Tensor& x, const paddle::Tensor& cos, const
                        int num_heads, int num_kv_heads, int64_t capacity, bool qk_norm, double eps,
                        int64_t prefix_capacity) {
   check_cpu(x, "x");
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && x.shape().size() == 2, "specgen_layer: float32 x [n, hidden]");
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && x.shape().size() == 2, "specgen_stack: float32 x [n, hidden]");
   check_token_index(positions, slots);
   return {cos, sin, positions, slots, prefix_len, num_heads, num_kv_heads, capacity, qk_norm,
           static_cast<float>(eps), prefix_capacity};
@@ -720,29 +721,7 @@ StepInputs step_inputs(const paddle::Tensor& x, const paddle::Tensor& cos, const
 
 }  // namespace
 
-std::vector<paddle::Tensor> Layer(const paddle::Tensor& x, const paddle::Tensor& attn_norm, const paddle::Tensor& w_qkv,
-                                  const paddle::Tensor& b_qkv, const paddle::Tensor& w_o, const paddle::Tensor& b_o,
-                                  const paddle::Tensor& mlp_norm, const paddle::Tensor& w_gu,
-                                  const paddle::Tensor& b_gu, const paddle::Tensor& w_down,
-                                  const paddle::Tensor& b_down, const paddle::Tensor& cos, const paddle::Tensor& sin,
-                                  const paddle::Tensor& positions, const paddle::Tensor& slots,
-                                  paddle::Tensor& k_cache, paddle::Tensor& v_cache, const paddle::Tensor& q_norm,
-                                  const paddle::Tensor& k_norm, const paddle::Tensor& prefix_len,
-                                  const paddle::Tensor& prefix_k, const paddle::Tensor& prefix_v, int num_heads,
-                                  int num_kv_heads, int64_t capacity, bool qk_norm, double eps,
-                                  int64_t prefix_capacity) {
-  const StepInputs a = step_inputs(x, cos, sin, positions, slots, prefix_len, num_heads, num_kv_heads, capacity,
-                                   qk_norm, eps, prefix_capacity);
-  const BlockTensors b{attn_norm, w_qkv, b_qkv, w_o, b_o, mlp_norm, w_gu, b_gu, w_down, b_down,
-                       k_cache, v_cache, q_norm, k_norm, prefix_k, prefix_v};
-  const int64_t n = x.shape()[0], hid = x.shape()[1];
-  const BlockWeights w = check_block(b, a, hid);
-  auto out = paddle::empty({n, hid}, paddle::DataType::FLOAT32, x.place());
-  if (n > 0) block_forward(x.data<float>(), out.data<float>(), n, hid, b, w, a);
-  return {out};
-}
-
-// Every decoder block of the model in one call: block i of each list is specgen_layer's argument for layer i.
+// Blocks 0 .. L-1 in one call, each list holding block i's tensor at i: x [n, hidden] -> the last block's output.
 std::vector<paddle::Tensor> Stack(const paddle::Tensor& x, const std::vector<paddle::Tensor>& attn_norm,
                                   const std::vector<paddle::Tensor>& w_qkv, const std::vector<paddle::Tensor>& b_qkv,
                                   const std::vector<paddle::Tensor>& w_o, const std::vector<paddle::Tensor>& b_o,
@@ -807,15 +786,6 @@ PD_BUILD_OP(specgen_attention)
             "prefix_capacity: int64_t"})
     .SetKernelFn(PD_KERNEL(Attention));
 
-
-PD_BUILD_OP(specgen_layer)
-    .Inputs({"X", "AttnNorm", "WQkv", "BQkv", "WO", "BO", "MlpNorm", "WGateUp", "BGateUp", "WDown", "BDown", "Cos",
-             "Sin", "Positions", "Slots", "KCache", "VCache", "QNorm", "KNorm", "PrefixLen", "PrefixK", "PrefixV"})
-    .Outputs({"Out", "KCacheOut", "VCacheOut"})
-    .SetInplaceMap({{"KCache", "KCacheOut"}, {"VCache", "VCacheOut"}})
-    .Attrs({"num_heads: int", "num_kv_heads: int", "capacity: int64_t", "qk_norm: bool", "eps: double",
-            "prefix_capacity: int64_t"})
-    .SetKernelFn(PD_KERNEL(Layer));
 
 PD_BUILD_OP(specgen_stack)
     .Inputs({"X", paddle::Vec("AttnNorm"), paddle::Vec("WQkv"), paddle::Vec("BQkv"), paddle::Vec("WO"),

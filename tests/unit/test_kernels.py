@@ -256,7 +256,7 @@ def test_packed_float32_model_rows_equal_whatever_the_block(monkeypatch):
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_fused_layer_op_is_bit_identical_to_op_by_op(arch):
-    """specgen_stack (every decoder block in one op) and specgen_layer (one op per block), float32 packed,
+    """specgen_stack over every decoder block at once and over one block per call, float32 packed,
     against the same kernels called one by one: every architecture (biases, qk-norm, GQA, interleaved RoPE),
     prefill then mixed verify/prefill blocks, with and without a shared prefix: identical logits, hidden states
     and caches, bit for bit."""
