@@ -319,7 +319,7 @@ class Model:
         """`layer` with the fused operators: with packed weights the whole block is one op (specgen_stack over one
         block), else norms, RoPE + cache write + attention, and SiLU-gate are one op each around the projections."""
         if self.fused_layer:  # every block of a packing model went through pack_layer: its projections are Packed
-            return self._blocks(x, self._block_columns([L]), ctx, [k_cache], [v_cache], index)
+            return self._blocks(x, self.block_columns([L]), ctx, [k_cache], [v_cache], index)
         cfg, ops = self.config, self.ops
         eps = cfg.rms_norm_eps
         qk_norm = L["q_norm"] is not None
@@ -346,7 +346,7 @@ class Model:
             m = m + L["b_down"]
         return x + m
 
-    def _block_columns(self, layers: list[dict]) -> list[list[paddle.Tensor]]:
+    def block_columns(self, layers: list[dict]) -> list[list[paddle.Tensor]]:
         """specgen_stack's per-block arguments for `layers`, one list per argument (absent biases and q/k norms
         replaced by their stand-ins)."""
         def column(key):
@@ -357,7 +357,7 @@ class Model:
 
     def _blocks(self, x: paddle.Tensor, columns: list, ctx: "StepContext", k_caches: list, v_caches: list,
                 first: int = 0) -> paddle.Tensor:
-        """Blocks first, first + 1, ... (their `_block_columns` and caches) in one specgen_stack call: x
+        """Blocks first, first + 1, ... (their `block_columns` and caches) in one specgen_stack call: x
         [num_tokens, hidden] -> the last block's output; K/V written to each block's cache."""
         cfg, count = self.config, len(k_caches)
         pk = ctx.prefix_k[first:first + count] if ctx.prefix_k is not None else [self._ones] * count
@@ -381,7 +381,7 @@ class Model:
         x = F.embedding(paddle.to_tensor(batch.token_ids), self.w.embed)  # [num_tokens, hidden]
         if self.ops is not None and self.fused_layer and self.fused_stack:
             if self._columns is None:  # every block's arguments, gathered once
-                self._columns = self._block_columns(self.w.layers)
+                self._columns = self.block_columns(self.w.layers)
             x = self._blocks(x, self._columns, ctx, cache.k, cache.v)
         else:
             for li, L in enumerate(self.w.layers):

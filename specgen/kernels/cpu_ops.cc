@@ -16,6 +16,9 @@
 //                         other (each argument a list, one entry per block): the ops above and the four
 //                         projections, the same functions in the same order, so bit-identical to calling them one
 //                         by one; all 30 blocks of a forward are one call instead of ~250 Python-side dispatches.
+//   specgen_mtp_draft     an MTP head's pass for a step: input norms and eh_proj, its block(s) (specgen_stack's code),
+//                         final norm, LM head and argmax at each sequence's last token, then depth - 1 chained
+//                         passes on its own drafts; the same functions in the same order as MtpProposer._run.
 //
 // Every output row is computed from its own inputs in a fixed order, whatever else is in the batch, so results
 // do not depend on batch composition or on how many tokens a slot feeds (speculation on or off).
@@ -651,7 +654,8 @@ struct BlockTensors {
 
 // What every block of one forward shares.
 struct StepInputs {
-  const paddle::Tensor &cos, &sin, &positions, &slots, &prefix_len;
+  const float *cos, *sin;
+  const int64_t *positions, *slots, *prefix_len;  // [n] per token
   int64_t H, KV, capacity;
   bool qk_norm;
   float eps;
@@ -691,10 +695,10 @@ void block_forward(const float* x, float* out, int64_t n, int64_t hid, const Blo
   rms_norm_rows<float>(x, b.attn_norm.data<float>(), s.h.data(), n, hid, a.eps);
   specgen::packed_linear(s.h.data(), n, hid, w.qkv, s.qkv.data(), wq);
   add_bias(s.qkv.data(), b.b_qkv, n, wq);
-  attention<float>(s.qkv.data(), a.cos.data<float>(), a.sin.data<float>(), a.positions.data<int64_t>(),
-                   a.slots.data<int64_t>(), b.k_cache.data<float>(), b.v_cache.data<float>(), b.q_norm.data<float>(),
+  attention<float>(s.qkv.data(), a.cos, a.sin, a.positions, a.slots, b.k_cache.data<float>(),
+                   b.v_cache.data<float>(), b.q_norm.data<float>(),
                    b.k_norm.data<float>(), s.att.data(), n, H, KV, D, a.capacity, a.qk_norm, a.eps, 8,
-                   a.prefix_len.data<int64_t>(), b.prefix_k.data<float>(), b.prefix_v.data<float>(),
+                   a.prefix_len, b.prefix_k.data<float>(), b.prefix_v.data<float>(),
                    a.prefix_capacity);
   specgen::packed_linear(s.att.data(), n, H * D, w.o, s.o.data(), hid);
   add_bias(s.o.data(), b.b_o, n, hid);
@@ -715,54 +719,164 @@ StepInputs step_inputs(const paddle::Tensor& x, const paddle::Tensor& cos, const
   check_cpu(x, "x");
   PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && x.shape().size() == 2, "specgen_stack: float32 x [n, hidden]");
   check_token_index(positions, slots);
-  return {cos, sin, positions, slots, prefix_len, num_heads, num_kv_heads, capacity, qk_norm,
-          static_cast<float>(eps), prefix_capacity};
+  return {cos.data<float>(), sin.data<float>(), positions.data<int64_t>(), slots.data<int64_t>(),
+          prefix_len.data<int64_t>(), num_heads, num_kv_heads, capacity, qk_norm, static_cast<float>(eps),
+          prefix_capacity};
 }
 
 }  // namespace
 
-// Blocks 0 .. L-1 in one call, each list holding block i's tensor at i: x [n, hidden] -> the last block's output.
-std::vector<paddle::Tensor> Stack(const paddle::Tensor& x, const std::vector<paddle::Tensor>& attn_norm,
-                                  const std::vector<paddle::Tensor>& w_qkv, const std::vector<paddle::Tensor>& b_qkv,
-                                  const std::vector<paddle::Tensor>& w_o, const std::vector<paddle::Tensor>& b_o,
-                                  const std::vector<paddle::Tensor>& mlp_norm,
-                                  const std::vector<paddle::Tensor>& w_gu, const std::vector<paddle::Tensor>& b_gu,
-                                  const std::vector<paddle::Tensor>& w_down,
-                                  const std::vector<paddle::Tensor>& b_down, const paddle::Tensor& cos,
-                                  const paddle::Tensor& sin, const paddle::Tensor& positions,
-                                  const paddle::Tensor& slots, std::vector<paddle::Tensor>& k_cache,
-                                  std::vector<paddle::Tensor>& v_cache, const std::vector<paddle::Tensor>& q_norm,
-                                  const std::vector<paddle::Tensor>& k_norm, const paddle::Tensor& prefix_len,
-                                  const std::vector<paddle::Tensor>& prefix_k,
-                                  const std::vector<paddle::Tensor>& prefix_v, int num_heads, int num_kv_heads,
-                                  int64_t capacity, bool qk_norm, double eps, int64_t prefix_capacity) {
-  const StepInputs a = step_inputs(x, cos, sin, positions, slots, prefix_len, num_heads, num_kv_heads, capacity,
-                                   qk_norm, eps, prefix_capacity);
+namespace {
+
+using Tensors = std::vector<paddle::Tensor>;
+
+// Blocks 0 .. L-1 of one forward, block i's tensors at index i of each list (errors name the projection).
+struct Blocks {
+  std::vector<BlockTensors> tensors;
+  std::vector<BlockWeights> weights;
+};
+
+Blocks collect_blocks(const StepInputs& a, int64_t hid, const Tensors& attn_norm, const Tensors& w_qkv,
+                      const Tensors& b_qkv, const Tensors& w_o, const Tensors& b_o, const Tensors& mlp_norm,
+                      const Tensors& w_gu, const Tensors& b_gu, const Tensors& w_down, const Tensors& b_down,
+                      Tensors& k_cache, Tensors& v_cache, const Tensors& q_norm, const Tensors& k_norm,
+                      const Tensors& prefix_k, const Tensors& prefix_v) {
   const size_t L = attn_norm.size();
   for (const auto* list : {&w_qkv, &b_qkv, &w_o, &b_o, &mlp_norm, &w_gu, &b_gu, &w_down, &b_down, &q_norm, &k_norm,
                            &prefix_k, &prefix_v})
     PD_CHECK(list->size() == L, "specgen_stack: every list needs one tensor per block");
   PD_CHECK(k_cache.size() == L && v_cache.size() == L && L > 0, "specgen_stack: one cache per block");
-  const int64_t n = x.shape()[0], hid = x.shape()[1];
-  std::vector<BlockTensors> blocks;
-  std::vector<BlockWeights> weights;
+  Blocks b;
   for (size_t i = 0; i < L; ++i) {
-    blocks.push_back({attn_norm[i], w_qkv[i], b_qkv[i], w_o[i], b_o[i], mlp_norm[i], w_gu[i], b_gu[i], w_down[i],
-                      b_down[i], k_cache[i], v_cache[i], q_norm[i], k_norm[i], prefix_k[i], prefix_v[i]});
-    weights.push_back(check_block(blocks.back(), a, hid));
+    b.tensors.push_back({attn_norm[i], w_qkv[i], b_qkv[i], w_o[i], b_o[i], mlp_norm[i], w_gu[i], b_gu[i], w_down[i],
+                         b_down[i], k_cache[i], v_cache[i], q_norm[i], k_norm[i], prefix_k[i], prefix_v[i]});
+    b.weights.push_back(check_block(b.tensors.back(), a, hid));
   }
-  auto out = paddle::empty({n, hid}, paddle::DataType::FLOAT32, x.place());
-  if (n == 0) return {out};
+  return b;
+}
+
+// out [n, hid] = the blocks applied one after the other to x [n, hid] (n > 0).
+void run_blocks(const float* x, float* out, int64_t n, int64_t hid, const Blocks& b, const StepInputs& a) {
   static thread_local std::vector<float> ping, pong;  // block outputs between blocks
   ping.resize(n * hid);
   pong.resize(n * hid);
-  const float* in = x.data<float>();
+  const size_t L = b.tensors.size();
+  const float* in = x;
   for (size_t i = 0; i < L; ++i) {
-    float* dst = i + 1 == L ? out.data<float>() : (i % 2 == 0 ? ping.data() : pong.data());
-    block_forward(in, dst, n, hid, blocks[i], weights[i], a);
+    float* dst = i + 1 == L ? out : (i % 2 == 0 ? ping.data() : pong.data());
+    block_forward(in, dst, n, hid, b.tensors[i], b.weights[i], a);
     in = dst;
   }
+}
+
+}  // namespace
+
+// Blocks 0 .. L-1 in one call, each list holding block i's tensor at i: x [n, hidden] -> the last block's output.
+std::vector<paddle::Tensor> Stack(const paddle::Tensor& x, const Tensors& attn_norm, const Tensors& w_qkv,
+                                  const Tensors& b_qkv, const Tensors& w_o, const Tensors& b_o,
+                                  const Tensors& mlp_norm, const Tensors& w_gu, const Tensors& b_gu,
+                                  const Tensors& w_down, const Tensors& b_down, const paddle::Tensor& cos,
+                                  const paddle::Tensor& sin, const paddle::Tensor& positions,
+                                  const paddle::Tensor& slots, Tensors& k_cache, Tensors& v_cache,
+                                  const Tensors& q_norm, const Tensors& k_norm, const paddle::Tensor& prefix_len,
+                                  const Tensors& prefix_k, const Tensors& prefix_v, int num_heads, int num_kv_heads,
+                                  int64_t capacity, bool qk_norm, double eps, int64_t prefix_capacity) {
+  const StepInputs a = step_inputs(x, cos, sin, positions, slots, prefix_len, num_heads, num_kv_heads, capacity,
+                                   qk_norm, eps, prefix_capacity);
+  const int64_t n = x.shape()[0], hid = x.shape()[1];
+  const Blocks b = collect_blocks(a, hid, attn_norm, w_qkv, b_qkv, w_o, b_o, mlp_norm, w_gu, b_gu, w_down, b_down,
+                                  k_cache, v_cache, q_norm, k_norm, prefix_k, prefix_v);
+  auto out = paddle::empty({n, hid}, paddle::DataType::FLOAT32, x.place());
+  if (n > 0) run_blocks(x.data<float>(), out.data<float>(), n, hid, b, a);
   return {out};
+}
+
+// An MTP head's whole pass for a step (see MtpProposer in specgen/engine/proposers/mtp.py, which runs the same
+// functions one op at a time): for each catch-up token t, input [rms_norm(embed[token_ids[t]], enorm);
+// rms_norm(hidden[rows[t]], hnorm)] @ eh_proj, the head's blocks (caches written), then at each sequence's last
+// token the final norm, the LM head and the argmax: draft 0. Drafts 1 .. depth-1 apply the head again to its own
+// output row and draft (mapped through draft_vocab when it is not empty), one position further on.
+// -> drafts int64 [num_seqs, depth] (LM-head column indices mapped through draft_vocab).
+std::vector<paddle::Tensor> MtpDraft(
+    const paddle::Tensor& token_ids, const paddle::Tensor& hidden, const paddle::Tensor& rows,
+    const paddle::Tensor& embed, const paddle::Tensor& enorm, const paddle::Tensor& hnorm,
+    const paddle::Tensor& eh_proj, const Tensors& attn_norm, const Tensors& w_qkv, const Tensors& b_qkv,
+    const Tensors& w_o, const Tensors& b_o, const Tensors& mlp_norm, const Tensors& w_gu, const Tensors& b_gu,
+    const Tensors& w_down, const Tensors& b_down, const paddle::Tensor& cos, const paddle::Tensor& sin,
+    const paddle::Tensor& positions, const paddle::Tensor& slots, Tensors& k_cache, Tensors& v_cache,
+    const Tensors& q_norm, const Tensors& k_norm, const paddle::Tensor& prefix_len, const Tensors& prefix_k,
+    const Tensors& prefix_v, const paddle::Tensor& last_rows, const paddle::Tensor& final_norm,
+    const paddle::Tensor& lm_head, const paddle::Tensor& draft_vocab, int num_heads, int num_kv_heads,
+    int64_t capacity, bool qk_norm, double eps, int64_t prefix_capacity, int depth, int64_t vocab) {
+  check_cpu(hidden, "hidden");
+  PD_CHECK(hidden.dtype() == paddle::DataType::FLOAT32 && embed.dtype() == paddle::DataType::FLOAT32,
+           "specgen_mtp_draft: float32 hidden states and embedding");
+  const int64_t hid = hidden.shape()[1], n = token_ids.numel(), S = last_rows.numel();
+  const int64_t num_hidden = hidden.shape()[0], V = embed.shape()[0];
+  PD_CHECK(rows.numel() == n && positions.numel() == n && slots.numel() == n && prefix_len.numel() == n,
+           "specgen_mtp_draft: one row, position, slot and prefix length per token");
+  PD_CHECK(depth >= 1, "specgen_mtp_draft: depth >= 1");
+  const StepInputs a = step_inputs(hidden, cos, sin, positions, slots, prefix_len, num_heads, num_kv_heads,
+                                   capacity, qk_norm, eps, prefix_capacity);
+  const Blocks b = collect_blocks(a, hid, attn_norm, w_qkv, b_qkv, w_o, b_o, mlp_norm, w_gu, b_gu, w_down, b_down,
+                                  k_cache, v_cache, q_norm, k_norm, prefix_k, prefix_v);
+  const specgen::PackedWeight eh = specgen::packed_weight(eh_proj, 2 * hid, hid, "eh_proj");
+  const specgen::PackedWeight lm = specgen::packed_weight(lm_head, hid, vocab, "lm_head");
+  const int64_t nv = draft_vocab.numel();
+  PD_CHECK(nv == 0 || nv == vocab, "specgen_mtp_draft: draft_vocab needs one token id per LM-head column");
+  auto drafts = paddle::empty({S, depth}, paddle::DataType::INT64, hidden.place());
+  if (n == 0 || S == 0) return {drafts};
+  const int64_t *tok = token_ids.data<int64_t>(), *row = rows.data<int64_t>(), *last = last_rows.data<int64_t>();
+  const int64_t *ids = nv ? draft_vocab.data<int64_t>() : nullptr, *pos = positions.data<int64_t>();
+  const int64_t* slot = slots.data<int64_t>();
+  const float *emb = embed.data<float>(), *hs = hidden.data<float>(), *fn = final_norm.data<float>();
+  const float eps_f = static_cast<float>(eps);
+  static thread_local std::vector<float> in, x, y, last_x, normed, logits;
+  std::vector<int64_t> idx(S), chain_tok(S), chain_row(S), chain_pos(S), chain_slot(S), chain_zero(S, 0);
+  int64_t* out = drafts.data<int64_t>();
+  for (int d = 0; d < depth; ++d) {
+    // pass d: catch-up tokens (d == 0) or one token per sequence, fed its previous draft and output row
+    const int64_t m = d == 0 ? n : S;
+    const int64_t *t_tok = d == 0 ? tok : chain_tok.data(), *t_pos = d == 0 ? pos : chain_pos.data();
+    const int64_t* t_slot = d == 0 ? slot : chain_slot.data();
+    in.resize(m * 2 * hid);
+    for (int64_t t = 0; t < m; ++t) {
+      PD_CHECK(t_tok[t] >= 0 && t_tok[t] < V, "specgen_mtp_draft: token id out of range");
+      const float* h_row = d == 0 ? hs + row[t] * hid : last_x.data() + t * hid;
+      PD_CHECK(d > 0 || (row[t] >= 0 && row[t] < num_hidden), "specgen_mtp_draft: hidden row out of range");
+      rms_norm_rows<float>(emb + t_tok[t] * hid, enorm.data<float>(), in.data() + t * 2 * hid, 1, hid, eps_f);
+      rms_norm_rows<float>(h_row, hnorm.data<float>(), in.data() + t * 2 * hid + hid, 1, hid, eps_f);
+    }
+    x.resize(m * hid);
+    y.resize(m * hid);
+    specgen::packed_linear(in.data(), m, 2 * hid, eh, x.data(), hid);
+    StepInputs pass = a;  // the chained passes: their own positions and slots, no shared prefix
+    if (d > 0) {
+      pass.positions = chain_pos.data();
+      pass.slots = chain_slot.data();
+      pass.prefix_len = chain_zero.data();
+    }
+    run_blocks(x.data(), y.data(), m, hid, b, pass);
+    last_x.resize(S * hid);
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t r = d == 0 ? last[s] : s;
+      PD_CHECK(r >= 0 && r < m, "specgen_mtp_draft: last row out of range");
+      std::copy(y.data() + r * hid, y.data() + (r + 1) * hid, last_x.data() + s * hid);
+    }
+    normed.resize(S * hid);
+    rms_norm_rows<float>(last_x.data(), fn, normed.data(), S, hid, eps_f);
+    logits.resize(S * vocab);
+    specgen::packed_linear(normed.data(), S, hid, lm, logits.data(), vocab);
+    argmax_rows<float>(logits.data(), S, vocab, idx.data());
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t r = d == 0 ? last[s] : s;
+      out[s * depth + d] = ids ? ids[idx[s]] : idx[s];
+      chain_tok[s] = out[s * depth + d];
+      chain_pos[s] = t_pos[r] + 1;
+      chain_slot[s] = t_slot[r];
+    }
+  }
+  return {drafts};
 }
 
 PD_BUILD_OP(specgen_rms_norm).Inputs({"X", "W"}).Outputs({"Out"}).Attrs({"eps: double"}).SetKernelFn(PD_KERNEL(RmsNorm));
@@ -798,3 +912,16 @@ PD_BUILD_OP(specgen_stack)
     .Attrs({"num_heads: int", "num_kv_heads: int", "capacity: int64_t", "qk_norm: bool", "eps: double",
             "prefix_capacity: int64_t"})
     .SetKernelFn(PD_KERNEL(Stack));
+
+PD_BUILD_OP(specgen_mtp_draft)
+    .Inputs({"TokenIds", "Hidden", "Rows", "Embed", "ENorm", "HNorm", "EhProj", paddle::Vec("AttnNorm"),
+             paddle::Vec("WQkv"), paddle::Vec("BQkv"), paddle::Vec("WO"), paddle::Vec("BO"), paddle::Vec("MlpNorm"),
+             paddle::Vec("WGateUp"), paddle::Vec("BGateUp"), paddle::Vec("WDown"), paddle::Vec("BDown"), "Cos", "Sin",
+             "Positions", "Slots", paddle::Vec("KCache"), paddle::Vec("VCache"), paddle::Vec("QNorm"),
+             paddle::Vec("KNorm"), "PrefixLen", paddle::Vec("PrefixK"), paddle::Vec("PrefixV"), "LastRows",
+             "FinalNorm", "LmHead", "DraftVocab"})
+    .Outputs({"Drafts", paddle::Vec("KCacheOut"), paddle::Vec("VCacheOut")})
+    .SetInplaceMap({{paddle::Vec("KCache"), paddle::Vec("KCacheOut")}, {paddle::Vec("VCache"), paddle::Vec("VCacheOut")}})
+    .Attrs({"num_heads: int", "num_kv_heads: int", "capacity: int64_t", "qk_norm: bool", "eps: double",
+            "prefix_capacity: int64_t", "depth: int", "vocab: int64_t"})
+    .SetKernelFn(PD_KERNEL(MtpDraft));

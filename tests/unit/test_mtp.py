@@ -49,25 +49,34 @@ def reference_drafts(lm, head, seq, k):
     return out
 
 
-@pytest.mark.parametrize("k,oracle", [(1, False), (3, False), (3, True)])
-def test_incremental_drafts_equal_reference(tiny_model64, k, oracle):
-    head = MtpHead(random_mtp_weights(tiny_model64.config, seed=1, std=0.3), "random", tiny_model64.model)
+@pytest.mark.parametrize("dtype,k,oracle,vocab", [("float64", 1, False, False), ("float64", 3, False, False),
+                                                   ("float64", 3, True, False), ("float32", 1, False, False),
+                                                   ("float32", 3, False, True), ("float32", 3, True, False)])
+def test_incremental_drafts_equal_reference(tiny_model64, tiny_model, dtype, k, oracle, vocab):
+    """float32 runs the step's head pass as one fused op (specgen_mtp_draft), the reference `_run`'s op-by-op
+    path: their drafts must agree bit for bit, with and without a draft vocabulary."""
+    lm = tiny_model64 if dtype == "float64" else tiny_model
+    ids = np.arange(0, lm.config.vocab_size, 3) if vocab else None  # a draft vocabulary of every third token
+    head = MtpHead(random_mtp_weights(lm.config, seed=1, std=0.3), "random", lm.model, ids)
     rng = np.random.default_rng(0)
     reqs = [Request(str(i), i, tuple(int(x) for x in rng.integers(3, 300, int(rng.integers(2, 20)))),
                     SamplingParams(max_tokens=64, ignore_eos=True)) for i in range(10)]
     full = None
     if oracle:
-        plain = Engine(tiny_model64.model, None, EngineConfig(batch_size=4, dtype="float64"))
+        plain = Engine(lm.model, None, EngineConfig(batch_size=4, dtype=dtype))
         full = [list(r.prompt_ids) + o.token_ids for r, o in zip(reqs, sorted(plain.run(reqs), key=lambda o: o.index))]
-    prop = Recording(tiny_model64.model, head, k, oracle=full)
-    eng = Engine(tiny_model64.model, None, EngineConfig(batch_size=4, dtype="float64"), prop)
+    prop = Recording(lm.model, head, k, oracle=full)
+    assert prop.fused == (dtype == "float32" and lm.model.fused_layer)
+    eng = Engine(lm.model, None, EngineConfig(batch_size=4, dtype=dtype), prop)
     outs = sorted(eng.run(reqs), key=lambda o: o.index)
     assert len(outs) == 10 and len(prop.log) >= (10 * 64 // (k + 1) if oracle else 10 * 63)
     if oracle:
         assert [list(r.prompt_ids) + o.token_ids for r, o in zip(reqs, outs)] == full
         assert sum(o.stats.num_accepted_tokens for o in outs) >= 10 * 64 * k // (k + 1) - 10 * k
-    mismatches = [(len(seq), list(d), reference_drafts(tiny_model64, head, seq, k))
-                  for seq, d in prop.log if list(d) != reference_drafts(tiny_model64, head, seq, k)]
+    if vocab:
+        assert all(np.isin(d, ids).all() for _, d in prop.log)
+    mismatches = [(len(seq), list(d), reference_drafts(lm, head, seq, k))
+                  for seq, d in prop.log if list(d) != reference_drafts(lm, head, seq, k)]
     assert mismatches == []
 
 
@@ -106,3 +115,25 @@ def test_mtp_through_the_api_and_missing_head(tiny_model64, tmp_path):
         generate(prompts, model=tiny_model64, speculative=SpecConfig(method="mtp"))
     with pytest.raises(CheckpointError, match="no MTP weights"):
         MtpHead({}, "empty", tiny_model64.model)
+
+
+def test_head_projections_are_q8_0_blocks_beside_a_quantized_main_model(tiny_model, monkeypatch):
+    """A float32 main model whose weights are packed as blocks packs the head's projections as Q8_0 (gguf.quants'
+    rounding: within half a step of each 32-weight block's scale); SPECGEN_QUANTIZED_HEAD=0 keeps float32."""
+    from specgen.engine.model import LINEAR_KEYS
+
+    m = tiny_model.model
+    weights = random_mtp_weights(tiny_model.config, seed=4, std=0.3)
+    heads = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("SPECGEN_QUANTIZED_HEAD", flag)
+        heads[flag] = MtpHead(weights, "random", m)
+    assert m.keeps_quantized
+    for key in LINEAR_KEYS + ("eh_proj",):
+        q, f = (h.eh_proj if key == "eh_proj" else h.block[key] for h in (heads["1"], heads["0"]))
+        assert (q.kind, f.kind) == ("Q8_0", "F32")
+        wq, wf = q.numpy(), f.numpy()  # [in, out]
+        step = np.abs(wf).reshape(-1, 32, wf.shape[1]).max(axis=1) / 127  # [in / 32, out] each block's scale
+        # half a step, plus 127 times the scale's own rounding to float16 (2^-11 relative)
+        assert np.all(np.abs(wq - wf).reshape(-1, 32, wf.shape[1]) <= step[:, None, :] * (0.5 + 127 * 2.0 ** -11))
+        assert not np.array_equal(wq, wf)

@@ -57,9 +57,11 @@ def perturbed_head(lm, arch_model, seed):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "ernie4_5"])
-def test_training_forward_equals_engine_drafts(arch):
+def test_training_forward_equals_engine_drafts(arch, monkeypatch):
     """Block outputs, logits and argmax of the training forward (both drafts) equal MtpProposer's for every
-    prefix of a sequence: the exported head, loaded by the engine, computes what was trained."""
+    prefix of a sequence: the exported head, loaded by the engine with float32 projections, computes what was
+    trained (by default the engine packs them as Q8_0 blocks: test_mtp.py checks those)."""
+    monkeypatch.setenv("SPECGEN_QUANTIZED_HEAD", "0")
     lm = load_model(TINY / arch, threads=1)
     m = lm.model
     head = perturbed_head(lm, m, seed=3)
@@ -281,7 +283,8 @@ def test_training_is_reproducible_and_resumes_exactly(lm, data_dir, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_saved_head_reloads_bit_identically(lm, tmp_path, dtype):
+def test_saved_head_reloads_bit_identically(lm, tmp_path, dtype, monkeypatch):
+    monkeypatch.setenv("SPECGEN_QUANTIZED_HEAD", "0")  # the engine's float32 copy (not its default Q8_0 blocks)
     head = perturbed_head(lm, lm.model, seed=5)
     weights = export_weights(head, dtype)
     save_mtp(tmp_path, weights)

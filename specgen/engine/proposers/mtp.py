@@ -22,10 +22,11 @@ import paddle.nn.functional as F
 from specgen import kernels
 from specgen.config import SpecConfig
 from specgen.engine.kv_cache import KVCache
-from specgen.engine.model import Model, TensorReader, rms_norm
+from specgen.engine.model import LINEAR_KEYS, Model, TensorReader
 from specgen.engine.proposers.base import SlotView
 from specgen.engine.types import DraftTokens, StepUpdate, build_forward_batch
 from specgen.errors import CheckpointError
+from specgen.models.checkpoint import QuantRows
 from specgen.models.config import ModelConfig
 
 
@@ -56,8 +57,14 @@ class MtpHead:
                                   f"model.mtp_linear_proj.0.weight)")
         self.enorm = r.param(names[0], (h,))
         self.hnorm = r.param(names[1], (h,))
-        self.eh_proj = main.pack(r.to_paddle(r.get(names[2], (h, 2 * h)).T))  # [2 hidden, hidden]: [emb; hidden] -> hidden
-        self.block = main.pack_layer(r.layer(block))
+        # With the main model in GGUF blocks, the head's float32 projections are packed as Q8_0 blocks too: its
+        # pass reads ~4.5 instead of ~17 MB for the default model. Only the drafts can change, never the outputs;
+        # SPECGEN_QUANTIZED_HEAD=0 keeps them float32.
+        q8 = main.keeps_quantized and kernels.switch("SPECGEN_QUANTIZED_HEAD")
+        eh = r.to_paddle(r.get(names[2], (h, 2 * h)).T)  # [2 hidden, hidden]: [emb; hidden] -> hidden
+        self.eh_proj = main.pack(eh, _q8_0(eh) if q8 else None)
+        L = r.layer(block)
+        self.block = main.pack_layer(L, {key: _q8_0(L[key]) for key in LINEAR_KEYS} if q8 else None)
         self.final_norm = r.param(norm, (h,)) if norm in weights else main.w.final_norm
         self.lm_head = r.to_paddle(r.get(head, (cfg.vocab_size, h)).T) if head in weights else main.w.lm_head
         self.embed = r.param(embed, (cfg.vocab_size, h)) if embed in weights else main.w.embed
@@ -74,6 +81,21 @@ class MtpHead:
             else:
                 self.lm_head = paddle.gather(kernels.dense(self.lm_head), paddle.to_tensor(self.draft_vocab), axis=1)
         self.lm_head = main.pack(self.lm_head)
+        # specgen_mtp_draft's arguments when the main model runs fused blocks (packed float32): the whole pass of a
+        # step, catch-up and chained drafts, is then one op (MtpProposer._fused_pass)
+        self.columns = main.block_columns([self.block]) if main.fused_layer else None
+        self.vocab_ids = paddle.to_tensor(self.draft_vocab if self.draft_vocab is not None else np.zeros(0, np.int64))
+
+
+def _q8_0(w: paddle.Tensor) -> QuantRows | None:
+    """A float32 weight [in, out] as GGUF Q8_0 blocks of its rows (gguf.quants), when `in` is a multiple of 32."""
+    from gguf import GGMLQuantizationType, quants
+
+    rows = np.ascontiguousarray(w.numpy().T)  # [out, in]
+    if rows.dtype != np.float32 or rows.shape[1] % 32:
+        return None
+    blocks = quants.quantize(rows, GGMLQuantizationType.Q8_0)  # [out, in / 32 * 34] uint8
+    return QuantRows("Q8_0", blocks.reshape(rows.shape[0], rows.shape[1] // 32, -1))
 
 
 def _block_config(cfg: ModelConfig, weights: dict[str, np.ndarray]) -> ModelConfig:
@@ -152,6 +174,8 @@ class MtpProposer:
         self.model, self.head, self.k = model, head, k
         self.acceptance_hint = acceptance_hint  # the head's held-out position-1 accuracy, when training recorded it
         self.cache: KVCache | None = None
+        # one specgen_mtp_draft call per step (bit-identical to `_run`'s ops); SPECGEN_FUSED_MTP=0 runs `_run`
+        self.fused = head.columns is not None and kernels.switch("SPECGEN_FUSED_MTP")
         self.drafts = np.zeros((0, k), np.int64)  # [num_slots, k] drafts ready for each slot's next step
         self.num_drafts = np.zeros(0, np.int64)  # [num_slots]
 
@@ -172,12 +196,12 @@ class MtpProposer:
         batch = build_forward_batch(slots, starts, lens, token_ids, np.zeros(len(slots), bool))
         hd = self.head
         emb = F.embedding(paddle.to_tensor(batch.token_ids), hd.embed)  # [num_tokens, hidden]
-        eps = self.model.config.rms_norm_eps
-        x = self.model.matmul(paddle.concat([rms_norm(emb, hd.enorm, eps), rms_norm(prev_hidden, hd.hnorm, eps)],
-                                            axis=-1), hd.eh_proj)  # [num_tokens, hidden]
-        x = self.model.layer(x, hd.block, self.model.context(batch, self.cache), self.cache.k[0], self.cache.v[0])
+        m = self.model
+        x = m.matmul(paddle.concat([m.norm(emb, hd.enorm), m.norm(prev_hidden, hd.hnorm)], axis=-1),
+                     hd.eh_proj)  # [num_tokens, hidden]
+        x = m.layer(x, hd.block, m.context(batch, self.cache), self.cache.k[0], self.cache.v[0])
         last = paddle.to_tensor(batch.logit_rows)
-        logits = self.model.matmul(rms_norm(paddle.gather(x, last), hd.final_norm, eps), hd.lm_head)  # [num_seqs, vocab]
+        logits = m.matmul(m.norm(paddle.gather(x, last), hd.final_norm), hd.lm_head)  # [num_seqs, vocab]
         drafts = kernels.argmax(logits).numpy()
         return paddle.gather(x, last), drafts if hd.draft_vocab is None else hd.draft_vocab[drafts]
 
@@ -201,16 +225,38 @@ class MtpProposer:
                         update.block_start[live][seq] + offset - pre[seq])  # rows of the main forward
         next_ids = update.tokens[slots[seq], start[seq] + offset + 1]  # token i+1 for position i
         hidden = update.hidden if not pre.any() else paddle.concat([update.hidden, update.prefix_hidden])
+        last_pos = first + nv - 1
+        depth = max(1, min(self.k, update.max_draft_next))  # chained drafts worth computing for the next step
+        self.num_drafts[slots] = depth
+        if self.fused:
+            self.drafts[slots, :depth] = self._fused_pass(slots[seq], start[seq] + offset, next_ids, hidden, rows,
+                                                          np.cumsum(total) - 1, int(last_pos.max()) + depth, depth)
+            return
         h_main = paddle.gather(hidden, paddle.to_tensor(rows))  # [num_tokens, hidden]
         x, d = self._run(slots, start, total, next_ids, h_main)
-        last_pos = first + nv - 1
         self.drafts[slots, 0] = d
         ones = np.ones(len(slots), np.int64)
-        depth = max(1, min(self.k, update.max_draft_next))  # chained drafts worth computing for the next step
         for i in range(1, depth):
             x, d = self._run(slots, last_pos + i, ones, d, x)
             self.drafts[slots, i] = d
-        self.num_drafts[slots] = depth
+
+    def _fused_pass(self, token_slots, positions, token_ids, hidden, rows, last_rows, needed: int,
+                    depth: int) -> np.ndarray:
+        """`_run` for the catch-up tokens, then depth - 1 chained passes, as one specgen_mtp_draft call;
+        returns the drafts [num_seqs, depth]. Per token [num_tokens]: cache slot, position, token i+1, row of
+        `hidden` (the main forward's final hidden states); last_rows [num_seqs]: each sequence's last token."""
+        m, hd, cfg = self.model, self.head, self.model.config
+        self.cache.ensure(needed)
+        self.cache.peak_position = self.cache.peak_own = max(self.cache.peak_position, needed)
+        t = paddle.to_tensor
+        *weights, q_norm, k_norm = hd.columns
+        out = m.ops.specgen_mtp_draft(
+            t(token_ids), hidden, t(rows), hd.embed, hd.enorm, hd.hnorm, hd.eh_proj.panels, *weights, m.cos, m.sin,
+            t(positions), t(token_slots), [self.cache.k[0]], [self.cache.v[0]], q_norm, k_norm,
+            t(np.zeros(len(token_ids), np.int64)), [m._ones], [m._ones], t(last_rows), hd.final_norm,
+            hd.lm_head.panels, hd.vocab_ids, cfg.num_heads, cfg.num_kv_heads, self.cache.capacity, cfg.qk_norm,
+            cfg.rms_norm_eps, 0, depth, hd.lm_head.n)
+        return (out[0] if isinstance(out, (list, tuple)) else out).numpy()  # [num_seqs, depth]
 
 
 # The head shipped with the package for the default model, trained by `specgen train-mtp`
