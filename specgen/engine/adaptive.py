@@ -10,7 +10,8 @@ The drafter's own time per step (an MTP head's pass: its KV catch-up and chained
 that speculates costs c(T) + d, with d the measured drafting time, while plain decoding costs c(n) alone (a
 slot left at k = 0 is detached from the drafter after DETACH_AFTER steps, so plain decoding stops paying d).
 A guard checks the model against reality: it keeps the measured throughput (emitted tokens per second of
-decode-only steps) of steps that speculated and of steps that did not, forces a plain step now and then to keep
+decode-only steps, as decayed sums of tokens over decayed sums of seconds) of steps that speculated and of
+steps that did not, forces a plain step now and then to keep
 the second one current, and decodes plainly while speculating measures slower.
 """
 from __future__ import annotations
@@ -61,6 +62,7 @@ class Controller:
     PROBE_EVERY = 16  # steps between forced plain (or, while speculation is off, speculative) probe steps
     DETACH_AFTER = 8  # steps in a row in which drafts did not pay for a slot before its drafter stops for it
     RATE_EMA = 0.2
+    RATE_DECAY = 0.97  # the guard's throughputs: decayed sums of tokens and of seconds (a ~30-step window)
 
     HINT_HEADROOM = 1.5  # a head's held-out acceptance is an average over text; predictable text beats it
 
@@ -70,7 +72,9 @@ class Controller:
         self.off = False  # speculation ruled out for this engine (see rule_out): every slot stays detached
         self.hits = np.zeros(num_slots)  # [num_slots] decayed count of drafts that matched
         self.seen = np.zeros(num_slots)  # [num_slots] decayed count of drafts whose fate is known
-        self.rate = {True: None, False: None}  # measured tokens/s of speculative and plain decode steps
+        # decayed sums of (emitted tokens, seconds) of speculative and of plain decode steps: their ratio is the
+        # measured throughput (a ratio of sums: one unlucky step moves it by its share of the window's time)
+        self.sums = {True: np.zeros(2), False: np.zeros(2)}
         self.steps = 0
         self.idle = np.zeros(num_slots, np.int64)  # [num_slots] steps in a row the cost model chose k = 0
         self.draft_cost: float | None = None  # seconds per step the proposer takes (propose + observe), EMA
@@ -82,16 +86,21 @@ class Controller:
 
     def record(self, num_emitted: int, seconds: float, speculated: bool) -> None:
         """Throughput of one decode-only step, for the guard."""
-        r = num_emitted / max(seconds, 1e-9)
-        old = self.rate[speculated]
-        self.rate[speculated] = r if old is None else (1 - self.RATE_EMA) * old + self.RATE_EMA * r
+        s = self.sums[speculated]
+        s *= self.RATE_DECAY
+        s += (num_emitted, max(seconds, 1e-9))
+
+    def rate(self, speculated: bool) -> float | None:
+        """Measured tokens per second of speculative (or plain) decode steps, None before the first."""
+        tokens, seconds = self.sums[speculated]
+        return tokens / seconds if seconds > 0 else None
 
     def _guard(self, k: np.ndarray) -> np.ndarray:
         """Plain decoding while speculation measures slower; a probe step of the other kind now and then."""
         self.steps += 1
         if not k.any():
             return k
-        spec, plain = self.rate[True], self.rate[False]
+        spec, plain = self.rate(True), self.rate(False)
         probe = self.steps % self.PROBE_EVERY == 0
         if plain is None or spec is None:
             return np.zeros_like(k) if (plain is None and probe) else k

@@ -816,6 +816,8 @@ std::vector<paddle::Tensor> MtpDraft(
   PD_CHECK(rows.numel() == n && positions.numel() == n && slots.numel() == n && prefix_len.numel() == n,
            "specgen_mtp_draft: one row, position, slot and prefix length per token");
   PD_CHECK(depth >= 1, "specgen_mtp_draft: depth >= 1");
+  for (const auto* t : {&token_ids, &rows, &last_rows, &draft_vocab})
+    PD_CHECK(t->dtype() == paddle::DataType::INT64, "specgen_mtp_draft: token ids, rows and draft_vocab are int64");
   const StepInputs a = step_inputs(hidden, cos, sin, positions, slots, prefix_len, num_heads, num_kv_heads,
                                    capacity, qk_norm, eps, prefix_capacity);
   const Blocks b = collect_blocks(a, hid, attn_norm, w_qkv, b_qkv, w_o, b_o, mlp_norm, w_gu, b_gu, w_down, b_down,

@@ -59,3 +59,28 @@ def test_rule_out_turns_a_drafter_off_where_one_draft_cannot_pay():
     dear2 = Controller(CostModel(np.array([4, 8, 24]), np.array([1.0, 1.7, 4.0])), max_draft=5, num_slots=4)
     dear2.rule_out(None)
     assert not dear2.off
+
+
+def test_guard_throughput_is_a_ratio_of_decayed_sums():
+    """The guard's measured throughput is (decayed emitted tokens) / (decayed seconds): speculative steps that
+    emit 2 tokens in 1.5 s half the time and 1 token the other half (1.0 token/s) beat plain steps at 0.9
+    token/s, and three unlucky steps in a row do not flip that (an EMA of per-step rates at weight 0.2, the
+    guard before, fell from 1.0 to 0.84 < 0.9 after them)."""
+    cost = CostModel(np.array([1, 2, 6]), np.array([1.0, 1.05, 1.25]))
+    ctl = Controller(cost, max_draft=2, num_slots=1)
+    assert ctl.rate(True) is None and ctl.rate(False) is None
+    for i in range(40):
+        ctl.record(1, 1 / 0.9, speculated=False)
+        ctl.record(2 if i % 2 else 1, 1.5, speculated=True)
+    assert abs(ctl.rate(False) - 0.9) < 1e-9
+    assert 0.95 < ctl.rate(True) < 1.05
+    for _ in range(3):  # three unlucky speculative steps in a row do not flip the guard
+        ctl.record(1, 1.5, speculated=True)
+    assert ctl.rate(True) > ctl.rate(False)
+    ctl.hits[:], ctl.seen[:] = 60.0, 100.0
+    ks = [int(ctl.choose(np.array([0]), np.array([2]), 0)[0]) for _ in range(Controller.PROBE_EVERY - 1)]
+    assert all(k > 0 for k in ks)
+    for _ in range(60):  # speculative steps slow down for good: the guard turns them off
+        ctl.record(1, 1.5, speculated=True)
+    assert ctl.rate(True) < ctl.rate(False)
+    assert int(ctl.choose(np.array([0]), np.array([2]), 0)[0]) == 0 or ctl.steps % Controller.PROBE_EVERY == 0
