@@ -9,7 +9,8 @@ reference path (the forward before the fused CPU kernels: SPECGEN_KERNELS=0) in 
 --unpacked the fused kernels with MKL's sgemm for the weights (SPECGEN_PACKED_LINEAR=0); --op-by-op the packed
 kernels called op by op instead of one fused op per decoder block (SPECGEN_FUSED_LAYER=0); --dequantized the
 packed kernels over the dequantized float32 weights instead of the GGUF file's Q4_1 / Q8_0 blocks
-(SPECGEN_QUANTIZED_WEIGHTS=0).
+(SPECGEN_QUANTIZED_WEIGHTS=0); --unfused-forward the blocks in one op but the embedding, final norm and LM head
+as separate ops around it, instead of the whole forward as one op (SPECGEN_FUSED_FORWARD=0).
 """
 from __future__ import annotations
 
@@ -81,6 +82,9 @@ def main() -> None:
     ap.add_argument("--dequantized", action="store_true",
                     help="also time the packed kernels over float32 weights instead of the GGUF file's quantized "
                          "blocks (SPECGEN_QUANTIZED_WEIGHTS=0)")
+    ap.add_argument("--unfused-forward", action="store_true",
+                    help="also time the forward with embedding, final norm and LM head as separate ops around the "
+                         "blocks (SPECGEN_FUSED_FORWARD=0)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     from spec_bench import load_default
@@ -90,8 +94,9 @@ def main() -> None:
     unpacked = load_default(args.threads, SPECGEN_PACKED_LINEAR="0") if args.unpacked else None
     by_op = load_default(args.threads, SPECGEN_FUSED_LAYER="0") if args.op_by_op else None
     deq = load_default(args.threads, SPECGEN_QUANTIZED_WEIGHTS="0") if args.dequantized else None
+    unf = load_default(args.threads, SPECGEN_FUSED_FORWARD="0") if args.unfused_forward else None
     print(f"{'batch':>6}{'prompts':>9}{'reference tok/s':>17}{'unpacked tok/s':>16}{'op-by-op tok/s':>16}"
-          f"{'float32 w tok/s':>17}"
+          f"{'float32 w tok/s':>17}{'unfused fwd tok/s':>19}"
           f"{'specgen tok/s':>15}"
           f"{'after/before':>14}{'transformers tok/s':>20}{'ratio':>8}{'same greedy':>13}")
     for bs in args.batch_sizes:
@@ -102,6 +107,7 @@ def main() -> None:
         unp = run_specgen(unpacked, ids, bs, args.max_tokens)[0] if unpacked else None
         byop = run_specgen(by_op, ids, bs, args.max_tokens)[0] if by_op else None
         dq = run_specgen(deq, ids, bs, args.max_tokens)[0] if deq else None
+        uf = run_specgen(unf, ids, bs, args.max_tokens)[0] if unf else None
         sg, sg_out = run_specgen(model, ids, bs, args.max_tokens)
         hf, hf_out = (None, None) if args.no_transformers else run_transformers(ids, bs, args.max_tokens, args.threads)
         same = "-" if hf_out is None else f"{sum(a == b for a, b in zip(sg_out, hf_out))}/{len(ids)}"
@@ -111,7 +117,8 @@ def main() -> None:
         unp_s = f"{unp:.1f}" if unp else "-"
         byop_s = f"{byop:.1f}" if byop else "-"
         dq_s = f"{dq:.1f}" if dq else "-"
-        print(f"{bs:>6}{n:>9}{ref_s:>17}{unp_s:>16}{byop_s:>16}{dq_s:>17}{sg:>15.1f}{gain:>14}{hf_s:>20}{ratio:>8}"
+        uf_s = f"{uf:.1f}" if uf else "-"
+        print(f"{bs:>6}{n:>9}{ref_s:>17}{unp_s:>16}{byop_s:>16}{dq_s:>17}{uf_s:>19}{sg:>15.1f}{gain:>14}{hf_s:>20}{ratio:>8}"
               f"{same:>13}", flush=True)
 
 

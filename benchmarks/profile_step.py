@@ -8,7 +8,9 @@ fused or the Paddle reference ops), norms and SiLU-gate, other tensor ops, sampl
 (the runner's host-side work), drafting (proposer), and the rest (Python). Also counts Paddle/fused op calls
 per step. --reference runs the Paddle reference path instead of the fused CPU kernels. With packed weights a
 forward's decoder blocks are one fused op (specgen_stack), timed whole as "blocks"; --op-by-op calls its kernels
-one by one (SPECGEN_FUSED_LAYER=0) to split that time into linear, attention and norms.
+one by one (SPECGEN_FUSED_LAYER=0) to split that time into linear, attention and norms. The embedding, final norm
+and LM head run as their own ops (SPECGEN_FUSED_FORWARD=0; by default they are inside one specgen_forward op
+with the blocks), so the profile can time them apart.
 """
 from __future__ import annotations
 
@@ -100,6 +102,8 @@ def main() -> None:
     ap.add_argument("--op-by-op", action="store_true", help="the decoder block's kernels one by one, not fused")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    # the embedding, final norm and LM head as their own ops (not inside specgen_forward), to time them apart
+    os.environ["SPECGEN_FUSED_FORWARD"] = "0"
     if args.unpacked:
         os.environ["SPECGEN_PACKED_LINEAR"] = "0"
     if args.reference:

@@ -200,6 +200,10 @@ class Model:
         # SPECGEN_FUSED_STACK=0 calls it per block, SPECGEN_FUSED_LAYER=0 keeps the op-by-op path.
         self.fused_layer = self.packs and kernels.switch("SPECGEN_FUSED_LAYER")
         self.fused_stack = kernels.switch("SPECGEN_FUSED_STACK")
+        # ... and the whole forward one op (specgen_forward: embedding, blocks, final norm, LM head; the same bits):
+        # the Python between separate ops costs ~0.1-0.2 ms a call right after the blocks have streamed the
+        # weights through the caches. SPECGEN_FUSED_FORWARD=0 keeps them separate.
+        self.fused_forward = kernels.switch("SPECGEN_FUSED_FORWARD")
         self._columns = None  # the main blocks' specgen_stack arguments, gathered on first use
         self._ones = paddle.ones([cfg.head_dim], dtype=dtype)  # stands in for absent q/k norm weights
         self._none = paddle.zeros([0], dtype=dtype)  # stands in for absent biases
@@ -378,10 +382,13 @@ class Model:
     def forward(self, batch: ForwardBatch, cache: KVCache) -> tuple[paddle.Tensor, paddle.Tensor]:
         """Returns (logits [num_logits, vocab], final normed hidden [num_tokens, hidden]) and writes K/V."""
         ctx = self.context(batch, cache)
+        stacked = self.ops is not None and self.fused_layer and self.fused_stack
+        if stacked and self._columns is None:  # every block's arguments, gathered once
+            self._columns = self.block_columns(self.w.layers)
+        if stacked and self.fused_forward:
+            return self._forward_fused(batch, ctx, cache)
         x = F.embedding(paddle.to_tensor(batch.token_ids), self.w.embed)  # [num_tokens, hidden]
-        if self.ops is not None and self.fused_layer and self.fused_stack:
-            if self._columns is None:  # every block's arguments, gathered once
-                self._columns = self.block_columns(self.w.layers)
+        if stacked:
             x = self._blocks(x, self._columns, ctx, cache.k, cache.v)
         else:
             for li, L in enumerate(self.w.layers):
@@ -389,6 +396,19 @@ class Model:
         hidden = self.norm(x, self.w.final_norm)  # [num_tokens, hidden]
         logits = self.matmul(paddle.gather(hidden, paddle.to_tensor(batch.logit_rows)), self.w.lm_head)
         return logits, hidden  # logits [num_logits, vocab]
+
+    def _forward_fused(self, batch: ForwardBatch, ctx: "StepContext", cache: KVCache):
+        """`forward` as one specgen_forward call: embedding, every block, final norm and LM head (same bits)."""
+        cfg, count = self.config, len(cache.k)
+        pk = ctx.prefix_k if ctx.prefix_k is not None else [self._ones] * count
+        pv = ctx.prefix_v if ctx.prefix_v is not None else [self._ones] * count
+        *weights, q_norm, k_norm = self._columns
+        logits, hidden, *_ = self.ops.specgen_forward(
+            paddle.to_tensor(batch.token_ids), self.w.embed, *weights, self.cos, self.sin, ctx.positions,
+            ctx.token_slots, cache.k, cache.v, q_norm, k_norm, ctx.prefix_len, pk, pv, self.w.final_norm,
+            paddle.to_tensor(batch.logit_rows), self.w.lm_head.panels, cfg.num_heads, cfg.num_kv_heads,
+            ctx.capacity, cfg.qk_norm, cfg.rms_norm_eps, ctx.prefix_capacity, self.w.lm_head.n)
+        return logits, hidden  # logits [num_logits, vocab], hidden [num_tokens, hidden]
 
 
 @dataclass

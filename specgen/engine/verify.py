@@ -35,7 +35,8 @@ def first_stop(
     """
     width = emitted.shape[1]
     col = np.arange(width)[None, :]
-    is_eos = np.isin(emitted, eos_ids) & (col < num_emitted[:, None]) & ~ignore_eos[:, None]  # [num_seqs, width]
+    is_eos = (emitted[:, :, None] == eos_ids).any(axis=2)  # [num_seqs, width] (np.isin costs ~10x more here)
+    is_eos &= (col < num_emitted[:, None]) & ~ignore_eos[:, None]
     has_eos = is_eos.any(axis=1)
     eos_at = np.where(has_eos, is_eos.argmax(axis=1), width)
     kept = np.minimum(np.minimum(num_emitted, eos_at + 1), room)

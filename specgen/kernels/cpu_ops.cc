@@ -16,6 +16,8 @@
 //                         other (each argument a list, one entry per block): the ops above and the four
 //                         projections, the same functions in the same order, so bit-identical to calling them one
 //                         by one; all 30 blocks of a forward are one call instead of ~250 Python-side dispatches.
+//   specgen_forward       a whole forward: embedding, specgen_stack's blocks, final norm, the LM head at the rows
+//                         that need logits (bit-identical to those ops one after the other).
 //   specgen_mtp_draft     an MTP head's pass for a step: input norms and eh_proj, its block(s) (specgen_stack's code),
 //                         final norm, LM head and argmax at each sequence's last token, then depth - 1 chained
 //                         passes on its own drafts; the same functions in the same order as MtpProposer._run.
@@ -791,6 +793,59 @@ std::vector<paddle::Tensor> Stack(const paddle::Tensor& x, const Tensors& attn_n
   return {out};
 }
 
+// A whole forward of the main model (Model.forward with specgen_stack): x = embed[token_ids], the blocks, then
+// hidden = rms_norm(x, final_norm) for every token and logits = hidden[logit_rows] @ lm_head. The same functions in
+// the same order as the separate ops, so the same bits; one call instead of five, and the Python between them,
+// which after the blocks have streamed the weights through the caches costs ~0.2 ms a call, is gone.
+// -> (logits [num_logits, vocab], hidden [n, hidden])
+std::vector<paddle::Tensor> Forward(
+    const paddle::Tensor& token_ids, const paddle::Tensor& embed, const Tensors& attn_norm, const Tensors& w_qkv,
+    const Tensors& b_qkv, const Tensors& w_o, const Tensors& b_o, const Tensors& mlp_norm, const Tensors& w_gu,
+    const Tensors& b_gu, const Tensors& w_down, const Tensors& b_down, const paddle::Tensor& cos,
+    const paddle::Tensor& sin, const paddle::Tensor& positions, const paddle::Tensor& slots, Tensors& k_cache,
+    Tensors& v_cache, const Tensors& q_norm, const Tensors& k_norm, const paddle::Tensor& prefix_len,
+    const Tensors& prefix_k, const Tensors& prefix_v, const paddle::Tensor& final_norm,
+    const paddle::Tensor& logit_rows, const paddle::Tensor& lm_head, int num_heads, int num_kv_heads,
+    int64_t capacity, bool qk_norm, double eps, int64_t prefix_capacity, int64_t vocab) {
+  check_cpu(embed, "embed");
+  PD_CHECK(embed.dtype() == paddle::DataType::FLOAT32 && embed.shape().size() == 2,
+           "specgen_forward: float32 embedding [vocab, hidden]");
+  PD_CHECK(token_ids.dtype() == paddle::DataType::INT64 && logit_rows.dtype() == paddle::DataType::INT64,
+           "specgen_forward: int64 token ids and logit rows");
+  const int64_t n = token_ids.numel(), m = logit_rows.numel(), V = embed.shape()[0], hid = embed.shape()[1];
+  PD_CHECK(positions.numel() == n && slots.numel() == n && prefix_len.numel() == n,
+           "specgen_forward: one position, slot and prefix length per token");
+  PD_CHECK(final_norm.numel() == hid, "specgen_forward: final_norm must be [hidden]");
+  auto hidden = paddle::empty({n, hid}, paddle::DataType::FLOAT32, embed.place());
+  const StepInputs a = step_inputs(hidden, cos, sin, positions, slots, prefix_len, num_heads, num_kv_heads,
+                                   capacity, qk_norm, eps, prefix_capacity);
+  const Blocks b = collect_blocks(a, hid, attn_norm, w_qkv, b_qkv, w_o, b_o, mlp_norm, w_gu, b_gu, w_down, b_down,
+                                  k_cache, v_cache, q_norm, k_norm, prefix_k, prefix_v);
+  const specgen::PackedWeight lm = specgen::packed_weight(lm_head, hid, vocab, "lm_head");
+  auto logits = paddle::empty({m, vocab}, paddle::DataType::FLOAT32, embed.place());
+  if (n == 0) return {logits, hidden};
+  static thread_local std::vector<float> x, y, rows;
+  x.resize(n * hid);
+  y.resize(n * hid);
+  const int64_t *tok = token_ids.data<int64_t>(), *lr = logit_rows.data<int64_t>();
+  const float* emb = embed.data<float>();
+  for (int64_t t = 0; t < n; ++t) {
+    PD_CHECK(tok[t] >= 0 && tok[t] < V, "specgen_forward: token id out of range");
+    std::copy(emb + tok[t] * hid, emb + (tok[t] + 1) * hid, x.data() + t * hid);
+  }
+  run_blocks(x.data(), y.data(), n, hid, b, a);
+  float* h = hidden.data<float>();
+  rms_norm_rows<float>(y.data(), final_norm.data<float>(), h, n, hid, static_cast<float>(eps));
+  if (m == 0) return {logits, hidden};
+  rows.resize(m * hid);
+  for (int64_t r = 0; r < m; ++r) {
+    PD_CHECK(lr[r] >= 0 && lr[r] < n, "specgen_forward: logit row out of range");
+    std::copy(h + lr[r] * hid, h + (lr[r] + 1) * hid, rows.data() + r * hid);
+  }
+  specgen::packed_linear(rows.data(), m, hid, lm, logits.data<float>(), vocab);
+  return {logits, hidden};
+}
+
 // An MTP head's whole pass for a step (see MtpProposer in specgen/engine/proposers/mtp.py, which runs the same
 // functions one op at a time): for each catch-up token t, input [rms_norm(embed[token_ids[t]], enorm);
 // rms_norm(hidden[rows[t]], hnorm)] @ eh_proj, the head's blocks (caches written), then at each sequence's last
@@ -927,3 +982,15 @@ PD_BUILD_OP(specgen_mtp_draft)
     .Attrs({"num_heads: int", "num_kv_heads: int", "capacity: int64_t", "qk_norm: bool", "eps: double",
             "prefix_capacity: int64_t", "depth: int", "vocab: int64_t"})
     .SetKernelFn(PD_KERNEL(MtpDraft));
+
+PD_BUILD_OP(specgen_forward)
+    .Inputs({"TokenIds", "Embed", paddle::Vec("AttnNorm"), paddle::Vec("WQkv"), paddle::Vec("BQkv"), paddle::Vec("WO"),
+             paddle::Vec("BO"), paddle::Vec("MlpNorm"), paddle::Vec("WGateUp"), paddle::Vec("BGateUp"),
+             paddle::Vec("WDown"), paddle::Vec("BDown"), "Cos", "Sin", "Positions", "Slots", paddle::Vec("KCache"),
+             paddle::Vec("VCache"), paddle::Vec("QNorm"), paddle::Vec("KNorm"), "PrefixLen", paddle::Vec("PrefixK"),
+             paddle::Vec("PrefixV"), "FinalNorm", "LogitRows", "LmHead"})
+    .Outputs({"Logits", "Hidden", paddle::Vec("KCacheOut"), paddle::Vec("VCacheOut")})
+    .SetInplaceMap({{paddle::Vec("KCache"), paddle::Vec("KCacheOut")}, {paddle::Vec("VCache"), paddle::Vec("VCacheOut")}})
+    .Attrs({"num_heads: int", "num_kv_heads: int", "capacity: int64_t", "qk_norm: bool", "eps: double",
+            "prefix_capacity: int64_t", "vocab: int64_t"})
+    .SetKernelFn(PD_KERNEL(Forward));

@@ -256,8 +256,9 @@ def test_packed_float32_model_rows_equal_whatever_the_block(monkeypatch):
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_fused_layer_op_is_bit_identical_to_op_by_op(arch):
-    """specgen_stack over every decoder block at once and over one block per call, float32 packed,
-    against the same kernels called one by one: every architecture (biases, qk-norm, GQA, interleaved RoPE),
+    """specgen_forward (embedding, every block, final norm, LM head in one op), specgen_stack over every
+    decoder block at once and over one block per call, float32 packed, against the same kernels called one by
+    one: every architecture (biases, qk-norm, GQA, interleaved RoPE),
     prefill then mixed verify/prefill blocks, with and without a shared prefix: identical logits, hidden states
     and caches, bit for bit."""
     m = load_model(TINY / arch, dtype="float32").model
@@ -274,9 +275,9 @@ def test_fused_layer_op_is_bit_identical_to_op_by_op(arch):
     shared = build_forward_batch(np.array([0, 1]), np.array([12, 12]), np.array([4, 5]), tails,
                                  np.zeros(2, bool), prefix_lens=np.array([12, 12]))
     results = []
-    assert m.fused_stack
-    for fused, stack in ((True, True), (True, False), (False, False)):
-        m.fused_layer, m.fused_stack = fused, stack
+    assert m.fused_stack and m.fused_forward
+    for fused, stack, whole in ((True, True, True), (True, True, False), (True, False, False), (False, False, False)):
+        m.fused_layer, m.fused_stack, m.fused_forward = fused, stack, whole
         cache = m.new_cache(4, 64)
         out = [m.forward(b, cache) for b in (pre, ver)]
         pcache = m.new_cache(1, 64)  # the shared prefix's own cache, computed once
@@ -286,9 +287,9 @@ def test_fused_layer_op_is_bit_identical_to_op_by_op(arch):
         scache.prefix = pcache
         out.append(m.forward(shared, scache))
         results.append([t.numpy() for pair in out for t in pair] + [c.numpy() for c in cache.k + cache.v])
-    m.fused_layer = m.fused_stack = True
-    for a, b, c in zip(*results):
-        assert np.array_equal(a, b) and np.array_equal(a, c)
+    m.fused_layer = m.fused_stack = m.fused_forward = True
+    for a, *others in zip(*results):
+        assert all(np.array_equal(a, b) for b in others)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
