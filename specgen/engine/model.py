@@ -363,9 +363,8 @@ class Model:
                 first: int = 0) -> paddle.Tensor:
         """Blocks first, first + 1, ... (their `block_columns` and caches) in one specgen_stack call: x
         [num_tokens, hidden] -> the last block's output; K/V written to each block's cache."""
-        cfg, count = self.config, len(k_caches)
-        pk = ctx.prefix_k[first:first + count] if ctx.prefix_k is not None else [self._ones] * count
-        pv = ctx.prefix_v[first:first + count] if ctx.prefix_v is not None else [self._ones] * count
+        cfg = self.config
+        pk, pv = self._prefix_kv(ctx, first, len(k_caches))
         *weights, q_norm, k_norm = columns
         out = self.ops.specgen_stack(x, *weights, self.cos, self.sin, ctx.positions, ctx.token_slots, k_caches,
                                      v_caches, q_norm, k_norm, ctx.prefix_len, pk, pv, cfg.num_heads,
@@ -397,11 +396,16 @@ class Model:
         logits = self.matmul(paddle.gather(hidden, paddle.to_tensor(batch.logit_rows)), self.w.lm_head)
         return logits, hidden  # logits [num_logits, vocab]
 
+    def _prefix_kv(self, ctx: "StepContext", first: int, count: int) -> tuple[list, list]:
+        """The shared prefix's K and V of blocks first .. first + count - 1 (stand-ins without a prefix)."""
+        if ctx.prefix_k is None:
+            return [self._ones] * count, [self._ones] * count
+        return ctx.prefix_k[first:first + count], ctx.prefix_v[first:first + count]
+
     def _forward_fused(self, batch: ForwardBatch, ctx: "StepContext", cache: KVCache):
         """`forward` as one specgen_forward call: embedding, every block, final norm and LM head (same bits)."""
-        cfg, count = self.config, len(cache.k)
-        pk = ctx.prefix_k if ctx.prefix_k is not None else [self._ones] * count
-        pv = ctx.prefix_v if ctx.prefix_v is not None else [self._ones] * count
+        cfg = self.config
+        pk, pv = self._prefix_kv(ctx, 0, len(cache.k))
         *weights, q_norm, k_norm = self._columns
         logits, hidden, *_ = self.ops.specgen_forward(
             paddle.to_tensor(batch.token_ids), self.w.embed, *weights, self.cos, self.sin, ctx.positions,

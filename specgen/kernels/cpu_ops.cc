@@ -868,6 +868,9 @@ std::vector<paddle::Tensor> MtpDraft(
            "specgen_mtp_draft: float32 hidden states and embedding");
   const int64_t hid = hidden.shape()[1], n = token_ids.numel(), S = last_rows.numel();
   const int64_t num_hidden = hidden.shape()[0], V = embed.shape()[0];
+  PD_CHECK(embed.shape().size() == 2 && embed.shape()[1] == hid && enorm.numel() == hid && hnorm.numel() == hid &&
+               final_norm.numel() == hid,
+           "specgen_mtp_draft: embedding [vocab, hidden] and norms [hidden] must match the hidden states");
   PD_CHECK(rows.numel() == n && positions.numel() == n && slots.numel() == n && prefix_len.numel() == n,
            "specgen_mtp_draft: one row, position, slot and prefix length per token");
   PD_CHECK(depth >= 1, "specgen_mtp_draft: depth >= 1");
@@ -889,7 +892,7 @@ std::vector<paddle::Tensor> MtpDraft(
   const float *emb = embed.data<float>(), *hs = hidden.data<float>(), *fn = final_norm.data<float>();
   const float eps_f = static_cast<float>(eps);
   static thread_local std::vector<float> in, x, y, last_x, normed, logits;
-  std::vector<int64_t> idx(S), chain_tok(S), chain_row(S), chain_pos(S), chain_slot(S), chain_zero(S, 0);
+  std::vector<int64_t> idx(S), chain_tok(S), chain_pos(S), chain_slot(S), chain_zero(S, 0);
   int64_t* out = drafts.data<int64_t>();
   for (int d = 0; d < depth; ++d) {
     // pass d: catch-up tokens (d == 0) or one token per sequence, fed its previous draft and output row
