@@ -50,6 +50,14 @@ class KVCache:
                     store.append(fresh)
         self.capacity = new_cap
 
+    def reserve(self, max_position: int, own_max: int | None = None) -> None:
+        """Room for a forward writing positions up to max_position - 1 (own rows up to own_max - 1 when a shared
+        prefix holds the first ones), and the peaks the memory report reads."""
+        own_max = max_position if own_max is None else own_max
+        self.ensure(own_max)
+        self.peak_position = max(self.peak_position, max_position)
+        self.peak_own = max(self.peak_own, own_max)
+
     def nbytes(self, capacity: int | None = None) -> int:
         """Bytes of K and V over all layers (with the shared prefix's), or for another per-slot capacity."""
         itemsize = 8 if self.dtype == "float64" else 4

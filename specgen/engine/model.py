@@ -243,9 +243,7 @@ class Model:
         """Device-side indices of one packed forward, shared by every layer (and by the MTP block)."""
         plen = batch.token_prefix_len
         own_max = batch.max_position if plen is None else int((batch.positions - plen).max()) + 1
-        cache.ensure(own_max)
-        cache.peak_position = max(cache.peak_position, batch.max_position)
-        cache.peak_own = max(cache.peak_own, own_max)
+        cache.reserve(batch.max_position, own_max)
         pos = paddle.to_tensor(batch.positions)  # [num_tokens]
         cfg = self.config
         if self.ops is not None:

@@ -719,7 +719,8 @@ StepInputs step_inputs(const paddle::Tensor& x, const paddle::Tensor& cos, const
                        int num_heads, int num_kv_heads, int64_t capacity, bool qk_norm, double eps,
                        int64_t prefix_capacity) {
   check_cpu(x, "x");
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && x.shape().size() == 2, "specgen_stack: float32 x [n, hidden]");
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && x.shape().size() == 2,
+           "float32 activations [n, hidden] expected");
   check_token_index(positions, slots);
   return {cos.data<float>(), sin.data<float>(), positions.data<int64_t>(), slots.data<int64_t>(),
           prefix_len.data<int64_t>(), num_heads, num_kv_heads, capacity, qk_norm, static_cast<float>(eps),

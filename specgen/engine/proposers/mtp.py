@@ -246,8 +246,7 @@ class MtpProposer:
         returns the drafts [num_seqs, depth]. Per token [num_tokens]: cache slot, position, token i+1, row of
         `hidden` (the main forward's final hidden states); last_rows [num_seqs]: each sequence's last token."""
         m, hd, cfg = self.model, self.head, self.model.config
-        self.cache.ensure(needed)
-        self.cache.peak_position = self.cache.peak_own = max(self.cache.peak_position, needed)
+        self.cache.reserve(needed)
         t = paddle.to_tensor
         *weights, q_norm, k_norm = hd.columns
         out = m.ops.specgen_mtp_draft(
