@@ -1,5 +1,6 @@
 """Fused CPU operators (cpu_ops.cc, linear.cc, sharing specgen_kernels.h), compiled on first use with Paddle's
-C++ extension builder.
+C++ extension builder; and host functions on numpy buffers (ngram.cc: n-gram drafting), compiled on first use
+into a plain shared library called through ctypes.
 
 Built once per source version into ~/.cache/specgen/kernels (or $SPECGEN_CACHE/kernels) under a file lock, so
 concurrent processes share one build. When no compiler is present, the build fails, the tensors are not on the
@@ -9,6 +10,7 @@ CPU, or SPECGEN_KERNELS=0, `ops()` returns None and the model runs its Paddle re
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import logging
 import os
@@ -26,7 +28,9 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name("cpu_ops.cc"), Path(__file__).with_name("linear.cc")]
 HEADERS = [Path(__file__).with_name("specgen_kernels.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
-_state: dict[str, ModuleType | None] = {}
+HOST_SOURCE = Path(__file__).with_name("ngram.cc")
+HOST_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
+_state: dict[str, ModuleType | ctypes.CDLL | None] = {}
 
 
 def switch(name: str) -> bool:
@@ -46,6 +50,57 @@ def _build_dir() -> Path:
                          + platform.node().encode()).hexdigest()[:16]
     root = Path(os.environ.get("SPECGEN_CACHE", Path.home() / ".cache" / "specgen"))
     return root / "kernels" / key
+
+
+def _host_build() -> ctypes.CDLL | None:
+    """ngram.cc as a shared library (no Paddle headers: plain C functions over int64 buffers)."""
+    import fcntl
+    import subprocess
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        return None
+    key = hashlib.sha256(HOST_SOURCE.read_bytes() + " ".join(HOST_FLAGS).encode() + platform.machine().encode()
+                         + platform.node().encode()).hexdigest()[:16]
+    d = Path(os.environ.get("SPECGEN_CACHE", Path.home() / ".cache" / "specgen")) / "kernels" / f"host-{key}"
+    d.mkdir(parents=True, exist_ok=True)
+    lib = d / "libspecgen_host.so"
+    with open(d / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not lib.exists():
+                tmp = d / "libspecgen_host.so.tmp"
+                r = subprocess.run([cxx, *HOST_FLAGS, str(HOST_SOURCE), "-o", str(tmp)], capture_output=True, text=True)
+                (d / "build.log").write_text(r.stdout + r.stderr)
+                if r.returncode != 0:
+                    raise RuntimeError(f"build failed; compiler output in {d / 'build.log'}")
+                tmp.rename(lib)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    so = ctypes.CDLL(str(lib))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    so.specgen_ngram_match.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr]
+    so.specgen_ngram_pool_lookup.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64,
+                                             ptr, ptr, ptr]
+    so.specgen_ngram_propose.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64,
+                                         ptr, ptr, ctypes.c_double, ptr]
+    so.specgen_ngram_match.restype = so.specgen_ngram_pool_lookup.restype = so.specgen_ngram_propose.restype = None
+    return so
+
+
+def host() -> ctypes.CDLL | None:
+    """The host functions of ngram.cc, or None when disabled (SPECGEN_KERNELS=0) or not buildable (logged once);
+    callers then use their numpy reference."""
+    if not enabled():
+        return None
+    if "host" not in _state:
+        try:
+            _state["host"] = _host_build()
+        except Exception as e:
+            log.warning("specgen: host kernels unavailable (%s); using the numpy reference",
+                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+            _state["host"] = None
+    return _state["host"]
 
 
 def _openmp_ldflags() -> list[str]:

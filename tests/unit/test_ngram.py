@@ -1,12 +1,17 @@
-"""Hand-worked n-gram drafting cases."""
+"""Hand-worked n-gram drafting cases, each checked on the numpy reference and on ngram.cc."""
 import numpy as np
 
-from specgen.engine.proposers.ngram import ngram_propose
+from specgen.engine.proposers.ngram import ngram_match_native, ngram_propose
 
 
 def run(seq, k=3, n_min=1, n_max=3):
     d = ngram_propose(np.array([seq]), np.array([len(seq)]), k, n_min, n_max)
-    return d.draft_ids[0, : d.num_draft[0]].tolist()
+    want = d.draft_ids[0, : d.num_draft[0]].tolist()
+    native = ngram_match_native(np.array([seq + [99] * 3]), np.array([0]), np.array([len(seq)]), k, n_min, n_max)
+    if native is not None:  # the host kernels are built (a compiler is present)
+        got = native[0]
+        assert got.draft_ids[0, : got.num_draft[0]].tolist() == want
+    return want
 
 
 def test_match_at_prompt_start():

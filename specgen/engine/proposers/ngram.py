@@ -18,6 +18,35 @@ import numpy as np
 from specgen.engine.proposers.base import SlotView
 from specgen.engine.proposers.ngram_pool import NgramPool
 from specgen.engine.types import DraftTokens, StepUpdate
+from specgen.kernels import host
+
+NATIVE_MAX = 64  # ngram.cc's bound on k and n_max
+
+
+def ngram_match_native(
+    tokens: np.ndarray,  # [num_slots, capacity] int64 the runner's token table
+    slots: np.ndarray,  # [num_seqs] int64 rows of the slots to draft for
+    seq_lens: np.ndarray,  # [num_seqs] int64
+    k: int,
+    n_min: int,
+    n_max: int,
+    lib=None,  # host() when given
+) -> tuple[DraftTokens, np.ndarray] | None:
+    """ngram_match over rows `slots` of the table, in ngram.cc (reads the table in place: no copy of the slots'
+    rows); None where the host kernels are not built."""
+    lib = lib or host()
+    if lib is None:
+        return None
+    tokens = np.ascontiguousarray(tokens, np.int64)
+    slots = np.ascontiguousarray(slots, np.int64)
+    seq_lens = np.ascontiguousarray(seq_lens, np.int64)
+    num_seqs = len(slots)
+    draft = np.empty((num_seqs, k), np.int64)
+    num_draft = np.empty(num_seqs, np.int64)
+    match_len = np.empty(num_seqs, np.int64)
+    lib.specgen_ngram_match(tokens.ctypes.data, tokens.shape[1], slots.ctypes.data, seq_lens.ctypes.data, num_seqs,
+                            k, n_min, n_max, draft.ctypes.data, num_draft.ctypes.data, match_len.ctypes.data)
+    return DraftTokens(draft, num_draft), match_len
 
 
 def ngram_propose(tokens: np.ndarray, seq_lens: np.ndarray, k: int, n_min: int, n_max: int) -> DraftTokens:
@@ -111,18 +140,43 @@ class NgramProposer:
         self.stats = SourceStats(n_max)
         # candidates of the last propose, scored in observe: slots, first draft and match length per source
         self._pending: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # [num_seqs], [2, num_seqs] x 2
+        # ngram.cc (its per-slot buffers hold up to NATIVE_MAX drafts and tail tokens); None: the numpy reference
+        self._lib = host() if max(k, n_max) <= NATIVE_MAX else None
 
     def propose(self, view: SlotView) -> DraftTokens:
         self._pending = None
         if len(view.slots) == 0:
             return DraftTokens(np.zeros((0, self.k), np.int64), np.zeros(0, np.int64))
+        if self._lib is None:
+            return self.propose_reference(view)
+        if self.pool is None or not self.pool.written:
+            own, _ = ngram_match_native(view.tokens, view.slots, view.seq_lens, self.k, self.n_min, self.n_max,
+                                        self._lib)
+            return DraftTokens(own.draft_ids, np.minimum(own.num_draft, view.max_draft))
+        # own match, pool lookup and the choice between them in one call (propose_reference is the reference)
+        pool, k = self.pool, self.k
+        tokens = np.ascontiguousarray(view.tokens, np.int64)
+        slots = np.ascontiguousarray(view.slots, np.int64)
+        seq_lens = np.ascontiguousarray(view.seq_lens, np.int64)
+        max_draft = np.ascontiguousarray(view.max_draft, np.int64)
+        out = np.empty((len(slots), k + 5), np.int64)  # drafts, num_draft, own first + n, pool first + n
+        self._lib.specgen_ngram_propose(
+            tokens.ctypes.data, tokens.shape[1], slots.ctypes.data, seq_lens.ctypes.data, max_draft.ctypes.data,
+            len(slots), k, self.n_min, self.n_max, pool.ring.ctypes.data, pool.capacity, pool.keys.ctypes.data,
+            pool.ends.ctypes.data, pool.table_bits, pool.written, self.stats.hits.ctypes.data,
+            self.stats.seen.ctypes.data, self.stats.POOL_MIN_RATE, out.ctypes.data)
+        self._pending = (slots.copy(), out[:, [k + 1, k + 3]].T, out[:, [k + 2, k + 4]].T)
+        return DraftTokens(out[:, :k], out[:, k])
+
+    def propose_reference(self, view: SlotView) -> DraftTokens:
+        """propose in numpy: the reference for ngram.cc's specgen_ngram_propose, and the path without it."""
         width = int(view.seq_lens.max())
         own, own_len = ngram_match(view.tokens[view.slots, :width], view.seq_lens, self.k, self.n_min, self.n_max)
         draft_ids, num_draft = own.draft_ids, own.num_draft
         if self.pool is not None and self.pool.written:
             cols = view.seq_lens[:, None] - self.n_max + np.arange(self.n_max)[None, :]  # [num_seqs, n_max]
             tails = view.tokens[view.slots[:, None], np.maximum(cols, 0)]  # [num_seqs, n_max] right-aligned
-            pool_ids, pool_num, pool_len = self.pool.lookup(tails, view.seq_lens, self.k)
+            pool_ids, pool_num, pool_len = self.pool.lookup_reference(tails, view.seq_lens, self.k)
             pool_rate = self.stats.rate(1, pool_len)  # [num_seqs]
             take = (pool_rate > self.stats.rate(0, own_len)) & (pool_rate >= self.stats.POOL_MIN_RATE)
             draft_ids = np.where(take[:, None], pool_ids, draft_ids)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from specgen.kernels import host
+
 _MULT = np.uint64(0x9E3779B97F4A7C15)  # odd 64-bit multiplier (golden ratio), for hashing and table indices
 _SEP = -1  # between sequences in the ring: a draft stops there
 
@@ -72,6 +74,23 @@ class NgramPool:
             self.ends[n, slot[last]] = start + at[last] + n
 
     def lookup(self, tails: np.ndarray, tail_lens: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """lookup_reference's result, from ngram.cc when the host kernels are built."""
+        lib = host()
+        if lib is None:
+            return self.lookup_reference(tails, tail_lens, k)
+        tails = np.ascontiguousarray(tails, np.int64)
+        tail_lens = np.ascontiguousarray(tail_lens, np.int64)
+        num_seqs = tails.shape[0]
+        draft = np.empty((num_seqs, k), np.int64)
+        num_draft = np.empty(num_seqs, np.int64)
+        match_len = np.empty(num_seqs, np.int64)
+        lib.specgen_ngram_pool_lookup(tails.ctypes.data, tail_lens.ctypes.data, num_seqs, k, self.n_min, self.n_max,
+                                      self.ring.ctypes.data, self.capacity, self.keys.ctypes.data,
+                                      self.ends.ctypes.data, self.table_bits, self.written, draft.ctypes.data,
+                                      num_draft.ctypes.data, match_len.ctypes.data)
+        return draft, num_draft, match_len
+
+    def lookup_reference(self, tails: np.ndarray, tail_lens: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Drafts for the slots whose last tokens are `tails`.
 
         tails: [num_seqs, n_max] int64, each slot's last n_max tokens, right-aligned

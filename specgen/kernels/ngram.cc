@@ -1,0 +1,144 @@
+// n-gram drafting on the host: a slot's own-text match and the job pool's lookup, as plain C functions called
+// through ctypes on numpy buffers (no Paddle tensors: drafting reads the runner's numpy token table in place).
+// The references are specgen/engine/proposers/ngram.py (ngram_match) and ngram_pool.py (NgramPool.lookup);
+// tests/unit/test_ngram_native.py compares them on random and hand-worked cases.
+#include <cstdint>
+
+namespace {
+
+constexpr uint64_t kMult = 0x9E3779B97F4A7C15ull;  // ngram_pool._MULT
+constexpr int64_t kSep = -1;                       // ngram_pool._SEP
+
+// ngram_pool.ngram_hashes for one window of n tokens (wrapping uint64 arithmetic, as numpy's).
+inline uint64_t hash_window(const int64_t* w, int n) {
+  uint64_t h = 0;
+  for (int j = 0; j < n; ++j) h = (h + static_cast<uint64_t>(w[j]) + 1ull) * kMult;
+  return h;
+}
+
+// specgen_ngram_match for one slot's text row[0 .. len): writes draft[0 .. k), returns num_draft; *match_len is
+// the match's length (0 where no draft).
+inline int64_t match_one(const int64_t* row, int64_t len, int64_t k, int64_t n_min, int64_t n_max, int64_t* draft,
+                         int64_t* match_len) {
+  int64_t best_len = 0, best_end = 0;  // match length (capped at n_max) and the index just past the occurrence
+  if (len >= 2) {
+    const int64_t last = row[len - 1];
+    // j: the occurrence's last token; a token must follow it inside the text (j <= len - 2)
+    for (int64_t j = len - 2; j >= 0 && best_len < n_max; --j) {
+      if (row[j] != last) continue;
+      int64_t m = 1;  // tokens matched backwards from j and from len - 1
+      const int64_t cap = j + 1 < n_max ? j + 1 : n_max;
+      while (m < cap && row[j - m] == row[len - 1 - m]) ++m;
+      if (m > best_len) best_len = m, best_end = j + 1;
+    }
+  }
+  int64_t nd = 0;
+  if (best_len >= n_min) {
+    const int64_t avail = len - best_end;
+    nd = avail < k ? avail : k;
+  }
+  for (int64_t i = 0; i < k; ++i) draft[i] = i < nd ? row[best_end + i] : 0;
+  *match_len = nd > 0 ? best_len : 0;
+  return nd;
+}
+
+struct Pool {
+  const int64_t* ring;
+  int64_t capacity;
+  const uint64_t* keys;  // [n_max + 1, 2^table_bits]
+  const int64_t* ends;
+  int64_t table_bits, written;
+};
+
+// NgramPool.lookup for one slot: tail[0 .. n_max) right-aligned, the slot's text holding tail_len tokens.
+inline int64_t pool_one(const Pool& pool, const int64_t* tail, int64_t tail_len, int64_t k, int64_t n_min,
+                        int64_t n_max, int64_t* draft, int64_t* match_len) {
+  const int64_t size = int64_t{1} << pool.table_bits;
+  const int64_t oldest = pool.written - pool.capacity;
+  int64_t end = -1, n_hit = 0;
+  for (int64_t n = n_max; n >= n_min && n_hit == 0; --n) {
+    if (tail_len < n) continue;
+    const uint64_t h = hash_window(tail + (n_max - n), static_cast<int>(n));
+    const int64_t slot = static_cast<int64_t>((h * kMult) >> (64 - pool.table_bits));
+    const int64_t e = pool.ends[n * size + slot];
+    if (pool.keys[n * size + slot] == h && e >= 0 && e - n >= oldest) end = e, n_hit = n;
+  }
+  int64_t nd = 0;
+  if (n_hit > 0) {
+    while (nd < k && end + nd < pool.written) {
+      const int64_t tok = pool.ring[(end + nd) % pool.capacity];
+      if (tok == kSep) break;
+      draft[nd++] = tok;
+    }
+  }
+  for (int64_t i = nd; i < k; ++i) draft[i] = 0;
+  *match_len = nd > 0 ? n_hit : 0;
+  return nd;
+}
+
+}  // namespace
+
+extern "C" {
+
+// For each of num_seqs slots (row slots[s] of the [*, row_stride] token table, valid up to seq_lens[s]): the
+// most recent occurrence of the longest tail n-gram, n in [n_min, n_max], that ends before the last token; the
+// draft is the up-to-k tokens after it. Outputs: draft [num_seqs, k] (0 past num_draft), num_draft [num_seqs],
+// match_len [num_seqs] (0 where no draft).
+void specgen_ngram_match(const int64_t* tokens, int64_t row_stride, const int64_t* slots, const int64_t* seq_lens,
+                         int64_t num_seqs, int64_t k, int64_t n_min, int64_t n_max, int64_t* draft,
+                         int64_t* num_draft, int64_t* match_len) {
+  for (int64_t s = 0; s < num_seqs; ++s)
+    num_draft[s] = match_one(tokens + slots[s] * row_stride, seq_lens[s], k, n_min, n_max, draft + s * k,
+                             match_len + s);
+}
+
+// NgramPool.lookup: tails [num_seqs, n_max] (right-aligned last tokens), tail_lens [num_seqs]; the pool's ring
+// [capacity], keys / ends [n_max + 1, 2^table_bits], `written` tokens so far. Outputs as specgen_ngram_match.
+void specgen_ngram_pool_lookup(const int64_t* tails, const int64_t* tail_lens, int64_t num_seqs, int64_t k,
+                               int64_t n_min, int64_t n_max, const int64_t* ring, int64_t capacity,
+                               const uint64_t* keys, const int64_t* ends, int64_t table_bits, int64_t written,
+                               int64_t* draft, int64_t* num_draft, int64_t* match_len) {
+  const Pool pool{ring, capacity, keys, ends, table_bits, written};
+  for (int64_t s = 0; s < num_seqs; ++s)
+    num_draft[s] = pool_one(pool, tails + s * n_max, tail_lens[s], k, n_min, n_max, draft + s * k, match_len + s);
+}
+
+// NgramProposer.propose with a pool (its numpy path is the reference): per slot the own-text match and the pool's
+// lookup of the slot's last n_max tokens; the pool's draft is taken where its source rate beats the own one's and
+// reaches min_rate, rate[source][n] = hits / seen ([2, n_max + 1] each, source 0 own, 1 pool; 0 without a match).
+// Drafts are capped at max_draft[s]. out [num_seqs, k + 5]: k draft ids, num_draft, then own first draft, own
+// match length, pool first draft, pool match length (for SourceStats' scoring after the step).
+void specgen_ngram_propose(const int64_t* tokens, int64_t row_stride, const int64_t* slots, const int64_t* seq_lens,
+                           const int64_t* max_draft, int64_t num_seqs, int64_t k, int64_t n_min, int64_t n_max,
+                           const int64_t* ring, int64_t capacity, const uint64_t* keys, const int64_t* ends,
+                           int64_t table_bits, int64_t written, const double* hits, const double* seen,
+                           double min_rate, int64_t* out) {
+  const Pool pool{ring, capacity, keys, ends, table_bits, written};
+  const int64_t width = k + 5;
+  int64_t own_draft[64], pool_draft[64], tail[64];  // k, n_max <= 64 (NATIVE_MAX in ngram.py)
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t* row = tokens + slots[s] * row_stride;
+    const int64_t len = seq_lens[s];
+    int64_t own_len = 0, pool_len = 0;
+    int64_t own_nd = match_one(row, len, k, n_min, n_max, own_draft, &own_len);
+    for (int64_t j = 0; j < n_max; ++j) {  // right-aligned, index 0 where the text is shorter (never looked up)
+      const int64_t c = len - n_max + j;
+      tail[j] = row[c > 0 ? c : 0];
+    }
+    int64_t pool_nd = pool_one(pool, tail, len, k, n_min, n_max, pool_draft, &pool_len);
+    const double own_rate = own_len > 0 ? hits[own_len] / seen[own_len] : 0.0;
+    const double pool_rate = pool_len > 0 ? hits[(n_max + 1) + pool_len] / seen[(n_max + 1) + pool_len] : 0.0;
+    const bool take = pool_rate > own_rate && pool_rate >= min_rate;
+    const int64_t* d = take ? pool_draft : own_draft;
+    int64_t nd = take ? pool_nd : own_nd;
+    int64_t* o = out + s * width;
+    for (int64_t i = 0; i < k; ++i) o[i] = d[i];
+    o[k] = nd < max_draft[s] ? nd : max_draft[s];
+    o[k + 1] = own_draft[0];
+    o[k + 2] = own_len;
+    o[k + 3] = pool_draft[0];
+    o[k + 4] = pool_len;
+  }
+}
+
+}  // extern "C"
