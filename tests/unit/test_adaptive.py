@@ -84,3 +84,12 @@ def test_guard_throughput_is_a_ratio_of_decayed_sums():
         ctl.record(1, 1.5, speculated=True)
     assert ctl.rate(True) < ctl.rate(False)
     assert int(ctl.choose(np.array([0]), np.array([2]), 0)[0]) == 0 or ctl.steps % Controller.PROBE_EVERY == 0
+
+
+def test_scalar_cost_equals_the_interpolated_table():
+    cost = CostModel(np.array([1.0, 2.0, 6.0]), np.array([0.0059, 0.0071, 0.011]))
+    cost.scale = 1.13
+    counts = np.arange(-2, 20)  # below, on, between and beyond the measured points
+    assert [cost.at(int(t)) for t in counts] == cost(counts).tolist()
+    one = CostModel(np.array([4.0]), np.array([0.02]))
+    assert [one.at(t) for t in (1, 4, 9)] == one(np.array([1, 4, 9])).tolist()
