@@ -378,6 +378,16 @@ class Model:
 
     def forward(self, batch: ForwardBatch, cache: KVCache) -> tuple[paddle.Tensor, paddle.Tensor]:
         """Returns (logits [num_logits, vocab], final normed hidden [num_tokens, hidden]) and writes K/V."""
+        return self._forward(batch, cache)[:2]
+
+    def forward_greedy(self, batch: ForwardBatch, cache: KVCache) -> tuple[paddle.Tensor, paddle.Tensor, np.ndarray]:
+        """`forward`, plus each logit row's argmax ([num_logits] int64, lowest id on a tie): the step's greedy
+        tokens, computed inside specgen_forward where it runs (no second operator after the forward)."""
+        logits, hidden, greedy = self._forward(batch, cache)
+        return logits, hidden, (kernels.argmax(logits) if greedy is None else greedy).numpy()
+
+    def _forward(self, batch: ForwardBatch, cache: KVCache):
+        """(logits, hidden, greedy ids or None where the path does not compute them)."""
         ctx = self.context(batch, cache)
         stacked = self.ops is not None and self.fused_layer and self.fused_stack
         if stacked and self._columns is None:  # every block's arguments, gathered once
@@ -392,7 +402,7 @@ class Model:
                 x = self.layer(x, L, ctx, cache.k[li], cache.v[li], li)
         hidden = self.norm(x, self.w.final_norm)  # [num_tokens, hidden]
         logits = self.matmul(paddle.gather(hidden, paddle.to_tensor(batch.logit_rows)), self.w.lm_head)
-        return logits, hidden  # logits [num_logits, vocab]
+        return logits, hidden, None  # logits [num_logits, vocab]
 
     def _prefix_kv(self, ctx: "StepContext", first: int, count: int) -> tuple[list, list]:
         """The shared prefix's K and V of blocks first .. first + count - 1 (stand-ins without a prefix)."""
@@ -405,12 +415,12 @@ class Model:
         cfg = self.config
         pk, pv = self._prefix_kv(ctx, 0, len(cache.k))
         *weights, q_norm, k_norm = self._columns
-        logits, hidden, *_ = self.ops.specgen_forward(
+        logits, hidden, greedy, *_ = self.ops.specgen_forward(
             paddle.to_tensor(batch.token_ids), self.w.embed, *weights, self.cos, self.sin, ctx.positions,
             ctx.token_slots, cache.k, cache.v, q_norm, k_norm, ctx.prefix_len, pk, pv, self.w.final_norm,
             paddle.to_tensor(batch.logit_rows), self.w.lm_head.panels, cfg.num_heads, cfg.num_kv_heads,
             ctx.capacity, cfg.qk_norm, cfg.rms_norm_eps, ctx.prefix_capacity, self.w.lm_head.n)
-        return logits, hidden  # logits [num_logits, vocab], hidden [num_tokens, hidden]
+        return logits, hidden, greedy  # logits [num_logits, vocab], hidden [num_tokens, hidden], greedy [num_logits]
 
 
 @dataclass

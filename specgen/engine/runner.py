@@ -200,13 +200,15 @@ class Engine:
         no_logits = np.concatenate([np.zeros(len(dec), bool), ~final])
         batch = build_forward_batch(slots, starts, lens, token_ids, logits_all, no_logits=no_logits,
                                     prefix_lens=t.prefix_len[slots] if self.prefix_ids is not None else None)
-        logits, hidden = self.model.forward(batch, self.cache)
+        logits, hidden, greedy = self.model.forward_greedy(batch, self.cache)
 
         row_tok = batch.logit_rows  # [num_logits]
         row_slot = batch.token_slots[row_tok]
-        out_pos = batch.positions[row_tok] + 1 - t.prompt_len[row_slot]
-        u = uniforms(t.rng_key[row_slot], out_pos)
-        targets = sample(logits, t.temperature[row_slot], t.top_k[row_slot], t.top_p[row_slot], u).numpy()
+        temperature = t.temperature[row_slot]
+        u = None
+        if temperature.any():  # sampled rows: their uniforms
+            u = uniforms(t.rng_key[row_slot], batch.positions[row_tok] + 1 - t.prompt_len[row_slot])
+        targets = sample(logits, temperature, t.top_k[row_slot], t.top_p[row_slot], u, greedy)
         if self.controller is not None:
             self.controller.cost.observe(len(batch.token_ids), time.perf_counter() - step_start)
 

@@ -59,10 +59,12 @@ def sample(
     temperature: np.ndarray,  # [rows] float64, 0 = greedy
     top_k: np.ndarray,  # [rows] int64, 0 = off
     top_p: np.ndarray,  # [rows] float64, 1 = off
-    u: np.ndarray,  # [rows] float64 in (0, 1]
-) -> paddle.Tensor:
+    u: np.ndarray | None,  # [rows] float64 in (0, 1]; only read at sampled rows (None: every row is greedy)
+    greedy: np.ndarray | None = None,  # [rows] int64 the logits' argmax, where the forward computed it already
+) -> np.ndarray:
     """Token per row; [rows] int64. Greedy rows take the argmax (lowest id on a tie)."""
-    greedy = kernels.argmax(logits)  # [rows]
+    if greedy is None:
+        greedy = kernels.argmax(logits).numpy()  # [rows]
     sampled_rows = np.nonzero(temperature > 0)[0]
     if len(sampled_rows) == 0:
         return greedy
@@ -86,4 +88,6 @@ def sample(
     target = cdf[:, -1:] * paddle.to_tensor(u[sampled_rows], dtype=dtype).unsqueeze(-1)
     idx = paddle.sum((cdf < target).astype("int64"), axis=-1)  # first index where cdf >= target
     idx = paddle.clip(idx, max=probs.shape[-1] - 1)
-    return paddle.scatter(greedy, rows, idx, overwrite=True)
+    out = greedy.copy()
+    out[sampled_rows] = idx.numpy()
+    return out

@@ -17,7 +17,7 @@
 //                         projections, the same functions in the same order, so bit-identical to calling them one
 //                         by one; all 30 blocks of a forward are one call instead of ~250 Python-side dispatches.
 //   specgen_forward       a whole forward: embedding, specgen_stack's blocks, final norm, the LM head at the rows
-//                         that need logits (bit-identical to those ops one after the other).
+//                         that need logits (bit-identical to those ops one after the other), and their argmax.
 //   specgen_mtp_draft     an MTP head's pass for a step: input norms and eh_proj, its block(s) (specgen_stack's code),
 //                         final norm, LM head and argmax at each sequence's last token, then depth - 1 chained
 //                         passes on its own drafts; the same functions in the same order as MtpProposer._run.
@@ -797,8 +797,9 @@ std::vector<paddle::Tensor> Stack(const paddle::Tensor& x, const Tensors& attn_n
 // A whole forward of the main model (Model.forward with specgen_stack): x = embed[token_ids], the blocks, then
 // hidden = rms_norm(x, final_norm) for every token and logits = hidden[logit_rows] @ lm_head. The same functions in
 // the same order as the separate ops, so the same bits; one call instead of five, and the Python between them,
-// which after the blocks have streamed the weights through the caches costs ~0.2 ms a call, is gone.
-// -> (logits [num_logits, vocab], hidden [n, hidden])
+// which after the blocks have streamed the weights through the caches costs ~0.2 ms a call, is gone. The logits'
+// argmax (specgen_argmax's) comes with them: the greedy token of every logit row, for the sampler.
+// -> (logits [num_logits, vocab], hidden [n, hidden], greedy int64 [num_logits])
 std::vector<paddle::Tensor> Forward(
     const paddle::Tensor& token_ids, const paddle::Tensor& embed, const Tensors& attn_norm, const Tensors& w_qkv,
     const Tensors& b_qkv, const Tensors& w_o, const Tensors& b_o, const Tensors& mlp_norm, const Tensors& w_gu,
@@ -824,7 +825,8 @@ std::vector<paddle::Tensor> Forward(
                                   k_cache, v_cache, q_norm, k_norm, prefix_k, prefix_v);
   const specgen::PackedWeight lm = specgen::packed_weight(lm_head, hid, vocab, "lm_head");
   auto logits = paddle::empty({m, vocab}, paddle::DataType::FLOAT32, embed.place());
-  if (n == 0) return {logits, hidden};
+  auto greedy = paddle::empty({m}, paddle::DataType::INT64, embed.place());
+  if (n == 0) return {logits, hidden, greedy};
   static thread_local std::vector<float> x, y, rows;
   x.resize(n * hid);
   y.resize(n * hid);
@@ -837,14 +839,15 @@ std::vector<paddle::Tensor> Forward(
   run_blocks(x.data(), y.data(), n, hid, b, a);
   float* h = hidden.data<float>();
   rms_norm_rows<float>(y.data(), final_norm.data<float>(), h, n, hid, static_cast<float>(eps));
-  if (m == 0) return {logits, hidden};
+  if (m == 0) return {logits, hidden, greedy};
   rows.resize(m * hid);
   for (int64_t r = 0; r < m; ++r) {
     PD_CHECK(lr[r] >= 0 && lr[r] < n, "specgen_forward: logit row out of range");
     std::copy(h + lr[r] * hid, h + (lr[r] + 1) * hid, rows.data() + r * hid);
   }
   specgen::packed_linear(rows.data(), m, hid, lm, logits.data<float>(), vocab);
-  return {logits, hidden};
+  argmax_rows<float>(logits.data<float>(), m, vocab, greedy.data<int64_t>());
+  return {logits, hidden, greedy};
 }
 
 // An MTP head's whole pass for a step (see MtpProposer in specgen/engine/proposers/mtp.py, which runs the same
@@ -993,7 +996,7 @@ PD_BUILD_OP(specgen_forward)
              paddle::Vec("WDown"), paddle::Vec("BDown"), "Cos", "Sin", "Positions", "Slots", paddle::Vec("KCache"),
              paddle::Vec("VCache"), paddle::Vec("QNorm"), paddle::Vec("KNorm"), "PrefixLen", paddle::Vec("PrefixK"),
              paddle::Vec("PrefixV"), "FinalNorm", "LogitRows", "LmHead"})
-    .Outputs({"Logits", "Hidden", paddle::Vec("KCacheOut"), paddle::Vec("VCacheOut")})
+    .Outputs({"Logits", "Hidden", "Greedy", paddle::Vec("KCacheOut"), paddle::Vec("VCacheOut")})
     .SetInplaceMap({{paddle::Vec("KCache"), paddle::Vec("KCacheOut")}, {paddle::Vec("VCache"), paddle::Vec("VCacheOut")}})
     .Attrs({"num_heads: int", "num_kv_heads: int", "capacity: int64_t", "qk_norm: bool", "eps: double",
             "prefix_capacity: int64_t", "vocab: int64_t"})

@@ -260,7 +260,7 @@ def test_fused_layer_op_is_bit_identical_to_op_by_op(arch):
     decoder block at once and over one block per call, float32 packed, against the same kernels called one by
     one: every architecture (biases, qk-norm, GQA, interleaved RoPE),
     prefill then mixed verify/prefill blocks, with and without a shared prefix: identical logits, hidden states
-    and caches, bit for bit."""
+    and caches, bit for bit; the greedy tokens specgen_forward computes with them are the logits' argmax."""
     m = load_model(TINY / arch, dtype="float32").model
     if not m.packs:
         pytest.skip("packed linear needs AVX-512")
@@ -279,14 +279,16 @@ def test_fused_layer_op_is_bit_identical_to_op_by_op(arch):
     for fused, stack, whole in ((True, True, True), (True, True, False), (True, False, False), (False, False, False)):
         m.fused_layer, m.fused_stack, m.fused_forward = fused, stack, whole
         cache = m.new_cache(4, 64)
-        out = [m.forward(b, cache) for b in (pre, ver)]
+        out = [m.forward_greedy(b, cache) for b in (pre, ver)]
         pcache = m.new_cache(1, 64)  # the shared prefix's own cache, computed once
         m.forward(build_forward_batch(np.array([0]), np.array([0]), np.array([12]), prefix, np.array([False])),
                   pcache)
         scache = m.new_cache(2, 64)
         scache.prefix = pcache
-        out.append(m.forward(shared, scache))
-        results.append([t.numpy() for pair in out for t in pair] + [c.numpy() for c in cache.k + cache.v])
+        out.append(m.forward_greedy(shared, scache))
+        for logits, _, greedy in out:
+            assert np.array_equal(greedy, np.argmax(logits.numpy(), axis=-1))
+        results.append([np.asarray(t) for triple in out for t in triple] + [c.numpy() for c in cache.k + cache.v])
     m.fused_layer = m.fused_stack = m.fused_forward = True
     for a, *others in zip(*results):
         assert all(np.array_equal(a, b) for b in others)

@@ -32,7 +32,7 @@ def draw(n, temperature, top_k, top_p, seed=0):
     keys = np.array([request_key(seed, f"req-{i}") for i in range(n)], dtype=np.uint64)
     u = uniforms(keys, np.full(n, 7))
     logits = paddle.to_tensor(np.tile(LOGITS, (n, 1)).astype("float32"))
-    return sample(logits, np.full(n, temperature), np.full(n, top_k, np.int64), np.full(n, top_p), u).numpy()
+    return sample(logits, np.full(n, temperature), np.full(n, top_k, np.int64), np.full(n, top_p), u)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 4, 1.0), (1.0, 0, 0.8),
@@ -62,7 +62,7 @@ def test_uniforms_in_unit_interval_and_position_dependent():
 
 def test_greedy_rows_take_argmax_and_mixed_rows():
     logits = paddle.to_tensor(np.stack([LOGITS, LOGITS[::-1]]).astype("float32"))
-    out = sample(logits, np.array([0.0, 0.0]), np.zeros(2, np.int64), np.ones(2), np.array([0.5, 0.5])).numpy()
+    out = sample(logits, np.array([0.0, 0.0]), np.zeros(2, np.int64), np.ones(2), np.array([0.5, 0.5]))
     assert out.tolist() == [0, VOCAB - 1]
-    out = sample(logits, np.array([0.0, 1.0]), np.array([0, 1]), np.ones(2), np.array([0.5, 0.99])).numpy()
+    out = sample(logits, np.array([0.0, 1.0]), np.array([0, 1]), np.ones(2), np.array([0.5, 0.99]))
     assert out.tolist() == [0, VOCAB - 1]  # top_k=1 leaves only the argmax
