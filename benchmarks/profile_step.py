@@ -60,6 +60,7 @@ def instrument(timer: Timer, model, engine_mod, vocab: int):
     import paddle
     import paddle.nn.functional as F
 
+    from specgen import kernels as kernels_mod
     from specgen.engine import model as model_mod
 
     def mm_name(x, y, *a, **kw):
@@ -87,6 +88,7 @@ def instrument(timer: Timer, model, engine_mod, vocab: int):
         model.ops = t
     timer.wrap(engine_mod, "sample", lambda *a, **kw: "sampling")
     timer.wrap(engine_mod, "uniforms", lambda *a, **kw: "sampling")
+    timer.wrap(kernels_mod, "argmax", lambda *a, **kw: "sampling")  # the greedy tokens (Model.forward_greedy)
     timer.wrap(engine_mod, "accept_lengths", lambda *a, **kw: "verification + commit")
     timer.wrap(engine_mod, "first_stop", lambda *a, **kw: "verification + commit")
 
@@ -142,6 +144,7 @@ def main() -> None:
             saved = (lm.model.ops,)
             import paddle
             import paddle.nn.functional as F
+            from specgen import kernels as kernels_mod
             from specgen.engine import model as model_mod
             originals = {(paddle, a): getattr(paddle, a) for a in ("matmul", "gather", "scatter", "scatter_", "concat",
                                                                   "split", "zeros", "rsqrt", "mean", "to_tensor",
@@ -149,6 +152,7 @@ def main() -> None:
             originals.update({(F, "softmax"): F.softmax, (F, "silu"): F.silu, (F, "embedding"): F.embedding,
                               (model_mod, "rms_norm"): model_mod.rms_norm, (engine_mod, "sample"): engine_mod.sample,
                               (engine_mod, "uniforms"): engine_mod.uniforms,
+                              (kernels_mod, "argmax"): kernels_mod.argmax,
                               (engine_mod, "accept_lengths"): engine_mod.accept_lengths,
                               (engine_mod, "first_stop"): engine_mod.first_stop})
             instrument(timer, lm.model, engine_mod, lm.model.config.vocab_size)
