@@ -347,25 +347,36 @@ def _error_output(req: Request, message: str) -> RequestOutput:
     return RequestOutput(req.id, req.index, "", [], None, len(req.prompt_ids), RequestStats(), error=message)
 
 
+CALIBRATION_REPEATS = 5  # timings per point of the cost table (round robin over the points), at most
+CALIBRATION_BUDGET = 0.3  # seconds of timed forwards after which fewer repeats are taken (large batches)
+
+
 def calibrate(model: Model, cache, max_draft: int) -> Controller:
     """Time forwards feeding 1, 2 and max_draft + 1 tokens to every slot (their cache rows are overwritten later
-    by prefill). Measured once per (batch size, max_draft) and model, and kept on the model: a later engine
-    on the same model (e.g. `specgen bench`) reuses it."""
+    by prefill): the median of up to CALIBRATION_REPEATS timings per point, taken round robin over the points
+    (one timing of a 6 ms step can be off by 50% on a shared machine, and one bad point skews every choice).
+    Measured once per (batch size, max_draft) and model, and kept on the model: a later engine on the same
+    model (e.g. `specgen bench`) reuses it."""
     num_slots = cache.num_slots
     key = (num_slots, max_draft)
     table = model.calibrations.get(key)
     if table is None:
         slots = np.arange(num_slots, dtype=np.int64)
-        tokens, seconds = [], []
-        for q in sorted({1, 2, max_draft + 1}):
-            batch = build_forward_batch(slots, np.zeros(num_slots, np.int64), np.full(num_slots, q, np.int64),
-                                        np.zeros(num_slots * q, np.int64), np.ones(num_slots, bool))
-            if q == 1:
-                model.forward(batch, cache)[0].numpy()  # warm-up
-            start = time.perf_counter()
-            model.forward(batch, cache)[0].numpy()
-            tokens.append(num_slots * q)
-            seconds.append(time.perf_counter() - start)
-        table = (np.array(tokens), np.maximum.accumulate(np.array(seconds)))
+        counts = sorted({1, 2, max_draft + 1})
+        batches = [build_forward_batch(slots, np.zeros(num_slots, np.int64), np.full(num_slots, q, np.int64),
+                                       np.zeros(num_slots * q, np.int64), np.ones(num_slots, bool)) for q in counts]
+        model.forward(batches[0], cache)[0].numpy()  # warm-up
+        timings: list[list[float]] = [[] for _ in counts]
+        spent = 0.0
+        for _ in range(CALIBRATION_REPEATS):
+            for batch, times in zip(batches, timings):
+                start = time.perf_counter()
+                model.forward(batch, cache)[0].numpy()
+                times.append(time.perf_counter() - start)
+            spent += sum(times[-1] for times in timings)
+            if spent > CALIBRATION_BUDGET:
+                break
+        seconds = np.array([np.median(times) for times in timings])
+        table = (np.array(counts) * num_slots, np.maximum.accumulate(seconds))
         model.calibrations[key] = table
     return Controller(CostModel(*table), max_draft, num_slots)

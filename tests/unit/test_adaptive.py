@@ -93,3 +93,36 @@ def test_scalar_cost_equals_the_interpolated_table():
     assert [cost.at(int(t)) for t in counts] == cost(counts).tolist()
     one = CostModel(np.array([4.0]), np.array([0.02]))
     assert [one.at(t) for t in (1, 4, 9)] == one(np.array([1, 4, 9])).tolist()
+
+
+def test_calibration_takes_the_median_of_repeated_timings(monkeypatch):
+    """One slow timing (another process took the core) does not become the table's cost: each point is the
+    median of its repeats, taken round robin."""
+    from specgen.engine import runner
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(runner.time, "perf_counter", lambda: clock["t"])
+
+    class Logits:
+        def numpy(self):
+            return np.zeros(1)
+
+    class Stub:
+        calibrations: dict = {}
+        calls = 0
+
+        def forward(self, batch, cache):
+            Stub.calls += 1
+            tokens = len(batch.token_ids)
+            clock["t"] += 0.010 + 0.002 * (tokens - 1) + (0.050 if Stub.calls == 4 else 0.0)  # call 4: 3 tokens, slow
+            return Logits(), None
+
+    class Cache:
+        num_slots = 1
+
+    controller = runner.calibrate(Stub(), Cache(), 2)
+    tokens, seconds = Stub.calibrations[(1, 2)]
+    assert tokens.tolist() == [1, 2, 3]
+    np.testing.assert_allclose(seconds, [0.010, 0.012, 0.014])
+    assert Stub.calls == 1 + 3 * runner.CALIBRATION_REPEATS  # a warm-up, then 5 rounds (0.18 s of 0.3)
+    assert controller.cost.at(3) == seconds[2]
