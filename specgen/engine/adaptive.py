@@ -51,13 +51,15 @@ class CostModel:
         costs ~10 us): the same interpolation formula as np.interp, so the same value."""
         x, y = self._points
         t = float(num_tokens)
+        if len(x) == 1:
+            return self.scale * y[0]
         if t > x[-1]:
             return self.scale * (y[-1] + self._slope * (t - x[-1]))
         if t < x[0]:
             return self.scale * (y[0] + self._slope * (t - x[0]))
-        j = next(i for i in range(len(x) - 1) if t <= x[i + 1]) if len(x) > 1 else 0
-        if len(x) == 1 or t == x[j + 1]:
-            return self.scale * (y[j + 1] if len(x) > 1 else y[0])
+        j = next(i for i in range(len(x) - 1) if t <= x[i + 1])  # x[j] <= t <= x[j + 1]
+        if t == x[j + 1]:
+            return self.scale * y[j + 1]
         return self.scale * ((y[j + 1] - y[j]) / (x[j + 1] - x[j]) * (t - x[j]) + y[j])
 
     def observe(self, num_tokens: int, seconds: float) -> None:

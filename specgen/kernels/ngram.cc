@@ -1,7 +1,9 @@
-// n-gram drafting on the host: a slot's own-text match and the job pool's lookup, as plain C functions called
-// through ctypes on numpy buffers (no Paddle tensors: drafting reads the runner's numpy token table in place).
-// The references are specgen/engine/proposers/ngram.py (ngram_match) and ngram_pool.py (NgramPool.lookup);
-// tests/unit/test_ngram_native.py compares them on random and hand-worked cases.
+// n-gram drafting on the host: a slot's own-text match, the job pool's lookup and the proposer's choice between
+// them, as plain C functions called through ctypes on numpy buffers (no Paddle tensors: drafting reads the
+// runner's numpy token table in place). The references are specgen/engine/proposers/ngram.py (ngram_match,
+// NgramProposer.propose_reference) and ngram_pool.py (NgramPool.lookup_reference); tests/unit/test_ngram.py and
+// test_ngram_native.py compare them on hand-worked and random cases. Callers guarantee the shapes: slots index
+// rows of the table, seq_lens[s] <= row_stride, k and n_max <= 64 (NATIVE_MAX).
 #include <cstdint>
 
 namespace {
