@@ -135,7 +135,7 @@ class Controller:
         time per slot (the MTP head) stops drafting for them until the slot takes a new request."""
         return (self.idle[slots] >= self.DETACH_AFTER) | self.off
 
-    def rule_out(self, acceptance_hint: float | None) -> None:
+    def rule_out(self, acceptance_hint: float | None, active: int | None = None) -> None:
         """Before the first step: turn speculation off for good when one draft per slot, accepted with the
         drafter's own measured acceptance (with HINT_HEADROOM), could not pay for verifying it at this batch
         size: E = 1 + a tokens against c(2 n) / c(n). Where verifying is compute-bound (32 slots on this CPU:
@@ -143,7 +143,7 @@ class Controller:
         slot detaches."""
         if acceptance_hint is None:
             return
-        n = self.num_slots
+        n = active or self.num_slots  # slots the job fills
         a = min(1.0, self.HINT_HEADROOM * acceptance_hint)
         self.off = bool(self.cost(np.array([2 * n]))[0] >= (1.0 + a) * self.cost(np.array([n]))[0])
 

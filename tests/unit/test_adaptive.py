@@ -124,5 +124,21 @@ def test_calibration_takes_the_median_of_repeated_timings(monkeypatch):
     tokens, seconds = Stub.calibrations[(1, 2)]
     assert tokens.tolist() == [1, 2, 3]
     np.testing.assert_allclose(seconds, [0.010, 0.012, 0.014])
-    assert Stub.calls == 1 + 3 * runner.CALIBRATION_REPEATS  # a warm-up, then 5 rounds (0.18 s of 0.3)
+    assert Stub.calls == 1 + 3 * 3  # a warm-up, then rounds until 0.15 s are spent: 0.086 + 0.036 + 0.036 s
     assert controller.cost.at(3) == seconds[2]
+
+
+def test_costs_are_measured_with_the_slots_the_job_fills(tiny_dir):
+    """3 requests in an 8-slot engine: the start-up timings use 3 slots (the steps the job will run, at 3/8 of
+    the cost of timing 8), and a job that fills the batch uses all 8."""
+    from specgen import EngineConfig, SamplingParams, SpecConfig, generate, load_model
+
+    lm = load_model(tiny_dir, dtype="float32")
+    spec = SpecConfig(method="ngram", num_speculative_tokens=3)
+    sp = SamplingParams(max_tokens=4)
+    generate([[5, 6, 7]] * 3, model=lm, sampling=sp, engine=EngineConfig(batch_size=8), speculative=spec)
+    assert list(lm.model.calibrations) == [(3, 3)]
+    tokens, _ = lm.model.calibrations[(3, 3)]
+    assert tokens.tolist() == [3, 6, 12]
+    generate([[5, 6, 7]] * 20, model=lm, sampling=sp, engine=EngineConfig(batch_size=8), speculative=spec)
+    assert list(lm.model.calibrations) == [(3, 3), (8, 3)]
