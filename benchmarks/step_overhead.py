@@ -85,9 +85,9 @@ def main() -> None:
                     "rest": outside - (seconds["drafting"] + seconds["controller"]) / steps})
         for mname, rs in rows.items():
             med = {k: float(np.median([r[k] for r in rs])) for k in rs[0]}
-            print(f"{name:<14} {mname:<6} {med['tok/s']:>7.1f} {med['forward'] * 1e3:>8.2f} {med['outside'] * 1e3:>8.3f} "
-                  f"{med['drafting'] * 1e3:>9.3f} {med['controller'] * 1e3:>10.3f} {med['rest'] * 1e3:>7.3f}",
-                  flush=True)
+            ms = {k: v * 1e3 for k, v in med.items()}
+            print(f"{name:<14} {mname:<6} {med['tok/s']:>7.1f} {ms['forward']:>8.2f} {ms['outside']:>8.3f} "
+                  f"{ms['drafting']:>9.3f} {ms['controller']:>10.3f} {ms['rest']:>7.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -360,9 +360,10 @@ CALIBRATION_BUDGET = 0.15  # seconds of timed forwards after which fewer repeats
 
 
 def calibrate(model: Model, cache, max_draft: int, num_slots: int | None = None) -> Controller:
-    """Time forwards feeding 1, 2 and max_draft + 1 tokens to each of num_slots slots (all the cache's by default;
-    their cache rows are overwritten later by prefill): the median of up to CALIBRATION_REPEATS timings per point, taken round robin over the points
-    (one timing of a 6 ms step can be off by 50% on a shared machine, and one bad point skews every choice).
+    """Time forwards feeding 1, 2 and max_draft + 1 tokens to each of num_slots slots (all the cache's by
+    default; their cache rows are overwritten later by prefill): the median of up to CALIBRATION_REPEATS timings
+    per point, taken round robin over the points (one timing of a 6 ms step can be off by 50% on a shared
+    machine, and one bad point skews every choice).
     Measured once per (slots, max_draft) and model, and kept on the model: a later engine on the same model
     (e.g. `specgen bench`) reuses it."""
     num_slots = cache.num_slots if num_slots is None else num_slots

@@ -1,4 +1,6 @@
 """The adaptive controller's per-slot choices: drafts that stop paying detach the slot from its drafter."""
+from typing import ClassVar
+
 import numpy as np
 
 from specgen.engine.adaptive import Controller, CostModel
@@ -108,7 +110,7 @@ def test_calibration_takes_the_median_of_repeated_timings(monkeypatch):
             return np.zeros(1)
 
     class Stub:
-        calibrations: dict = {}
+        calibrations: ClassVar[dict] = {}
         calls = 0
 
         def forward(self, batch, cache):

@@ -90,7 +90,8 @@ class NgramPool:
                                       num_draft.ctypes.data, match_len.ctypes.data)
         return draft, num_draft, match_len
 
-    def lookup_reference(self, tails: np.ndarray, tail_lens: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def lookup_reference(self, tails: np.ndarray, tail_lens: np.ndarray,
+                         k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Drafts for the slots whose last tokens are `tails`.
 
         tails: [num_seqs, n_max] int64, each slot's last n_max tokens, right-aligned
