@@ -44,6 +44,9 @@ PrefillChunk = Annotated[int | None, typer.Option(
     help="Prefill prompts longer than this many tokens in chunks, mixed into decode steps (0: whole prompts).")]
 SharedPrefix = Annotated[str | None, typer.Option(
     help="auto: compute the prompt prefix the first batch shares (64+ tokens) once, for every slot; off.")]
+KvCacheDtype = Annotated[str | None, typer.Option(
+    help="auto: the KV cache in the compute dtype; float16: half the cache's memory and reads (float32 models on "
+         "specgen's CPU kernels; outputs stay identical with speculation on or off, not to a float32 cache).")]
 ConfigFile = Annotated[Path | None, typer.Option(
     "--config", help="YAML file with sampling / engine / speculative sections.")]
 InputFormat = Annotated[str | None, typer.Option(help="jsonl | parquet [default: from the extension].")]
@@ -105,7 +108,8 @@ def run(
     batch_size: BatchSize = None, max_tokens: MaxTokens = None, temperature: Temperature = None,
     top_p: TopP = None, top_k: TopK = None, seed: Seed = None, stop: Stop = None, ignore_eos: IgnoreEos = None,
     dtype: Dtype = None, threads: Threads = None, max_model_len: MaxModelLen = None, prefill_chunk: PrefillChunk = None,
-    shared_prefix: SharedPrefix = None, config: ConfigFile = None, resume: Annotated[bool, typer.Option(
+    shared_prefix: SharedPrefix = None, kv_cache_dtype: KvCacheDtype = None, config: ConfigFile = None,
+    resume: Annotated[bool, typer.Option(
         "--resume", help="Continue an existing output, skipping the ids it holds.")] = False,
     on_error: Annotated[str, typer.Option(
         help="Bad records: skip (write an error record) | fail (exit 2).")] = "skip",
@@ -120,7 +124,7 @@ def run(
             "ngram_pool": ngram_pool, "batch_size": batch_size, "max_tokens": max_tokens,
             "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop,
             "ignore_eos": ignore_eos, "dtype": dtype, "threads": threads, "max_model_len": max_model_len,
-            "prefill_chunk": prefill_chunk, "shared_prefix": shared_prefix})
+            "prefill_chunk": prefill_chunk, "shared_prefix": shared_prefix, "kv_cache_dtype": kv_cache_dtype})
         plan = plan_job(input, output, input_format, resume, on_error)
         loaded = _load(model, cfg)
         with run_progress(quiet) as progress:
@@ -156,8 +160,8 @@ def bench(
     ngram_pool: NgramPool = None, batch_size: BatchSize = None, max_tokens: MaxTokens = None,
     temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
     stop: Stop = None, ignore_eos: IgnoreEos = None, dtype: Dtype = None, threads: Threads = None,
-    max_model_len: MaxModelLen = None, config: ConfigFile = None, input_format: InputFormat = None,
-    summary_json: SummaryJson = None,
+    max_model_len: MaxModelLen = None, kv_cache_dtype: KvCacheDtype = None, config: ConfigFile = None,
+    input_format: InputFormat = None, summary_json: SummaryJson = None,
 ) -> None:
     from rich.console import Console
 
@@ -173,7 +177,8 @@ def bench(
             "method": _bench_spec_method(method_list), "num_speculative_tokens": num_speculative_tokens,
             "mtp_model": mtp_model, "ngram_pool": ngram_pool, "batch_size": batch_size,
             "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
-            "stop": stop, "ignore_eos": ignore_eos, "dtype": dtype, "threads": threads, "max_model_len": max_model_len})
+            "stop": stop, "ignore_eos": ignore_eos, "dtype": dtype, "threads": threads, "max_model_len": max_model_len,
+            "kv_cache_dtype": kv_cache_dtype})
         check_input(input)
         fmt = detect_format(input, input_format)
         rows = run_bench(input, fmt, _load(model, cfg), cfg, method_list)

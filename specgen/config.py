@@ -72,6 +72,7 @@ class EngineConfig:
     prefill_chunk: int = 0  # prompts longer than this are prefilled in chunks across steps; 0: whole prompts
     shared_prefix: str = "auto"  # auto: the first batch's common prompt prefix is computed once (cascade); off
     min_shared_prefix: int = 64  # shorter common prefixes are not shared
+    kv_cache_dtype: str = "auto"  # auto: the compute dtype; float16: halves the cache (float32 models, CPU kernels)
 
     def __post_init__(self) -> None:
         if not 1 <= self.batch_size <= 256:
@@ -86,6 +87,10 @@ class EngineConfig:
             raise ConfigError(f"shared_prefix must be 'auto' or 'off', got {self.shared_prefix!r}")
         if self.min_shared_prefix < 1:
             raise ConfigError(f"min_shared_prefix must be >= 1, got {self.min_shared_prefix}")
+        if self.kv_cache_dtype not in ("auto", "float16"):
+            raise ConfigError(f"kv_cache_dtype must be 'auto' or 'float16', got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "float16" and self.dtype != "float32":
+            raise ConfigError(f"kv_cache_dtype float16 needs dtype float32, got {self.dtype!r}")
         if self.prefill_chunk < 0:
             raise ConfigError(f"prefill_chunk must be >= 0 (0: no chunking), got {self.prefill_chunk}")
 

@@ -5,7 +5,8 @@ import paddle
 
 
 class KVCache:
-    """Per layer, K and V of shape [num_slots, num_kv_heads, capacity, head_dim].
+    """Per layer, K and V of shape [num_slots, num_kv_heads, capacity, head_dim], in the model's dtype or, for a
+    float32 model on the fused kernels, float16 (the attention kernel widens each key and value as it reads it).
 
     A slot's valid positions are [0, its length); entries past it are stale (rejected drafts) and are
     overwritten by later writes, so rejection needs no copy. Stored flattened as
@@ -60,7 +61,7 @@ class KVCache:
 
     def nbytes(self, capacity: int | None = None) -> int:
         """Bytes of K and V over all layers (with the shared prefix's), or for another per-slot capacity."""
-        itemsize = 8 if self.dtype == "float64" else 4
+        itemsize = {"float64": 8, "float32": 4, "float16": 2}[self.dtype]
         width = self.num_kv_heads * self.head_dim
         own = 2 * self.num_layers * self.num_slots * (capacity or self.capacity) * width * itemsize
         return own + (self.prefix.nbytes() if self.prefix is not None and capacity is None else 0)

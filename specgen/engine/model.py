@@ -11,7 +11,7 @@ import paddle.nn.functional as F
 from specgen import kernels
 from specgen.engine.kv_cache import KVCache
 from specgen.engine.types import ForwardBatch
-from specgen.errors import CheckpointError, EngineError
+from specgen.errors import CheckpointError, ConfigError, EngineError
 from specgen.models.checkpoint import Checkpoint, QuantRows
 from specgen.models.config import ModelConfig
 
@@ -230,9 +230,14 @@ class Model:
             return self.ops.specgen_linear(x, w.panels, w.n)
         return paddle.matmul(x, w)
 
-    def new_cache(self, num_slots: int, max_capacity: int) -> KVCache:
+    def new_cache(self, num_slots: int, max_capacity: int, kv_dtype: str = "auto") -> KVCache:
+        """A KV cache in the model's dtype (auto) or float16 (float32 models on the fused kernels only)."""
         cfg = self.config
-        return KVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, self.dtype, max_capacity)
+        dtype = self.dtype if kv_dtype == "auto" else kv_dtype
+        if dtype != self.dtype and (self.ops is None or self.dtype != "float32" or dtype != "float16"):
+            raise ConfigError(f"a {dtype} KV cache needs a float32 model and specgen's CPU kernels "
+                              f"(model: {self.dtype}, kernels: {'on' if self.ops is not None else 'off'})")
+        return KVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, dtype, max_capacity)
 
     def _rope(self, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
         # x [num_tokens, heads, head_dim]; cos/sin [num_tokens, 1, head_dim / 2]

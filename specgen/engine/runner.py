@@ -76,7 +76,7 @@ class Engine:
         ctx = model.config.max_position_embeddings
         self.context_len = min(ctx, config.max_model_len) if config.max_model_len else ctx
         self.eos_ids = np.array(model.config.eos_token_ids, dtype=np.int64)
-        self.cache = model.new_cache(config.batch_size, self.context_len)
+        self.cache = model.new_cache(config.batch_size, self.context_len, config.kv_cache_dtype)
         self.table = SlotTable.empty(config.batch_size, 256)
         self.requests: list[Request | None] = [None] * config.batch_size
         self.adaptive, self.max_draft = adaptive, max_draft
@@ -285,7 +285,7 @@ class Engine:
         n = min(len(prefix_ids), self.context_len - 1)
         ids = np.asarray(prefix_ids[:n], dtype=np.int64)
         cfg = self.model.config
-        pre = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, self.model.dtype, n, initial_capacity=n)
+        pre = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, self.cache.dtype, n, initial_capacity=n)
         batch = build_forward_batch(np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([n]), ids, np.zeros(1, bool))
         _, hidden = self.model.forward(batch, pre)
         self.cache.prefix = pre

@@ -10,6 +10,9 @@
 //                         from one shared prefix cache [KV, prefix_capacity, D] and positions >= p from its slot's
 //                         own rows, where position j sits at row j - p. One softmax runs over both parts, so the
 //                         result equals attention over a private copy of the prefix.
+//                         The caches hold the activations' type or, for float32, IEEE halves (float16 tensors):
+//                         keys and values are rounded to nearest even once, when written, and widened exactly when
+//                         read, so a row's result still depends only on its own inputs.
 //   specgen_argmax        x [n, v]                         -> int64 [n]: index of each row's largest value, the
 //                         lowest index on a tie (as paddle.argmax)
 //   specgen_stack         whole pre-norm decoder blocks, float32 with packed weights (linear.cc), one after the
@@ -29,6 +32,7 @@
 #include <cmath>
 #include <limits>
 #include <omp.h>
+#include <type_traits>
 #include <vector>
 
 #include "paddle/extension.h"
@@ -82,6 +86,25 @@ inline __m512 exp512(__m512 x) {
 
 void check_cpu(const paddle::Tensor& t, const char* name) {
   PD_CHECK(t.is_cpu(), name, " must be a CPU tensor");
+}
+
+// The bits of a float16 tensor (a half KV cache), or nullptr for a stand-in of another type (no shared prefix).
+uint16_t* half_data(const paddle::Tensor& t) {
+  if (t.dtype() != paddle::DataType::FLOAT16) return nullptr;
+  return static_cast<uint16_t*>(const_cast<void*>(static_cast<const void*>(t.data<phi::dtype::float16>())));
+}
+
+// A half cache serves float32 activations; K and V are both halves, and so is a shared prefix where one is read.
+void check_half_cache(const paddle::Tensor& x, const paddle::Tensor& k_cache, const paddle::Tensor& v_cache,
+                      const paddle::Tensor& prefix_len, const paddle::Tensor& prefix_k, const paddle::Tensor& prefix_v,
+                      const char* op) {
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, op, ": a float16 KV cache needs float32 activations");
+  PD_CHECK(v_cache.dtype() == k_cache.dtype(), op, ": K and V caches of different types");
+  const int64_t* plen = prefix_len.data<int64_t>();
+  bool shared = false;
+  for (int64_t i = 0; i < prefix_len.numel(); ++i) shared = shared || plen[i] > 0;
+  PD_CHECK(!shared || (prefix_k.dtype() == k_cache.dtype() && prefix_v.dtype() == k_cache.dtype()), op,
+           ": the shared prefix's cache type differs from the slots' cache");
 }
 
 // Each token's position and cache slot (the attention inputs of specgen_attention and specgen_stack).
@@ -242,21 +265,40 @@ inline void rope(const T* x, const T* c, const T* s, T* out, int64_t d) {
   }
 }
 
+// A KV cache holds T (the activations' type) or, for float32 models, IEEE halves (uint16_t bits). Rows are
+// converted element by element: halves widen exactly to float and floats narrow to the nearest even half.
+template <typename To, typename From>
+inline To convert(From x) {
+  if constexpr (std::is_same_v<To, From>) {
+    return x;
+  } else if constexpr (std::is_same_v<From, uint16_t>) {
+    return specgen::half_to_float(x);
+  } else {
+    return specgen::float_to_half(x);
+  }
+}
+
+// dst [d] = src [d], converted to dst's element type.
+template <typename From, typename To>
+inline void convert_row(const From* src, To* dst, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = convert<To>(src[i]);
+}
+
 // One work item: the queries of `nt` consecutive tokens of one slot (positions p0 ..), the G query heads that
 // share one KV head, against that head's keys/values [0, len).
-template <typename T>
+template <typename T, typename C = T>
 struct Tile {
   const T* q;       // query of token a, group head g at q + a * q_stride + g * D
   int64_t q_stride;  // H * D
   int64_t G, nt, p0, len;
-  const T* k;  // this slot's own keys for this KV head: position j >= plen at k + (j - plen) * D
-  const T* v;
+  const C* k;  // this slot's own keys for this KV head: position j >= plen at k + (j - plen) * D
+  const C* v;
   T* out;  // same indexing as q
   int64_t plen;  // positions [0, plen) come from the shared prefix
-  const T* pk;   // shared prefix keys for this KV head: position j < plen at pk + j * D
-  const T* pv;
-  inline const T* key(int64_t j, int64_t D) const { return j < plen ? pk + j * D : k + (j - plen) * D; }
-  inline const T* value(int64_t j, int64_t D) const { return j < plen ? pv + j * D : v + (j - plen) * D; }
+  const C* pk;   // shared prefix keys for this KV head: position j < plen at pk + j * D
+  const C* pv;
+  inline const C* key(int64_t j, int64_t D) const { return j < plen ? pk + j * D : k + (j - plen) * D; }
+  inline const C* value(int64_t j, int64_t D) const { return j < plen ? pv + j * D : v + (j - plen) * D; }
 };
 
 // Keys per chunk. A row's softmax is assembled from partial results over the fixed key ranges [c kChunk,
@@ -269,14 +311,23 @@ constexpr int64_t kChunk = 128;
 inline int64_t partial_size(int64_t rows, int64_t D) { return rows * (D + 2); }
 
 // Reference-order version for any type: scores, max, exp, sum, weighted sum of values over keys [jb, je).
-template <typename T>
-void chunk_partial_generic(const Tile<T>& t, int64_t D, int64_t jb, int64_t je, std::vector<T>& sc, T* part) {
+template <typename T, typename C>
+void chunk_partial_generic(const Tile<T, C>& t, int64_t D, int64_t jb, int64_t je, std::vector<T>& sc, T* part) {
   const int64_t rows = t.nt * t.G, len = je - jb;
   T *m = part, *l = part + rows, *acc = part + 2 * rows;
   sc.assign(rows * len, T(0));
   std::fill(acc, acc + rows * D, T(0));
+  std::vector<T> wide(D);  // a key or value row widened to T (a half cache)
+  auto row = [&](const C* r) -> const T* {
+    if constexpr (std::is_same_v<C, T>) {
+      return r;
+    } else {
+      convert_row(r, wide.data(), D);
+      return wide.data();
+    }
+  };
   for (int64_t j = jb; j < je; ++j) {
-    const T* k = t.key(j, D);
+    const T* k = row(t.key(j, D));
     for (int64_t a = (j > t.p0 ? j - t.p0 : 0); a < t.nt; ++a)
       for (int64_t g = 0; g < t.G; ++g) sc[(a * t.G + g) * len + j - jb] = dot(t.q + a * t.q_stride + g * D, k, D);
   }
@@ -295,7 +346,7 @@ void chunk_partial_generic(const Tile<T>& t, int64_t D, int64_t jb, int64_t je, 
     }
   }
   for (int64_t j = jb; j < je; ++j) {
-    const T* v = t.value(j, D);
+    const T* v = row(t.value(j, D));
     for (int64_t a = (j > t.p0 ? j - t.p0 : 0); a < t.nt; ++a)
       for (int64_t g = 0; g < t.G; ++g) {
         const T p = sc[(a * t.G + g) * len + j - jb];
@@ -306,15 +357,15 @@ void chunk_partial_generic(const Tile<T>& t, int64_t D, int64_t jb, int64_t je, 
   }
 }
 
-template <typename T>
-void chunk_partial(const Tile<T>& t, int64_t D, int64_t jb, int64_t je, std::vector<T>& sc, T* part) {
+template <typename T, typename C>
+void chunk_partial(const Tile<T, C>& t, int64_t D, int64_t jb, int64_t je, std::vector<T>& sc, T* part) {
   chunk_partial_generic(t, D, jb, je, sc, part);
 }
 
 // Each row's output from the partials of its chunks 0 .. nch-1 (chunk c at parts + c * partial_size), in chunk
 // order: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c with M the largest m_c.
-template <typename T>
-void merge_partials(const Tile<T>& t, int64_t D, const T* parts, int64_t nch) {
+template <typename T, typename C>
+void merge_partials(const Tile<T, C>& t, int64_t D, const T* parts, int64_t nch) {
   const int64_t rows = t.nt * t.G, stride = partial_size(rows, D);
   for (int64_t r = 0; r < rows; ++r) {
     T mx = parts[r];  // chunk 0 holds key 0, which every row sees
@@ -365,17 +416,23 @@ inline __m512 hsum16(const __m512* a) {
   return _mm512_add_ps(_mm512_permutex2var_ps(d[0], l4, d[1]), _mm512_permutex2var_ps(d[0], h4, d[1]));
 }
 
+// 16 floats of a key or value row: float32 as is, halves widened (exact).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // Scores of one query row against up to 16 keys (nk of them; the rest score 0), the query held in registers:
 // the same operations in the same order as the generic-C loop below, so the same bits.
-template <int C>
-inline void scores16(const float* q, const float* const* keys, int64_t nk, float* out) {
+template <int C, typename E>
+inline void scores16(const float* q, const E* const* keys, int64_t nk, float* out) {
   __m512 qv[C];
   for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
   __m512 part[16];
   for (int kk = 0; kk < 16; ++kk) {
     if (kk >= nk) { part[kk] = _mm512_setzero_ps(); continue; }
-    __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(keys[kk]));
-    for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(keys[kk] + 16 * c), s);
+    __m512 s = _mm512_mul_ps(qv[0], load16(keys[kk]));
+    for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(qv[c], load16(keys[kk] + 16 * c), s);
     part[kk] = s;
   }
   _mm512_storeu_ps(out, hsum16(part));
@@ -383,16 +440,16 @@ inline void scores16(const float* q, const float* const* keys, int64_t nk, float
 
 // Weighted sum of values for R rows with their accumulators in registers: rows of acc [R, 16 C] =
 // sum_j p[r, j - jb] * v_j over jb <= j < je in order (p is zero past each row's last key).
-template <int C, int R>
-inline void pv_rows(const Tile<float>& t, int64_t D, int64_t jb, int64_t je, const float* p, int64_t stride,
+template <int C, int R, typename E>
+inline void pv_rows(const Tile<float, E>& t, int64_t D, int64_t jb, int64_t je, const float* p, int64_t stride,
                     float* acc) {
   __m512 o[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) o[r][c] = _mm512_setzero_ps();
   for (int64_t j = jb; j < je; ++j) {
-    const float* v = t.value(j, D);
+    const E* v = t.value(j, D);
     __m512 vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+    for (int c = 0; c < C; ++c) vv[c] = load16(v + 16 * c);
     for (int r = 0; r < R; ++r) {
       const __m512 w = _mm512_set1_ps(p[r * stride + j - jb]);
       for (int c = 0; c < C; ++c) o[r][c] = _mm512_fmadd_ps(w, vv[c], o[r][c]);
@@ -403,29 +460,29 @@ inline void pv_rows(const Tile<float>& t, int64_t D, int64_t jb, int64_t je, con
 }
 
 // pv_rows over rows [0, rows) in groups of R, the last group R' = rows mod R (a compile-time count each).
-template <int C, int R>
-inline void pv_tail(const Tile<float>& t, int64_t D, int64_t jb, int64_t je, const float* p, int64_t stride,
+template <int C, int R, typename E>
+inline void pv_tail(const Tile<float, E>& t, int64_t D, int64_t jb, int64_t je, const float* p, int64_t stride,
                     int64_t nr, float* acc) {
   if constexpr (R > 0) {
-    if (nr == R) return pv_rows<C, R>(t, D, jb, je, p, stride, acc);
-    pv_tail<C, R - 1>(t, D, jb, je, p, stride, nr, acc);
+    if (nr == R) return pv_rows<C, R, E>(t, D, jb, je, p, stride, acc);
+    pv_tail<C, R - 1, E>(t, D, jb, je, p, stride, nr, acc);
   }
 }
 
-template <int C, int R>
-inline void pv_all(const Tile<float>& t, int64_t D, int64_t jb, int64_t je, const float* p, int64_t stride,
+template <int C, int R, typename E>
+inline void pv_all(const Tile<float, E>& t, int64_t D, int64_t jb, int64_t je, const float* p, int64_t stride,
                    int64_t rows, float* acc) {
   int64_t r0 = 0;
-  for (; r0 + R <= rows; r0 += R) pv_rows<C, R>(t, D, jb, je, p + r0 * stride, stride, acc + r0 * D);
-  pv_tail<C, R - 1>(t, D, jb, je, p + r0 * stride, stride, rows - r0, acc + r0 * D);
+  for (; r0 + R <= rows; r0 += R) pv_rows<C, R, E>(t, D, jb, je, p + r0 * stride, stride, acc + r0 * D);
+  pv_tail<C, R - 1, E>(t, D, jb, je, p + r0 * stride, stride, rows - r0, acc + r0 * D);
 }
 
 // float32 with head_dim a multiple of 16 (up to 256): the same steps, vectorised by hand. Scores come 16 keys
 // at a time (hsum16); the weighted sum keeps up to 6 rows' accumulators in registers when head_dim is 64 (3 at
 // 128). Each query row is still computed on its own, in a fixed order.
-template <>
-void chunk_partial<float>(const Tile<float>& t, int64_t D, int64_t jb, int64_t je, std::vector<float>& sc,
-                          float* part) {
+template <typename E>
+void chunk_partial(const Tile<float, E>& t, int64_t D, int64_t jb, int64_t je, std::vector<float>& sc,
+                   float* part) {
   if (D % 16 != 0 || D > 256) {
     return chunk_partial_generic(t, D, jb, je, sc, part);
   }
@@ -433,7 +490,7 @@ void chunk_partial<float>(const Tile<float>& t, int64_t D, int64_t jb, int64_t j
   const int64_t stride = (je - jb + 15) & ~int64_t(15);
   float *m = part, *l = part + rows, *acc = part + 2 * rows;
   sc.resize(rows * stride);
-  const float* keys[16];
+  const E* keys[16];
   for (int64_t j0 = jb; j0 < je; j0 += 16) {
     const int64_t nk = std::min<int64_t>(16, je - j0);
     for (int64_t kk = 0; kk < 16; ++kk) keys[kk] = kk < nk ? t.key(j0 + kk, D) : nullptr;
@@ -443,16 +500,16 @@ void chunk_partial<float>(const Tile<float>& t, int64_t D, int64_t jb, int64_t j
       const float* q = t.q + a * t.q_stride + g * D;
       float* out = sc.data() + r * stride + j0 - jb;
       if (C == 4) {
-        scores16<4>(q, keys, nk, out);
+        scores16<4, E>(q, keys, nk, out);
       } else if (C == 8) {
-        scores16<8>(q, keys, nk, out);
+        scores16<8, E>(q, keys, nk, out);
       } else {
         __m512 part16[16];
         for (int64_t kk = 0; kk < 16; ++kk) {
           if (kk >= nk) { part16[kk] = _mm512_setzero_ps(); continue; }
-          __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(keys[kk]));
+          __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q), load16(keys[kk]));
           for (int64_t c = 1; c < C; ++c)
-            s = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), _mm512_loadu_ps(keys[kk] + 16 * c), s);
+            s = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), load16(keys[kk] + 16 * c), s);
           part16[kk] = s;
         }
         _mm512_storeu_ps(out, hsum16(part16));
@@ -490,15 +547,15 @@ void chunk_partial<float>(const Tile<float>& t, int64_t D, int64_t jb, int64_t j
     }
   }
   if (C == 8) {
-    pv_all<8, 3>(t, D, jb, je, sc.data(), stride, rows, acc);
+    pv_all<8, 3, E>(t, D, jb, je, sc.data(), stride, rows, acc);
   } else if (C == 4) {
-    pv_all<4, 6>(t, D, jb, je, sc.data(), stride, rows, acc);
+    pv_all<4, 6, E>(t, D, jb, je, sc.data(), stride, rows, acc);
   } else {
     std::fill(acc, acc + rows * D, 0.0f);
     __m512 kv[16];
     for (int64_t j = jb; j < je; ++j) {
-      const float* v = t.value(j, D);
-      for (int64_t c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(v + 16 * c);
+      const E* v = t.value(j, D);
+      for (int64_t c = 0; c < C; ++c) kv[c] = load16(v + 16 * c);
       for (int64_t a = (j > t.p0 ? j - t.p0 : 0); a < t.nt; ++a)
         for (int64_t g = 0; g < t.G; ++g) {
           const __m512 p = _mm512_set1_ps(sc[(a * t.G + g) * stride + j - jb]);
@@ -511,10 +568,10 @@ void chunk_partial<float>(const Tile<float>& t, int64_t D, int64_t jb, int64_t j
 }
 #endif
 
-template <typename T>
-void attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, const int64_t* slot, T* kc, T* vc,
+template <typename T, typename C = T>
+void attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, const int64_t* slot, C* kc, C* vc,
                const T* qn, const T* kn, T* out, int64_t n, int64_t H, int64_t KV, int64_t D, int64_t cap,
-               bool qk_norm, T eps, int64_t tile, const int64_t* plen, const T* pk, const T* pv, int64_t pcap) {
+               bool qk_norm, T eps, int64_t tile, const int64_t* plen, const C* pk, const C* pv, int64_t pcap) {
   const int64_t G = H / KV, width = (H + 2 * KV) * D, half = D / 2;
   const T scale = T(1) / std::sqrt(T(D));
   std::vector<T> q(n * H * D);  // [n, H, D] roped, scaled queries
@@ -524,7 +581,7 @@ void attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, con
     const T* row = qkv + t * width;
     const T* c = cos + pos[t] * half;
     const T* s = sin + pos[t] * half;
-    std::vector<T> tmp(D);
+    std::vector<T> tmp(D), roped(D);
     for (int64_t h = 0; h < H; ++h) {
       const T* x = row + h * D;
       if (qk_norm) { rms_norm_row(x, qn, tmp.data(), D, eps); x = tmp.data(); }
@@ -536,9 +593,9 @@ void attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, con
       const int64_t dst = ((slot[t] * KV + h) * cap + pos[t] - plen[t]) * D;
       const T* x = row + (H + h) * D;
       if (qk_norm) { rms_norm_row(x, kn, tmp.data(), D, eps); x = tmp.data(); }
-      rope(x, c, s, kc + dst, D);
-      const T* v = row + (H + KV + h) * D;
-      for (int64_t i = 0; i < D; ++i) vc[dst + i] = v[i];
+      rope(x, c, s, roped.data(), D);
+      convert_row(roped.data(), kc + dst, D);
+      convert_row(row + (H + KV + h) * D, vc + dst, D);
     }
   }
   // Tiles: runs of up to `tile` tokens of one slot at consecutive positions (a decode/verify block, or a piece
@@ -556,7 +613,7 @@ void attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, con
   // compute the same partials and merge them alike, so the results are the same bits.
   auto tile_of = [&](int64_t w) {
     const int64_t ti = w / KV, kvh = w % KV, t0 = starts[ti], nt = starts[ti + 1] - t0;
-    return Tile<T>{q.data() + (t0 * H + kvh * G) * D, H * D, G, nt, pos[t0], pos[t0 + nt - 1] + 1,
+    return Tile<T, C>{q.data() + (t0 * H + kvh * G) * D, H * D, G, nt, pos[t0], pos[t0 + nt - 1] + 1,
                    kc + (slot[t0] * KV + kvh) * cap * D, vc + (slot[t0] * KV + kvh) * cap * D,
                    out + (t0 * H + kvh * G) * D, plen[t0], pk + kvh * pcap * D, pv + kvh * pcap * D};
   };
@@ -569,7 +626,7 @@ void attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, con
     {
       std::vector<T> sc, parts;
       for (int64_t w; (w = next.fetch_add(1)) < items;) {
-        const Tile<T> tl = tile_of(w);
+        const Tile<T, C> tl = tile_of(w);
         const int64_t nch = (tl.len + kChunk - 1) / kChunk, size = partial_size(tl.nt * G, D);
         parts.resize(nch * size);
         for (int64_t c = 0; c < nch; ++c)
@@ -593,7 +650,7 @@ void attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, con
     std::vector<T> sc;
     for (int64_t i; (i = next.fetch_add(1)) < first[items];) {
       const int64_t w = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1, c = i - first[w];
-      const Tile<T> tl = tile_of(w);
+      const Tile<T, C> tl = tile_of(w);
       chunk_partial(tl, D, c * kChunk, std::min(tl.len, (c + 1) * kChunk), sc,
                     parts.data() + offset[w] + c * partial_size(tl.nt * G, D));
     }
@@ -619,6 +676,15 @@ std::vector<paddle::Tensor> Attention(const paddle::Tensor& qkv, const paddle::T
   PD_CHECK(qkv.shape()[1] == (num_heads + 2 * num_kv_heads) * D, "qkv width does not match the heads");
   check_token_index(positions, slots);
   auto out = paddle::empty({n, num_heads * D}, qkv.dtype(), qkv.place());
+  if (k_cache.dtype() == paddle::DataType::FLOAT16) {  // a half cache for float32 activations
+    check_half_cache(qkv, k_cache, v_cache, prefix_len, prefix_k, prefix_v, "specgen_attention");
+    attention<float, uint16_t>(qkv.data<float>(), cos.data<float>(), sin.data<float>(), positions.data<int64_t>(),
+                               slots.data<int64_t>(), half_data(k_cache), half_data(v_cache), q_norm.data<float>(),
+                               k_norm.data<float>(), out.data<float>(), n, num_heads, num_kv_heads, D, capacity,
+                               qk_norm, static_cast<float>(eps), 8, prefix_len.data<int64_t>(), half_data(prefix_k),
+                               half_data(prefix_v), prefix_capacity);
+    return {out};
+  }
   PD_DISPATCH_FLOATING_TYPES(qkv.type(), "specgen_attention", ([&] {
     attention<data_t>(qkv.data<data_t>(), cos.data<data_t>(), sin.data<data_t>(), positions.data<int64_t>(),
                       slots.data<int64_t>(), k_cache.data<data_t>(), v_cache.data<data_t>(), q_norm.data<data_t>(),
@@ -672,7 +738,9 @@ struct BlockWeights {
 
 BlockWeights check_block(const BlockTensors& b, const StepInputs& a, int64_t hid) {
   check_cpu(b.k_cache, "k_cache");
-  PD_CHECK(b.k_cache.dtype() == paddle::DataType::FLOAT32, "specgen_stack: float32 caches only");
+  PD_CHECK(b.k_cache.dtype() == paddle::DataType::FLOAT32 || b.k_cache.dtype() == paddle::DataType::FLOAT16,
+           "specgen_stack: float32 or float16 caches only");
+  PD_CHECK(b.v_cache.dtype() == b.k_cache.dtype(), "specgen_stack: K and V caches of different types");
   const int64_t D = b.k_cache.shape().back(), wq = (a.H + 2 * a.KV) * D;
   // w_down's inputs: [panels, inter, 32] float32, or [panels, inter / 32, bytes] quantized
   const int64_t inter = b.w_down.shape()[1] * (b.w_down.dtype() == paddle::DataType::FLOAT32 ? 1 : 32);
@@ -697,11 +765,21 @@ void block_forward(const float* x, float* out, int64_t n, int64_t hid, const Blo
   rms_norm_rows<float>(x, b.attn_norm.data<float>(), s.h.data(), n, hid, a.eps);
   specgen::packed_linear(s.h.data(), n, hid, w.qkv, s.qkv.data(), wq);
   add_bias(s.qkv.data(), b.b_qkv, n, wq);
-  attention<float>(s.qkv.data(), a.cos, a.sin, a.positions, a.slots, b.k_cache.data<float>(),
-                   b.v_cache.data<float>(), b.q_norm.data<float>(),
-                   b.k_norm.data<float>(), s.att.data(), n, H, KV, D, a.capacity, a.qk_norm, a.eps, 8,
-                   a.prefix_len, b.prefix_k.data<float>(), b.prefix_v.data<float>(),
-                   a.prefix_capacity);
+  if (b.k_cache.dtype() == paddle::DataType::FLOAT16) {
+    bool shared = false;
+    for (int64_t t = 0; t < n; ++t) shared = shared || a.prefix_len[t] > 0;
+    PD_CHECK(!shared || (b.prefix_k.dtype() == b.k_cache.dtype() && b.prefix_v.dtype() == b.k_cache.dtype()),
+             "specgen_stack: the shared prefix's cache type differs from the slots' cache");
+    attention<float, uint16_t>(s.qkv.data(), a.cos, a.sin, a.positions, a.slots, half_data(b.k_cache),
+                               half_data(b.v_cache), b.q_norm.data<float>(), b.k_norm.data<float>(), s.att.data(), n,
+                               H, KV, D, a.capacity, a.qk_norm, a.eps, 8, a.prefix_len, half_data(b.prefix_k),
+                               half_data(b.prefix_v), a.prefix_capacity);
+  } else {
+    attention<float>(s.qkv.data(), a.cos, a.sin, a.positions, a.slots, b.k_cache.data<float>(),
+                     b.v_cache.data<float>(), b.q_norm.data<float>(), b.k_norm.data<float>(), s.att.data(), n, H, KV,
+                     D, a.capacity, a.qk_norm, a.eps, 8, a.prefix_len, b.prefix_k.data<float>(),
+                     b.prefix_v.data<float>(), a.prefix_capacity);
+  }
   specgen::packed_linear(s.att.data(), n, H * D, w.o, s.o.data(), hid);
   add_bias(s.o.data(), b.b_o, n, hid);
   add_rms_norm_rows<float>(x, s.o.data(), b.mlp_norm.data<float>(), s.sum.data(), s.h.data(), n, hid, a.eps);

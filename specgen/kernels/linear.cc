@@ -41,29 +41,6 @@ constexpr int64_t kBlock = 32;    // inputs per quantization block
 // Quantized block formats, told apart by their size in bytes (per panel and block of 32 inputs).
 enum class Quant { kQ4_0 = 64 + 512, kQ4_1 = 128 + 512, kQ8_0 = 64 + 1024 };
 
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
-  uint32_t bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000u | (man << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {  // subnormal: normalize
-    int e = -1;
-    uint32_t m = man;
-    do {
-      m <<= 1;
-      ++e;
-    } while (!(m & 0x400));
-    bits = sign | ((112 - e) << 23) | ((m & 0x3FF) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 // The dequantized panel [k, 32] of one quantized panel, in scalar code: the quantized path of builds without
 // AVX-512 (with AVX-512, dequant_panel and qpanel_rows below do the same with vectors).
 void dequant_panel_ref(const uint8_t* p, int64_t k, Quant q, float* out) {
@@ -74,13 +51,13 @@ void dequant_panel_ref(const uint8_t* p, int64_t k, Quant q, float* out) {
     for (int64_t i = 0; i < kBlock; ++i) {
       float* w = out + (b * kBlock + i) * kPanel;
       for (int64_t c = 0; c < kPanel; ++c) {
-        const float d = half_to_float(scales[c]);
+        const float d = specgen::half_to_float(scales[c]);
         if (q == Quant::kQ8_0) {
           w[c] = static_cast<float>(static_cast<int8_t>(qs[i * kPanel + c])) * d;
         } else {
           const int nib = c < 16 ? qs[i * 16 + c] & 0xF : qs[i * 16 + c - 16] >> 4;
           w[c] = q == Quant::kQ4_0 ? d * static_cast<float>(nib - 8)
-                                   : std::fma(d, static_cast<float>(nib), half_to_float(scales[kPanel + c]));
+                                   : std::fma(d, static_cast<float>(nib), specgen::half_to_float(scales[kPanel + c]));
         }
       }
     }

@@ -1,7 +1,9 @@
 // Functions shared between the kernel sources (linear.cc, cpu_ops.cc), compiled into one extension module.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "paddle/extension.h"
 
@@ -17,6 +19,46 @@ struct PackedWeight {
 
 // Checks that w is a packed weight of k inputs and n outputs (errors name `name`) and describes it.
 PackedWeight packed_weight(const paddle::Tensor& w, int64_t k, int64_t n, const char* name);
+
+// IEEE half precision as uint16_t bits (GGUF scales, float16 KV caches): exact widening, and narrowing with
+// round-to-nearest-even (overflow to inf, NaN kept), the same bits as numpy's astype(float16).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    int e = -1;
+    uint32_t m = man;
+    do {
+      m <<= 1;
+      ++e;
+    } while (!(m & 0x400));
+    bits = sign | ((112 - e) << 23) | ((m & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t float_to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u, a = x & 0x7FFFFFFFu;
+  if (a >= 0x7F800000u) return static_cast<uint16_t>(sign | 0x7C00u | (a > 0x7F800000u ? 0x200u : 0u));
+  if (a >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // 65520 and up round to inf
+  if (a >= 0x38800000u) {  // normal halves (2^-14 and up): rebias, round the 13 dropped bits to even
+    const uint32_t r = a - 0x38000000u;
+    return static_cast<uint16_t>(sign | ((r + 0xFFFu + ((r >> 13) & 1u)) >> 13));
+  }
+  float v;  // subnormal halves: multiples of 2^-24, rounded to even by nearbyint (exact scaling by 2^24)
+  std::memcpy(&v, &a, 4);
+  return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(v * 16777216.0f)));
+}
 
 // y [m, n] = x [m, k] @ W (float32; each output one FMA chain over k, whatever the weight's storage).
 void packed_linear(const float* x, int64_t m, int64_t k, const PackedWeight& w, float* y, int64_t n);

@@ -16,6 +16,7 @@ from cli_support import (
 )
 
 import specgen.api
+import specgen.kernels
 from specgen.io.schema import FIELDS
 
 N = 12
@@ -224,3 +225,17 @@ def test_shared_prefix_is_reused_and_reported(tmp_path):
     assert all(r["num_cached_prompt_tokens"] == 80 for r in shared.values())
     assert s_sum["num_cached_prompt_tokens"] == 480 and p_sum["num_cached_prompt_tokens"] == 0
     assert s_sum["kv_cache_bytes"] < s_sum["kv_cache_bytes_unshared"] == p_sum["kv_cache_bytes"]
+
+
+@pytest.mark.skipif(specgen.kernels.ops() is None, reason="a float16 KV cache needs the fused CPU kernels")
+def test_kv_cache_dtype_float16_halves_the_reported_cache(jsonl_in, jsonl_run, tmp_path):
+    """--kv-cache-dtype float16: every record written, the summary's KV cache bytes halved; a bad value exits 2."""
+    out, summary = tmp_path / "half.jsonl", tmp_path / "half.json"
+    result = invoke("run", jsonl_in, "-o", out, "--max-tokens", "8", "--batch-size", "4", "--kv-cache-dtype",
+                    "float16", "--summary-json", summary)
+    assert result.exit_code == 0, result.output
+    assert set(by_id(read_output(out))) == set(by_id(read_output(jsonl_run[0])))
+    half, full = (json.loads(p.read_text())["kv_cache_bytes"] for p in (summary, jsonl_run[1]))
+    assert half * 2 == full
+    bad = invoke("run", jsonl_in, "-o", tmp_path / "bad.jsonl", "--kv-cache-dtype", "int8")
+    assert bad.exit_code == 2 and "kv_cache_dtype must be 'auto' or 'float16'" in bad.output

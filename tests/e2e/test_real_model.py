@@ -81,3 +81,23 @@ def test_float32_packed_weights_are_exact_across_batching_and_speculation(real_m
         run = generate(prompts, model=real_model, sampling=params, engine=EngineConfig(batch_size=bs),
                        speculative=spec)
         assert [o.token_ids for o in run] == [o.token_ids for o in plain], (bs, spec.method)
+
+
+
+def test_float16_kv_cache_is_exact_across_batching_and_speculation(real_model, spec_bench):
+    """A half KV cache rounds keys and values once, where they are written; every later read widens them
+    exactly, so outputs still do not change with batch size or with speculation, greedy or sampled."""
+    if real_model.model.ops is None:
+        pytest.skip("a float16 KV cache needs the fused kernels")
+    from specgen import SpecConfig
+
+    prompts = chat_prompts(real_model, spec_bench, 12)
+    params = [SamplingParams(max_tokens=24 + i, temperature=0.8 if i % 2 else 0.0, top_p=0.9, seed=i)
+              for i in range(12)]
+    plain = generate(prompts, model=real_model, sampling=params,
+                     engine=EngineConfig(batch_size=12, kv_cache_dtype="float16"))
+    for bs, spec in [(1, SpecConfig(method="none")), (5, SpecConfig(method="ngram", num_speculative_tokens=5)),
+                     (7, SpecConfig(method="mtp", num_speculative_tokens=2))]:  # the shipped head
+        run = generate(prompts, model=real_model, sampling=params,
+                       engine=EngineConfig(batch_size=bs, kv_cache_dtype="float16"), speculative=spec)
+        assert [o.token_ids for o in run] == [o.token_ids for o in plain], (bs, spec.method)
