@@ -32,14 +32,16 @@ class LoadedModel:
     source: str
 
 
-def load_model(path: str | Path | None = None, dtype: str = "float32", threads: int = 0) -> LoadedModel:
-    """Load an HF directory, a .gguf file, or (None) the default SmolLM2-135M-Instruct."""
+def load_model(path: str | Path | None = None, dtype: str = "float32", threads: int = 0,
+               matmul: str = "float32") -> LoadedModel:
+    """Load an HF directory, a .gguf file, or (None) the default SmolLM2-135M-Instruct. matmul "int8" multiplies
+    by GGUF block-quantized weights with the inputs quantized to int8 (see EngineConfig.matmul)."""
     set_threads(threads)
     from specgen.engine.model import Model
     from specgen.models import load_checkpoint
 
     ckpt = load_checkpoint(path)
-    model = Model(ckpt, dtype=dtype)
+    model = Model(ckpt, dtype=dtype, matmul=matmul)
     return LoadedModel(model=model, tokenizer=ckpt.tokenizer, config=ckpt.config, source=ckpt.source)
 
 
@@ -75,7 +77,8 @@ def generate(
 
     engine = engine or EngineConfig()
     speculative = speculative or SpecConfig()
-    loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=engine.dtype, threads=engine.threads)
+    loaded = model if isinstance(model, LoadedModel) \
+        else load_model(model, dtype=engine.dtype, threads=engine.threads, matmul=engine.matmul)
     if sampling is None or isinstance(sampling, SamplingParams):
         params = [sampling or SamplingParams()] * len(prompts)
     else:

@@ -47,6 +47,10 @@ SharedPrefix = Annotated[str | None, typer.Option(
 KvCacheDtype = Annotated[str | None, typer.Option(
     help="auto: the KV cache in the compute dtype; float16: half the cache's memory and reads (float32 models on "
          "specgen's CPU kernels; outputs stay identical with speculation on or off, not to a float32 cache).")]
+Matmul = Annotated[str | None, typer.Option(
+    help="float32: products over the weights rebuilt exactly; int8: inputs quantized to int8 per block of 32 and "
+         "integer products with GGUF Q4_0/Q4_1/Q8_0 weights (AVX-512 VNNI), as llama.cpp does: faster verify and "
+         "batch steps, outputs close to float32's, identical with speculation on or off.")]
 ConfigFile = Annotated[Path | None, typer.Option(
     "--config", help="YAML file with sampling / engine / speculative sections.")]
 InputFormat = Annotated[str | None, typer.Option(help="jsonl | parquet [default: from the extension].")]
@@ -79,7 +83,7 @@ def resolve_config(config: Path | None, speculative_config: str | None, flags: d
 def _load(model: str | None, cfg) -> Any:
     from specgen.api import load_model
 
-    return load_model(model, dtype=cfg.engine.dtype, threads=cfg.engine.threads)
+    return load_model(model, dtype=cfg.engine.dtype, threads=cfg.engine.threads, matmul=cfg.engine.matmul)
 
 
 def _print_summary(summary, title: str) -> None:
@@ -108,7 +112,8 @@ def run(
     batch_size: BatchSize = None, max_tokens: MaxTokens = None, temperature: Temperature = None,
     top_p: TopP = None, top_k: TopK = None, seed: Seed = None, stop: Stop = None, ignore_eos: IgnoreEos = None,
     dtype: Dtype = None, threads: Threads = None, max_model_len: MaxModelLen = None, prefill_chunk: PrefillChunk = None,
-    shared_prefix: SharedPrefix = None, kv_cache_dtype: KvCacheDtype = None, config: ConfigFile = None,
+    shared_prefix: SharedPrefix = None, kv_cache_dtype: KvCacheDtype = None, matmul: Matmul = None,
+    config: ConfigFile = None,
     resume: Annotated[bool, typer.Option(
         "--resume", help="Continue an existing output, skipping the ids it holds.")] = False,
     on_error: Annotated[str, typer.Option(
@@ -124,7 +129,8 @@ def run(
             "ngram_pool": ngram_pool, "batch_size": batch_size, "max_tokens": max_tokens,
             "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop,
             "ignore_eos": ignore_eos, "dtype": dtype, "threads": threads, "max_model_len": max_model_len,
-            "prefill_chunk": prefill_chunk, "shared_prefix": shared_prefix, "kv_cache_dtype": kv_cache_dtype})
+            "prefill_chunk": prefill_chunk, "shared_prefix": shared_prefix, "kv_cache_dtype": kv_cache_dtype,
+            "matmul": matmul})
         plan = plan_job(input, output, input_format, resume, on_error)
         loaded = _load(model, cfg)
         with run_progress(quiet) as progress:
@@ -160,8 +166,8 @@ def bench(
     ngram_pool: NgramPool = None, batch_size: BatchSize = None, max_tokens: MaxTokens = None,
     temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
     stop: Stop = None, ignore_eos: IgnoreEos = None, dtype: Dtype = None, threads: Threads = None,
-    max_model_len: MaxModelLen = None, kv_cache_dtype: KvCacheDtype = None, config: ConfigFile = None,
-    input_format: InputFormat = None, summary_json: SummaryJson = None,
+    max_model_len: MaxModelLen = None, kv_cache_dtype: KvCacheDtype = None, matmul: Matmul = None,
+    config: ConfigFile = None, input_format: InputFormat = None, summary_json: SummaryJson = None,
 ) -> None:
     from rich.console import Console
 
@@ -178,7 +184,7 @@ def bench(
             "mtp_model": mtp_model, "ngram_pool": ngram_pool, "batch_size": batch_size,
             "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
             "stop": stop, "ignore_eos": ignore_eos, "dtype": dtype, "threads": threads, "max_model_len": max_model_len,
-            "kv_cache_dtype": kv_cache_dtype})
+            "kv_cache_dtype": kv_cache_dtype, "matmul": matmul})
         check_input(input)
         fmt = detect_format(input, input_format)
         rows = run_bench(input, fmt, _load(model, cfg), cfg, method_list)

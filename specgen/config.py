@@ -73,6 +73,7 @@ class EngineConfig:
     shared_prefix: str = "auto"  # auto: the first batch's common prompt prefix is computed once (cascade); off
     min_shared_prefix: int = 64  # shorter common prefixes are not shared
     kv_cache_dtype: str = "auto"  # auto: the compute dtype; float16: halves the cache (float32 models, CPU kernels)
+    matmul: str = "float32"  # int8: inputs quantized per block of 32 for integer products (GGUF block weights)
 
     def __post_init__(self) -> None:
         if not 1 <= self.batch_size <= 256:
@@ -91,6 +92,10 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_dtype must be 'auto' or 'float16', got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype == "float16" and self.dtype != "float32":
             raise ConfigError(f"kv_cache_dtype float16 needs dtype float32, got {self.dtype!r}")
+        if self.matmul not in ("float32", "int8"):
+            raise ConfigError(f"matmul must be 'float32' or 'int8', got {self.matmul!r}")
+        if self.matmul == "int8" and self.dtype != "float32":
+            raise ConfigError(f"matmul int8 needs dtype float32, got {self.dtype!r}")
         if self.prefill_chunk < 0:
             raise ConfigError(f"prefill_chunk must be >= 0 (0: no chunking), got {self.prefill_chunk}")
 

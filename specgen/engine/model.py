@@ -166,7 +166,7 @@ def rms_norm(x: paddle.Tensor, w: paddle.Tensor, eps: float) -> paddle.Tensor:
 class Model:
     """Holds weights and RoPE tables; `forward` runs one packed step and updates the KV cache."""
 
-    def __init__(self, ckpt: Checkpoint, dtype: str = "float32"):
+    def __init__(self, ckpt: Checkpoint, dtype: str = "float32", matmul: str = "float32"):
         if dtype not in ("float32", "float64"):
             raise CheckpointError(f"dtype {dtype!r} is not supported (supported: float32, float64)")
         self.config = ckpt.config
@@ -191,6 +191,17 @@ class Model:
         # float32 weight in registers, with the same bits as the dequantized weight, reading 5-8.5 bits per weight
         # instead of 32. SPECGEN_QUANTIZED_WEIGHTS=0 packs the dequantized float32 weights instead.
         self.keeps_quantized = self.packs and kernels.switch("SPECGEN_QUANTIZED_WEIGHTS")
+        # matmul "int8": the same blocks regrouped for integer products, the inputs of every product quantized to
+        # int8 per block of 32 (kernels/linear.cc, "Integer products"); rows stay independent of each other.
+        self.matmul_kind = matmul
+        self.int8_product = matmul == "int8"
+        if self.int8_product:
+            has_blocks = self.w.lm_head_quant is not None or any(self.w.layer_quants)
+            if not (self.keeps_quantized and has_blocks and kernels.has_vnni()):
+                raise ConfigError("matmul int8 needs a checkpoint with GGUF Q4_0 / Q4_1 / Q8_0 weights, a float32 "
+                                  "model and specgen's CPU kernels on a CPU with AVX-512 VNNI (here: blocks "
+                                  f"{'yes' if has_blocks else 'no'}, kernels {'on' if self.keeps_quantized else 'off'}"
+                                  f", VNNI {'yes' if kernels.has_vnni() else 'no'})")
         if self.packs:
             for L, quant in zip(self.w.layers, self.w.layer_quants):
                 self.pack_layer(L, quant)
@@ -214,7 +225,7 @@ class Model:
         if not self.packs or isinstance(w, kernels.Packed):
             return w
         if quant is not None and self.keeps_quantized:
-            return kernels.pack_quantized(quant.kind, quant.blocks)
+            return kernels.pack_quantized(quant.kind, quant.blocks, self.int8_product)
         return kernels.pack_linear(w)
 
     def pack_layer(self, L: dict, quant: dict[str, QuantRows] | None = None) -> dict:

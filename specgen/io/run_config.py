@@ -4,7 +4,7 @@ YAML shape: up to three sections, each mapping onto one config dataclass's field
 
     sampling:     {max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos}   -> SamplingParams
     engine:       {batch_size, dtype, threads, max_model_len, max_prefill_tokens, prefill_chunk, shared_prefix,
-                   kv_cache_dtype, ...} -> EngineConfig
+                   kv_cache_dtype, matmul, ...} -> EngineConfig
     speculative:  {method, num_speculative_tokens, ngram_min, ngram_max, ngram_pool, mtp_model, adaptive} -> SpecConfig
 """
 from __future__ import annotations

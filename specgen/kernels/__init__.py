@@ -182,8 +182,17 @@ def packed_linear_enabled(ops_module: ModuleType | None, dtype: str) -> bool:
     SPECGEN_PACKED_LINEAR is not 0."""
     if ops_module is None or dtype != "float32" or not switch("SPECGEN_PACKED_LINEAR"):
         return False
+    return _cpu_has("avx512f")
+
+
+def has_vnni() -> bool:
+    """Whether the CPU has AVX-512 VNNI, which specgen_linear's integer products (int8_product) need to pay."""
+    return _cpu_has("avx512_vnni")
+
+
+def _cpu_has(flag: str) -> bool:
     try:
-        return " avx512f " in " " + Path("/proc/cpuinfo").read_text().replace("\n", " ") + " "
+        return f" {flag} " in " " + Path("/proc/cpuinfo").read_text().replace("\n", " ") + " "
     except OSError:
         return False
 
@@ -197,11 +206,14 @@ class Packed:
     k: int
     n: int
     kind: str = "F32"  # or a key of QUANT_PANEL_BYTES
+    int8_product: bool = False  # quantized only: int8 panels, multiplied with the inputs quantized to int8
 
     def numpy(self) -> np.ndarray:
         """The dense [k, n] float32 weight (quantized: rebuilt as the GGUF reader does)."""
         p = self.panels.numpy()
-        if self.kind != "F32":
+        if self.int8_product:
+            p = _dequantize_panels(_float_layout(p.view(np.uint8), self.kind), self.kind)
+        elif self.kind != "F32":
             p = _dequantize_panels(p, self.kind)  # [panels, k, 32]
         return np.ascontiguousarray(p.transpose(1, 0, 2).reshape(self.k, -1)[:, :self.n])
 
@@ -228,10 +240,11 @@ def pack_linear(w) -> Packed:
 QUANT_PANEL_BYTES = {"Q4_0": 64 + 512, "Q4_1": 128 + 512, "Q8_0": 64 + 1024}
 
 
-def pack_quantized(kind: str, blocks: np.ndarray) -> Packed:
+def pack_quantized(kind: str, blocks: np.ndarray, int8_product: bool = False) -> Packed:
     """A GGUF block-quantized weight, uint8 blocks [n (out), k / 32, block bytes], -> Packed [k, n] for
     specgen_linear, which multiplies by it without dequantizing it in memory. Zero blocks pad n to a multiple of
-    32 (d = m = 0: zero weights).
+    32 (d = m = 0: zero weights). With int8_product the quants are regrouped for integer products (linear.cc,
+    "Integer products") and the panels are int8: specgen_linear then quantizes its inputs to int8 per block.
 
     GGUF blocks (gguf.quants): Q8_0 = d, 32 int8; Q4_0 = d, 16 bytes; Q4_1 = d, m, 16 bytes, where byte j holds
     input j in its low nibble and input j + 16 in its high one.
@@ -249,6 +262,18 @@ def pack_quantized(kind: str, blocks: np.ndarray) -> Packed:
     if kind == "Q4_1":
         parts.append(b[..., 2:4].reshape(panels, kb, 64))  # m
     qs = b[..., 2 if kind != "Q4_1" else 4:]  # [panels, kb, 32 columns, 16 or 32 bytes]
+    if int8_product:
+        if kind == "Q8_0":  # unsigned q + 128
+            u = (qs.view(np.int8).astype(np.int16) + 128).astype(np.uint8)  # [panels, kb, 32 columns, 32 inputs]
+        else:
+            u = np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+        # [panels, kb, column half h, column c, group g, input j] -> [.., g, h, c, j]
+        u = u.reshape(panels, kb, 2, 16, 8, 4).transpose(0, 1, 4, 2, 3, 5)
+        if kind != "Q8_0":  # columns c and c + 16 share a byte
+            u = u[:, :, :, 0] | (u[:, :, :, 1] << 4)
+        parts.append(u.reshape(panels, kb, -1))
+        packed = np.ascontiguousarray(np.concatenate(parts, axis=-1)).view(np.int8)
+        return Packed(paddle.to_tensor(packed), kb * 32, n, kind, int8_product=True)
     if kind == "Q8_0":
         parts.append(qs.transpose(0, 1, 3, 2).reshape(panels, kb, 1024))  # [input, column] int8
     else:
@@ -256,6 +281,21 @@ def pack_quantized(kind: str, blocks: np.ndarray) -> Packed:
         parts.append((q[..., :16] | (q[..., 16:] << 4)).reshape(panels, kb, 512))
     packed = np.ascontiguousarray(np.concatenate(parts, axis=-1))
     return Packed(paddle.to_tensor(packed), kb * 32, n, kind)
+
+
+def _float_layout(p: np.ndarray, kind: str) -> np.ndarray:
+    """Integer-product panels (as uint8) -> the same weights in the float32-product layout."""
+    panels, kb, _ = p.shape
+    head = p[..., :128 if kind == "Q4_1" else 64]
+    if kind == "Q8_0":
+        u = p[..., 64:].reshape(panels, kb, 8, 2, 16, 4)  # [.., g, h, c, j]
+        q = (u.astype(np.int16) - 128).astype(np.int8).view(np.uint8)
+        q = q.transpose(0, 1, 2, 5, 3, 4).reshape(panels, kb, 1024)  # [.., input 4g + j, column 16h + c]
+        return np.concatenate([head, q], axis=-1)
+    raw = p[..., -512:].reshape(panels, kb, 8, 16, 4)  # [.., g, c, j]
+    q = np.stack([raw & 0xF, raw >> 4], axis=3)  # [.., g, h, c, j]
+    q = q.transpose(0, 1, 2, 5, 3, 4).reshape(panels, kb, 32, 32)  # [.., input 4g + j, column 16h + c]
+    return np.concatenate([head, (q[..., :16] | (q[..., 16:] << 4)).reshape(panels, kb, 512)], axis=-1)
 
 
 def _dequantize_panels(p: np.ndarray, kind: str) -> np.ndarray:

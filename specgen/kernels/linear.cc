@@ -8,7 +8,10 @@
 // one int8 per column; Q4: 16 bytes, column j in the low nibble of byte j and column j + 16 in the high one).
 // The kernel rebuilds each weight as the GGUF reader does, w = d * q (+ m) in float32 (d * q is exact, so one
 // FMA gives the same bits), and feeds it to the same FMA chains: the product equals, bit for bit, the float32
-// product over the dequantized weight, while reading 5-8.5 bits per weight instead of 32.
+// product over the dequantized weight, while reading 5-8.5 bits per weight instead of 32. The same blocks
+// repacked as int8 panels (EngineConfig.matmul "int8") are multiplied by the inputs quantized to int8 per block
+// instead, with integer products (see "Integer products" below): not float32's bits, but still a function of
+// each row alone.
 //
 // A decode or verify step multiplies a few rows (1 to ~200) by every weight of the model, so the product is
 // bound by streaming the weights from memory, not by arithmetic. The packed layout stores each panel of 32
@@ -251,6 +254,164 @@ void qpanel_any(const float* x, int64_t m, int64_t k, const uint8_t* p, Quant q,
 }
 #endif
 
+// ---- Integer products (PackedWeight::int8_product) ----
+//
+// The same blocks repacked for integer dot products: per panel and block of 32 inputs, the 32 columns' fp16
+// scales d (Q4_1: then their fp16 minimums m), then the quants as unsigned bytes u = q + offset (Q4_0: the
+// nibble itself, q + 8; Q8_0: q + 128; Q4_1: q), grouped by 4 consecutive inputs: group g (inputs 4g .. 4g + 3)
+// is 128 bytes, column c's 4 bytes at 4c (c < 16) and 64 + 4 (c - 16). Q4 kinds store a group in 64 bytes,
+// columns c and c + 16 in the low and high nibble of one byte.
+//
+// Each input row is quantized per block of 32 as a GGUF Q8_0 block would be: dx = max |x| / 127,
+// xq = round-to-even(x / dx), with sxq = sum xq and sx = sum x (in input order). Then for every output column
+//   acc = fma(float(sum u * xq - offset * sxq), d * dx, acc)   (then Q4_1: acc = fma(m, sx, acc))
+// block after block. The integer sums are exact, so a row's result depends only on that row (speculation on or
+// off still gives the same bits), but not the same bits as the float32 product: the inputs lose precision, as
+// in llama.cpp's quantized matrix products. With AVX-512 VNNI one instruction does 64 of the byte products.
+
+struct QuantRows {   // m input rows quantized per block of 32
+  const int8_t* q;   // [m, k]
+  const float* d;    // [m, k / 32] dx
+  const int32_t* s;  // [m, k / 32] sxq
+  const float* sx;   // [m, k / 32]
+  int64_t k;
+};
+
+void quantize_row(const float* x, int64_t k, int8_t* q, float* d, int32_t* s, float* sx) {
+  for (int64_t b = 0; b < k / kBlock; ++b, x += kBlock, q += kBlock) {
+    float amax = 0.f, sum = 0.f;
+    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
+    for (int64_t i = 0; i < kBlock; ++i) sum += x[i];
+    const float dx = amax / 127.f, inv = dx > 0.f ? 1.f / dx : 0.f;
+    int32_t qsum = 0;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      const float v = std::min(127.f, std::max(-127.f, std::nearbyint(x[i] * inv)));
+      q[i] = static_cast<int8_t>(v);
+      qsum += q[i];
+    }
+    d[b] = dx;
+    s[b] = qsum;
+    sx[b] = sum;
+  }
+}
+
+constexpr int32_t quant_offset(Quant q) { return q == Quant::kQ4_0 ? 8 : q == Quant::kQ8_0 ? 128 : 0; }
+
+// Unsigned quant of input i (of 32), column c (of 32) in a block's repacked quants.
+inline int32_t repacked_quant(const uint8_t* qs, Quant q, int64_t i, int64_t c) {
+  const int64_t g = i / 4, j = i % 4;
+  if (q == Quant::kQ8_0) return qs[g * 128 + (c / 16) * 64 + (c % 16) * 4 + j];
+  const uint8_t byte = qs[g * 64 + (c % 16) * 4 + j];
+  return c < 16 ? byte & 0xF : byte >> 4;
+}
+
+// y[r, c0 .. c0 + 32) for the m rows of a, in scalar code (builds without AVX-512 VNNI).
+void ipanel_ref(const QuantRows& a, int64_t m, const uint8_t* p, Quant q, float* y, int64_t n, int64_t c0) {
+  const int64_t bytes = static_cast<int64_t>(q), qoff = q == Quant::kQ4_1 ? 128 : 64, kb = a.k / kBlock;
+  const int64_t width = std::min<int64_t>(kPanel, n - c0);
+  float acc[kPanel];
+  for (int64_t r = 0; r < m; ++r) {
+    std::fill(acc, acc + kPanel, 0.f);
+    const uint8_t* blk = p;
+    for (int64_t b = 0; b < kb; ++b, blk += bytes) {
+      const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk);
+      const int8_t* xq = a.q + r * a.k + b * kBlock;
+      const float dx = a.d[r * kb + b];
+      for (int64_t c = 0; c < kPanel; ++c) {
+        int32_t sum = -quant_offset(q) * a.s[r * kb + b];
+        for (int64_t i = 0; i < kBlock; ++i) sum += repacked_quant(blk + qoff, q, i, c) * xq[i];
+        acc[c] = std::fma(static_cast<float>(sum), specgen::half_to_float(scales[c]) * dx, acc[c]);
+        if (q == Quant::kQ4_1) acc[c] = std::fma(specgen::half_to_float(scales[kPanel + c]), a.sx[r * kb + b], acc[c]);
+      }
+    }
+    for (int64_t c = 0; c < width; ++c) y[r * n + c0 + c] = acc[c];
+  }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// ipanel_ref for rows r0 .. r0 + G, with VNNI: per group of 4 inputs, two vpdpbusd per row (columns 0-15 and
+// 16-31), the weights unpacked once for all G rows.
+template <Quant Q, int G>
+inline void ipanel_rows(const QuantRows& a, int64_t r0, const uint8_t* p, float* y, int64_t n, int64_t c0,
+                        int64_t width) {
+  constexpr int64_t bytes = static_cast<int64_t>(Q), qoff = Q == Quant::kQ4_1 ? 128 : 64;
+  const int64_t kb = a.k / kBlock;
+  __m512 acc0[G], acc1[G];
+  for (int r = 0; r < G; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < kb; ++b, p += bytes) {
+    for (int64_t off = 0; off < bytes; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p + kQuantAhead + off), _MM_HINT_T0);
+    __m512i s0[G], s1[G];
+    for (int r = 0; r < G; ++r) s0[r] = s1[r] = _mm512_set1_epi32(-quant_offset(Q) * a.s[(r0 + r) * kb + b]);
+    const uint8_t* qs = p + qoff;
+    const int8_t* xq = a.q + r0 * a.k + b * kBlock;
+    for (int64_t g = 0; g < 8; ++g) {
+      __m512i w0, w1;
+      if constexpr (Q == Quant::kQ8_0) {
+        w0 = _mm512_loadu_si512(qs + g * 128);
+        w1 = _mm512_loadu_si512(qs + g * 128 + 64);
+      } else {
+        const __m512i v = _mm512_loadu_si512(qs + g * 64);
+        w0 = _mm512_and_si512(v, nibble);
+        w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      }
+      for (int r = 0; r < G; ++r) {
+        int32_t four;
+        std::memcpy(&four, xq + r * a.k + g * 4, 4);
+        const __m512i x = _mm512_set1_epi32(four);
+        s0[r] = _mm512_dpbusd_epi32(s0[r], w0, x);
+        s1[r] = _mm512_dpbusd_epi32(s1[r], w1, x);
+      }
+    }
+    __m512 d0, d1, m0, m1;
+    block_scales<Q>(p, d0, d1, m0, m1);
+    for (int r = 0; r < G; ++r) {
+      const __m512 dx = _mm512_set1_ps(a.d[(r0 + r) * kb + b]);
+      acc0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[r]), _mm512_mul_ps(d0, dx), acc0[r]);
+      acc1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[r]), _mm512_mul_ps(d1, dx), acc1[r]);
+      if constexpr (Q == Quant::kQ4_1) {
+        const __m512 sx = _mm512_set1_ps(a.sx[(r0 + r) * kb + b]);
+        acc0[r] = _mm512_fmadd_ps(m0, sx, acc0[r]);
+        acc1[r] = _mm512_fmadd_ps(m1, sx, acc1[r]);
+      }
+    }
+  }
+  store_rows<G>(acc0, acc1, y + r0 * n, n, c0, width);
+}
+
+template <Quant Q, int G>
+inline void ipanel_tail(const QuantRows& a, int64_t r0, int64_t rows, const uint8_t* p, float* y, int64_t n,
+                        int64_t c0, int64_t width) {
+  if constexpr (G > 0) {
+    if (rows == G) return ipanel_rows<Q, G>(a, r0, p, y, n, c0, width);
+    ipanel_tail<Q, G - 1>(a, r0, rows, p, y, n, c0, width);
+  }
+}
+
+constexpr int kIntGroup = 6;  // rows per pass over a panel: 4 x 6 accumulators stay in registers
+
+template <Quant Q>
+void ipanel_all(const QuantRows& a, int64_t m, const uint8_t* p, float* y, int64_t n, int64_t c0) {
+  const int64_t width = std::min<int64_t>(kPanel, n - c0);
+  int64_t r = 0;
+  for (; r + kIntGroup <= m; r += kIntGroup) ipanel_rows<Q, kIntGroup>(a, r, p, y, n, c0, width);
+  ipanel_tail<Q, kIntGroup - 1>(a, r, m - r, p, y, n, c0, width);
+}
+
+void ipanel_any(const QuantRows& a, int64_t m, const uint8_t* p, Quant q, float* y, int64_t n, int64_t c0) {
+  switch (q) {
+    case Quant::kQ4_0: return ipanel_all<Quant::kQ4_0>(a, m, p, y, n, c0);
+    case Quant::kQ4_1: return ipanel_all<Quant::kQ4_1>(a, m, p, y, n, c0);
+    case Quant::kQ8_0: return ipanel_all<Quant::kQ8_0>(a, m, p, y, n, c0);
+  }
+}
+#else
+void ipanel_any(const QuantRows& a, int64_t m, const uint8_t* p, Quant q, float* y, int64_t n, int64_t c0) {
+  ipanel_ref(a, m, p, q, y, n, c0);
+}
+#endif
+
 }  // namespace
 
 namespace specgen {
@@ -261,14 +422,15 @@ PackedWeight packed_weight(const paddle::Tensor& w, int64_t k, int64_t n, const 
   if (w.dtype() == paddle::DataType::FLOAT32) {
     PD_CHECK(w.shape()[1] == k && w.shape()[2] == kPanel, name, ": not a packed [ceil(n / 32), ", k,
              ", 32] float32 weight");
-    return {w.data<float>(), w.shape()[0], 0};
+    return {w.data<float>(), w.shape()[0], 0, false};
   }
   const int64_t bytes = w.shape()[2];
-  PD_CHECK(w.dtype() == paddle::DataType::UINT8 && k % kBlock == 0 && w.shape()[1] == k / kBlock &&
+  const bool int8_product = w.dtype() == paddle::DataType::INT8;
+  PD_CHECK((w.dtype() == paddle::DataType::UINT8 || int8_product) && k % kBlock == 0 && w.shape()[1] == k / kBlock &&
                (bytes == static_cast<int64_t>(Quant::kQ4_0) || bytes == static_cast<int64_t>(Quant::kQ4_1) ||
                 bytes == static_cast<int64_t>(Quant::kQ8_0)),
-           name, ": not a quantized [ceil(n / 32), ", k / kBlock, ", 576 | 640 | 1088] uint8 weight");
-  return {w.data<uint8_t>(), w.shape()[0], bytes};
+           name, ": not a quantized [ceil(n / 32), ", k / kBlock, ", 576 | 640 | 1088] uint8 or int8 weight");
+  return {w.data(), w.shape()[0], bytes, int8_product};
 }
 
 void packed_linear(const float* x, int64_t m, int64_t k, const PackedWeight& w, float* y, int64_t n) {
@@ -281,6 +443,27 @@ void packed_linear(const float* x, int64_t m, int64_t k, const PackedWeight& w, 
   }
   const uint8_t* q = static_cast<const uint8_t*>(w.data);
   const int64_t panel_bytes = k / kBlock * w.block_bytes;
+  if (w.int8_product) {
+    static thread_local std::vector<int8_t> xq;
+    static thread_local std::vector<float> dx, sx;
+    static thread_local std::vector<int32_t> sq;
+    const int64_t kb = k / kBlock;
+    xq.resize(m * k);
+    dx.resize(m * kb);
+    sx.resize(m * kb);
+    sq.resize(m * kb);
+    // (the buffers are this thread's: the parallel loops see them through `a` only)
+    const QuantRows a{xq.data(), dx.data(), sq.data(), sx.data(), k};
+    int8_t* aq = xq.data();
+    float *ad = dx.data(), *asx = sx.data();
+    int32_t* as = sq.data();
+#pragma omp parallel for schedule(static) if (m >= 8)
+    for (int64_t r = 0; r < m; ++r) quantize_row(x + r * k, k, aq + r * k, ad + r * kb, as + r * kb, asx + r * kb);
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < w.panels; ++p)
+      ipanel_any(a, m, q + p * panel_bytes, static_cast<Quant>(w.block_bytes), y, n, p * kPanel);
+    return;
+  }
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < w.panels; ++p)
     qpanel_any(x, m, k, q + p * panel_bytes, static_cast<Quant>(w.block_bytes), y, n, p * kPanel);

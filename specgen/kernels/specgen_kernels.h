@@ -10,11 +10,13 @@
 namespace specgen {
 
 // A packed weight W [k, n] (linear.cc): float32 panels [panels, k, 32] (block_bytes 0), or block-quantized
-// uint8 panels [panels, k / 32, block_bytes].
+// panels [panels, k / 32, block_bytes]: uint8 for float32 products over the rebuilt weights, int8 for integer
+// products with the inputs quantized to 8 bits (int8_product).
 struct PackedWeight {
   const void* data;
   int64_t panels;
   int64_t block_bytes;
+  bool int8_product;
 };
 
 // Checks that w is a packed weight of k inputs and n outputs (errors name `name`) and describes it.
@@ -60,7 +62,8 @@ inline uint16_t float_to_half(float f) {
   return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(v * 16777216.0f)));
 }
 
-// y [m, n] = x [m, k] @ W (float32; each output one FMA chain over k, whatever the weight's storage).
+// y [m, n] = x [m, k] @ W (float32; each output one FMA chain over k, or with int8_product one over the
+// blocks of 32 inputs; a row's result never depends on the other rows).
 void packed_linear(const float* x, int64_t m, int64_t k, const PackedWeight& w, float* y, int64_t n);
 
 }  // namespace specgen

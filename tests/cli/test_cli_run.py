@@ -239,3 +239,17 @@ def test_kv_cache_dtype_float16_halves_the_reported_cache(jsonl_in, jsonl_run, t
     assert half * 2 == full
     bad = invoke("run", jsonl_in, "-o", tmp_path / "bad.jsonl", "--kv-cache-dtype", "int8")
     assert bad.exit_code == 2 and "kv_cache_dtype must be 'auto' or 'float16'" in bad.output
+
+
+def test_matmul_int8_needs_block_weights(jsonl_in, tmp_path):
+    """--matmul int8 on a checkpoint without GGUF block weights (the tiny float32 one) stops with exit 2 and says
+    what it needs; an engine asked for int8 over a float32-loaded model is refused too."""
+    result = invoke("run", jsonl_in, "-o", tmp_path / "int8.jsonl", "--matmul", "int8")
+    assert result.exit_code == 2, result.output
+    assert "matmul int8 needs a checkpoint with GGUF Q4_0 / Q4_1 / Q8_0 weights" in result.output
+    assert not (tmp_path / "int8.jsonl").exists() or not (tmp_path / "int8.jsonl").read_text()
+    from specgen import EngineConfig, generate, load_model
+    from specgen.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="loaded with matmul 'float32', the engine asks for 'int8'"):
+        generate([[3, 4, 5]], model=load_model(TINY_LLAMA), engine=EngineConfig(matmul="int8"))

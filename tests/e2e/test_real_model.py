@@ -101,3 +101,48 @@ def test_float16_kv_cache_is_exact_across_batching_and_speculation(real_model, s
         run = generate(prompts, model=real_model, sampling=params,
                        engine=EngineConfig(batch_size=bs, kv_cache_dtype="float16"), speculative=spec)
         assert [o.token_ids for o in run] == [o.token_ids for o in plain], (bs, spec.method)
+
+@pytest.fixture(scope="module")
+def real_model_int8():
+    from specgen import load_model
+    from specgen.kernels import has_vnni, ops
+
+    if ops() is None or not has_vnni():
+        pytest.skip("integer products need the fused kernels and AVX-512 VNNI")
+    return load_model(None, matmul="int8")
+
+
+def test_int8_matmul_is_exact_across_batching_and_speculation(real_model_int8, spec_bench):
+    """--matmul int8 quantizes each row's inputs on their own and sums integer products exactly, so its outputs
+    do not change with batch size or with speculation either, greedy or sampled."""
+    from specgen import SpecConfig
+
+    prompts = chat_prompts(real_model_int8, spec_bench, 12)
+    params = [SamplingParams(max_tokens=24 + i, temperature=0.8 if i % 2 else 0.0, top_p=0.9, seed=i)
+              for i in range(12)]
+    engine = {"matmul": "int8"}
+    plain = generate(prompts, model=real_model_int8, sampling=params, engine=EngineConfig(batch_size=12, **engine))
+    for bs, spec in [(1, SpecConfig(method="none")), (5, SpecConfig(method="ngram", num_speculative_tokens=5)),
+                     (7, SpecConfig(method="mtp", num_speculative_tokens=2))]:  # the shipped head
+        run = generate(prompts, model=real_model_int8, sampling=params, engine=EngineConfig(batch_size=bs, **engine),
+                       speculative=spec)
+        assert [o.token_ids for o in run] == [o.token_ids for o in plain], (bs, spec.method)
+
+
+def test_int8_matmul_stays_close_to_float32(real_model, real_model_int8):
+    """The integer products round each input to 8 bits per block of 32 (the weights were already rounded to 4):
+    teacher-forced on float32's greedy outputs, the int8 model picks the same next token almost everywhere.
+    (Where float32 itself is nearly tied it need not: "The" 25.33 against "L" 25.24 opens the answer to the
+    capital of France, and int8 starts with "L".)"""
+    items = REF["prompts"]
+    f32 = generate([it["messages"] for it in items], model=real_model, sampling=SamplingParams(max_tokens=32),
+                   engine=EngineConfig(batch_size=5))
+    m = real_model_int8.model
+    same = total = 0
+    for it, out in zip(items, f32):
+        ids = np.array(it["prompt_ids"] + out.token_ids, np.int64)
+        batch = build_forward_batch(np.array([0]), np.array([0]), np.array([len(ids)]), ids, np.array([True]))
+        picks = m.forward_greedy(batch, m.new_cache(1, len(ids) + 1))[2][len(it["prompt_ids"]) - 1:-1]
+        same += int((picks == np.array(out.token_ids)).sum())
+        total += len(out.token_ids)
+    assert 0.9 <= same / total < 1.0, same / total

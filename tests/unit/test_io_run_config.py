@@ -80,6 +80,11 @@ def test_bad_values_are_config_errors():
     with pytest.raises(ConfigError, match="ngram_pool must be >= 0"):
         resolve(None, {"method": "ngram", "ngram_pool": -1})
     assert resolve(None, {"method": "ngram", "ngram_pool": 0}).spec.ngram_pool == 0
+    with pytest.raises(ConfigError, match="matmul must be 'float32' or 'int8', got 'int4'"):
+        resolve(None, {"matmul": "int4"})
+    with pytest.raises(ConfigError, match="matmul int8 needs dtype float32, got 'float64'"):
+        resolve({"engine": {"matmul": "int8"}}, {"dtype": "float64"})
+    assert resolve({"engine": {"matmul": "int8"}}, {}).engine.matmul == "int8"
 
 
 @pytest.mark.parametrize("flags,js,fragment", [

@@ -8,7 +8,7 @@ from conftest import TINY, TINY_ARCHS
 from specgen import load_model
 from specgen.engine.model import rms_norm
 from specgen.engine.types import build_forward_batch
-from specgen.kernels import ops
+from specgen.kernels import has_vnni, ops
 
 K = ops()
 pytestmark = pytest.mark.skipif(K is None, reason="fused CPU kernels not built (no C++ compiler or not on CPU)")
@@ -225,6 +225,79 @@ def test_quantized_linear_equals_float32_over_the_dequantized_weight(kind, k, n)
         assert np.array_equal(part, y[at:at + m]), (m, at)
     with pytest.raises(OSError, match="not a quantized"):
         K.specgen_linear(paddle.to_tensor(x[:, :k - 32]), q.panels, n)  # blocks for k inputs, not k - 32
+
+
+def _int8_product_reference(x: np.ndarray, blocks: np.ndarray, kind: str) -> np.ndarray:
+    """The integer product's definition (linear.cc, "Integer products") in numpy: x [m, k] float32 quantized per
+    block of 32 inputs (dx = max |x| / 127, xq = round-to-even(x / dx) through a float32 reciprocal, sx = the
+    block's sum in input order); then per block, in block order, acc = fma(sum u xq - offset sum xq, d dx, acc)
+    (Q4_1: then acc = fma(m, sx, acc)). An FMA is emulated in float64, where a product of two float32s is exact."""
+    n, kb, _ = blocks.shape
+    m_rows = x.shape[0]
+    xb = x.reshape(m_rows, kb, 32)
+    dx = (np.abs(xb).max(axis=-1) / np.float32(127)).astype(np.float32)  # [m, kb]
+    inv = np.where(dx > 0, np.float32(1) / np.where(dx > 0, dx, np.float32(1)), np.float32(0)).astype(np.float32)
+    xq = np.clip(np.rint((xb * inv[..., None]).astype(np.float32)), -127, 127).astype(np.int64)  # [m, kb, 32]
+    sx = np.zeros((m_rows, kb), np.float32)
+    for i in range(32):  # in input order, as the kernel adds
+        sx = (sx + xb[..., i]).astype(np.float32)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [n, kb]
+    if kind == "Q8_0":
+        u, offset = blocks[..., 2:].view(np.int8).astype(np.int64) + 128, 128
+    else:
+        qs = blocks[..., 4 if kind == "Q4_1" else 2:].astype(np.int64)
+        u, offset = np.concatenate([qs & 0xF, qs >> 4], axis=-1), 8 if kind == "Q4_0" else 0  # [n, kb, 32]
+    sums = np.einsum("cbi,rbi->rcb", u, xq) - offset * xq.sum(axis=-1)[:, None, :]  # [m, n, kb] exact
+    acc = np.zeros((m_rows, n), np.float32)
+    for b in range(kb):
+        scale = (d[None, :, b] * dx[:, b, None]).astype(np.float32)  # [m, n]
+        acc = (sums[..., b].astype(np.float32).astype(np.float64) * scale + acc).astype(np.float32)
+        if kind == "Q4_1":
+            mins = blocks[:, b, 2:4].copy().view(np.float16)[:, 0].astype(np.float32)  # [n]
+            acc = (mins[None, :].astype(np.float64) * sx[:, b, None] + acc).astype(np.float32)
+    return acc
+
+
+@pytest.mark.parametrize("kind,k,n", [("Q4_1", 576, 70), ("Q4_0", 96, 45), ("Q8_0", 160, 33), ("Q4_1", 64, 32)])
+def test_int8_products_equal_their_definition(kind, k, n):
+    """specgen_linear over blocks packed for integer products (pack_quantized(..., int8_product=True)): the
+    repacked quants still rebuild the GGUF reader's float32 weight, every product equals the definition in
+    numpy bit for bit (row groups of 1 to 6 and their tails, rows of zeros, a row with one huge input), each
+    row's result is the same whatever rows it is computed with, and it stays within the inputs' rounding of
+    the float32 product."""
+    if not has_vnni():
+        pytest.skip("integer products need AVX-512 VNNI")
+    import gguf
+    from gguf.quants import dequantize
+
+    from specgen.kernels import pack_quantized
+    from specgen.models.checkpoint import QUANT_BLOCK_BYTES
+
+    rng = np.random.default_rng(k + n)
+    blocks = rng.integers(0, 256, (n, k // 32, QUANT_BLOCK_BYTES[kind]), dtype=np.uint8)
+    scales = 4 if kind == "Q4_1" else 2
+    halves = rng.standard_normal((n, k // 32, scales // 2)) * np.where(rng.random((n, k // 32, 1)) < 0.1, 1e-6, 0.05)
+    blocks[..., :scales] = halves.astype(np.float16).view(np.uint8).reshape(n, k // 32, scales)
+    w = dequantize(blocks.reshape(n, -1), gguf.GGMLQuantizationType[kind]).reshape(n, k).T.astype(np.float32)
+    q = pack_quantized(kind, blocks, int8_product=True)
+    assert q.int8_product and q.panels.dtype == paddle.int8 and q.panels.shape == [-(-n // 32), k // 32, {
+        "Q4_0": 576, "Q4_1": 640, "Q8_0": 1088}[kind]]
+    assert np.array_equal(q.numpy(), w)
+    x = rng.standard_normal((20, k)).astype(np.float32)
+    x[3] = 0.0  # dx = 0: the row's products are 0
+    x[7, 5] = 1e4  # one outlier: its block's other inputs round to 0
+    y = K.specgen_linear(paddle.to_tensor(x), q.panels, n).numpy()
+    assert np.array_equal(y, _int8_product_reference(x, blocks, kind))
+    assert not y[3].any()
+    for m, at in [(1, 0), (1, 19), (2, 3), (5, 5), (6, 2), (7, 12), (13, 0)]:
+        part = K.specgen_linear(paddle.to_tensor(x[at:at + m]), q.panels, n).numpy()
+        assert np.array_equal(part, y[at:at + m]), (m, at)
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    normal = [r for r in range(20) if r != 7]
+    err = np.abs(y[normal] - exact[normal]).max() / np.abs(exact[normal]).max()
+    assert 0 < err < 0.02  # the inputs' 8-bit rounding: not float32's, but close
+    with pytest.raises(OSError, match="not a quantized"):
+        K.specgen_linear(paddle.to_tensor(x[:, :k - 32]), q.panels, n)
 
 
 def test_packed_float32_model_rows_equal_whatever_the_block(monkeypatch):

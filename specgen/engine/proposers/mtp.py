@@ -77,7 +77,8 @@ class MtpHead:
             self.draft_vocab = ids.astype(np.int64)
             shared = main.w.lm_head_quant if head not in weights and main.keeps_quantized else None
             if shared is not None:  # the main model's LM head kept in its GGUF blocks: their draft-vocabulary rows
-                self.lm_head = kernels.pack_quantized(shared.kind, shared.blocks[self.draft_vocab])  # [hidden, V']
+                self.lm_head = kernels.pack_quantized(shared.kind, shared.blocks[self.draft_vocab],  # [hidden, V']
+                                                      main.int8_product)
             else:
                 self.lm_head = paddle.gather(kernels.dense(self.lm_head), paddle.to_tensor(self.draft_vocab), axis=1)
         self.lm_head = main.pack(self.lm_head)
