@@ -365,9 +365,12 @@ CALIBRATION_BUDGET = 0.15  # seconds of timed forwards after which fewer repeats
 
 def calibrate(model: Model, cache, max_draft: int, num_slots: int | None = None) -> Controller:
     """Time forwards feeding 1, 2 and max_draft + 1 tokens to each of num_slots slots (all the cache's by
-    default; their cache rows are overwritten later by prefill): the median of up to CALIBRATION_REPEATS timings
-    per point, taken round robin over the points (one timing of a 6 ms step can be off by 50% on a shared
-    machine, and one bad point skews every choice).
+    default; their cache rows are overwritten later by prefill), and with several slots one token of one slot:
+    the median of up to CALIBRATION_REPEATS timings per point, taken round robin over the points (one timing of
+    a 6 ms step can be off by 50% on a shared machine, and one bad point skews every choice). The one-token
+    point anchors the steps of fewer slots, once slots drain at the end of a job: without it the table's slope,
+    which compute-bound many-slot steps set, extrapolated an 8-token step of 32 slots' table to 2 ms instead of
+    the 18 ms it took (and the online scale then inflated every cost ninefold).
     Measured once per (slots, max_draft) and model, and kept on the model: a later engine on the same model
     (e.g. `specgen bench`) reuses it."""
     num_slots = cache.num_slots if num_slots is None else num_slots
@@ -378,8 +381,13 @@ def calibrate(model: Model, cache, max_draft: int, num_slots: int | None = None)
         counts = sorted({1, 2, max_draft + 1})
         batches = [build_forward_batch(slots, np.zeros(num_slots, np.int64), np.full(num_slots, q, np.int64),
                                        np.zeros(num_slots * q, np.int64), np.ones(num_slots, bool)) for q in counts]
+        tokens = [q * num_slots for q in counts]
+        if num_slots > 1:
+            batches.insert(0, build_forward_batch(slots[:1], np.zeros(1, np.int64), np.ones(1, np.int64),
+                                                  np.zeros(1, np.int64), np.ones(1, bool)))
+            tokens.insert(0, 1)
         model.forward(batches[0], cache)[0].numpy()  # warm-up
-        timings: list[list[float]] = [[] for _ in counts]
+        timings: list[list[float]] = [[] for _ in batches]
         spent = 0.0
         for _ in range(CALIBRATION_REPEATS):
             for batch, times in zip(batches, timings):
@@ -390,6 +398,6 @@ def calibrate(model: Model, cache, max_draft: int, num_slots: int | None = None)
             if spent > CALIBRATION_BUDGET:
                 break
         seconds = np.array([np.median(times) for times in timings])
-        table = (np.array(counts) * num_slots, np.maximum.accumulate(seconds))
+        table = (np.array(tokens), np.maximum.accumulate(seconds))
         model.calibrations[key] = table
     return Controller(CostModel(*table), max_draft, cache.num_slots)

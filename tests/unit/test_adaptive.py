@@ -2,6 +2,7 @@
 from typing import ClassVar
 
 import numpy as np
+import pytest
 
 from specgen.engine.adaptive import Controller, CostModel
 
@@ -130,6 +131,36 @@ def test_calibration_takes_the_median_of_repeated_timings(monkeypatch):
     assert controller.cost.at(3) == seconds[2]
 
 
+def test_calibration_anchors_steps_of_few_slots(monkeypatch):
+    """A memory-bound step costs about the same for 1 token as for 8; verifying drafts of 8 slots is compute-bound
+    (2 ms a token). The table gets a one-token point, so a 2-token step (slots drained at the end of a job) is
+    not extrapolated from the compute-bound slope to almost nothing."""
+    from specgen.engine import runner
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(runner.time, "perf_counter", lambda: clock["t"])
+
+    class Logits:
+        def numpy(self):
+            return np.zeros(1)
+
+    class Stub:
+        calibrations: ClassVar[dict] = {}
+
+        def forward(self, batch, cache):
+            clock["t"] += 0.010 + 0.002 * max(0, len(batch.token_ids) - 8)
+            return Logits(), None
+
+    class Cache:
+        num_slots = 8
+
+    controller = runner.calibrate(Stub(), Cache(), 5)
+    tokens, seconds = Stub.calibrations[(8, 5)]
+    assert tokens.tolist() == [1, 8, 16, 48]
+    np.testing.assert_allclose(seconds, [0.010, 0.010, 0.026, 0.090])
+    assert controller.cost.at(2) == pytest.approx(0.010)  # extrapolated from 8 tokens: 0.010 - 6 * 0.0023 < 0
+
+
 def test_costs_are_measured_with_the_slots_the_job_fills(tiny_dir):
     """3 requests in an 8-slot engine: the start-up timings use 3 slots (the steps the job will run, at 3/8 of
     the cost of timing 8), and a job that fills the batch uses all 8."""
@@ -140,7 +171,8 @@ def test_costs_are_measured_with_the_slots_the_job_fills(tiny_dir):
     sp = SamplingParams(max_tokens=4)
     generate([[5, 6, 7]] * 3, model=lm, sampling=sp, engine=EngineConfig(batch_size=8), speculative=spec)
     assert list(lm.model.calibrations) == [(3, 3)]
-    tokens, _ = lm.model.calibrations[(3, 3)]
-    assert tokens.tolist() == [3, 6, 12]
+    tokens, seconds = lm.model.calibrations[(3, 3)]
+    assert tokens.tolist() == [1, 3, 6, 12]  # one slot's single token, then 1, 2 and 4 tokens for each of 3 slots
+    assert (np.diff(seconds) >= 0).all()
     generate([[5, 6, 7]] * 20, model=lm, sampling=sp, engine=EngineConfig(batch_size=8), speculative=spec)
     assert list(lm.model.calibrations) == [(3, 3), (8, 3)]
