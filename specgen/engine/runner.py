@@ -361,11 +361,12 @@ def _error_output(req: Request, message: str) -> RequestOutput:
 
 CALIBRATION_REPEATS = 5  # timings per point of the cost table (round robin over the points), at most
 CALIBRATION_BUDGET = 0.15  # seconds of timed forwards after which fewer repeats are taken (large batches)
+ANCHOR_SLOTS = 8  # from this many slots on, the table also times one slot's single token (see calibrate)
 
 
 def calibrate(model: Model, cache, max_draft: int, num_slots: int | None = None) -> Controller:
     """Time forwards feeding 1, 2 and max_draft + 1 tokens to each of num_slots slots (all the cache's by
-    default; their cache rows are overwritten later by prefill), and with several slots one token of one slot:
+    default; their cache rows are overwritten later by prefill), and with ANCHOR_SLOTS or more one slot's token:
     the median of up to CALIBRATION_REPEATS timings per point, taken round robin over the points (one timing of
     a 6 ms step can be off by 50% on a shared machine, and one bad point skews every choice). The one-token
     point anchors the steps of fewer slots, once slots drain at the end of a job: without it the table's slope,
@@ -382,7 +383,7 @@ def calibrate(model: Model, cache, max_draft: int, num_slots: int | None = None)
         batches = [build_forward_batch(slots, np.zeros(num_slots, np.int64), np.full(num_slots, q, np.int64),
                                        np.zeros(num_slots * q, np.int64), np.ones(num_slots, bool)) for q in counts]
         tokens = [q * num_slots for q in counts]
-        if num_slots > 1:
+        if num_slots >= ANCHOR_SLOTS:
             batches.insert(0, build_forward_batch(slots[:1], np.zeros(1, np.int64), np.ones(1, np.int64),
                                                   np.zeros(1, np.int64), np.ones(1, bool)))
             tokens.insert(0, 1)
