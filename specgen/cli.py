@@ -49,8 +49,8 @@ KvCacheDtype = Annotated[str | None, typer.Option(
          "specgen's CPU kernels; outputs stay identical with speculation on or off, not to a float32 cache).")]
 Matmul = Annotated[str | None, typer.Option(
     help="float32: products over the weights rebuilt exactly; int8: inputs quantized to int8 per block of 32 and "
-         "integer products with GGUF Q4_0/Q4_1/Q8_0 weights (AVX-512 VNNI), as llama.cpp does: faster verify and "
-         "batch steps, outputs close to float32's, identical with speculation on or off.")]
+         "integer products with GGUF Q4_0/Q4_1/Q8_0 weights (AVX-512 VNNI), as llama.cpp does: faster steps, most "
+         "with many rows (prefill, many slots); outputs close to float32's, identical with speculation on or off.")]
 ConfigFile = Annotated[Path | None, typer.Option(
     "--config", help="YAML file with sampling / engine / speculative sections.")]
 InputFormat = Annotated[str | None, typer.Option(help="jsonl | parquet [default: from the extension].")]

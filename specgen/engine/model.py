@@ -193,7 +193,6 @@ class Model:
         self.keeps_quantized = self.packs and kernels.switch("SPECGEN_QUANTIZED_WEIGHTS")
         # matmul "int8": the same blocks regrouped for integer products, the inputs of every product quantized to
         # int8 per block of 32 (kernels/linear.cc, "Integer products"); rows stay independent of each other.
-        self.matmul_kind = matmul
         self.int8_product = matmul == "int8"
         if self.int8_product:
             has_blocks = self.w.lm_head_quant is not None or any(self.w.layer_quants)

@@ -77,8 +77,9 @@ class Engine:
         ctx = model.config.max_position_embeddings
         self.context_len = min(ctx, config.max_model_len) if config.max_model_len else ctx
         self.eos_ids = np.array(model.config.eos_token_ids, dtype=np.int64)
-        if config.matmul != model.matmul_kind:
-            raise ConfigError(f"the model was loaded with matmul {model.matmul_kind!r}, the engine asks for "
+        loaded = "int8" if model.int8_product else "float32"
+        if config.matmul != loaded:
+            raise ConfigError(f"the model was loaded with matmul {loaded!r}, the engine asks for "
                               f"{config.matmul!r}: load it with load_model(..., matmul={config.matmul!r})")
         self.cache = model.new_cache(config.batch_size, self.context_len, config.kv_cache_dtype)
         self.table = SlotTable.empty(config.batch_size, 256)

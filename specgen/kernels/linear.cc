@@ -263,7 +263,7 @@ void qpanel_any(const float* x, int64_t m, int64_t k, const uint8_t* p, Quant q,
 // columns c and c + 16 in the low and high nibble of one byte.
 //
 // Each input row is quantized per block of 32 as a GGUF Q8_0 block would be: dx = max |x| / 127,
-// xq = round-to-even(x / dx), with sxq = sum xq and sx = sum x (in input order). Then for every output column
+// xq = round-to-even(x * (1 / dx)) (a float32 reciprocal), with sxq = sum xq and sx = sum x (in input order). Then for every output column
 //   acc = fma(float(sum u * xq - offset * sxq), d * dx, acc)   (then Q4_1: acc = fma(m, sx, acc))
 // block after block. The integer sums are exact, so a row's result depends only on that row (speculation on or
 // off still gives the same bits), but not the same bits as the float32 product: the inputs lose precision, as
@@ -293,6 +293,25 @@ void quantize_row(const float* x, int64_t k, int8_t* q, float* d, int32_t* s, fl
     s[b] = qsum;
     sx[b] = sum;
   }
+}
+
+// x [m, k] quantized row by row (quantize_row) into this thread's buffers, which the parallel loops of the
+// caller read through the result.
+QuantRows quantize_rows(const float* x, int64_t m, int64_t k) {
+  static thread_local std::vector<int8_t> q;
+  static thread_local std::vector<float> d, sx;
+  static thread_local std::vector<int32_t> s;
+  const int64_t kb = k / kBlock;
+  q.resize(m * k);
+  d.resize(m * kb);
+  sx.resize(m * kb);
+  s.resize(m * kb);
+  int8_t* qp = q.data();  // (thread_local names would be the other threads' own buffers inside the loop)
+  float *dp = d.data(), *sxp = sx.data();
+  int32_t* sp = s.data();
+#pragma omp parallel for schedule(static) if (m >= 8)
+  for (int64_t r = 0; r < m; ++r) quantize_row(x + r * k, k, qp + r * k, dp + r * kb, sp + r * kb, sxp + r * kb);
+  return {qp, dp, sp, sxp, k};
 }
 
 constexpr int32_t quant_offset(Quant q) { return q == Quant::kQ4_0 ? 8 : q == Quant::kQ8_0 ? 128 : 0; }
@@ -444,21 +463,7 @@ void packed_linear(const float* x, int64_t m, int64_t k, const PackedWeight& w, 
   const uint8_t* q = static_cast<const uint8_t*>(w.data);
   const int64_t panel_bytes = k / kBlock * w.block_bytes;
   if (w.int8_product) {
-    static thread_local std::vector<int8_t> xq;
-    static thread_local std::vector<float> dx, sx;
-    static thread_local std::vector<int32_t> sq;
-    const int64_t kb = k / kBlock;
-    xq.resize(m * k);
-    dx.resize(m * kb);
-    sx.resize(m * kb);
-    sq.resize(m * kb);
-    // (the buffers are this thread's: the parallel loops see them through `a` only)
-    const QuantRows a{xq.data(), dx.data(), sq.data(), sx.data(), k};
-    int8_t* aq = xq.data();
-    float *ad = dx.data(), *asx = sx.data();
-    int32_t* as = sq.data();
-#pragma omp parallel for schedule(static) if (m >= 8)
-    for (int64_t r = 0; r < m; ++r) quantize_row(x + r * k, k, aq + r * k, ad + r * kb, as + r * kb, asx + r * kb);
+    const QuantRows a = quantize_rows(x, m, k);
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < w.panels; ++p)
       ipanel_any(a, m, q + p * panel_bytes, static_cast<Quant>(w.block_bytes), y, n, p * kPanel);

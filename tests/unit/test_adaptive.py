@@ -98,36 +98,47 @@ def test_scalar_cost_equals_the_interpolated_table():
     assert [one.at(t) for t in (1, 4, 9)] == one(np.array([1, 4, 9])).tolist()
 
 
+class _Logits:
+    def numpy(self):
+        return np.zeros(1)
+
+
+def _stub_model(monkeypatch, seconds_of):
+    """A model whose forward advances a fake clock (runner.time.perf_counter) by seconds_of(call number, tokens)
+    and a cache of num_slots slots, for runner.calibrate."""
+    from specgen.engine import runner
+
+    clock = {"t": 0.0, "calls": 0}
+    monkeypatch.setattr(runner.time, "perf_counter", lambda: clock["t"])
+
+    class Stub:
+        calibrations: ClassVar[dict] = {}
+
+        def forward(self, batch, cache):
+            clock["calls"] += 1
+            clock["t"] += seconds_of(clock["calls"], len(batch.token_ids))
+            return _Logits(), None
+
+    return Stub(), clock
+
+
+class _Cache:
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+
+
 def test_calibration_takes_the_median_of_repeated_timings(monkeypatch):
     """One slow timing (another process took the core) does not become the table's cost: each point is the
     median of its repeats, taken round robin."""
     from specgen.engine import runner
 
-    clock = {"t": 0.0}
-    monkeypatch.setattr(runner.time, "perf_counter", lambda: clock["t"])
-
-    class Logits:
-        def numpy(self):
-            return np.zeros(1)
-
-    class Stub:
-        calibrations: ClassVar[dict] = {}
-        calls = 0
-
-        def forward(self, batch, cache):
-            Stub.calls += 1
-            tokens = len(batch.token_ids)
-            clock["t"] += 0.010 + 0.002 * (tokens - 1) + (0.050 if Stub.calls == 4 else 0.0)  # call 4: 3 tokens, slow
-            return Logits(), None
-
-    class Cache:
-        num_slots = 1
-
-    controller = runner.calibrate(Stub(), Cache(), 2)
-    tokens, seconds = Stub.calibrations[(1, 2)]
+    # call 4 (3 tokens) is slow
+    stub, clock = _stub_model(monkeypatch, lambda call, tokens: 0.010 + 0.002 * (tokens - 1) + 0.050 * (call == 4))
+    controller = runner.calibrate(stub, _Cache(1), 2)
+    tokens, seconds = stub.calibrations[(1, 2)]
     assert tokens.tolist() == [1, 2, 3]
     np.testing.assert_allclose(seconds, [0.010, 0.012, 0.014])
-    assert Stub.calls == 1 + 3 * 3  # a warm-up, then rounds until 0.15 s are spent: 0.086 + 0.036 + 0.036 s
+    assert clock["calls"] == 1 + 3 * 3  # a warm-up, then rounds until 0.15 s are spent: 0.086 + 0.036 + 0.036 s
     assert controller.cost.at(3) == seconds[2]
 
 
@@ -137,25 +148,9 @@ def test_calibration_anchors_steps_of_few_slots(monkeypatch):
     not extrapolated from the compute-bound slope to almost nothing."""
     from specgen.engine import runner
 
-    clock = {"t": 0.0}
-    monkeypatch.setattr(runner.time, "perf_counter", lambda: clock["t"])
-
-    class Logits:
-        def numpy(self):
-            return np.zeros(1)
-
-    class Stub:
-        calibrations: ClassVar[dict] = {}
-
-        def forward(self, batch, cache):
-            clock["t"] += 0.010 + 0.002 * max(0, len(batch.token_ids) - 8)
-            return Logits(), None
-
-    class Cache:
-        num_slots = 8
-
-    controller = runner.calibrate(Stub(), Cache(), 5)
-    tokens, seconds = Stub.calibrations[(8, 5)]
+    stub, _ = _stub_model(monkeypatch, lambda call, tokens: 0.010 + 0.002 * max(0, tokens - 8))
+    controller = runner.calibrate(stub, _Cache(8), 5)
+    tokens, seconds = stub.calibrations[(8, 5)]
     assert tokens.tolist() == [1, 8, 16, 48]
     np.testing.assert_allclose(seconds, [0.010, 0.010, 0.026, 0.090])
     assert controller.cost.at(2) == pytest.approx(0.010)  # extrapolated from 8 tokens: 0.010 - 6 * 0.0023 < 0
