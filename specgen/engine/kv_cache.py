@@ -3,27 +3,35 @@ from __future__ import annotations
 
 import paddle
 
+INITIAL_CAPACITY = 256  # positions per slot allocated up front (then doubled as slots need more)
+
 
 class KVCache:
     """Per layer, K and V of shape [num_slots, num_kv_heads, capacity, head_dim], in the model's dtype or, for a
     float32 model on the fused kernels, float16 (the attention kernel widens each key and value as it reads it).
 
     A slot's valid positions are [0, its length); entries past it are stale (rejected drafts) and are
-    overwritten by later writes, so rejection needs no copy. Stored flattened as
+    overwritten by later writes, so rejection needs no copy. With `zeroed` False the storage starts (and grows)
+    uninitialized: for the fused attention kernel, which reads a query's keys [0, its position] only, all of them
+    written before they are read (the Paddle reference path masks whole rows, so it needs finite zeros there).
+    That skips filling the whole allocation (the default model's 256 positions: 0.15 s for 32 slots, 1.5 s for
+    256; benchmarks/engine_start.py), and the pages of slots and positions a job never fills are never touched. Stored flattened as
     [num_slots * num_kv_heads * capacity, head_dim]: the row of (slot, head, position) is
     (slot * num_kv_heads + head) * capacity + position, so one gather yields a contiguous
     [num_seqs, num_kv_heads, max_kv, head_dim] block for attention (Paddle's CPU transposes are slow).
     """
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: str,
-                 max_capacity: int, initial_capacity: int = 256):
+                 max_capacity: int, initial_capacity: int | None = None, zeroed: bool = True):
         self.num_layers = num_layers
         self.num_slots = num_slots
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype = dtype
+        self.zeroed = zeroed
         self.max_capacity = max_capacity
         self.capacity = 0
-        self.initial_capacity = min(initial_capacity, max_capacity)
+        first = INITIAL_CAPACITY if initial_capacity is None else initial_capacity
+        self.initial_capacity = min(first, max_capacity)
         self.k: list[paddle.Tensor] = []  # per layer [num_slots * num_kv_heads * capacity, head_dim]
         self.v: list[paddle.Tensor] = []
         # Shared prefix (cascade attention): one 1-slot cache holding positions [0, prefix_tokens) for every
@@ -41,7 +49,8 @@ class KVCache:
         for store in (self.k, self.v):
             for layer in range(self.num_layers):
                 rows = self.num_slots * self.num_kv_heads
-                fresh = paddle.zeros([rows, new_cap, self.head_dim], dtype=self.dtype)
+                alloc = paddle.zeros if self.zeroed else paddle.empty
+                fresh = alloc([rows, new_cap, self.head_dim], dtype=self.dtype)
                 if store and self.capacity:
                     fresh[:, : self.capacity] = store[layer].reshape([rows, self.capacity, self.head_dim])
                 fresh = fresh.reshape([rows * new_cap, self.head_dim])

@@ -247,7 +247,8 @@ class Model:
         if dtype != self.dtype and (self.ops is None or self.dtype != "float32" or dtype != "float16"):
             raise ConfigError(f"a {dtype} KV cache needs a float32 model and specgen's CPU kernels "
                               f"(model: {self.dtype}, kernels: {'on' if self.ops is not None else 'off'})")
-        return KVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, dtype, max_capacity)
+        return KVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, dtype, max_capacity,
+                       zeroed=self.ops is None)
 
     def _rope(self, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
         # x [num_tokens, heads, head_dim]; cos/sin [num_tokens, 1, head_dim / 2]

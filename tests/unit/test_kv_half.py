@@ -141,3 +141,40 @@ def test_half_cache_halves_the_memory_report():
         sizes[kv] = eng.cache.nbytes()
         assert eng.cache.k[0].dtype == (paddle.float16 if kv == "float16" else paddle.float32)
     assert sizes["float16"] * 2 == sizes["auto"]
+
+
+@needs_kernels
+def test_uninitialized_cache_rows_are_never_read(tiny_model, tmp_path, monkeypatch):
+    """On the fused kernels the KV caches (the model's and the MTP head's) start, and grow, uninitialized
+    (KVCache(zeroed=False): no memset of the allocation). Filled with NaN instead, every output is still the
+    one a zero-filled cache gives: prefill, ngram and MTP verify blocks, batching, growth mid-decode."""
+    from specgen.engine import kv_cache
+    from specgen.engine.proposers.mtp import random_mtp_weights, save_mtp
+
+    save_mtp(tmp_path / "head", random_mtp_weights(tiny_model.config, std=0.3))
+    rng = np.random.default_rng(3)
+    motif = rng.integers(3, 250, 12).tolist()
+    prompts = [motif * 8 + [7], rng.integers(3, 250, 9).tolist(), motif * 3]
+    monkeypatch.setattr(kv_cache, "INITIAL_CAPACITY", 64)  # the 97-token prompt grows the cache to 128 positions,
+    # then to 256 while it decodes: the grown storage holds the old rows copied, and NaN past them
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    methods = [SpecConfig(), SpecConfig(method="ngram", num_speculative_tokens=3, adaptive=False),
+               SpecConfig(method="mtp", num_speculative_tokens=2, mtp_model=str(tmp_path / "head"), adaptive=False)]
+
+    def run():
+        return [[o.token_ids for o in generate(prompts, model=tiny_model, sampling=sp,
+                                               engine=EngineConfig(batch_size=bs), speculative=spec)]
+                for spec in methods for bs in (1, 3)]
+
+    clean = run()
+    poisoned = []
+
+    def nan_empty(shape, dtype=None):
+        poisoned.append(shape)
+        return paddle.full(shape, float("nan"), dtype=dtype)
+
+    monkeypatch.setattr(kv_cache.paddle, "empty", nan_empty)
+    assert run() == clean
+    assert len(poisoned) > 2 * tiny_model.config.num_layers * 6  # every engine's caches, the grown ones too
+    assert clean[0::2] == clean[1::2]  # batch 1 = batch 3, for each method
+    assert clean[0] == clean[2] == clean[4]  # speculation changes nothing

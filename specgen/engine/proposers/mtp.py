@@ -188,7 +188,8 @@ class MtpProposer:
     def _ensure(self, num_slots: int) -> None:
         if self.cache is None:
             cfg = self.model.config
-            self.cache = KVCache(1, num_slots, cfg.num_kv_heads, cfg.head_dim, self.model.dtype, self.model.max_len)
+            self.cache = KVCache(1, num_slots, cfg.num_kv_heads, cfg.head_dim, self.model.dtype, self.model.max_len,
+                                 zeroed=self.model.ops is None)
             self.drafts = np.zeros((num_slots, self.k), np.int64)
             self.num_drafts = np.zeros(num_slots, np.int64)
 
