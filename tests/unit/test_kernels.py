@@ -414,3 +414,27 @@ def test_attention_over_many_key_chunks_matches_numpy(dtype):
     assert np.abs(whole - want).max() <= tol * max(1.0, np.abs(want).max())
     for rows in (np.array([0]), np.arange(1, 7), np.arange(7, 28)):
         assert np.array_equal(run(rows), whole[rows])
+
+
+def test_a_finished_build_loads_without_the_builder(tmp_path, monkeypatch):
+    """Once a build directory holds a finished build (its library and the BUILT_MARK written after loading it),
+    later processes load the library directly instead of running Paddle's builder (a setup.py subprocess of
+    ~2 s at every start): the module has the operators. A directory without the mark, or without the library,
+    goes through the builder."""
+    import subprocess
+    import sys
+
+    from specgen import kernels
+
+    d = kernels._build_dir()
+    assert (d / kernels.BUILT_MARK).exists()  # this process's ops() built or loaded it
+    code = ("import sys; from paddle.utils import cpp_extension; from specgen import kernels\n"
+            "cpp_extension.load = lambda **kw: sys.exit('the builder ran')\n"  # load() must not be called
+            "m = kernels.ops(); print(m is not None and hasattr(m, 'specgen_linear'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("True"), out.stderr[-2000:]
+    empty = tmp_path / "build"
+    empty.mkdir()
+    assert kernels._load_built(empty) is None
+    (empty / kernels.BUILT_MARK).touch()
+    assert kernels._load_built(empty) is None  # marked, but no library
