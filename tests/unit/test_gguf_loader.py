@@ -369,7 +369,10 @@ def test_quantized_weights_stay_blocks_and_give_the_same_bits(tmp_path, monkeypa
         else:
             assert set(kinds.values()) == {"F32"}
         cache = m.new_cache(2, 32)
-        results.append([t.numpy() for b in (pre, ver) for t in m.forward(b, cache)] + [c.numpy() for c in cache.k])
+        kv = ckpt.config.num_kv_heads
+        written = ((np.arange(2 * kv)[:, None] * cache.capacity) + np.arange(15)[None, :]).ravel()  # both slots 0-14
+        results.append([t.numpy() for b in (pre, ver) for t in m.forward(b, cache)]
+                       + [c.numpy()[written] for c in cache.k])  # (rows past them are uninitialized)
         # an MTP head sharing the LM head over a draft vocabulary: those rows of the blocks, or of the float32 head
         head = MtpHead(random_mtp_weights(ckpt.config, 5), "random", m, np.arange(3, 200, 7))
         assert head.lm_head.kind == (kinds["lm_head"] if keep == "1" else "F32")
