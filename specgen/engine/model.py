@@ -82,8 +82,9 @@ class TensorReader:
         """HF [out, in] weights, concatenated along out (fused), as one Paddle [in, sum(out)] matrix."""
         return self.to_paddle(np.concatenate([self.get(n, (o, in_size)) for n, o in zip(names, out_sizes)]).T)
 
-    def layer(self, p: str) -> dict:
-        """One decoder block under prefix `p` (e.g. "model.layers.3."): fused QKV and gate/up."""
+    def layer(self, p: str, skip: frozenset = frozenset()) -> dict:
+        """One decoder block under prefix `p` (e.g. "model.layers.3."): fused QKV and gate/up. Projections named
+        in `skip` (keys of LINEAR_KEYS) are checked but left None: the model packs them from their GGUF blocks."""
         cfg = self.cfg
         h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
@@ -94,22 +95,28 @@ class TensorReader:
         if cfg.qkv_bias:
             qkv_b = [self.get(p + f"self_attn.{n}_proj.bias", (o,)) for n, o in (("q", q_out), ("k", kv_out), ("v", kv_out))]
         if cfg.rope_interleaved:
-            q, k = _interleaved_to_half(q, cfg.num_heads, hd), _interleaved_to_half(k, cfg.num_kv_heads, hd)
+            if "w_qkv" not in skip:
+                q, k = _interleaved_to_half(q, cfg.num_heads, hd), _interleaved_to_half(k, cfg.num_kv_heads, hd)
             if qkv_b is not None:
                 qkv_b[0] = _interleaved_to_half(qkv_b[0], cfg.num_heads, hd)
                 qkv_b[1] = _interleaved_to_half(qkv_b[1], cfg.num_kv_heads, hd)
         mlp = [p + "mlp.gate_proj.", p + "mlp.up_proj."]
+        w_o = self.get(p + "self_attn.o_proj.weight", (h, q_out))
+        w_down = self.get(p + "mlp.down_proj.weight", (h, inter))
+        gate_up = [self.get(m + "weight", (inter, h)) for m in mlp]
         return {
             "attn_norm": self.param(p + "input_layernorm.weight", (h,)),
             "mlp_norm": self.param(p + "post_attention_layernorm.weight", (h,)),
-            "w_qkv": self.to_paddle(np.concatenate([q, k, v], axis=0).T),  # [hidden, q_out + 2 kv_out]
+            # [hidden, q_out + 2 kv_out]
+            "w_qkv": None if "w_qkv" in skip else self.to_paddle(np.concatenate([q, k, v], axis=0).T),
             "b_qkv": self.to_paddle(np.concatenate(qkv_b)) if qkv_b is not None else None,
-            "w_o": self.to_paddle(self.get(p + "self_attn.o_proj.weight", (h, q_out)).T),  # [q_out, hidden]
+            "w_o": None if "w_o" in skip else self.to_paddle(w_o.T),  # [q_out, hidden]
             "b_o": self.param(p + "self_attn.o_proj.bias", (h,)) if cfg.o_bias else None,
-            "w_gate_up": self.linear([m + "weight" for m in mlp], [inter, inter], h),  # [hidden, 2 inter]
+            # [hidden, 2 inter]
+            "w_gate_up": None if "w_gate_up" in skip else self.to_paddle(np.concatenate(gate_up).T),
             "b_gate_up": self.to_paddle(np.concatenate([self.get(m + "bias", (inter,)) for m in mlp]))
             if cfg.mlp_bias else None,
-            "w_down": self.to_paddle(self.get(p + "mlp.down_proj.weight", (h, inter)).T),  # [inter, hidden]
+            "w_down": None if "w_down" in skip else self.to_paddle(w_down.T),  # [inter, hidden]
             "b_down": self.param(p + "mlp.down_proj.bias", (h,)) if cfg.mlp_bias else None,
             "q_norm": self.param(p + "self_attn.q_norm.weight", (hd,)) if cfg.qk_norm else None,
             "k_norm": self.param(p + "self_attn.k_norm.weight", (hd,)) if cfg.qk_norm else None,
@@ -143,7 +150,9 @@ _BLOCK_ARGS = ("attn_norm", "w_qkv", "b_qkv", "w_o", "b_o", "mlp_norm", "w_gate_
 class Weights:
     """The main model's tensors checked, fused (QKV, gate/up) and transposed to Paddle's [in, out]."""
 
-    def __init__(self, ckpt: Checkpoint, dtype: str):
+    def __init__(self, ckpt: Checkpoint, dtype: str, blocks_only: bool = False):
+        """blocks_only: the model packs every projection that has GGUF blocks from them, so their float32 copies
+        are checked but not converted (None): 1.4 s of the default model's 2 s load."""
         cfg = ckpt.config
         r = TensorReader(ckpt.weights, ckpt.source, cfg, dtype, ckpt.quantized)
         h = cfg.hidden_size
@@ -151,10 +160,12 @@ class Weights:
         self.final_norm = r.param("model.norm.weight", (h,))
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings and "lm_head.weight" not in ckpt.weights \
             else "lm_head.weight"
-        self.lm_head = r.to_paddle(r.get(head, (cfg.vocab_size, h)).T)  # [hidden, vocab]
         self.lm_head_quant = r.quant([head])  # its raw GGUF blocks, or None
-        self.layers = [r.layer(f"model.layers.{i}.") for i in range(cfg.num_layers)]
+        lm_head = r.get(head, (cfg.vocab_size, h))
+        self.lm_head = None if blocks_only and self.lm_head_quant is not None else r.to_paddle(lm_head.T)  # [hidden, vocab]
         self.layer_quants = [r.layer_quant(f"model.layers.{i}.") for i in range(cfg.num_layers)]
+        self.layers = [r.layer(f"model.layers.{i}.", frozenset(q) if blocks_only else frozenset())
+                       for i, q in enumerate(self.layer_quants)]
 
 
 def rms_norm(x: paddle.Tensor, w: paddle.Tensor, eps: float) -> paddle.Tensor:
@@ -171,7 +182,15 @@ class Model:
             raise CheckpointError(f"dtype {dtype!r} is not supported (supported: float32, float64)")
         self.config = ckpt.config
         self.dtype = dtype
-        self.w = Weights(ckpt, dtype)
+        # Fused CPU operators (specgen/kernels) when they build; None runs the Paddle reference path below.
+        self.ops = kernels.ops()
+        # Float32 weights packed into panels for specgen_linear (specgen/kernels/linear.cc) where that pays.
+        self.packs = kernels.packed_linear_enabled(self.ops, dtype)
+        # Projections a GGUF file stores as Q4_0 / Q4_1 / Q8_0 stay in their blocks: specgen_linear rebuilds each
+        # float32 weight in registers, with the same bits as the dequantized weight, reading 5-8.5 bits per weight
+        # instead of 32. SPECGEN_QUANTIZED_WEIGHTS=0 packs the dequantized float32 weights instead.
+        self.keeps_quantized = self.packs and kernels.switch("SPECGEN_QUANTIZED_WEIGHTS")
+        self.w = Weights(ckpt, dtype, blocks_only=self.keeps_quantized)
         cfg = self.config
         self.max_len = cfg.max_position_embeddings
         inv = rope_inv_freq(cfg)  # [head_dim / 2]
@@ -183,14 +202,6 @@ class Model:
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.heads: dict = {}  # (MTP head directory, its files' mtimes) -> MtpHead (weights; proposers hold state)
         self.calibrations: dict = {}  # (num_slots, max_draft) -> measured step-cost table, see runner.calibrate
-        # Fused CPU operators (specgen/kernels) when they build; None runs the Paddle reference path below.
-        self.ops = kernels.ops()
-        # Float32 weights packed into panels for specgen_linear (specgen/kernels/linear.cc) where that pays.
-        self.packs = kernels.packed_linear_enabled(self.ops, dtype)
-        # Projections a GGUF file stores as Q4_0 / Q4_1 / Q8_0 stay in their blocks: specgen_linear rebuilds each
-        # float32 weight in registers, with the same bits as the dequantized weight, reading 5-8.5 bits per weight
-        # instead of 32. SPECGEN_QUANTIZED_WEIGHTS=0 packs the dequantized float32 weights instead.
-        self.keeps_quantized = self.packs and kernels.switch("SPECGEN_QUANTIZED_WEIGHTS")
         # matmul "int8": the same blocks regrouped for integer products, the inputs of every product quantized to
         # int8 per block of 32 (kernels/linear.cc, "Integer products"); rows stay independent of each other.
         self.int8_product = matmul == "int8"

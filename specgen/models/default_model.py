@@ -151,14 +151,17 @@ def _read_tokenizer(path: Path) -> Tokenizer:
 
 
 def _read_float32_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Read a float32 safetensors file with one read into one buffer; each tensor is a view of it.
-
-    About 5x faster than safetensors.numpy.load_file, which copies the file through Python bytes.
+    """Map a float32 safetensors file read-only; each tensor is a view of the mapping, read from disk (or the page
+    cache) only where it is used: the projections a model packs from their GGUF blocks never are (0.6 s of
+    reading the default model's 513 MiB file whole). safetensors.numpy.load_file copies the file through Python
+    bytes, ~5x slower than one read.
     """
     with open(path, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))  # layout: u64 header length, JSON header, data
         header = json.loads(f.read(header_len))
-        data = np.fromfile(f, dtype=np.uint8)  # [num_bytes]
+    size = path.stat().st_size - 8 - header_len
+    # [num_bytes]
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len) if size > 0 else np.zeros(0, np.uint8)
     header.pop("__metadata__", None)
     weights = {}
     for name, info in header.items():
