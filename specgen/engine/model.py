@@ -1,6 +1,8 @@
 """The main model's packed variable-length forward in Paddle: Llama / Mistral / Qwen2 / Qwen3 / ERNIE-4.5."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from dataclasses import dataclass
 
@@ -228,6 +230,15 @@ class Model:
         self._columns = None  # the main blocks' specgen_stack arguments, gathered on first use
         self._ones = paddle.ones([cfg.head_dim], dtype=dtype)  # stands in for absent q/k norm weights
         self._none = paddle.zeros([0], dtype=dtype)  # stands in for absent biases
+
+    def cost_key(self) -> str:
+        """What a step's cost depends on in this model (engine/cost_cache): its shape, dtype, weights' format
+        (packed float32, GGUF block kinds, int8 products) and which fused operators run."""
+        kinds = sorted({getattr(w, "kind", "dense") for L in self.w.layers for w in (L[k] for k in LINEAR_KEYS)}
+                       | {getattr(self.w.lm_head, "kind", "dense")})
+        flags = [self.dtype, self.ops is not None, self.packs, self.keeps_quantized, self.int8_product,
+                 self.fused_layer, self.fused_stack, self.fused_forward, kinds]
+        return json.dumps([dataclasses.asdict(self.config), flags], sort_keys=True, default=str)
 
     def pack(self, w, quant: QuantRows | None = None):
         """w [k, n] packed for `matmul` when this model packs its weights (from `quant`, its raw GGUF blocks,

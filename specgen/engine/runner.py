@@ -9,6 +9,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from specgen.config import EngineConfig
+from specgen.engine import cost_cache
 from specgen.engine.adaptive import Controller, CostModel
 from specgen.engine.kv_cache import KVCache
 from specgen.engine.model import Model
@@ -374,10 +375,15 @@ def calibrate(model: Model, cache, max_draft: int, num_slots: int | None = None)
     which compute-bound many-slot steps set, extrapolated an 8-token step of 32 slots' table to 2 ms instead of
     the 18 ms it took (and the online scale then inflated every cost ninefold).
     Measured once per (slots, max_draft) and model, and kept on the model: a later engine on the same model
-    (e.g. `specgen bench`) reuses it."""
+    (e.g. `specgen bench`) reuses it; and on disk (cost_cache), where a later run on this machine finds it."""
     num_slots = cache.num_slots if num_slots is None else num_slots
     key = (num_slots, max_draft)
     table = model.calibrations.get(key)
+    stored = None
+    if table is None:
+        model_key = getattr(model, "cost_key", None)
+        stored = cost_cache.table_path(model_key() if model_key else None, cache.dtype, num_slots, max_draft)
+        table = cost_cache.load(stored)
     if table is None:
         slots = np.arange(num_slots, dtype=np.int64)
         counts = sorted({1, 2, max_draft + 1})
@@ -401,5 +407,6 @@ def calibrate(model: Model, cache, max_draft: int, num_slots: int | None = None)
                 break
         seconds = np.array([np.median(times) for times in timings])
         table = (np.array(tokens), np.maximum.accumulate(seconds))
-        model.calibrations[key] = table
+        cost_cache.store(stored, *table)
+    model.calibrations[key] = table
     return Controller(CostModel(*table), max_draft, cache.num_slots)

@@ -42,14 +42,18 @@ def enabled() -> bool:
     return switch("SPECGEN_KERNELS")
 
 
-def _build_dir() -> Path:
+def build_key() -> str:
+    """What the kernels' build depends on: their sources, flags, Paddle's version and this machine."""
     import paddle
 
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(FLAGS).encode()
-                         + paddle.__version__.encode() + platform.machine().encode()
-                         + platform.node().encode()).hexdigest()[:16]
+    return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(FLAGS).encode()
+                          + paddle.__version__.encode() + platform.machine().encode()
+                          + platform.node().encode()).hexdigest()[:16]
+
+
+def _build_dir() -> Path:
     root = Path(os.environ.get("SPECGEN_CACHE", Path.home() / ".cache" / "specgen"))
-    return root / "kernels" / key
+    return root / "kernels" / build_key()
 
 
 def _host_build() -> ctypes.CDLL | None:

@@ -125,6 +125,7 @@ def _stub_model(monkeypatch, seconds_of):
 class _Cache:
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
+        self.dtype = "float32"
 
 
 def test_calibration_takes_the_median_of_repeated_timings(monkeypatch):
@@ -173,3 +174,54 @@ def test_costs_are_measured_with_the_slots_the_job_fills(tiny_dir):
     tokens, seconds = lm.model.calibrations[(8, 3)]
     assert tokens.tolist() == [1, 8, 16, 32]  # 8 slots: one slot's single token anchors the table too
     assert (np.diff(seconds) >= 0).all()
+
+
+def test_cost_tables_are_kept_on_disk_between_runs(monkeypatch, tmp_path):
+    """A table timed once is stored under $SPECGEN_CACHE/costs and found by the next model of the same key on
+    this machine (a later run), which times nothing; another key, an entry past MAX_AGE_S, a malformed file or
+    SPECGEN_COST_CACHE=0 times the table again."""
+    import json
+
+    from specgen.engine import cost_cache, runner
+
+    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
+    cost = lambda call, tokens: 0.010 + 0.002 * (tokens - 1)  # noqa: E731
+
+    def fresh(key: str = "model A"):
+        stub, clock = _stub_model(monkeypatch, cost)
+        stub.cost_key = lambda: key
+        return stub, clock
+
+    first, clock = fresh()
+    runner.calibrate(first, _Cache(2), 3)
+    assert clock["calls"] > 0
+    files = list((tmp_path / "costs").glob("*.json"))
+    assert len(files) == 1
+    again, clock = fresh()
+    controller = runner.calibrate(again, _Cache(2), 3)
+    assert clock["calls"] == 0  # nothing timed
+    for a, b in zip(again.calibrations[(2, 3)], first.calibrations[(2, 3)]):
+        np.testing.assert_array_equal(a, b)
+    assert controller.cost.at(8) == first.calibrations[(2, 3)][1][-1]
+
+    other, clock = fresh("model B")
+    runner.calibrate(other, _Cache(2), 3)
+    assert clock["calls"] > 0 and len(list((tmp_path / "costs").glob("*.json"))) == 2
+
+    entry = json.loads(files[0].read_text())
+    entry["measured_at"] -= cost_cache.MAX_AGE_S + 1
+    files[0].write_text(json.dumps(entry))
+    stale, clock = fresh()
+    runner.calibrate(stale, _Cache(2), 3)
+    assert clock["calls"] > 0  # timed again, and stored afresh
+    assert json.loads(files[0].read_text())["measured_at"] > entry["measured_at"] + cost_cache.MAX_AGE_S
+
+    files[0].write_text("{not json")
+    broken, clock = fresh()
+    runner.calibrate(broken, _Cache(2), 3)
+    assert clock["calls"] > 0
+
+    monkeypatch.setenv("SPECGEN_COST_CACHE", "0")
+    off, clock = fresh("model C")
+    runner.calibrate(off, _Cache(2), 3)
+    assert clock["calls"] > 0 and len(list((tmp_path / "costs").glob("*.json"))) == 2
