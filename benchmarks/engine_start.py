@@ -1,10 +1,15 @@
-"""What a short job pays before and around its forwards for its KV cache: allocated uninitialized (the default
-on the fused kernels, KVCache(zeroed=False)) against zero-filled, alternated in one run.
+"""What a short job pays before and around its forwards, alternated in one run:
+
+- its KV cache allocated uninitialized (the default on the fused kernels, KVCache(zeroed=False)) against
+  zero-filled;
+- with n-gram speculation, the controller's step-cost table read from disk (engine/cost_cache.py, as a rerun on
+  the same machine finds it) against timed at start-up (SPECGEN_COST_CACHE=0).
 
     python benchmarks/engine_start.py [--batch-sizes 32 256] [--requests 8] [--max-tokens 16] [--repeats 3]
 
 Each timing is one `generate` call of --requests 8-token prompts on the default model (a new engine, so a new
-cache, per call); the best of --repeats per variant. Also times the cache allocation alone (256 positions).
+cache, per call; the model's in-memory tables are cleared before each n-gram one); the best of --repeats per
+variant. Also times the cache allocation alone (256 positions).
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    from specgen import EngineConfig, SamplingParams, generate, load_model
+    from specgen import EngineConfig, SamplingParams, SpecConfig, generate, load_model
     from specgen.engine import kv_cache
 
     lm = load_model(None, threads=args.threads)
@@ -57,6 +62,27 @@ def main() -> None:
                 best[zeroed] = [min(best[zeroed][0], job), min(best[zeroed][1], alloc)]
         (zj, za), (uj, ua) = best[True], best[False]
         print(f"{bs:>6}{zj:>14.3f}{uj:>14.3f}{zj / uj:>7.2f}x{za:>16.3f}{ua:>16.4f}", flush=True)
+
+    ngram = SpecConfig(method="ngram", num_speculative_tokens=5)
+
+    def ngram_job(bs: int, stored: bool) -> float:
+        os.environ["SPECGEN_COST_CACHE"] = "1" if stored else "0"
+        lm.model.calibrations.clear()
+        try:
+            start = time.perf_counter()
+            generate(prompts, model=lm, sampling=sp, engine=EngineConfig(batch_size=bs), speculative=ngram)
+            return time.perf_counter() - start
+        finally:
+            del os.environ["SPECGEN_COST_CACHE"]
+
+    print(f"{'slots':>6}{'ngram, table timed s':>22}{'ngram, table read s':>21}{'ratio':>8}")
+    for bs in args.batch_sizes:
+        ngram_job(bs, True)  # warm-up, and the table stored
+        timed_s = read_s = 1e9
+        for _ in range(args.repeats):
+            timed_s = min(timed_s, ngram_job(bs, False))
+            read_s = min(read_s, ngram_job(bs, True))
+        print(f"{bs:>6}{timed_s:>22.3f}{read_s:>21.3f}{timed_s / read_s:>7.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spec_bench import CATEGORIES, run_method, setup, warm_up
+from spec_bench import CATEGORIES, alternated, setup, warm_up
 
 EVAL_PER_CATEGORY, EVAL_MBPP = 40, 200  # the held-out slice (scripts/make_mtp_train_prompts.py)
 
@@ -59,6 +58,7 @@ def main() -> None:
     ap.add_argument("--no-adaptive", action="store_true", help="verify every draft (measures raw acceptance)")
     ap.add_argument("--sets", nargs="*", default=None, help=f"subset of {CATEGORIES + ['code_rewrite']}")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1, help="runs per method, alternated; medians are reported")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     if args.per_category > EVAL_PER_CATEGORY or args.mbpp > EVAL_MBPP:
@@ -78,19 +78,21 @@ def main() -> None:
         prompts = [list(model.tokenizer.encode_chat(m)) for m in msgs]
         for bs in args.batch_sizes:
             base_outs = base = None
+            measured = alternated(model, prompts, sp, bs, methods, args.repeats)
             for mname, spec in methods.items():
-                outs, r = run_method(model, prompts, sp, bs, spec)
+                outs, r = measured[mname]
                 if base is None:
                     base_outs, base = outs, r
-                same = all(a.token_ids == b.token_ids for a, b in zip(base_outs, outs))
+                same = all(a.token_ids == b.token_ids for a, b in zip(base_outs, outs)) and r["repeats_identical"]
                 pos = per_position(outs, max(2, spec.num_speculative_tokens)) if spec.method.value == "mtp" \
                     else [None, None]
-                row = {"set": name, "batch_size": bs, "method": mname, **r, "speedup": r["tok_s"] / base["tok_s"],
-                       "acceptance_per_position": pos, "identical": same}
+                row = {"set": name, "batch_size": bs, "method": mname, **r, "acceptance_per_position": pos,
+                       "identical": same}
                 results.append(row)
+                runs = " " + " ".join(f"{x:.2f}" for x in r["speedups"]) if args.repeats > 1 else ""
                 print(f"{name:<15}{bs:>4} {mname:<9}{r['tok_s']:>8.1f}{row['speedup']:>8.2f}x"
-                      f"{fmt(r['acceptance']):>8}{r['mean_accepted_length']:>9.2f}{fmt(pos[0]):>7}{fmt(pos[1]):>7} {same}",
-                      flush=True)
+                      f"{fmt(r['acceptance']):>8}{r['mean_accepted_length']:>9.2f}{fmt(pos[0]):>7}{fmt(pos[1]):>7} {same}"
+                      f"{runs}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

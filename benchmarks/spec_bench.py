@@ -7,7 +7,9 @@ acceptance rate, mean accepted length, whether outputs were token-identical to `
 (n-gram drafting replayed teacher-forced on the plain outputs: tokens per step if verification were free; with
 the job's pool of finished requests for rows that use it, the requests replayed in order),
 the bound (tokens per step x c(1) / c(k + 1) from the step costs measured at start-up) and the efficiency
-(speedup / bound: how much of what the forward's cost allows the whole step loop achieves).
+(speedup / bound: how much of what the forward's cost allows the whole step loop achieves). With --repeats N
+every method runs N times, alternated with the others; tok/s and speedups are medians (the per-run speedups
+follow each row).
 """
 from __future__ import annotations
 
@@ -84,6 +86,26 @@ def run_method(model, prompts, sp, batch_size, spec):
                   "acceptance": accepted / drafted if drafted else None, "mean_accepted_length": n_out / steps}
 
 
+def alternated(model, prompts, sp, batch_size: int, methods: dict, repeats: int) -> dict:
+    """Every method run `repeats` times, alternated (none, ngram, none, ngram, ...: on a shared machine two runs
+    of one command can differ by 20%). Per method: the outputs and counts of its first run, with tok_s the median
+    over its runs, speedups the per-repeat ratios of its tok/s to the first method's in the same repeat, and
+    speedup their median; repeats_identical tells whether every run gave the same tokens."""
+    runs: dict[str, list] = {name: [] for name in methods}
+    for _ in range(repeats):
+        for name, spec in methods.items():
+            runs[name].append(run_method(model, prompts, sp, batch_size, spec))
+    first = runs[next(iter(methods))]
+    out = {}
+    for name, rs in runs.items():
+        outs, r = rs[0]
+        ratios = [x[1]["tok_s"] / b[1]["tok_s"] for x, b in zip(rs, first)]
+        same = all(o.token_ids == p.token_ids for x in rs[1:] for o, p in zip(x[0], outs))
+        out[name] = (outs, {**r, "tok_s": float(np.median([x[1]["tok_s"] for x in rs])), "speedups": ratios,
+                            "speedup": float(np.median(ratios)), "repeats_identical": same})
+    return out
+
+
 def warm_up(model, prompt: list[int], batch_sizes: list[int], methods: dict) -> None:
     """One short run per batch size and method before timing: the one-time start-up of a job (the adaptive
     controller's cost calibration, loading an MTP head) is paid here, once, as a real job pays it once, and
@@ -156,6 +178,7 @@ def main() -> None:
     ap.add_argument("--own-only", action="store_true", help="also run ngram without the job's pool (lookup in each "
                     "request's own text only): row 'own'")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1, help="runs per method, alternated; medians are reported")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     model, sets, sp = setup(args)
@@ -172,21 +195,23 @@ def main() -> None:
     warm_up(model, list(model.tokenizer.encode_chat(first)), args.batch_sizes, methods)
     results = []
     print(f"{'set':<15}{'bs':>4} {'method':<6}{'tok/s':>8}{'speedup':>9}{'accept':>8}{'tok/step':>9}"
-          f"{'ceiling':>9}{'of ceil':>8}{'bound':>7}{'eff':>6} identical")
+          f"{'ceiling':>9}{'of ceil':>8}{'bound':>7}{'eff':>6} identical"
+          + (" per-run" if args.repeats > 1 else ""))
     for name, msgs in sets.items():
         prompts = [list(model.tokenizer.encode_chat(m)) for m in msgs]
         for bs in args.batch_sizes:
-            base_outs, base = None, None
+            base_outs = None
+            measured = alternated(model, prompts, sp, bs, methods, args.repeats)
             for mname, spec in methods.items():
-                outs, r = run_method(model, prompts, sp, bs, spec)
+                outs, r = measured[mname]
                 if mname == "none":
-                    base_outs, base = outs, r
+                    base_outs = outs
                     plain_outs = [o.token_ids for o in outs]
                     ceilings = {pool: replay_ceiling(prompts, plain_outs, args.k, 1, 3, pool)
                                 for pool in {0, SpecConfig().ngram_pool}}
                 ceiling = ceilings[spec.ngram_pool]  # the replay of the lookup this method uses
-                same = all(a.token_ids == b.token_ids for a, b in zip(base_outs, outs))
-                speedup = r["tok_s"] / base["tok_s"]
+                same = all(a.token_ids == b.token_ids for a, b in zip(base_outs, outs)) and r["repeats_identical"]
+                speedup = r["speedup"]
                 of_ceiling = (speedup - 1) / (ceiling - 1) if spec.method.value == "ngram" and ceiling > 1 else None
                 bound = speedup_bound(model, bs, spec.num_speculative_tokens, r) if mname != "none" else None
                 row = {"set": name, "batch_size": bs, "method": mname, **r, "speedup": speedup,
@@ -197,8 +222,9 @@ def main() -> None:
                 oc = f"{of_ceiling:.2f}" if of_ceiling is not None else "-"
                 bd = f"{bound:.2f}" if bound else "-"
                 ef = f"{speedup / bound:.2f}" if bound else "-"
+                runs = " " + " ".join(f"{x:.2f}" for x in r["speedups"]) if args.repeats > 1 else ""
                 print(f"{name:<15}{bs:>4} {mname:<6}{r['tok_s']:>8.1f}{speedup:>8.2f}x{acc:>8}"
-                      f"{r['mean_accepted_length']:>9.2f}{ceiling:>9.2f}{oc:>8}{bd:>7}{ef:>6} {same}", flush=True)
+                      f"{r['mean_accepted_length']:>9.2f}{ceiling:>9.2f}{oc:>8}{bd:>7}{ef:>6} {same}{runs}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 
