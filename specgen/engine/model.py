@@ -80,10 +80,6 @@ class TensorReader:
     def param(self, name: str, shape: tuple[int, ...]) -> paddle.Tensor:
         return self.to_paddle(self.get(name, shape))
 
-    def linear(self, names: list[str], out_sizes: list[int], in_size: int) -> paddle.Tensor:
-        """HF [out, in] weights, concatenated along out (fused), as one Paddle [in, sum(out)] matrix."""
-        return self.to_paddle(np.concatenate([self.get(n, (o, in_size)) for n, o in zip(names, out_sizes)]).T)
-
     def layer(self, p: str, skip: frozenset = frozenset()) -> dict:
         """One decoder block under prefix `p` (e.g. "model.layers.3."): fused QKV and gate/up. Projections named
         in `skip` (keys of LINEAR_KEYS) are checked but left None: the model packs them from their GGUF blocks."""
@@ -154,7 +150,8 @@ class Weights:
 
     def __init__(self, ckpt: Checkpoint, dtype: str, blocks_only: bool = False):
         """blocks_only: the model packs every projection that has GGUF blocks from them, so their float32 copies
-        are checked but not converted (None): 1.4 s of the default model's 2 s load."""
+        are checked but not converted (None), nor read from the mapped file (default_model): of the default
+        model's load, 2.45 s before, that and the mapping leave 0.97 s (benchmarks/startup.py)."""
         cfg = ckpt.config
         r = TensorReader(ckpt.weights, ckpt.source, cfg, dtype, ckpt.quantized)
         h = cfg.hidden_size
@@ -164,7 +161,8 @@ class Weights:
             else "lm_head.weight"
         self.lm_head_quant = r.quant([head])  # its raw GGUF blocks, or None
         lm_head = r.get(head, (cfg.vocab_size, h))
-        self.lm_head = None if blocks_only and self.lm_head_quant is not None else r.to_paddle(lm_head.T)  # [hidden, vocab]
+        skip_head = blocks_only and self.lm_head_quant is not None
+        self.lm_head = None if skip_head else r.to_paddle(lm_head.T)  # [hidden, vocab]
         self.layer_quants = [r.layer_quant(f"model.layers.{i}.") for i in range(cfg.num_layers)]
         self.layers = [r.layer(f"model.layers.{i}.", frozenset(q) if blocks_only else frozenset())
                        for i, q in enumerate(self.layer_quants)]
