@@ -225,3 +225,22 @@ def test_cost_tables_are_kept_on_disk_between_runs(monkeypatch, tmp_path):
     off, clock = fresh("model C")
     runner.calibrate(off, _Cache(2), 3)
     assert clock["calls"] > 0 and len(list((tmp_path / "costs").glob("*.json"))) == 2
+
+
+def test_speculation_needs_a_predicted_gain_of_min_gain():
+    """One slot, a second token per step costs 10% more. At acceptance 0.13 one draft is predicted to emit 3%
+    more tokens per second than plain decoding, inside the cost model's error: the step stays plain. At 0.25
+    (14% more) it verifies the draft; with MIN_GAIN 0 the 3% one is verified too."""
+    cost = CostModel(np.array([1, 2]), np.array([1.0, 1.1]))
+    slot, avail = np.array([0]), np.array([1])
+
+    def choice(accepted: float, min_gain: float = Controller.MIN_GAIN) -> int:
+        ctl = Controller(cost, max_draft=1, num_slots=1)
+        ctl.MIN_GAIN = min_gain
+        ctl.hits[:], ctl.seen[:] = accepted * 102 - 1, 100.0  # alpha = (hits + 1) / (seen + 2)
+        return int(ctl.choose(slot, avail, 0)[0])
+
+    assert Controller.MIN_GAIN == 0.05
+    assert choice(0.13) == 0
+    assert choice(0.25) == 1
+    assert choice(0.13, min_gain=0.0) == 1
