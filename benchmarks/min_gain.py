@@ -1,5 +1,6 @@
 """The adaptive controller's MIN_GAIN (speculate only where the cost model predicts at least that much over plain
-decoding) against no margin, side by side: per repeat, one `none` run and one n-gram run with each margin.
+decoding) against no margin, side by side: per repeat, one `none` run and one n-gram run with each margin (in
+one order on even repeats, the other on odd ones).
 
     python benchmarks/min_gain.py SET BATCH_SIZE PROMPTS REPEATS
     python benchmarks/min_gain.py code_rewrite 32 32 2
@@ -31,12 +32,12 @@ def main() -> None:
     ratios: dict[float, list[float]] = {0.0: [], 0.05: []}
     default = Controller.MIN_GAIN
     try:
-        for _ in range(repeats):
+        for rep in range(repeats):
             _, base = run_method(model, prompts, sp, bs, SpecConfig())
-            for gain, runs in ratios.items():
+            for gain in sorted(ratios, reverse=rep % 2 == 1):  # the two orders in turn
                 Controller.MIN_GAIN = gain
                 _, r = run_method(model, prompts, sp, bs, ngram)
-                runs.append(r["tok_s"] / base["tok_s"])
+                ratios[gain].append(r["tok_s"] / base["tok_s"])
             print(name, bs, f"none {base['tok_s']:.1f} tok/s", {g: [round(x, 3) for x in v] for g, v in ratios.items()},
                   flush=True)
     finally:
