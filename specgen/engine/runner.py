@@ -381,8 +381,7 @@ def calibrate(model: Model, cache, max_draft: int, num_slots: int | None = None)
     table = model.calibrations.get(key)
     stored = None
     if table is None:
-        model_key = getattr(model, "cost_key", None)
-        stored = cost_cache.table_path(model_key() if model_key else None, cache.dtype, num_slots, max_draft)
+        stored = cost_cache.table_path(model.cost_key(), cache.dtype, num_slots, max_draft)
         table = cost_cache.load(stored)
     if table is None:
         slots = np.arange(num_slots, dtype=np.int64)

@@ -152,16 +152,18 @@ def _load_built(d: Path) -> ModuleType | None:
     """The operators of a finished build in d (its key covers the sources, flags, Paddle version and machine),
     loaded straight from its library: Paddle's `load` runs its setup.py in a subprocess at every start, even
     with nothing to rebuild (2.1-2.5 s of each `specgen` command). None when there is no finished build, or
-    when this Paddle lacks the loader (then `load` runs as before)."""
+    when this Paddle's loader is missing or fails (a private function of Paddle's: then `load` runs as before)."""
     lib = d / "specgen_cpu_ops"
     if not (d / BUILT_MARK).exists() or not (lib / "specgen_cpu_ops.so").exists():
         return None
     try:
         from paddle.utils.cpp_extension.extension_utils import _import_module_from_library
-    except ImportError:
+
+        with _quiet(d / "load.log"):  # Paddle logs "using custom operator only" to stderr
+            return _import_module_from_library("specgen_cpu_ops", str(lib), False)
+    except Exception as e:  # noqa: BLE001 - any failure here leaves the supported path, Paddle's builder
+        log.info("specgen: loading the built kernels directly failed (%s); running Paddle's builder", e)
         return None
-    with _quiet(d / "load.log"):  # Paddle logs "using custom operator only" to stderr
-        return _import_module_from_library("specgen_cpu_ops", str(lib), False)
 
 
 @contextlib.contextmanager

@@ -114,6 +114,9 @@ def _stub_model(monkeypatch, seconds_of):
     class Stub:
         calibrations: ClassVar[dict] = {}
 
+        def cost_key(self):  # no key: its tables are not kept on disk (cost_cache)
+            return None
+
         def forward(self, batch, cache):
             clock["calls"] += 1
             clock["t"] += seconds_of(clock["calls"], len(batch.token_ids))
@@ -185,7 +188,8 @@ def test_cost_tables_are_kept_on_disk_between_runs(monkeypatch, tmp_path):
     from specgen.engine import cost_cache, runner
 
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
-    cost = lambda call, tokens: 0.010 + 0.002 * (tokens - 1)  # noqa: E731
+    def cost(call: int, tokens: int) -> float:
+        return 0.010 + 0.002 * (tokens - 1)
 
     def fresh(key: str = "model A"):
         stub, clock = _stub_model(monkeypatch, cost)

@@ -424,7 +424,7 @@ def test_a_finished_build_loads_without_the_builder(tmp_path, monkeypatch):
     """Once a build directory holds a finished build (its library and the BUILT_MARK written after loading it),
     later processes load the library directly instead of running Paddle's builder (a setup.py subprocess of
     ~2 s at every start): the module has the operators. A directory without the mark, or without the library,
-    goes through the builder."""
+    or a loader that fails, goes through the builder."""
     import subprocess
     import sys
 
@@ -435,10 +435,17 @@ def test_a_finished_build_loads_without_the_builder(tmp_path, monkeypatch):
     code = ("import sys; from paddle.utils import cpp_extension; from specgen import kernels\n"
             "cpp_extension.load = lambda **kw: sys.exit('the builder ran')\n"  # load() must not be called
             "m = kernels.ops(); print(m is not None and hasattr(m, 'specgen_linear'))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0 and out.stdout.strip().endswith("True"), out.stderr[-2000:]
     empty = tmp_path / "build"
     empty.mkdir()
     assert kernels._load_built(empty) is None
     (empty / kernels.BUILT_MARK).touch()
     assert kernels._load_built(empty) is None  # marked, but no library
+    from paddle.utils.cpp_extension import extension_utils
+
+    def broken(*args):
+        raise TypeError("a Paddle whose private loader changed")
+
+    monkeypatch.setattr(extension_utils, "_import_module_from_library", broken)
+    assert kernels._load_built(d) is None  # ops() then runs Paddle's builder, as before
