@@ -216,6 +216,15 @@ class Model:
             for L, quant in zip(self.w.layers, self.w.layer_quants):
                 self.pack_layer(L, quant)
             self.w.lm_head = self.pack(self.w.lm_head, self.w.lm_head_quant)
+        # Greedy steps of a Q8_0 / Q4_0 LM head skip its logits: specgen_forward screens every column with integer
+        # products and a bound on their error, and takes the float32 product of the few columns the bound cannot
+        # rule out, so the greedy tokens are the float32 logits' argmax (kernels/linear.cc, "Greedy tokens without
+        # the logits"). Needs AVX-512 VNNI; SPECGEN_SCREENED_ARGMAX=0 computes the logits anyway.
+        q = self.w.lm_head_quant
+        self.screen = None
+        if (self.keeps_quantized and not self.int8_product and q is not None and q.kind in kernels.SCREENED_KINDS
+                and kernels.has_vnni() and kernels.switch("SPECGEN_SCREENED_ARGMAX")):
+            self.screen = kernels.pack_screen(q.kind, q.blocks)
         # With packed weights a decoder block is one fused op (specgen_stack: the same kernels in the same order,
         # bit-identical to the op-by-op path), and all the blocks of a forward one call of it;
         # SPECGEN_FUSED_STACK=0 calls it per block, SPECGEN_FUSED_LAYER=0 keeps the op-by-op path.
@@ -228,6 +237,7 @@ class Model:
         self._columns = None  # the main blocks' specgen_stack arguments, gathered on first use
         self._ones = paddle.ones([cfg.head_dim], dtype=dtype)  # stands in for absent q/k norm weights
         self._none = paddle.zeros([0], dtype=dtype)  # stands in for absent biases
+        self._no_screen = paddle.zeros([0], dtype="float32")  # specgen_forward without a screen: the logits
 
     def cost_key(self) -> str:
         """What a step's cost depends on in this model (engine/cost_cache): its shape, dtype, weights' format
@@ -235,7 +245,7 @@ class Model:
         kinds = sorted({getattr(w, "kind", "dense") for L in self.w.layers for w in (L[k] for k in LINEAR_KEYS)}
                        | {getattr(self.w.lm_head, "kind", "dense")})
         flags = [self.dtype, self.ops is not None, self.packs, self.keeps_quantized, self.int8_product,
-                 self.fused_layer, self.fused_stack, self.fused_forward, kinds]
+                 self.fused_layer, self.fused_stack, self.fused_forward, self.screen is not None, kinds]
         return json.dumps([dataclasses.asdict(self.config), flags], sort_keys=True, default=str)
 
     def pack(self, w, quant: QuantRows | None = None):
@@ -416,20 +426,24 @@ class Model:
         """Returns (logits [num_logits, vocab], final normed hidden [num_tokens, hidden]) and writes K/V."""
         return self._forward(batch, cache)[:2]
 
-    def forward_greedy(self, batch: ForwardBatch, cache: KVCache) -> tuple[paddle.Tensor, paddle.Tensor, np.ndarray]:
+    def forward_greedy(self, batch: ForwardBatch, cache: KVCache, logits: bool = True
+                       ) -> tuple[paddle.Tensor | None, paddle.Tensor, np.ndarray]:
         """`forward`, plus each logit row's argmax ([num_logits] int64, lowest id on a tie): the step's greedy
-        tokens, computed inside specgen_forward where it runs (no second operator after the forward)."""
-        logits, hidden, greedy = self._forward(batch, cache)
-        return logits, hidden, (kernels.argmax(logits) if greedy is None else greedy).numpy()
+        tokens, computed inside specgen_forward where it runs (no second operator after the forward). With
+        `logits` False the caller needs only the greedy tokens: where this model screens its LM head
+        (self.screen) the logits are not computed and come back as None; the tokens are the same."""
+        out, hidden, greedy = self._forward(batch, cache, screened=not logits)
+        return out, hidden, (kernels.argmax(out) if greedy is None else greedy).numpy()
 
-    def _forward(self, batch: ForwardBatch, cache: KVCache):
-        """(logits, hidden, greedy ids or None where the path does not compute them)."""
+    def _forward(self, batch: ForwardBatch, cache: KVCache, screened: bool = False):
+        """(logits, hidden, greedy ids or None where the path does not compute them); with `screened` and a
+        screen, (None, hidden, greedy)."""
         ctx = self.context(batch, cache)
         stacked = self.ops is not None and self.fused_layer and self.fused_stack
         if stacked and self._columns is None:  # every block's arguments, gathered once
             self._columns = self.block_columns(self.w.layers)
         if stacked and self.fused_forward:
-            return self._forward_fused(batch, ctx, cache)
+            return self._forward_fused(batch, ctx, cache, screened and self.screen is not None)
         x = F.embedding(paddle.to_tensor(batch.token_ids), self.w.embed)  # [num_tokens, hidden]
         if stacked:
             x = self._blocks(x, self._columns, ctx, cache.k, cache.v)
@@ -446,17 +460,20 @@ class Model:
             return [self._ones] * count, [self._ones] * count
         return ctx.prefix_k[first:first + count], ctx.prefix_v[first:first + count]
 
-    def _forward_fused(self, batch: ForwardBatch, ctx: "StepContext", cache: KVCache):
-        """`forward` as one specgen_forward call: embedding, every block, final norm and LM head (same bits)."""
+    def _forward_fused(self, batch: ForwardBatch, ctx: "StepContext", cache: KVCache, screened: bool = False):
+        """`forward` as one specgen_forward call: embedding, every block, final norm and LM head (same bits);
+        `screened`: the greedy tokens through self.screen, without the logits (None)."""
         cfg = self.config
         pk, pv = self._prefix_kv(ctx, 0, len(cache.k))
         *weights, q_norm, k_norm = self._columns
+        screen, bound = (self.screen.panels.panels, self.screen.bound) if screened else (self._no_screen,) * 2
         logits, hidden, greedy, *_ = self.ops.specgen_forward(
             paddle.to_tensor(batch.token_ids), self.w.embed, *weights, self.cos, self.sin, ctx.positions,
             ctx.token_slots, cache.k, cache.v, q_norm, k_norm, ctx.prefix_len, pk, pv, self.w.final_norm,
-            paddle.to_tensor(batch.logit_rows), self.w.lm_head.panels, cfg.num_heads, cfg.num_kv_heads,
-            ctx.capacity, cfg.qk_norm, cfg.rms_norm_eps, ctx.prefix_capacity, self.w.lm_head.n)
-        return logits, hidden, greedy  # logits [num_logits, vocab], hidden [num_tokens, hidden], greedy [num_logits]
+            paddle.to_tensor(batch.logit_rows), self.w.lm_head.panels, screen, bound, cfg.num_heads,
+            cfg.num_kv_heads, ctx.capacity, cfg.qk_norm, cfg.rms_norm_eps, ctx.prefix_capacity, self.w.lm_head.n)
+        # logits [num_logits, vocab] (screened: None), hidden [num_tokens, hidden], greedy [num_logits]
+        return None if screened else logits, hidden, greedy
 
 
 @dataclass

@@ -214,7 +214,8 @@ class Engine:
         no_logits = np.concatenate([np.zeros(len(dec), bool), ~final])
         batch = build_forward_batch(slots, starts, lens, token_ids, logits_all, no_logits=no_logits,
                                     prefix_lens=t.prefix_len[slots] if self.prefix_ids is not None else None)
-        logits, hidden, greedy = self.model.forward_greedy(batch, self.cache)
+        # A step of greedy slots only needs no logits (Model.forward_greedy: a screened LM head skips them).
+        logits, hidden, greedy = self.model.forward_greedy(batch, self.cache, logits=bool(t.temperature[slots].any()))
 
         row_tok = batch.logit_rows  # [num_logits]
         row_slot = batch.token_slots[row_tok]
@@ -374,6 +375,8 @@ def calibrate(model: Model, cache, max_draft: int, num_slots: int | None = None)
     point anchors the steps of fewer slots, once slots drain at the end of a job: without it the table's slope,
     which compute-bound many-slot steps set, extrapolated an 8-token step of 32 slots' table to 2 ms instead of
     the 18 ms it took (and the online scale then inflated every cost ninefold).
+    The forwards are greedy steps' (no logits where the model screens its LM head); a sampled job's steps cost
+    more per logit row, which the controller's online scale takes up.
     Measured once per (slots, max_draft) and model, and kept on the model: a later engine on the same model
     (e.g. `specgen bench`) reuses it; and on disk (cost_cache), where a later run on this machine finds it."""
     num_slots = cache.num_slots if num_slots is None else num_slots
@@ -393,13 +396,13 @@ def calibrate(model: Model, cache, max_draft: int, num_slots: int | None = None)
             batches.insert(0, build_forward_batch(slots[:1], np.zeros(1, np.int64), np.ones(1, np.int64),
                                                   np.zeros(1, np.int64), np.ones(1, bool)))
             tokens.insert(0, 1)
-        model.forward(batches[0], cache)[0].numpy()  # warm-up
+        model.forward_greedy(batches[0], cache, logits=False)  # warm-up
         timings: list[list[float]] = [[] for _ in batches]
         spent = 0.0
         for _ in range(CALIBRATION_REPEATS):
             for batch, times in zip(batches, timings):
                 start = time.perf_counter()
-                model.forward(batch, cache)[0].numpy()
+                model.forward_greedy(batch, cache, logits=False)
                 times.append(time.perf_counter() - start)
             spent += sum(times[-1] for times in timings)
             if spent > CALIBRATION_BUDGET:

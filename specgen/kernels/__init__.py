@@ -313,6 +313,41 @@ def pack_quantized(kind: str, blocks: np.ndarray, int8_product: bool = False) ->
     return Packed(paddle.to_tensor(packed), kb * 32, n, kind)
 
 
+# Block kinds whose LM head specgen_forward can screen for greedy tokens (linear.cc, "Greedy tokens without the
+# logits"): weights d * q, with no offset term, so the integer products' error has a bound per block.
+SCREENED_KINDS = ("Q8_0", "Q4_0")
+
+
+@dataclass
+class Screen:
+    """What specgen_forward needs to give a quantized LM head's greedy tokens without its logits: the same
+    blocks as integer-product panels, and per panel, block of 32 inputs and column, |d| * sum |q| (float32
+    [panels, k / 32, 32]; exact: an fp16 scale times an integer below 2^12)."""
+
+    panels: Packed
+    bound: object  # paddle.Tensor
+
+
+def pack_screen(kind: str, blocks: np.ndarray) -> Screen:
+    """A GGUF Q8_0 / Q4_0 weight, uint8 blocks [n (out), k / 32, block bytes] -> its Screen."""
+    import paddle
+
+    if kind not in SCREENED_KINDS:
+        raise ValueError(f"no greedy screen for {kind!r} blocks (only {', '.join(SCREENED_KINDS)})")
+    n, kb, _ = blocks.shape
+    d = np.abs(np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32))  # [n, kb]
+    qs = blocks[..., 2:]
+    if kind == "Q8_0":
+        q = np.abs(qs.view(np.int8).astype(np.int32))  # [n, kb, 32]
+    else:
+        q = np.abs(np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.int32) - 8)
+    bound = d * q.sum(-1).astype(np.float32)  # [n, kb]
+    panels = -(-n // PANEL)
+    bound = np.concatenate([bound, np.zeros((panels * PANEL - n, kb), np.float32)])
+    bound = np.ascontiguousarray(bound.reshape(panels, PANEL, kb).transpose(0, 2, 1))  # [panels, kb, 32]
+    return Screen(pack_quantized(kind, blocks, int8_product=True), paddle.to_tensor(bound))
+
+
 def _float_layout(p: np.ndarray, kind: str) -> np.ndarray:
     """Integer-product panels (as uint8) -> the same weights in the float32-product layout."""
     panels, kb, _ = p.shape

@@ -876,7 +876,9 @@ std::vector<paddle::Tensor> Stack(const paddle::Tensor& x, const Tensors& attn_n
 // hidden = rms_norm(x, final_norm) for every token and logits = hidden[logit_rows] @ lm_head. The same functions in
 // the same order as the separate ops, so the same bits; one call instead of five, and the Python between them,
 // which after the blocks have streamed the weights through the caches costs ~0.2 ms a call, is gone. The logits'
-// argmax (specgen_argmax's) comes with them: the greedy token of every logit row, for the sampler.
+// argmax (specgen_argmax's) comes with them: the greedy token of every logit row, for the sampler. With a non-empty
+// lm_screen (the LM head's integer-product panels) and lm_bound, only the greedy tokens are computed, with the
+// same values (specgen::screened_argmax), and logits is [0, vocab].
 // -> (logits [num_logits, vocab], hidden [n, hidden], greedy int64 [num_logits])
 std::vector<paddle::Tensor> Forward(
     const paddle::Tensor& token_ids, const paddle::Tensor& embed, const Tensors& attn_norm, const Tensors& w_qkv,
@@ -885,8 +887,9 @@ std::vector<paddle::Tensor> Forward(
     const paddle::Tensor& sin, const paddle::Tensor& positions, const paddle::Tensor& slots, Tensors& k_cache,
     Tensors& v_cache, const Tensors& q_norm, const Tensors& k_norm, const paddle::Tensor& prefix_len,
     const Tensors& prefix_k, const Tensors& prefix_v, const paddle::Tensor& final_norm,
-    const paddle::Tensor& logit_rows, const paddle::Tensor& lm_head, int num_heads, int num_kv_heads,
-    int64_t capacity, bool qk_norm, double eps, int64_t prefix_capacity, int64_t vocab) {
+    const paddle::Tensor& logit_rows, const paddle::Tensor& lm_head, const paddle::Tensor& lm_screen,
+    const paddle::Tensor& lm_bound, int num_heads, int num_kv_heads, int64_t capacity, bool qk_norm, double eps,
+    int64_t prefix_capacity, int64_t vocab) {
   check_cpu(embed, "embed");
   PD_CHECK(embed.dtype() == paddle::DataType::FLOAT32 && embed.shape().size() == 2,
            "specgen_forward: float32 embedding [vocab, hidden]");
@@ -902,7 +905,13 @@ std::vector<paddle::Tensor> Forward(
   const Blocks b = collect_blocks(a, hid, attn_norm, w_qkv, b_qkv, w_o, b_o, mlp_norm, w_gu, b_gu, w_down, b_down,
                                   k_cache, v_cache, q_norm, k_norm, prefix_k, prefix_v);
   const specgen::PackedWeight lm = specgen::packed_weight(lm_head, hid, vocab, "lm_head");
-  auto logits = paddle::empty({m, vocab}, paddle::DataType::FLOAT32, embed.place());
+  const bool screened = lm_screen.numel() > 0;  // greedy tokens only (specgen::screened_argmax), no logits
+  if (screened) {
+    PD_CHECK(lm_bound.dtype() == paddle::DataType::FLOAT32 &&
+                 lm_bound.numel() == lm_head.shape()[0] * (hid / 32) * 32,
+             "specgen_forward: lm_bound must be float32 [panels, hidden / 32, 32]");
+  }
+  auto logits = paddle::empty({screened ? 0 : m, vocab}, paddle::DataType::FLOAT32, embed.place());
   auto greedy = paddle::empty({m}, paddle::DataType::INT64, embed.place());
   if (n == 0) return {logits, hidden, greedy};
   static thread_local std::vector<float> x, y, rows;
@@ -922,6 +931,11 @@ std::vector<paddle::Tensor> Forward(
   for (int64_t r = 0; r < m; ++r) {
     PD_CHECK(lr[r] >= 0 && lr[r] < n, "specgen_forward: logit row out of range");
     std::copy(h + lr[r] * hid, h + (lr[r] + 1) * hid, rows.data() + r * hid);
+  }
+  if (screened) {
+    const specgen::PackedWeight screen = specgen::packed_weight(lm_screen, hid, vocab, "lm_screen");
+    specgen::screened_argmax(rows.data(), m, hid, lm, screen, lm_bound.data<float>(), vocab, greedy.data<int64_t>());
+    return {logits, hidden, greedy};
   }
   specgen::packed_linear(rows.data(), m, hid, lm, logits.data<float>(), vocab);
   argmax_rows<float>(logits.data<float>(), m, vocab, greedy.data<int64_t>());
@@ -1073,7 +1087,7 @@ PD_BUILD_OP(specgen_forward)
              paddle::Vec("BO"), paddle::Vec("MlpNorm"), paddle::Vec("WGateUp"), paddle::Vec("BGateUp"),
              paddle::Vec("WDown"), paddle::Vec("BDown"), "Cos", "Sin", "Positions", "Slots", paddle::Vec("KCache"),
              paddle::Vec("VCache"), paddle::Vec("QNorm"), paddle::Vec("KNorm"), "PrefixLen", paddle::Vec("PrefixK"),
-             paddle::Vec("PrefixV"), "FinalNorm", "LogitRows", "LmHead"})
+             paddle::Vec("PrefixV"), "FinalNorm", "LogitRows", "LmHead", "LmScreen", "LmBound"})
     .Outputs({"Logits", "Hidden", "Greedy", paddle::Vec("KCacheOut"), paddle::Vec("VCacheOut")})
     .SetInplaceMap({{paddle::Vec("KCache"), paddle::Vec("KCacheOut")}, {paddle::Vec("VCache"), paddle::Vec("VCacheOut")}})
     .Attrs({"num_heads: int", "num_kv_heads: int", "capacity: int64_t", "qk_norm: bool", "eps: double",

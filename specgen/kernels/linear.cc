@@ -11,7 +11,8 @@
 // product over the dequantized weight, while reading 5-8.5 bits per weight instead of 32. The same blocks
 // repacked as int8 panels (EngineConfig.matmul "int8") are multiplied by the inputs quantized to int8 per block
 // instead, with integer products (see "Integer products" below): not float32's bits, but still a function of
-// each row alone.
+// each row alone. A greedy step's LM head uses both: the integer products screen the columns, float32 decides
+// among the few the screen's error bound keeps (see "Greedy tokens without the logits").
 //
 // A decode or verify step multiplies a few rows (1 to ~200) by every weight of the model, so the product is
 // bound by streaming the weights from memory, not by arithmetic. The packed layout stores each panel of 32
@@ -25,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "paddle/extension.h"
@@ -347,16 +349,51 @@ void ipanel_ref(const QuantRows& a, int64_t m, const uint8_t* p, Quant q, float*
   }
 }
 
+// One panel's part of screened_argmax: its bounds C [k / 32, 32], the margin factor s, and per row r the
+// panel's lowest bound max_c (A - margin) at low[r * panels + p] and highest max_c (A + margin) at top[...].
+struct ScreenPanel {
+  const float* bound;
+  float s;
+  float* low;
+  float* top;
+  int64_t panels, p;
+};
+
+#if defined(__AVX512F__)
+// Row r's screen of one panel from its accumulators: h [width] = A + margin, margin = s E + 2^-20 (|A| + 1).
+inline void screen_store(__m512 a0, __m512 a1, __m512 e0, __m512 e1, float* h, int64_t width, const ScreenPanel& sp,
+                         int64_t r) {
+  const __mmask16 m0 = width >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << width) - 1);
+  const __mmask16 m1 = width >= 32 ? 0xFFFF : width <= 16 ? 0 : static_cast<__mmask16>((1u << (width - 16)) - 1);
+  const __m512 s = _mm512_set1_ps(sp.s), tiny = _mm512_set1_ps(0x1p-20f), one = _mm512_set1_ps(1.f);
+  const __m512 g0 = _mm512_fmadd_ps(s, e0, _mm512_mul_ps(tiny, _mm512_add_ps(_mm512_abs_ps(a0), one)));
+  const __m512 g1 = _mm512_fmadd_ps(s, e1, _mm512_mul_ps(tiny, _mm512_add_ps(_mm512_abs_ps(a1), one)));
+  const __m512 h0 = _mm512_add_ps(a0, g0), h1 = _mm512_add_ps(a1, g1);
+  _mm512_mask_storeu_ps(h, m0, h0);
+  _mm512_mask_storeu_ps(h + 16, m1, h1);
+  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 low = _mm512_mask_max_ps(_mm512_mask_mov_ps(lowest, m0, _mm512_sub_ps(a0, g0)), m1,
+                                        _mm512_mask_mov_ps(lowest, m0, _mm512_sub_ps(a0, g0)), _mm512_sub_ps(a1, g1));
+  const __m512 top = _mm512_mask_max_ps(_mm512_mask_mov_ps(lowest, m0, h0), m1, _mm512_mask_mov_ps(lowest, m0, h0), h1);
+  sp.low[r * sp.panels + sp.p] = _mm512_reduce_max_ps(low);
+  sp.top[r * sp.panels + sp.p] = _mm512_reduce_max_ps(top);
+}
+#endif
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // ipanel_ref for rows r0 .. r0 + G, with VNNI: per group of 4 inputs, two vpdpbusd per row (columns 0-15 and
 // 16-31), the weights unpacked once for all G rows.
-template <Quant Q, int G>
+// With Screen (screened_argmax), each row also accumulates E = sum_b dx_b C_b for the panel's columns, and
+// screen_store writes A + margin instead of A (see "Greedy tokens without the logits").
+template <Quant Q, int G, bool Screen = false>
 inline void ipanel_rows(const QuantRows& a, int64_t r0, const uint8_t* p, float* y, int64_t n, int64_t c0,
-                        int64_t width) {
+                        int64_t width, const ScreenPanel* sp = nullptr) {
   constexpr int64_t bytes = static_cast<int64_t>(Q), qoff = Q == Quant::kQ4_1 ? 128 : 64;
   const int64_t kb = a.k / kBlock;
-  __m512 acc0[G], acc1[G];
+  __m512 acc0[G], acc1[G], e0[Screen ? G : 1], e1[Screen ? G : 1];
   for (int r = 0; r < G; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  if constexpr (Screen)
+    for (int r = 0; r < G; ++r) e0[r] = e1[r] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < kb; ++b, p += bytes) {
     for (int64_t off = 0; off < bytes; off += 64)
@@ -385,6 +422,11 @@ inline void ipanel_rows(const QuantRows& a, int64_t r0, const uint8_t* p, float*
     }
     __m512 d0, d1, m0, m1;
     block_scales<Q>(p, d0, d1, m0, m1);
+    __m512 cb0, cb1;
+    if constexpr (Screen) {
+      cb0 = _mm512_loadu_ps(sp->bound + b * kPanel);
+      cb1 = _mm512_loadu_ps(sp->bound + b * kPanel + 16);
+    }
     for (int r = 0; r < G; ++r) {
       const __m512 dx = _mm512_set1_ps(a.d[(r0 + r) * kb + b]);
       acc0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[r]), _mm512_mul_ps(d0, dx), acc0[r]);
@@ -394,42 +436,142 @@ inline void ipanel_rows(const QuantRows& a, int64_t r0, const uint8_t* p, float*
         acc0[r] = _mm512_fmadd_ps(m0, sx, acc0[r]);
         acc1[r] = _mm512_fmadd_ps(m1, sx, acc1[r]);
       }
+      if constexpr (Screen) {
+        e0[r] = _mm512_fmadd_ps(dx, cb0, e0[r]);
+        e1[r] = _mm512_fmadd_ps(dx, cb1, e1[r]);
+      }
     }
   }
-  store_rows<G>(acc0, acc1, y + r0 * n, n, c0, width);
-}
-
-template <Quant Q, int G>
-inline void ipanel_tail(const QuantRows& a, int64_t r0, int64_t rows, const uint8_t* p, float* y, int64_t n,
-                        int64_t c0, int64_t width) {
-  if constexpr (G > 0) {
-    if (rows == G) return ipanel_rows<Q, G>(a, r0, p, y, n, c0, width);
-    ipanel_tail<Q, G - 1>(a, r0, rows, p, y, n, c0, width);
+  if constexpr (Screen) {
+    for (int r = 0; r < G; ++r)
+      screen_store(acc0[r], acc1[r], e0[r], e1[r], y + (r0 + r) * n + c0, width, *sp, r0 + r);
+  } else {
+    store_rows<G>(acc0, acc1, y + r0 * n, n, c0, width);
   }
 }
 
-constexpr int kIntGroup = 6;  // rows per pass over a panel: 4 x 6 accumulators stay in registers
-
-template <Quant Q>
-void ipanel_all(const QuantRows& a, int64_t m, const uint8_t* p, float* y, int64_t n, int64_t c0) {
-  const int64_t width = std::min<int64_t>(kPanel, n - c0);
-  int64_t r = 0;
-  for (; r + kIntGroup <= m; r += kIntGroup) ipanel_rows<Q, kIntGroup>(a, r, p, y, n, c0, width);
-  ipanel_tail<Q, kIntGroup - 1>(a, r, m - r, p, y, n, c0, width);
+template <Quant Q, int G, bool Screen>
+inline void ipanel_tail(const QuantRows& a, int64_t r0, int64_t rows, const uint8_t* p, float* y, int64_t n,
+                        int64_t c0, int64_t width, const ScreenPanel* sp) {
+  if constexpr (G > 0) {
+    if (rows == G) return ipanel_rows<Q, G, Screen>(a, r0, p, y, n, c0, width, sp);
+    ipanel_tail<Q, G - 1, Screen>(a, r0, rows, p, y, n, c0, width, sp);
+  }
 }
 
-void ipanel_any(const QuantRows& a, int64_t m, const uint8_t* p, Quant q, float* y, int64_t n, int64_t c0) {
+// rows per pass over a panel: 4 x 6 accumulators stay in registers (screening: 6 x 4, with E's two)
+constexpr int kIntGroup = 6, kScreenGroup = 4;
+
+template <Quant Q, bool Screen>
+void ipanel_all(const QuantRows& a, int64_t m, const uint8_t* p, float* y, int64_t n, int64_t c0,
+                const ScreenPanel* sp) {
+  constexpr int G = Screen ? kScreenGroup : kIntGroup;
+  const int64_t width = std::min<int64_t>(kPanel, n - c0);
+  int64_t r = 0;
+  for (; r + G <= m; r += G) ipanel_rows<Q, G, Screen>(a, r, p, y, n, c0, width, sp);
+  ipanel_tail<Q, G - 1, Screen>(a, r, m - r, p, y, n, c0, width, sp);
+}
+
+// y[r, c0 .. c0 + 32) = the integer products of the m rows of a with panel p; with a ScreenPanel, A + margin
+// and the panel's bounds per row (see screen_store).
+void ipanel_any(const QuantRows& a, int64_t m, const uint8_t* p, Quant q, float* y, int64_t n, int64_t c0,
+                const ScreenPanel* sp = nullptr) {
   switch (q) {
-    case Quant::kQ4_0: return ipanel_all<Quant::kQ4_0>(a, m, p, y, n, c0);
-    case Quant::kQ4_1: return ipanel_all<Quant::kQ4_1>(a, m, p, y, n, c0);
-    case Quant::kQ8_0: return ipanel_all<Quant::kQ8_0>(a, m, p, y, n, c0);
+    case Quant::kQ4_0:
+      return sp ? ipanel_all<Quant::kQ4_0, true>(a, m, p, y, n, c0, sp)
+                : ipanel_all<Quant::kQ4_0, false>(a, m, p, y, n, c0, sp);
+    case Quant::kQ4_1:  // (never screened: the bound does not cover its offsets m)
+      return ipanel_all<Quant::kQ4_1, false>(a, m, p, y, n, c0, sp);
+    case Quant::kQ8_0:
+      return sp ? ipanel_all<Quant::kQ8_0, true>(a, m, p, y, n, c0, sp)
+                : ipanel_all<Quant::kQ8_0, false>(a, m, p, y, n, c0, sp);
   }
 }
 #else
-void ipanel_any(const QuantRows& a, int64_t m, const uint8_t* p, Quant q, float* y, int64_t n, int64_t c0) {
+void ipanel_any(const QuantRows& a, int64_t m, const uint8_t* p, Quant q, float* y, int64_t n, int64_t c0,
+                const ScreenPanel* sp = nullptr) {
   ipanel_ref(a, m, p, q, y, n, c0);
+  if (sp == nullptr) return;
+  const int64_t kb = a.k / kBlock, width = std::min<int64_t>(kPanel, n - c0);
+  for (int64_t r = 0; r < m; ++r) {
+    float* h = y + r * n + c0;
+    float low = -std::numeric_limits<float>::infinity(), top = low;
+    for (int64_t c = 0; c < width; ++c) {
+      float e = 0.f;
+      for (int64_t b = 0; b < kb; ++b) e = std::fma(a.d[r * kb + b], sp->bound[b * kPanel + c], e);
+      const float v = h[c], margin = std::fma(sp->s, e, 0x1p-20f * (std::fabs(v) + 1.f));
+      low = std::max(low, v - margin);
+      h[c] = v + margin;
+      top = std::max(top, h[c]);
+    }
+    sp->low[r * sp->panels + sp->p] = low;
+    sp->top[r * sp->panels + sp->p] = top;
+  }
 }
 #endif
+
+
+// ---- Greedy tokens without the logits (screened_argmax) ----
+//
+// A greedy step needs only the argmax of each logit row, not the row. For an LM head of Q8_0 or Q4_0 blocks the
+// integer products above give every logit cheaply but inexactly; a bound on their error then rules out all but a
+// few columns, and only those get the float32 product (the FMA chain qpanel_rows runs), so the argmax is the
+// float32 logits' argmax, ties to the lowest index included. The bound, for row x and column j:
+//   |x . w_j - A_j| <= 0.50005 sum_b dx_b C_jb        (each input is within 0.50005 dx_b of dx_b xq, and w = d q:
+//                                                       C_jb = |d_jb| sum_i |q_ij| over block b, the "bound" array)
+//   |A_j - its float32 evaluation| <= 127 (kb + 2) u sum_b dx_b C_jb,
+//   |x . w_j - float32 chain over k| <= 127 k u / (1 - k u) sum_b dx_b C_jb   (|x_i| <= 127 dx_b (1 + u)),
+// so z_j lies within s * E_j of A_j, E_j = sum_b dx_b C_jb, s = 1.01 (0.50005 + 128 (k + kb + 4) u) (the 1%
+// covers E's own rounding), plus 2^-20 (|A_j| + 1) for rounding the sums A_j -/+ s E_j. Every column j whose
+// A_j + s E_j reaches max_l (A_l - s E_l) is a candidate (the argmax and every column tied with it are); the
+// rest are below some candidate's float32 logit. On the default model's LM head a row keeps ~5 candidates of
+// 49,152 (62 at most in a sample of 234 rows of Spec-Bench prompts). Rows with a NaN or infinite input take the
+// full product (the screen's arithmetic assumes finite inputs).
+
+// z[t] = the float32 product of x [k] with output column js[t] (t < count <= 8) of quantized panels in the float32
+// layout: for each, the FMA chain qpanel_rows (and, past kGroup rows, dequant_panel then panel_rows) runs for that
+// column, the weight rebuilt as dequant_row does. Eight chains at a time, interleaved: one alone waits on each
+// FMA's latency.
+constexpr int kChains = 8;
+
+void exact_columns(const float* x, int64_t k, const uint8_t* panels, Quant q, const int64_t* js, int count, float* z) {
+  const int64_t bytes = static_cast<int64_t>(q), qoff = q == Quant::kQ4_1 ? 128 : 64;
+  const uint8_t* base[kChains];
+  int64_t col[kChains];
+  for (int t = 0; t < kChains; ++t) {
+    const int64_t j = js[t < count ? t : 0];  // spare chains repeat the first column
+    base[t] = panels + (j / kPanel) * (k / kBlock) * bytes;
+    col[t] = j % kPanel;
+  }
+  float acc[kChains] = {};
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    float d[kChains], m[kChains];
+    const uint8_t* qs[kChains];
+    for (int t = 0; t < kChains; ++t) {
+      const uint8_t* p = base[t] + b * bytes;
+      d[t] = specgen::half_to_float(reinterpret_cast<const uint16_t*>(p)[col[t]]);
+      m[t] = q == Quant::kQ4_1 ? specgen::half_to_float(reinterpret_cast<const uint16_t*>(p)[kPanel + col[t]]) : 0.f;
+      qs[t] = p + qoff;
+    }
+    for (int64_t i = 0; i < kBlock; ++i) {
+      const float xi = x[b * kBlock + i];
+      for (int t = 0; t < kChains; ++t) {
+        const int64_t c = col[t];
+        float w;
+        if (q == Quant::kQ8_0) {
+          w = static_cast<float>(static_cast<int8_t>(qs[t][i * kPanel + c])) * d[t];
+        } else {
+          const int nib = c < 16 ? qs[t][i * 16 + c] & 0xF : qs[t][i * 16 + c - 16] >> 4;
+          w = q == Quant::kQ4_0 ? d[t] * static_cast<float>(nib - 8) : std::fma(d[t], static_cast<float>(nib), m[t]);
+        }
+        acc[t] = std::fma(xi, w, acc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < count; ++t) z[t] = acc[t];
+}
+
+constexpr int64_t kScreenRows = 64;  // rows screened at a time (their [rows, n] bounds stay ~12 MB)
 
 }  // namespace
 
@@ -474,6 +616,72 @@ void packed_linear(const float* x, int64_t m, int64_t k, const PackedWeight& w, 
     qpanel_any(x, m, k, q + p * panel_bytes, static_cast<Quant>(w.block_bytes), y, n, p * kPanel);
 }
 
+
+void screened_argmax(const float* x, int64_t m, int64_t k, const PackedWeight& w, const PackedWeight& screen,
+                     const float* bound, int64_t n, int64_t* out) {
+  const Quant q = static_cast<Quant>(w.block_bytes);
+  PD_CHECK(!w.int8_product && screen.int8_product && screen.block_bytes == w.block_bytes &&
+               screen.panels == w.panels && (q == Quant::kQ8_0 || q == Quant::kQ4_0),
+           "screened_argmax: a Q8_0 / Q4_0 weight and its integer-product panels");
+  const int64_t kb = k / kBlock, panel_bytes = kb * w.block_bytes, panels = w.panels;
+  const float s = 1.01f * (0.50005f + 128.f * static_cast<float>(k + kb + 4) * 0x1p-24f);
+  const uint8_t* exact = static_cast<const uint8_t*>(w.data);
+  const uint8_t* ints = static_cast<const uint8_t*>(screen.data);
+  static thread_local std::vector<float> hi, low, top;
+  for (int64_t r0 = 0; r0 < m; r0 += kScreenRows) {
+    const int64_t mc = std::min(kScreenRows, m - r0);
+    const float* xc = x + r0 * k;
+    const QuantRows a = quantize_rows(xc, mc, k);
+    hi.resize(mc * n);
+    low.resize(mc * panels);
+    top.resize(mc * panels);
+    float *H = hi.data(), *L = low.data(), *T = top.data();
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+      const ScreenPanel sp{bound + p * kb * kPanel, s, L, T, panels, p};
+      ipanel_any(a, mc, ints + p * panel_bytes, q, H, n, p * kPanel, &sp);  // A + margin [mc, n], bounds
+    }
+#pragma omp parallel for schedule(dynamic) if (mc > 1)
+    for (int64_t r = 0; r < mc; ++r) {
+      const float* xr = xc + r * k;
+      bool finite = true;
+      for (int64_t i = 0; i < k; ++i) finite &= std::isfinite(xr[i]);
+      int64_t best = -1;
+      if (finite) {
+        float thr = -std::numeric_limits<float>::infinity(), best_z = 0.f, z[kChains];
+        for (int64_t p = 0; p < panels; ++p) thr = std::max(thr, L[r * panels + p]);
+        int64_t cand[kChains];
+        int count = 0;
+        auto flush = [&]() {  // candidates arrive in increasing j: a later one must be strictly larger
+          exact_columns(xr, k, exact, q, cand, count, z);
+          for (int t = 0; t < count; ++t)
+            if (best < 0 || z[t] > best_z) best = cand[t], best_z = z[t];
+          count = 0;
+        };
+        for (int64_t p = 0; p < panels; ++p) {
+          if (!(T[r * panels + p] >= thr)) continue;
+          const int64_t width = std::min<int64_t>(kPanel, n - p * kPanel);
+          const float* h = H + r * n + p * kPanel;
+          for (int64_t c = 0; c < width; ++c) {
+            if (!(h[c] >= thr)) continue;
+            cand[count++] = p * kPanel + c;
+            if (count == kChains) flush();
+          }
+        }
+        if (count > 0) flush();
+      }
+      if (best < 0) {  // a non-finite input (or no candidate): the full float32 product of this row
+        std::vector<float> z(n);
+        for (int64_t p = 0; p < panels; ++p) qpanel_any(xr, 1, k, exact + p * panel_bytes, q, z.data(), n, p * kPanel);
+        for (int64_t j = 0; j < n; ++j)  // specgen_argmax's rule: NaN never wins, all NaN gives 0
+          if (!std::isnan(z[j]) && (best < 0 || z[j] > z[best])) best = j;
+        best = std::max<int64_t>(best, 0);
+      }
+      out[r0 + r] = best;
+    }
+  }
+}
+
 }  // namespace specgen
 
 std::vector<paddle::Tensor> Linear(const paddle::Tensor& x, const paddle::Tensor& w, int64_t n) {
@@ -487,3 +695,26 @@ std::vector<paddle::Tensor> Linear(const paddle::Tensor& x, const paddle::Tensor
 }
 
 PD_BUILD_OP(specgen_linear).Inputs({"X", "W"}).Outputs({"Out"}).Attrs({"n: int64_t"}).SetKernelFn(PD_KERNEL(Linear));
+
+// specgen_screened_argmax  x [m, k] float32, w (a Q8_0 / Q4_0 weight's panels), screen (its integer-product
+// panels), bound, n -> int64 [m]: the argmax of each row of x @ W, lowest index on a tie (specgen_forward's
+// greedy tokens with a screen; on its own for tests and benchmarks).
+std::vector<paddle::Tensor> ScreenedArgmax(const paddle::Tensor& x, const paddle::Tensor& w,
+                                           const paddle::Tensor& screen, const paddle::Tensor& bound, int64_t n) {
+  PD_CHECK(x.is_cpu() && x.dtype() == paddle::DataType::FLOAT32 && x.shape().size() == 2,
+           "specgen_screened_argmax: x must be a float32 CPU matrix");
+  const int64_t m = x.shape()[0], k = x.shape()[1];
+  const specgen::PackedWeight pw = specgen::packed_weight(w, k, n, "specgen_screened_argmax");
+  const specgen::PackedWeight ps = specgen::packed_weight(screen, k, n, "specgen_screened_argmax screen");
+  PD_CHECK(bound.dtype() == paddle::DataType::FLOAT32 && bound.numel() == pw.panels * k,
+           "specgen_screened_argmax: bound must be float32 [panels, k / 32, 32]");
+  auto out = paddle::empty({m}, paddle::DataType::INT64, x.place());
+  if (m > 0) specgen::screened_argmax(x.data<float>(), m, k, pw, ps, bound.data<float>(), n, out.data<int64_t>());
+  return {out};
+}
+
+PD_BUILD_OP(specgen_screened_argmax)
+    .Inputs({"X", "W", "Screen", "Bound"})
+    .Outputs({"Out"})
+    .Attrs({"n: int64_t"})
+    .SetKernelFn(PD_KERNEL(ScreenedArgmax));

@@ -66,4 +66,10 @@ inline uint16_t float_to_half(float f) {
 // blocks of 32 inputs; a row's result never depends on the other rows).
 void packed_linear(const float* x, int64_t m, int64_t k, const PackedWeight& w, float* y, int64_t n);
 
+// out [m] = the argmax (lowest index on a tie) of each row of x [m, k] @ W for a Q8_0 or Q4_0 weight w, without
+// computing every float32 logit: screen is the same weight's integer-product panels, bound [panels, k / 32, 32]
+// float32 |d| * sum |q| per column and block (linear.cc, "Greedy tokens without the logits").
+void screened_argmax(const float* x, int64_t m, int64_t k, const PackedWeight& w, const PackedWeight& screen,
+                     const float* bound, int64_t n, int64_t* out);
+
 }  // namespace specgen

@@ -83,6 +83,30 @@ def test_float32_packed_weights_are_exact_across_batching_and_speculation(real_m
         assert [o.token_ids for o in run] == [o.token_ids for o in plain], (bs, spec.method)
 
 
+def test_greedy_steps_without_logits_give_the_same_tokens(real_model, spec_bench):
+    """Greedy steps skip the LM head's logits (Model.screen: integer products screen the columns, float32 decides
+    among the few left): the tokens of whole greedy jobs, plain and speculative, are those of the logits' argmax."""
+    m = real_model.model
+    if m.screen is None:
+        pytest.skip("the greedy screen needs the fused kernels, a Q8_0 / Q4_0 LM head and AVX-512 VNNI")
+    from specgen import SpecConfig
+
+    prompts = chat_prompts(real_model, spec_bench, 16)
+    sp = SamplingParams(max_tokens=40)
+    runs = {}
+    screen = m.screen
+    try:
+        for on in (True, False):
+            m.screen = screen if on else None
+            runs[on] = [[o.token_ids for o in generate(prompts, model=real_model, sampling=sp,
+                                                       engine=EngineConfig(batch_size=bs), speculative=spec)]
+                        for bs, spec in [(16, SpecConfig(method="none")),
+                                         (5, SpecConfig(method="ngram", num_speculative_tokens=5))]]
+    finally:
+        m.screen = screen
+    assert runs[True] == runs[False]
+    assert runs[True][0] == runs[True][1]
+
 
 def test_float16_kv_cache_is_exact_across_batching_and_speculation(real_model, spec_bench):
     """A half KV cache rounds keys and values once, where they are written; every later read widens them

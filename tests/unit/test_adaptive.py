@@ -98,11 +98,6 @@ def test_scalar_cost_equals_the_interpolated_table():
     assert [one.at(t) for t in (1, 4, 9)] == one(np.array([1, 4, 9])).tolist()
 
 
-class _Logits:
-    def numpy(self):
-        return np.zeros(1)
-
-
 def _stub_model(monkeypatch, seconds_of):
     """A model whose forward advances a fake clock (runner.time.perf_counter) by seconds_of(call number, tokens)
     and a cache of num_slots slots, for runner.calibrate."""
@@ -117,10 +112,10 @@ def _stub_model(monkeypatch, seconds_of):
         def cost_key(self):  # no key: its tables are not kept on disk (cost_cache)
             return None
 
-        def forward(self, batch, cache):
+        def forward_greedy(self, batch, cache, logits=True):
             clock["calls"] += 1
             clock["t"] += seconds_of(clock["calls"], len(batch.token_ids))
-            return _Logits(), None
+            return None, None, np.zeros(len(batch.logit_rows), np.int64)
 
     return Stub(), clock
 

@@ -373,6 +373,16 @@ def test_quantized_weights_stay_blocks_and_give_the_same_bits(tmp_path, monkeypa
         written = ((np.arange(2 * kv)[:, None] * cache.capacity) + np.arange(15)[None, :]).ravel()  # both slots 0-14
         results.append([t.numpy() for b in (pre, ver) for t in m.forward(b, cache)]
                        + [c.numpy()[written] for c in cache.k])  # (rows past them are uninitialized)
+        # greedy steps of a Q8_0 / Q4_0 head skip its logits (Model.screen): the same tokens as their argmax
+        screens = keep == "1" and kinds["lm_head"] in kernels.SCREENED_KINDS and kernels.has_vnni()
+        assert (m.screen is not None) == screens
+        if screens:
+            caches = m.new_cache(2, 32), m.new_cache(2, 32)
+            for b in (pre, ver):
+                full, _, greedy = m.forward_greedy(b, caches[0])
+                none, _, screened = m.forward_greedy(b, caches[1], logits=False)
+                assert none is None and np.array_equal(screened, greedy)
+                assert np.array_equal(greedy, full.numpy().argmax(-1))
         # an MTP head sharing the LM head over a draft vocabulary: those rows of the blocks, or of the float32 head
         head = MtpHead(random_mtp_weights(ckpt.config, 5), "random", m, np.arange(3, 200, 7))
         assert head.lm_head.kind == (kinds["lm_head"] if keep == "1" else "F32")

@@ -449,3 +449,96 @@ def test_a_finished_build_loads_without_the_builder(tmp_path, monkeypatch):
 
     monkeypatch.setattr(extension_utils, "_import_module_from_library", broken)
     assert kernels._load_built(d) is None  # ops() then runs Paddle's builder, as before
+
+
+@pytest.mark.skipif(not has_vnni(), reason="the greedy screen's integer products need AVX-512 VNNI")
+@pytest.mark.parametrize("kind,k,n", [("Q8_0", 576, 1000), ("Q4_0", 96, 333), ("Q8_0", 64, 45)])
+def test_screened_argmax_equals_the_float32_logits_argmax(kind, k, n):
+    """specgen_screened_argmax (the greedy tokens of a screened LM head) against the argmax of specgen_linear's
+    float32 logits over the same blocks: equal on every row, for rows whose top logits are near-ties built to
+    sit inside the screen's error bound (columns that copy the best one with one weight changed by a quant, or
+    exactly, which must give the lowest index), over more rows than one screening chunk (64), and for rows with
+    a NaN or an infinity (the full product's rule)."""
+    from specgen.kernels import pack_quantized, pack_screen
+    from specgen.models.checkpoint import QUANT_BLOCK_BYTES
+
+    rng = np.random.default_rng(k + n)
+    blocks = rng.integers(0, 256, (n, k // 32, QUANT_BLOCK_BYTES[kind]), dtype=np.uint8)
+    blocks[..., :2] = (rng.standard_normal((n, k // 32, 1)) * 0.02).astype(np.float16).view(np.uint8)
+    for base in (5, 12, 17, 30):  # larger weights: a row along one of them has its top logit there
+        blocks[base, :, :2] = np.full((k // 32, 1), 0.06, np.float16).view(np.uint8)
+    qoff = 2  # near-ties: each pair copies column `base` and moves one quant of one block by one step
+    for base, copy, b, at in [(5, 6, 0, 3), (5, 900 % n, 1, 0), (17, 40, 0, 31), (30, 31, 0, 7)]:
+        blocks[copy] = blocks[base]
+        byte = qoff + (at if kind == "Q8_0" else at % 16)
+        step = 1 if kind == "Q8_0" else (1 if at < 16 else 16)
+        blocks[copy, b, byte] = (int(blocks[copy, b, byte]) + step) % 256
+    blocks[n - 1] = blocks[12]  # an exact tie: the lower index must win
+    w = pack_quantized(kind, blocks)
+    screen = pack_screen(kind, blocks)
+    wd = w.numpy()  # [k, n] float32
+    x = rng.standard_normal((150, k)).astype(np.float32)
+    for r, col in enumerate([5, 17, 30, 12, 12, 5] * 10):  # rows pointing at a tied column, some scaled
+        x[r] = wd[:, col] * rng.uniform(0.5, 40) + rng.standard_normal(k).astype(np.float32) * 1e-3
+    x[80:150, ::32] *= 300  # an outlier per block: the integer products' inputs lose most of their bits
+    x[70, 3] = np.nan
+    x[71, 0] = np.inf
+    x[72] = 0.0  # every logit 0: index 0
+    xt = paddle.to_tensor(x)
+    logits = K.specgen_linear(xt, w.panels, n)
+    want = K.specgen_argmax(logits).numpy()
+    got = K.specgen_screened_argmax(xt, w.panels, screen.panels.panels, screen.bound, n).numpy()
+    assert np.array_equal(got, want), np.nonzero(got != want)[0]
+    z = logits.numpy()[:60]
+    top2 = np.sort(z, axis=1)[:, -2:]
+    assert (top2[:, 1] - top2[:, 0] < 1e-3 * np.abs(top2[:, 1])).sum() >= 20  # the rows are near-ties
+    approx = K.specgen_argmax(K.specgen_linear(xt, screen.panels.panels, n)).numpy()
+    assert (approx[80:] != want[80:]).sum() >= 5  # where the integer products alone pick another token
+    tied = (z[:, 12] == z[:, n - 1]) & (z[:, 12] == z.max(axis=1))
+    assert tied.sum() >= 5 and (want[:60][tied] == 12).all()  # exact ties: the lower index
+    for m, at in [(1, 0), (3, 12), (64, 5), (65, 1)]:  # rows alone and in other chunks: the same tokens
+        part = K.specgen_screened_argmax(paddle.to_tensor(x[at:at + m]), w.panels, screen.panels.panels,
+                                         screen.bound, n).numpy()
+        assert np.array_equal(part, want[at:at + m]), (m, at)
+    assert want[72] == 0
+
+
+@pytest.mark.skipif(not has_vnni(), reason="the greedy screen's integer products need AVX-512 VNNI")
+def test_screened_argmax_keeps_a_column_its_integer_product_misses_by_nearly_the_bound():
+    """A row built so that one column's integer product errs by 0.98 of the bound on it: every input but each
+    block's first sits at 0.49 of a quantization step, with the sign of that column's weight, and rounds to 0;
+    the first inputs are exact. Column a (weights only on the rounded inputs) then scores 0 in the integer
+    products against a true logit of 0.49 E_a, and column b (a weight only on an exact input) scores its true
+    logit, just below a's. The screen must still keep a (a margin under 0.49 E_a would not), and pick b once b's
+    logit is just above a's."""
+    from specgen.kernels import pack_quantized, pack_screen
+
+    k, n, a, b, D = 64, 40, 7, 23, 0.0625
+    rng = np.random.default_rng(11)
+    blocks = np.zeros((n, k // 32, 34), np.uint8)
+    q = rng.integers(-127, 128, (n, k // 32, 32)).astype(np.int8)
+    q[:, :, 0] = 0  # the exact inputs carry no weight ...
+    q[b] = 0
+    q[b, 0, 0] = 127  # ... but b's
+    blocks[..., 2:] = q.view(np.uint8)
+    d = np.full((n, k // 32), 0.02, np.float16)
+    d[a] = 0.0625
+    x = np.zeros(k, np.float32)
+    x[::32] = 127 * D  # each block's largest input: the step is D exactly
+    sign = np.where(q[a].reshape(-1) >= 0, 1.0, -1.0)
+    x[1:32], x[33:] = (0.49 * D * sign.reshape(2, 32)[:, 1:]).astype(np.float32)
+    w_a = q[a].astype(np.float64).reshape(-1) * np.float64(d[a, 0])
+    z_a = float(x.astype(np.float64) @ w_a)
+    for side, target in ((-1, a), (1, b)):  # b's logit just below a's, then just above
+        db = np.float16(z_a / (127 * 127 * D))
+        while (127 * 127 * D * float(db) - z_a) * side <= 0:
+            db = np.nextafter(db, np.float16(np.inf * side))
+        d[b, 0] = db
+        blocks[..., :2] = d[..., None].view(np.uint8)
+        w, screen = pack_quantized("Q8_0", blocks), pack_screen("Q8_0", blocks)
+        xt = paddle.to_tensor(x[None])
+        exact = K.specgen_argmax(K.specgen_linear(xt, w.panels, n)).numpy()[0]
+        approx = K.specgen_argmax(K.specgen_linear(xt, screen.panels.panels, n)).numpy()[0]
+        got = K.specgen_screened_argmax(xt, w.panels, screen.panels.panels, screen.bound, n).numpy()[0]
+        assert exact == target and approx == b  # the integer products alone would always say b
+        assert got == target, side
