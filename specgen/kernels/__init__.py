@@ -266,7 +266,8 @@ def pack_linear(w) -> Packed:
 
 
 # Bytes per panel (32 output columns) and block of 32 inputs in specgen_linear's quantized layout: the 32
-# columns' fp16 scales d (Q4_1: then their fp16 minimums m), then 32 rows of quants, one per input.
+# columns' fp16 scales d (Q4_1: then their fp16 minimums m), then the quants (Q8_0: 32 rows, one per input; Q4:
+# nibbles grouped by 8 inputs, see _q4_lanes).
 QUANT_PANEL_BYTES = {"Q4_0": 64 + 512, "Q4_1": 128 + 512, "Q8_0": 64 + 1024}
 
 
@@ -308,7 +309,7 @@ def pack_quantized(kind: str, blocks: np.ndarray, int8_product: bool = False) ->
         parts.append(qs.transpose(0, 1, 3, 2).reshape(panels, kb, 1024))  # [input, column] int8
     else:
         q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).transpose(0, 1, 3, 2)  # [panels, kb, 32 inputs, 32 columns]
-        parts.append((q[..., :16] | (q[..., 16:] << 4)).reshape(panels, kb, 512))
+        parts.append(_q4_lanes(q))
     packed = np.ascontiguousarray(np.concatenate(parts, axis=-1))
     return Packed(paddle.to_tensor(packed), kb * 32, n, kind)
 
@@ -348,6 +349,23 @@ def pack_screen(kind: str, blocks: np.ndarray) -> Screen:
     return Screen(pack_quantized(kind, blocks, int8_product=True), paddle.to_tensor(bound))
 
 
+def _q4_lanes(q: np.ndarray) -> np.ndarray:
+    """Nibbles [panels, kb, 32 inputs, 32 columns] -> the float32-product layout's 512 bytes per block: per group
+    g of 8 inputs and half h of the columns, one little-endian 32-bit lane per column c, input 8g + j in its bits
+    4j .. 4j + 3 (linear.cc, q4_nibble)."""
+    panels, kb = q.shape[:2]
+    q = q.reshape(panels, kb, 4, 8, 2, 16).transpose(0, 1, 2, 4, 5, 3)  # [.., g, h, c, j]
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8).reshape(panels, kb, 512)
+
+
+def _q4_nibbles(raw: np.ndarray) -> np.ndarray:
+    """_q4_lanes' inverse: [panels, kb, 512] bytes -> nibbles [panels, kb, 32 inputs, 32 columns]."""
+    panels, kb = raw.shape[:2]
+    b = raw.reshape(panels, kb, 4, 2, 16, 4)  # [.., g, h, c, byte]
+    q = np.stack([b & 0xF, b >> 4], axis=-1).reshape(panels, kb, 4, 2, 16, 8)  # [.., g, h, c, j]
+    return q.transpose(0, 1, 2, 5, 3, 4).reshape(panels, kb, 32, 32)
+
+
 def _float_layout(p: np.ndarray, kind: str) -> np.ndarray:
     """Integer-product panels (as uint8) -> the same weights in the float32-product layout."""
     panels, kb, _ = p.shape
@@ -360,7 +378,7 @@ def _float_layout(p: np.ndarray, kind: str) -> np.ndarray:
     raw = p[..., -512:].reshape(panels, kb, 8, 16, 4)  # [.., g, c, j]
     q = np.stack([raw & 0xF, raw >> 4], axis=3)  # [.., g, h, c, j]
     q = q.transpose(0, 1, 2, 5, 3, 4).reshape(panels, kb, 32, 32)  # [.., input 4g + j, column 16h + c]
-    return np.concatenate([head, (q[..., :16] | (q[..., 16:] << 4)).reshape(panels, kb, 512)], axis=-1)
+    return np.concatenate([head, _q4_lanes(q)], axis=-1)
 
 
 def _dequantize_panels(p: np.ndarray, kind: str) -> np.ndarray:
@@ -371,8 +389,7 @@ def _dequantize_panels(p: np.ndarray, kind: str) -> np.ndarray:
         q = p[..., 64:].copy().view(np.int8).reshape(panels, kb, 32, 32).astype(np.float32)
         w = q * d
     else:
-        raw = p[..., -512:].reshape(panels, kb, 32, 16)
-        q = np.concatenate([raw & 0xF, raw >> 4], axis=-1).astype(np.float32)  # [panels, kb, 32 inputs, 32 columns]
+        q = _q4_nibbles(p[..., -512:]).astype(np.float32)  # [panels, kb, 32 inputs, 32 columns]
         if kind == "Q4_0":
             w = d * (q - np.float32(8))
         else:

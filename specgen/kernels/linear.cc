@@ -5,7 +5,7 @@
 // w is either float32 panels [ceil(n / 32), k, 32] or, for a checkpoint stored block-quantized (GGUF Q4_0, Q4_1,
 // Q8_0), uint8 panels [ceil(n / 32), k / 32, bytes]: for each panel of 32 output columns and each block of 32
 // inputs, the 32 columns' fp16 scales d (and, Q4_1, fp16 minimums m), then the 32 x 32 quants row by row (Q8_0:
-// one int8 per column; Q4: 16 bytes, column j in the low nibble of byte j and column j + 16 in the high one).
+// one int8 per column; Q4: per group of 8 inputs, each column's 8 nibbles in one 32-bit lane, see q4_nibble).
 // The kernel rebuilds each weight as the GGUF reader does, w = d * q (+ m) in float32 (d * q is exact, so one
 // FMA gives the same bits), and feeds it to the same FMA chains: the product equals, bit for bit, the float32
 // product over the dequantized weight, while reading 5-8.5 bits per weight instead of 32. The same blocks
@@ -46,6 +46,14 @@ constexpr int64_t kBlock = 32;    // inputs per quantization block
 // Quantized block formats, told apart by their size in bytes (per panel and block of 32 inputs).
 enum class Quant { kQ4_0 = 64 + 512, kQ4_1 = 128 + 512, kQ8_0 = 64 + 1024 };
 
+// The nibble of input i (of 32) and column c (of 32) in a Q4 block's quants (the float32-product layout): per
+// group g of 8 inputs, 128 bytes, columns 0-15 then 16-31 as one 32-bit lane each, input 8g + j in bits 4j ..
+// 4j + 3 of the lane (see qpanel_rows).
+inline int q4_nibble(const uint8_t* qs, int64_t i, int64_t c) {
+  const uint8_t byte = qs[(i / 8) * 128 + (c / 16) * 64 + (c % 16) * 4 + (i % 8) / 2];
+  return i % 2 ? byte >> 4 : byte & 0xF;
+}
+
 // The dequantized panel [k, 32] of one quantized panel, in scalar code: the quantized path of builds without
 // AVX-512 (with AVX-512, dequant_panel and qpanel_rows below do the same with vectors).
 void dequant_panel_ref(const uint8_t* p, int64_t k, Quant q, float* out) {
@@ -60,7 +68,7 @@ void dequant_panel_ref(const uint8_t* p, int64_t k, Quant q, float* out) {
         if (q == Quant::kQ8_0) {
           w[c] = static_cast<float>(static_cast<int8_t>(qs[i * kPanel + c])) * d;
         } else {
-          const int nib = c < 16 ? qs[i * 16 + c] & 0xF : qs[i * 16 + c - 16] >> 4;
+          const int nib = q4_nibble(qs, i, c);
           w[c] = q == Quant::kQ4_0 ? d * static_cast<float>(nib - 8)
                                    : std::fma(d, static_cast<float>(nib), specgen::half_to_float(scales[kPanel + c]));
         }
@@ -125,32 +133,6 @@ void panel_all(const float* x, int64_t m, int64_t k, const float* p, float* y, i
   panel_tail<kGroup - 1>(x + r * k, m - r, k, p, y + r * n, n, c0, width);
 }
 
-// Weights of panel row i (columns 0-15 in w0, 16-31 in w1) of a quantized block whose quants start at qs.
-template <Quant Q>
-inline void dequant_row(const uint8_t* qs, int64_t i, __m512 d0, __m512 d1, __m512 m0, __m512 m1, __m512& w0,
-                        __m512& w1) {
-  if constexpr (Q == Quant::kQ8_0) {
-    const __m512i q0 = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(qs + i * kPanel)));
-    const __m512i q1 = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(qs + i * kPanel + 16)));
-    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(q0), d0);
-    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(q1), d1);
-  } else {
-    // Each lane's byte; a permute by it reads only its low 4 bits, so the low nibble needs no mask: the
-    // permutes turn nibbles into the floats 0..15 (Q4_0: -8..7) in one shuffle each.
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(qs + i * 16)));
-    const __m512 values = Q == Quant::kQ4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
-                                             : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 q0 = _mm512_permutexvar_ps(v, values), q1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), values);
-    if constexpr (Q == Quant::kQ4_0) {
-      w0 = _mm512_mul_ps(d0, q0);
-      w1 = _mm512_mul_ps(d1, q1);
-    } else {
-      w0 = _mm512_fmadd_ps(d0, q0, m0);
-      w1 = _mm512_fmadd_ps(d1, q1, m1);
-    }
-  }
-}
-
 template <Quant Q>
 inline void block_scales(const uint8_t* p, __m512& d0, __m512& d1, __m512& m0, __m512& m1) {
   d0 = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p)));
@@ -165,11 +147,47 @@ inline void block_scales(const uint8_t* p, __m512& d0, __m512& d1, __m512& m0, _
 
 constexpr int64_t kQuantAhead = 4096;  // prefetch distance in bytes of a quantized panel
 
+// f(i, w0, w1) for the 32 inputs i of the quantized block at p, in order: the weights of panel row i (columns
+// 0-15 in w0, 16-31 in w1), rebuilt in float32 as gguf.quants dequantizes them.
+template <Quant Q, typename F>
+inline void block_weights(const uint8_t* p, F&& f) {
+  __m512 d0, d1, m0, m1;
+  block_scales<Q>(p, d0, d1, m0, m1);
+  const uint8_t* qs = p + (Q == Quant::kQ4_1 ? 128 : 64);
+  if constexpr (Q == Quant::kQ8_0) {
+    for (int64_t i = 0; i < kBlock; ++i) {
+      const __m512i q0 = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(qs + i * kPanel)));
+      const __m512i q1 = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(qs + i * kPanel + 16)));
+      f(i, _mm512_mul_ps(_mm512_cvtepi32_ps(q0), d0), _mm512_mul_ps(_mm512_cvtepi32_ps(q1), d1));
+    }
+  } else {
+    // Each 32-bit lane holds one column's nibbles of 8 consecutive inputs (q4_nibble). A permute reads only its
+    // index's low 4 bits, so it turns the lane's lowest nibble into the float 0..15 (Q4_0: -8..7) without a
+    // mask, and a shift by 4 brings up the next: one shuffle and one shift per 16 weights.
+    const __m512 values = Q == Quant::kQ4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                                             : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t g = 0; g < kBlock / 8; ++g) {
+      __m512i v0 = _mm512_load_si512(qs + g * 128), v1 = _mm512_load_si512(qs + g * 128 + 64);
+#pragma GCC unroll 8
+      for (int64_t j = 0; j < 8; ++j) {
+        const __m512 q0 = _mm512_permutexvar_ps(v0, values), q1 = _mm512_permutexvar_ps(v1, values);
+        if constexpr (Q == Quant::kQ4_0) {
+          f(g * 8 + j, _mm512_mul_ps(d0, q0), _mm512_mul_ps(d1, q1));
+        } else {
+          f(g * 8 + j, _mm512_fmadd_ps(d0, q0, m0), _mm512_fmadd_ps(d1, q1, m1));
+        }
+        v0 = _mm512_srli_epi32(v0, 4);
+        v1 = _mm512_srli_epi32(v1, 4);
+      }
+    }
+  }
+}
+
 // panel_rows over a quantized panel: each weight is rebuilt in registers and applied to the G rows at once.
 template <Quant Q, int G>
 inline void qpanel_rows(const float* x, int64_t k, const uint8_t* p, float* y, int64_t n, int64_t c0,
                         int64_t width) {
-  constexpr int64_t bytes = static_cast<int64_t>(Q), qoff = Q == Quant::kQ4_1 ? 128 : 64;
+  constexpr int64_t bytes = static_cast<int64_t>(Q);
   __m512 a0[G], a1[G];
   for (int r = 0; r < G; ++r) {
     a0[r] = _mm512_setzero_ps();
@@ -178,14 +196,7 @@ inline void qpanel_rows(const float* x, int64_t k, const uint8_t* p, float* y, i
   for (int64_t b = 0; b < k / kBlock; ++b, p += bytes) {
     for (int64_t off = 0; off < bytes; off += 64)
       _mm_prefetch(reinterpret_cast<const char*>(p + kQuantAhead + off), _MM_HINT_T0);
-    __m512 d0, d1, m0, m1;
-    block_scales<Q>(p, d0, d1, m0, m1);
-    const uint8_t* qs = p + qoff;
-    for (int64_t i = 0; i < kBlock; ++i) {
-      __m512 w0, w1;
-      dequant_row<Q>(qs, i, d0, d1, m0, m1, w0, w1);
-      fma_rows<G>(x + b * kBlock, k, i, w0, w1, a0, a1);
-    }
+    block_weights<Q>(p, [&](int64_t i, __m512 w0, __m512 w1) { fma_rows<G>(x + b * kBlock, k, i, w0, w1, a0, a1); });
   }
   store_rows<G>(a0, a1, y, n, c0, width);
 }
@@ -201,16 +212,12 @@ inline void qpanel_tail(const float* x, int64_t rows, int64_t k, const uint8_t* 
 
 template <Quant Q>
 void dequant_panel(const uint8_t* p, int64_t k, float* out) {
-  constexpr int64_t bytes = static_cast<int64_t>(Q), qoff = Q == Quant::kQ4_1 ? 128 : 64;
+  constexpr int64_t bytes = static_cast<int64_t>(Q);
   for (int64_t b = 0; b < k / kBlock; ++b, p += bytes) {
-    __m512 d0, d1, m0, m1;
-    block_scales<Q>(p, d0, d1, m0, m1);
-    for (int64_t i = 0; i < kBlock; ++i) {
-      __m512 w0, w1;
-      dequant_row<Q>(p + qoff, i, d0, d1, m0, m1, w0, w1);
+    block_weights<Q>(p, [&](int64_t i, __m512 w0, __m512 w1) {
       _mm512_store_ps(out + (b * kBlock + i) * kPanel, w0);
       _mm512_store_ps(out + (b * kBlock + i) * kPanel + 16, w1);
-    }
+    });
   }
 }
 
@@ -530,7 +537,7 @@ void ipanel_any(const QuantRows& a, int64_t m, const uint8_t* p, Quant q, float*
 
 // z[t] = the float32 product of x [k] with output column js[t] (t < count <= 8) of quantized panels in the float32
 // layout: for each, the FMA chain qpanel_rows (and, past kGroup rows, dequant_panel then panel_rows) runs for that
-// column, the weight rebuilt as dequant_row does. Eight chains at a time, interleaved: one alone waits on each
+// column, the weight rebuilt as block_weights does. Eight chains at a time, interleaved: one alone waits on each
 // FMA's latency.
 constexpr int kChains = 8;
 
@@ -561,7 +568,7 @@ void exact_columns(const float* x, int64_t k, const uint8_t* panels, Quant q, co
         if (q == Quant::kQ8_0) {
           w = static_cast<float>(static_cast<int8_t>(qs[t][i * kPanel + c])) * d[t];
         } else {
-          const int nib = c < 16 ? qs[t][i * 16 + c] & 0xF : qs[t][i * 16 + c - 16] >> 4;
+          const int nib = q4_nibble(qs[t], i, c);
           w = q == Quant::kQ4_0 ? d[t] * static_cast<float>(nib - 8) : std::fma(d[t], static_cast<float>(nib), m[t]);
         }
         acc[t] = std::fma(xi, w, acc[t]);

@@ -1,0 +1,111 @@
+"""This checkout's float32-over-blocks kernel (specgen/kernels/linear.cc: qpanel_rows, and dequant_panel with
+panel_all past 8 rows) against another checkout's, compiled side by side into one standalone program (two
+builds of the Paddle operators cannot share a process, and separate processes on this machine differ by 20%):
+
+    git worktree add /tmp/old <commit>
+    python benchmarks/linear_ab.py --compare /tmp/old
+
+One Q4_1 weight of 6,144 panels x 576 inputs (113 M weights, about the default model's Q4_1 projections), random
+blocks; for 1 to 8 rows, 120 calls alternating between the two kernels, medians; for 32 rows (the dequantized
+panel path), 30 calls each. Needs g++ with AVX-512; the code between `constexpr int64_t kPanel` and `void
+qpanel_all` of each linear.cc is pasted into its own namespace.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATE = r"""
+#include <immintrin.h>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <vector>
+namespace specgen { inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); } }
+namespace other {
+@OTHER@
+#endif
+}
+namespace this_ {
+@THIS@
+#endif
+}
+static double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+int main() {
+  constexpr int64_t K = 576, NP = 6144, BYTES = 640;
+  const size_t total = NP * (K / 32) * BYTES;
+  uint8_t* W = (uint8_t*)aligned_alloc(64, total);
+  for (size_t i = 0; i < total; ++i) W[i] = rand();
+  std::vector<float> X(8 * K), Y(8 * NP * 32);
+  for (auto& v : X) v = (rand() % 2000 - 1000) / 1000.f;
+  auto median = [](std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; };
+  for (int G = 1; G <= 8; ++G) {
+    std::vector<double> to, tn;
+    for (int it = 0; it < 120; ++it) {
+      const bool use_new = it % 2;
+      double t = now();
+#pragma omp parallel for
+      for (int64_t p = 0; p < NP; ++p) {
+        const uint8_t* pp = W + p * (K / 32) * BYTES;
+        if (use_new) this_::qpanel_tail<this_::Quant::kQ4_1, 8>(X.data(), G, K, pp, Y.data(), NP * 32, p * 32, 32);
+        else other::qpanel_tail<other::Quant::kQ4_1, 8>(X.data(), G, K, pp, Y.data(), NP * 32, p * 32, 32);
+      }
+      (use_new ? tn : to).push_back(now() - t);
+    }
+    printf("rows %d: other %.3f ms, this %.3f ms, other/this %.3f (medians of 60 alternated calls)\n", G, median(to) * 1e3, median(tn) * 1e3, median(to) / median(tn));
+  }
+  {
+    std::vector<float> X32(32 * K), Y32(32 * NP * 32);
+    for (auto& v : X32) v = (rand() % 2000 - 1000) / 1000.f;
+    double to = 0, tn = 0;
+    for (int rep = 0; rep < 30; ++rep) for (int which = 0; which < 2; ++which) {
+      const bool use_new = which;
+      double t = now();
+#pragma omp parallel
+      {
+        std::vector<float> scratch(K * 32 + 16);
+        float* w = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
+#pragma omp for
+        for (int64_t p = 0; p < NP; ++p) {
+          const uint8_t* pp = W + p * (K / 32) * BYTES;
+          if (use_new) { this_::dequant_panel<this_::Quant::kQ4_1>(pp, K, w); this_::panel_all(X32.data(), 32, K, w, Y32.data(), NP * 32, p * 32); }
+          else { other::dequant_panel<other::Quant::kQ4_1>(pp, K, w); other::panel_all(X32.data(), 32, K, w, Y32.data(), NP * 32, p * 32); }
+        }
+      }
+      (use_new ? tn : to) += (now() - t) / 30;
+    }
+    printf("rows 32 (dequantized panel): other %.3f ms, this %.3f ms, other/this %.3f (means of 30)\n", to * 1e3, tn * 1e3, to / tn);
+  }
+}
+"""
+
+
+def kernel_code(tree: Path) -> str:
+    src = (tree / "specgen" / "kernels" / "linear.cc").read_text()
+    return src[src.index("constexpr int64_t kPanel = 32;"):src.index("template <Quant Q>\nvoid qpanel_all(")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--compare", type=Path, required=True, help="the other checkout")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    code = TEMPLATE.replace("@OTHER@", kernel_code(args.compare)).replace("@THIS@", kernel_code(ROOT))
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "ab.cc").write_text(code)
+        subprocess.run(["g++", "-O3", "-march=native", "-fopenmp", "-std=c++17", "ab.cc", "-o", "ab"], cwd=d,
+                       check=True)
+        subprocess.run([str(Path(d) / "ab")], env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}, check=True)
+
+
+if __name__ == "__main__":
+    main()
