@@ -214,7 +214,7 @@ class Engine:
         no_logits = np.concatenate([np.zeros(len(dec), bool), ~final])
         batch = build_forward_batch(slots, starts, lens, token_ids, logits_all, no_logits=no_logits,
                                     prefix_lens=t.prefix_len[slots] if self.prefix_ids is not None else None)
-        # A step of greedy slots only needs no logits (Model.forward_greedy: a screened LM head skips them).
+        # A step whose slots are all greedy needs no logits (Model.forward_greedy: a screened LM head skips them).
         logits, hidden, greedy = self.model.forward_greedy(batch, self.cache, logits=bool(t.temperature[slots].any()))
 
         row_tok = batch.logit_rows  # [num_logits]
