@@ -725,3 +725,71 @@ PD_BUILD_OP(specgen_screened_argmax)
     .Outputs({"Out"})
     .Attrs({"n: int64_t"})
     .SetKernelFn(PD_KERNEL(ScreenedArgmax));
+
+// specgen_pack_blocks  blocks uint8 [n, k / 32, GGUF block bytes] (Q4_0: 18, Q4_1: 20, Q8_0: 34), int8_product,
+//                      with_bound -> (panels [ceil(n / 32), k / 32, panel bytes], bound): the layouts described
+// at the top of this file (uint8 for the float32 products, int8 for the integer ones); columns past n are all-zero
+// GGUF blocks. The same bytes as the numpy code of specgen.kernels (_pack_quantized_numpy, pack_screen without
+// the kernels), its reference, in one pass instead of numpy's several.
+std::vector<paddle::Tensor> PackBlocks(const paddle::Tensor& blocks, bool int8_product, bool with_bound) {
+  PD_CHECK(blocks.is_cpu() && blocks.dtype() == paddle::DataType::UINT8 && blocks.shape().size() == 3,
+           "specgen_pack_blocks: uint8 GGUF blocks [n, k / 32, block bytes]");
+  const int64_t n = blocks.shape()[0], kb = blocks.shape()[1], src_bytes = blocks.shape()[2];
+  PD_CHECK(src_bytes == 18 || src_bytes == 20 || src_bytes == 34, "specgen_pack_blocks: not Q4_0 / Q4_1 / Q8_0");
+  const Quant q = src_bytes == 18 ? Quant::kQ4_0 : src_bytes == 20 ? Quant::kQ4_1 : Quant::kQ8_0;
+  const int64_t bytes = static_cast<int64_t>(q), head = q == Quant::kQ4_1 ? 128 : 64;
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  auto out = paddle::empty({panels, kb, bytes}, int8_product ? paddle::DataType::INT8 : paddle::DataType::UINT8,
+                           blocks.place());
+  // with_bound (Q8_0 / Q4_0): the screen's bound [panels, k / 32, 32] |d| * sum |q| (screened_argmax), else [0]
+  auto bound = paddle::empty({with_bound ? panels * kb * kPanel : 0}, paddle::DataType::FLOAT32, blocks.place());
+  PD_CHECK(!with_bound || q != Quant::kQ4_1, "specgen_pack_blocks: no screen bound for Q4_1");
+  const uint8_t* src = blocks.data<uint8_t>();
+  uint8_t* dst = reinterpret_cast<uint8_t*>(out.data());
+  float* bnd = with_bound ? bound.data<float>() : nullptr;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    for (int64_t b = 0; b < kb; ++b) {
+      uint8_t* o = dst + (p * kb + b) * bytes;
+      std::memset(o, 0, bytes);
+      for (int64_t c = 0; c < kPanel; ++c) {
+        const int64_t col = p * kPanel + c;
+        static const uint8_t zero_block[34] = {};  // columns past n: d = m = 0, q = 0
+        const uint8_t* blk = col < n ? src + (col * kb + b) * src_bytes : zero_block;
+        std::memcpy(o + 2 * c, blk, 2);                                      // d
+        if (q == Quant::kQ4_1) std::memcpy(o + 64 + 2 * c, blk + 2, 2);      // m
+        const uint8_t* qs = blk + (q == Quant::kQ4_1 ? 4 : 2);
+        uint8_t* quants = o + head;
+        const int64_t h = c / 16, l = c % 16;
+        if (bnd != nullptr) {
+          int32_t sum = 0;  // sum |q|: exact, and |d| * sum is exact in float32 (11 bits times < 2^12)
+          for (int64_t i = 0; i < kBlock; ++i)
+            sum += q == Quant::kQ8_0 ? std::abs(static_cast<int8_t>(qs[i]))
+                                     : std::abs((i < 16 ? qs[i] & 0xF : qs[i - 16] >> 4) - 8);
+          uint16_t dh;
+          std::memcpy(&dh, blk, 2);
+          bnd[(p * kb + b) * kPanel + c] = std::fabs(specgen::half_to_float(dh)) * static_cast<float>(sum);
+        }
+        if (q == Quant::kQ8_0) {
+          for (int64_t i = 0; i < kBlock; ++i) {
+            if (int8_product) quants[(i / 4) * 128 + h * 64 + l * 4 + i % 4] = qs[i] ^ 0x80;  // q + 128
+            else quants[i * kPanel + c] = qs[i];
+          }
+        } else {
+          for (int64_t i = 0; i < kBlock; ++i) {
+            const uint8_t nib = i < 16 ? qs[i] & 0xF : qs[i - 16] >> 4;
+            if (int8_product) quants[(i / 4) * 64 + l * 4 + i % 4] |= static_cast<uint8_t>(nib << (4 * h));
+            else quants[(i / 8) * 128 + h * 64 + l * 4 + (i % 8) / 2] |= static_cast<uint8_t>(nib << (4 * (i % 2)));
+          }
+        }
+      }
+    }
+  }
+  return {out, bound};
+}
+
+PD_BUILD_OP(specgen_pack_blocks)
+    .Inputs({"Blocks"})
+    .Outputs({"Panels", "Bound"})
+    .Attrs({"int8_product: bool", "with_bound: bool"})
+    .SetKernelFn(PD_KERNEL(PackBlocks));

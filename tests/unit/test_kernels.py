@@ -542,3 +542,32 @@ def test_screened_argmax_keeps_a_column_its_integer_product_misses_by_nearly_the
         got = K.specgen_screened_argmax(xt, w.panels, screen.panels.panels, screen.bound, n).numpy()[0]
         assert exact == target and approx == b  # the integer products alone would always say b
         assert got == target, side
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("int8", [False, True])
+def test_blocks_are_packed_in_cpp_as_in_numpy(kind, int8):
+    """specgen_pack_blocks (what pack_quantized runs with the kernels) gives the bytes of the numpy reference, for
+    both layouts, with a partial last panel."""
+    from specgen.kernels import _pack_quantized_numpy, pack_quantized
+    from specgen.models.checkpoint import QUANT_BLOCK_BYTES
+
+    blocks = np.random.default_rng(7).integers(0, 256, (77, 3, QUANT_BLOCK_BYTES[kind]), dtype=np.uint8)
+    fast, ref = pack_quantized(kind, blocks, int8), _pack_quantized_numpy(kind, blocks, int8)
+    assert fast.panels.dtype == ref.panels.dtype and (fast.k, fast.n, fast.int8_product) == (ref.k, ref.n, int8)
+    assert np.array_equal(fast.panels.numpy(), ref.panels.numpy())
+    if kind != "Q4_1" and int8:  # the greedy screen's panels and bound, both ways
+        from specgen import kernels
+        from specgen.kernels import pack_screen
+
+        screen = pack_screen(kind, blocks)
+        monkey = kernels.ops
+        try:
+            kernels.ops = lambda: None
+            with np.errstate(invalid="ignore"):  # (random scales: some are NaN)
+                numpy_screen = pack_screen(kind, blocks)
+        finally:
+            kernels.ops = monkey
+        assert np.array_equal(screen.panels.panels.numpy(), numpy_screen.panels.panels.numpy())
+        assert screen.bound.shape == numpy_screen.bound.shape == [3, 3, 32]
+        assert np.array_equal(screen.bound.numpy(), numpy_screen.bound.numpy(), equal_nan=True)  # (random d: some NaN)
