@@ -1,11 +1,13 @@
 // Small-M matrix product over a packed weight (see specgen/kernels/__init__.py: pack_linear / pack_quantized).
 //
-//   specgen_linear  x [m, k] float32, w packed, n -> x @ W [m, n]
+//   specgen_linear            x [m, k] float32, w packed, n -> x @ W [m, n]
+//   specgen_screened_argmax   the argmax of each row of x @ W for a Q8_0 / Q4_0 W, without the product's rows
+//   specgen_pack_blocks       GGUF blocks -> the packed layouts below (pack_quantized, pack_screen)
 //
 // w is either float32 panels [ceil(n / 32), k, 32] or, for a checkpoint stored block-quantized (GGUF Q4_0, Q4_1,
 // Q8_0), uint8 panels [ceil(n / 32), k / 32, bytes]: for each panel of 32 output columns and each block of 32
-// inputs, the 32 columns' fp16 scales d (and, Q4_1, fp16 minimums m), then the 32 x 32 quants row by row (Q8_0:
-// one int8 per column; Q4: per group of 8 inputs, each column's 8 nibbles in one 32-bit lane, see q4_nibble).
+// inputs, the 32 columns' fp16 scales d (and, Q4_1, fp16 minimums m), then the 32 x 32 quants (Q8_0: row by
+// row, one int8 per column; Q4: per group of 8 inputs, each column's 8 nibbles in one 32-bit lane, q4_nibble).
 // The kernel rebuilds each weight as the GGUF reader does, w = d * q (+ m) in float32 (d * q is exact, so one
 // FMA gives the same bits), and feeds it to the same FMA chains: the product equals, bit for bit, the float32
 // product over the dequantized weight, while reading 5-8.5 bits per weight instead of 32. The same blocks
