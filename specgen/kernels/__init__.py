@@ -346,12 +346,11 @@ def pack_screen(kind: str, blocks: np.ndarray) -> Screen:
 
     if kind not in SCREENED_KINDS:
         raise ValueError(f"no greedy screen for {kind!r} blocks (only {', '.join(SCREENED_KINDS)})")
+    n, kb, _ = blocks.shape
     k = ops()
     if k is not None:  # panels and bound in one C++ pass (the numpy below: ~0.4 s for the default model's head)
         panels, bound = k.specgen_pack_blocks(paddle.to_tensor(np.ascontiguousarray(blocks)), True, True)
-        n, kb, _ = blocks.shape
         return Screen(Packed(panels, kb * 32, n, kind, int8_product=True), bound.reshape([-1, kb, PANEL]))
-    n, kb, _ = blocks.shape
     d = np.abs(np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32))  # [n, kb]
     byte = np.arange(256)
     if kind == "Q8_0":  # |q| of each quant byte (int8)

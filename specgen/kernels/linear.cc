@@ -56,6 +56,14 @@ inline int q4_nibble(const uint8_t* qs, int64_t i, int64_t c) {
   return i % 2 ? byte >> 4 : byte & 0xF;
 }
 
+// The float32 weight of input i and column c of a quantized block whose quants start at qs, with the column's
+// scale d (and Q4_1 minimum m), as gguf.quants dequantizes it: d * q is exact, so Q4_1's one FMA rounds once.
+inline float rebuilt_weight(const uint8_t* qs, Quant q, float d, float m, int64_t i, int64_t c) {
+  if (q == Quant::kQ8_0) return static_cast<float>(static_cast<int8_t>(qs[i * kPanel + c])) * d;
+  const int nib = q4_nibble(qs, i, c);
+  return q == Quant::kQ4_0 ? d * static_cast<float>(nib - 8) : std::fma(d, static_cast<float>(nib), m);
+}
+
 // The dequantized panel [k, 32] of one quantized panel, in scalar code: the quantized path of builds without
 // AVX-512 (with AVX-512, dequant_panel and qpanel_rows below do the same with vectors).
 void dequant_panel_ref(const uint8_t* p, int64_t k, Quant q, float* out) {
@@ -66,14 +74,8 @@ void dequant_panel_ref(const uint8_t* p, int64_t k, Quant q, float* out) {
     for (int64_t i = 0; i < kBlock; ++i) {
       float* w = out + (b * kBlock + i) * kPanel;
       for (int64_t c = 0; c < kPanel; ++c) {
-        const float d = specgen::half_to_float(scales[c]);
-        if (q == Quant::kQ8_0) {
-          w[c] = static_cast<float>(static_cast<int8_t>(qs[i * kPanel + c])) * d;
-        } else {
-          const int nib = q4_nibble(qs, i, c);
-          w[c] = q == Quant::kQ4_0 ? d * static_cast<float>(nib - 8)
-                                   : std::fma(d, static_cast<float>(nib), specgen::half_to_float(scales[kPanel + c]));
-        }
+        const float m = q == Quant::kQ4_1 ? specgen::half_to_float(scales[kPanel + c]) : 0.f;
+        w[c] = rebuilt_weight(qs, q, specgen::half_to_float(scales[c]), m, i, c);
       }
     }
   }
@@ -539,8 +541,8 @@ void ipanel_any(const QuantRows& a, int64_t m, const uint8_t* p, Quant q, float*
 
 // z[t] = the float32 product of x [k] with output column js[t] (t < count <= 8) of quantized panels in the float32
 // layout: for each, the FMA chain qpanel_rows (and, past kGroup rows, dequant_panel then panel_rows) runs for that
-// column, the weight rebuilt as block_weights does. Eight chains at a time, interleaved: one alone waits on each
-// FMA's latency.
+// column, the weight rebuilt as block_weights does (rebuilt_weight). Eight chains at a time, interleaved: one
+// alone waits on each FMA's latency.
 constexpr int kChains = 8;
 
 void exact_columns(const float* x, int64_t k, const uint8_t* panels, Quant q, const int64_t* js, int count, float* z) {
@@ -564,17 +566,8 @@ void exact_columns(const float* x, int64_t k, const uint8_t* panels, Quant q, co
     }
     for (int64_t i = 0; i < kBlock; ++i) {
       const float xi = x[b * kBlock + i];
-      for (int t = 0; t < kChains; ++t) {
-        const int64_t c = col[t];
-        float w;
-        if (q == Quant::kQ8_0) {
-          w = static_cast<float>(static_cast<int8_t>(qs[t][i * kPanel + c])) * d[t];
-        } else {
-          const int nib = q4_nibble(qs[t], i, c);
-          w = q == Quant::kQ4_0 ? d[t] * static_cast<float>(nib - 8) : std::fma(d[t], static_cast<float>(nib), m[t]);
-        }
-        acc[t] = std::fma(xi, w, acc[t]);
-      }
+      for (int t = 0; t < kChains; ++t)
+        acc[t] = std::fma(xi, rebuilt_weight(qs[t], q, d[t], m[t], i, col[t]), acc[t]);
     }
   }
   for (int t = 0; t < count; ++t) z[t] = acc[t];
@@ -728,6 +721,9 @@ PD_BUILD_OP(specgen_screened_argmax)
     .Attrs({"n: int64_t"})
     .SetKernelFn(PD_KERNEL(ScreenedArgmax));
 
+// Input i's nibble in a GGUF Q4 block's 16 quant bytes: byte j holds input j (low) and input j + 16 (high).
+inline int gguf_nibble(const uint8_t* qs, int64_t i) { return i < 16 ? qs[i] & 0xF : qs[i - 16] >> 4; }
+
 // specgen_pack_blocks  blocks uint8 [n, k / 32, GGUF block bytes] (Q4_0: 18, Q4_1: 20, Q8_0: 34), int8_product,
 //                      with_bound -> (panels [ceil(n / 32), k / 32, panel bytes], bound): the layouts described
 // at the top of this file (uint8 for the float32 products, int8 for the integer ones); columns past n are all-zero
@@ -767,7 +763,7 @@ std::vector<paddle::Tensor> PackBlocks(const paddle::Tensor& blocks, bool int8_p
           int32_t sum = 0;  // sum |q|: exact, and |d| * sum is exact in float32 (11 bits times < 2^12)
           for (int64_t i = 0; i < kBlock; ++i)
             sum += q == Quant::kQ8_0 ? std::abs(static_cast<int8_t>(qs[i]))
-                                     : std::abs((i < 16 ? qs[i] & 0xF : qs[i - 16] >> 4) - 8);
+                                     : std::abs(gguf_nibble(qs, i) - 8);
           uint16_t dh;
           std::memcpy(&dh, blk, 2);
           bnd[(p * kb + b) * kPanel + c] = std::fabs(specgen::half_to_float(dh)) * static_cast<float>(sum);
@@ -779,7 +775,7 @@ std::vector<paddle::Tensor> PackBlocks(const paddle::Tensor& blocks, bool int8_p
           }
         } else {
           for (int64_t i = 0; i < kBlock; ++i) {
-            const uint8_t nib = i < 16 ? qs[i] & 0xF : qs[i - 16] >> 4;
+            const uint8_t nib = gguf_nibble(qs, i);
             if (int8_product) quants[(i / 4) * 64 + l * 4 + i % 4] |= static_cast<uint8_t>(nib << (4 * h));
             else quants[(i / 8) * 128 + h * 64 + l * 4 + (i % 8) / 2] |= static_cast<uint8_t>(nib << (4 * (i % 2)));
           }
