@@ -248,20 +248,23 @@ class Model:
                  self.fused_layer, self.fused_stack, self.fused_forward, self.screen is not None, kinds]
         return json.dumps([dataclasses.asdict(self.config), flags], sort_keys=True, default=str)
 
-    def pack(self, w, quant: QuantRows | None = None):
+    def pack(self, w, quant: QuantRows | None = None, int8_product: bool | None = None):
         """w [k, n] packed for `matmul` when this model packs its weights (from `quant`, its raw GGUF blocks,
-        when given and this model keeps them), else w as it is."""
+        when given and this model keeps them), else w as it is. Blocks get integer products when int8_product
+        (default: this model's `matmul`)."""
         if not self.packs or isinstance(w, kernels.Packed):
             return w
         if quant is not None and self.keeps_quantized:
-            return kernels.pack_quantized(quant.kind, quant.blocks, self.int8_product)
+            int8 = self.int8_product if int8_product is None else int8_product
+            return kernels.pack_quantized(quant.kind, quant.blocks, int8)
         return kernels.pack_linear(w)
 
-    def pack_layer(self, L: dict, quant: dict[str, QuantRows] | None = None) -> dict:
+    def pack_layer(self, L: dict, quant: dict[str, QuantRows] | None = None,
+                   int8_product: bool | None = None) -> dict:
         """Packs a decoder block's projection weights in place when this model packs (see `matmul`), from their
         raw GGUF blocks where `quant` (TensorReader.layer_quant) has them."""
         for key in LINEAR_KEYS:
-            L[key] = self.pack(L[key], (quant or {}).get(key))
+            L[key] = self.pack(L[key], (quant or {}).get(key), int8_product)
         return L
 
     def matmul(self, x: paddle.Tensor, w) -> paddle.Tensor:

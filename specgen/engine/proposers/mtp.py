@@ -61,10 +61,15 @@ class MtpHead:
         # pass reads ~4.5 instead of ~17 MB for the default model. Only the drafts can change, never the outputs;
         # SPECGEN_QUANTIZED_HEAD=0 keeps them float32.
         q8 = main.keeps_quantized and kernels.switch("SPECGEN_QUANTIZED_HEAD")
+        # On a CPU with AVX-512 VNNI those blocks (and the draft vocabulary's LM-head rows) get integer products,
+        # the inputs quantized to int8 per block (linear.cc, "Integer products"), whatever the main model's
+        # `matmul`: drafts need not be float32's, only cheap. SPECGEN_INT8_HEAD=0 keeps float32 products.
+        self.int8_product = q8 and kernels.has_vnni() and kernels.switch("SPECGEN_INT8_HEAD")
         eh = r.to_paddle(r.get(names[2], (h, 2 * h)).T)  # [2 hidden, hidden]: [emb; hidden] -> hidden
-        self.eh_proj = main.pack(eh, _q8_0(eh) if q8 else None)
+        self.eh_proj = main.pack(eh, _q8_0(eh) if q8 else None, self.int8_product)
         L = r.layer(block)
-        self.block = main.pack_layer(L, {key: _q8_0(L[key]) for key in LINEAR_KEYS} if q8 else None)
+        self.block = main.pack_layer(L, {key: _q8_0(L[key]) for key in LINEAR_KEYS} if q8 else None,
+                                     self.int8_product)
         self.final_norm = r.param(norm, (h,)) if norm in weights else main.w.final_norm
         self.lm_head = r.to_paddle(r.get(head, (cfg.vocab_size, h)).T) if head in weights else main.w.lm_head
         self.embed = r.param(embed, (cfg.vocab_size, h)) if embed in weights else main.w.embed
@@ -78,7 +83,7 @@ class MtpHead:
             shared = main.w.lm_head_quant if head not in weights and main.keeps_quantized else None
             if shared is not None:  # the main model's LM head kept in its GGUF blocks: their draft-vocabulary rows
                 self.lm_head = kernels.pack_quantized(shared.kind, shared.blocks[self.draft_vocab],  # [hidden, V']
-                                                      main.int8_product)
+                                                      main.int8_product or self.int8_product)
             else:
                 self.lm_head = paddle.gather(kernels.dense(self.lm_head), paddle.to_tensor(self.draft_vocab), axis=1)
         self.lm_head = main.pack(self.lm_head)
