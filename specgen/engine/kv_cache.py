@@ -40,6 +40,8 @@ class KVCache:
         self.prefix: "KVCache | None" = None
         self.peak_position = 0  # largest absolute position + 1 any slot reached (memory report)
         self.peak_own = 0  # largest row + 1 any slot stored in its own rows
+        self.version = 0  # counts replacements of the k / v tensors (ensure), for whoever holds them by handle
+        self.binding = None  # Model's handle of these tensors in the fused kernels (specgen_bind_caches)
         self.ensure(self.initial_capacity)
 
     def ensure(self, needed: int) -> None:
@@ -60,6 +62,7 @@ class KVCache:
                 else:
                     store.append(fresh)
         self.capacity = new_cap
+        self.version += 1
 
     def reserve(self, max_position: int, own_max: int | None = None) -> None:
         """Room for a forward writing positions up to max_position - 1 (own rows up to own_max - 1 when a shared

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -234,6 +235,10 @@ class Model:
         # the Python between separate ops costs ~0.1-0.2 ms a call right after the blocks have streamed the
         # weights through the caches. SPECGEN_FUSED_FORWARD=0 keeps them separate.
         self.fused_forward = kernels.switch("SPECGEN_FUSED_FORWARD")
+        # ... with the weights and caches handed over once, by handle (specgen_forward_bound: the same function,
+        # without ~0.8 ms per call of passing ~480 tensors); SPECGEN_BOUND_FORWARD=0 passes them every call.
+        self.bound_forward = kernels.switch("SPECGEN_BOUND_FORWARD")
+        self._bound_weights: int | None = None
         self._columns = None  # the main blocks' specgen_stack arguments, gathered on first use
         self._ones = paddle.ones([cfg.head_dim], dtype=dtype)  # stands in for absent q/k norm weights
         self._none = paddle.zeros([0], dtype=dtype)  # stands in for absent biases
@@ -245,7 +250,8 @@ class Model:
         kinds = sorted({getattr(w, "kind", "dense") for L in self.w.layers for w in (L[k] for k in LINEAR_KEYS)}
                        | {getattr(self.w.lm_head, "kind", "dense")})
         flags = [self.dtype, self.ops is not None, self.packs, self.keeps_quantized, self.int8_product,
-                 self.fused_layer, self.fused_stack, self.fused_forward, self.screen is not None, kinds]
+                 self.fused_layer, self.fused_stack, self.fused_forward, self.screen is not None, kinds,
+                 self.bound_forward]
         return json.dumps([dataclasses.asdict(self.config), flags], sort_keys=True, default=str)
 
     def pack(self, w, quant: QuantRows | None = None, int8_product: bool | None = None):
@@ -441,10 +447,12 @@ class Model:
     def _forward(self, batch: ForwardBatch, cache: KVCache, screened: bool = False):
         """(logits, hidden, greedy ids or None where the path does not compute them); with `screened` and a
         screen, (None, hidden, greedy)."""
-        ctx = self.context(batch, cache)
         stacked = self.ops is not None and self.fused_layer and self.fused_stack
         if stacked and self._columns is None:  # every block's arguments, gathered once
             self._columns = self.block_columns(self.w.layers)
+        if stacked and self.fused_forward and self.bound_forward:
+            return self._forward_bound(batch, cache, screened and self.screen is not None)
+        ctx = self.context(batch, cache)
         if stacked and self.fused_forward:
             return self._forward_fused(batch, ctx, cache, screened and self.screen is not None)
         x = F.embedding(paddle.to_tensor(batch.token_ids), self.w.embed)  # [num_tokens, hidden]
@@ -462,6 +470,55 @@ class Model:
         if ctx.prefix_k is None:
             return [self._ones] * count, [self._ones] * count
         return ctx.prefix_k[first:first + count], ctx.prefix_v[first:first + count]
+
+    def _forward_bound(self, batch: ForwardBatch, cache: KVCache, screened: bool = False):
+        """`_forward_fused` through specgen_forward_bound: the weights and the cache's tensors are handed to the
+        kernels once (specgen_bind_weights / specgen_bind_caches, again when the cache grows), each step only its
+        token indices, as one tensor. The same function computes both, so the same bits."""
+        cfg = self.config
+        plen = batch.token_prefix_len
+        own_max = batch.max_position if plen is None else int((batch.positions - plen).max()) + 1
+        cache.reserve(batch.max_position, own_max)
+        n = len(batch.token_ids)
+        index = np.concatenate([batch.token_ids, batch.positions, batch.token_slots,
+                                plen if plen is not None else np.zeros(n, np.int64), batch.logit_rows])
+        pre = cache.prefix
+        logits, hidden, greedy = self.ops.specgen_forward_bound(
+            paddle.to_tensor(index.astype(np.int64, copy=False)), n, self._weights_handle(), self._caches_handle(cache),
+            screened, cfg.num_heads, cfg.num_kv_heads, cache.capacity, cfg.qk_norm, cfg.rms_norm_eps,
+            pre.capacity if pre is not None else 0, self.w.lm_head.n)
+        # logits [num_logits, vocab] (screened: [0, vocab], returned as None), hidden [num_tokens, hidden]
+        return None if screened else logits, hidden, greedy
+
+    def _weights_handle(self) -> int:
+        """This model's handle in the kernels for specgen_forward_bound (bound on first use, dropped with the
+        model)."""
+        if self._bound_weights is None:
+            *weights, q_norm, k_norm = self._columns
+            screen, bound = (self.screen.panels.panels, self.screen.bound) if self.screen is not None \
+                else (self._no_screen,) * 2
+            h = self.ops.specgen_bind_weights(self.w.embed, *weights, self.cos, self.sin, q_norm, k_norm,
+                                              self.w.final_norm, self.w.lm_head.panels, screen, bound)
+            self._bound_weights = int(h.numpy()[0])
+            weakref.finalize(self, self.ops.specgen_unbind, h).atexit = False
+        return self._bound_weights
+
+    def _caches_handle(self, cache: KVCache) -> int:
+        """The handle of `cache`'s tensors (and its shared prefix's), bound again whenever they were replaced;
+        the binding is dropped with the cache or when it is replaced."""
+        pre = cache.prefix
+        key = (cache.version, pre, pre.version if pre is not None else 0)
+        b = cache.binding
+        if b is not None and b[0][0] == key[0] and b[0][1] is key[1] and b[0][2] == key[2]:
+            return b[2]
+        if b is not None:
+            self.ops.specgen_unbind(b[1])
+        L = len(cache.k)
+        pk, pv = (pre.k, pre.v) if pre is not None else ([self._ones] * L, [self._ones] * L)
+        h = self.ops.specgen_bind_caches(cache.k, cache.v, pk, pv)
+        cache.binding = (key, h, int(h.numpy()[0]))
+        weakref.finalize(cache, self.ops.specgen_unbind, h).atexit = False
+        return cache.binding[2]
 
     def _forward_fused(self, batch: ForwardBatch, ctx: "StepContext", cache: KVCache, screened: bool = False):
         """`forward` as one specgen_forward call: embedding, every block, final norm and LM head (same bits);

@@ -348,9 +348,10 @@ def test_fused_layer_op_is_bit_identical_to_op_by_op(arch):
     shared = build_forward_batch(np.array([0, 1]), np.array([12, 12]), np.array([4, 5]), tails,
                                  np.zeros(2, bool), prefix_lens=np.array([12, 12]))
     results = []
-    assert m.fused_stack and m.fused_forward
-    for fused, stack, whole in ((True, True, True), (True, True, False), (True, False, False), (False, False, False)):
-        m.fused_layer, m.fused_stack, m.fused_forward = fused, stack, whole
+    assert m.fused_stack and m.fused_forward and m.bound_forward
+    for fused, stack, whole, bound in ((True, True, True, True), (True, True, True, False), (True, True, False, False),
+                                       (True, False, False, False), (False, False, False, False)):
+        m.fused_layer, m.fused_stack, m.fused_forward, m.bound_forward = fused, stack, whole, bound
         cache = m.new_cache(4, 64)
         out = [m.forward_greedy(b, cache) for b in (pre, ver)]
         pcache = m.new_cache(1, 64)  # the shared prefix's own cache, computed once
@@ -366,9 +367,55 @@ def test_fused_layer_op_is_bit_identical_to_op_by_op(arch):
                                   for s, n in enumerate([21, 9, 39, 17]) for h in range(kv)])
         results.append([np.asarray(t) for triple in out for t in triple]
                        + [c.numpy()[written] for c in cache.k + cache.v])
-    m.fused_layer = m.fused_stack = m.fused_forward = True
+    m.fused_layer = m.fused_stack = m.fused_forward = m.bound_forward = True
     for a, *others in zip(*results):
         assert all(np.array_equal(a, b) for b in others)
+
+
+def test_bound_forward_follows_a_growing_cache_and_lets_it_go(monkeypatch):
+    """specgen_forward_bound holds the cache's tensors by handle: when the cache grows (new tensors) the next
+    forward binds the new ones, so a slot that outgrows its cache gets the same bits as with every tensor passed
+    per call; a dropped cache's binding goes with it."""
+    import gc
+
+    from specgen.engine import kv_cache
+
+    m = load_model(TINY / "llama", dtype="float32").model
+    if not (m.packs and m.fused_forward and m.bound_forward):
+        pytest.skip("needs the fused forward (AVX-512)")
+    monkeypatch.setattr(kv_cache, "INITIAL_CAPACITY", 64)  # grows 64 -> 128 -> 256 (the tiny model's context)
+    ids = np.random.default_rng(5).integers(3, 250, 256)
+    steps = [(0, 50), (50, 1), (51, 30), (81, 6), (87, 100), (187, 3), (190, 6)]  # then a block without logits
+    runs = {}
+    for bound in (True, False):
+        m.bound_forward = bound
+        cache = m.new_cache(1, 512)
+        out = []
+        for start, n in steps:
+            b = build_forward_batch(np.array([0]), np.array([start]), np.array([n]), ids[start:start + n],
+                                    np.array([True]))
+            logits, hidden, greedy = m.forward_greedy(b, cache)
+            out += [logits.numpy(), hidden.numpy(), greedy]
+        b = build_forward_batch(np.array([0]), np.array([196]), np.array([8]), ids[196:204], np.array([False]),
+                                no_logits=np.array([True]))
+        logits, hidden, greedy = m.forward_greedy(b, cache)
+        assert logits.shape[0] == 0 and len(greedy) == 0
+        out += [hidden.numpy()]
+        assert cache.capacity == 256 and cache.version == 3
+        runs[bound] = out
+        if bound:
+            handle = cache.binding[1]
+            cfg = m.config
+            with pytest.raises(Exception, match="outside the bound caches"):  # slot 1 of a 1-slot cache
+                m.ops.specgen_forward_bound(paddle.to_tensor(np.array([5, 0, 1, 0, 0])), 1, m._weights_handle(),
+                                            cache.binding[2], False, cfg.num_heads, cfg.num_kv_heads, cache.capacity,
+                                            cfg.qk_norm, cfg.rms_norm_eps, 0, m.w.lm_head.n)
+            assert cache.binding[0][0] == 3  # bound again after each growth
+            del cache, b
+            gc.collect()
+            assert m.ops.specgen_unbind(handle).numpy()[0] == 0  # already dropped with the cache
+    m.bound_forward = True
+    assert [i for i, (a, b) in enumerate(zip(runs[True], runs[False])) if not np.array_equal(a, b)] == []
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
