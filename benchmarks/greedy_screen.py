@@ -72,10 +72,10 @@ def main() -> None:
                     "them in turn)")
     args = ap.parse_args()
     import paddle
-    from spec_bench import load_sets, run_method
+    from paired import alternated_forward, paired_jobs
+    from spec_bench import load_sets
 
-    from specgen import SamplingParams, SpecConfig, load_model
-    from specgen.engine.types import build_forward_batch
+    from specgen import load_model
 
     lm = load_model(None, threads=2)
     model = lm.model
@@ -111,77 +111,21 @@ def main() -> None:
         print(f"{rows:>5}{np.median(a) * 1e3:>18.3f}{np.median(b) * 1e3:>13.3f}{np.median(a) / np.median(b):>7.2f}x",
               flush=True)
 
+    original = model.forward_greedy
+
+    def variant(logits_on: bool):
+        def forward(batch, cache, logits=True):
+            return original(batch, cache, logits=logits_on)
+        return forward
+
     print(f"\n{'forward':>8}{'logits ms':>11}{'screened ms':>13}{'ratio':>8}")
     for step in args.steps:
-        slots, per = map(int, step.split("x"))
-        ids = (np.arange(slots * per, dtype=np.int64) * 7919 + 100) % 40000
-        b = build_forward_batch(np.arange(slots), np.zeros(slots, np.int64), np.full(slots, per, np.int64), ids,
-                                np.ones(slots, bool))
-        cache = model.new_cache(slots, 64)
-        res = {True: [], False: []}
-        for i in range(20 if slots * per < 100 else 8):
-            for lg in (True, False) if i % 2 else (False, True):
-                start = time.perf_counter()
-                model.forward_greedy(b, cache, logits=lg)
-                res[lg].append(time.perf_counter() - start)
-        a, z = np.median(res[True]) * 1e3, np.median(res[False]) * 1e3
+        a, z = alternated_forward(model, step, variant(True), variant(False))
         print(f"{step:>8}{a:>11.2f}{z:>13.2f}{a / z:>7.3f}x", flush=True)
 
-    sp = SamplingParams(max_tokens=128)
-    methods = {"none": SpecConfig(), "ngram": SpecConfig(method="ngram", num_speculative_tokens=5)}
-    print(f"\n{'set':<15}{'bs':>4} {'method':<7}{'steps':>6}{'logits ms/step':>16}{'screened ms/step':>18}"
-          f"{'ratio':>8}{'median':>8}{'prefill steps':>15}{'rest ms/step':>14}{'job ratio':>11}")
-    original = model.forward_greedy
-    for job in args.jobs:
-        name, bs = job.split(":")
-        bs = int(bs)
-        prompts = [list(lm.tokenizer.encode_chat(m)) for m in sets[name][:max(args.prompts, bs)]]
-        for mname, spec in methods.items():
-            # Every forward of the job twice, with and without the logits, in turn first: a forward rewrites
-            # the same K/V rows, so both give the same tokens, and the two are timed under the same load.
-            steps: list[tuple[float, float, bool]] = []  # (logits s, screened s, any prompt tokens)
-
-            def paired(batch, cache, logits=True, steps=steps):
-                out, took = {}, {}
-                for lg in (True, False) if len(steps) % 2 else (False, True):
-                    start = time.perf_counter()
-                    out[lg] = original(batch, cache, logits=lg)
-                    took[lg] = time.perf_counter() - start
-                assert np.array_equal(out[True][2], out[False][2])
-                steps.append((took[True], took[False], len(batch.token_ids) > len(batch.logit_rows)))
-                return out[logits]
-
-            model.forward_greedy = paired
-            try:
-                run_method(lm, prompts, sp, bs, spec)
-            finally:
-                model.forward_greedy = original
-            # the rest of a step (drafting, sampling, bookkeeping): an ordinary run's wall time less its forwards
-            fwd = [0.0]
-
-            def counted(batch, cache, logits=True, fwd=fwd):
-                start = time.perf_counter()
-                out = original(batch, cache, logits=logits)
-                fwd[0] += time.perf_counter() - start
-                return out
-
-            model.forward_greedy = counted
-            try:
-                _, r = run_method(lm, prompts, sp, bs, spec)
-            finally:
-                model.forward_greedy = original
-            t = np.array([(x, y) for x, y, _ in steps])
-            pre = np.array([p for *_, p in steps])
-            dec = t[~pre]
-            rest = (r["wall_s"] - fwd[0]) / len(steps)
-            # the job's ratio: decode steps as measured; steps with prompt tokens (prefill, where a 6 s forward
-            # swings by a second with the machine's load) counted at their mean, the same both ways
-            same = t[pre].mean() * pre.sum() if pre.any() else 0.0
-            whole = [dec[:, i].sum() + same + rest * len(steps) for i in (0, 1)]
-            a, z = dec[:, 0].mean(), dec[:, 1].mean()
-            print(f"{name:<15}{bs:>4} {mname:<7}{len(dec):>6}{a * 1e3:>16.2f}{z * 1e3:>18.2f}{a / z:>7.3f}x"
-                  f"{np.median(dec[:, 0] / dec[:, 1]):>7.3f}x{pre.sum():>15}{rest * 1e3:>14.2f}"
-                  f"{whole[0] / whole[1]:>10.3f}x", flush=True)
+    print("\nA = with the logits, B = screened")
+    paired_jobs(lm, sets, args.jobs, args.prompts, variant(True), variant(False),
+                lambda x, y: np.array_equal(x[2], y[2]))
 
 
 if __name__ == "__main__":
