@@ -183,6 +183,8 @@ class Controller:
         n = len(num_avail)
         if n == 0 or num_avail.max() == 0 or self.off:
             return np.zeros(n, np.int64)
+        if n == 1:
+            return self._choose_one(slots, int(num_avail[0]), other_tokens)
         alpha = self.alpha(slots)  # [num_seqs]
         ks = np.arange(self.max_draft + 1)[None, :]  # [1, max_draft + 1]
         emit = expected_emitted(alpha[:, None], ks)  # [num_seqs, max_draft + 1] E_s(k)
@@ -205,4 +207,23 @@ class Controller:
         spec = float(emit[rows, k].sum()) / (self.cost.at(base + int(k.sum())) + d)
         k = self._guard(k if spec > plain * (1.0 + self.MIN_GAIN) else np.zeros(n, np.int64))
         self.idle[slots] = np.where(k == 0, self.idle[slots] + 1, 0)
+        return k
+
+    def _choose_one(self, slots: np.ndarray, avail: int, other_tokens: int) -> np.ndarray:
+        """choose for one decoding slot (batch 1, where the host's time per step counts most): every k in
+        [0, avail] tried, in plain Python (~10 us against ~80 for the arrays' path); the exact maximum of the
+        same objective that the Dinkelbach iteration approaches, with the same margin and guard."""
+        s = int(slots[0])
+        a = min(max((self.hits[s] + PRIOR_ACCEPTED) / (self.seen[s] + PRIOR_DRAFTED), 0.0), 0.999)
+        base, d = 1 + other_tokens, self.draft_cost or 0.0
+        best_k, best, emit, p = 0, 0.0, 1.0, 1.0
+        for k in range(1, min(avail, self.max_draft) + 1):
+            p *= a
+            emit += p  # 1 + a + ... + a^k
+            rate = emit / (self.cost.at(base + k) + d)
+            if rate > best:
+                best_k, best = k, rate
+        plain = 1.0 / self.cost.at(base)
+        k = self._guard(np.array([best_k if best > plain * (1.0 + self.MIN_GAIN) else 0], np.int64))
+        self.idle[s] = self.idle[s] + 1 if k[0] == 0 else 0
         return k

@@ -4,7 +4,7 @@ from typing import ClassVar
 import numpy as np
 import pytest
 
-from specgen.engine.adaptive import Controller, CostModel
+from specgen.engine.adaptive import Controller, CostModel, expected_emitted
 
 
 def test_slot_detaches_after_drafts_stop_paying_and_reattaches_on_reset():
@@ -243,3 +243,23 @@ def test_speculation_needs_a_predicted_gain_of_min_gain():
     assert choice(0.13) == 0
     assert choice(0.25) == 1
     assert choice(0.13, min_gain=0.0) == 1
+
+
+def test_one_slot_takes_the_best_draft_count_of_the_objective():
+    """With one decoding slot choose tries every k: the result maximises E(k) / (c(1 + k) + d) over k >= 1
+    (brute force here), and is verified only when that beats plain decoding by MIN_GAIN."""
+    cost = CostModel(np.array([1, 2, 4, 8, 16]), np.array([1.0, 1.06, 1.3, 1.9, 3.5]))
+    for acc in (0.05, 0.3, 0.6, 0.8, 0.95):
+        for avail in (1, 3, 5):
+            for d in (0.0, 0.05):
+                ctl = Controller(cost, max_draft=5, num_slots=2)
+                ctl.hits[:], ctl.seen[:] = acc * 102 - 1, 100.0
+                ctl.draft_cost = d or None
+                got = int(ctl.choose(np.array([0]), np.array([avail]), 0)[0])
+                a = (ctl.hits[0] + 1) / (ctl.seen[0] + 2)
+                rates = {k: expected_emitted(np.array(a), np.array(k)) / (cost.at(1 + k) + d)
+                         for k in range(1, avail + 1)}
+                k_best = max(rates, key=rates.get)
+                want = k_best if rates[k_best] > (1 + Controller.MIN_GAIN) / cost.at(1) else 0
+                assert got == want, (acc, avail, d)
+                assert ctl.idle[0] == (1 if want == 0 else 0)
