@@ -238,7 +238,7 @@ class Model:
         # ... with the weights and caches handed over once, by handle (specgen_forward_bound: the same function,
         # without ~0.8 ms per call of passing ~480 tensors); SPECGEN_BOUND_FORWARD=0 passes them every call.
         self.bound_forward = kernels.switch("SPECGEN_BOUND_FORWARD")
-        self._bound_weights: int | None = None
+        self._bound_weights = None  # (the screen bound with them, handle tensor, handle) once bound
         self._columns = None  # the main blocks' specgen_stack arguments, gathered on first use
         self._ones = paddle.ones([cfg.head_dim], dtype=dtype)  # stands in for absent q/k norm weights
         self._none = paddle.zeros([0], dtype=dtype)  # stands in for absent biases
@@ -491,17 +491,21 @@ class Model:
         return None if screened else logits, hidden, greedy
 
     def _weights_handle(self) -> int:
-        """This model's handle in the kernels for specgen_forward_bound (bound on first use, dropped with the
-        model)."""
-        if self._bound_weights is None:
-            *weights, q_norm, k_norm = self._columns
-            screen, bound = (self.screen.panels.panels, self.screen.bound) if self.screen is not None \
-                else (self._no_screen,) * 2
-            h = self.ops.specgen_bind_weights(self.w.embed, *weights, self.cos, self.sin, q_norm, k_norm,
-                                              self.w.final_norm, self.w.lm_head.panels, screen, bound)
-            self._bound_weights = int(h.numpy()[0])
-            weakref.finalize(self, self.ops.specgen_unbind, h).atexit = False
-        return self._bound_weights
+        """This model's handle in the kernels for specgen_forward_bound (bound on first use, and again when
+        self.screen is switched; dropped with the model)."""
+        b = self._bound_weights
+        if b is not None and b[0] is self.screen:
+            return b[2]
+        if b is not None:
+            self.ops.specgen_unbind(b[1])
+        *weights, q_norm, k_norm = self._columns
+        screen, bound = (self.screen.panels.panels, self.screen.bound) if self.screen is not None \
+            else (self._no_screen,) * 2
+        h = self.ops.specgen_bind_weights(self.w.embed, *weights, self.cos, self.sin, q_norm, k_norm,
+                                          self.w.final_norm, self.w.lm_head.panels, screen, bound)
+        self._bound_weights = (self.screen, h, int(h.numpy()[0]))
+        weakref.finalize(self, self.ops.specgen_unbind, h).atexit = False
+        return self._bound_weights[2]
 
     def _caches_handle(self, cache: KVCache) -> int:
         """The handle of `cache`'s tensors (and its shared prefix's), bound again whenever they were replaced;

@@ -1,10 +1,12 @@
 """The fused CPU operators (specgen/kernels) against their references: numpy and the model's Paddle path."""
+from types import SimpleNamespace
+
 import numpy as np
 import paddle
 import paddle.nn.functional as F
 import pytest
-
 from conftest import TINY, TINY_ARCHS
+
 from specgen import load_model
 from specgen.engine.model import rms_norm
 from specgen.engine.types import build_forward_batch
@@ -414,6 +416,15 @@ def test_bound_forward_follows_a_growing_cache_and_lets_it_go(monkeypatch):
             del cache, b
             gc.collect()
             assert m.ops.specgen_unbind(handle).numpy()[0] == 0  # already dropped with the cache
+            # the weights are bound again when the screen is switched (tests turn it off and on), the old dropped
+            first, old = m._weights_handle(), m._bound_weights[1]
+            assert m._weights_handle() == first
+            m.screen = SimpleNamespace(panels=SimpleNamespace(panels=m._no_screen), bound=m._no_screen)
+            try:
+                assert m._weights_handle() != first
+                assert m.ops.specgen_unbind(old).numpy()[0] == 0
+            finally:
+                m.screen = None
     m.bound_forward = True
     assert [i for i, (a, b) in enumerate(zip(runs[True], runs[False])) if not np.array_equal(a, b)] == []
 
