@@ -4,7 +4,8 @@ A slot with acceptance estimate a that verifies k drafts emits (1 - a^(k+1)) / (
 (Leviathan et al., 2023). A step that feeds T tokens costs c(T), measured on this machine at this batch size
 (a table over T, interpolated, scaled online by the ratio of measured to predicted step times). Each step
 picks per-slot k_s (0 = no drafts) maximising emitted tokens per second, sum_s E_s(k_s) / c(sum_s (1 + k_s)),
-by Dinkelbach iteration: each slot maximises E_s(k) - rate * c'(T) * k, and rate is re-estimated.
+by Dinkelbach iteration: each slot maximises E_s(k) - rate * c'(T) * k, and rate is re-estimated (with one
+decoding slot every k is tried instead).
 k = 0 for every slot is plain decoding, so the choice can only be slower than plain when the cost model is wrong.
 The drafter's own time per step (an MTP head's pass: its KV catch-up and chained drafts) is charged too: a step
 that speculates costs c(T) + d, with d the measured drafting time, while plain decoding costs c(n) alone (a
