@@ -70,9 +70,9 @@ def main() -> None:
                                   cfg.num_kv_heads, cache.capacity, cfg.qk_norm, cfg.rms_norm_eps, 0, model.w.lm_head.n)
 
     def call_bound():
-        model.ops.specgen_forward_bound(empty, 0, model._weights_handle(), model._caches_handle(cache), False,
-                                        cfg.num_heads, cfg.num_kv_heads, cache.capacity, cfg.qk_norm,
-                                        cfg.rms_norm_eps, 0, model.w.lm_head.n)
+        model.ops.specgen_forward_bound(empty, model._no_screen, model._no_screen, 0, model._weights_handle(),
+                                        model._caches_handle(cache), cfg.num_heads, cfg.num_kv_heads,
+                                        cache.capacity, cfg.qk_norm, cfg.rms_norm_eps, 0, model.w.lm_head.n)
 
     res = {"passed": [], "bound": []}
     for i in range(10):

@@ -41,7 +41,7 @@ class KVCache:
         self.peak_position = 0  # largest absolute position + 1 any slot reached (memory report)
         self.peak_own = 0  # largest row + 1 any slot stored in its own rows
         self.version = 0  # counts replacements of the k / v tensors (ensure), for whoever holds them by handle
-        self.binding = None  # Model's handle of these tensors in the fused kernels (specgen_bind_caches)
+        self.binding = None  # (what was bound, handle, its release): Model's handle of these tensors in the kernels
         self.ensure(self.initial_capacity)
 
     def ensure(self, needed: int) -> None:

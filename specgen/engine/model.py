@@ -238,7 +238,7 @@ class Model:
         # ... with the weights and caches handed over once, by handle (specgen_forward_bound: the same function,
         # without ~0.8 ms per call of passing ~480 tensors); SPECGEN_BOUND_FORWARD=0 passes them every call.
         self.bound_forward = kernels.switch("SPECGEN_BOUND_FORWARD")
-        self._bound_weights = None  # (the screen bound with them, handle tensor, handle) once bound
+        self._bound_weights: int | None = None  # the weights' handle in the kernels, once bound
         self._columns = None  # the main blocks' specgen_stack arguments, gathered on first use
         self._ones = paddle.ones([cfg.head_dim], dtype=dtype)  # stands in for absent q/k norm weights
         self._none = paddle.zeros([0], dtype=dtype)  # stands in for absent biases
@@ -294,11 +294,17 @@ class Model:
         x1, x2 = paddle.split(x, 2, axis=-1)
         return paddle.concat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
-    def context(self, batch: ForwardBatch, cache: KVCache) -> "StepContext":
-        """Device-side indices of one packed forward, shared by every layer (and by the MTP block)."""
+    @staticmethod
+    def _reserve(batch: ForwardBatch, cache: KVCache) -> None:
+        """Room in `cache` for the positions `batch` writes (own rows past a shared prefix)."""
         plen = batch.token_prefix_len
         own_max = batch.max_position if plen is None else int((batch.positions - plen).max()) + 1
         cache.reserve(batch.max_position, own_max)
+
+    def context(self, batch: ForwardBatch, cache: KVCache) -> "StepContext":
+        """Device-side indices of one packed forward, shared by every layer (and by the MTP block)."""
+        plen = batch.token_prefix_len
+        self._reserve(batch, cache)
         pos = paddle.to_tensor(batch.positions)  # [num_tokens]
         cfg = self.config
         if self.ops is not None:
@@ -476,53 +482,50 @@ class Model:
         kernels once (specgen_bind_weights / specgen_bind_caches, again when the cache grows), each step only its
         token indices, as one tensor. The same function computes both, so the same bits."""
         cfg = self.config
-        plen = batch.token_prefix_len
-        own_max = batch.max_position if plen is None else int((batch.positions - plen).max()) + 1
-        cache.reserve(batch.max_position, own_max)
+        self._reserve(batch, cache)
         n = len(batch.token_ids)
+        plen = batch.token_prefix_len
         index = np.concatenate([batch.token_ids, batch.positions, batch.token_slots,
                                 plen if plen is not None else np.zeros(n, np.int64), batch.logit_rows])
         pre = cache.prefix
         logits, hidden, greedy = self.ops.specgen_forward_bound(
-            paddle.to_tensor(index.astype(np.int64, copy=False)), n, self._weights_handle(), self._caches_handle(cache),
-            screened, cfg.num_heads, cfg.num_kv_heads, cache.capacity, cfg.qk_norm, cfg.rms_norm_eps,
-            pre.capacity if pre is not None else 0, self.w.lm_head.n)
+            paddle.to_tensor(index.astype(np.int64, copy=False)), *self._screen_args(screened), n,
+            self._weights_handle(), self._caches_handle(cache), cfg.num_heads, cfg.num_kv_heads, cache.capacity,
+            cfg.qk_norm, cfg.rms_norm_eps, pre.capacity if pre is not None else 0, self.w.lm_head.n)
         # logits [num_logits, vocab] (screened: [0, vocab], returned as None), hidden [num_tokens, hidden]
         return None if screened else logits, hidden, greedy
 
+    def _screen_args(self, screened: bool) -> tuple:
+        """specgen_forward's LmScreen and LmBound: the screen's (greedy tokens only), or empty (the logits)."""
+        return (self.screen.panels.panels, self.screen.bound) if screened else (self._no_screen,) * 2
+
     def _weights_handle(self) -> int:
-        """This model's handle in the kernels for specgen_forward_bound (bound on first use, and again when
-        self.screen is switched; dropped with the model)."""
-        b = self._bound_weights
-        if b is not None and b[0] is self.screen:
-            return b[2]
-        if b is not None:
-            self.ops.specgen_unbind(b[1])
-        *weights, q_norm, k_norm = self._columns
-        screen, bound = (self.screen.panels.panels, self.screen.bound) if self.screen is not None \
-            else (self._no_screen,) * 2
-        h = self.ops.specgen_bind_weights(self.w.embed, *weights, self.cos, self.sin, q_norm, k_norm,
-                                          self.w.final_norm, self.w.lm_head.panels, screen, bound)
-        self._bound_weights = (self.screen, h, int(h.numpy()[0]))
-        weakref.finalize(self, self.ops.specgen_unbind, h).atexit = False
-        return self._bound_weights[2]
+        """This model's weights in the kernels, for specgen_forward_bound: bound on first use, dropped with the
+        model."""
+        if self._bound_weights is None:
+            *weights, q_norm, k_norm = self._columns
+            h = self.ops.specgen_bind_weights(self.w.embed, *weights, self.cos, self.sin, q_norm, k_norm,
+                                              self.w.final_norm, self.w.lm_head.panels)
+            self._bound_weights = int(h.numpy()[0])
+            weakref.finalize(self, self.ops.specgen_unbind, h).atexit = False
+        return self._bound_weights
 
     def _caches_handle(self, cache: KVCache) -> int:
-        """The handle of `cache`'s tensors (and its shared prefix's), bound again whenever they were replaced;
-        the binding is dropped with the cache or when it is replaced."""
+        """`cache`'s tensors (and its shared prefix's) in the kernels: bound again whenever they were replaced
+        (the cache grew, a prefix was set); the binding is dropped with the cache or when it is replaced."""
         pre = cache.prefix
-        key = (cache.version, pre, pre.version if pre is not None else 0)
-        b = cache.binding
-        if b is not None and b[0][0] == key[0] and b[0][1] is key[1] and b[0][2] == key[2]:
-            return b[2]
-        if b is not None:
-            self.ops.specgen_unbind(b[1])
+        key = (cache.version, pre, pre.version if pre is not None else 0)  # pre compares by identity
+        if cache.binding is not None:
+            if cache.binding[0] == key:
+                return cache.binding[1]
+            cache.binding[2]()  # unbinds the tensors that were replaced
         L = len(cache.k)
         pk, pv = (pre.k, pre.v) if pre is not None else ([self._ones] * L, [self._ones] * L)
         h = self.ops.specgen_bind_caches(cache.k, cache.v, pk, pv)
-        cache.binding = (key, h, int(h.numpy()[0]))
-        weakref.finalize(cache, self.ops.specgen_unbind, h).atexit = False
-        return cache.binding[2]
+        release = weakref.finalize(cache, self.ops.specgen_unbind, h)
+        release.atexit = False
+        cache.binding = (key, int(h.numpy()[0]), release)
+        return cache.binding[1]
 
     def _forward_fused(self, batch: ForwardBatch, ctx: "StepContext", cache: KVCache, screened: bool = False):
         """`forward` as one specgen_forward call: embedding, every block, final norm and LM head (same bits);
@@ -530,7 +533,7 @@ class Model:
         cfg = self.config
         pk, pv = self._prefix_kv(ctx, 0, len(cache.k))
         *weights, q_norm, k_norm = self._columns
-        screen, bound = (self.screen.panels.panels, self.screen.bound) if screened else (self._no_screen,) * 2
+        screen, bound = self._screen_args(screened)
         logits, hidden, greedy, *_ = self.ops.specgen_forward(
             paddle.to_tensor(batch.token_ids), self.w.embed, *weights, self.cos, self.sin, ctx.positions,
             ctx.token_slots, cache.k, cache.v, q_norm, k_norm, ctx.prefix_len, pk, pv, self.w.final_norm,

@@ -956,7 +956,7 @@ namespace {
 // What specgen_bind_weights / specgen_bind_caches keep: copies of the tensor handles (they share the storage,
 // which stays alive until specgen_unbind), looked up by handle in specgen_forward_bound.
 struct BoundWeights {
-  paddle::Tensor embed, cos, sin, final_norm, lm_head, lm_screen, lm_bound, no_screen;
+  paddle::Tensor embed, cos, sin, final_norm, lm_head;
   Tensors attn_norm, w_qkv, b_qkv, w_o, b_o, mlp_norm, w_gu, b_gu, w_down, b_down, q_norm, k_norm;
 };
 struct BoundCaches {
@@ -976,20 +976,18 @@ paddle::Tensor handle_tensor(int64_t id, const paddle::Place& place) {
 
 }  // namespace
 
-// -> handle int64 [1]. The tensors are specgen_forward's weight arguments, in its order; lm_screen / lm_bound
-// empty where the model has no screen.
+// -> handle int64 [1]. The tensors are specgen_forward's weight arguments, in its order (the LM head's screen
+// is not among them: specgen_forward_bound takes it per call, as greedy and sampled steps differ).
 std::vector<paddle::Tensor> BindWeights(const paddle::Tensor& embed, const Tensors& attn_norm, const Tensors& w_qkv,
                                         const Tensors& b_qkv, const Tensors& w_o, const Tensors& b_o,
                                         const Tensors& mlp_norm, const Tensors& w_gu, const Tensors& b_gu,
                                         const Tensors& w_down, const Tensors& b_down, const paddle::Tensor& cos,
                                         const paddle::Tensor& sin, const Tensors& q_norm, const Tensors& k_norm,
-                                        const paddle::Tensor& final_norm, const paddle::Tensor& lm_head,
-                                        const paddle::Tensor& lm_screen, const paddle::Tensor& lm_bound) {
+                                        const paddle::Tensor& final_norm, const paddle::Tensor& lm_head) {
   check_cpu(embed, "embed");
-  auto w = std::make_shared<BoundWeights>(BoundWeights{
-      embed, cos, sin, final_norm, lm_head, lm_screen, lm_bound,
-      paddle::empty({0}, paddle::DataType::FLOAT32, embed.place()), attn_norm, w_qkv, b_qkv, w_o, b_o, mlp_norm,
-      w_gu, b_gu, w_down, b_down, q_norm, k_norm});
+  auto w = std::make_shared<BoundWeights>(BoundWeights{embed, cos, sin, final_norm, lm_head, attn_norm, w_qkv, b_qkv,
+                                                       w_o, b_o, mlp_norm, w_gu, b_gu, w_down, b_down, q_norm,
+                                                       k_norm});
   std::lock_guard<std::mutex> lock(bound_mutex);
   const int64_t id = bound_next++;
   bound_weights[id] = std::move(w);
@@ -1016,11 +1014,12 @@ std::vector<paddle::Tensor> Unbind(const paddle::Tensor& handle) {
 }
 
 // index int64 [4 n + m]: the n tokens' ids, positions, slots and prefix lengths, then the m logit rows (one
-// tensor instead of five: each costs ~25 us to make on the Python side).
-std::vector<paddle::Tensor> ForwardBound(const paddle::Tensor& index, int64_t num_tokens, int64_t weights,
-                                         int64_t caches, bool screened, int num_heads, int num_kv_heads,
-                                         int64_t capacity, bool qk_norm, double eps, int64_t prefix_capacity,
-                                         int64_t vocab) {
+// tensor instead of five: each costs ~25 us to make on the Python side); lm_screen / lm_bound as specgen_forward's
+// (empty: the logits).
+std::vector<paddle::Tensor> ForwardBound(const paddle::Tensor& index, const paddle::Tensor& lm_screen,
+                                         const paddle::Tensor& lm_bound, int64_t num_tokens, int64_t weights,
+                                         int64_t caches, int num_heads, int num_kv_heads, int64_t capacity,
+                                         bool qk_norm, double eps, int64_t prefix_capacity, int64_t vocab) {
   check_cpu(index, "index");
   const int64_t n = num_tokens;
   PD_CHECK(index.dtype() == paddle::DataType::INT64 && index.shape().size() == 1 && n >= 0 &&
@@ -1042,7 +1041,6 @@ std::vector<paddle::Tensor> ForwardBound(const paddle::Tensor& index, int64_t nu
     w = wi->second;
     c = ci->second;
   }
-  PD_CHECK(!screened || w->lm_screen.numel() > 0, "specgen_forward_bound: screened, but no screen was bound");
   // The bound caches must be the ones this step was planned for (a cache that grew is bound again): every
   // token's rows inside them.
   const int64_t rows = c->k[0].shape()[0];
@@ -1053,11 +1051,9 @@ std::vector<paddle::Tensor> ForwardBound(const paddle::Tensor& index, int64_t nu
     PD_CHECK(slot[t] >= 0 && slot[t] < rows / (num_kv_heads * capacity) && pos[t] - pl[t] >= 0 &&
                  pos[t] - pl[t] < capacity,
              "specgen_forward_bound: token ", t, " falls outside the bound caches");
-  const paddle::Tensor& screen = screened ? w->lm_screen : w->no_screen;
-  const paddle::Tensor& bound = screened ? w->lm_bound : w->no_screen;
   return Forward(token_ids, w->embed, w->attn_norm, w->w_qkv, w->b_qkv, w->w_o, w->b_o, w->mlp_norm, w->w_gu, w->b_gu,
                  w->w_down, w->b_down, w->cos, w->sin, positions, slots, c->k, c->v, w->q_norm, w->k_norm, prefix_len,
-                 c->prefix_k, c->prefix_v, w->final_norm, logit_rows, w->lm_head, screen, bound, num_heads,
+                 c->prefix_k, c->prefix_v, w->final_norm, logit_rows, w->lm_head, lm_screen, lm_bound, num_heads,
                  num_kv_heads, capacity, qk_norm, eps, prefix_capacity, vocab);
 }
 
@@ -1217,7 +1213,7 @@ PD_BUILD_OP(specgen_bind_weights)
     .Inputs({"Embed", paddle::Vec("AttnNorm"), paddle::Vec("WQkv"), paddle::Vec("BQkv"), paddle::Vec("WO"),
              paddle::Vec("BO"), paddle::Vec("MlpNorm"), paddle::Vec("WGateUp"), paddle::Vec("BGateUp"),
              paddle::Vec("WDown"), paddle::Vec("BDown"), "Cos", "Sin", paddle::Vec("QNorm"), paddle::Vec("KNorm"),
-             "FinalNorm", "LmHead", "LmScreen", "LmBound"})
+             "FinalNorm", "LmHead"})
     .Outputs({"Handle"})
     .SetKernelFn(PD_KERNEL(BindWeights));
 
@@ -1229,9 +1225,8 @@ PD_BUILD_OP(specgen_bind_caches)
 PD_BUILD_OP(specgen_unbind).Inputs({"Handle"}).Outputs({"Dropped"}).SetKernelFn(PD_KERNEL(Unbind));
 
 PD_BUILD_OP(specgen_forward_bound)
-    .Inputs({"Index"})
+    .Inputs({"Index", "LmScreen", "LmBound"})
     .Outputs({"Logits", "Hidden", "Greedy"})
-    .Attrs({"num_tokens: int64_t", "weights: int64_t", "caches: int64_t", "screened: bool", "num_heads: int",
-            "num_kv_heads: int",
+    .Attrs({"num_tokens: int64_t", "weights: int64_t", "caches: int64_t", "num_heads: int", "num_kv_heads: int",
             "capacity: int64_t", "qk_norm: bool", "eps: double", "prefix_capacity: int64_t", "vocab: int64_t"})
     .SetKernelFn(PD_KERNEL(ForwardBound));

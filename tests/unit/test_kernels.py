@@ -1,6 +1,4 @@
 """The fused CPU operators (specgen/kernels) against their references: numpy and the model's Paddle path."""
-from types import SimpleNamespace
-
 import numpy as np
 import paddle
 import paddle.nn.functional as F
@@ -388,7 +386,7 @@ def test_bound_forward_follows_a_growing_cache_and_lets_it_go(monkeypatch):
     monkeypatch.setattr(kv_cache, "INITIAL_CAPACITY", 64)  # grows 64 -> 128 -> 256 (the tiny model's context)
     ids = np.random.default_rng(5).integers(3, 250, 256)
     steps = [(0, 50), (50, 1), (51, 30), (81, 6), (87, 100), (187, 3), (190, 6)]  # then a block without logits
-    runs = {}
+    runs, bindings = {}, []  # every cache binding the bound run made
     for bound in (True, False):
         m.bound_forward = bound
         cache = m.new_cache(1, 512)
@@ -398,6 +396,8 @@ def test_bound_forward_follows_a_growing_cache_and_lets_it_go(monkeypatch):
                                     np.array([True]))
             logits, hidden, greedy = m.forward_greedy(b, cache)
             out += [logits.numpy(), hidden.numpy(), greedy]
+            if bound and cache.binding[1] not in bindings:
+                bindings.append(cache.binding[1])
         b = build_forward_batch(np.array([0]), np.array([196]), np.array([8]), ids[196:204], np.array([False]),
                                 no_logits=np.array([True]))
         logits, hidden, greedy = m.forward_greedy(b, cache)
@@ -406,25 +406,21 @@ def test_bound_forward_follows_a_growing_cache_and_lets_it_go(monkeypatch):
         assert cache.capacity == 256 and cache.version == 3
         runs[bound] = out
         if bound:
-            handle = cache.binding[1]
+            handle = paddle.to_tensor(np.array([cache.binding[1]]))
             cfg = m.config
             with pytest.raises(Exception, match="outside the bound caches"):  # slot 1 of a 1-slot cache
-                m.ops.specgen_forward_bound(paddle.to_tensor(np.array([5, 0, 1, 0, 0])), 1, m._weights_handle(),
-                                            cache.binding[2], False, cfg.num_heads, cfg.num_kv_heads, cache.capacity,
-                                            cfg.qk_norm, cfg.rms_norm_eps, 0, m.w.lm_head.n)
+                m.ops.specgen_forward_bound(paddle.to_tensor(np.array([5, 0, 1, 0, 0])), m._no_screen, m._no_screen,
+                                            1, m._weights_handle(), cache.binding[1], cfg.num_heads,
+                                            cfg.num_kv_heads, cache.capacity, cfg.qk_norm, cfg.rms_norm_eps, 0,
+                                            m.w.lm_head.n)
             assert cache.binding[0][0] == 3  # bound again after each growth
+            assert len(bindings) == 3 and bindings[-1] == cache.binding[1]
+            assert all(m.ops.specgen_unbind(paddle.to_tensor(np.array([h]))).numpy()[0] == 0
+                       for h in bindings[:-1])  # the replaced bindings were dropped when the cache grew
+            assert m._weights_handle() == m._weights_handle()  # the weights are bound once
             del cache, b
             gc.collect()
             assert m.ops.specgen_unbind(handle).numpy()[0] == 0  # already dropped with the cache
-            # the weights are bound again when the screen is switched (tests turn it off and on), the old dropped
-            first, old = m._weights_handle(), m._bound_weights[1]
-            assert m._weights_handle() == first
-            m.screen = SimpleNamespace(panels=SimpleNamespace(panels=m._no_screen), bound=m._no_screen)
-            try:
-                assert m._weights_handle() != first
-                assert m.ops.specgen_unbind(old).numpy()[0] == 0
-            finally:
-                m.screen = None
     m.bound_forward = True
     assert [i for i, (a, b) in enumerate(zip(runs[True], runs[False])) if not np.array_equal(a, b)] == []
 
