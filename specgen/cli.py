@@ -227,6 +227,9 @@ def train_mtp(
     chain_weight: Annotated[float | None, typer.Option(
         help=_train_default("Weight of the second-draft loss (the head applied to its own output); 0 trains "
                             "the first only.", "chain_weight"))] = None,
+    distill: Annotated[float | None, typer.Option(
+        help=_train_default("Weight of the soft-target loss (the main model's own distribution over the label, "
+                            "from its cached hidden states); the rest goes to the greedy label.", "distill"))] = None,
     eval_every: Annotated[int | None, typer.Option(help=_train_default("Held-out evaluation every N steps.", "eval_every"))] = None,
     checkpoint_every: Annotated[int | None, typer.Option(help=_train_default("Checkpoint every N steps.", "checkpoint_every"))] = None,
     save_dtype: Annotated[str | None, typer.Option(help=_train_default("float16 | float32 on disk (loading upcasts).", "save_dtype"))] = None,
@@ -247,7 +250,7 @@ def train_mtp(
         flags = {"steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "warmup_steps": warmup_steps,
                  "gen_max_tokens": gen_max_tokens, "gen_batch_size": gen_batch_size, "gen_samples": gen_samples,
                  "gen_temperature": gen_temperature, "shortlist": shortlist,
-                 "chain_weight": chain_weight, "eval_every": eval_every, "checkpoint_every": checkpoint_every,
+                 "chain_weight": chain_weight, "distill": distill, "eval_every": eval_every, "checkpoint_every": checkpoint_every,
                  "save_dtype": save_dtype, "init": init, "seed": seed}
         cfg = from_mapping(TrainConfig, {k: v for k, v in flags.items() if v is not None}, "train-mtp")
         if output.exists() and not output.is_dir():

@@ -34,6 +34,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     shortlist: int = 8192  # training softmax over the most frequent labels; 0: the full vocabulary
     hidden_noise: float = 0.0  # Gaussian noise on the main hidden input, std relative to each row's RMS (EAGLE)
+    distill: float = 0.0  # weight of the soft-target loss: cross-entropy against the main model's own distribution
+    # over the shortlist (from its cached hidden state one position on), the rest on the greedy label; 0: labels only
     chain_weight: float = 0.5  # weight of the second-draft loss (the head applied to its own output); 0 halves a step
     init: str = "last-layer"  # block initialised from the main model's last layer, or random
     seed: int = 0
@@ -63,6 +65,8 @@ class TrainConfig:
             raise ConfigError(f"gen-temperature must be > 0, got {self.gen_temperature}")
         if self.chain_weight < 0 or self.hidden_noise < 0:
             raise ConfigError("chain-weight and hidden-noise must be >= 0")
+        if not 0 <= self.distill <= 1:
+            raise ConfigError(f"distill must be in [0, 1], got {self.distill}")
         if self.save_dtype not in SAVE_DTYPES:
             raise ConfigError(f"save-dtype must be one of {', '.join(SAVE_DTYPES)}, got {self.save_dtype!r}")
         if self.init not in INITS:

@@ -122,19 +122,33 @@ class Trainer:
         x1, kv = self.head(hidden, next_ids, positions)
         logits = self.head.logits(x1, paddle.to_tensor(b.loss_rows), self.lm_train)  # [num_loss, V']
         labels = paddle.to_tensor(b.label_ids)
-        loss = F.cross_entropy(logits, labels.unsqueeze(-1)).mean()
+        loss = self._loss(logits, labels, b.teacher_rows)
         acc = float((paddle.argmax(logits, axis=-1) == labels).astype("float32").mean())
         acc2 = None
         if cfg.chain_weight > 0 and len(b.chain_rows):
             x2 = self.head.chain(x1, kv, paddle.to_tensor(b.after_ids), positions)
             logits2 = self.head.logits(x2, paddle.to_tensor(b.chain_rows), self.lm_train)
             labels2 = paddle.to_tensor(b.chain_ids)
-            loss = loss + cfg.chain_weight * F.cross_entropy(logits2, labels2.unsqueeze(-1)).mean()
+            loss = loss + cfg.chain_weight * self._loss(logits2, labels2, b.chain_teacher_rows)
             acc2 = float((paddle.argmax(logits2, axis=-1) == labels2).astype("float32").mean())
         loss.backward()
         self.opt.step(lr_at(step, cfg))
         self.head.clear_gradients()
         return float(loss), acc, acc2
+
+    def _loss(self, logits: paddle.Tensor, labels: paddle.Tensor, teacher_rows: np.ndarray) -> paddle.Tensor:
+        """Mean cross-entropy of logits [num, V'] against the greedy labels [num] and, with cfg.distill, against
+        the main model's own distribution over the training vocabulary: softmax of its cached (final normed)
+        hidden state one position on, times the LM head, the logits it chose the label from."""
+        hard = F.cross_entropy(logits, labels.unsqueeze(-1)).mean()
+        d = self.cfg.distill
+        if d == 0:
+            return hard
+        with paddle.no_grad():
+            teacher = paddle.to_tensor(np.asarray(self.set.data.hidden[teacher_rows], np.float32))  # [num, hidden]
+            target = F.softmax(paddle.matmul(teacher, self.lm_train), axis=-1)  # [num, V']
+        soft = -(target * F.log_softmax(logits, axis=-1)).sum(-1).mean()
+        return (1 - d) * hard + d * soft
 
     @paddle.no_grad()
     def evaluate(self) -> dict[str, float]:

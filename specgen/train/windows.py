@@ -93,6 +93,9 @@ class Batch:
     label_ids: np.ndarray  # [num_loss] int64 greedy choice at i + 2 of each loss row, as a vocabulary index
     chain_rows: np.ndarray  # [num_chain] int64 loss rows with a position i + 3 (second-draft loss)
     chain_ids: np.ndarray  # [num_chain] int64 greedy choice at i + 3, as a vocabulary index
+    teacher_rows: np.ndarray  # [num_loss] int64 row of CachedData.hidden at i + 1: the main model's state whose
+    # logits are its distribution over the label at i + 2
+    chain_teacher_rows: np.ndarray  # [num_chain] int64 row at i + 2, for the label at i + 3
 
 
 def make_batch(data: CachedData, windows: Windows, picks: np.ndarray, seq_len: int,
@@ -105,12 +108,14 @@ def make_batch(data: CachedData, windows: Windows, picks: np.ndarray, seq_len: i
     positions = np.zeros((B, seq_len), np.int64)
     labels = np.full((B, seq_len), -1, np.int64)
     chain = np.full((B, seq_len), -1, np.int64)
+    rows = np.zeros((B, seq_len), np.int64)  # row of CachedData.hidden at each position
     for b, w in enumerate(picks.tolist()):
         s, start, n, loss_from = (int(x[w]) for x in (windows.seq, windows.start, windows.length, windows.loss_from))
         r0 = data.row_start[s] + start - data.first_pos[s]
         t0 = data.tok_start[s] + start - data.first_pos[s]
         seq_end = data.tok_start[s] + data.num_rows[s] + 1  # one past sequence s's last token
         hidden[b, :n] = data.hidden[r0:r0 + n]
+        rows[b, :n] = np.arange(r0, r0 + n)
         next_ids[b, :n] = data.tokens[t0 + 1:t0 + 1 + n]
         after_ids[b, :n] = data.tokens[t0 + 2:t0 + 2 + n]  # exists: a window's positions are < T - 2
         positions[b, :n] = np.arange(start, start + n)
@@ -122,4 +127,7 @@ def make_batch(data: CachedData, windows: Windows, picks: np.ndarray, seq_len: i
     flat, cflat = labels.reshape(-1), chain.reshape(-1)
     loss_rows = np.nonzero(flat >= 0)[0]
     chain_rows = np.nonzero(cflat >= 0)[0]
-    return Batch(hidden, next_ids, after_ids, positions, loss_rows, flat[loss_rows], chain_rows, cflat[chain_rows])
+    # rows i + 1 and i + 2 exist wherever a label at i + 2 (i + 3) does: a sequence stores rows up to T - 2
+    flat_rows = rows.reshape(-1)
+    return Batch(hidden, next_ids, after_ids, positions, loss_rows, flat[loss_rows], chain_rows, cflat[chain_rows],
+                 flat_rows[loss_rows] + 1, flat_rows[chain_rows] + 2)

@@ -15,7 +15,7 @@ from specgen.train.config import TrainConfig
 from specgen.train.data import generate_data, load_data, read_requests
 from specgen.train.head import TrainableHead, export_weights, initial_weights
 from specgen.train.trainer import Trainer
-from specgen.train.windows import make_windows
+from specgen.train.windows import make_batch, make_windows
 
 SMALL = {"gen_max_tokens": 24, "gen_batch_size": 8, "steps": 12, "batch_size": 4, "seq_len": 16, "lr": 3e-3,
          "warmup_steps": 2, "log_every": 2, "eval_every": 4, "checkpoint_every": 4, "chain_weight": 0.5}
@@ -233,9 +233,23 @@ def test_data_generation_resumes(lm, data_dir, tmp_path):
                                    atol=1e-2)
 
 
-def test_training_lowers_the_loss(lm, data_dir, tmp_path):
+def test_teacher_rows_hold_the_state_each_label_was_chosen_from(lm, data_dir):
+    """A batch's teacher rows (position i + 1, and i + 2 for the second draft) are the cached hidden states whose
+    LM-head argmax is the label at i + 2 (i + 3): the distribution the soft-target loss distils."""
+    data = load_data(data_dir / "data")
+    w = make_windows(data, seq_len=16, overlap=4, prompt_examples=True)
+    b = make_batch(data, w, np.arange(len(w)), 16, np.arange(lm.config.vocab_size))
+    lm_head = dense(lm.model.w.lm_head).numpy()  # [hidden, vocab]
+    for rows, labels in ((b.teacher_rows, b.label_ids), (b.chain_teacher_rows, b.chain_ids)):
+        assert len(rows) == len(labels) > 50
+        chosen = (np.asarray(data.hidden[rows], np.float32) @ lm_head).argmax(-1)
+        assert (chosen == labels).mean() > 0.97  # float16 rows: a near-tie may flip
+
+
+@pytest.mark.parametrize("distill", [0.0, 0.5])
+def test_training_lowers_the_loss(lm, data_dir, tmp_path, distill):
     out = fresh_run(data_dir, tmp_path, "run")
-    cfg = TrainConfig(**{**SMALL, "steps": 30, "log_every": 5, "eval_every": 30})
+    cfg = TrainConfig(**{**SMALL, "steps": 30, "log_every": 5, "eval_every": 30, "distill": distill})
     trainer = Trainer(lm, out, cfg)
     rows = []
     trainer.run(lambda step, total, row: row and rows.append(row))
