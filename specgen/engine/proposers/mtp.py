@@ -254,14 +254,18 @@ class MtpProposer:
         `hidden` (the main forward's final hidden states); last_rows [num_seqs]: each sequence's last token."""
         m, hd, cfg = self.model, self.head, self.model.config
         self.cache.reserve(needed)
-        t = paddle.to_tensor
+        n, s = len(token_ids), len(last_rows)
+        # the per-token index arrays as one host-to-tensor copy, then views: token ids, rows, positions, slots,
+        # prefix lengths (none: a zero per token), each sequence's last token [5 n + s] (~10 us per copy saved)
+        index = paddle.to_tensor(np.concatenate([token_ids, rows, positions, token_slots, np.zeros(n, np.int64),
+                                                 last_rows]).astype(np.int64, copy=False))
+        tok, row, pos, slot, pre = (index[i * n:(i + 1) * n] for i in range(5))
         *weights, q_norm, k_norm = hd.columns
         out = m.ops.specgen_mtp_draft(
-            t(token_ids), hidden, t(rows), hd.embed, hd.enorm, hd.hnorm, hd.eh_proj.panels, *weights, m.cos, m.sin,
-            t(positions), t(token_slots), [self.cache.k[0]], [self.cache.v[0]], q_norm, k_norm,
-            t(np.zeros(len(token_ids), np.int64)), [m._ones], [m._ones], t(last_rows), hd.final_norm,
-            hd.lm_head.panels, hd.vocab_ids, cfg.num_heads, cfg.num_kv_heads, self.cache.capacity, cfg.qk_norm,
-            cfg.rms_norm_eps, 0, depth, hd.lm_head.n)
+            tok, hidden, row, hd.embed, hd.enorm, hd.hnorm, hd.eh_proj.panels, *weights, m.cos, m.sin,
+            pos, slot, [self.cache.k[0]], [self.cache.v[0]], q_norm, k_norm, pre, [m._ones], [m._ones],
+            index[5 * n:5 * n + s], hd.final_norm, hd.lm_head.panels, hd.vocab_ids, cfg.num_heads,
+            cfg.num_kv_heads, self.cache.capacity, cfg.qk_norm, cfg.rms_norm_eps, 0, depth, hd.lm_head.n)
         return (out[0] if isinstance(out, (list, tuple)) else out).numpy()  # [num_seqs, depth]
 
 
