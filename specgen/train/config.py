@@ -34,8 +34,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     shortlist: int = 8192  # training softmax over the most frequent labels; 0: the full vocabulary
     hidden_noise: float = 0.0  # Gaussian noise on the main hidden input, std relative to each row's RMS (EAGLE)
-    distill: float = 0.0  # weight of the soft-target loss: cross-entropy against the main model's own distribution
-    # over the shortlist (from its cached hidden state one position on), the rest on the greedy label; 0: labels only
+    distill: float = 0.5  # weight of the soft-target loss: cross-entropy against the main model's own distribution
+    # over the shortlist (from its cached hidden state one position on), the rest on the greedy label; 0: labels
+    # only. On the default model's 400 prompts, 500 steps: held-out top-1 0.415 (0) -> 0.433 (0.5), 0.420 (1)
     chain_weight: float = 0.5  # weight of the second-draft loss (the head applied to its own output); 0 halves a step
     init: str = "last-layer"  # block initialised from the main model's last layer, or random
     seed: int = 0

@@ -246,6 +246,29 @@ def test_teacher_rows_hold_the_state_each_label_was_chosen_from(lm, data_dir):
         assert (chosen == labels).mean() > 0.97  # float16 rows: a near-tie may flip
 
 
+def test_distill_loss_mixes_the_label_and_the_main_models_distribution(lm, data_dir, tmp_path):
+    """(1 - d) cross-entropy on the greedy label + d cross-entropy against softmax(teacher row @ LM head) over the
+    training vocabulary, computed here in float64 numpy."""
+    d = 0.3
+    trainer = Trainer(lm, fresh_run(data_dir, tmp_path, "run"), TrainConfig(**{**SMALL, "distill": d}))
+    s = trainer.set
+    b = make_batch(s.data, s.train, np.arange(min(4, len(s.train))), SMALL["seq_len"], s.vocab_index)
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((len(b.label_ids), len(s.vocab_ids))).astype(np.float32)
+    got = float(trainer._loss(paddle.to_tensor(logits), paddle.to_tensor(b.label_ids), b.teacher_rows))
+    lm_train = dense(lm.model.w.lm_head).numpy()[:, s.vocab_ids].astype(np.float64)
+    t = np.asarray(s.data.hidden[b.teacher_rows], np.float64) @ lm_train
+    p = np.exp(t - t.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    z = logits.astype(np.float64)
+    logp = z - z.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    hard = -logp[np.arange(len(z)), b.label_ids].mean()
+    soft = -(p * logp).sum(-1).mean()
+    assert abs(soft - hard) > 0.01  # the two terms differ, so the mix is tested
+    assert got == pytest.approx((1 - d) * hard + d * soft, rel=1e-4)
+
+
 @pytest.mark.parametrize("distill", [0.0, 0.5])
 def test_training_lowers_the_loss(lm, data_dir, tmp_path, distill):
     out = fresh_run(data_dir, tmp_path, "run")
