@@ -250,7 +250,8 @@ def train_mtp(
         flags = {"steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "warmup_steps": warmup_steps,
                  "gen_max_tokens": gen_max_tokens, "gen_batch_size": gen_batch_size, "gen_samples": gen_samples,
                  "gen_temperature": gen_temperature, "shortlist": shortlist,
-                 "chain_weight": chain_weight, "distill": distill, "eval_every": eval_every, "checkpoint_every": checkpoint_every,
+                 "chain_weight": chain_weight, "distill": distill, "eval_every": eval_every,
+                 "checkpoint_every": checkpoint_every,
                  "save_dtype": save_dtype, "init": init, "seed": seed}
         cfg = from_mapping(TrainConfig, {k: v for k, v in flags.items() if v is not None}, "train-mtp")
         if output.exists() and not output.is_dir():

@@ -24,8 +24,8 @@ class TrainConfig:
     eval_fraction: float = 0.05  # share of the sequences held out for evaluation
     max_eval_windows: int = 32  # windows of the held-out sequences evaluated (full vocabulary)
     # optimisation
-    steps: int = 500  # labels only, the default head's held-out accuracy peaked by step 500; with --distill 0.5, 0.433 at
-    # 500 and 0.438 at 800 (the shipped head: --steps 800, ~27 min of training)
+    steps: int = 500  # labels only, the default head's held-out accuracy peaked by step 500; with --distill 0.5:
+    # 0.433 at 500 and 0.438 at 800 (the shipped head: --steps 800, ~27 min of training)
     batch_size: int = 16  # windows per step
     seq_len: int = 128  # positions per window
     lr: float = 1e-3
