@@ -1,16 +1,26 @@
 """Write the prompts `specgen train-mtp` trains the default head on, disjoint from the evaluation prompts.
 
-    python scripts/make_mtp_train_prompts.py -o mtp_train_prompts.jsonl [--tinystories]
+    python scripts/make_mtp_train_prompts.py -o mtp_train_prompts.jsonl [--tinystories] [--stdlib-code N]
+        [--stdlib-prose N]
 
 Evaluation (benchmarks/mtp_bench.py, benchmarks/spec_bench.py) uses the first EVAL_PER_CATEGORY Spec-Bench
 prompts of each category and the first EVAL_MBPP MBPP items; training uses Spec-Bench items at index
 >= EVAL_PER_CATEGORY within their category (first turn), MBPP items from TRAIN_MBPP_FROM on, with the same
 code-rewriting prompt, and optionally the TinyStories sample (each story's first sentences, to continue).
+
+The shared data holds only 400 prompts outside the evaluation slices. `--stdlib-code N` adds N code-rewriting
+prompts (the same wording as the MBPP ones) built from functions of Python's own standard library, and
+`--stdlib-prose N` adds N "Summarize:" prompts (Spec-Bench's wording) built from passages of its prose
+documentation (`pydoc_data.topics`) and module docstrings. Both are on every machine that runs Python,
+disjoint from the evaluation prompts, and chosen deterministically (sorted files, evenly spaced picks).
 """
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
 import json
+import sysconfig
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,6 +28,9 @@ DATA = ROOT.parent / "shared" / "data"
 EVAL_PER_CATEGORY = 40
 EVAL_MBPP = 200
 TRAIN_MBPP_FROM = 227
+SUMMARIZE = "Summarize: {text}"
+CODE_LINES = (6, 40)  # standard-library functions of this many lines make code-rewriting prompts
+PROSE_CHARS = (800, 3500)  # prose passages of this many characters make summarization prompts
 REWRITE = "Rewrite this function with type hints and a docstring:\n\n```python\n{code}\n```"
 
 
@@ -36,7 +49,8 @@ def spec_bench_prompts(path: Path) -> list[dict]:
 
 def mbpp_prompts(path: Path) -> list[dict]:
     items = json.loads(path.read_text())
-    return [{"id": f"mbpp-{m['task_id']}", "messages": [{"role": "user", "content": REWRITE.format(code=m["code"])}]}
+    return [{"id": f"mbpp-{m['task_id']}",
+             "messages": [{"role": "user", "content": REWRITE.format(code=m["code"])}]}
             for m in items[TRAIN_MBPP_FROM:]]
 
 
@@ -50,16 +64,109 @@ def tinystories_prompts(path: Path) -> list[dict]:
     return out
 
 
+def _evenly(items: list, n: int) -> list:
+    """n items spread evenly over the list (all of them when it is shorter)."""
+    if n >= len(items):
+        return items
+    return [items[i * len(items) // n] for i in range(n)]
+
+
+_STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+
+_SKIP = ("test", "idlelib", "lib2to3", "site-packages", "turtledemo", "ensurepip")  # tests, tools, vendored
+
+
+def _stdlib_files() -> list[Path]:
+    return [p for p in sorted(_STDLIB.rglob("*.py"))
+            if not any(part.startswith(_SKIP) for part in p.relative_to(_STDLIB).parts)]
+
+
+@functools.cache
+def _code_candidates() -> tuple[tuple[str, str], ...]:
+    found = []
+    for path in _stdlib_files():
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        lines = source.splitlines()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.col_offset == 0:
+                body = node.body[0]
+                has_doc = (isinstance(body, ast.Expr) and isinstance(body.value, ast.Constant)
+                           and isinstance(body.value.value, str) and len(node.body) > 1)
+                # the docstring is dropped: the MBPP functions have none, and the prompt asks for one
+                kept = [ln for i, ln in enumerate(lines[node.lineno - 1:node.end_lineno], node.lineno)
+                        if not (has_doc and body.lineno <= i <= body.end_lineno)]
+                if CODE_LINES[0] <= len(kept) <= CODE_LINES[1]:
+                    code = "\n".join(kept)
+                    name = ".".join(path.relative_to(_STDLIB).with_suffix("").parts)
+                    found.append((f"stdlib-{name}-{node.name}-{node.lineno}", code))
+    return tuple(found)
+
+
+def stdlib_code_prompts(n: int) -> list[dict]:
+    """Code-rewriting prompts from the standard library's top-level functions, their docstrings dropped."""
+    return [{"id": key, "messages": [{"role": "user", "content": REWRITE.format(code=code)}]}
+            for key, code in _evenly(list(_code_candidates()), n)]
+
+
+def _passages(text: str) -> list[str]:
+    """Runs of whole paragraphs of PROSE_CHARS characters."""
+    out, current = [], ""
+    for para in (p.strip() for p in text.split("\n\n")):
+        if not para:
+            continue
+        current = f"{current}\n\n{para}" if current else para
+        if len(current) >= PROSE_CHARS[0]:
+            if len(current) <= PROSE_CHARS[1]:
+                out.append(current)
+            current = ""
+    return out
+
+
+@functools.cache
+def _prose_candidates() -> tuple[tuple[str, str], ...]:
+    import pydoc_data.topics
+
+    found = []
+    for name in sorted(pydoc_data.topics.topics):
+        found += [(f"pydoc-{name}-{i}", p) for i, p in enumerate(_passages(pydoc_data.topics.topics[name]))]
+    for path in _stdlib_files():
+        try:
+            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        if doc:
+            name = ".".join(path.relative_to(_STDLIB).with_suffix("").parts)
+            found += [(f"doc-{name}-{i}", p) for i, p in enumerate(_passages(doc))]
+    return tuple(found)
+
+
+def stdlib_prose_prompts(n: int) -> list[dict]:
+    """Summarization prompts from the standard library's prose documentation and module docstrings."""
+    return [{"id": key, "messages": [{"role": "user", "content": SUMMARIZE.format(text=text)}]}
+            for key, text in _evenly(list(_prose_candidates()), n)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-o", "--output", type=Path, required=True)
     ap.add_argument("--data", type=Path, default=DATA, help="the shared data folder")
     ap.add_argument("--tinystories", action="store_true", help="add the TinyStories sample")
+    ap.add_argument("--stdlib-code", type=int, default=0, metavar="N",
+                    help="add N code-rewriting prompts from the Python standard library's functions")
+    ap.add_argument("--stdlib-prose", type=int, default=0, metavar="N",
+                    help="add N summarization prompts from the standard library's prose documentation")
     args = ap.parse_args()
     records = spec_bench_prompts(args.data / "spec_bench" / "question.jsonl")
     records += mbpp_prompts(args.data / "mbpp" / "sanitized-mbpp.json")
     if args.tinystories:
         records += tinystories_prompts(args.data / "tinystories" / "tinystories_sample.txt")
+    records += stdlib_code_prompts(args.stdlib_code) if args.stdlib_code else []
+    records += stdlib_prose_prompts(args.stdlib_prose) if args.stdlib_prose else []
     args.output.write_text("".join(json.dumps(r) + "\n" for r in records))
     print(f"wrote {len(records)} prompts to {args.output}")
 
