@@ -230,6 +230,9 @@ def train_mtp(
     distill: Annotated[float | None, typer.Option(
         help=_train_default("Weight of the soft-target loss (the main model's own distribution over the label, "
                             "from its cached hidden states); the rest goes to the greedy label.", "distill"))] = None,
+    hidden_noise: Annotated[float | None, typer.Option(
+        help=_train_default("Gaussian noise on the cached hidden input, std relative to each row's RMS (EAGLE); "
+                            "0: none.", "hidden_noise"))] = None,
     eval_every: Annotated[int | None, typer.Option(help=_train_default("Held-out evaluation every N steps.", "eval_every"))] = None,
     checkpoint_every: Annotated[int | None, typer.Option(help=_train_default("Checkpoint every N steps.", "checkpoint_every"))] = None,
     save_dtype: Annotated[str | None, typer.Option(help=_train_default("float16 | float32 on disk (loading upcasts).", "save_dtype"))] = None,
@@ -250,7 +253,8 @@ def train_mtp(
         flags = {"steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "warmup_steps": warmup_steps,
                  "gen_max_tokens": gen_max_tokens, "gen_batch_size": gen_batch_size, "gen_samples": gen_samples,
                  "gen_temperature": gen_temperature, "shortlist": shortlist,
-                 "chain_weight": chain_weight, "distill": distill, "eval_every": eval_every,
+                 "chain_weight": chain_weight, "distill": distill, "hidden_noise": hidden_noise,
+                 "eval_every": eval_every,
                  "checkpoint_every": checkpoint_every,
                  "save_dtype": save_dtype, "init": init, "seed": seed}
         cfg = from_mapping(TrainConfig, {k: v for k, v in flags.items() if v is not None}, "train-mtp")

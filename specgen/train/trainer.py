@@ -89,6 +89,15 @@ def _tensors(b: Batch):
     return (paddle.to_tensor(b.hidden), paddle.to_tensor(b.next_ids), paddle.to_tensor(b.positions))
 
 
+def noisy_hidden(hidden: np.ndarray, scale: float, seed: int, step: int) -> np.ndarray:
+    """hidden [N, H] plus Gaussian noise of std `scale` x each row's RMS (EAGLE's input noise: the head
+    sees the main model's states as slightly off, as its own drafts will be). Seeded by (seed, step), so a
+    resumed run draws the same noise."""
+    rms = np.sqrt((hidden ** 2).mean(-1, keepdims=True))  # [N, 1]
+    noise = np.random.default_rng([seed, step, 1]).standard_normal(hidden.shape, np.float32)
+    return (hidden + scale * rms * noise).astype(hidden.dtype)
+
+
 class Trainer:
     """Trains a head for `loaded.model` on MTP_DIR/data and writes MTP_DIR/{model.safetensors, config.json, ...}."""
 
@@ -114,10 +123,8 @@ class Trainer:
         cfg, s = self.cfg, self.set
         picks = batch_picks(step, len(s.train), cfg.batch_size, cfg.seed)
         b = make_batch(s.data, s.train, picks, cfg.seq_len, s.vocab_index)
-        if cfg.hidden_noise > 0:  # seeded by (seed, step): a resumed run draws the same noise
-            rms = np.sqrt((b.hidden ** 2).mean(-1, keepdims=True))
-            noise = np.random.default_rng([cfg.seed, step, 1]).standard_normal(b.hidden.shape, np.float32)
-            b = dataclasses.replace(b, hidden=b.hidden + cfg.hidden_noise * rms * noise)
+        if cfg.hidden_noise > 0:
+            b = dataclasses.replace(b, hidden=noisy_hidden(b.hidden, cfg.hidden_noise, cfg.seed, step))
         hidden, next_ids, positions = _tensors(b)
         x1, kv = self.head(hidden, next_ids, positions)
         logits = self.head.logits(x1, paddle.to_tensor(b.loss_rows), self.lm_train)  # [num_loss, V']

@@ -14,7 +14,7 @@ from specgen.kernels import dense
 from specgen.train.config import TrainConfig
 from specgen.train.data import generate_data, load_data, read_requests
 from specgen.train.head import TrainableHead, export_weights, initial_weights
-from specgen.train.trainer import Trainer
+from specgen.train.trainer import Trainer, noisy_hidden
 from specgen.train.windows import make_batch, make_windows
 
 SMALL = {"gen_max_tokens": 24, "gen_batch_size": 8, "steps": 12, "batch_size": 4, "seq_len": 16, "lr": 3e-3,
@@ -290,6 +290,19 @@ def csv_rows(out):
     return [line.rsplit(",", 1)[0] for line in (out / "loss.csv").read_text().splitlines()]  # without seconds
 
 
+def test_hidden_noise_is_relative_to_each_row_and_seeded():
+    rng = np.random.default_rng(3)
+    hidden = rng.standard_normal((64, 2048)).astype(np.float32) * np.geomspace(0.01, 100, 64, dtype=np.float32)[:, None]
+    rms = np.sqrt((hidden.astype(np.float64) ** 2).mean(-1))
+    noisy = noisy_hidden(hidden, 0.1, seed=0, step=7)
+    assert noisy.dtype == np.float32 and noisy.shape == hidden.shape
+    ratio = (noisy - hidden).std(-1) / rms  # per row: the noise's std over the row's RMS
+    np.testing.assert_allclose(ratio, 0.1, rtol=0.06)
+    assert np.array_equal(noisy, noisy_hidden(hidden, 0.1, seed=0, step=7))  # a resumed run draws the same
+    assert not np.array_equal(noisy, noisy_hidden(hidden, 0.1, seed=0, step=8))
+    assert not np.array_equal(noisy, noisy_hidden(hidden, 0.1, seed=1, step=7))
+
+
 def test_training_is_reproducible_and_resumes_exactly(lm, data_dir, tmp_path):
     cfg = TrainConfig(**SMALL)
     a = fresh_run(data_dir, tmp_path, "a")
@@ -345,11 +358,13 @@ def test_cli_train_then_run_with_the_head(tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", n=10)
     out = tmp_path / "head"
     args = ["train-mtp", "--model", str(TINY / "llama"), "--data", str(prompts), "-o", str(out), "--steps", "6",
-            "--batch-size", "4", "--seq-len", "16", "--gen-max-tokens", "16", "--threads", "1", "--quiet"]
+            "--batch-size", "4", "--seq-len", "16", "--gen-max-tokens", "16", "--hidden-noise", "0.05",
+            "--threads", "1", "--quiet"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     meta = json.loads((out / "config.json").read_text())
     assert meta["specgen_training"]["steps"] == 6 and meta["torch_dtype"] == "float16"
+    assert meta["specgen_training"]["hidden_noise"] == 0.05
     assert CliRunner().invoke(app, args).exit_code == 0  # rerun: everything is there, nothing is redone
     src = [json.loads(x)["input_ids"] for x in prompts.read_text().splitlines()]
     sp = SamplingParams(max_tokens=12)
@@ -361,7 +376,7 @@ def test_cli_train_then_run_with_the_head(tmp_path):
 
     help_text = " ".join(CliRunner().invoke(app, ["train-mtp", "--help"]).output.split())
     for option in ("--data", "--output", "--model", "--steps", "--batch-size", "--lr", "--seq-len", "--threads",
-                   "--gen-max-tokens", "--shortlist", "--chain-weight", "--save-dtype"):
+                   "--gen-max-tokens", "--shortlist", "--chain-weight", "--distill", "--hidden-noise", "--save-dtype"):
         assert option in help_text, option
     assert f"[default: {TrainConfig.steps}]" in help_text
     bad = CliRunner().invoke(app, ["train-mtp", "--data", str(tmp_path / "none.jsonl"), "-o", str(out)])
