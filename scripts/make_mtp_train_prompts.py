@@ -72,8 +72,6 @@ def _evenly(items: list, n: int) -> list:
 
 
 _STDLIB = Path(sysconfig.get_paths()["stdlib"])
-
-
 _SKIP = ("test", "idlelib", "lib2to3", "site-packages", "turtledemo", "ensurepip")  # tests, tools, vendored
 
 
@@ -114,7 +112,8 @@ def stdlib_code_prompts(n: int) -> list[dict]:
 
 
 def _passages(text: str) -> list[str]:
-    """Runs of whole paragraphs of PROSE_CHARS characters."""
+    """Runs of whole paragraphs, each closed once it reaches PROSE_CHARS[0] characters and kept only if it stays
+    within PROSE_CHARS[1] (one very long paragraph is dropped, not cut)."""
     out, current = [], ""
     for para in (p.strip() for p in text.split("\n\n")):
         if not para:
