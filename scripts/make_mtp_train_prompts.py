@@ -80,40 +80,49 @@ def _stdlib_files() -> list[Path]:
             if not any(part.startswith(_SKIP) for part in p.relative_to(_STDLIB).parts)]
 
 
+def _functions(lines: list[str], tree: ast.Module) -> list[tuple[str, str]]:
+    """(name, code) of the module's top-level functions of CODE_LINES lines, their docstrings dropped
+    (the MBPP functions have none, and the prompt asks for one)."""
+    out = []
+    for node in tree.body:
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        body = node.body[0]
+        has_doc = (isinstance(body, ast.Expr) and isinstance(body.value, ast.Constant)
+                   and isinstance(body.value.value, str) and len(node.body) > 1)
+        kept = [ln for i, ln in enumerate(lines[node.lineno - 1:node.end_lineno], node.lineno)
+                if not (has_doc and body.lineno <= i <= body.end_lineno)]
+        if CODE_LINES[0] <= len(kept) <= CODE_LINES[1]:
+            out.append((f"{node.name}-{node.lineno}", "\n".join(kept)))
+    return out
+
+
 @functools.cache
-def _code_candidates() -> tuple[tuple[str, str], ...]:
-    found = []
+def _stdlib_candidates() -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
+    """(id, code) of every function and (id, passage) of every module docstring, one parse per file."""
+    code, prose = [], []
     for path in _stdlib_files():
         try:
             source = path.read_text(encoding="utf-8")
             tree = ast.parse(source)
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
-        lines = source.splitlines()
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.col_offset == 0:
-                body = node.body[0]
-                has_doc = (isinstance(body, ast.Expr) and isinstance(body.value, ast.Constant)
-                           and isinstance(body.value.value, str) and len(node.body) > 1)
-                # the docstring is dropped: the MBPP functions have none, and the prompt asks for one
-                kept = [ln for i, ln in enumerate(lines[node.lineno - 1:node.end_lineno], node.lineno)
-                        if not (has_doc and body.lineno <= i <= body.end_lineno)]
-                if CODE_LINES[0] <= len(kept) <= CODE_LINES[1]:
-                    code = "\n".join(kept)
-                    name = ".".join(path.relative_to(_STDLIB).with_suffix("").parts)
-                    found.append((f"stdlib-{name}-{node.name}-{node.lineno}", code))
-    return tuple(found)
+        name = ".".join(path.relative_to(_STDLIB).with_suffix("").parts)
+        code += [(f"stdlib-{name}-{key}", text) for key, text in _functions(source.splitlines(), tree)]
+        doc = ast.get_docstring(tree)
+        prose += [(f"doc-{name}-{i}", p) for i, p in enumerate(_passages(doc))] if doc else []
+    return tuple(code), tuple(prose)
 
 
 def stdlib_code_prompts(n: int) -> list[dict]:
     """Code-rewriting prompts from the standard library's top-level functions, their docstrings dropped."""
     return [{"id": key, "messages": [{"role": "user", "content": REWRITE.format(code=code)}]}
-            for key, code in _evenly(list(_code_candidates()), n)]
+            for key, code in _evenly(list(_stdlib_candidates()[0]), n)]
 
 
 def _passages(text: str) -> list[str]:
-    """Runs of whole paragraphs, each closed once it reaches PROSE_CHARS[0] characters and kept only if it stays
-    within PROSE_CHARS[1] (one very long paragraph is dropped, not cut)."""
+    """Runs of whole paragraphs, each closed once it reaches PROSE_CHARS[0] characters and kept only if it
+    stays within PROSE_CHARS[1] (one very long paragraph is dropped, not cut)."""
     out, current = [], ""
     for para in (p.strip() for p in text.split("\n\n")):
         if not para:
@@ -130,18 +139,10 @@ def _passages(text: str) -> list[str]:
 def _prose_candidates() -> tuple[tuple[str, str], ...]:
     import pydoc_data.topics
 
-    found = []
-    for name in sorted(pydoc_data.topics.topics):
-        found += [(f"pydoc-{name}-{i}", p) for i, p in enumerate(_passages(pydoc_data.topics.topics[name]))]
-    for path in _stdlib_files():
-        try:
-            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        if doc:
-            name = ".".join(path.relative_to(_STDLIB).with_suffix("").parts)
-            found += [(f"doc-{name}-{i}", p) for i, p in enumerate(_passages(doc))]
-    return tuple(found)
+    topics = pydoc_data.topics.topics
+    found = [(f"pydoc-{name}-{i}", p)
+             for name in sorted(topics) for i, p in enumerate(_passages(topics[name]))]
+    return tuple(found) + _stdlib_candidates()[1]
 
 
 def stdlib_prose_prompts(n: int) -> list[dict]:
