@@ -63,27 +63,23 @@ int main() {
     }
     printf("rows %d: other %.3f ms, this %.3f ms, other/this %.3f (medians of 60 alternated calls)\n", G, median(to) * 1e3, median(tn) * 1e3, median(to) / median(tn));
   }
-  {
-    std::vector<float> X32(32 * K), Y32(32 * NP * 32);
-    for (auto& v : X32) v = (rand() % 2000 - 1000) / 1000.f;
-    double to = 0, tn = 0;
-    for (int rep = 0; rep < 30; ++rep) for (int which = 0; which < 2; ++which) {
-      const bool use_new = which;
+  for (int M : {9, 12, 16, 24, 32, 64, 128}) {  // past 8 rows: qpanel_all's row groups
+    std::vector<float> XM(M * K), YM(M * NP * 32);
+    for (auto& v : XM) v = (rand() % 2000 - 1000) / 1000.f;
+    const int calls = M <= 32 ? 40 : 16;
+    std::vector<double> to, tn;
+    for (int it = 0; it < calls; ++it) {
+      const bool use_new = it % 2;
       double t = now();
-#pragma omp parallel
-      {
-        std::vector<float> scratch(K * 32 + 16);
-        float* w = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
-#pragma omp for
-        for (int64_t p = 0; p < NP; ++p) {
-          const uint8_t* pp = W + p * (K / 32) * BYTES;
-          if (use_new) { this_::dequant_panel<this_::Quant::kQ4_1>(pp, K, w); this_::panel_all(X32.data(), 32, K, w, Y32.data(), NP * 32, p * 32); }
-          else { other::dequant_panel<other::Quant::kQ4_1>(pp, K, w); other::panel_all(X32.data(), 32, K, w, Y32.data(), NP * 32, p * 32); }
-        }
+#pragma omp parallel for
+      for (int64_t p = 0; p < NP; ++p) {
+        const uint8_t* pp = W + p * (K / 32) * BYTES;
+        if (use_new) this_::qpanel_all<this_::Quant::kQ4_1>(XM.data(), M, K, pp, YM.data(), NP * 32, p * 32);
+        else other::qpanel_all<other::Quant::kQ4_1>(XM.data(), M, K, pp, YM.data(), NP * 32, p * 32);
       }
-      (use_new ? tn : to) += (now() - t) / 30;
+      (use_new ? tn : to).push_back(now() - t);
     }
-    printf("rows 32 (dequantized panel): other %.3f ms, this %.3f ms, other/this %.3f (means of 30)\n", to * 1e3, tn * 1e3, to / tn);
+    printf("rows %d: other %.3f ms, this %.3f ms, other/this %.3f (medians of %d alternated calls)\n", M, median(to) * 1e3, median(tn) * 1e3, median(to) / median(tn), calls / 2);
   }
 }
 """
@@ -91,7 +87,7 @@ int main() {
 
 def kernel_code(tree: Path) -> str:
     src = (tree / "specgen" / "kernels" / "linear.cc").read_text()
-    return src[src.index("constexpr int64_t kPanel = 32;"):src.index("template <Quant Q>\nvoid qpanel_all(")]
+    return src[src.index("constexpr int64_t kPanel = 32;"):src.index("void qpanel_any(const float* x")]
 
 
 def main() -> None:

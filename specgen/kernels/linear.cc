@@ -65,7 +65,7 @@ inline float rebuilt_weight(const uint8_t* qs, Quant q, float d, float m, int64_
 }
 
 // The dequantized panel [k, 32] of one quantized panel, in scalar code: the quantized path of builds without
-// AVX-512 (with AVX-512, dequant_panel and qpanel_rows below do the same with vectors).
+// AVX-512 (with AVX-512, block_weights and qpanel_rows below do the same with vectors).
 void dequant_panel_ref(const uint8_t* p, int64_t k, Quant q, float* out) {
   const int64_t bytes = static_cast<int64_t>(q);
   for (int64_t b = 0; b < k / kBlock; ++b, p += bytes) {
@@ -130,11 +130,21 @@ inline void panel_tail(const float* x, int64_t rows, int64_t k, const float* p, 
   }
 }
 
-void panel_all(const float* x, int64_t m, int64_t k, const float* p, float* y, int64_t n, int64_t c0) {
+// Rows in ceil(m / kGroup) groups of balanced sizes (5 + 4 rather than 8 + 1 for 9 rows): a group of G rows
+// keeps 2 G FMA chains in flight, and under 4 rows they wait on the FMA's latency (an 8 + 1 split cost 9 rows
+// what 12 cost). The first m mod groups groups get one row more.
+inline int64_t group_rows(int64_t m, int64_t groups, int64_t g) { return m / groups + (g < m % groups ? 1 : 0); }
+
+// y[r, c0 .. c0 + 32) = rows r0 .. m of x times panel p [k, 32], in balanced groups from the (g0)th of groups.
+void panel_groups(const float* x, int64_t m, int64_t k, const float* p, float* y, int64_t n, int64_t c0, int64_t r0,
+                  int64_t g0, int64_t groups) {
   const int64_t width = std::min<int64_t>(kPanel, n - c0);
-  int64_t r = 0;
-  for (; r + kGroup <= m; r += kGroup) panel_rows<kGroup>(x + r * k, k, p, y + r * n, n, c0, width);
-  panel_tail<kGroup - 1>(x + r * k, m - r, k, p, y + r * n, n, c0, width);
+  for (int64_t g = g0, r = r0; g < groups; r += group_rows(m, groups, g), ++g)
+    panel_tail<kGroup>(x + r * k, group_rows(m, groups, g), k, p, y + r * n, n, c0, width);
+}
+
+void panel_all(const float* x, int64_t m, int64_t k, const float* p, float* y, int64_t n, int64_t c0) {
+  panel_groups(x, m, k, p, y, n, c0, 0, 0, (m + kGroup - 1) / kGroup);
 }
 
 template <Quant Q>
@@ -187,10 +197,11 @@ inline void block_weights(const uint8_t* p, F&& f) {
   }
 }
 
-// panel_rows over a quantized panel: each weight is rebuilt in registers and applied to the G rows at once.
-template <Quant Q, int G>
+// panel_rows over a quantized panel: each weight is rebuilt in registers and applied to the G rows at once;
+// with Keep, the rebuilt panel [k, 32] is also stored in `keep` for the next row groups (qpanel_all).
+template <Quant Q, int G, bool Keep = false>
 inline void qpanel_rows(const float* x, int64_t k, const uint8_t* p, float* y, int64_t n, int64_t c0,
-                        int64_t width) {
+                        int64_t width, float* keep = nullptr) {
   constexpr int64_t bytes = static_cast<int64_t>(Q);
   __m512 a0[G], a1[G];
   for (int r = 0; r < G; ++r) {
@@ -200,28 +211,23 @@ inline void qpanel_rows(const float* x, int64_t k, const uint8_t* p, float* y, i
   for (int64_t b = 0; b < k / kBlock; ++b, p += bytes) {
     for (int64_t off = 0; off < bytes; off += 64)
       _mm_prefetch(reinterpret_cast<const char*>(p + kQuantAhead + off), _MM_HINT_T0);
-    block_weights<Q>(p, [&](int64_t i, __m512 w0, __m512 w1) { fma_rows<G>(x + b * kBlock, k, i, w0, w1, a0, a1); });
+    block_weights<Q>(p, [&](int64_t i, __m512 w0, __m512 w1) {
+      if constexpr (Keep) {
+        _mm512_store_ps(keep + (b * kBlock + i) * kPanel, w0);
+        _mm512_store_ps(keep + (b * kBlock + i) * kPanel + 16, w1);
+      }
+      fma_rows<G>(x + b * kBlock, k, i, w0, w1, a0, a1);
+    });
   }
   store_rows<G>(a0, a1, y, n, c0, width);
 }
 
-template <Quant Q, int G>
+template <Quant Q, int G, bool Keep = false>
 inline void qpanel_tail(const float* x, int64_t rows, int64_t k, const uint8_t* p, float* y, int64_t n, int64_t c0,
-                        int64_t width) {
+                        int64_t width, float* keep = nullptr) {
   if constexpr (G > 0) {
-    if (rows == G) return qpanel_rows<Q, G>(x, k, p, y, n, c0, width);
-    qpanel_tail<Q, G - 1>(x, rows, k, p, y, n, c0, width);
-  }
-}
-
-template <Quant Q>
-void dequant_panel(const uint8_t* p, int64_t k, float* out) {
-  constexpr int64_t bytes = static_cast<int64_t>(Q);
-  for (int64_t b = 0; b < k / kBlock; ++b, p += bytes) {
-    block_weights<Q>(p, [&](int64_t i, __m512 w0, __m512 w1) {
-      _mm512_store_ps(out + (b * kBlock + i) * kPanel, w0);
-      _mm512_store_ps(out + (b * kBlock + i) * kPanel + 16, w1);
-    });
+    if (rows == G) return qpanel_rows<Q, G, Keep>(x, k, p, y, n, c0, width, keep);
+    qpanel_tail<Q, G - 1, Keep>(x, rows, k, p, y, n, c0, width, keep);
   }
 }
 
@@ -229,12 +235,16 @@ template <Quant Q>
 void qpanel_all(const float* x, int64_t m, int64_t k, const uint8_t* p, float* y, int64_t n, int64_t c0) {
   const int64_t width = std::min<int64_t>(kPanel, n - c0);
   if (m <= kGroup) return qpanel_tail<Q, kGroup>(x, m, k, p, y, n, c0, width);
-  // Several row groups: rebuild the panel once (it stays in L2) and run the float32 kernel over it.
+  // Several row groups: the first rebuilds the panel in registers, as above, streaming the blocks with prefetch
+  // while it multiplies, and keeps the rebuilt panel (it stays in L2); the float32 kernel runs the other groups
+  // over it. (Rebuilding it first and multiplying after left the FMAs idle while the blocks came from memory:
+  // 16 rows cost 2.6x 8 rows.)
   static thread_local std::vector<__m512> scratch;  // [k, 32] floats, 64-byte aligned
   scratch.resize(k * kPanel / 16);
   float* w = reinterpret_cast<float*>(scratch.data());
-  dequant_panel<Q>(p, k, w);
-  panel_all(x, m, k, w, y, n, c0);
+  const int64_t groups = (m + kGroup - 1) / kGroup, first = group_rows(m, groups, 0);
+  qpanel_tail<Q, kGroup, true>(x, first, k, p, y, n, c0, width, w);
+  panel_groups(x, m, k, w, y, n, c0, first, 1, groups);
 }
 
 void qpanel_any(const float* x, int64_t m, int64_t k, const uint8_t* p, Quant q, float* y, int64_t n, int64_t c0) {
@@ -540,9 +550,9 @@ void ipanel_any(const QuantRows& a, int64_t m, const uint8_t* p, Quant q, float*
 // full product (the screen's arithmetic assumes finite inputs).
 
 // z[t] = the float32 product of x [k] with output column js[t] (t < count <= 8) of quantized panels in the float32
-// layout: for each, the FMA chain qpanel_rows (and, past kGroup rows, dequant_panel then panel_rows) runs for that
-// column, the weight rebuilt as block_weights does (rebuilt_weight). Eight chains at a time, interleaved: one
-// alone waits on each FMA's latency.
+// layout: for each, the FMA chain qpanel_rows (and, past kGroup rows, panel_rows over the panel it kept) runs
+// for that column, the weight rebuilt as block_weights does (rebuilt_weight). Eight chains at a time,
+// interleaved: one alone waits on each FMA's latency.
 constexpr int kChains = 8;
 
 void exact_columns(const float* x, int64_t k, const uint8_t* panels, Quant q, const int64_t* js, int count, float* z) {

@@ -176,20 +176,20 @@ def test_model_forward_with_kernels_equals_paddle_reference(arch):
 @pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (7, 45), (64, 33), (32, 32)])
 def test_packed_linear_matches_numpy_and_rows_do_not_depend_on_each_other(k, n):
     """specgen_linear over a packed weight: pack/unpack round trip, float64 reference, and each row's result
-    bit-identical whatever rows come with it (1 to 20 rows, any offset) - the property that keeps float32
-    speculation exact."""
+    bit-identical whatever rows come with it (1 to 41 rows, any offset, row groups of any balance) - the
+    property that keeps float32 speculation exact."""
     from specgen.kernels import pack_linear
 
     rng = np.random.default_rng(k + n)
     w = rng.standard_normal((k, n)).astype(np.float32)
     p = pack_linear(paddle.to_tensor(w))
     assert p.panels.shape == [-(-n // 32), k, 32] and np.array_equal(p.numpy(), w)
-    x = rng.standard_normal((20, k)).astype(np.float32)
+    x = rng.standard_normal((41, k)).astype(np.float32)
     y = K.specgen_linear(paddle.to_tensor(x), p.panels, n).numpy()
     ref = x.astype(np.float64) @ w.astype(np.float64)
-    assert y.shape == (20, n)
+    assert y.shape == (41, n)
     assert np.abs(y - ref).max() <= 1e-6 * np.sqrt(k) * np.abs(ref).max() + 1e-6
-    for m, at in [(1, 0), (1, 19), (3, 5), (6, 2), (8, 12), (9, 0), (15, 4)]:
+    for m, at in [(1, 0), (1, 40), (3, 5), (6, 2), (8, 12), (9, 0), (15, 4), (17, 20), (33, 7)]:
         part = K.specgen_linear(paddle.to_tensor(x[at:at + m]), p.panels, n).numpy()
         assert np.array_equal(part, y[at:at + m]), (m, at)
     assert K.specgen_linear(paddle.to_tensor(x[:0]), p.panels, n).shape == [0, n]
@@ -198,8 +198,9 @@ def test_packed_linear_matches_numpy_and_rows_do_not_depend_on_each_other(k, n):
 @pytest.mark.parametrize("kind,k,n", [("Q4_1", 576, 960), ("Q4_1", 64, 45), ("Q4_0", 96, 70), ("Q8_0", 576, 33)])
 def test_quantized_linear_equals_float32_over_the_dequantized_weight(kind, k, n):
     """specgen_linear over GGUF blocks packed by pack_quantized: the packed blocks dequantize to exactly what
-    gguf.quants gives, and every product (1 to 20 rows: the in-register path up to 8 rows and the dequantized
-    panel beyond) is bit-identical to specgen_linear over that float32 weight."""
+    gguf.quants gives, and every product (1 to 41 rows: the in-register path up to 8 rows; beyond, a first
+    group in registers that keeps the rebuilt panel and balanced groups over it) is bit-identical to
+    specgen_linear over that float32 weight."""
     import gguf
     from gguf.quants import dequantize
 
@@ -217,10 +218,10 @@ def test_quantized_linear_equals_float32_over_the_dequantized_weight(kind, k, n)
                                                                                          "Q8_0": 1088}[kind]]
     assert np.array_equal(q.numpy(), w)
     f = pack_linear(w)
-    x = rng.standard_normal((20, k)).astype(np.float32)
+    x = rng.standard_normal((41, k)).astype(np.float32)
     y = K.specgen_linear(paddle.to_tensor(x), q.panels, n).numpy()
     assert np.array_equal(y, K.specgen_linear(paddle.to_tensor(x), f.panels, n).numpy())
-    for m, at in [(1, 0), (1, 19), (2, 3), (5, 5), (6, 2), (8, 12), (9, 0), (16, 4)]:
+    for m, at in [(1, 0), (1, 40), (2, 3), (5, 5), (6, 2), (8, 12), (9, 0), (16, 4), (17, 20), (26, 15)]:
         part = K.specgen_linear(paddle.to_tensor(x[at:at + m]), q.panels, n).numpy()
         assert np.array_equal(part, y[at:at + m]), (m, at)
     with pytest.raises(OSError, match="not a quantized"):
