@@ -1,14 +1,14 @@
-"""This checkout's float32-over-blocks kernel (specgen/kernels/linear.cc: qpanel_rows, and dequant_panel with
-panel_all past 8 rows) against another checkout's, compiled side by side into one standalone program (two
-builds of the Paddle operators cannot share a process, and separate processes on this machine differ by 20%):
+"""This checkout's float32-over-blocks kernel (specgen/kernels/linear.cc: qpanel_all, the product of m rows
+with one panel) against another checkout's, compiled side by side into one standalone program (two builds of
+the Paddle operators cannot share a process, and separate processes on this machine differ by 20%):
 
     git worktree add /tmp/old <commit>
     python benchmarks/linear_ab.py --compare /tmp/old
 
-One Q4_1 weight of 6,144 panels x 576 inputs (113 M weights, about the default model's Q4_1 projections), random
-blocks; for 1 to 8 rows, 120 calls alternating between the two kernels, medians; for 32 rows (the dequantized
-panel path), 30 calls each. Needs g++ with AVX-512; the code between `constexpr int64_t kPanel` and `void
-qpanel_all` of each linear.cc is pasted into its own namespace.
+One Q4_1 weight of 6,144 panels x 576 inputs (113 M weights, about the default model's Q4_1 projections),
+random blocks; qpanel_all over every panel for 1 to 128 rows, calls alternating between the two kernels (120
+up to 8 rows, 40 up to 32, 16 beyond), medians. Needs g++ with AVX-512; the code between `constexpr int64_t
+kPanel` and the AVX-512 `void qpanel_any` of each linear.cc is pasted into its own namespace.
 """
 from __future__ import annotations
 
@@ -45,28 +45,11 @@ int main() {
   const size_t total = NP * (K / 32) * BYTES;
   uint8_t* W = (uint8_t*)aligned_alloc(64, total);
   for (size_t i = 0; i < total; ++i) W[i] = rand();
-  std::vector<float> X(8 * K), Y(8 * NP * 32);
-  for (auto& v : X) v = (rand() % 2000 - 1000) / 1000.f;
   auto median = [](std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; };
-  for (int G = 1; G <= 8; ++G) {
-    std::vector<double> to, tn;
-    for (int it = 0; it < 120; ++it) {
-      const bool use_new = it % 2;
-      double t = now();
-#pragma omp parallel for
-      for (int64_t p = 0; p < NP; ++p) {
-        const uint8_t* pp = W + p * (K / 32) * BYTES;
-        if (use_new) this_::qpanel_tail<this_::Quant::kQ4_1, 8>(X.data(), G, K, pp, Y.data(), NP * 32, p * 32, 32);
-        else other::qpanel_tail<other::Quant::kQ4_1, 8>(X.data(), G, K, pp, Y.data(), NP * 32, p * 32, 32);
-      }
-      (use_new ? tn : to).push_back(now() - t);
-    }
-    printf("rows %d: other %.3f ms, this %.3f ms, other/this %.3f (medians of 60 alternated calls)\n", G, median(to) * 1e3, median(tn) * 1e3, median(to) / median(tn));
-  }
-  for (int M : {9, 12, 16, 24, 32, 64, 128}) {  // past 8 rows: qpanel_all's row groups
+  for (int M : {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 64, 128}) {
     std::vector<float> XM(M * K), YM(M * NP * 32);
     for (auto& v : XM) v = (rand() % 2000 - 1000) / 1000.f;
-    const int calls = M <= 32 ? 40 : 16;
+    const int calls = M <= 8 ? 120 : M <= 32 ? 40 : 16;
     std::vector<double> to, tn;
     for (int it = 0; it < calls; ++it) {
       const bool use_new = it % 2;
