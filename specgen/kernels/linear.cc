@@ -22,9 +22,13 @@
 // prefetch 6 KB ahead, and applies every group of (up to) 8 input rows to a panel while it sits in L2. At
 // 6 rows per slot this costs ~1.2x one row instead of MKL's ~1.6x (BENCHMARKS.md, "Packed linear").
 //
-// Every output element y[r, c] is one FMA chain over k = 0, 1, ..., k-1 in that order, whatever m is and
-// wherever row r sits in the batch, so a row's result does not depend on batch composition (speculation on or
-// off gives bit-identical logits in float32). The generic path (no AVX-512) runs the same chains with std::fma.
+// Every output element y[r, c] is the sum of two FMA chains, even + odd: one over the even inputs i = 0, 2,
+// 4, ... and one over the odd inputs i = 1, 3, 5, ..., each in that order. That holds whatever m is and wherever
+// row r sits in the batch, so a row's result does not depend on batch composition (speculation on or off gives
+// bit-identical logits in float32). Groups of up to kBoth rows run both chains in one pass over the panel:
+// a one-row product with a single chain per output waited on the FMA's latency and read the weights at half
+// the memory's speed. Larger groups, whose registers do not hold both, run a pass per chain (the panel is in
+// L1 for the second). The generic path (no AVX-512) runs the same chains with std::fma.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -103,21 +107,69 @@ inline void store_rows(const __m512* a0, const __m512* a1, float* y, int64_t n, 
   }
 }
 
-// y[r, c0 .. c0 + width) for rows r < G of x (row stride k); panel p [k, 32]
+constexpr int kBoth = 5;  // rows whose two chains (4 accumulators per row) share one pass over a panel
+
+// y[r, c0 .. c0 + width) = a[r] + b[r] for the G rows (the two chains' sums, even + odd).
 template <int G>
-inline void panel_rows(const float* x, int64_t k, const float* p, float* y, int64_t n, int64_t c0, int64_t width) {
-  __m512 a0[G], a1[G];
+inline void store_chains(__m512* a0, __m512* a1, const __m512* b0, const __m512* b1, float* y, int64_t n,
+                         int64_t c0, int64_t width) {
   for (int r = 0; r < G; ++r) {
-    a0[r] = _mm512_setzero_ps();
-    a1[r] = _mm512_setzero_ps();
+    a0[r] = _mm512_add_ps(a0[r], b0[r]);
+    a1[r] = _mm512_add_ps(a1[r], b1[r]);
   }
-  const float* w = p;
-  for (int64_t i = 0; i < k; ++i, w += kPanel) {
+  store_rows<G>(a0, a1, y, n, c0, width);
+}
+
+// The even chains' sums of G rows, parked in `part` [G, 32] while a second pass runs the odd chains.
+template <int G>
+inline void park(const __m512* a0, const __m512* a1, float* part) {
+  for (int r = 0; r < G; ++r) {
+    _mm512_store_ps(part + r * kPanel, a0[r]);
+    _mm512_store_ps(part + r * kPanel + 16, a1[r]);
+  }
+}
+
+template <int G>
+inline void unpark(const float* part, __m512* a0, __m512* a1) {
+  for (int r = 0; r < G; ++r) {
+    a0[r] = _mm512_load_ps(part + r * kPanel);
+    a1[r] = _mm512_load_ps(part + r * kPanel + 16);
+  }
+}
+
+// The chain of inputs i = first, first + step, ... < k of G rows over panel p [k, 32], into a.
+template <int G>
+inline void panel_chain(const float* x, int64_t k, const float* p, int64_t first, int64_t step, __m512* a0,
+                        __m512* a1) {
+  for (int64_t i = first; i < k; i += step) {
+    const float* w = p + i * kPanel;
     _mm_prefetch(reinterpret_cast<const char*>(w + kPanel * kAhead), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(w + kPanel * kAhead + 16), _MM_HINT_T0);
     fma_rows<G>(x, k, i, _mm512_load_ps(w), _mm512_load_ps(w + 16), a0, a1);
   }
-  store_rows<G>(a0, a1, y, n, c0, width);
+}
+
+// y[r, c0 .. c0 + width) for rows r < G of x (row stride k); panel p [k, 32]
+template <int G>
+inline void panel_rows(const float* x, int64_t k, const float* p, float* y, int64_t n, int64_t c0, int64_t width) {
+  __m512 a0[G], a1[G], b0[G], b1[G];  // the even inputs' chains (a) and the odd ones' (b)
+  for (int r = 0; r < G; ++r) a0[r] = a1[r] = b0[r] = b1[r] = _mm512_setzero_ps();
+  if constexpr (G <= kBoth) {
+    const float* w = p;
+    for (int64_t i = 0; i < k; ++i, w += kPanel) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + kPanel * kAhead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + kPanel * kAhead + 16), _MM_HINT_T0);
+      if (i % 2 == 0) fma_rows<G>(x, k, i, _mm512_load_ps(w), _mm512_load_ps(w + 16), a0, a1);
+      else fma_rows<G>(x, k, i, _mm512_load_ps(w), _mm512_load_ps(w + 16), b0, b1);
+    }
+  } else {
+    alignas(64) float part[G * kPanel];
+    panel_chain<G>(x, k, p, 0, 2, a0, a1);
+    park<G>(a0, a1, part);
+    panel_chain<G>(x, k, p, 1, 2, b0, b1);
+    unpark<G>(part, a0, a1);
+  }
+  store_chains<G>(a0, a1, b0, b1, y, n, c0, width);
 }
 
 // The last m mod kGroup rows, with a compile-time row count.
@@ -161,15 +213,18 @@ inline void block_scales(const uint8_t* p, __m512& d0, __m512& d1, __m512& m0, _
 
 constexpr int64_t kQuantAhead = 4096;  // prefetch distance in bytes of a quantized panel
 
-// f(i, w0, w1) for the 32 inputs i of the quantized block at p, in order: the weights of panel row i (columns
-// 0-15 in w0, 16-31 in w1), rebuilt in float32 as gguf.quants dequantizes them.
-template <Quant Q, typename F>
+// f(i, w0, w1) for the inputs i of the quantized block at p, in order: the weights of panel row i (columns 0-15
+// in w0, 16-31 in w1), rebuilt in float32 as gguf.quants dequantizes them. Par 2: all 32 inputs; 0 or 1: the
+// even or the odd ones only (one chain's pass).
+template <Quant Q, int Par, typename F>
 inline void block_weights(const uint8_t* p, F&& f) {
   __m512 d0, d1, m0, m1;
   block_scales<Q>(p, d0, d1, m0, m1);
   const uint8_t* qs = p + (Q == Quant::kQ4_1 ? 128 : 64);
+  constexpr int64_t first = Par == 2 ? 0 : Par, step = Par == 2 ? 1 : 2;
   if constexpr (Q == Quant::kQ8_0) {
-    for (int64_t i = 0; i < kBlock; ++i) {
+#pragma GCC unroll 2
+    for (int64_t i = first; i < kBlock; i += step) {
       const __m512i q0 = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(qs + i * kPanel)));
       const __m512i q1 = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(qs + i * kPanel + 16)));
       f(i, _mm512_mul_ps(_mm512_cvtepi32_ps(q0), d0), _mm512_mul_ps(_mm512_cvtepi32_ps(q1), d1));
@@ -177,23 +232,49 @@ inline void block_weights(const uint8_t* p, F&& f) {
   } else {
     // Each 32-bit lane holds one column's nibbles of 8 consecutive inputs (q4_nibble). A permute reads only its
     // index's low 4 bits, so it turns the lane's lowest nibble into the float 0..15 (Q4_0: -8..7) without a
-    // mask, and a shift by 4 brings up the next: one shuffle and one shift per 16 weights.
+    // mask, and a shift by 4 brings up the next: one shuffle and one shift per 16 weights (for one chain, a
+    // shift by 8 brings up the next input of the same parity).
     const __m512 values = Q == Quant::kQ4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
                                              : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t g = 0; g < kBlock / 8; ++g) {
       __m512i v0 = _mm512_load_si512(qs + g * 128), v1 = _mm512_load_si512(qs + g * 128 + 64);
+      if constexpr (Par == 1) {
+        v0 = _mm512_srli_epi32(v0, 4);
+        v1 = _mm512_srli_epi32(v1, 4);
+      }
 #pragma GCC unroll 8
-      for (int64_t j = 0; j < 8; ++j) {
+      for (int64_t j = first; j < 8; j += step) {
         const __m512 q0 = _mm512_permutexvar_ps(v0, values), q1 = _mm512_permutexvar_ps(v1, values);
         if constexpr (Q == Quant::kQ4_0) {
           f(g * 8 + j, _mm512_mul_ps(d0, q0), _mm512_mul_ps(d1, q1));
         } else {
           f(g * 8 + j, _mm512_fmadd_ps(d0, q0, m0), _mm512_fmadd_ps(d1, q1, m1));
         }
-        v0 = _mm512_srli_epi32(v0, 4);
-        v1 = _mm512_srli_epi32(v1, 4);
+        v0 = _mm512_srli_epi32(v0, 4 * step);
+        v1 = _mm512_srli_epi32(v1, 4 * step);
       }
     }
+  }
+}
+
+// One pass over a quantized panel (block_weights' Par): the even inputs into a, the odd ones into b; with Keep,
+// the rebuilt weights are also stored in `keep` [k, 32].
+template <Quant Q, int G, int Par, bool Keep>
+inline void qpanel_chain(const float* x, int64_t k, const uint8_t* p, float* keep, __m512* a0, __m512* a1,
+                         __m512* b0, __m512* b1) {
+  constexpr int64_t bytes = static_cast<int64_t>(Q);
+  for (int64_t b = 0; b < k / kBlock; ++b, p += bytes) {
+    if constexpr (Par != 1)  // the odd inputs' pass reads what the even inputs' pass brought in
+      for (int64_t off = 0; off < bytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(p + kQuantAhead + off), _MM_HINT_T0);
+    block_weights<Q, Par>(p, [&](int64_t i, __m512 w0, __m512 w1) {
+      if constexpr (Keep) {
+        _mm512_store_ps(keep + (b * kBlock + i) * kPanel, w0);
+        _mm512_store_ps(keep + (b * kBlock + i) * kPanel + 16, w1);
+      }
+      if (i % 2 == 0) fma_rows<G>(x + b * kBlock, k, i, w0, w1, a0, a1);
+      else fma_rows<G>(x + b * kBlock, k, i, w0, w1, b0, b1);
+    });
   }
 }
 
@@ -202,24 +283,18 @@ inline void block_weights(const uint8_t* p, F&& f) {
 template <Quant Q, int G, bool Keep = false>
 inline void qpanel_rows(const float* x, int64_t k, const uint8_t* p, float* y, int64_t n, int64_t c0,
                         int64_t width, float* keep = nullptr) {
-  constexpr int64_t bytes = static_cast<int64_t>(Q);
-  __m512 a0[G], a1[G];
-  for (int r = 0; r < G; ++r) {
-    a0[r] = _mm512_setzero_ps();
-    a1[r] = _mm512_setzero_ps();
+  __m512 a0[G], a1[G], b0[G], b1[G];  // the even inputs' chains (a) and the odd ones' (b); kBlock is even
+  for (int r = 0; r < G; ++r) a0[r] = a1[r] = b0[r] = b1[r] = _mm512_setzero_ps();
+  if constexpr (G <= kBoth) {
+    qpanel_chain<Q, G, 2, Keep>(x, k, p, keep, a0, a1, b0, b1);
+  } else {
+    alignas(64) float part[G * kPanel];
+    qpanel_chain<Q, G, 0, Keep>(x, k, p, keep, a0, a1, a0, a1);
+    park<G>(a0, a1, part);
+    qpanel_chain<Q, G, 1, Keep>(x, k, p, keep, b0, b1, b0, b1);
+    unpark<G>(part, a0, a1);
   }
-  for (int64_t b = 0; b < k / kBlock; ++b, p += bytes) {
-    for (int64_t off = 0; off < bytes; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(p + kQuantAhead + off), _MM_HINT_T0);
-    block_weights<Q>(p, [&](int64_t i, __m512 w0, __m512 w1) {
-      if constexpr (Keep) {
-        _mm512_store_ps(keep + (b * kBlock + i) * kPanel, w0);
-        _mm512_store_ps(keep + (b * kBlock + i) * kPanel + 16, w1);
-      }
-      fma_rows<G>(x + b * kBlock, k, i, w0, w1, a0, a1);
-    });
-  }
-  store_rows<G>(a0, a1, y, n, c0, width);
+  store_chains<G>(a0, a1, b0, b1, y, n, c0, width);
 }
 
 template <Quant Q, int G, bool Keep = false>
@@ -257,15 +332,16 @@ void qpanel_any(const float* x, int64_t m, int64_t k, const uint8_t* p, Quant q,
 #else
 void panel_all(const float* x, int64_t m, int64_t k, const float* p, float* y, int64_t n, int64_t c0) {
   const int64_t width = std::min<int64_t>(kPanel, n - c0);
-  float acc[kPanel];
+  float acc[2][kPanel];  // the even inputs' chains and the odd ones'
   for (int64_t r = 0; r < m; ++r) {
-    for (int64_t j = 0; j < kPanel; ++j) acc[j] = 0.f;
+    for (int64_t j = 0; j < kPanel; ++j) acc[0][j] = acc[1][j] = 0.f;
     for (int64_t i = 0; i < k; ++i) {
       const float b = x[r * k + i];
       const float* w = p + i * kPanel;
-      for (int64_t j = 0; j < kPanel; ++j) acc[j] = std::fma(b, w[j], acc[j]);
+      float* a = acc[i % 2];
+      for (int64_t j = 0; j < kPanel; ++j) a[j] = std::fma(b, w[j], a[j]);
     }
-    for (int64_t j = 0; j < width; ++j) y[r * n + c0 + j] = acc[j];
+    for (int64_t j = 0; j < width; ++j) y[r * n + c0 + j] = acc[0][j] + acc[1][j];
   }
 }
 
@@ -536,7 +612,7 @@ void ipanel_any(const QuantRows& a, int64_t m, const uint8_t* p, Quant q, float*
 //
 // A greedy step needs only the argmax of each logit row, not the row. For an LM head of Q8_0 or Q4_0 blocks the
 // integer products above give every logit cheaply but inexactly; a bound on their error then rules out all but a
-// few columns, and only those get the float32 product (the FMA chain qpanel_rows runs), so the argmax is the
+// few columns, and only those get the float32 product (the FMA chains qpanel_rows runs), so the argmax is the
 // float32 logits' argmax, ties to the lowest index included. The bound, for row x and column j:
 //   |x . w_j - A_j| <= 0.50005 sum_b dx_b C_jb        (each input is within 0.50005 dx_b of dx_b xq, and w = d q:
 //                                                       C_jb = |d_jb| sum_i |q_ij| over block b, the "bound" array)
@@ -550,8 +626,8 @@ void ipanel_any(const QuantRows& a, int64_t m, const uint8_t* p, Quant q, float*
 // full product (the screen's arithmetic assumes finite inputs).
 
 // z[t] = the float32 product of x [k] with output column js[t] (t < count <= 8) of quantized panels in the float32
-// layout: for each, the FMA chain qpanel_rows (and, past kGroup rows, panel_rows over the panel it kept) runs
-// for that column, the weight rebuilt as block_weights does (rebuilt_weight). Eight chains at a time,
+// layout: for each, the two FMA chains qpanel_rows (and, past kGroup rows, panel_rows over the panel it kept)
+// runs for that column, the weight rebuilt as block_weights does (rebuilt_weight). Eight columns at a time,
 // interleaved: one alone waits on each FMA's latency.
 constexpr int kChains = 8;
 
@@ -564,7 +640,7 @@ void exact_columns(const float* x, int64_t k, const uint8_t* panels, Quant q, co
     base[t] = panels + (j / kPanel) * (k / kBlock) * bytes;
     col[t] = j % kPanel;
   }
-  float acc[kChains] = {};
+  float acc[2][kChains] = {};  // per column, the even inputs' chain and the odd ones'
   for (int64_t b = 0; b < k / kBlock; ++b) {
     float d[kChains], m[kChains];
     const uint8_t* qs[kChains];
@@ -576,11 +652,12 @@ void exact_columns(const float* x, int64_t k, const uint8_t* panels, Quant q, co
     }
     for (int64_t i = 0; i < kBlock; ++i) {
       const float xi = x[b * kBlock + i];
+      float* a = acc[i % 2];
       for (int t = 0; t < kChains; ++t)
-        acc[t] = std::fma(xi, rebuilt_weight(qs[t], q, d[t], m[t], i, col[t]), acc[t]);
+        a[t] = std::fma(xi, rebuilt_weight(qs[t], q, d[t], m[t], i, col[t]), a[t]);
     }
   }
-  for (int t = 0; t < count; ++t) z[t] = acc[t];
+  for (int t = 0; t < count; ++t) z[t] = acc[0][t] + acc[1][t];
 }
 
 constexpr int64_t kScreenRows = 64;  // rows screened at a time (their [rows, n] bounds stay ~12 MB)

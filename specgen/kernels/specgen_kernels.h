@@ -62,8 +62,8 @@ inline uint16_t float_to_half(float f) {
   return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(v * 16777216.0f)));
 }
 
-// y [m, n] = x [m, k] @ W (float32; each output one FMA chain over k, or with int8_product one over the
-// blocks of 32 inputs; a row's result never depends on the other rows).
+// y [m, n] = x [m, k] @ W (float32; each output two FMA chains, over the even and the odd inputs, added; or
+// with int8_product one over the blocks of 32 inputs; a row's result never depends on the other rows).
 void packed_linear(const float* x, int64_t m, int64_t k, const PackedWeight& w, float* y, int64_t n);
 
 // out [m] = the argmax (lowest index on a tie) of each row of x [m, k] @ W for a Q8_0 or Q4_0 weight w, without
