@@ -156,12 +156,14 @@ inline void panel_rows(const float* x, int64_t k, const float* p, float* y, int6
   for (int r = 0; r < G; ++r) a0[r] = a1[r] = b0[r] = b1[r] = _mm512_setzero_ps();
   if constexpr (G <= kBoth) {
     const float* w = p;
-    for (int64_t i = 0; i < k; ++i, w += kPanel) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + kPanel * kAhead), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + kPanel * kAhead + 16), _MM_HINT_T0);
-      if (i % 2 == 0) fma_rows<G>(x, k, i, _mm512_load_ps(w), _mm512_load_ps(w + 16), a0, a1);
-      else fma_rows<G>(x, k, i, _mm512_load_ps(w), _mm512_load_ps(w + 16), b0, b1);
+    int64_t i = 0;
+    for (; i + 1 < k; i += 2, w += 2 * kPanel) {  // an even input, then an odd one
+      for (int64_t off = 0; off < 2 * kPanel; off += 16)
+        _mm_prefetch(reinterpret_cast<const char*>(w + kPanel * kAhead + off), _MM_HINT_T0);
+      fma_rows<G>(x, k, i, _mm512_load_ps(w), _mm512_load_ps(w + 16), a0, a1);
+      fma_rows<G>(x, k, i + 1, _mm512_load_ps(w + kPanel), _mm512_load_ps(w + kPanel + 16), b0, b1);
     }
+    if (i < k) fma_rows<G>(x, k, i, _mm512_load_ps(w), _mm512_load_ps(w + 16), a0, a1);  // odd k: the last input
   } else {
     alignas(64) float part[G * kPanel];
     panel_chain<G>(x, k, p, 0, 2, a0, a1);
@@ -182,9 +184,9 @@ inline void panel_tail(const float* x, int64_t rows, int64_t k, const float* p, 
   }
 }
 
-// Rows in ceil(m / kGroup) groups of balanced sizes (5 + 4 rather than 8 + 1 for 9 rows): a group of G rows
-// keeps 2 G FMA chains in flight, and under 4 rows they wait on the FMA's latency (an 8 + 1 split cost 9 rows
-// what 12 cost). The first m mod groups groups get one row more.
+// Rows in ceil(m / kGroup) groups of balanced sizes (5 + 4 rather than 8 + 1 for 9 rows): a lone row keeps
+// few FMA chains in flight and waits on the FMA's latency (when each output was one chain, an 8 + 1 split cost
+// 9 rows what 12 cost). The first m mod groups groups get one row more.
 inline int64_t group_rows(int64_t m, int64_t groups, int64_t g) { return m / groups + (g < m % groups ? 1 : 0); }
 
 // y[r, c0 .. c0 + 32) = rows r0 .. m of x times panel p [k, 32], in balanced groups from the (g0)th of groups.
