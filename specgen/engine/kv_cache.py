@@ -1,6 +1,7 @@
 """The preallocated per-slot KV cache, grown by doubling when a slot needs more positions."""
 from __future__ import annotations
 
+import numpy as np
 import paddle
 
 INITIAL_CAPACITY = 256  # positions per slot allocated up front (then doubled as slots need more)
@@ -49,13 +50,16 @@ class KVCache:
         if needed <= self.capacity:
             return
         new_cap = max(needed, min(self.max_capacity, max(2 * self.capacity, 64)))
+        if self.binding is not None:  # the kernels' handle keeps the old tensors alive: let each layer's go as it
+            self.binding[2]()  # is replaced, so growing holds one old layer at a time, not the whole cache
+            self.binding = None
         for store in (self.k, self.v):
             for layer in range(self.num_layers):
                 rows = self.num_slots * self.num_kv_heads
                 alloc = paddle.zeros if self.zeroed else paddle.empty
                 fresh = alloc([rows, new_cap, self.head_dim], dtype=self.dtype)
                 if store and self.capacity:
-                    fresh[:, : self.capacity] = store[layer].reshape([rows, self.capacity, self.head_dim])
+                    _copy_into(fresh, store[layer].reshape([rows, self.capacity, self.head_dim]))
                 fresh = fresh.reshape([rows * new_cap, self.head_dim])
                 if len(store) > layer:
                     store[layer] = fresh
@@ -78,3 +82,12 @@ class KVCache:
         width = self.num_kv_heads * self.head_dim
         own = 2 * self.num_layers * self.num_slots * (capacity or self.capacity) * width * itemsize
         return own + (self.prefix.nbytes() if self.prefix is not None and capacity is None else 0)
+
+
+def _copy_into(dst: paddle.Tensor, src: paddle.Tensor) -> None:
+    """dst[:, :c] = src for dst [rows, C, D] and src [rows, c, D]. On the CPU through numpy views of both (one
+    memcpy per row): Paddle's slice assignment copied 64 slots' cache at ~0.1-0.5 GB/s, ~30 s for 3 GiB."""
+    if dst.place.is_cpu_place() and src.place.is_cpu_place():
+        np.from_dlpack(dst)[:, : src.shape[1]] = np.from_dlpack(src)
+    else:
+        dst[:, : src.shape[1]] = src
