@@ -46,7 +46,8 @@ class KVCache:
         self.ensure(self.initial_capacity)
 
     def ensure(self, needed: int) -> None:
-        """Make room for positions [0, needed); doubles, keeps existing contents."""
+        """Make room for positions [0, needed); at least doubles, and keeps the positions forwards reserved so
+        far ([0, peak_own) of each row: nothing else was written)."""
         if needed <= self.capacity:
             return
         new_cap = max(needed, min(self.max_capacity, max(2 * self.capacity, 64)))
@@ -58,8 +59,8 @@ class KVCache:
                 rows = self.num_slots * self.num_kv_heads
                 alloc = paddle.zeros if self.zeroed else paddle.empty
                 fresh = alloc([rows, new_cap, self.head_dim], dtype=self.dtype)
-                if store and self.capacity:
-                    _copy_into(fresh, store[layer].reshape([rows, self.capacity, self.head_dim]))
+                if store and self.capacity and self.peak_own:  # positions no forward reserved were never written
+                    _copy_into(fresh, store[layer].reshape([rows, self.capacity, self.head_dim]), self.peak_own)
                 fresh = fresh.reshape([rows * new_cap, self.head_dim])
                 if len(store) > layer:
                     store[layer] = fresh
@@ -84,10 +85,11 @@ class KVCache:
         return own + (self.prefix.nbytes() if self.prefix is not None and capacity is None else 0)
 
 
-def _copy_into(dst: paddle.Tensor, src: paddle.Tensor) -> None:
-    """dst[:, :c] = src for dst [rows, C, D] and src [rows, c, D]. On the CPU through numpy views of both (one
-    memcpy per row): Paddle's slice assignment copied 64 slots' cache at ~0.1-0.5 GB/s, ~30 s for 3 GiB."""
+def _copy_into(dst: paddle.Tensor, src: paddle.Tensor, used: int) -> None:
+    """dst[:, :u] = src[:, :u] for dst [rows, C, D], src [rows, c, D], u = min(used, c): the positions written
+    so far, so the pages past them stay untouched in both. On the CPU through numpy views (one memcpy per row)."""
+    u = min(used, src.shape[1])
     if dst.place.is_cpu_place() and src.place.is_cpu_place():
-        np.from_dlpack(dst)[:, : src.shape[1]] = np.from_dlpack(src)
+        np.from_dlpack(dst)[:, :u] = np.from_dlpack(src)[:, :u]
     else:
-        dst[:, : src.shape[1]] = src
+        dst[:, :u] = src[:, :u]
