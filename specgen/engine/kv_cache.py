@@ -51,9 +51,8 @@ class KVCache:
         if needed <= self.capacity:
             return
         new_cap = max(needed, min(self.max_capacity, max(2 * self.capacity, 64)))
-        if self.binding is not None:  # the kernels' handle keeps the old tensors alive: let each layer's go as it
-            self.binding[2]()  # is replaced, so growing holds one old layer at a time, not the whole cache
-            self.binding = None
+        self.unbind()  # the kernels' handle keeps the old tensors alive: let each layer's go as it is replaced,
+        # so growing holds one old layer at a time, not the whole cache
         for store in (self.k, self.v):
             for layer in range(self.num_layers):
                 rows = self.num_slots * self.num_kv_heads
@@ -68,6 +67,12 @@ class KVCache:
                     store.append(fresh)
         self.capacity = new_cap
         self.version += 1
+
+    def unbind(self) -> None:
+        """Drop the kernels' handle of these tensors (Model binds them again at its next forward)."""
+        if self.binding is not None:
+            self.binding[2]()
+            self.binding = None
 
     def reserve(self, max_position: int, own_max: int | None = None) -> None:
         """Room for a forward writing positions up to max_position - 1 (own rows up to own_max - 1 when a shared

@@ -515,10 +515,9 @@ class Model:
         (the cache grew, a prefix was set); the binding is dropped with the cache or when it is replaced."""
         pre = cache.prefix
         key = (cache.version, pre, pre.version if pre is not None else 0)  # pre compares by identity
-        if cache.binding is not None:
-            if cache.binding[0] == key:
-                return cache.binding[1]
-            cache.binding[2]()  # unbinds the tensors that were replaced
+        if cache.binding is not None and cache.binding[0] == key:
+            return cache.binding[1]
+        cache.unbind()  # the tensors that were replaced, if any
         L = len(cache.k)
         pk, pv = (pre.k, pre.v) if pre is not None else ([self._ones] * L, [self._ones] * L)
         h = self.ops.specgen_bind_caches(cache.k, cache.v, pk, pv)
