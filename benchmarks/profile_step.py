@@ -99,6 +99,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prompt-chars", type=int, default=1500, help="characters of each prompt kept")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=1024,
+                    help="each request's max_tokens (its KV room is taken when it is placed, if memory allows)")
     ap.add_argument("--reference", action="store_true", help="Paddle reference ops instead of the fused kernels")
     ap.add_argument("--unpacked", action="store_true", help="MKL's matmul instead of the packed linear kernel")
     ap.add_argument("--op-by-op", action="store_true", help="the decoder block's kernels one by one, not fused")
@@ -132,7 +134,7 @@ def main() -> None:
         for method in ("none", "ngram"):
             spec = SpecConfig(method=Method(method), num_speculative_tokens=5, adaptive=False)
             engine = make_engine(lm, EngineConfig(batch_size=bs, max_prefill_tokens=1 << 16), spec)
-            sp = SamplingParams(max_tokens=10_000, ignore_eos=True)
+            sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
             reqs = [Request(str(i), i, tuple(lm.tokenizer.encode_chat(
                 [{"role": "user", "content": lines[(i * 7) % len(lines)]["turns"][0][: args.prompt_chars]}])), sp)
                 for i in range(bs)]

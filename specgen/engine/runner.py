@@ -115,8 +115,7 @@ class Engine:
     def _place(self, slot: int, req: Request) -> None:
         t, p, n = self.table, req.params, len(req.prompt_ids)
         t.grow(min(n + p.max_tokens, self.context_len) + MAX_DRAFT + 1)
-        if not self.cache.zeroed:  # room for the prompt now, while few positions are written (growing copies them)
-            self.cache.ensure(min(n + MAX_DRAFT + 1, self.cache.max_capacity))
+        self.cache.admit(n + MAX_DRAFT + 1, min(n + p.max_tokens, self.context_len) + MAX_DRAFT + 1)
         t.tokens[slot, :n] = req.prompt_ids
         t.seq_len[slot] = n
         t.prompt_len[slot] = n

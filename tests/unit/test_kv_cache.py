@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+from specgen.engine import kv_cache
 from specgen.engine.kv_cache import KVCache
 
 
@@ -33,3 +34,25 @@ def test_growth_keeps_every_row_and_lets_the_kernels_binding_go_first(dtype, zer
             assert not y[:, 40:].any()
     cache.ensure(100)  # already room: nothing replaced
     assert cache.version == 2
+
+
+@pytest.mark.parametrize("zeroed", [True, False])
+def test_admission_takes_the_whole_request_room_only_when_uninitialized_and_it_fits(zeroed, monkeypatch):
+    """admit(prompt, whole): uninitialized storage grows to the whole request's positions at once (its pages
+    cost nothing until written), and keeps the positions written so far; when the whole room would not fit in
+    physical memory it takes the prompt's only; zero-filled storage is left to grow on demand."""
+    cache = KVCache(2, 4, 2, 8, "float32", max_capacity=1000, initial_capacity=64, zeroed=zeroed)
+    x = np.random.default_rng(1).standard_normal([4 * 2, 64, 8]).astype("float32")
+    cache.k[0].set_value(x.reshape(-1, 8))
+    cache.reserve(30)
+    cache.admit(50, 300)  # both fit in 64 positions / 300 does not
+    assert cache.capacity == (64 if zeroed else 300)
+    assert np.array_equal(cache.k[0].numpy().reshape(8, -1, 8)[:, :30], x[:, :30])
+    cache.admit(20, 5000)  # capped at the model's context
+    assert cache.capacity == (64 if zeroed else 1000)
+    small = KVCache(2, 4, 2, 8, "float32", max_capacity=1000, initial_capacity=64, zeroed=zeroed)
+    monkeypatch.setattr(kv_cache, "_physical_memory", lambda: small.nbytes(299))
+    small.admit(100, 300)  # the whole room would not fit: the prompt's only
+    assert small.capacity == (64 if zeroed else 128)
+    small.admit(100, 299)
+    assert small.capacity == (64 if zeroed else 299)

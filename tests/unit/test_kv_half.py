@@ -174,7 +174,36 @@ def test_uninitialized_cache_rows_are_never_read(tiny_model, tmp_path, monkeypat
         return paddle.full(shape, float("nan"), dtype=dtype)
 
     monkeypatch.setattr(kv_cache.paddle, "empty", nan_empty)
-    assert run() == clean
+    assert run() == clean  # each request's whole room taken at admission (KVCache.admit)
     assert len(poisoned) > 2 * tiny_model.config.num_layers * 6  # every engine's caches, the grown ones too
+    monkeypatch.setattr(kv_cache, "_physical_memory", lambda: 0)  # admission takes the prompt's room only,
+    assert run() == clean  # so the main cache also grows while the first prompt decodes
     assert clean[0::2] == clean[1::2]  # batch 1 = batch 3, for each method
     assert clean[0] == clean[2] == clean[4]  # speculation changes nothing
+
+
+@needs_kernels
+def test_a_job_whose_requests_fit_never_copies_the_cache(tiny_model, monkeypatch):
+    """Every request's room is taken when it is placed (KVCache.admit), so a batch decoding past the initial
+    capacity grows without copying written positions; with admission limited to the prompt (no memory for
+    more) the same job copies them mid-decode, and generates the same tokens."""
+    from specgen.engine import kv_cache
+
+    copies = []
+    copy_into = kv_cache._copy_into
+    monkeypatch.setattr(kv_cache, "_copy_into", lambda *a: (copies.append(a[2]), copy_into(*a)))
+    monkeypatch.setattr(kv_cache, "INITIAL_CAPACITY", 64)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 250, n).tolist() for n in (40, 9, 25)]
+    sp = SamplingParams(max_tokens=60, ignore_eos=True)  # 40 + 60 positions: past 64
+
+    def run():
+        copies.clear()
+        return [o.token_ids for o in generate(prompts, model=tiny_model, sampling=sp,
+                                              engine=EngineConfig(batch_size=3))]
+
+    ahead = run()
+    assert copies == []
+    monkeypatch.setattr(kv_cache, "_physical_memory", lambda: 0)
+    assert run() == ahead
+    assert copies and max(copies) >= 64  # grown mid-decode, with every written position copied
