@@ -1,6 +1,7 @@
 """The preallocated per-slot KV cache, grown by doubling when a slot needs more positions."""
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -107,6 +108,7 @@ class KVCache:
         return own + (self.prefix.nbytes() if self.prefix is not None and capacity is None else 0)
 
 
+@functools.cache
 def _physical_memory() -> int:
     """Bytes of RAM on this machine (no limit where the platform does not say)."""
     try:
@@ -115,6 +117,7 @@ def _physical_memory() -> int:
         return 1 << 62
 
 
+@functools.cache
 def _strict_overcommit() -> bool:
     """Whether Linux charges every allocated byte against a commit limit (untouched pages are not free)."""
     try:

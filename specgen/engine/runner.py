@@ -114,12 +114,13 @@ class Engine:
 
     def _place(self, slot: int, req: Request) -> None:
         t, p, n = self.table, req.params, len(req.prompt_ids)
-        t.grow(min(n + p.max_tokens, self.context_len) + MAX_DRAFT + 1)
-        self.cache.admit(n + MAX_DRAFT + 1, min(n + p.max_tokens, self.context_len) + MAX_DRAFT + 1)
+        end = min(n + p.max_tokens, self.context_len)  # the request's last position + 1
+        t.grow(end + MAX_DRAFT + 1)
+        self.cache.admit(n + MAX_DRAFT + 1, end + MAX_DRAFT + 1)
         t.tokens[slot, :n] = req.prompt_ids
         t.seq_len[slot] = n
         t.prompt_len[slot] = n
-        t.max_len[slot] = min(n + p.max_tokens, self.context_len)
+        t.max_len[slot] = end
         # A prompt that starts with the shared prefix skips it (keeping at least one token of its own to prefill).
         shared = 0
         if self.prefix_ids is not None and n > 1 and len(self.prefix_ids) <= n:
