@@ -34,8 +34,11 @@ def mtp_dir(real_model64, tmp_path_factory):
     return str(d)
 
 
-CASES = [("ngram", k, bs) for k in (1, 3, 5) for bs in (32, 7)] + [("ngram", 5, 1)] + \
-        [("mtp", k, bs) for k in (1, 2) for bs in (32, 7)] + [("mtp", 2, 1)]
+# Every k and every batch size (1, 7, 32) for both methods and both modes. The other k x batch pairs run
+# the same code paths; leaving them out keeps the suite inside CI's time. Batch 1 runs every other prompt
+# (16, all categories and lengths): one slot runs them one after another, the costliest case in float64.
+CASES = [("ngram", 1, 32), ("ngram", 3, 7), ("ngram", 5, 32), ("ngram", 5, 7), ("ngram", 5, 1),
+         ("mtp", 1, 32), ("mtp", 2, 7), ("mtp", 2, 1)]
 
 
 @pytest.mark.parametrize("mode", list(SAMPLING))
@@ -43,10 +46,13 @@ CASES = [("ngram", k, bs) for k in (1, 3, 5) for bs in (32, 7)] + [("ngram", 5, 
 def test_speculative_equals_plain(real_model64, prompts, plain, mtp_dir, mode, method, k, batch_size):
     spec = SpecConfig(method=method, num_speculative_tokens=k, adaptive=False,
                       mtp_model=mtp_dir if method == "mtp" else None)
-    outs = generate(prompts, model=real_model64, sampling=[SAMPLING[mode](i) for i in range(len(prompts))],
+    picked = range(0, len(prompts), 2 if batch_size == 1 else 1)
+    outs = generate([prompts[i] for i in picked], model=real_model64,
+                    sampling=[SAMPLING[mode](i) for i in picked], ids=[str(i) for i in picked],
                     engine=EngineConfig(batch_size=batch_size, dtype="float64"), speculative=spec)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in plain[mode]]
-    assert [o.finish_reason for o in outs] == [o.finish_reason for o in plain[mode]]
+    ref = [plain[mode][i] for i in picked]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert [o.finish_reason for o in outs] == [o.finish_reason for o in ref]
     drafted = sum(o.stats.num_draft_tokens for o in outs)
     assert drafted > 0
     for o in outs:
