@@ -9,7 +9,8 @@ the job's pool of finished requests for rows that use it, the requests replayed 
 the bound (tokens per step x c(1) / c(k + 1) from the step costs measured at start-up) and the efficiency
 (speedup / bound: how much of what the forward's cost allows the whole step loop achieves). With --repeats N
 every method runs N times, alternated with the others; tok/s and speedups are medians (the per-run speedups
-follow each row).
+follow each row). With --prefill each repeat also times the job's prefill alone (max_tokens = 1): "dec" is the
+speedup of the time past it (the decoding steps, which the bound is about), "dec-eff" that over the bound.
 """
 from __future__ import annotations
 
@@ -86,13 +87,24 @@ def run_method(model, prompts, sp, batch_size, spec):
                   "acceptance": accepted / drafted if drafted else None, "mean_accepted_length": n_out / steps}
 
 
-def alternated(model, prompts, sp, batch_size: int, methods: dict, repeats: int) -> dict:
+def alternated(model, prompts, sp, batch_size: int, methods: dict, repeats: int,
+               prefill: bool = False) -> dict:
     """Every method run `repeats` times, alternated (none, ngram, none, ngram, ...: on a shared machine two runs
     of one command can differ by 20%). Per method: the outputs and counts of its first run, with tok_s the median
     over its runs, speedups the per-repeat ratios of its tok/s to the first method's in the same repeat, and
-    speedup their median; repeats_identical tells whether every run gave the same tokens."""
+    speedup their median; repeats_identical tells whether every run gave the same tokens.
+
+    With `prefill`, each repeat also runs the job with max_tokens = 1 (its prefills and first tokens, which
+    speculation cannot shorten), and decode_speedup is the median per-repeat ratio of the first method's wall
+    time past that to this method's: the speedup of the decoding steps alone, which the bound describes."""
+    from dataclasses import replace
+
     runs: dict[str, list] = {name: [] for name in methods}
+    pre: list[float] = []
     for _ in range(repeats):
+        if prefill:
+            pre.append(run_method(model, prompts, replace(sp, max_tokens=1), batch_size,
+                                  next(iter(methods.values())))[1]["wall_s"])
         for name, spec in methods.items():
             runs[name].append(run_method(model, prompts, sp, batch_size, spec))
     first = runs[next(iter(methods))]
@@ -101,8 +113,12 @@ def alternated(model, prompts, sp, batch_size: int, methods: dict, repeats: int)
         outs, r = rs[0]
         ratios = [x[1]["tok_s"] / b[1]["tok_s"] for x, b in zip(rs, first)]
         same = all(o.token_ids == p.token_ids for x in rs[1:] for o, p in zip(x[0], outs))
+        dec = [(b[1]["wall_s"] - p) / (x[1]["wall_s"] - p) * x[1]["tokens"] / b[1]["tokens"]
+               for x, b, p in zip(rs, first, pre)]
         out[name] = (outs, {**r, "tok_s": float(np.median([x[1]["tok_s"] for x in rs])), "speedups": ratios,
-                            "speedup": float(np.median(ratios)), "repeats_identical": same})
+                            "speedup": float(np.median(ratios)), "repeats_identical": same,
+                            "prefill_s": float(np.median(pre)) if pre else None,
+                            "decode_speedup": float(np.median(dec)) if dec else None})
     return out
 
 
@@ -179,6 +195,9 @@ def main() -> None:
                     "request's own text only): row 'own'")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=1, help="runs per method, alternated; medians are reported")
+    ap.add_argument("--prefill", action="store_true",
+                    help="also time each job's prefill (max_tokens = 1) in every repeat and report the decoding "
+                    "steps' own speedup and efficiency (columns dec, dec-eff)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     model, sets, sp = setup(args)
@@ -195,13 +214,15 @@ def main() -> None:
     warm_up(model, list(model.tokenizer.encode_chat(first)), args.batch_sizes, methods)
     results = []
     print(f"{'set':<15}{'bs':>4} {'method':<6}{'tok/s':>8}{'speedup':>9}{'accept':>8}{'tok/step':>9}"
-          f"{'ceiling':>9}{'of ceil':>8}{'bound':>7}{'eff':>6} identical"
+          f"{'ceiling':>9}{'of ceil':>8}{'bound':>7}{'eff':>6}"
+          + (f"{'dec':>7}{'dec-eff':>8}" if args.prefill else "")
+          + " identical"
           + (" per-run" if args.repeats > 1 else ""))
     for name, msgs in sets.items():
         prompts = [list(model.tokenizer.encode_chat(m)) for m in msgs]
         for bs in args.batch_sizes:
             base_outs = None
-            measured = alternated(model, prompts, sp, bs, methods, args.repeats)
+            measured = alternated(model, prompts, sp, bs, methods, args.repeats, args.prefill)
             for mname, spec in methods.items():
                 outs, r = measured[mname]
                 if mname == "none":
@@ -223,8 +244,15 @@ def main() -> None:
                 bd = f"{bound:.2f}" if bound else "-"
                 ef = f"{speedup / bound:.2f}" if bound else "-"
                 runs = " " + " ".join(f"{x:.2f}" for x in r["speedups"]) if args.repeats > 1 else ""
+                dec = ""
+                if args.prefill:
+                    ds = r["decode_speedup"]
+                    dec = f"{ds:>6.2f}x" + (f"{ds / bound:>8.2f}" if bound else f"{'-':>8}")
+                    row["decode_efficiency"] = ds / bound if bound else None
                 print(f"{name:<15}{bs:>4} {mname:<6}{r['tok_s']:>8.1f}{speedup:>8.2f}x{acc:>8}"
-                      f"{r['mean_accepted_length']:>9.2f}{ceiling:>9.2f}{oc:>8}{bd:>7}{ef:>6} {same}{runs}", flush=True)
+                      f"{r['mean_accepted_length']:>9.2f}{ceiling:>9.2f}{oc:>8}{bd:>7}{ef:>6}{dec}"
+                      f" {same}{runs}",
+                      flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 
