@@ -8,7 +8,8 @@ the Paddle operators cannot share a process, and separate processes on this mach
 One Q4_1 weight of 6,144 panels x 576 inputs (113 M weights, about the default model's Q4_1 projections),
 random blocks; qpanel_all over every panel for 1 to 128 rows, calls alternating between the two kernels (120
 up to 8 rows, 40 up to 32, 16 beyond), medians. Needs g++ with AVX-512; the code between `constexpr int64_t
-kPanel` and the AVX-512 `void qpanel_any` of each linear.cc is pasted into its own namespace.
+kPanel` and the AVX-512 `void qpanel_any` of each linear.cc is pasted into its own namespace. Each row count
+also says whether the two kernels' products have the same bits (they should, unless the summation order changed).
 """
 from __future__ import annotations
 
@@ -62,7 +63,17 @@ int main() {
       }
       (use_new ? tn : to).push_back(now() - t);
     }
-    printf("rows %d: other %.3f ms, this %.3f ms, other/this %.3f (medians of %d alternated calls)\n", M, median(to) * 1e3, median(tn) * 1e3, median(to) / median(tn), calls / 2);
+    std::vector<float> YO(M * NP * 32);
+#pragma omp parallel for
+    for (int64_t p = 0; p < NP; ++p) {
+      const uint8_t* pp = W + p * (K / 32) * BYTES;
+      this_::qpanel_all<this_::Quant::kQ4_1>(XM.data(), M, K, pp, YM.data(), NP * 32, p * 32);
+      other::qpanel_all<other::Quant::kQ4_1>(XM.data(), M, K, pp, YO.data(), NP * 32, p * 32);
+    }
+    bool same = true;  // bit for bit, NaN for NaN (the random blocks' fp16 scales include NaNs and infinities)
+    for (size_t i = 0; i < YM.size(); ++i)
+      same = same && (std::memcmp(&YM[i], &YO[i], sizeof(float)) == 0 || (std::isnan(YM[i]) && std::isnan(YO[i])));
+    printf("rows %d: other %.3f ms, this %.3f ms, other/this %.3f (medians of %d alternated calls), same bits: %s\n", M, median(to) * 1e3, median(tn) * 1e3, median(to) / median(tn), calls / 2, same ? "yes" : "no");
   }
 }
 """
