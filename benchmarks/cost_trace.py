@@ -32,7 +32,7 @@ def main() -> None:
     observe = adaptive.CostModel.observe
 
     def traced(self, num_tokens, seconds):
-        trace.append((num_tokens, seconds, self.at(num_tokens) / self.scale))
+        trace.append((num_tokens, seconds, self.table_at(num_tokens)))
         observe(self, num_tokens, seconds)
         trace[-1] += (self.scale,)
 

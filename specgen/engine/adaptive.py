@@ -30,43 +30,111 @@ def expected_emitted(alpha: np.ndarray, k: np.ndarray) -> np.ndarray:
 
 
 class CostModel:
-    """Step time as a function of the tokens fed, from a start-up table and an online correction."""
+    """Step time as a function of the tokens fed: a start-up table, corrected online point by point.
+
+    The table (timed at start-up, or found on disk) can be off in its shape as well as its level: one unlucky
+    timing of a 2-token step, kept on disk for a week, priced it at 1.39x a 1-token step where it cost 1.15x,
+    and every job that read it drafted less. So each table point keeps its own measured ratio (observed seconds
+    over the table's), from the steps whose token counts fall next to it (weighted as the interpolation weighs
+    it), alongside the global ratio (scale) of all steps. A point's effective ratio is its own, shrunk toward
+    the global one by POINT_PRIOR observations' worth (a point no step has come near follows the global ratio,
+    as the whole table did before); its evidence decays by POINT_DECAY per observed step, so a point the job
+    stopped using drifts back to the global ratio as contexts grow."""
+
+    EMA = 0.1  # weight of one observation in the global ratio
+    POINT_PRIOR = 1.0  # observations' worth of the global ratio in each point's effective ratio
+    POINT_DECAY = 0.97  # per observed step: a point's evidence (a ~30-step window)
 
     def __init__(self, tokens: np.ndarray, seconds: np.ndarray):
         self.tokens = np.asarray(tokens, np.float64)  # [num_points] increasing
         self.seconds = np.asarray(seconds, np.float64)
-        self.scale = 1.0
-        self._points = (self.tokens.tolist(), self.seconds.tolist())  # for at()
-        self._slope = (self.seconds[-1] - self.seconds[0]) / max(self.tokens[-1] - self.tokens[0], 1.0)
+        self._x = self.tokens.tolist()  # the points, in plain Python for at()
+        self._table = self.seconds.tolist()
+        # [num_points] decayed sums, over the steps next to each point, of interpolation weight x measured ratio
+        # and of the weight (its evidence): their quotient is the point's own ratio
+        self._sum = [0.0] * len(self._x)
+        self._evidence = [0.0] * len(self._x)
+        self.scale = 1.0  # the global ratio (a setter: the effective table follows it)
+
+    @property
+    def scale(self) -> float:
+        return self._scale
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self._scale = float(value)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """The effective table: each point's seconds times its effective ratio, and the end-to-end slope."""
+        prior, g = self.POINT_PRIOR, self._scale
+        self._y = [s * (v + prior * g) / (e + prior) for s, v, e in zip(self._table, self._sum, self._evidence)]
+        x, y = self._x, self._y
+        self._slope = (y[-1] - y[0]) / max(x[-1] - x[0], 1.0)
 
     def __call__(self, num_tokens: np.ndarray) -> np.ndarray:
+        """at() elementwise."""
         t = np.asarray(num_tokens, np.float64)
-        slope = (self.seconds[-1] - self.seconds[0]) / max(self.tokens[-1] - self.tokens[0], 1.0)
-        inside = np.interp(t, self.tokens, self.seconds)
-        beyond = self.seconds[-1] + slope * (t - self.tokens[-1])
-        below = self.seconds[0] + slope * (t - self.tokens[0])
-        return self.scale * np.where(t > self.tokens[-1], beyond, np.where(t < self.tokens[0], below, inside))
+        x, y, slope = self.tokens, np.array(self._y), self._slope
+        inside = np.interp(t, x, y)
+        beyond = y[-1] + slope * (t - x[-1])
+        below = y[0] + slope * (t - x[0])
+        return np.where(t > x[-1], beyond, np.where(t < x[0], below, inside))
+
+    def _weights(self, t: float) -> list[tuple[int, float]]:
+        """(point, interpolation weight) pairs of a token count: its bracketing points, or the nearest end."""
+        x = self._x
+        if t >= x[-1]:
+            return [(len(x) - 1, 1.0)]
+        if t <= x[0]:
+            return [(0, 1.0)]
+        j = next(i for i in range(len(x) - 1) if t <= x[i + 1])  # x[j] < t <= x[j + 1]
+        lam = (t - x[j]) / (x[j + 1] - x[j])
+        return [(j, 1.0 - lam), (j + 1, lam)]
 
     def at(self, num_tokens: int) -> float:
-        """self(num_tokens) for one count, in plain Python (the controller asks a few times per step; a numpy call
-        costs ~10 us): the same interpolation formula as np.interp, so the same value."""
-        x, y = self._points
+        """The predicted seconds of a step feeding num_tokens, in plain Python (the controller asks a few times per
+        step; a numpy call costs ~10 us): the same interpolation formula as np.interp, so the same value as
+        __call__."""
+        x, y = self._x, self._y
         t = float(num_tokens)
         if len(x) == 1:
-            return self.scale * y[0]
+            return y[0]
         if t > x[-1]:
-            return self.scale * (y[-1] + self._slope * (t - x[-1]))
+            return y[-1] + self._slope * (t - x[-1])
         if t < x[0]:
-            return self.scale * (y[0] + self._slope * (t - x[0]))
+            return y[0] + self._slope * (t - x[0])
         j = next(i for i in range(len(x) - 1) if t <= x[i + 1])  # x[j] <= t <= x[j + 1]
         if t == x[j + 1]:
-            return self.scale * y[j + 1]
-        return self.scale * ((y[j + 1] - y[j]) / (x[j + 1] - x[j]) * (t - x[j]) + y[j])
+            return y[j + 1]
+        return (y[j + 1] - y[j]) / (x[j + 1] - x[j]) * (t - x[j]) + y[j]
+
+    def table_at(self, num_tokens: int) -> float:
+        """The uncorrected table's seconds at num_tokens (interpolated; beyond its ends, its end-to-end slope)."""
+        x, y = self.tokens, self.seconds
+        if len(x) == 1:
+            return float(y[0])
+        slope = (y[-1] - y[0]) / max(x[-1] - x[0], 1.0)
+        t = float(num_tokens)
+        if t > x[-1]:
+            return float(y[-1] + slope * (t - x[-1]))
+        if t < x[0]:
+            return float(y[0] + slope * (t - x[0]))
+        return float(np.interp(t, x, y))
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        predicted = self.at(num_tokens) / self.scale
-        if predicted > 0:
-            self.scale = 0.9 * self.scale + 0.1 * (seconds / predicted)
+        """One step's measured seconds: into the global ratio and the ratios of the points next to its count."""
+        predicted = self.table_at(num_tokens)
+        if predicted <= 0:
+            return
+        r = seconds / predicted
+        decay = self.POINT_DECAY
+        self._sum = [decay * v for v in self._sum]
+        self._evidence = [decay * e for e in self._evidence]
+        for i, w in self._weights(float(num_tokens)):
+            self._sum[i] += w * r
+            self._evidence[i] += w
+        self.scale = (1 - self.EMA) * self._scale + self.EMA * r  # refreshes the effective table
 
 
 class Controller:

@@ -263,3 +263,64 @@ def test_one_slot_takes_the_best_draft_count_of_the_objective():
                 want = k_best if rates[k_best] > (1 + Controller.MIN_GAIN) / cost.at(1) else 0
                 assert got == want, (acc, avail, d)
                 assert ctl.idle[0] == (1 if want == 0 else 0)
+
+
+def _stale_and_true():
+    """A table whose shape is off (a 2-token step priced at 1.39x a 1-token one, a 6-token step at 2.28x: one
+    unlucky timing kept on disk), and the step costs a job then measures (1.15x and 2.01x, all 1.3x the table's
+    level: deeper contexts than the table's position 0)."""
+    table = CostModel(np.array([1, 2, 6]), np.array([0.010, 0.0139, 0.0228]))
+    true = {1: 0.013, 2: 0.013 * 1.15, 6: 0.013 * 2.01}
+    return table, true
+
+
+def test_cost_points_the_steps_contradict_are_corrected():
+    cost, true = _stale_and_true()
+    for step in range(60):  # mostly plain steps, now and then a 2- or 6-token verify
+        t = 2 if step % 5 == 1 else 6 if step % 5 == 3 else 1
+        cost.observe(t, true[t])
+    assert cost.at(1) == pytest.approx(true[1], rel=0.02)
+    # each point's own ratio, shrunk toward the global one by POINT_PRIOR observations' worth: within 4% here
+    assert cost.at(2) / cost.at(1) == pytest.approx(1.15, rel=0.04)
+    assert cost.at(6) / cost.at(1) == pytest.approx(2.01, rel=0.04)
+    assert [cost.at(t) for t in range(-1, 12)] == cost(np.arange(-1, 12)).tolist()  # the two paths agree
+    # between points: the corrected points' interpolation (a 4-token step here: halfway from 2 to 6)
+    assert cost.at(4) == pytest.approx((cost.at(2) + cost.at(6)) / 2, rel=1e-12)
+
+
+def test_a_cost_point_no_step_comes_near_follows_the_global_ratio():
+    cost, _ = _stale_and_true()
+    for _ in range(80):
+        cost.observe(1, 0.02)  # only plain steps, at twice the table's cost
+    assert cost.scale == pytest.approx(2.0, rel=1e-3)
+    assert cost.at(6) == pytest.approx(2.0 * 0.0228, rel=1e-3)  # the table's shape, at the measured level
+    assert cost.at(2) == pytest.approx(2.0 * 0.0139, rel=1e-3)
+
+
+def test_a_cost_point_the_job_stops_using_drifts_back_to_the_global_ratio():
+    """Evidence decays: 2-token steps measured cheap early on, then only 1-token steps at a new level (contexts
+    grew): the 2-token point moves from its own old ratio toward the global one."""
+    cost, true = _stale_and_true()
+    for _ in range(30):
+        cost.observe(2, true[2])
+    early = cost.at(2) / cost.table_at(2)
+    for _ in range(300):
+        cost.observe(1, 0.026)  # 2.6x the table
+    late = cost.at(2) / cost.table_at(2)
+    assert early == pytest.approx(true[2] / 0.0139, rel=0.02)
+    assert late == pytest.approx(2.6, rel=0.02)
+
+
+def test_the_controller_drafts_once_its_steps_show_the_table_overpriced_verifying():
+    """Acceptance 0.35, one slot: under the stale table a draft does not pay (1.35 / 1.39 < 1.05); the job's own
+    steps show a 2-token step at 1.15x, and then it does."""
+    cost, true = _stale_and_true()
+    ctl = Controller(cost, max_draft=5, num_slots=1)
+    ctl.hits[:], ctl.seen[:] = 0.35 * 102 - 1, 100.0
+    slot, avail = np.array([0]), np.array([5])
+    assert int(ctl.choose(slot, avail, 0)[0]) == 0
+    for step in range(40):
+        t = 2 if step % 4 == 1 else 1
+        cost.observe(t, true[t])
+    ctl.steps = 1  # not a probe step
+    assert int(ctl.choose(slot, avail, 0)[0]) >= 1
