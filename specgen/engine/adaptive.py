@@ -29,6 +29,21 @@ def expected_emitted(alpha: np.ndarray, k: np.ndarray) -> np.ndarray:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
+def _interp(x: list[float], y: list[float], slope: float, t: float) -> float:
+    """np.interp(t, x, y) for one t in plain Python (the same formula, so the same value), and beyond x's ends
+    the line of the given slope through the end point."""
+    if len(x) == 1:
+        return y[0]
+    if t > x[-1]:
+        return y[-1] + slope * (t - x[-1])
+    if t < x[0]:
+        return y[0] + slope * (t - x[0])
+    j = next(i for i in range(len(x) - 1) if t <= x[i + 1])  # x[j] <= t <= x[j + 1]
+    if t == x[j + 1]:
+        return y[j + 1]
+    return (y[j + 1] - y[j]) / (x[j + 1] - x[j]) * (t - x[j]) + y[j]
+
+
 class CostModel:
     """Step time as a function of the tokens fed: a start-up table, corrected online point by point.
 
@@ -96,31 +111,12 @@ class CostModel:
         """The predicted seconds of a step feeding num_tokens, in plain Python (the controller asks a few times per
         step; a numpy call costs ~10 us): the same interpolation formula as np.interp, so the same value as
         __call__."""
-        x, y = self._x, self._y
-        t = float(num_tokens)
-        if len(x) == 1:
-            return y[0]
-        if t > x[-1]:
-            return y[-1] + self._slope * (t - x[-1])
-        if t < x[0]:
-            return y[0] + self._slope * (t - x[0])
-        j = next(i for i in range(len(x) - 1) if t <= x[i + 1])  # x[j] <= t <= x[j + 1]
-        if t == x[j + 1]:
-            return y[j + 1]
-        return (y[j + 1] - y[j]) / (x[j + 1] - x[j]) * (t - x[j]) + y[j]
+        return _interp(self._x, self._y, self._slope, float(num_tokens))
 
     def table_at(self, num_tokens: int) -> float:
         """The uncorrected table's seconds at num_tokens (interpolated; beyond its ends, its end-to-end slope)."""
-        x, y = self.tokens, self.seconds
-        if len(x) == 1:
-            return float(y[0])
-        slope = (y[-1] - y[0]) / max(x[-1] - x[0], 1.0)
-        t = float(num_tokens)
-        if t > x[-1]:
-            return float(y[-1] + slope * (t - x[-1]))
-        if t < x[0]:
-            return float(y[0] + slope * (t - x[0]))
-        return float(np.interp(t, x, y))
+        x, y = self._x, self._table
+        return _interp(x, y, (y[-1] - y[0]) / max(x[-1] - x[0], 1.0), float(num_tokens))
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """One step's measured seconds: into the global ratio and the ratios of the points next to its count."""
