@@ -3,8 +3,10 @@
     python benchmarks/cost_trace.py [--set code_rewrite] [--batch-size 32] [--matmul float32|int8] [--every 6]
 
 Runs one n-gram job (k = 5, greedy, 128 tokens) of --batch-size prompts and prints the start-up cost table,
-then every --every-th step: tokens fed, measured ms, the table's prediction (before the online scale) and the
-scale after the step. A scale far from 1, or drifting as slots finish, means the table misprices those steps.
+then every --every-th step: tokens fed, measured ms, the table's own figure, the cost model's prediction
+before the step (the table corrected point by point by the steps so far) and the global ratio after it. A
+ratio far from 1, or drifting as slots finish, means the table misprices those steps; the model's column
+should follow the measured one.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ def main() -> None:
     observe = adaptive.CostModel.observe
 
     def traced(self, num_tokens, seconds):
-        trace.append((num_tokens, seconds, self.table_at(num_tokens)))
+        trace.append((num_tokens, seconds, self.table_at(num_tokens), self.at(num_tokens)))
         observe(self, num_tokens, seconds)
         trace[-1] += (self.scale,)
 
@@ -42,10 +44,11 @@ def main() -> None:
              engine=EngineConfig(batch_size=args.batch_size, matmul=args.matmul))
     for (slots, k), (tokens, seconds) in lm.model.calibrations.items():
         print(f"table ({slots} slots, k {k}): " + ", ".join(f"{t} tokens {s * 1e3:.1f} ms" for t, s in zip(tokens, seconds)))
-    print(f"{'step':>5}{'tokens':>8}{'measured ms':>13}{'table ms':>10}{'scale':>7}")
-    for i, (tokens, seconds, predicted, scale) in enumerate(trace):
+    print(f"{'step':>5}{'tokens':>8}{'measured ms':>13}{'table ms':>10}{'model ms':>10}{'scale':>7}")
+    for i, (tokens, seconds, predicted, model_ms, scale) in enumerate(trace):
         if i % args.every == 0 or i == len(trace) - 1:
-            print(f"{i:>5}{tokens:>8}{seconds * 1e3:>13.1f}{predicted * 1e3:>10.1f}{scale:>7.2f}")
+            print(f"{i:>5}{tokens:>8}{seconds * 1e3:>13.1f}{predicted * 1e3:>10.1f}{model_ms * 1e3:>10.1f}"
+                  f"{scale:>7.2f}")
 
 
 if __name__ == "__main__":
