@@ -12,7 +12,8 @@ Per set and rule, at every step of every output (the step emits the accepted dra
   token's cost over a one-token step; ~0.2 at batch 1 on this CPU, `benchmarks/context_cost.py`), every offered
   draft verified.
 Rules:
-- recent n..m: the most recent occurrence of the longest matching tail, n down to m tokens (the engine: 3..1);
+- recent n..m: the most recent occurrence of the longest matching tail, n down to m tokens (the engine's numpy
+  reference, ngram_match; the engine uses 3..1);
 - vote n..m: among all occurrences of that longest tail, draft by draft the token that most of the occurrences
   still agreeing with the draft so far continue with (ties: the most recent), so a continuation the text repeats
   wins over a one-off.
@@ -24,6 +25,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
+from specgen.engine.proposers.ngram import ngram_match
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -41,14 +44,14 @@ def occurrences(seq: np.ndarray, pos: int, n: int) -> np.ndarray:
 
 
 def draft(seq: np.ndarray, pos: int, k: int, n_max: int, n_min: int, vote: bool) -> list[int]:
+    if not vote:  # the engine's rule: its numpy reference (specgen/engine/proposers/ngram.py)
+        d, _ = ngram_match(seq[None, :pos], np.array([pos]), k, n_min, n_max)
+        return d.draft_ids[0, : d.num_draft[0]].tolist()
     for n in range(n_max, n_min - 1, -1):
         starts = occurrences(seq, pos, n)
         if len(starts) == 0:
             continue
         conts = starts + n  # where each occurrence's continuation starts
-        if not vote:
-            c = int(conts[-1])
-            return seq[c: min(c + k, pos)].tolist()
         out: list[int] = []
         alive = conts
         for j in range(k):

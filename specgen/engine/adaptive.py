@@ -29,6 +29,13 @@ def expected_emitted(alpha: np.ndarray, k: np.ndarray) -> np.ndarray:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
+def _bracket(x: list[float], t: float) -> tuple[int, float]:
+    """(j, lam) with x[j] <= t <= x[j + 1] and t = x[j] + lam (x[j + 1] - x[j]), for x[0] <= t <= x[-1] and at
+    least two points."""
+    j = next(i for i in range(len(x) - 1) if t <= x[i + 1])
+    return j, (t - x[j]) / (x[j + 1] - x[j])
+
+
 def _interp(x: list[float], y: list[float], slope: float, t: float) -> float:
     """np.interp(t, x, y) for one t in plain Python (the same formula, so the same value), and beyond x's ends
     the line of the given slope through the end point."""
@@ -38,7 +45,7 @@ def _interp(x: list[float], y: list[float], slope: float, t: float) -> float:
         return y[-1] + slope * (t - x[-1])
     if t < x[0]:
         return y[0] + slope * (t - x[0])
-    j = next(i for i in range(len(x) - 1) if t <= x[i + 1])  # x[j] <= t <= x[j + 1]
+    j, _ = _bracket(x, t)
     if t == x[j + 1]:
         return y[j + 1]
     return (y[j + 1] - y[j]) / (x[j + 1] - x[j]) * (t - x[j]) + y[j]
@@ -65,6 +72,7 @@ class CostModel:
         self.seconds = np.asarray(seconds, np.float64)
         self._x = self.tokens.tolist()  # the points, in plain Python for at()
         self._table = self.seconds.tolist()
+        self._table_slope = (self._table[-1] - self._table[0]) / max(self._x[-1] - self._x[0], 1.0)
         # [num_points] decayed sums, over the steps next to each point, of interpolation weight x measured ratio
         # and of the weight (its evidence): their quotient is the point's own ratio
         self._sum = [0.0] * len(self._x)
@@ -103,8 +111,7 @@ class CostModel:
             return [(len(x) - 1, 1.0)]
         if t <= x[0]:
             return [(0, 1.0)]
-        j = next(i for i in range(len(x) - 1) if t <= x[i + 1])  # x[j] < t <= x[j + 1]
-        lam = (t - x[j]) / (x[j + 1] - x[j])
+        j, lam = _bracket(x, t)
         return [(j, 1.0 - lam), (j + 1, lam)]
 
     def at(self, num_tokens: int) -> float:
@@ -115,8 +122,7 @@ class CostModel:
 
     def table_at(self, num_tokens: int) -> float:
         """The uncorrected table's seconds at num_tokens (interpolated; beyond its ends, its end-to-end slope)."""
-        x, y = self._x, self._table
-        return _interp(x, y, (y[-1] - y[0]) / max(x[-1] - x[0], 1.0), float(num_tokens))
+        return _interp(self._x, self._table, self._table_slope, float(num_tokens))
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """One step's measured seconds: into the global ratio and the ratios of the points next to its count."""
