@@ -1,9 +1,12 @@
-"""Prefill of one prompt (one forward over n tokens, logits for the last), packed weights against MKL's
-matmul on the same model, side by side in one run:
+"""Prefill (one forward over n prompt tokens per slot, logits for each slot's last), three ways side by side in
+one run, on the default model:
 
-    python benchmarks/prefill.py [--tokens 256 1024] [--repeats 3] [--threads 2]
+    python benchmarks/prefill.py [--tokens 256 1024] [--slots 1] [--repeats 3] [--threads 2]
 
-Both models are the default one; "mkl" is built with SPECGEN_PACKED_LINEAR=0. Best of --repeats, alternating.
+"packed": the default kernels; "narrow": the same with SPECGEN_WIDE_LINEAR=0 (the packed product one panel at a
+time, as before the two-panel kernel for many rows); "mkl": a model built with SPECGEN_PACKED_LINEAR=0 (Paddle's
+matmul over dense float32 weights). Best of --repeats, the three alternating. --slots S prefills S prompts of n
+tokens each in one forward (a batch job's first step). "same bits" compares packed's and narrow's logits.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import time
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[256, 1024])
+    ap.add_argument("--slots", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -29,19 +33,26 @@ def main() -> None:
     if not packed.model.packs:
         raise SystemExit("the packed linear kernel is off here (needs the fused kernels and AVX-512)")
     rng = np.random.default_rng(0)
-    print(f"{'tokens':>7}{'packed ms':>11}{'mkl ms':>9}{'packed tok/s':>14}{'mkl tok/s':>11}{'speedup':>9}")
+    s = args.slots
+    print(f"{'slots':>6}{'tokens':>8}{'packed ms':>11}{'narrow ms':>11}{'mkl ms':>9}{'packed tok/s':>14}"
+          f"{'narrow/packed':>15}{'mkl/packed':>12}{'same bits':>11}")
     for n in args.tokens:
-        batch = build_forward_batch(np.array([0]), np.array([0]), np.array([n]), rng.integers(100, 40000, n),
-                                    np.array([False]))
-        best = {"packed": 1e9, "mkl": 1e9}
+        batch = build_forward_batch(np.arange(s), np.zeros(s, np.int64), np.full(s, n),
+                                    rng.integers(100, 40000, s * n), np.zeros(s, bool))
+        best = {"packed": 1e9, "narrow": 1e9, "mkl": 1e9}
+        logits = {}
         for _ in range(args.repeats):
-            for name, m in (("packed", packed), ("mkl", mkl)):
-                cache = m.model.new_cache(1, n + 8)
+            for name, m in (("packed", packed), ("narrow", packed), ("mkl", mkl)):
+                os.environ["SPECGEN_WIDE_LINEAR"] = "0" if name == "narrow" else "1"
+                cache = m.model.new_cache(s, n + 8)
                 start = time.perf_counter()
-                m.model.forward(batch, cache)[0].numpy()
+                logits[name] = m.model.forward(batch, cache)[0].numpy()
                 best[name] = min(best[name], time.perf_counter() - start)
-        p, k = best["packed"], best["mkl"]
-        print(f"{n:>7}{p * 1e3:>11.0f}{k * 1e3:>9.0f}{n / p:>14.0f}{n / k:>11.0f}{k / p:>8.2f}x", flush=True)
+        os.environ.pop("SPECGEN_WIDE_LINEAR")
+        p, w, k = best["packed"], best["narrow"], best["mkl"]
+        same = "yes" if np.array_equal(logits["packed"], logits["narrow"]) else "NO"
+        print(f"{s:>6}{n:>8}{p * 1e3:>11.0f}{w * 1e3:>11.0f}{k * 1e3:>9.0f}{s * n / p:>14.0f}{w / p:>14.2f}x"
+              f"{k / p:>11.2f}x{same:>11}", flush=True)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,8 @@ def table_path(model_key: str | None, cache_dtype: str, num_slots: int, max_draf
 
     parts = [model_key, cache_dtype, str(num_slots), str(max_draft), os.environ.get("OMP_NUM_THREADS", ""),
              str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()),
-             platform.node(), _cpu_name(), paddle.__version__, kernels.build_key()]
+             platform.node(), _cpu_name(), paddle.__version__, kernels.build_key(),
+             os.environ.get("SPECGEN_WIDE_LINEAR", "")]
     return _root() / (hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20] + ".json")
 
 

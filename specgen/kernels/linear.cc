@@ -31,6 +31,7 @@
 // L1 for the second). The generic path (no AVX-512) runs the same chains with std::fma.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -329,6 +330,151 @@ void qpanel_any(const float* x, int64_t m, int64_t k, const uint8_t* p, Quant q,
     case Quant::kQ4_0: return qpanel_all<Quant::kQ4_0>(x, m, k, p, y, n, c0);
     case Quant::kQ4_1: return qpanel_all<Quant::kQ4_1>(x, m, k, p, y, n, c0);
     case Quant::kQ8_0: return qpanel_all<Quant::kQ8_0>(x, m, k, p, y, n, c0);
+  }
+}
+
+// ---- Many rows (prefill): two panels at a time ----
+//
+// panel_rows gives each broadcast input two FMAs (one panel's 32 columns) and, past kBoth rows, streams the
+// whole panel from L2 for every group of rows: with many rows it was bound by those reads, not by its FMAs
+// (~120 GFLOP/s on two cores where MKL reached ~145). Past kWideMin rows, pair_all applies kPairRows rows at a
+// time to two adjacent panels (64 columns, 4 FMAs per broadcast, 24 accumulators), one chain per pass as
+// panel_rows does past kBoth rows, over slices of the inputs that stay in L1: every output is still its even
+// chain plus its odd chain, each in input order, so the bits are those of panel_rows whatever the row count.
+constexpr int64_t kPairRows = 6;    // rows per group of pair_all
+constexpr int64_t kChunkRows = 48;  // rows per work item of wide_linear
+constexpr int64_t kWideMin = 2 * kGroup + 1;  // rows from which packed_linear takes wide_linear
+constexpr int64_t kSlice = 96;      // inputs per slice of pair_all (even: the chains' parity is kept)
+
+// One chain's inputs i = i0, i0 + 2, ... < i1 of G rows over panels p and q [k, 32], continuing the accumulators
+// at acc [G, 64] (zero when i0 < 2) and leaving them there.
+template <int G>
+inline void pair_chain(const float* x, int64_t k, const float* p, const float* q, int64_t i0, int64_t i1,
+                       float* acc) {
+  __m512 a[G][4];
+  for (int r = 0; r < G; ++r)
+    for (int c = 0; c < 4; ++c) a[r][c] = i0 < 2 ? _mm512_setzero_ps() : _mm512_load_ps(acc + r * 64 + 16 * c);
+  for (int64_t i = i0; i < i1; i += 2) {
+    const __m512 w0 = _mm512_load_ps(p + i * kPanel), w1 = _mm512_load_ps(p + i * kPanel + 16);
+    const __m512 w2 = _mm512_load_ps(q + i * kPanel), w3 = _mm512_load_ps(q + i * kPanel + 16);
+    for (int r = 0; r < G; ++r) {
+      const __m512 b = _mm512_set1_ps(x[r * k + i]);
+      a[r][0] = _mm512_fmadd_ps(b, w0, a[r][0]);
+      a[r][1] = _mm512_fmadd_ps(b, w1, a[r][1]);
+      a[r][2] = _mm512_fmadd_ps(b, w2, a[r][2]);
+      a[r][3] = _mm512_fmadd_ps(b, w3, a[r][3]);
+    }
+  }
+  for (int r = 0; r < G; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_store_ps(acc + r * 64 + 16 * c, a[r][c]);
+}
+
+// Both chains of G rows over the inputs [s0, s1) (s0 even), accumulators at acc [2, G, 64] (even, odd).
+template <int G>
+inline void pair_slice(const float* x, int64_t k, const float* p, const float* q, int64_t s0, int64_t s1, float* acc) {
+  pair_chain<G>(x, k, p, q, s0, s1, acc);
+  pair_chain<G>(x, k, p, q, s0 + 1, s1, acc + G * 64);
+}
+
+template <int G>
+inline void pair_slice_tail(const float* x, int64_t rows, int64_t k, const float* p, const float* q, int64_t s0,
+                            int64_t s1, float* acc) {
+  if constexpr (G > 0) {
+    if (rows == G) return pair_slice<G>(x, k, p, q, s0, s1, acc);
+    pair_slice_tail<G - 1>(x, rows, k, p, q, s0, s1, acc);
+  }
+}
+
+// y[r, c0 .. c0 + min(64, n - c0)) for m <= kChunkRows rows of x, panels p and q holding columns c0 .. c0 + 64.
+// The inputs go in slices of kSlice, each applied to every row group before the next: the two panels' slice
+// (24 KB) stays in L1 while the groups reuse it (one group's pass over whole panels read them from L2, which
+// bound it), and each group's accumulators wait in `acc` between slices. Each chain still runs over its inputs
+// in order, so the bits are unchanged.
+void pair_all(const float* x, int64_t m, int64_t k, const float* p, const float* q, float* y, int64_t n,
+              int64_t c0) {
+  const int64_t width = std::min<int64_t>(2 * kPanel, n - c0), groups = (m + kPairRows - 1) / kPairRows;
+  alignas(64) float acc[(kChunkRows + kPairRows - 1) / kPairRows][2 * kPairRows * 64];
+  for (int64_t s0 = 0; s0 < k; s0 += kSlice) {
+    const int64_t s1 = std::min(k, s0 + kSlice);
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t r = g * kPairRows, rows = std::min(kPairRows, m - r);
+      pair_slice_tail<kPairRows>(x + r * k, rows, k, p, q, s0, s1, acc[g]);
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t r0 = g * kPairRows, rows = std::min(kPairRows, m - r0);
+    const float* even = acc[g];
+    const float* odd = acc[g] + rows * 64;
+    for (int c = 0; c < 4; ++c) {
+      const int64_t left = width - 16 * c;
+      const __mmask16 mk = left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+      for (int64_t r = 0; r < rows; ++r)  // even + odd, as store_chains adds them
+        _mm512_mask_storeu_ps(y + (r0 + r) * n + c0 + 16 * c, mk,
+                              _mm512_add_ps(_mm512_load_ps(even + r * 64 + 16 * c), _mm512_load_ps(odd + r * 64 + 16 * c)));
+    }
+  }
+}
+
+// The first group of rows over a quantized panel, rebuilding it into `keep` [k, 32] as it goes (qpanel_all's
+// first group).
+void qpanel_keep(const float* x, int64_t rows, int64_t k, const uint8_t* p, Quant q, float* y, int64_t n, int64_t c0,
+                 float* keep) {
+  const int64_t width = std::min<int64_t>(kPanel, n - c0);
+  switch (q) {
+    case Quant::kQ4_0: return qpanel_tail<Quant::kQ4_0, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
+    case Quant::kQ4_1: return qpanel_tail<Quant::kQ4_1, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
+    case Quant::kQ8_0: return qpanel_tail<Quant::kQ8_0, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
+  }
+}
+
+// SPECGEN_WIDE_LINEAR=0 turns wide_linear off (for benchmarks/prefill.py's side-by-side runs; the bits are the
+// same either way). Read on each call that could take it, so a process can alternate.
+bool wide_enabled() {
+  const char* v = std::getenv("SPECGEN_WIDE_LINEAR");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
+// packed_linear for m >= kWideMin rows: work items (pair of panels, chunk of kChunkRows rows), pair-major, in
+// static shares, so a thread meets each of its pairs in consecutive items and rebuilds a quantized pair once, in
+// its first item (whose first kGroup rows run qpanel_rows with Keep, streaming the blocks with prefetch). A last
+// panel without a partner takes the one-panel path on each chunk.
+void wide_linear(const float* x, int64_t m, int64_t k, const void* data, int64_t panels, int64_t block_bytes,
+                 float* y, int64_t n) {
+  const int64_t pairs = (panels + 1) / 2, chunks = (m + kChunkRows - 1) / kChunkRows;
+  const int64_t panel_bytes = k / kBlock * block_bytes;
+  const float* f = static_cast<const float*>(data);
+  const uint8_t* qp = static_cast<const uint8_t*>(data);
+#pragma omp parallel
+  {
+    static thread_local std::vector<__m512> scratch;  // two rebuilt panels [2, k, 32]
+    if (block_bytes) scratch.resize(2 * k * kPanel / 16);
+    float* s = reinterpret_cast<float*>(scratch.data());
+    int64_t have = -1;  // the pair now in scratch
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < pairs * chunks; ++item) {
+      const int64_t pi = item / chunks, r0 = item % chunks * kChunkRows, rows = std::min(kChunkRows, m - r0);
+      const int64_t p0 = 2 * pi, c0 = p0 * kPanel;
+      const float* xr = x + r0 * k;
+      float* yr = y + r0 * n;
+      if (p0 + 1 == panels) {  // the last panel, alone
+        if (block_bytes) qpanel_any(xr, rows, k, qp + p0 * panel_bytes, static_cast<Quant>(block_bytes), yr, n, c0);
+        else panel_all(xr, rows, k, f + p0 * k * kPanel, yr, n, c0);
+        continue;
+      }
+      if (!block_bytes) {
+        pair_all(xr, rows, k, f + p0 * k * kPanel, f + (p0 + 1) * k * kPanel, yr, n, c0);
+        continue;
+      }
+      int64_t done = 0;
+      if (have != pi) {
+        done = std::min(kGroup, rows);
+        for (int64_t h = 0; h < 2; ++h)
+          qpanel_keep(xr, done, k, qp + (p0 + h) * panel_bytes, static_cast<Quant>(block_bytes), yr, n,
+                      c0 + h * kPanel, s + h * k * kPanel);
+        have = pi;
+      }
+      pair_all(xr + done * k, rows - done, k, s, s + k * kPanel, yr + done * n, n, c0);
+    }
   }
 }
 #else
@@ -687,6 +833,10 @@ PackedWeight packed_weight(const paddle::Tensor& w, int64_t k, int64_t n, const 
 
 void packed_linear(const float* x, int64_t m, int64_t k, const PackedWeight& w, float* y, int64_t n) {
   if (m == 0) return;
+#if defined(__AVX512F__)
+  if (m >= kWideMin && !w.int8_product && wide_enabled())
+    return wide_linear(x, m, k, w.data, w.panels, w.block_bytes, y, n);
+#endif
   if (w.block_bytes == 0) {
     const float* f = static_cast<const float*>(w.data);
 #pragma omp parallel for schedule(static)

@@ -229,6 +229,42 @@ def test_quantized_linear_equals_float32_over_the_dequantized_weight(kind, k, n)
         K.specgen_linear(paddle.to_tensor(x[:, :k - 32]), q.panels, n)  # blocks for k inputs, not k - 32
 
 
+@pytest.mark.parametrize("kind,k,n", [("float32", 576, 960), ("float32", 64, 45), ("Q4_1", 576, 70),
+                                       ("Q8_0", 96, 33), ("Q4_0", 64, 32)])
+def test_wide_linear_equals_the_one_panel_path(kind, k, n, monkeypatch):
+    """Past 16 rows specgen_linear multiplies two panels at a time in chunks of 48 rows (wide_linear); its
+    products are bit-identical to the one-panel path's (SPECGEN_WIDE_LINEAR=0) for 130 rows (three chunks; an
+    odd panel count, a partial last panel, one panel alone), and each row's result is the same whatever rows
+    come with it (17 to 130 rows, any offset)."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from specgen.kernels import pack_linear, pack_quantized
+    from specgen.models.checkpoint import QUANT_BLOCK_BYTES
+
+    rng = np.random.default_rng(k + n)
+    if kind == "float32":
+        w = rng.standard_normal((k, n)).astype(np.float32)
+        panels = pack_linear(paddle.to_tensor(w)).panels
+    else:
+        blocks = rng.integers(0, 256, (n, k // 32, QUANT_BLOCK_BYTES[kind]), dtype=np.uint8)
+        scales = 4 if kind == "Q4_1" else 2
+        blocks[..., :scales] = (rng.standard_normal((n, k // 32, scales // 2)) * 0.05).astype(np.float16) \
+            .view(np.uint8).reshape(n, k // 32, scales)
+        w = dequantize(blocks.reshape(n, -1), gguf.GGMLQuantizationType[kind]).reshape(n, k).T.astype(np.float32)
+        panels = pack_quantized(kind, blocks).panels
+    x = rng.standard_normal((130, k)).astype(np.float32)
+    y = K.specgen_linear(paddle.to_tensor(x), panels, n).numpy()
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    assert np.abs(y - ref).max() <= 1e-6 * np.sqrt(k) * np.abs(ref).max() + 1e-6
+    monkeypatch.setenv("SPECGEN_WIDE_LINEAR", "0")
+    assert np.array_equal(K.specgen_linear(paddle.to_tensor(x), panels, n).numpy(), y)
+    monkeypatch.delenv("SPECGEN_WIDE_LINEAR")
+    for m, at in [(17, 0), (18, 100), (47, 3), (48, 50), (49, 81), (97, 33), (130, 0)]:
+        part = K.specgen_linear(paddle.to_tensor(x[at:at + m]), panels, n).numpy()
+        assert np.array_equal(part, y[at:at + m]), (m, at)
+
+
 def _int8_product_reference(x: np.ndarray, blocks: np.ndarray, kind: str) -> np.ndarray:
     """The integer product's definition (linear.cc, "Integer products") in numpy: x [m, k] float32 quantized per
     block of 32 inputs (dx = max |x| / 127, xq = round-to-even(x / dx) through a float32 reciprocal, sx = the
