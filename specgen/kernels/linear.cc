@@ -41,6 +41,7 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#include <omp.h>
 #endif
 
 namespace {
@@ -434,13 +435,20 @@ bool wide_enabled() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
-// packed_linear for m >= kWideMin rows: work items (pair of panels, chunk of kChunkRows rows), pair-major, in
+// packed_linear for m >= kWideMin rows: work items (pair of panels, chunk of <= kChunkRows rows), pair-major, in
 // static shares, so a thread meets each of its pairs in consecutive items and rebuilds a quantized pair once, in
 // its first item (whose first kGroup rows run qpanel_rows with Keep, streaming the blocks with prefetch). A last
 // panel without a partner takes the one-panel path on each chunk.
 void wide_linear(const float* x, int64_t m, int64_t k, const void* data, int64_t panels, int64_t block_bytes,
                  float* y, int64_t n) {
-  const int64_t pairs = (panels + 1) / 2, chunks = (m + kChunkRows - 1) / kChunkRows;
+  const int64_t pairs = (panels + 1) / 2, threads = omp_get_max_threads();
+  int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
+  // Few items that the threads cannot share evenly (9 pairs of a 576-column weight, 32 rows: 5 against 4):
+  // smaller chunks, so they can.
+  if ((pairs * chunks) % threads != 0 && pairs * chunks < 8 * threads)
+    chunks = std::min(std::max<int64_t>(m / kPairRows, 1), chunks * threads);
+  const int64_t chunk_rows = (m + chunks - 1) / chunks;  // <= kChunkRows
+  chunks = (m + chunk_rows - 1) / chunk_rows;  // every chunk has rows
   const int64_t panel_bytes = k / kBlock * block_bytes;
   const float* f = static_cast<const float*>(data);
   const uint8_t* qp = static_cast<const uint8_t*>(data);
@@ -452,7 +460,7 @@ void wide_linear(const float* x, int64_t m, int64_t k, const void* data, int64_t
     int64_t have = -1;  // the pair now in scratch
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < pairs * chunks; ++item) {
-      const int64_t pi = item / chunks, r0 = item % chunks * kChunkRows, rows = std::min(kChunkRows, m - r0);
+      const int64_t pi = item / chunks, r0 = item % chunks * chunk_rows, rows = std::min(chunk_rows, m - r0);
       const int64_t p0 = 2 * pi, c0 = p0 * kPanel;
       const float* xr = x + r0 * k;
       float* yr = y + r0 * n;
