@@ -18,9 +18,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -33,9 +30,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     import pyarrow.parquet as pq
+    from spec_bench import DATA
 
     tmp = Path(tempfile.mkdtemp(prefix="env_job_ab."))
-    questions = [json.loads(line) for line in DATA.read_text().splitlines()][:: args.every][: args.prompts]
+    questions = [json.loads(line) for line in (DATA / "spec_bench" / "question.jsonl").read_text().splitlines()][:: args.every][: args.prompts]
     prompts = tmp / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"q{q['question_id']}", "prompt": q["turns"][0],
                                            "max_tokens": args.max_tokens}) + "\n" for q in questions))
