@@ -30,7 +30,9 @@ HEADERS = [Path(__file__).with_name("specgen_kernels.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 HOST_SOURCE = Path(__file__).with_name("ngram.cc")
 HOST_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
-_state: dict[str, ModuleType | ctypes.CDLL | None] = {}
+# CPU features the engine asks about, and the compiler macro that says a build may use them.
+FEATURE_MACROS = {"avx512f": "__AVX512F__", "avx512_vnni": "__AVX512VNNI__"}
+_state: dict[str, ModuleType | ctypes.CDLL | str | None] = {}
 
 
 def switch(name: str) -> bool:
@@ -42,11 +44,21 @@ def enabled() -> bool:
     return switch("SPECGEN_KERNELS")
 
 
+def march() -> str:
+    """The target the kernels are built for: SPECGEN_MARCH (e.g. `x86-64-v3`, an AVX2 CPU without AVX-512, to
+    build and test the paths such a machine takes), by default `native`, this CPU."""
+    return os.environ.get("SPECGEN_MARCH", "native")
+
+
+def _flags(base: list[str]) -> list[str]:
+    return [f"-march={march()}" if f == "-march=native" else f for f in base]
+
+
 def build_key() -> str:
     """What the kernels' build depends on: their sources, flags, Paddle's version and this machine."""
     import paddle
 
-    return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(FLAGS).encode()
+    return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(_flags(FLAGS)).encode()
                           + paddle.__version__.encode() + platform.machine().encode()
                           + platform.node().encode()).hexdigest()[:16]
 
@@ -64,7 +76,7 @@ def _host_build() -> ctypes.CDLL | None:
     cxx = shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         return None
-    key = hashlib.sha256(HOST_SOURCE.read_bytes() + " ".join(HOST_FLAGS).encode() + platform.machine().encode()
+    key = hashlib.sha256(HOST_SOURCE.read_bytes() + " ".join(_flags(HOST_FLAGS)).encode() + platform.machine().encode()
                          + platform.node().encode()).hexdigest()[:16]
     d = Path(os.environ.get("SPECGEN_CACHE", Path.home() / ".cache" / "specgen")) / "kernels" / f"host-{key}"
     d.mkdir(parents=True, exist_ok=True)
@@ -74,7 +86,7 @@ def _host_build() -> ctypes.CDLL | None:
         try:
             if not lib.exists():
                 tmp = d / "libspecgen_host.so.tmp"
-                r = subprocess.run([cxx, *HOST_FLAGS, str(HOST_SOURCE), "-o", str(tmp)], capture_output=True,
+                r = subprocess.run([cxx, *_flags(HOST_FLAGS), str(HOST_SOURCE), "-o", str(tmp)], capture_output=True,
                                    text=True, check=False)
                 (d / "build.log").write_text(r.stdout + r.stderr)
                 if r.returncode != 0:
@@ -137,7 +149,7 @@ def _build() -> ModuleType | None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             with _quiet(d / "build.log"):  # the builder prints to stdout/stderr even when nothing is rebuilt
-                module = load(name="specgen_cpu_ops", sources=[str(p) for p in SOURCES], extra_cxx_cflags=FLAGS,
+                module = load(name="specgen_cpu_ops", sources=[str(p) for p in SOURCES], extra_cxx_cflags=_flags(FLAGS),
                               extra_ldflags=_openmp_ldflags(), build_directory=str(d), verbose=False)
             (d / BUILT_MARK).touch()
             return module
@@ -221,10 +233,26 @@ def has_vnni() -> bool:
 
 
 def _cpu_has(flag: str) -> bool:
+    """Whether this CPU has `flag` (a /proc/cpuinfo name, a key of FEATURE_MACROS) and the kernels' build
+    target lets them use it (see march)."""
     try:
-        return f" {flag} " in " " + Path("/proc/cpuinfo").read_text().replace("\n", " ") + " "
+        on_cpu = f" {flag} " in " " + Path("/proc/cpuinfo").read_text().replace("\n", " ") + " "
     except OSError:
         return False
+    return on_cpu and (march() == "native" or FEATURE_MACROS[flag] in _target_macros(march()))
+
+
+def _target_macros(target: str) -> str:
+    """The compiler's predefined macros for -march=target (empty when there is no compiler or it refuses)."""
+    import subprocess
+
+    key = f"macros:{target}"
+    if key not in _state:
+        cxx = shutil.which("c++") or shutil.which("g++")
+        r = subprocess.run([cxx, f"-march={target}", "-dM", "-E", "-x", "c++", os.devnull], capture_output=True,
+                           text=True, check=False) if cxx else None
+        _state[key] = r.stdout if r is not None and r.returncode == 0 else ""
+    return _state[key]
 
 
 @dataclass

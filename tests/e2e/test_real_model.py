@@ -110,9 +110,12 @@ def test_greedy_steps_without_logits_give_the_same_tokens(real_model, spec_bench
 
 def test_float16_kv_cache_is_exact_across_batching_and_speculation(real_model, spec_bench):
     """A half KV cache rounds keys and values once, where they are written; every later read widens them
-    exactly, so outputs still do not change with batch size or with speculation, greedy or sampled."""
-    if real_model.model.ops is None:
-        pytest.skip("a float16 KV cache needs the fused kernels")
+    exactly, so with packed weights (each row computed on its own) outputs still do not change with batch size or
+    with speculation, greedy or sampled. On MKL's products (no AVX-512) keys and values differ by ~1e-7 between
+    shapes before they are rounded, and a rounding to half can turn that into a half's step, so there the
+    float16 cache keeps only the float32 guarantee of divergences at near-ties (tested above without it)."""
+    if not real_model.model.packs:
+        pytest.skip("batch-exact float16 KV caches need packed weights (the fused kernels and AVX-512)")
     from specgen import SpecConfig
 
     prompts = chat_prompts(real_model, spec_bench, 12)
@@ -125,6 +128,7 @@ def test_float16_kv_cache_is_exact_across_batching_and_speculation(real_model, s
         run = generate(prompts, model=real_model, sampling=params,
                        engine=EngineConfig(batch_size=bs, kv_cache_dtype="float16"), speculative=spec)
         assert [o.token_ids for o in run] == [o.token_ids for o in plain], (bs, spec.method)
+
 
 @pytest.fixture(scope="module")
 def real_model_int8():

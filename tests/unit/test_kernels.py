@@ -663,3 +663,19 @@ def test_blocks_are_packed_in_cpp_as_in_numpy(kind, int8):
         assert np.array_equal(screen.panels.panels.numpy(), numpy_screen.panels.panels.numpy())
         assert screen.bound.shape == numpy_screen.bound.shape == [3, 3, 32]
         assert np.array_equal(screen.bound.numpy(), numpy_screen.bound.numpy(), equal_nan=True)  # (random d: some NaN)
+
+
+def test_build_target_hides_features_it_lacks(monkeypatch):
+    """SPECGEN_MARCH builds for another CPU (x86-64-v3: AVX2, no AVX-512), so the paths such a machine takes can be
+    run here: the engine then sees no AVX-512 even on a CPU that has it, and builds into its own directory."""
+    from specgen import kernels
+
+    native = {f: kernels._cpu_has(f) for f in kernels.FEATURE_MACROS}
+    native_dir = kernels._build_dir()
+    monkeypatch.setenv("SPECGEN_MARCH", "x86-64-v3")
+    assert not any(kernels._cpu_has(f) for f in kernels.FEATURE_MACROS)
+    assert not kernels.packed_linear_enabled(K, "float32") and not has_vnni()
+    assert kernels._build_dir() != native_dir
+    monkeypatch.setenv("SPECGEN_MARCH", "native")
+    assert {f: kernels._cpu_has(f) for f in kernels.FEATURE_MACROS} == native
+    assert kernels._build_dir() == native_dir
