@@ -1,11 +1,12 @@
 """A whole `specgen run` job with an environment switch off and on, alternated, in fresh processes:
 
     python benchmarks/env_job_ab.py [--switch SPECGEN_WIDE_LINEAR] [--prompts 40] [--every 12] [--max-tokens 64]
-                                    [--methods none ngram] [--repeats 2]
+                                    [--methods none ngram] [--repeats 2] [--batch-size 32]
 
-The prompts: every --every-th Spec-Bench question (first turn), all categories mixed, --max-tokens each, the
-default batch of 32 slots. Each repeat runs every method with the switch at 0 and at 1 (unset); the table gives
-each run's wall time (the job's own summary) and whether its outputs equal the first run's token for token.
+The prompts: every --every-th Spec-Bench question (first turn), all categories mixed, --max-tokens each, in
+--batch-size slots (the default batch of 32). Each repeat runs every method with the switch at 0 and at 1 (unset);
+the table gives each run's wall time (the job's own summary) and whether its outputs equal the first run's token
+for token.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=["none", "ngram"])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=32)
     args = ap.parse_args()
     import pyarrow.parquet as pq
     from spec_bench import DATA
@@ -38,7 +40,7 @@ def main() -> None:
     prompts.write_text("".join(json.dumps({"id": f"q{q['question_id']}", "prompt": q["turns"][0],
                                            "max_tokens": args.max_tokens}) + "\n" for q in questions))
     first = None
-    print(f"{len(questions)} prompts; {args.switch} = 0 / 1; wall s from each job's summary")
+    print(f"{len(questions)} prompts, batch {args.batch_size}; {args.switch} = 0 / 1; wall s from each job's summary")
     print(f"{'repeat':>7}{'method':>8}{'switch':>8}{'wall s':>9}{'same tokens':>13}")
     walls: dict[tuple[str, str], list[float]] = {}
     for rep in range(args.repeats):
@@ -51,7 +53,7 @@ def main() -> None:
                 else:
                     env.pop(args.switch, None)
                 subprocess.run([sys.executable, "-m", "specgen", "run", "--method", method, str(prompts), "-o", str(out),
-                                "--summary-json", str(summary)], env=env, check=True, capture_output=True)
+                                "--summary-json", str(summary), "--batch-size", str(args.batch_size)], env=env, check=True, capture_output=True)
                 wall = json.loads(summary.read_text())["wall_time_s"]
                 table = pq.read_table(out).to_pydict()
                 tokens = dict(zip(table["id"], table["token_ids"]))

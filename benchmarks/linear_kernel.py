@@ -35,7 +35,7 @@ def main() -> None:
     lm = load_model(None, threads=args.threads)
     m = lm.model
     if not m.packs:
-        raise SystemExit("the packed linear kernel is off here (needs the fused kernels and AVX-512)")
+        raise SystemExit("the packed linear kernel is off here (needs the fused kernels and AVX2 or AVX-512)")
     weights = [L[key] for L in m.w.layers for key in ("w_qkv", "w_o", "w_gate_up", "w_down")] + [m.w.lm_head]
     if not m.keeps_quantized or any(w.kind == "F32" for w in weights):
         raise SystemExit("the model does not keep its quantized blocks here (SPECGEN_QUANTIZED_WEIGHTS=0?)")

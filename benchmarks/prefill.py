@@ -31,7 +31,7 @@ def main() -> None:
     packed = load_default(args.threads)
     mkl = load_default(args.threads, SPECGEN_PACKED_LINEAR="0")
     if not packed.model.packs:
-        raise SystemExit("the packed linear kernel is off here (needs the fused kernels and AVX-512)")
+        raise SystemExit("the packed linear kernel is off here (needs the fused kernels and AVX2 or AVX-512)")
     rng = np.random.default_rng(0)
     s = args.slots
     print(f"{'slots':>6}{'tokens':>8}{'packed ms':>11}{'narrow ms':>11}{'mkl ms':>9}{'packed tok/s':>14}"

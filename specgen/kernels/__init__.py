@@ -31,7 +31,8 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 HOST_SOURCE = Path(__file__).with_name("ngram.cc")
 HOST_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 # CPU features the engine asks about, and the compiler macro that says a build may use them.
-FEATURE_MACROS = {"avx512f": "__AVX512F__", "avx512_vnni": "__AVX512VNNI__"}
+FEATURE_MACROS = {"avx512f": "__AVX512F__", "avx512_vnni": "__AVX512VNNI__", "avx2": "__AVX2__", "fma": "__FMA__",
+                  "f16c": "__F16C__"}
 _state: dict[str, ModuleType | ctypes.CDLL | str | None] = {}
 
 
@@ -219,12 +220,12 @@ PANEL = 32  # output columns per panel of a packed weight (linear.cc)
 
 
 def packed_linear_enabled(ops_module: ModuleType | None, dtype: str) -> bool:
-    """Whether `Model` packs its float32 weights for specgen_linear: the kernels are built, the CPU has AVX-512
-    (elsewhere MKL's sgemm is kept: the generic fallback in linear.cc is only a reference) and
-    SPECGEN_PACKED_LINEAR is not 0."""
+    """Whether `Model` packs its float32 weights for specgen_linear: the kernels are built, the CPU has AVX-512 or
+    AVX2 with FMA and F16C (elsewhere MKL's sgemm is kept: the generic fallback in linear.cc is only a reference)
+    and SPECGEN_PACKED_LINEAR is not 0."""
     if ops_module is None or dtype != "float32" or not switch("SPECGEN_PACKED_LINEAR"):
         return False
-    return _cpu_has("avx512f")
+    return _cpu_has("avx512f") or all(_cpu_has(f) for f in ("avx2", "fma", "f16c"))
 
 
 def has_vnni() -> bool:

@@ -68,7 +68,7 @@ def test_float32_packed_weights_are_exact_across_batching_and_speculation(real_m
     """With packed float32 weights every row of every op is computed on its own in a fixed order, so float32
     outputs do not change with batch size or with speculation: not even at near-ties."""
     if not real_model.model.packs:
-        pytest.skip("packed linear needs the fused kernels and AVX-512")
+        pytest.skip("packed linear needs the fused kernels and AVX2 (with FMA and F16C) or AVX-512")
     from specgen import SpecConfig
 
     prompts = chat_prompts(real_model, spec_bench, 16)
@@ -111,11 +111,11 @@ def test_greedy_steps_without_logits_give_the_same_tokens(real_model, spec_bench
 def test_float16_kv_cache_is_exact_across_batching_and_speculation(real_model, spec_bench):
     """A half KV cache rounds keys and values once, where they are written; every later read widens them
     exactly, so with packed weights (each row computed on its own) outputs still do not change with batch size or
-    with speculation, greedy or sampled. On MKL's products (no AVX-512) keys and values differ by ~1e-7 between
+    with speculation, greedy or sampled. On MKL's products (no AVX2) keys and values differ by ~1e-7 between
     shapes before they are rounded, and a rounding to half can turn that into a half's step, so there the
     float16 cache keeps only the float32 guarantee of divergences at near-ties (tested above without it)."""
     if not real_model.model.packs:
-        pytest.skip("batch-exact float16 KV caches need packed weights (the fused kernels and AVX-512)")
+        pytest.skip("batch-exact float16 KV caches need packed weights (the fused kernels and AVX2 or AVX-512)")
     from specgen import SpecConfig
 
     prompts = chat_prompts(real_model, spec_bench, 12)

@@ -358,7 +358,7 @@ def test_quantized_weights_stay_blocks_and_give_the_same_bits(tmp_path, monkeypa
         monkeypatch.setenv("SPECGEN_QUANTIZED_WEIGHTS", keep)
         m = Model(ckpt, "float32")
         if not m.packs:
-            pytest.skip("packed linear needs the fused kernels and AVX-512")
+            pytest.skip("packed linear needs the fused kernels and AVX2 (with FMA and F16C) or AVX-512")
         kinds = {key: m.w.layers[0][key].kind for key in ("w_qkv", "w_o", "w_gate_up", "w_down")}
         kinds["lm_head"] = m.w.lm_head.kind
         if keep == "1":

@@ -345,7 +345,7 @@ def test_packed_float32_model_rows_equal_whatever_the_block(monkeypatch):
     lm = load_model(TINY / "llama", dtype="float32")
     m = lm.model
     if not m.packs:
-        pytest.skip("packed linear needs AVX-512")
+        pytest.skip("packed linear needs AVX2 (with FMA and F16C) or AVX-512")
     rng = np.random.default_rng(5)
     ids = rng.integers(3, 250, 24)
     whole = build_forward_batch(np.array([0]), np.array([0]), np.array([24]), ids, np.array([False]))
@@ -374,7 +374,7 @@ def test_fused_layer_op_is_bit_identical_to_op_by_op(arch):
     and caches, bit for bit; the greedy tokens specgen_forward computes with them are the logits' argmax."""
     m = load_model(TINY / arch, dtype="float32").model
     if not m.packs:
-        pytest.skip("packed linear needs AVX-512")
+        pytest.skip("packed linear needs AVX2 (with FMA and F16C) or AVX-512")
     assert m.fused_layer
     rng = np.random.default_rng(7)
     prefix = rng.integers(3, 250, 12)
@@ -420,7 +420,7 @@ def test_bound_forward_follows_a_growing_cache_and_lets_it_go(monkeypatch):
 
     m = load_model(TINY / "llama", dtype="float32").model
     if not (m.packs and m.fused_forward and m.bound_forward):
-        pytest.skip("needs the fused forward (AVX-512)")
+        pytest.skip("needs the fused forward (packed weights: AVX2 or AVX-512)")
     monkeypatch.setattr(kv_cache, "INITIAL_CAPACITY", 64)  # grows 64 -> 128 -> 256 (the tiny model's context)
     ids = np.random.default_rng(5).integers(3, 250, 256)
     steps = [(0, 50), (50, 1), (51, 30), (81, 6), (87, 100), (187, 3), (190, 6)]  # then a block without logits
@@ -666,16 +666,46 @@ def test_blocks_are_packed_in_cpp_as_in_numpy(kind, int8):
 
 
 def test_build_target_hides_features_it_lacks(monkeypatch):
-    """SPECGEN_MARCH builds for another CPU (x86-64-v3: AVX2, no AVX-512), so the paths such a machine takes can be
-    run here: the engine then sees no AVX-512 even on a CPU that has it, and builds into its own directory."""
+    """SPECGEN_MARCH builds for another CPU (x86-64-v3: AVX2, FMA and F16C, no AVX-512), so the paths such a
+    machine takes can be run here: the engine then sees no AVX-512 even on a CPU that has it (the AVX2 product,
+    no integer products), no packed weights at all for a plain x86-64 target, and each target builds into its own
+    directory."""
     from specgen import kernels
 
+    monkeypatch.setenv("SPECGEN_MARCH", "native")
     native = {f: kernels._cpu_has(f) for f in kernels.FEATURE_MACROS}
     native_dir = kernels._build_dir()
     monkeypatch.setenv("SPECGEN_MARCH", "x86-64-v3")
-    assert not any(kernels._cpu_has(f) for f in kernels.FEATURE_MACROS)
-    assert not kernels.packed_linear_enabled(K, "float32") and not has_vnni()
+    assert not kernels._cpu_has("avx512f") and not has_vnni()
+    assert kernels.packed_linear_enabled(K, "float32") == all(native[f] for f in ("avx2", "fma", "f16c"))
     assert kernels._build_dir() != native_dir
+    monkeypatch.setenv("SPECGEN_MARCH", "x86-64")
+    assert not any(kernels._cpu_has(f) for f in kernels.FEATURE_MACROS)
+    assert not kernels.packed_linear_enabled(K, "float32")
     monkeypatch.setenv("SPECGEN_MARCH", "native")
     assert {f: kernels._cpu_has(f) for f in kernels.FEATURE_MACROS} == native
     assert kernels._build_dir() == native_dir
+
+
+def _two_chains(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """linear.cc's definition of every product: y[r, c] = (even chain) + (odd chain), each chain an FMA per input
+    in input order, acc = fma(x[r, i], w[i, c], acc), from 0. An FMA is emulated in float64, where the product of
+    two float32s is exact."""
+    acc = np.zeros((2, x.shape[0], w.shape[1]), np.float32)
+    for i in range(x.shape[1]):
+        acc[i % 2] = (x[:, i, None].astype(np.float64) * w[i].astype(np.float64) + acc[i % 2]).astype(np.float32)
+    return acc[0] + acc[1]
+
+
+@pytest.mark.parametrize("k,n", [(64, 45), (7, 33), (96, 64)])
+def test_packed_linear_is_two_fma_chains_in_input_order(k, n):
+    """Every build (AVX-512, AVX2, generic) computes the same bits: the definition above, for 1 to 40 rows (each
+    row-group shape of each path, and the many-row paths)."""
+    from specgen.kernels import pack_linear
+
+    rng = np.random.default_rng(k * n)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    p = pack_linear(paddle.to_tensor(w)).panels
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 17, 40):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        assert np.array_equal(K.specgen_linear(paddle.to_tensor(x), p, n).numpy(), _two_chains(x, w)), m

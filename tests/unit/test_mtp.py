@@ -124,7 +124,7 @@ def test_head_projections_are_q8_0_blocks_beside_a_quantized_main_model(tiny_mod
 
     m = tiny_model.model
     if not m.packs:
-        pytest.skip("Q8_0 head projections need packed weights (the fused kernels and AVX-512)")
+        pytest.skip("Q8_0 head projections need packed weights (the fused kernels and AVX2 or AVX-512)")
     weights = random_mtp_weights(tiny_model.config, seed=4, std=0.3)
     heads = {}
     for flag in ("1", "0"):
