@@ -47,7 +47,7 @@
 #include "paddle/extension.h"
 #include "specgen_kernels.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 
@@ -91,6 +91,30 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// The AVX2 build's exp (8 lanes): exp512's range reduction and polynomial; 2^n built in the exponent field, with
+// n capped at 128 (inf), as scalef gives for larger n.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_min_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(128));
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23)));
+}
+
+// Lanes [0, n) of 8 set (n <= 8), for masked loads and stores.
+inline __m256i lanes_below(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
 #endif
 
 void check_cpu(const paddle::Tensor& t, const char* name) {
@@ -168,6 +192,22 @@ void silu_mul_rows<float>(const float* gu, float* out, int64_t n, int64_t inter)
     }
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// float32: 8 lanes at a time with exp256 instead of libm's scalar expf.
+template <>
+void silu_mul_rows<float>(const float* gu, float* out, int64_t n, int64_t inter) {
+#pragma omp parallel for if (n > 4)
+  for (int64_t r = 0; r < n; ++r) {
+    const float* g = gu + r * 2 * inter;
+    for (int64_t i = 0; i < inter; i += 8) {
+      const __m256i mk = lanes_below(inter - i);
+      const __m256 x = _mm256_maskload_ps(g + i, mk), u = _mm256_maskload_ps(g + inter + i, mk);
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), x));
+      const __m256 y = _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+      _mm256_maskstore_ps(out + r * inter + i, mk, y);
+    }
+  }
+}
 #endif
 
 }  // namespace
@@ -210,6 +250,46 @@ void argmax_rows<float>(const float* x, int64_t n, int64_t v, int64_t* out) {
     const float top = _mm512_reduce_max_ps(best);
     const __mmask16 eq = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
     out[r] = eq ? _mm512_mask_reduce_min_epi32(eq, at) : 0;
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// float32: the AVX-512 path's rule 8 lanes at a time: each lane keeps its first maximum (NaN never wins), then the
+// largest value and, among the lanes holding it, the lowest index.
+template <>
+void argmax_rows<float>(const float* x, int64_t n, int64_t v, int64_t* out) {
+#pragma omp parallel for if (n > 1)
+  for (int64_t r = 0; r < n; ++r) {
+    const float* row = x + r * v;
+    const __m256 lowest = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    const __m256i step = _mm256_set1_epi32(8);
+    __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 best = lowest;
+    __m256i at = lane;
+    int64_t i = 0;
+    for (; i + 8 <= v; i += 8) {
+      const __m256 val = _mm256_loadu_ps(row + i);
+      const __m256 gt = _mm256_cmp_ps(val, best, _CMP_GT_OQ);
+      best = _mm256_blendv_ps(best, val, gt);
+      at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at), _mm256_castsi256_ps(lane), gt));
+      lane = _mm256_add_epi32(lane, step);
+    }
+    if (i < v) {
+      const __m256i mk = lanes_below(v - i);
+      const __m256 val = _mm256_blendv_ps(lowest, _mm256_maskload_ps(row + i, mk), _mm256_castsi256_ps(mk));
+      const __m256 gt = _mm256_cmp_ps(val, best, _CMP_GT_OQ);
+      best = _mm256_blendv_ps(best, val, gt);
+      at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at), _mm256_castsi256_ps(lane), gt));
+    }
+    alignas(32) float bv[8];
+    alignas(32) int32_t bi[8];
+    _mm256_store_ps(bv, best);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bi), at);
+    float top = bv[0];
+    for (int l = 1; l < 8; ++l) top = std::max(top, bv[l]);
+    int64_t pick = -1;
+    for (int l = 0; l < 8; ++l)
+      if (bv[l] == top && (pick < 0 || bi[l] < pick)) pick = bi[l];
+    out[r] = pick < 0 ? 0 : pick;
   }
 }
 #endif
@@ -572,6 +652,125 @@ void chunk_partial(const Tile<float, E>& t, int64_t D, int64_t jb, int64_t je, s
           for (int64_t c = 0; c < C; ++c)
             _mm512_storeu_ps(o + 16 * c, _mm512_fmadd_ps(p, kv[c], _mm512_loadu_ps(o + 16 * c)));
         }
+    }
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// r[j] = sum of the 8 lanes of a[j], j = 0..7, by a fixed tree (two rounds of pairwise adds within 128-bit halves,
+// then the halves added): the same order for every j.
+inline __m256 hsum8(const __m256* a) {
+  const __m256 t01 = _mm256_hadd_ps(a[0], a[1]), t23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t45 = _mm256_hadd_ps(a[4], a[5]), t67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t01, t23), u1 = _mm256_hadd_ps(t45, t67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// 8 floats of a key or value row: float32 as is, halves widened (exact).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// Weighted sum of values for R rows over the column vectors [c0, c0 + C) (8 columns each), accumulators in
+// registers: acc[r, 8 c0 .. 8 (c0 + C)) = sum_j p[r, j - jb] * v_j over jb <= j < je in order (p is zero past
+// each row's last key).
+template <int C, int R, typename E>
+inline void pv_rows8(const Tile<float, E>& t, int64_t D, int64_t jb, int64_t je, const float* p, int64_t stride,
+                     int64_t c0, float* acc) {
+  __m256 o[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) o[r][c] = _mm256_setzero_ps();
+  for (int64_t j = jb; j < je; ++j) {
+    const E* v = t.value(j, D) + 8 * c0;
+    __m256 w[R];
+    for (int r = 0; r < R; ++r) w[r] = _mm256_broadcast_ss(p + r * stride + j - jb);
+    for (int c = 0; c < C; ++c) {
+      const __m256 vv = load8(v + 8 * c);
+      for (int r = 0; r < R; ++r) o[r][c] = _mm256_fmadd_ps(w[r], vv, o[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + r * D + 8 * (c0 + c), o[r][c]);
+}
+
+// float32 with head_dim a multiple of 8 (up to 256): the AVX-512 path's steps 8 lanes at a time. Scores come 8
+// keys at a time (hsum8); the weighted sum runs over 32 columns at a time with 2 rows' accumulators in registers.
+// Each query row is still computed on its own, in a fixed order.
+template <typename E>
+void chunk_partial(const Tile<float, E>& t, int64_t D, int64_t jb, int64_t je, std::vector<float>& sc,
+                   float* part) {
+  if (D % 8 != 0 || D > 256) {
+    return chunk_partial_generic(t, D, jb, je, sc, part);
+  }
+  const int64_t rows = t.nt * t.G, C = D / 8;
+  const int64_t stride = (je - jb + 7) & ~int64_t(7);
+  float *m = part, *l = part + rows, *acc = part + 2 * rows;
+  sc.resize(rows * stride);
+  const E* keys[8];
+  for (int64_t j0 = jb; j0 < je; j0 += 8) {
+    const int64_t nk = std::min<int64_t>(8, je - j0);
+    for (int64_t kk = 0; kk < 8; ++kk) keys[kk] = kk < nk ? t.key(j0 + kk, D) : nullptr;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t a = r / t.G, g = r % t.G;
+      if (j0 > t.p0 + a) continue;  // every key of the block is in this row's future (zeroed below)
+      const float* q = t.q + a * t.q_stride + g * D;
+      __m256 part8[8];
+      for (int64_t kk = 0; kk < 8; ++kk) {
+        if (kk >= nk) { part8[kk] = _mm256_setzero_ps(); continue; }
+        __m256 s = _mm256_mul_ps(_mm256_loadu_ps(q), load8(keys[kk]));
+        for (int64_t c = 1; c < C; ++c) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), load8(keys[kk] + 8 * c), s);
+        part8[kk] = s;
+      }
+      _mm256_storeu_ps(sc.data() + r * stride + j0 - jb, hsum8(part8));
+    }
+  }
+  for (int64_t a = 0; a < t.nt; ++a) {
+    const int64_t n = std::min(je, t.p0 + a + 1) - jb;  // this row's keys in the chunk: [jb, jb + n)
+    for (int64_t g = 0; g < t.G; ++g) {
+      const int64_t ri = a * t.G + g;
+      float* r = sc.data() + ri * stride;
+      if (n <= 0) {
+        m[ri] = -std::numeric_limits<float>::max();
+        l[ri] = 0.0f;
+        std::fill(r, r + stride, 0.0f);
+        continue;
+      }
+      const __m256 lowest = _mm256_set1_ps(-std::numeric_limits<float>::max());
+      __m256 mv = lowest;
+      for (int64_t j = 0; j < n; j += 8) {
+        const __m256 mk = _mm256_castsi256_ps(lanes_below(n - j));
+        mv = _mm256_max_ps(mv, _mm256_blendv_ps(lowest, _mm256_loadu_ps(r + j), mk));
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, mv);
+      float mx = lanes[0];
+      for (int i = 1; i < 8; ++i) mx = std::max(mx, lanes[i]);
+      const __m256 mb = _mm256_set1_ps(mx);
+      __m256 tot = _mm256_setzero_ps();
+      for (int64_t j = 0; j < n; j += 8) {
+        const __m256 mk = _mm256_castsi256_ps(lanes_below(n - j));
+        const __m256 e = _mm256_and_ps(mk, exp256(_mm256_sub_ps(_mm256_loadu_ps(r + j), mb)));
+        _mm256_storeu_ps(r + j, e);  // lanes past n (still within the row's stride) get 0
+        tot = _mm256_add_ps(tot, e);
+      }
+      _mm256_store_ps(lanes, tot);
+      m[ri] = mx;
+      l[ri] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+      std::fill(r + n, r + stride, 0.0f);  // future keys weigh nothing in the weighted sum
+    }
+  }
+  for (int64_t c0 = 0; c0 < C; c0 += 4) {
+    const int64_t cn = std::min<int64_t>(4, C - c0);
+    int64_t r0 = 0;
+    for (; r0 + 2 <= rows; r0 += 2) {
+      const float* p = sc.data() + r0 * stride;
+      float* o = acc + r0 * D;
+      if (cn == 4) pv_rows8<4, 2, E>(t, D, jb, je, p, stride, c0, o);
+      else for (int64_t c = 0; c < cn; ++c) pv_rows8<1, 2, E>(t, D, jb, je, p, stride, c0 + c, o);
+    }
+    if (r0 < rows) {
+      const float* p = sc.data() + r0 * stride;
+      float* o = acc + r0 * D;
+      if (cn == 4) pv_rows8<4, 1, E>(t, D, jb, je, p, stride, c0, o);
+      else for (int64_t c = 0; c < cn; ++c) pv_rows8<1, 1, E>(t, D, jb, je, p, stride, c0 + c, o);
     }
   }
 }
