@@ -258,20 +258,24 @@ def _target_macros(target: str) -> str:
 
 @dataclass
 class Packed:
-    """A weight W [k, n] for specgen_linear: float32 panels [ceil(n / 32), k, 32], or block-quantized uint8
-    panels [ceil(n / 32), k / 32, QUANT_PANEL_BYTES[kind]] (see pack_quantized)."""
+    """A weight W [k, n] for specgen_linear: float32 panels [ceil(n / 32), k, 32]; bfloat16 / float16 panels
+    [ceil(n / 32), k / 32, 32 x 32] of a weight whose every value is one (see pack_linear); or block-quantized
+    uint8 panels [ceil(n / 32), k / 32, QUANT_PANEL_BYTES[kind]] (see pack_quantized)."""
 
     panels: object  # paddle.Tensor
     k: int
     n: int
-    kind: str = "F32"  # or a key of QUANT_PANEL_BYTES
+    kind: str = "F32"  # or one of HALF_KINDS, or a key of QUANT_PANEL_BYTES
     int8_product: bool = False  # quantized only: int8 panels, multiplied with the inputs quantized to int8
 
     def numpy(self) -> np.ndarray:
-        """The dense [k, n] float32 weight (quantized: rebuilt as the GGUF reader does)."""
+        """The dense [k, n] float32 weight (16-bit: widened; quantized: rebuilt as the GGUF reader does)."""
         p = self.panels.numpy()
         if self.int8_product:
             p = _dequantize_panels(_float_layout(p.view(np.uint8), self.kind), self.kind)
+        elif self.kind in HALF_KINDS:
+            wide = (p.astype(np.uint32) << 16).view(np.float32) if self.kind == "BF16" else p.astype(np.float32)
+            p = wide.reshape(p.shape[0], self.k, PANEL)
         elif self.kind != "F32":
             p = _dequantize_panels(p, self.kind)  # [panels, k, 32]
         return np.ascontiguousarray(p.transpose(1, 0, 2).reshape(self.k, -1)[:, :self.n])
@@ -282,16 +286,42 @@ class Packed:
         return paddle.to_tensor(self.numpy())
 
 
-def pack_linear(w) -> Packed:
-    """W [k, n] (a paddle tensor or array) -> Packed; zero columns pad n up to a multiple of 32."""
+# 16-bit panels: weights that are all exactly bfloat16 or float16 values (a bf16 / fp16 checkpoint, widened to
+# float32 on load) are packed as such and widened exactly in registers, so a product reads half the bytes of the
+# float32 panels and gives the same bits.
+HALF_KINDS = ("BF16", "F16")
+
+
+def half_kind(a: np.ndarray) -> str | None:
+    """"BF16" when every float32 value of `a` is exactly a bfloat16, else "F16" when every one is exactly a
+    float16 (bit for bit, so NaN payloads and -0 included), else None."""
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    if not (bits & 0xFFFF).any():
+        return "BF16"
+    with np.errstate(over="ignore"):
+        back = a.astype(np.float16).astype(np.float32)
+    return "F16" if np.array_equal(back.view(np.uint32), bits) else None
+
+
+def pack_linear(w, halves: bool = True) -> Packed:
+    """W [k, n] (a paddle tensor or array) -> Packed; zero columns pad n up to a multiple of 32. With `halves`,
+    k a multiple of 32 and every weight exactly a bfloat16 (or float16), the panels hold those 16-bit values
+    [panels, k / 32, 32 inputs x 32 columns] (HALF_KINDS); SPECGEN_HALF_WEIGHTS=0 keeps float32 panels."""
     import paddle
 
-    a = w.numpy() if hasattr(w, "numpy") else np.asarray(w)
+    a = np.asarray(w.numpy() if hasattr(w, "numpy") else w, dtype=np.float32)
     k, n = a.shape
     panels = -(-n // PANEL)
     if panels * PANEL != n:
         a = np.concatenate([a, np.zeros((k, panels * PANEL - n), a.dtype)], axis=1)
-    return Packed(paddle.to_tensor(np.ascontiguousarray(a.reshape(k, panels, PANEL).transpose(1, 0, 2))), k, n)
+    p = np.ascontiguousarray(a.reshape(k, panels, PANEL).transpose(1, 0, 2))  # [panels, k, 32]
+    kind = half_kind(a) if halves and k % 32 == 0 and switch("SPECGEN_HALF_WEIGHTS") else None
+    if kind == "BF16":  # paddle takes uint16 arrays as bfloat16
+        return Packed(paddle.to_tensor((p.view(np.uint32) >> 16).astype(np.uint16).reshape(panels, k // 32, -1)),
+                      k, n, kind)
+    if kind == "F16":
+        return Packed(paddle.to_tensor(p.astype(np.float16).reshape(panels, k // 32, -1)), k, n, kind)
+    return Packed(paddle.to_tensor(p), k, n)
 
 
 # Bytes per panel (32 output columns) and block of 32 inputs in specgen_linear's quantized layout: the 32

@@ -54,8 +54,20 @@ constexpr int64_t kGroup = 8;     // input rows applied to a panel at a time
 constexpr int64_t kAhead = 48;    // prefetch distance in panel rows (48 x 128 B)
 constexpr int64_t kBlock = 32;    // inputs per quantization block
 
-// Quantized block formats, told apart by their size in bytes (per panel and block of 32 inputs).
-enum class Quant { kQ4_0 = 64 + 512, kQ4_1 = 128 + 512, kQ8_0 = 64 + 1024 };
+// Block formats of a packed weight, per panel and block of 32 inputs: GGUF's quantized ones, told apart by their
+// size in bytes, and weights that are exactly 16-bit floats (a bf16 or fp16 checkpoint), 32 x 32 of them input by
+// input, widened exactly: kF16's code is its size plus one.
+enum class Quant { kQ4_0 = 64 + 512, kQ4_1 = 128 + 512, kQ8_0 = 64 + 1024, kBF16 = 2048, kF16 = 2048 + 1 };
+
+constexpr int64_t quant_bytes(Quant q) { return q == Quant::kF16 ? 2048 : static_cast<int64_t>(q); }
+constexpr bool is_half(Quant q) { return q == Quant::kBF16 || q == Quant::kF16; }
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 // The nibble of input i (of 32) and column c (of 32) in a Q4 block's quants (the float32-product layout): per
 // group g of 8 inputs, 128 bytes, columns 0-15 then 16-31 as one 32-bit lane each, input 8g + j in bits 4j ..
@@ -68,6 +80,11 @@ inline int q4_nibble(const uint8_t* qs, int64_t i, int64_t c) {
 // The float32 weight of input i and column c of a quantized block whose quants start at qs, with the column's
 // scale d (and Q4_1 minimum m), as gguf.quants dequantizes it: d * q is exact, so Q4_1's one FMA rounds once.
 inline float rebuilt_weight(const uint8_t* qs, Quant q, float d, float m, int64_t i, int64_t c) {
+  if (is_half(q)) {
+    uint16_t h;
+    std::memcpy(&h, qs + (i * kPanel + c) * 2, sizeof h);
+    return q == Quant::kBF16 ? bf16_to_float(h) : specgen::half_to_float(h);
+  }
   if (q == Quant::kQ8_0) return static_cast<float>(static_cast<int8_t>(qs[i * kPanel + c])) * d;
   const int nib = q4_nibble(qs, i, c);
   return q == Quant::kQ4_0 ? d * static_cast<float>(nib - 8) : std::fma(d, static_cast<float>(nib), m);
@@ -76,15 +93,15 @@ inline float rebuilt_weight(const uint8_t* qs, Quant q, float d, float m, int64_
 // The dequantized panel [k, 32] of one quantized panel, in scalar code: the quantized path of builds without
 // AVX-512 (with AVX-512, block_weights and qpanel_rows below do the same with vectors).
 void dequant_panel_ref(const uint8_t* p, int64_t k, Quant q, float* out) {
-  const int64_t bytes = static_cast<int64_t>(q);
+  const int64_t bytes = quant_bytes(q);
   for (int64_t b = 0; b < k / kBlock; ++b, p += bytes) {
     const uint16_t* scales = reinterpret_cast<const uint16_t*>(p);
-    const uint8_t* qs = p + (q == Quant::kQ4_1 ? 128 : 64);
+    const uint8_t* qs = is_half(q) ? p : p + (q == Quant::kQ4_1 ? 128 : 64);
     for (int64_t i = 0; i < kBlock; ++i) {
       float* w = out + (b * kBlock + i) * kPanel;
       for (int64_t c = 0; c < kPanel; ++c) {
         const float m = q == Quant::kQ4_1 ? specgen::half_to_float(scales[kPanel + c]) : 0.f;
-        w[c] = rebuilt_weight(qs, q, specgen::half_to_float(scales[c]), m, i, c);
+        w[c] = rebuilt_weight(qs, q, is_half(q) ? 0.f : specgen::half_to_float(scales[c]), m, i, c);
       }
     }
   }
@@ -225,10 +242,24 @@ constexpr int64_t kQuantAhead = 4096;  // prefetch distance in bytes of a quanti
 // even or the odd ones only (one chain's pass).
 template <Quant Q, int Par, typename F>
 inline void block_weights(const uint8_t* p, F&& f) {
+  constexpr int64_t first = Par == 2 ? 0 : Par, step = Par == 2 ? 1 : 2;
+  if constexpr (is_half(Q)) {  // 32 16-bit weights per input, widened exactly
+#pragma GCC unroll 2
+    for (int64_t i = first; i < kBlock; i += step) {
+      const __m256i h0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i * 64));
+      const __m256i h1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i * 64 + 32));
+      if constexpr (Q == Quant::kF16) {
+        f(i, _mm512_cvtph_ps(h0), _mm512_cvtph_ps(h1));
+      } else {
+        f(i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h0), 16)),
+          _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h1), 16)));
+      }
+    }
+    return;
+  }
   __m512 d0, d1, m0, m1;
   block_scales<Q>(p, d0, d1, m0, m1);
   const uint8_t* qs = p + (Q == Quant::kQ4_1 ? 128 : 64);
-  constexpr int64_t first = Par == 2 ? 0 : Par, step = Par == 2 ? 1 : 2;
   if constexpr (Q == Quant::kQ8_0) {
 #pragma GCC unroll 2
     for (int64_t i = first; i < kBlock; i += step) {
@@ -269,7 +300,7 @@ inline void block_weights(const uint8_t* p, F&& f) {
 template <Quant Q, int G, int Par, bool Keep>
 inline void qpanel_chain(const float* x, int64_t k, const uint8_t* p, float* keep, __m512* a0, __m512* a1,
                          __m512* b0, __m512* b1) {
-  constexpr int64_t bytes = static_cast<int64_t>(Q);
+  constexpr int64_t bytes = quant_bytes(Q);
   for (int64_t b = 0; b < k / kBlock; ++b, p += bytes) {
     if constexpr (Par != 1)  // the odd inputs' pass reads what the even inputs' pass brought in
       for (int64_t off = 0; off < bytes; off += 64)
@@ -334,6 +365,8 @@ void qpanel_any(const float* x, int64_t m, int64_t k, const uint8_t* p, Quant q,
     case Quant::kQ4_0: return qpanel_all<Quant::kQ4_0>(x, m, k, p, y, n, c0);
     case Quant::kQ4_1: return qpanel_all<Quant::kQ4_1>(x, m, k, p, y, n, c0);
     case Quant::kQ8_0: return qpanel_all<Quant::kQ8_0>(x, m, k, p, y, n, c0);
+    case Quant::kBF16: return qpanel_all<Quant::kBF16>(x, m, k, p, y, n, c0);
+    case Quant::kF16: return qpanel_all<Quant::kF16>(x, m, k, p, y, n, c0);
   }
 }
 
@@ -428,6 +461,8 @@ void qpanel_keep(const float* x, int64_t rows, int64_t k, const uint8_t* p, Quan
     case Quant::kQ4_0: return qpanel_tail<Quant::kQ4_0, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
     case Quant::kQ4_1: return qpanel_tail<Quant::kQ4_1, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
     case Quant::kQ8_0: return qpanel_tail<Quant::kQ8_0, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
+    case Quant::kBF16: return qpanel_tail<Quant::kBF16, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
+    case Quant::kF16: return qpanel_tail<Quant::kF16, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
   }
 }
 
@@ -442,7 +477,7 @@ bool wide_enabled() {
 // static shares, so a thread meets each of its pairs in consecutive items and rebuilds a quantized pair once, in
 // its first item (whose first kGroup rows run qpanel_rows with Keep, streaming the blocks with prefetch). A last
 // panel without a partner takes the one-panel path on each chunk.
-void wide_linear(const float* x, int64_t m, int64_t k, const void* data, int64_t panels, int64_t block_bytes,
+void wide_linear(const float* x, int64_t m, int64_t k, const void* data, int64_t panels, int64_t kind,
                  float* y, int64_t n) {
   const int64_t pairs = (panels + 1) / 2, threads = omp_get_max_threads();
   int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
@@ -452,13 +487,13 @@ void wide_linear(const float* x, int64_t m, int64_t k, const void* data, int64_t
     chunks = std::min(std::max<int64_t>(m / kPairRows, 1), chunks * threads);
   const int64_t chunk_rows = (m + chunks - 1) / chunks;  // <= kChunkRows
   chunks = (m + chunk_rows - 1) / chunk_rows;  // every chunk has rows
-  const int64_t panel_bytes = k / kBlock * block_bytes;
+  const int64_t panel_bytes = kind ? k / kBlock * quant_bytes(static_cast<Quant>(kind)) : 0;
   const float* f = static_cast<const float*>(data);
   const uint8_t* qp = static_cast<const uint8_t*>(data);
 #pragma omp parallel
   {
     static thread_local std::vector<__m512> scratch;  // two rebuilt panels [2, k, 32]
-    if (block_bytes) scratch.resize(2 * k * kPanel / 16);
+    if (kind) scratch.resize(2 * k * kPanel / 16);
     float* s = reinterpret_cast<float*>(scratch.data());
     int64_t have = -1;  // the pair now in scratch
 #pragma omp for schedule(static)
@@ -468,11 +503,11 @@ void wide_linear(const float* x, int64_t m, int64_t k, const void* data, int64_t
       const float* xr = x + r0 * k;
       float* yr = y + r0 * n;
       if (p0 + 1 == panels) {  // the last panel, alone
-        if (block_bytes) qpanel_any(xr, rows, k, qp + p0 * panel_bytes, static_cast<Quant>(block_bytes), yr, n, c0);
+        if (kind) qpanel_any(xr, rows, k, qp + p0 * panel_bytes, static_cast<Quant>(kind), yr, n, c0);
         else panel_all(xr, rows, k, f + p0 * k * kPanel, yr, n, c0);
         continue;
       }
-      if (!block_bytes) {
+      if (!kind) {
         pair_all(xr, rows, k, f + p0 * k * kPanel, f + (p0 + 1) * k * kPanel, yr, n, c0);
         continue;
       }
@@ -480,7 +515,7 @@ void wide_linear(const float* x, int64_t m, int64_t k, const void* data, int64_t
       if (have != pi) {
         done = std::min(kGroup, rows);
         for (int64_t h = 0; h < 2; ++h)
-          qpanel_keep(xr, done, k, qp + (p0 + h) * panel_bytes, static_cast<Quant>(block_bytes), yr, n,
+          qpanel_keep(xr, done, k, qp + (p0 + h) * panel_bytes, static_cast<Quant>(kind), yr, n,
                       c0 + h * kPanel, s + h * k * kPanel);
         have = pi;
       }
@@ -540,6 +575,15 @@ inline void store_chains2(__m256 (&a)[G][2 * V], float* y, int64_t n, int64_t c0
 // The quantized block at blk rebuilt as float32 into out [32, 32] (row stride os).
 template <Quant Q>
 inline void rebuild_block(const uint8_t* blk, float* out, int64_t os) {
+  if constexpr (is_half(Q)) {  // 32 16-bit weights per input, widened exactly
+    for (int64_t i = 0; i < kBlock; ++i)
+      for (int c = 0; c < kPanel; c += 8) {
+        const __m128i h = _mm_load_si128(reinterpret_cast<const __m128i*>(blk + (i * kPanel + c) * 2));
+        _mm256_storeu_ps(out + i * os + c, Q == Quant::kF16 ? _mm256_cvtph_ps(h)
+                                                             : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+      }
+    return;
+  }
   const uint8_t* qs = blk + (Q == Quant::kQ4_1 ? 128 : 64);
   for (int c = 0; c < kPanel; c += 8) {  // columns c .. c + 7
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * c)));
@@ -683,7 +727,7 @@ void panel_all(const float* x, int64_t m, int64_t k, const float* p, float* y, i
 // path over it.
 template <Quant Q>
 void qpanel_all(const float* x, int64_t m, int64_t k, const uint8_t* p, float* y, int64_t n, int64_t c0) {
-  constexpr int64_t bytes = static_cast<int64_t>(Q);
+  constexpr int64_t bytes = quant_bytes(Q);
   const int64_t width = std::min<int64_t>(kPanel, n - c0);
   alignas(32) float wb[kBlock * kPanel];  // the block being multiplied, rebuilt [32, 32]
   if (m == 1) {
@@ -717,6 +761,8 @@ void qpanel_any(const float* x, int64_t m, int64_t k, const uint8_t* p, Quant q,
     case Quant::kQ4_0: return qpanel_all<Quant::kQ4_0>(x, m, k, p, y, n, c0);
     case Quant::kQ4_1: return qpanel_all<Quant::kQ4_1>(x, m, k, p, y, n, c0);
     case Quant::kQ8_0: return qpanel_all<Quant::kQ8_0>(x, m, k, p, y, n, c0);
+    case Quant::kBF16: return qpanel_all<Quant::kBF16>(x, m, k, p, y, n, c0);
+    case Quant::kF16: return qpanel_all<Quant::kF16>(x, m, k, p, y, n, c0);
   }
 }
 #else
@@ -1064,6 +1110,12 @@ PackedWeight packed_weight(const paddle::Tensor& w, int64_t k, int64_t n, const 
              ", 32] float32 weight");
     return {w.data<float>(), w.shape()[0], 0, false};
   }
+  if (w.dtype() == paddle::DataType::BFLOAT16 || w.dtype() == paddle::DataType::FLOAT16) {
+    PD_CHECK(k % kBlock == 0 && w.shape()[1] == k / kBlock && w.shape()[2] == kBlock * kPanel, name,
+             ": not a packed [ceil(n / 32), ", k / kBlock, ", 1024] bfloat16 or float16 weight");
+    const Quant q = w.dtype() == paddle::DataType::BFLOAT16 ? Quant::kBF16 : Quant::kF16;
+    return {w.data(), w.shape()[0], static_cast<int64_t>(q), false};
+  }
   const int64_t bytes = w.shape()[2];
   const bool int8_product = w.dtype() == paddle::DataType::INT8;
   PD_CHECK((w.dtype() == paddle::DataType::UINT8 || int8_product) && k % kBlock == 0 && w.shape()[1] == k / kBlock &&
@@ -1077,36 +1129,35 @@ void packed_linear(const float* x, int64_t m, int64_t k, const PackedWeight& w, 
   if (m == 0) return;
 #if defined(__AVX512F__)
   if (m >= kWideMin && !w.int8_product && wide_enabled())
-    return wide_linear(x, m, k, w.data, w.panels, w.block_bytes, y, n);
+    return wide_linear(x, m, k, w.data, w.panels, w.kind, y, n);
 #endif
-  if (w.block_bytes == 0) {
+  if (w.kind == 0) {
     const float* f = static_cast<const float*>(w.data);
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < w.panels; ++p) panel_all(x, m, k, f + p * k * kPanel, y, n, p * kPanel);
     return;
   }
   const uint8_t* q = static_cast<const uint8_t*>(w.data);
-  const int64_t panel_bytes = k / kBlock * w.block_bytes;
+  const Quant kind = static_cast<Quant>(w.kind);
+  const int64_t panel_bytes = k / kBlock * quant_bytes(kind);
   if (w.int8_product) {
     const QuantRows a = quantize_rows(x, m, k);
 #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < w.panels; ++p)
-      ipanel_any(a, m, q + p * panel_bytes, static_cast<Quant>(w.block_bytes), y, n, p * kPanel);
+    for (int64_t p = 0; p < w.panels; ++p) ipanel_any(a, m, q + p * panel_bytes, kind, y, n, p * kPanel);
     return;
   }
 #pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < w.panels; ++p)
-    qpanel_any(x, m, k, q + p * panel_bytes, static_cast<Quant>(w.block_bytes), y, n, p * kPanel);
+  for (int64_t p = 0; p < w.panels; ++p) qpanel_any(x, m, k, q + p * panel_bytes, kind, y, n, p * kPanel);
 }
 
 
 void screened_argmax(const float* x, int64_t m, int64_t k, const PackedWeight& w, const PackedWeight& screen,
                      const float* bound, int64_t n, int64_t* out) {
-  const Quant q = static_cast<Quant>(w.block_bytes);
-  PD_CHECK(!w.int8_product && screen.int8_product && screen.block_bytes == w.block_bytes &&
+  const Quant q = static_cast<Quant>(w.kind);
+  PD_CHECK(!w.int8_product && screen.int8_product && screen.kind == w.kind &&
                screen.panels == w.panels && (q == Quant::kQ8_0 || q == Quant::kQ4_0),
            "screened_argmax: a Q8_0 / Q4_0 weight and its integer-product panels");
-  const int64_t kb = k / kBlock, panel_bytes = kb * w.block_bytes, panels = w.panels;
+  const int64_t kb = k / kBlock, panel_bytes = kb * quant_bytes(q), panels = w.panels;
   const float s = 1.01f * (0.50005f + 128.f * static_cast<float>(k + kb + 4) * 0x1p-24f);
   const uint8_t* exact = static_cast<const uint8_t*>(w.data);
   const uint8_t* ints = static_cast<const uint8_t*>(screen.data);

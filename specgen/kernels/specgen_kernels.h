@@ -9,13 +9,14 @@
 
 namespace specgen {
 
-// A packed weight W [k, n] (linear.cc): float32 panels [panels, k, 32] (block_bytes 0), or block-quantized
-// panels [panels, k / 32, block_bytes]: uint8 for float32 products over the rebuilt weights, int8 for integer
-// products with the inputs quantized to 8 bits (int8_product).
+// A packed weight W [k, n] (linear.cc): float32 panels [panels, k, 32] (kind 0), or panels of blocks of 32 inputs
+// [panels, k / 32, block]: GGUF-quantized (kind: the block's size in bytes), uint8 for float32 products over the
+// rebuilt weights, int8 for integer products with the inputs quantized to 8 bits (int8_product); or exactly
+// 16-bit weights, bfloat16 / float16 [panels, k / 32, 1024] (kind: linear.cc's Quant::kBF16 / kF16).
 struct PackedWeight {
   const void* data;
   int64_t panels;
-  int64_t block_bytes;
+  int64_t kind;
   bool int8_product;
 };
 

@@ -108,19 +108,46 @@ def _weight_files(directory: Path) -> list[Path]:
 
 
 def read_safetensors(files: list[Path]) -> dict[str, np.ndarray]:
+    """Every tensor of the shards as float32 (F32, F16, BF16 and the other types numpy knows; BF16, which numpy
+    does not, is read from the file's bytes and widened exactly)."""
     weights: dict[str, np.ndarray] = {}
     for f in files:
         if not f.exists():
             raise CheckpointError(f"{f}: weight shard not found")
         try:
             with safe_open(str(f), framework="numpy") as handle:
+                header = None
                 for name in handle.keys():
-                    weights[name] = handle.get_tensor(name).astype(np.float32, copy=False)
+                    if handle.get_slice(name).get_dtype() == "BF16":
+                        header = header or _header(f)
+                        weights[name] = _read_bf16(f, header, name)
+                    else:
+                        weights[name] = handle.get_tensor(name).astype(np.float32, copy=False)
         except CheckpointError:
             raise
         except Exception as exc:  # safetensors raises its own error types for corrupt files
             raise CheckpointError(f"{f}: cannot read safetensors ({exc})") from None
     return weights
+
+
+def _header(f: Path) -> tuple[int, dict[str, Any]]:
+    """A safetensors file's data offset and header. The format: an 8-byte little-endian header length, a JSON
+    header giving each tensor's dtype, shape and [begin, end) byte offsets past the header, then the data."""
+    with open(f, "rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        return 8 + size, json.loads(fh.read(size))
+
+
+def _read_bf16(f: Path, header: tuple[int, dict[str, Any]], name: str) -> np.ndarray:
+    """Tensor `name` of safetensors file f, stored as BF16, widened to float32 (exact: a bfloat16 is the top half
+    of a float32's bits)."""
+    start, tensors = header
+    begin, end = tensors[name]["data_offsets"]
+    shape = tensors[name]["shape"]
+    if end == begin:
+        return np.zeros(shape, np.float32)
+    raw = np.memmap(f, dtype=np.uint16, mode="r", offset=start + begin, shape=((end - begin) // 2,))
+    return (raw.astype(np.uint32) << 16).view(np.float32).reshape(shape)
 
 
 def load_tokenizer(directory: Path) -> TextTokenizer | None:
