@@ -207,7 +207,8 @@ class Model:
         # int8 per block of 32 (kernels/linear.cc, "Integer products"); rows stay independent of each other.
         self.int8_product = matmul == "int8"
         if self.int8_product:
-            has_blocks = self.w.lm_head_quant is not None or any(self.w.layer_quants)
+            has_blocks = any(q.kind in kernels.INT8_KINDS for q in [self.w.lm_head_quant] + [
+                q for L in self.w.layer_quants for q in L.values()] if q is not None)
             if not (self.keeps_quantized and has_blocks and kernels.has_vnni()):
                 raise ConfigError("matmul int8 needs a checkpoint with GGUF Q4_0 / Q4_1 / Q8_0 weights, a float32 "
                                   "model and specgen's CPU kernels on a CPU with AVX-512 VNNI (here: blocks "

@@ -326,8 +326,10 @@ def pack_linear(w, halves: bool = True) -> Packed:
 
 # Bytes per panel (32 output columns) and block of 32 inputs in specgen_linear's quantized layout: the 32
 # columns' fp16 scales d (Q4_1: then their fp16 minimums m), then the quants (Q8_0: 32 rows, one per input; Q4:
-# nibbles grouped by 8 inputs, see _q4_lanes).
-QUANT_PANEL_BYTES = {"Q4_0": 64 + 512, "Q4_1": 128 + 512, "Q8_0": 64 + 1024}
+# nibbles grouped by 8 inputs, see _q4_lanes). K-quants' scales are float32: Q4_K d and -m (then nibbles),
+# Q6_K d of inputs 0-15 and of inputs 16-31 (then q - 32 as int8, as Q8_0's), see _pack_k_numpy.
+QUANT_PANEL_BYTES = {"Q4_0": 64 + 512, "Q4_1": 128 + 512, "Q8_0": 64 + 1024, "Q4_K": 256 + 512, "Q6_K": 256 + 1024}
+INT8_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # kinds with integer products (int8_product)
 
 
 def pack_quantized(kind: str, blocks: np.ndarray, int8_product: bool = False) -> Packed:
@@ -343,6 +345,8 @@ def pack_quantized(kind: str, blocks: np.ndarray, int8_product: bool = False) ->
 
     if kind not in QUANT_PANEL_BYTES:
         raise ValueError(f"unsupported quantization {kind!r}")
+    if kind not in INT8_KINDS:  # K-quants: float32 products only
+        return _pack_k_numpy(kind, blocks)
     k = ops()
     if k is not None:  # the same bytes in one C++ pass (numpy's below: ~0.5 s for the default model)
         panels, _ = k.specgen_pack_blocks(paddle.to_tensor(np.ascontiguousarray(blocks)), int8_product, False)
@@ -381,6 +385,48 @@ def _pack_quantized_numpy(kind: str, blocks: np.ndarray, int8_product: bool = Fa
         q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).transpose(0, 1, 3, 2)  # [panels, kb, 32 inputs, 32 columns]
         parts.append(_q4_lanes(q))
     packed = np.ascontiguousarray(np.concatenate(parts, axis=-1))
+    return Packed(paddle.to_tensor(packed), kb * 32, n, kind)
+
+
+def _pack_k_numpy(kind: str, blocks: np.ndarray) -> Packed:
+    """GGUF Q4_K / Q6_K super-blocks [n, k / 256, 144 | 210] -> Packed [k, n] in blocks of 32 inputs (the layout
+    of QUANT_PANEL_BYTES), with the float32 scales that gguf.quants' dequantization forms (d * sc, dmin * m) and
+    the same quants, so each weight rebuilds to the same float32 value."""
+    import paddle
+    from gguf.quants import Q4_K
+
+    n, sb, _ = blocks.shape
+    kb = sb * 8  # blocks of 32 inputs
+    panels = -(-n // PANEL)
+    if panels * PANEL != n:  # zero super-blocks: zero scales, zero weights
+        blocks = np.concatenate([blocks, np.zeros((panels * PANEL - n, sb, blocks.shape[2]), np.uint8)])
+    nn = panels * PANEL
+
+    def by_panel(a: np.ndarray) -> np.ndarray:  # [nn, kb, ...] -> [panels, kb, 32 columns, ...]
+        return a.reshape(panels, PANEL, kb, *a.shape[2:]).swapaxes(1, 2)
+
+    if kind == "Q4_K":
+        d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [nn, sb, 1]
+        dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+        sc, m = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))  # [nn sb, 8] each
+        scale = (d * sc.reshape(nn, sb, 8).astype(np.float32)).reshape(nn, kb)
+        neg_min = -(dmin * m.reshape(nn, sb, 8).astype(np.float32)).reshape(nn, kb)
+        qs = blocks[..., 16:].reshape(nn, sb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+        q = (qs & 0xF).reshape(nn, kb, 32)  # [nn, kb, 32 inputs]
+        head = [by_panel(scale), by_panel(neg_min)]  # [panels, kb, 32] float32 each
+        quants = _q4_lanes(by_panel(q).swapaxes(2, 3))  # [panels, kb, 32 inputs, 32 columns] -> lanes
+    else:  # Q6_K, as gguf.quants dequantizes it
+        ql, qh = blocks[..., :128], blocks[..., 128:192]
+        scales = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)  # [nn, sb, 16]
+        d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)  # [nn, sb, 1]
+        scale = (d * scales).reshape(nn, kb, 2)  # per 16 inputs
+        low = (ql.reshape(nn, sb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 0xF
+        high = (qh.reshape(nn, sb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)) & 0x3
+        q = (low.reshape(nn, sb, 8, 32) | (high.reshape(nn, sb, 8, 32) << 4)).astype(np.int8) - np.int8(32)
+        head = [by_panel(scale[..., 0]), by_panel(scale[..., 1])]
+        quants = by_panel(q.reshape(nn, kb, 32)).swapaxes(2, 3).reshape(panels, kb, 1024).view(np.uint8)
+    head = [np.ascontiguousarray(h, np.float32).view(np.uint8) for h in head]  # [panels, kb, 128] bytes each
+    packed = np.ascontiguousarray(np.concatenate(head + [quants.reshape(panels, kb, -1)], axis=-1))
     return Packed(paddle.to_tensor(packed), kb * 32, n, kind)
 
 
@@ -458,6 +504,15 @@ def _float_layout(p: np.ndarray, kind: str) -> np.ndarray:
 def _dequantize_panels(p: np.ndarray, kind: str) -> np.ndarray:
     """uint8 panels [panels, k / 32, bytes] -> float32 [panels, k, 32], with gguf.quants' float32 arithmetic."""
     panels, kb, _ = p.shape
+    if kind in ("Q4_K", "Q6_K"):  # float32 scales [panels, kb, 1, 32] x 2
+        d, e = (p[..., a:a + 128].copy().view(np.float32)[:, :, None, :] for a in (0, 128))
+        if kind == "Q4_K":
+            w = d * _q4_nibbles(p[..., -512:]).astype(np.float32) + e  # e = -(dmin * m)
+        else:
+            q = p[..., 256:].copy().view(np.int8).reshape(panels, kb, 32, 32).astype(np.float32)
+            w = q * np.concatenate([np.broadcast_to(d, (panels, kb, 16, 32)), np.broadcast_to(e, (panels, kb, 16, 32))],
+                                   axis=2)
+        return w.reshape(panels, kb * 32, PANEL)
     d = p[..., :64].copy().view(np.float16).astype(np.float32)[:, :, None, :]  # [panels, kb, 1, 32]
     if kind == "Q8_0":
         q = p[..., 64:].copy().view(np.int8).reshape(panels, kb, 32, 32).astype(np.float32)

@@ -57,10 +57,21 @@ constexpr int64_t kBlock = 32;    // inputs per quantization block
 // Block formats of a packed weight, per panel and block of 32 inputs: GGUF's quantized ones, told apart by their
 // size in bytes, and weights that are exactly 16-bit floats (a bf16 or fp16 checkpoint), 32 x 32 of them input by
 // input, widened exactly: kF16's code is its size plus one.
-enum class Quant { kQ4_0 = 64 + 512, kQ4_1 = 128 + 512, kQ8_0 = 64 + 1024, kBF16 = 2048, kF16 = 2048 + 1 };
+// GGUF's K-quants (super-blocks of 256 weights with 6- or 8-bit sub-block scales) are repacked per block of 32
+// inputs with each column's float32 scales, the products gguf.quants forms from them (exact in float32): Q4_K as
+// Q4_1 with float32 d = d * sc and m = -(dmin * m), so w = fma(d, q, m) rounds d q - dmin m once, as numpy does;
+// Q6_K as Q8_0 (q - 32 in int8) with two float32 scales d * sc, for inputs 0-15 and 16-31, and w = d q exact.
+enum class Quant {
+  kQ4_0 = 64 + 512, kQ4_1 = 128 + 512, kQ8_0 = 64 + 1024, kQ4_K = 256 + 512, kQ6_K = 256 + 1024,
+  kBF16 = 2048, kF16 = 2048 + 1
+};
 
 constexpr int64_t quant_bytes(Quant q) { return q == Quant::kF16 ? 2048 : static_cast<int64_t>(q); }
 constexpr bool is_half(Quant q) { return q == Quant::kBF16 || q == Quant::kF16; }
+constexpr bool is_k(Quant q) { return q == Quant::kQ4_K || q == Quant::kQ6_K; }
+constexpr bool is_q4(Quant q) { return q == Quant::kQ4_0 || q == Quant::kQ4_1 || q == Quant::kQ4_K; }
+// Bytes of scales before a block's quants.
+constexpr int64_t quant_head(Quant q) { return is_half(q) ? 0 : is_k(q) ? 256 : q == Quant::kQ4_1 ? 128 : 64; }
 
 inline float bf16_to_float(uint16_t h) {
   const uint32_t bits = static_cast<uint32_t>(h) << 16;
@@ -85,7 +96,7 @@ inline float rebuilt_weight(const uint8_t* qs, Quant q, float d, float m, int64_
     std::memcpy(&h, qs + (i * kPanel + c) * 2, sizeof h);
     return q == Quant::kBF16 ? bf16_to_float(h) : specgen::half_to_float(h);
   }
-  if (q == Quant::kQ8_0) return static_cast<float>(static_cast<int8_t>(qs[i * kPanel + c])) * d;
+  if (q == Quant::kQ8_0 || q == Quant::kQ6_K) return static_cast<float>(static_cast<int8_t>(qs[i * kPanel + c])) * d;
   const int nib = q4_nibble(qs, i, c);
   return q == Quant::kQ4_0 ? d * static_cast<float>(nib - 8) : std::fma(d, static_cast<float>(nib), m);
 }
@@ -96,12 +107,18 @@ void dequant_panel_ref(const uint8_t* p, int64_t k, Quant q, float* out) {
   const int64_t bytes = quant_bytes(q);
   for (int64_t b = 0; b < k / kBlock; ++b, p += bytes) {
     const uint16_t* scales = reinterpret_cast<const uint16_t*>(p);
-    const uint8_t* qs = is_half(q) ? p : p + (q == Quant::kQ4_1 ? 128 : 64);
+    float wide[2 * kPanel];  // K-quants: the column scales, float32
+    if (is_k(q)) std::memcpy(wide, p, sizeof wide);
+    const uint8_t* qs = p + quant_head(q);
     for (int64_t i = 0; i < kBlock; ++i) {
       float* w = out + (b * kBlock + i) * kPanel;
       for (int64_t c = 0; c < kPanel; ++c) {
-        const float m = q == Quant::kQ4_1 ? specgen::half_to_float(scales[kPanel + c]) : 0.f;
-        w[c] = rebuilt_weight(qs, q, is_half(q) ? 0.f : specgen::half_to_float(scales[c]), m, i, c);
+        float d = 0.f, m = 0.f;
+        if (q == Quant::kQ4_K) d = wide[c], m = wide[kPanel + c];
+        else if (q == Quant::kQ6_K) d = wide[(i < 16 ? 0 : kPanel) + c];
+        else if (!is_half(q)) d = specgen::half_to_float(scales[c]);
+        if (q == Quant::kQ4_1) m = specgen::half_to_float(scales[kPanel + c]);
+        w[c] = rebuilt_weight(qs, q, d, m, i, c);
       }
     }
   }
@@ -225,6 +242,11 @@ void panel_all(const float* x, int64_t m, int64_t k, const float* p, float* y, i
 
 template <Quant Q>
 inline void block_scales(const uint8_t* p, __m512& d0, __m512& d1, __m512& m0, __m512& m1) {
+  if constexpr (is_k(Q)) {  // float32: Q4_K d, then m; Q6_K d of inputs 0-15, then of inputs 16-31 (in m)
+    const float* f = reinterpret_cast<const float*>(p);
+    d0 = _mm512_load_ps(f), d1 = _mm512_load_ps(f + 16), m0 = _mm512_load_ps(f + 32), m1 = _mm512_load_ps(f + 48);
+    return;
+  }
   d0 = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p)));
   d1 = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p + 32)));
   if constexpr (Q == Quant::kQ4_1) {
@@ -259,13 +281,14 @@ inline void block_weights(const uint8_t* p, F&& f) {
   }
   __m512 d0, d1, m0, m1;
   block_scales<Q>(p, d0, d1, m0, m1);
-  const uint8_t* qs = p + (Q == Quant::kQ4_1 ? 128 : 64);
-  if constexpr (Q == Quant::kQ8_0) {
+  const uint8_t* qs = p + quant_head(Q);
+  if constexpr (Q == Quant::kQ8_0 || Q == Quant::kQ6_K) {
 #pragma GCC unroll 2
     for (int64_t i = first; i < kBlock; i += step) {
       const __m512i q0 = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(qs + i * kPanel)));
       const __m512i q1 = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(qs + i * kPanel + 16)));
-      f(i, _mm512_mul_ps(_mm512_cvtepi32_ps(q0), d0), _mm512_mul_ps(_mm512_cvtepi32_ps(q1), d1));
+      const bool low = Q == Quant::kQ8_0 || i < 16;  // Q6_K: the second half's scales are in m0, m1
+      f(i, _mm512_mul_ps(_mm512_cvtepi32_ps(q0), low ? d0 : m0), _mm512_mul_ps(_mm512_cvtepi32_ps(q1), low ? d1 : m1));
     }
   } else {
     // Each 32-bit lane holds one column's nibbles of 8 consecutive inputs (q4_nibble). A permute reads only its
@@ -365,6 +388,8 @@ void qpanel_any(const float* x, int64_t m, int64_t k, const uint8_t* p, Quant q,
     case Quant::kQ4_0: return qpanel_all<Quant::kQ4_0>(x, m, k, p, y, n, c0);
     case Quant::kQ4_1: return qpanel_all<Quant::kQ4_1>(x, m, k, p, y, n, c0);
     case Quant::kQ8_0: return qpanel_all<Quant::kQ8_0>(x, m, k, p, y, n, c0);
+    case Quant::kQ4_K: return qpanel_all<Quant::kQ4_K>(x, m, k, p, y, n, c0);
+    case Quant::kQ6_K: return qpanel_all<Quant::kQ6_K>(x, m, k, p, y, n, c0);
     case Quant::kBF16: return qpanel_all<Quant::kBF16>(x, m, k, p, y, n, c0);
     case Quant::kF16: return qpanel_all<Quant::kF16>(x, m, k, p, y, n, c0);
   }
@@ -461,6 +486,8 @@ void qpanel_keep(const float* x, int64_t rows, int64_t k, const uint8_t* p, Quan
     case Quant::kQ4_0: return qpanel_tail<Quant::kQ4_0, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
     case Quant::kQ4_1: return qpanel_tail<Quant::kQ4_1, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
     case Quant::kQ8_0: return qpanel_tail<Quant::kQ8_0, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
+    case Quant::kQ4_K: return qpanel_tail<Quant::kQ4_K, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
+    case Quant::kQ6_K: return qpanel_tail<Quant::kQ6_K, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
     case Quant::kBF16: return qpanel_tail<Quant::kBF16, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
     case Quant::kF16: return qpanel_tail<Quant::kF16, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
   }
@@ -584,25 +611,28 @@ inline void rebuild_block(const uint8_t* blk, float* out, int64_t os) {
       }
     return;
   }
-  const uint8_t* qs = blk + (Q == Quant::kQ4_1 ? 128 : 64);
+  const uint8_t* qs = blk + quant_head(Q);
+  const float* wide = reinterpret_cast<const float*>(blk);  // K-quants' float32 scales
   for (int c = 0; c < kPanel; c += 8) {  // columns c .. c + 7
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * c)));
-    if constexpr (Q == Quant::kQ8_0) {
+    const __m256 d = is_k(Q) ? _mm256_loadu_ps(wide + c)
+                             : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * c)));
+    if constexpr (Q == Quant::kQ8_0 || Q == Quant::kQ6_K) {
+      const __m256 d1 = Q == Quant::kQ6_K ? _mm256_loadu_ps(wide + kPanel + c) : d;  // Q6_K: inputs 16-31's
       for (int64_t i = 0; i < kBlock; ++i) {
         const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + i * kPanel + c)));
-        _mm256_storeu_ps(out + i * os + c, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
+        _mm256_storeu_ps(out + i * os + c, _mm256_mul_ps(_mm256_cvtepi32_ps(q), i < 16 ? d : d1));
       }
     } else {
       // per group of 8 inputs, the 8 columns' 32-bit lanes at 4 c (q4_nibble): input j in bits 4j .. 4j + 3
-      const __m256 m = Q == Quant::kQ4_1
-                           ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 64 + 2 * c)))
-                           : _mm256_set1_ps(8.f);
+      const __m256 m = Q == Quant::kQ4_1   ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 64 + 2 * c)))
+                       : Q == Quant::kQ4_K ? _mm256_loadu_ps(wide + kPanel + c)
+                                           : _mm256_set1_ps(8.f);
       const __m256i low = _mm256_set1_epi32(0xF);
       for (int64_t g = 0; g < kBlock / 8; ++g) {
         __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + g * 128 + 4 * c));
         for (int64_t j = 0; j < 8; ++j, lanes = _mm256_srli_epi32(lanes, 4)) {
           const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(lanes, low));
-          const __m256 w = Q == Quant::kQ4_1 ? _mm256_fmadd_ps(d, q, m) : _mm256_mul_ps(d, _mm256_sub_ps(q, m));
+          const __m256 w = Q == Quant::kQ4_0 ? _mm256_mul_ps(d, _mm256_sub_ps(q, m)) : _mm256_fmadd_ps(d, q, m);
           _mm256_storeu_ps(out + (g * 8 + j) * os + c, w);
         }
       }
@@ -761,6 +791,8 @@ void qpanel_any(const float* x, int64_t m, int64_t k, const uint8_t* p, Quant q,
     case Quant::kQ4_0: return qpanel_all<Quant::kQ4_0>(x, m, k, p, y, n, c0);
     case Quant::kQ4_1: return qpanel_all<Quant::kQ4_1>(x, m, k, p, y, n, c0);
     case Quant::kQ8_0: return qpanel_all<Quant::kQ8_0>(x, m, k, p, y, n, c0);
+    case Quant::kQ4_K: return qpanel_all<Quant::kQ4_K>(x, m, k, p, y, n, c0);
+    case Quant::kQ6_K: return qpanel_all<Quant::kQ6_K>(x, m, k, p, y, n, c0);
     case Quant::kBF16: return qpanel_all<Quant::kBF16>(x, m, k, p, y, n, c0);
     case Quant::kF16: return qpanel_all<Quant::kF16>(x, m, k, p, y, n, c0);
   }
@@ -1118,10 +1150,12 @@ PackedWeight packed_weight(const paddle::Tensor& w, int64_t k, int64_t n, const 
   }
   const int64_t bytes = w.shape()[2];
   const bool int8_product = w.dtype() == paddle::DataType::INT8;
+  const bool k_quant = bytes == static_cast<int64_t>(Quant::kQ4_K) || bytes == static_cast<int64_t>(Quant::kQ6_K);
   PD_CHECK((w.dtype() == paddle::DataType::UINT8 || int8_product) && k % kBlock == 0 && w.shape()[1] == k / kBlock &&
                (bytes == static_cast<int64_t>(Quant::kQ4_0) || bytes == static_cast<int64_t>(Quant::kQ4_1) ||
-                bytes == static_cast<int64_t>(Quant::kQ8_0)),
-           name, ": not a quantized [ceil(n / 32), ", k / kBlock, ", 576 | 640 | 1088] uint8 or int8 weight");
+                bytes == static_cast<int64_t>(Quant::kQ8_0) || (k_quant && !int8_product)),
+           name, ": not a quantized [ceil(n / 32), ", k / kBlock,
+           ", 576 | 640 | 1088 | 768 | 1280] uint8 (or, but the last two, int8) weight");
   return {w.data(), w.shape()[0], bytes, int8_product};
 }
 

@@ -12,7 +12,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_
 from tokenizers.models import BPE
 
 from specgen.errors import CheckpointError
-from specgen.models.checkpoint import QUANT_BLOCK_BYTES, Checkpoint, QuantRows
+from specgen.models.checkpoint import QUANT_BLOCK_BYTES, QUANT_BLOCK_WEIGHTS, Checkpoint, QuantRows
 from specgen.models.config import ModelConfig
 from specgen.models.tokenizer import TextTokenizer
 
@@ -159,8 +159,9 @@ def _read_weights(reader: gguf.GGUFReader, path: Path) -> tuple[dict[str, np.nda
         values = np.array(values, dtype=np.float32, copy=tensor.tensor_type == gguf.GGMLQuantizationType.F32)
         weights[hf_name] = values.reshape(shape)
         kind = tensor.tensor_type.name
-        if kind in QUANT_BLOCK_BYTES and len(shape) == 2 and shape[1] % 32 == 0:
-            blocks = np.array(tensor.data, dtype=np.uint8).reshape(shape[0], shape[1] // 32, QUANT_BLOCK_BYTES[kind])
+        if kind in QUANT_BLOCK_BYTES and len(shape) == 2 and shape[1] % QUANT_BLOCK_WEIGHTS[kind] == 0:
+            blocks = np.array(tensor.data, dtype=np.uint8).reshape(shape[0], shape[1] // QUANT_BLOCK_WEIGHTS[kind],
+                                                                   QUANT_BLOCK_BYTES[kind])
             quantized[hf_name] = QuantRows(kind, blocks)
     return weights, quantized
 

@@ -329,9 +329,13 @@ ALL_LINEAR = ("token_embd", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_ga
     (T.Q4_0, ALL_LINEAR, "qwen2"),
     (T.Q8_0, QUANTIZED, "llama"),  # attention F32 in the file: QKV and O packed as float32, the rest as blocks
     (T.Q4_1, ("attn_q", "ffn_gate", "ffn_down"), "llama"),  # K, V and up F32: fused QKV and gate/up stay float32
+    # K-quants: super-blocks of 256 repacked per 32 inputs with float32 scales (attn_output's 64 inputs: F32)
+    (T.Q4_K, tuple(n for n in ALL_LINEAR if n != "attn_output"), "llama"),
+    (T.Q6_K, tuple(n for n in ALL_LINEAR if n != "attn_output"), "llama"),
 ], ids=lambda v: v.name if isinstance(v, T) else str(len(v)) if isinstance(v, tuple) else v)
 def test_quantized_weights_stay_blocks_and_give_the_same_bits(tmp_path, monkeypatch, qtype, quantized, arch):
-    """A GGUF's Q4_0 / Q4_1 / Q8_0 projections: load_gguf keeps their raw blocks beside the float32 weights,
+    """A GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K projections: load_gguf keeps their raw blocks beside the float32
+    weights,
     each block set dequantizes (as packed for specgen_linear) to exactly the loaded weight, and a float32 model
     that multiplies by the blocks gives logits bit-identical to one over the dequantized weights."""
     from specgen import kernels
