@@ -5,8 +5,8 @@ Llama-3.2-1B-sized model (hidden 2048, intermediate 8192: QKV 2048 -> 3072, O 20
     python benchmarks/weight_formats.py [--rows 1 2 6 16 64] [--repeats 7] [--threads 2] [--layers 1]
 
 Formats: float32 panels (what a dequantized GGUF K-quant got before, 4 bytes a weight), bfloat16 panels (a BF16
-checkpoint, 2 bytes), and GGUF Q8_0, Q6_K, Q4_K and Q4_1 blocks (random blocks with small finite scales),
-rebuilt in registers. --layers such layers of distinct weights: one layer's blocks stay in a large L3 cache
+checkpoint, 2 bytes), and GGUF Q8_0, Q6_K, Q5_K (packed as QX: float32 scales and offsets per 16 inputs, int8
+quants), Q4_K and Q4_1 blocks (random blocks with small finite scales), rebuilt in registers. --layers such layers of distinct weights: one layer's blocks stay in a large L3 cache
 between passes, a model's do not (this machine's L3 is 480 MiB). ms per pass over every layer's four products
 is the best of --repeats; the first layer's products are checked bit-identical, in each format, to the float32
 panels of its dequantized weight.
@@ -27,7 +27,8 @@ def random_blocks(kind: str, n: int, k: int, rng) -> np.ndarray:
     from specgen.models.checkpoint import QUANT_BLOCK_BYTES, QUANT_BLOCK_WEIGHTS
 
     blocks = rng.integers(0, 256, (n, k // QUANT_BLOCK_WEIGHTS[kind], QUANT_BLOCK_BYTES[kind]), dtype=np.uint8)
-    scale_bytes = {"Q8_0": slice(0, 2), "Q4_1": slice(0, 4), "Q4_K": slice(0, 4), "Q6_K": slice(208, 210)}[kind]
+    scale_bytes = {"Q8_0": slice(0, 2), "Q4_1": slice(0, 4), "Q4_K": slice(0, 4), "Q5_K": slice(0, 4),
+                   "Q6_K": slice(208, 210)}[kind]
     width = scale_bytes.stop - scale_bytes.start
     halves = (rng.random((n, blocks.shape[1], width // 2)) * 0.01).astype(np.float16)
     blocks[..., scale_bytes] = halves.view(np.uint8).reshape(n, blocks.shape[1], width)
@@ -53,14 +54,14 @@ def main() -> None:
         raise SystemExit("packed weights need the fused kernels and AVX2 or AVX-512")
     rng = np.random.default_rng(0)
     formats: dict[str, list] = {}
-    for kind in ("Q8_0", "Q6_K", "Q4_K", "Q4_1"):
+    for kind in ("Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q4_1"):
         formats[kind] = [kernels.pack_quantized(kind, random_blocks(kind, n, k, rng))
                          for _ in range(args.layers) for k, n in SHAPES]
     dense = [w.numpy() for w in formats["Q4_K"]]
     formats["F32"] = [kernels.pack_linear(d, halves=False) for d in dense]
     bf16 = [((d.view(np.uint32) >> 16) << 16).view(np.float32) for d in dense]
     formats["BF16"] = [kernels.pack_linear(d) for d in bf16]
-    order = ["F32", "BF16", "Q8_0", "Q6_K", "Q4_K", "Q4_1"]
+    order = ["F32", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q4_1"]
     size = {f: sum(int(np.prod(w.panels.shape)) * w.panels.element_size() for w in formats[f]) for f in order}
     print("MiB per pass: " + ", ".join(f"{f} {size[f] / 2**20:.0f}" for f in order) + f"; threads {args.threads}")
     print(f"{'rows':>5}" + "".join(f"{f + ' ms':>10}" for f in order) + "".join(f"{'F32/' + f:>11}" for f in order[1:]))

@@ -59,13 +59,16 @@ class TensorReader:
 
     def quant(self, names: list[str], permute=None) -> QuantRows | None:
         """The raw blocks of HF [out, in] weights `names`, each reordered by `permute` (None: kept) and
-        concatenated along out; None unless every one is stored block-quantized, all of one kind."""
+        concatenated along out (rows of different formats converted to QX first); None unless every one is
+        stored block-quantized."""
         rows = [self.quantized.get(n) for n in names]
-        if any(q is None for q in rows) or len({q.kind for q in rows}) != 1:
+        if any(q is None for q in rows):
             return None
+        kind = rows[0].kind if len({q.kind for q in rows}) == 1 else "QX"
         permute = permute or [None] * len(rows)
-        blocks = [q.blocks if f is None else f(q.blocks) for q, f in zip(rows, permute)]
-        return QuantRows(rows[0].kind, np.concatenate(blocks))
+        blocks = [q.blocks if kind == q.kind else kernels.qx_rows(q.kind, q.blocks) for q in rows]
+        blocks = [b if f is None else f(b) for b, f in zip(blocks, permute)]
+        return QuantRows(kind, np.concatenate(blocks))
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         w = self.weights.get(name)

@@ -327,8 +327,10 @@ def pack_linear(w, halves: bool = True) -> Packed:
 # Bytes per panel (32 output columns) and block of 32 inputs in specgen_linear's quantized layout: the 32
 # columns' fp16 scales d (Q4_1: then their fp16 minimums m), then the quants (Q8_0: 32 rows, one per input; Q4:
 # nibbles grouped by 8 inputs, see _q4_lanes). K-quants' scales are float32: Q4_K d and -m (then nibbles),
-# Q6_K d of inputs 0-15 and of inputs 16-31 (then q - 32 as int8, as Q8_0's), see _pack_k_numpy.
-QUANT_PANEL_BYTES = {"Q4_0": 64 + 512, "Q4_1": 128 + 512, "Q8_0": 64 + 1024, "Q4_K": 256 + 512, "Q6_K": 256 + 1024}
+# Q6_K d of inputs 0-15 and of inputs 16-31 (then q - 32 as int8, as Q8_0's), Q5_K as QX (see qx_rows and
+# _pack_k_numpy).
+QUANT_PANEL_BYTES = {"Q4_0": 64 + 512, "Q4_1": 128 + 512, "Q8_0": 64 + 1024, "Q4_K": 256 + 512, "Q6_K": 256 + 1024,
+                     "QX": 512 + 1024, "Q5_K": 512 + 1024}  # QX: d of each half, m of each half, int8 quants
 INT8_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # kinds with integer products (int8_product)
 
 
@@ -388,45 +390,96 @@ def _pack_quantized_numpy(kind: str, blocks: np.ndarray, int8_product: bool = Fa
     return Packed(paddle.to_tensor(packed), kb * 32, n, kind)
 
 
-def _pack_k_numpy(kind: str, blocks: np.ndarray) -> Packed:
-    """GGUF Q4_K / Q6_K super-blocks [n, k / 256, 144 | 210] -> Packed [k, n] in blocks of 32 inputs (the layout
-    of QUANT_PANEL_BYTES), with the float32 scales that gguf.quants' dequantization forms (d * sc, dmin * m) and
-    the same quants, so each weight rebuilds to the same float32 value."""
-    import paddle
+def block_parts(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GGUF blocks [n, k / block weights, block bytes] of `kind` -> per block of 32 inputs and half of it (inputs
+    0-15, 16-31): scales d [n, k / 32, 2] and offsets m [n, k / 32, 2] (float32) and quants q [n, k / 32, 32]
+    (int8), such that fma(d, q, m) rounds to exactly the weight gguf.quants dequantizes (its scale products,
+    d * sc and dmin * m, are exact in float32; m is -0.0 where a format has no offset, so that a zero weight
+    keeps the sign of d * q)."""
     from gguf.quants import Q4_K
 
-    n, sb, _ = blocks.shape
-    kb = sb * 8  # blocks of 32 inputs
-    panels = -(-n // PANEL)
-    if panels * PANEL != n:  # zero super-blocks: zero scales, zero weights
-        blocks = np.concatenate([blocks, np.zeros((panels * PANEL - n, sb, blocks.shape[2]), np.uint8)])
-    nn = panels * PANEL
+    n, nb, _ = blocks.shape
+    f16 = lambda a: np.ascontiguousarray(a).view(np.float16).astype(np.float32)  # noqa: E731
+    if kind in ("Q4_0", "Q4_1", "Q8_0"):
+        kb = nb
+        d = np.repeat(f16(blocks[..., 0:2]), 2, axis=-1)  # [n, kb, 2]
+        if kind == "Q8_0":
+            q = blocks[..., 2:].view(np.int8)
+        else:
+            qs = blocks[..., 4 if kind == "Q4_1" else 2:]
+            q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.int8) - np.int8(8 if kind == "Q4_0" else 0)
+        m = np.repeat(f16(blocks[..., 2:4]), 2, axis=-1) if kind == "Q4_1" else np.full((n, kb, 2), -0.0, np.float32)
+        return d, m, q
+    kb = nb * 8
+    if kind in ("Q4_K", "Q5_K"):
+        d, dmin = f16(blocks[..., 0:2]), f16(blocks[..., 2:4])  # [n, nb, 1]
+        sc, mn = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))  # [n nb, 8] each
+        scale = (d * sc.reshape(n, nb, 8).astype(np.float32)).reshape(n, kb, 1)
+        offset = -(dmin * mn.reshape(n, nb, 8).astype(np.float32)).reshape(n, kb, 1)
+        if kind == "Q4_K":
+            qs = blocks[..., 16:].reshape(n, nb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+            q = (qs & 0xF).reshape(n, kb, 32)
+        else:  # gguf.quants' Q5_K: 32 bytes of fifth bits, then nibbles
+            qh, qs = blocks[..., 16:48], blocks[..., 48:]
+            low = (qs.reshape(n, nb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 0xF
+            high = (qh.reshape(n, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+            q = (low.reshape(n, nb, 8, 32) | (high << 4)).reshape(n, kb, 32)
+        return np.repeat(scale, 2, axis=-1), np.repeat(offset, 2, axis=-1), q.astype(np.int8)
+    if kind == "Q6_K":  # as gguf.quants dequantizes it: a scale per 16 inputs
+        ql, qh = blocks[..., :128], blocks[..., 128:192]
+        scales = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)  # [n, nb, 16]
+        d = (f16(blocks[..., 208:210]) * scales).reshape(n, kb, 2)
+        low = (ql.reshape(n, nb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 0xF
+        high = (qh.reshape(n, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)) & 0x3
+        q = (low.reshape(n, nb, 8, 32) | (high.reshape(n, nb, 8, 32) << 4)).astype(np.int8) - np.int8(32)
+        return d, np.full((n, kb, 2), -0.0, np.float32), q.reshape(n, kb, 32)
+    raise ValueError(f"no block parts for {kind!r}")
 
-    def by_panel(a: np.ndarray) -> np.ndarray:  # [nn, kb, ...] -> [panels, kb, 32 columns, ...]
+
+# Rows in specgen's own block format "QX" (QuantRows.blocks [n, k / 32, 48]): per 32 inputs d and m of each
+# half as float32, then the 32 quants as int8, the union of the formats above (block_parts). Fused projections
+# whose parts a GGUF stores in different formats (Q4_K_M: a Q6_K attn_v beside Q4_K attn_q and attn_k) are
+# converted to it, as are Q5_K rows.
+QX_BLOCK_BYTES = 48
+
+
+def qx_rows(kind: str, blocks: np.ndarray) -> np.ndarray:
+    """GGUF blocks of `kind` -> QX blocks [n, k / 32, 48] uint8 with the same weights."""
+    d, m, q = block_parts(kind, blocks)
+    n, kb, _ = q.shape
+    head = np.concatenate([d, m], axis=-1).astype(np.float32).view(np.uint8)  # [n, kb, 16]
+    return np.ascontiguousarray(np.concatenate([head, q.view(np.uint8)], axis=-1))
+
+
+def _pack_k_numpy(kind: str, blocks: np.ndarray) -> Packed:
+    """GGUF Q4_K / Q6_K / Q5_K super-blocks, or QX rows, -> Packed [k, n] in blocks of 32 inputs (the layouts of
+    QUANT_PANEL_BYTES; Q5_K as QX): each weight rebuilds to the value gguf.quants dequantizes."""
+    import paddle
+
+    if kind == "QX":
+        head = blocks[..., :16].copy().view(np.float32)  # [n, kb, 4]: d of each half, then m
+        d, m, q = head[..., :2], head[..., 2:], blocks[..., 16:].view(np.int8)
+    else:
+        d, m, q = block_parts(kind, blocks)
+    n, kb, _ = q.shape
+    if kind == "Q5_K":
+        kind = "QX"
+    panels = -(-n // PANEL)
+    pad = panels * PANEL - n  # zero columns: zero scales, zero weights
+
+    def by_panel(a: np.ndarray) -> np.ndarray:  # [n, kb, ...] -> [panels, kb, 32 columns, ...]
+        a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
         return a.reshape(panels, PANEL, kb, *a.shape[2:]).swapaxes(1, 2)
 
+    cols = by_panel(q).swapaxes(2, 3)  # [panels, kb, 32 inputs, 32 columns]
     if kind == "Q4_K":
-        d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [nn, sb, 1]
-        dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
-        sc, m = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))  # [nn sb, 8] each
-        scale = (d * sc.reshape(nn, sb, 8).astype(np.float32)).reshape(nn, kb)
-        neg_min = -(dmin * m.reshape(nn, sb, 8).astype(np.float32)).reshape(nn, kb)
-        qs = blocks[..., 16:].reshape(nn, sb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
-        q = (qs & 0xF).reshape(nn, kb, 32)  # [nn, kb, 32 inputs]
-        head = [by_panel(scale), by_panel(neg_min)]  # [panels, kb, 32] float32 each
-        quants = _q4_lanes(by_panel(q).swapaxes(2, 3))  # [panels, kb, 32 inputs, 32 columns] -> lanes
-    else:  # Q6_K, as gguf.quants dequantizes it
-        ql, qh = blocks[..., :128], blocks[..., 128:192]
-        scales = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)  # [nn, sb, 16]
-        d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)  # [nn, sb, 1]
-        scale = (d * scales).reshape(nn, kb, 2)  # per 16 inputs
-        low = (ql.reshape(nn, sb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 0xF
-        high = (qh.reshape(nn, sb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)) & 0x3
-        q = (low.reshape(nn, sb, 8, 32) | (high.reshape(nn, sb, 8, 32) << 4)).astype(np.int8) - np.int8(32)
-        head = [by_panel(scale[..., 0]), by_panel(scale[..., 1])]
-        quants = by_panel(q.reshape(nn, kb, 32)).swapaxes(2, 3).reshape(panels, kb, 1024).view(np.uint8)
-    head = [np.ascontiguousarray(h, np.float32).view(np.uint8) for h in head]  # [panels, kb, 128] bytes each
-    packed = np.ascontiguousarray(np.concatenate(head + [quants.reshape(panels, kb, -1)], axis=-1))
+        head, quants = [d[..., 0], m[..., 0]], _q4_lanes(cols.astype(np.uint8))
+    elif kind == "Q6_K":
+        head, quants = [d[..., 0], d[..., 1]], cols.reshape(panels, kb, 1024)
+    else:  # QX
+        head, quants = [d[..., 0], d[..., 1], m[..., 0], m[..., 1]], cols.reshape(panels, kb, 1024)
+    head = [np.ascontiguousarray(by_panel(h), np.float32).view(np.uint8) for h in head]  # [panels, kb, 128] each
+    packed = np.ascontiguousarray(np.concatenate(head + [np.ascontiguousarray(quants).view(np.uint8)], axis=-1))
     return Packed(paddle.to_tensor(packed), kb * 32, n, kind)
 
 
@@ -504,6 +557,11 @@ def _float_layout(p: np.ndarray, kind: str) -> np.ndarray:
 def _dequantize_panels(p: np.ndarray, kind: str) -> np.ndarray:
     """uint8 panels [panels, k / 32, bytes] -> float32 [panels, k, 32], with gguf.quants' float32 arithmetic."""
     panels, kb, _ = p.shape
+    if kind == "QX":  # w = d q + m per half, d q exact
+        d0, d1, m0, m1 = (p[..., a:a + 128].copy().view(np.float32)[:, :, None, :] for a in (0, 128, 256, 384))
+        q = p[..., 512:].copy().view(np.int8).reshape(panels, kb, 32, 32).astype(np.float32)
+        w = np.concatenate([q[:, :, :16] * d0 + m0, q[:, :, 16:] * d1 + m1], axis=2)
+        return w.reshape(panels, kb * 32, PANEL)
     if kind in ("Q4_K", "Q6_K"):  # float32 scales [panels, kb, 1, 32] x 2
         d, e = (p[..., a:a + 128].copy().view(np.float32)[:, :, None, :] for a in (0, 128))
         if kind == "Q4_K":

@@ -61,17 +61,21 @@ constexpr int64_t kBlock = 32;    // inputs per quantization block
 // inputs with each column's float32 scales, the products gguf.quants forms from them (exact in float32): Q4_K as
 // Q4_1 with float32 d = d * sc and m = -(dmin * m), so w = fma(d, q, m) rounds d q - dmin m once, as numpy does;
 // Q6_K as Q8_0 (q - 32 in int8) with two float32 scales d * sc, for inputs 0-15 and 16-31, and w = d q exact.
+// kQX, any of these formats (specgen.kernels.block_parts): float32 d and m of each half of the inputs, int8 q,
+// w = fma(d, q, m) (m = -0 where the format has no offset), for Q5_K and for fused projections of mixed formats.
 enum class Quant {
   kQ4_0 = 64 + 512, kQ4_1 = 128 + 512, kQ8_0 = 64 + 1024, kQ4_K = 256 + 512, kQ6_K = 256 + 1024,
-  kBF16 = 2048, kF16 = 2048 + 1
+  kQX = 512 + 1024, kBF16 = 2048, kF16 = 2048 + 1
 };
 
 constexpr int64_t quant_bytes(Quant q) { return q == Quant::kF16 ? 2048 : static_cast<int64_t>(q); }
 constexpr bool is_half(Quant q) { return q == Quant::kBF16 || q == Quant::kF16; }
-constexpr bool is_k(Quant q) { return q == Quant::kQ4_K || q == Quant::kQ6_K; }
+constexpr bool is_k(Quant q) { return q == Quant::kQ4_K || q == Quant::kQ6_K || q == Quant::kQX; }
 constexpr bool is_q4(Quant q) { return q == Quant::kQ4_0 || q == Quant::kQ4_1 || q == Quant::kQ4_K; }
 // Bytes of scales before a block's quants.
-constexpr int64_t quant_head(Quant q) { return is_half(q) ? 0 : is_k(q) ? 256 : q == Quant::kQ4_1 ? 128 : 64; }
+constexpr int64_t quant_head(Quant q) {
+  return is_half(q) ? 0 : q == Quant::kQX ? 512 : is_k(q) ? 256 : q == Quant::kQ4_1 ? 128 : 64;
+}
 
 inline float bf16_to_float(uint16_t h) {
   const uint32_t bits = static_cast<uint32_t>(h) << 16;
@@ -97,6 +101,7 @@ inline float rebuilt_weight(const uint8_t* qs, Quant q, float d, float m, int64_
     return q == Quant::kBF16 ? bf16_to_float(h) : specgen::half_to_float(h);
   }
   if (q == Quant::kQ8_0 || q == Quant::kQ6_K) return static_cast<float>(static_cast<int8_t>(qs[i * kPanel + c])) * d;
+  if (q == Quant::kQX) return std::fma(d, static_cast<float>(static_cast<int8_t>(qs[i * kPanel + c])), m);
   const int nib = q4_nibble(qs, i, c);
   return q == Quant::kQ4_0 ? d * static_cast<float>(nib - 8) : std::fma(d, static_cast<float>(nib), m);
 }
@@ -107,8 +112,8 @@ void dequant_panel_ref(const uint8_t* p, int64_t k, Quant q, float* out) {
   const int64_t bytes = quant_bytes(q);
   for (int64_t b = 0; b < k / kBlock; ++b, p += bytes) {
     const uint16_t* scales = reinterpret_cast<const uint16_t*>(p);
-    float wide[2 * kPanel];  // K-quants: the column scales, float32
-    if (is_k(q)) std::memcpy(wide, p, sizeof wide);
+    float wide[4 * kPanel];  // K-quants and QX: the column scales, float32
+    if (is_k(q)) std::memcpy(wide, p, (q == Quant::kQX ? 4 : 2) * kPanel * sizeof(float));
     const uint8_t* qs = p + quant_head(q);
     for (int64_t i = 0; i < kBlock; ++i) {
       float* w = out + (b * kBlock + i) * kPanel;
@@ -116,6 +121,7 @@ void dequant_panel_ref(const uint8_t* p, int64_t k, Quant q, float* out) {
         float d = 0.f, m = 0.f;
         if (q == Quant::kQ4_K) d = wide[c], m = wide[kPanel + c];
         else if (q == Quant::kQ6_K) d = wide[(i < 16 ? 0 : kPanel) + c];
+        else if (q == Quant::kQX) d = wide[(i < 16 ? 0 : kPanel) + c], m = wide[(i < 16 ? 2 : 3) * kPanel + c];
         else if (!is_half(q)) d = specgen::half_to_float(scales[c]);
         if (q == Quant::kQ4_1) m = specgen::half_to_float(scales[kPanel + c]);
         w[c] = rebuilt_weight(qs, q, d, m, i, c);
@@ -279,6 +285,21 @@ inline void block_weights(const uint8_t* p, F&& f) {
     }
     return;
   }
+  if constexpr (Q == Quant::kQX) {  // d of inputs 0-15, of 16-31, then m of each: w = fma(d, q, m)
+    const float* sc = reinterpret_cast<const float*>(p);
+    const uint8_t* qs = p + quant_head(Q);
+    for (int h = 0; h < 2; ++h) {
+      const __m512 d0 = _mm512_load_ps(sc + 32 * h), d1 = _mm512_load_ps(sc + 32 * h + 16);
+      const __m512 m0 = _mm512_load_ps(sc + 64 + 32 * h), m1 = _mm512_load_ps(sc + 64 + 32 * h + 16);
+#pragma GCC unroll 2
+      for (int64_t i = h * 16 + first; i < h * 16 + 16; i += step) {
+        const __m512i q0 = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(qs + i * kPanel)));
+        const __m512i q1 = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(qs + i * kPanel + 16)));
+        f(i, _mm512_fmadd_ps(d0, _mm512_cvtepi32_ps(q0), m0), _mm512_fmadd_ps(d1, _mm512_cvtepi32_ps(q1), m1));
+      }
+    }
+    return;
+  }
   __m512 d0, d1, m0, m1;
   block_scales<Q>(p, d0, d1, m0, m1);
   const uint8_t* qs = p + quant_head(Q);
@@ -390,6 +411,7 @@ void qpanel_any(const float* x, int64_t m, int64_t k, const uint8_t* p, Quant q,
     case Quant::kQ8_0: return qpanel_all<Quant::kQ8_0>(x, m, k, p, y, n, c0);
     case Quant::kQ4_K: return qpanel_all<Quant::kQ4_K>(x, m, k, p, y, n, c0);
     case Quant::kQ6_K: return qpanel_all<Quant::kQ6_K>(x, m, k, p, y, n, c0);
+    case Quant::kQX: return qpanel_all<Quant::kQX>(x, m, k, p, y, n, c0);
     case Quant::kBF16: return qpanel_all<Quant::kBF16>(x, m, k, p, y, n, c0);
     case Quant::kF16: return qpanel_all<Quant::kF16>(x, m, k, p, y, n, c0);
   }
@@ -488,6 +510,7 @@ void qpanel_keep(const float* x, int64_t rows, int64_t k, const uint8_t* p, Quan
     case Quant::kQ8_0: return qpanel_tail<Quant::kQ8_0, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
     case Quant::kQ4_K: return qpanel_tail<Quant::kQ4_K, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
     case Quant::kQ6_K: return qpanel_tail<Quant::kQ6_K, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
+    case Quant::kQX: return qpanel_tail<Quant::kQX, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
     case Quant::kBF16: return qpanel_tail<Quant::kBF16, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
     case Quant::kF16: return qpanel_tail<Quant::kF16, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
   }
@@ -613,6 +636,16 @@ inline void rebuild_block(const uint8_t* blk, float* out, int64_t os) {
   }
   const uint8_t* qs = blk + quant_head(Q);
   const float* wide = reinterpret_cast<const float*>(blk);  // K-quants' float32 scales
+  if constexpr (Q == Quant::kQX) {  // d of inputs 0-15, of 16-31, then m of each: w = fma(d, q, m)
+    for (int c = 0; c < kPanel; c += 8)
+      for (int64_t i = 0; i < kBlock; ++i) {
+        const int64_t h = i < 16 ? 0 : kPanel;
+        const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + i * kPanel + c)));
+        _mm256_storeu_ps(out + i * os + c, _mm256_fmadd_ps(_mm256_loadu_ps(wide + h + c), _mm256_cvtepi32_ps(q),
+                                                           _mm256_loadu_ps(wide + 2 * kPanel + h + c)));
+      }
+    return;
+  }
   for (int c = 0; c < kPanel; c += 8) {  // columns c .. c + 7
     const __m256 d = is_k(Q) ? _mm256_loadu_ps(wide + c)
                              : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * c)));
@@ -793,6 +826,7 @@ void qpanel_any(const float* x, int64_t m, int64_t k, const uint8_t* p, Quant q,
     case Quant::kQ8_0: return qpanel_all<Quant::kQ8_0>(x, m, k, p, y, n, c0);
     case Quant::kQ4_K: return qpanel_all<Quant::kQ4_K>(x, m, k, p, y, n, c0);
     case Quant::kQ6_K: return qpanel_all<Quant::kQ6_K>(x, m, k, p, y, n, c0);
+    case Quant::kQX: return qpanel_all<Quant::kQX>(x, m, k, p, y, n, c0);
     case Quant::kBF16: return qpanel_all<Quant::kBF16>(x, m, k, p, y, n, c0);
     case Quant::kF16: return qpanel_all<Quant::kF16>(x, m, k, p, y, n, c0);
   }
@@ -1150,12 +1184,13 @@ PackedWeight packed_weight(const paddle::Tensor& w, int64_t k, int64_t n, const 
   }
   const int64_t bytes = w.shape()[2];
   const bool int8_product = w.dtype() == paddle::DataType::INT8;
-  const bool k_quant = bytes == static_cast<int64_t>(Quant::kQ4_K) || bytes == static_cast<int64_t>(Quant::kQ6_K);
+  const bool k_quant = bytes == static_cast<int64_t>(Quant::kQ4_K) || bytes == static_cast<int64_t>(Quant::kQ6_K) ||
+                       bytes == static_cast<int64_t>(Quant::kQX);
   PD_CHECK((w.dtype() == paddle::DataType::UINT8 || int8_product) && k % kBlock == 0 && w.shape()[1] == k / kBlock &&
                (bytes == static_cast<int64_t>(Quant::kQ4_0) || bytes == static_cast<int64_t>(Quant::kQ4_1) ||
                 bytes == static_cast<int64_t>(Quant::kQ8_0) || (k_quant && !int8_product)),
            name, ": not a quantized [ceil(n / 32), ", k / kBlock,
-           ", 576 | 640 | 1088 | 768 | 1280] uint8 (or, but the last two, int8) weight");
+           ", 576 | 640 | 1088 | 768 | 1280 | 1536] uint8 (or, but the last three, int8) weight");
   return {w.data(), w.shape()[0], bytes, int8_product};
 }
 

@@ -10,14 +10,16 @@ from specgen.models.tokenizer import TextTokenizer
 
 # GGUF block formats whose raw blocks the runtime can multiply by directly (specgen/kernels/linear.cc): bytes
 # per block, and weights per block (the K-quants' super-blocks hold 256).
-QUANT_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}
-QUANT_BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q6_K": 256}
+# "QX" is specgen's own (specgen.kernels.qx_rows): what rows of mixed formats are converted to when fused.
+QUANT_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "QX": 48}
+QUANT_BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "QX": 32}
 
 
 @dataclass(frozen=True)
 class QuantRows:
-    """A Linear weight [out, in] as its GGUF file stores it: uint8 blocks [out, in / QUANT_BLOCK_WEIGHTS[kind],
-    QUANT_BLOCK_BYTES[kind]] of `kind`. Dequantized, they are the float32 weight the checkpoint also holds."""
+    """A Linear weight [out, in] as its GGUF file stores it (or, fused from rows of several formats, as QX):
+    uint8 blocks [out, in / QUANT_BLOCK_WEIGHTS[kind], QUANT_BLOCK_BYTES[kind]] of `kind`. Dequantized, they are
+    the float32 weight the checkpoint also holds."""
 
     kind: str
     blocks: np.ndarray  # [out, in / QUANT_BLOCK_WEIGHTS[kind], QUANT_BLOCK_BYTES[kind]] uint8

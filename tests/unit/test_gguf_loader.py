@@ -23,7 +23,7 @@ HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 256, 512, 4, 2, 16, 2
 # opposite the block's extreme value).
 TOLERANCE = {T.F16: 1e-3, T.BF16: 1e-2, T.Q8_0: 1 / 200, T.Q4_0: 1 / 7, T.Q4_1: 1 / 7}
 # gguf-py cannot quantize these: random blocks with a sane float16 super-block scale are written instead.
-K_QUANTS = {T.Q4_K: slice(0, 4), T.Q6_K: slice(208, 210)}  # the byte range of d (and Q4_K's dmin)
+K_QUANTS = {T.Q4_K: slice(0, 4), T.Q5_K: slice(0, 4), T.Q6_K: slice(208, 210)}  # bytes of d (and dmin)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w"]
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -97,11 +97,12 @@ def gguf_name(hf_name: str) -> str:
 
 
 def write_tiny_gguf(path, arch="llama", tied=True, drop=None, reshape=None, tokenizer_model="gpt2",
-                    eos_id=2, qtype=T.Q8_0, quantized=QUANTIZED) -> dict[str, np.ndarray]:
-    """A 2-layer model (the tensors named in `quantized` stored as `qtype`); returns the HF-layout float32
-    weights that load_gguf must give back exactly."""
+                    eos_id=2, qtype=T.Q8_0, quantized=QUANTIZED, qtypes=None) -> dict[str, np.ndarray]:
+    """A 2-layer model (the tensors named in `quantized` stored as `qtype`, or as qtypes[part] for a part named
+    in `qtypes`); returns the HF-layout float32 weights that load_gguf must give back exactly."""
     rng = np.random.default_rng(0)
     weights = hf_weights(rng, arch, tied)
+    default_qtype = qtype
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
     writer.add_embedding_length(HIDDEN)
@@ -132,6 +133,7 @@ def write_tiny_gguf(path, arch="llama", tied=True, drop=None, reshape=None, toke
         if name == reshape:
             w = np.concatenate([w, w[:16]])
         if any(q in name for q in quantized):
+            qtype = next((t for part, t in (qtypes or {}).items() if part in name), default_qtype)
             if qtype in K_QUANTS:
                 data = rng.integers(0, 256, quant_shape_to_byte_shape(w.shape, qtype), dtype=np.uint8)
                 blocks = data.reshape(w.shape[0], -1, gguf.GGML_QUANT_SIZES[qtype][1])  # [rows, blocks, bytes]
@@ -332,6 +334,7 @@ ALL_LINEAR = ("token_embd", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_ga
     # K-quants: super-blocks of 256 repacked per 32 inputs with float32 scales (attn_output's 64 inputs: F32)
     (T.Q4_K, tuple(n for n in ALL_LINEAR if n != "attn_output"), "llama"),
     (T.Q6_K, tuple(n for n in ALL_LINEAR if n != "attn_output"), "llama"),
+    (T.Q5_K, tuple(n for n in ALL_LINEAR if n != "attn_output"), "llama"),  # multiplied as QX
 ], ids=lambda v: v.name if isinstance(v, T) else str(len(v)) if isinstance(v, tuple) else v)
 def test_quantized_weights_stay_blocks_and_give_the_same_bits(tmp_path, monkeypatch, qtype, quantized, arch):
     """A GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K projections: load_gguf keeps their raw blocks beside the float32
@@ -368,7 +371,8 @@ def test_quantized_weights_stay_blocks_and_give_the_same_bits(tmp_path, monkeypa
         if keep == "1":
             fused = {"w_qkv": ("attn_q", "attn_k", "attn_v"), "w_o": ("attn_output",),
                      "w_gate_up": ("ffn_gate", "ffn_up"), "w_down": ("ffn_down",), "lm_head": ("token_embd",)}
-            assert kinds == {key: qtype.name if set(parts) <= set(quantized) else "F32"
+            packed_kind = "QX" if qtype == T.Q5_K else qtype.name  # Q5_K is packed in QX's layout
+            assert kinds == {key: packed_kind if set(parts) <= set(quantized) else "F32"
                              for key, parts in fused.items()}
         else:
             assert set(kinds.values()) == {"F32"}
@@ -394,6 +398,35 @@ def test_quantized_weights_stay_blocks_and_give_the_same_bits(tmp_path, monkeypa
     for a, b in zip(*results):
         assert np.array_equal(a, b)
 
+
+
+def test_a_fused_projection_of_mixed_formats_is_multiplied_as_qx(tmp_path, monkeypatch):
+    """A Q4_K_M-like file (Q4_K, with attn_v and ffn_down in Q6_K): the fused QKV's rows of both formats are
+    converted to QX and stay blocks, the other projections keep their own format, and the logits and hidden
+    states are bit-identical to float32 panels over the dequantized weights."""
+    from specgen.engine.model import Model
+    from specgen.engine.types import build_forward_batch
+
+    path = tmp_path / "mixed.gguf"
+    write_tiny_gguf(path, qtype=T.Q4_K, quantized=tuple(n for n in ALL_LINEAR if n != "attn_output"),
+                    qtypes={"attn_v": T.Q6_K, "ffn_down": T.Q6_K})
+    ckpt = load_gguf(path)
+    assert {q.kind for q in ckpt.quantized.values()} == {"Q4_K", "Q6_K"}
+    batch = build_forward_batch(np.arange(2), np.zeros(2, np.int64), np.array([9, 14]),
+                                np.random.default_rng(4).integers(3, 200, 23), np.zeros(2, bool))
+    results = []
+    for keep in ("1", "0"):
+        monkeypatch.setenv("SPECGEN_QUANTIZED_WEIGHTS", keep)
+        m = Model(ckpt, "float32")
+        if not m.packs:
+            pytest.skip("packed linear needs the fused kernels and AVX2 (with FMA and F16C) or AVX-512")
+        kinds = {key: m.w.layers[0][key].kind for key in ("w_qkv", "w_o", "w_gate_up", "w_down")}
+        want = {"w_qkv": "QX", "w_o": "F32", "w_gate_up": "Q4_K", "w_down": "Q6_K"} if keep == "1" else \
+            dict.fromkeys(kinds, "F32")
+        assert kinds == want
+        results.append([t.numpy() for t in m.forward(batch, m.new_cache(2, 32))])
+    for a, b in zip(*results):
+        assert np.array_equal(a, b)
 
 def test_default_path_missing_package_gives_install_hint(monkeypatch):
     monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
