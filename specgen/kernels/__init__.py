@@ -399,7 +399,10 @@ def block_parts(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
     from gguf.quants import Q4_K
 
     n, nb, _ = blocks.shape
-    f16 = lambda a: np.ascontiguousarray(a).view(np.float16).astype(np.float32)  # noqa: E731
+
+    def f16(a: np.ndarray) -> np.ndarray:  # fp16 bytes [..., 2 j] -> float32 [..., j]
+        return np.ascontiguousarray(a).view(np.float16).astype(np.float32)
+
     if kind in ("Q4_0", "Q4_1", "Q8_0"):
         kb = nb
         d = np.repeat(f16(blocks[..., 0:2]), 2, axis=-1)  # [n, kb, 2]
@@ -446,8 +449,7 @@ QX_BLOCK_BYTES = 48
 def qx_rows(kind: str, blocks: np.ndarray) -> np.ndarray:
     """GGUF blocks of `kind` -> QX blocks [n, k / 32, 48] uint8 with the same weights."""
     d, m, q = block_parts(kind, blocks)
-    n, kb, _ = q.shape
-    head = np.concatenate([d, m], axis=-1).astype(np.float32).view(np.uint8)  # [n, kb, 16]
+    head = np.concatenate([d, m], axis=-1).astype(np.float32).view(np.uint8)  # [n, k / 32, 16]
     return np.ascontiguousarray(np.concatenate([head, q.view(np.uint8)], axis=-1))
 
 

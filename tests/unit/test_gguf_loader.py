@@ -326,6 +326,20 @@ def test_cache_roundtrip_key_and_corruption(tmp_path, tiny, monkeypatch):
 ALL_LINEAR = ("token_embd", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
+def models_with_and_without_blocks(ckpt, monkeypatch):
+    """(keep, Model, kinds of layer 0's projections and the LM head): the checkpoint's model multiplying by its
+    blocks (keep "1") and by float32 panels of the dequantized weights (keep "0")."""
+    from specgen.engine.model import Model
+
+    for keep in ("1", "0"):
+        monkeypatch.setenv("SPECGEN_QUANTIZED_WEIGHTS", keep)
+        m = Model(ckpt, "float32")
+        if not m.packs:
+            pytest.skip("packed linear needs the fused kernels and AVX2 (with FMA and F16C) or AVX-512")
+        kinds = {key: m.w.layers[0][key].kind for key in ("w_qkv", "w_o", "w_gate_up", "w_down")}
+        yield keep, m, kinds | {"lm_head": m.w.lm_head.kind}
+
+
 @pytest.mark.parametrize("qtype,quantized,arch", [
     (T.Q4_1, ALL_LINEAR, "llama"),  # q/k rows permuted by llama.cpp: the blocks must be put back alike
     (T.Q4_0, ALL_LINEAR, "qwen2"),
@@ -342,7 +356,6 @@ def test_quantized_weights_stay_blocks_and_give_the_same_bits(tmp_path, monkeypa
     each block set dequantizes (as packed for specgen_linear) to exactly the loaded weight, and a float32 model
     that multiplies by the blocks gives logits bit-identical to one over the dequantized weights."""
     from specgen import kernels
-    from specgen.engine.model import Model
     from specgen.engine.proposers.mtp import MtpHead, random_mtp_weights
     from specgen.engine.types import build_forward_batch
 
@@ -361,13 +374,7 @@ def test_quantized_weights_stay_blocks_and_give_the_same_bits(tmp_path, monkeypa
     ver = build_forward_batch(np.array([0, 1]), np.array([9, 14]), np.array([6, 1]), rng.integers(3, 200, 7),
                               np.array([True, True]))
     results = []
-    for keep in ("1", "0"):
-        monkeypatch.setenv("SPECGEN_QUANTIZED_WEIGHTS", keep)
-        m = Model(ckpt, "float32")
-        if not m.packs:
-            pytest.skip("packed linear needs the fused kernels and AVX2 (with FMA and F16C) or AVX-512")
-        kinds = {key: m.w.layers[0][key].kind for key in ("w_qkv", "w_o", "w_gate_up", "w_down")}
-        kinds["lm_head"] = m.w.lm_head.kind
+    for keep, m, kinds in models_with_and_without_blocks(ckpt, monkeypatch):
         if keep == "1":
             fused = {"w_qkv": ("attn_q", "attn_k", "attn_v"), "w_o": ("attn_output",),
                      "w_gate_up": ("ffn_gate", "ffn_up"), "w_down": ("ffn_down",), "lm_head": ("token_embd",)}
@@ -404,7 +411,6 @@ def test_a_fused_projection_of_mixed_formats_is_multiplied_as_qx(tmp_path, monke
     """A Q4_K_M-like file (Q4_K, with attn_v and ffn_down in Q6_K): the fused QKV's rows of both formats are
     converted to QX and stay blocks, the other projections keep their own format, and the logits and hidden
     states are bit-identical to float32 panels over the dequantized weights."""
-    from specgen.engine.model import Model
     from specgen.engine.types import build_forward_batch
 
     path = tmp_path / "mixed.gguf"
@@ -415,14 +421,9 @@ def test_a_fused_projection_of_mixed_formats_is_multiplied_as_qx(tmp_path, monke
     batch = build_forward_batch(np.arange(2), np.zeros(2, np.int64), np.array([9, 14]),
                                 np.random.default_rng(4).integers(3, 200, 23), np.zeros(2, bool))
     results = []
-    for keep in ("1", "0"):
-        monkeypatch.setenv("SPECGEN_QUANTIZED_WEIGHTS", keep)
-        m = Model(ckpt, "float32")
-        if not m.packs:
-            pytest.skip("packed linear needs the fused kernels and AVX2 (with FMA and F16C) or AVX-512")
-        kinds = {key: m.w.layers[0][key].kind for key in ("w_qkv", "w_o", "w_gate_up", "w_down")}
-        want = {"w_qkv": "QX", "w_o": "F32", "w_gate_up": "Q4_K", "w_down": "Q6_K"} if keep == "1" else \
-            dict.fromkeys(kinds, "F32")
+    for keep, m, kinds in models_with_and_without_blocks(ckpt, monkeypatch):
+        want = {"w_qkv": "QX", "w_o": "F32", "w_gate_up": "Q4_K", "w_down": "Q6_K", "lm_head": "Q4_K"} \
+            if keep == "1" else dict.fromkeys(kinds, "F32")
         assert kinds == want
         results.append([t.numpy() for t in m.forward(batch, m.new_cache(2, 32))])
     for a, b in zip(*results):

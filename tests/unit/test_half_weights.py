@@ -9,8 +9,7 @@ import pytest
 from conftest import TINY
 from safetensors.numpy import load_file
 
-from specgen import EngineConfig, SamplingParams, generate, load_model
-from specgen import kernels
+from specgen import EngineConfig, SamplingParams, generate, kernels, load_model
 from specgen.engine.model import LINEAR_KEYS
 from specgen.engine.types import build_forward_batch
 
