@@ -443,7 +443,6 @@ def block_parts(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
 # half as float32, then the 32 quants as int8, the union of the formats above (block_parts). Fused projections
 # whose parts a GGUF stores in different formats (Q4_K_M: a Q6_K attn_v beside Q4_K attn_q and attn_k) are
 # converted to it, as are Q5_K rows.
-QX_BLOCK_BYTES = 48
 
 
 def qx_rows(kind: str, blocks: np.ndarray) -> np.ndarray:
