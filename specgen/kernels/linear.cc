@@ -35,6 +35,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "paddle/extension.h"
@@ -71,7 +72,21 @@ enum class Quant {
 constexpr int64_t quant_bytes(Quant q) { return q == Quant::kF16 ? 2048 : static_cast<int64_t>(q); }
 constexpr bool is_half(Quant q) { return q == Quant::kBF16 || q == Quant::kF16; }
 constexpr bool is_k(Quant q) { return q == Quant::kQ4_K || q == Quant::kQ6_K || q == Quant::kQX; }
-constexpr bool is_q4(Quant q) { return q == Quant::kQ4_0 || q == Quant::kQ4_1 || q == Quant::kQ4_K; }
+// f(std::integral_constant<Quant, Q>) for the format q of the float32 products (not F32 panels): the one switch
+// the paths' run-time dispatches share.
+template <typename F>
+inline void with_quant(Quant q, F&& f) {
+  switch (q) {
+    case Quant::kQ4_0: return f(std::integral_constant<Quant, Quant::kQ4_0>{});
+    case Quant::kQ4_1: return f(std::integral_constant<Quant, Quant::kQ4_1>{});
+    case Quant::kQ8_0: return f(std::integral_constant<Quant, Quant::kQ8_0>{});
+    case Quant::kQ4_K: return f(std::integral_constant<Quant, Quant::kQ4_K>{});
+    case Quant::kQ6_K: return f(std::integral_constant<Quant, Quant::kQ6_K>{});
+    case Quant::kQX: return f(std::integral_constant<Quant, Quant::kQX>{});
+    case Quant::kBF16: return f(std::integral_constant<Quant, Quant::kBF16>{});
+    case Quant::kF16: return f(std::integral_constant<Quant, Quant::kF16>{});
+  }
+}
 // Bytes of scales before a block's quants.
 constexpr int64_t quant_head(Quant q) {
   return is_half(q) ? 0 : q == Quant::kQX ? 512 : is_k(q) ? 256 : q == Quant::kQ4_1 ? 128 : 64;
@@ -405,16 +420,7 @@ void qpanel_all(const float* x, int64_t m, int64_t k, const uint8_t* p, float* y
 }
 
 void qpanel_any(const float* x, int64_t m, int64_t k, const uint8_t* p, Quant q, float* y, int64_t n, int64_t c0) {
-  switch (q) {
-    case Quant::kQ4_0: return qpanel_all<Quant::kQ4_0>(x, m, k, p, y, n, c0);
-    case Quant::kQ4_1: return qpanel_all<Quant::kQ4_1>(x, m, k, p, y, n, c0);
-    case Quant::kQ8_0: return qpanel_all<Quant::kQ8_0>(x, m, k, p, y, n, c0);
-    case Quant::kQ4_K: return qpanel_all<Quant::kQ4_K>(x, m, k, p, y, n, c0);
-    case Quant::kQ6_K: return qpanel_all<Quant::kQ6_K>(x, m, k, p, y, n, c0);
-    case Quant::kQX: return qpanel_all<Quant::kQX>(x, m, k, p, y, n, c0);
-    case Quant::kBF16: return qpanel_all<Quant::kBF16>(x, m, k, p, y, n, c0);
-    case Quant::kF16: return qpanel_all<Quant::kF16>(x, m, k, p, y, n, c0);
-  }
+  with_quant(q, [&](auto Q) { qpanel_all<decltype(Q)::value>(x, m, k, p, y, n, c0); });
 }
 
 // ---- Many rows (prefill): two panels at a time ----
@@ -504,16 +510,7 @@ void pair_all(const float* x, int64_t m, int64_t k, const float* p, const float*
 void qpanel_keep(const float* x, int64_t rows, int64_t k, const uint8_t* p, Quant q, float* y, int64_t n, int64_t c0,
                  float* keep) {
   const int64_t width = std::min<int64_t>(kPanel, n - c0);
-  switch (q) {
-    case Quant::kQ4_0: return qpanel_tail<Quant::kQ4_0, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
-    case Quant::kQ4_1: return qpanel_tail<Quant::kQ4_1, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
-    case Quant::kQ8_0: return qpanel_tail<Quant::kQ8_0, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
-    case Quant::kQ4_K: return qpanel_tail<Quant::kQ4_K, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
-    case Quant::kQ6_K: return qpanel_tail<Quant::kQ6_K, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
-    case Quant::kQX: return qpanel_tail<Quant::kQX, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
-    case Quant::kBF16: return qpanel_tail<Quant::kBF16, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
-    case Quant::kF16: return qpanel_tail<Quant::kF16, kGroup, true>(x, rows, k, p, y, n, c0, width, keep);
-  }
+  with_quant(q, [&](auto Q) { qpanel_tail<decltype(Q)::value, kGroup, true>(x, rows, k, p, y, n, c0, width, keep); });
 }
 
 // SPECGEN_WIDE_LINEAR=0 turns wide_linear off (for benchmarks/prefill.py's side-by-side runs; the bits are the
@@ -820,16 +817,7 @@ void qpanel_all(const float* x, int64_t m, int64_t k, const uint8_t* p, float* y
 }
 
 void qpanel_any(const float* x, int64_t m, int64_t k, const uint8_t* p, Quant q, float* y, int64_t n, int64_t c0) {
-  switch (q) {
-    case Quant::kQ4_0: return qpanel_all<Quant::kQ4_0>(x, m, k, p, y, n, c0);
-    case Quant::kQ4_1: return qpanel_all<Quant::kQ4_1>(x, m, k, p, y, n, c0);
-    case Quant::kQ8_0: return qpanel_all<Quant::kQ8_0>(x, m, k, p, y, n, c0);
-    case Quant::kQ4_K: return qpanel_all<Quant::kQ4_K>(x, m, k, p, y, n, c0);
-    case Quant::kQ6_K: return qpanel_all<Quant::kQ6_K>(x, m, k, p, y, n, c0);
-    case Quant::kQX: return qpanel_all<Quant::kQX>(x, m, k, p, y, n, c0);
-    case Quant::kBF16: return qpanel_all<Quant::kBF16>(x, m, k, p, y, n, c0);
-    case Quant::kF16: return qpanel_all<Quant::kF16>(x, m, k, p, y, n, c0);
-  }
+  with_quant(q, [&](auto Q) { qpanel_all<decltype(Q)::value>(x, m, k, p, y, n, c0); });
 }
 #else
 void panel_all(const float* x, int64_t m, int64_t k, const float* p, float* y, int64_t n, int64_t c0) {
