@@ -188,18 +188,19 @@ class Controller:
         tokens, seconds = self.sums[speculated]
         return tokens / seconds if seconds > 0 else None
 
-    def _guard(self, k: np.ndarray) -> np.ndarray:
-        """Plain decoding while speculation measures slower; a probe step of the other kind now and then."""
+    def _guard(self, speculate: bool) -> bool:
+        """Whether a step the cost model would speculate in does: not while speculation measures slower than
+        plain decoding; a probe step of the other kind now and then."""
         self.steps += 1
-        if not k.any():
-            return k
+        if not speculate:
+            return False
         spec, plain = self.rate(True), self.rate(False)
         probe = self.steps % self.PROBE_EVERY == 0
         if plain is None or spec is None:
-            return np.zeros_like(k) if (plain is None and probe) else k
+            return not (plain is None and probe)
         if spec < plain:
-            return k if probe else np.zeros_like(k)
-        return np.zeros_like(k) if probe else k
+            return probe
+        return not probe
 
     def reset(self, slot: int) -> None:
         self.hits[slot] = self.seen[slot] = 0.0
@@ -276,7 +277,8 @@ class Controller:
         # Keep the choice only if it beats plain decoding under the model, and while the guard agrees.
         plain = n / self.cost.at(base)
         spec = float(emit[rows, k].sum()) / (self.cost.at(base + int(k.sum())) + d)
-        k = self._guard(k if spec > plain * (1.0 + self.MIN_GAIN) else np.zeros(n, np.int64))
+        if not self._guard(spec > plain * (1.0 + self.MIN_GAIN) and bool(k.any())):
+            k = np.zeros(n, np.int64)
         self.idle[slots] = np.where(k == 0, self.idle[slots] + 1, 0)
         return k
 
@@ -296,6 +298,6 @@ class Controller:
             if rate > best:
                 best_k, best = k, rate
         plain = 1.0 / self.cost.at(base)
-        k = self._guard(np.array([best_k if best > plain * (1.0 + self.MIN_GAIN) else 0], np.int64))
-        self.idle[s] = self.idle[s] + 1 if k[0] == 0 else 0
-        return k
+        k = best_k if self._guard(best_k > 0 and best > plain * (1.0 + self.MIN_GAIN)) else 0
+        self.idle[s] = self.idle[s] + 1 if k == 0 else 0
+        return np.array([k], np.int64)

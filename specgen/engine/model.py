@@ -244,6 +244,7 @@ class Model:
         self.bound_forward = kernels.switch("SPECGEN_BOUND_FORWARD")
         self._bound_weights: int | None = None  # the weights' handle in the kernels, once bound
         self._columns = None  # the main blocks' specgen_stack arguments, gathered on first use
+        self._index_tensors: dict[int, tuple[np.ndarray, paddle.Tensor]] = {}  # see _index_tensor
         self._ones = paddle.ones([cfg.head_dim], dtype=dtype)  # stands in for absent q/k norm weights
         self._none = paddle.zeros([0], dtype=dtype)  # stands in for absent biases
         self._no_screen = paddle.zeros([0], dtype="float32")  # specgen_forward without a screen: the logits
@@ -493,11 +494,33 @@ class Model:
                                 plen if plen is not None else np.zeros(n, np.int64), batch.logit_rows])
         pre = cache.prefix
         logits, hidden, greedy = self.ops.specgen_forward_bound(
-            paddle.to_tensor(index.astype(np.int64, copy=False)), *self._screen_args(screened), n,
+            self._index_tensor(index), *self._screen_args(screened), n,
             self._weights_handle(), self._caches_handle(cache), cfg.num_heads, cfg.num_kv_heads, cache.capacity,
             cfg.qk_norm, cfg.rms_norm_eps, pre.capacity if pre is not None else 0, self.w.lm_head.n)
         # logits [num_logits, vocab] (screened: [0, vocab], returned as None), hidden [num_tokens, hidden]
         return None if screened else logits, hidden, greedy
+
+    INDEX_REUSE_MAX = 1 << 14  # the longest index kept for reuse (decode and verify steps; prefills make their own)
+    INDEX_REUSE_SIZES = 512  # index lengths kept at most (then the kept ones are dropped and collected again)
+
+    def _index_tensor(self, index: np.ndarray) -> paddle.Tensor:
+        """`index` (int64 [m]) as a CPU tensor for specgen_forward_bound. Making a tensor right after a forward costs
+        ~90 us here (paddle's allocation path runs cold once the weights have streamed through the caches), so each
+        length m seen before reuses a tensor made once over a kept numpy buffer (sharing its memory: zero copy),
+        and the step only copies its m integers in. The operator reads the index during the call and keeps no
+        reference to it, so the next step may overwrite the buffer."""
+        m = len(index)
+        if m > self.INDEX_REUSE_MAX:
+            return paddle.to_tensor(index.astype(np.int64, copy=False))
+        kept = self._index_tensors.get(m)
+        if kept is None:
+            if len(self._index_tensors) >= self.INDEX_REUSE_SIZES:
+                self._index_tensors.clear()
+            buf = np.empty(m, np.int64)
+            kept = (buf, paddle.base.core.eager.Tensor(buf, paddle.CPUPlace(), False, True, "specgen_index", True))
+            self._index_tensors[m] = kept
+        kept[0][:] = index
+        return kept[1]
 
     def _screen_args(self, screened: bool) -> tuple:
         """specgen_forward's LmScreen and LmBound: the screen's (greedy tokens only), or empty (the logits)."""

@@ -10,6 +10,7 @@ Dimension vocabulary (used in every shape comment):
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,38 +36,35 @@ class ForwardBatch:
     positions: np.ndarray  # [num_tokens] int64
     token_slots: np.ndarray  # [num_tokens] int64 cache row of each token
     logit_rows: np.ndarray  # [num_logits] int64 packed-token indices that need logits
-    groups: tuple[AttnGroup, ...]
     max_position: int  # 1 + the largest position written (the cache must hold it)
+    block_slots: np.ndarray  # [num_seqs] int64 cache row of each block
+    block_starts: np.ndarray  # [num_seqs] int64 position of each block's first token
+    block_lens: np.ndarray  # [num_seqs] int64 tokens in each block
     token_prefix_len: np.ndarray | None = None  # [num_tokens] int64 shared-prefix positions of each token's slot
+    prefill_group_threshold: int = 16
+    prefill_group_budget: int = 1 << 19
+
+    @functools.cached_property
+    def groups(self) -> tuple[AttnGroup, ...]:
+        """The attention groups, built on first use: only the per-layer (unfused) forward reads them, so the fused
+        step does not pay for them."""
+        return attention_groups(self.block_slots, self.block_starts, self.block_lens, self.prefill_group_threshold,
+                                self.prefill_group_budget)
 
 
-def build_forward_batch(
+def attention_groups(
     slots: np.ndarray,  # [num_seqs] int64 cache row of each block
     starts: np.ndarray,  # [num_seqs] int64 position of each block's first token
     lens: np.ndarray,  # [num_seqs] int64 tokens in each block (>= 1)
-    token_ids: np.ndarray,  # [num_tokens] int64 the blocks' tokens, packed in block order
-    logits_all: np.ndarray,  # [num_seqs] bool: logits for every row of the block (verify) or only the last
-    prefill_group_threshold: int = 16,
-    no_logits: np.ndarray | None = None,  # [num_seqs] bool: no logits at all (a prompt chunk that is not the last)
-    prefix_lens: np.ndarray | None = None,  # [num_seqs] int64 positions each slot reads from the shared prefix
-    prefill_group_budget: int = 1 << 19,
-) -> ForwardBatch:
-    """Pack blocks and build the attention groups: short blocks (decode/verify) in one group; long ones
-    (prefill) sorted by length and split so that each group's padded num_seqs * max_q * max_kv stays
-    within prefill_group_budget (padding a 30-token prompt to a 1,000-token one costs 30x)."""
+    prefill_group_threshold: int,
+    prefill_group_budget: int,
+) -> tuple[AttnGroup, ...]:
+    """Short blocks (decode/verify) in one group; long ones (prefill) sorted by length and split so that each
+    group's padded num_seqs * max_q * max_kv stays within prefill_group_budget (padding a 30-token prompt to a
+    1,000-token one costs 30x)."""
     cu = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=cu[1:])
     num_tokens = int(cu[-1])
-    seq_of_token = np.repeat(np.arange(len(lens)), lens)  # [num_tokens]
-    offset = np.arange(num_tokens) - cu[:-1][seq_of_token]  # [num_tokens]
-    positions = starts[seq_of_token] + offset
-    token_slots = slots[seq_of_token]
-    need = logits_all[seq_of_token].copy()
-    need[cu[1:] - 1] = True
-    if no_logits is not None:
-        need[no_logits[seq_of_token]] = False
-    logit_rows = np.nonzero(need)[0].astype(np.int64)
-
     groups = []
     is_long = lens > prefill_group_threshold
     members = [np.nonzero(~is_long)[0]] if (~is_long).any() else []
@@ -98,15 +96,44 @@ def build_forward_batch(
                 token_pad_index=np.nonzero(valid.reshape(-1))[0].astype(np.int64),
             )
         )
+    return tuple(groups)
+
+
+def build_forward_batch(
+    slots: np.ndarray,  # [num_seqs] int64 cache row of each block
+    starts: np.ndarray,  # [num_seqs] int64 position of each block's first token
+    lens: np.ndarray,  # [num_seqs] int64 tokens in each block (>= 1)
+    token_ids: np.ndarray,  # [num_tokens] int64 the blocks' tokens, packed in block order
+    logits_all: np.ndarray,  # [num_seqs] bool: logits for every row of the block (verify) or only the last
+    prefill_group_threshold: int = 16,
+    no_logits: np.ndarray | None = None,  # [num_seqs] bool: no logits at all (a prompt chunk that is not the last)
+    prefix_lens: np.ndarray | None = None,  # [num_seqs] int64 positions each slot reads from the shared prefix
+    prefill_group_budget: int = 1 << 19,
+) -> ForwardBatch:
+    """Pack blocks; their attention groups (attention_groups) are built when first asked for."""
+    cu = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu[1:])
+    num_tokens = int(cu[-1])
+    seq_of_token = np.repeat(np.arange(len(lens)), lens)  # [num_tokens]
+    offset = np.arange(num_tokens) - cu[:-1][seq_of_token]  # [num_tokens]
+    positions = starts[seq_of_token] + offset
+    need = logits_all[seq_of_token].copy()
+    need[cu[1:] - 1] = True
+    if no_logits is not None:
+        need[no_logits[seq_of_token]] = False
     return ForwardBatch(
         token_ids=np.asarray(token_ids, dtype=np.int64),
-        positions=positions.astype(np.int64),
-        token_slots=token_slots.astype(np.int64),
-        logit_rows=logit_rows,
-        groups=tuple(groups),
+        positions=positions.astype(np.int64, copy=False),
+        token_slots=slots[seq_of_token].astype(np.int64, copy=False),
+        logit_rows=np.nonzero(need)[0].astype(np.int64, copy=False),
         max_position=int(positions.max()) + 1 if num_tokens else 0,
+        block_slots=np.array(slots, np.int64),  # copies: groups are built later
+        block_starts=np.array(starts, np.int64),  # copies: groups are built later
+        block_lens=np.array(lens, np.int64),  # copies: groups are built later
         token_prefix_len=None if prefix_lens is None or not prefix_lens.any()
         else prefix_lens[seq_of_token].astype(np.int64),
+        prefill_group_threshold=prefill_group_threshold,
+        prefill_group_budget=prefill_group_budget,
     )
 
 

@@ -463,6 +463,39 @@ def test_bound_forward_follows_a_growing_cache_and_lets_it_go(monkeypatch):
     assert [i for i, (a, b) in enumerate(zip(runs[True], runs[False])) if not np.array_equal(a, b)] == []
 
 
+def test_bound_forward_index_tensors_are_reused_per_length(monkeypatch):
+    """The step's index tensor is kept per length and overwritten (zero copy): a second index of the same length
+    comes back in the same tensor with the new contents, one of another length in its own, one past
+    INDEX_REUSE_MAX in a fresh tensor each time; and a run of steps that reuse them gives the bits of fresh ones."""
+    m = load_model(TINY / "llama", dtype="float32").model
+    a, b = np.arange(10, dtype=np.int64), np.arange(10, 20, dtype=np.int64)
+    ta = m._index_tensor(a)
+    assert ta.numpy().tolist() == a.tolist()
+    tb = m._index_tensor(b)
+    assert tb is ta and ta.numpy().tolist() == b.tolist()
+    assert m._index_tensor(np.arange(3, dtype=np.int64)) is not ta
+    monkeypatch.setattr(type(m), "INDEX_REUSE_MAX", 12)
+    big = np.arange(13, dtype=np.int64)
+    assert m._index_tensor(big) is not m._index_tensor(big)
+    if not (m.packs and m.fused_forward and m.bound_forward):
+        return
+    ids = np.random.default_rng(9).integers(3, 250, 40)
+    runs = []
+    for fresh in (False, True):
+        if fresh:  # every index a new tensor
+            monkeypatch.setattr(type(m), "INDEX_REUSE_MAX", 0)
+        cache = m.new_cache(2, 64)
+        out = []
+        for start, n in [(0, 20), (20, 2), (22, 2), (24, 2), (26, 1), (27, 1)]:  # lengths repeat, contents differ
+            batch = build_forward_batch(np.array([0, 1]), np.array([start, start]), np.array([n, n]),
+                                        np.concatenate([ids[start:start + n], ids[start + 5:start + 5 + n]]),
+                                        np.array([True, True]))
+            logits, hidden, greedy = m.forward_greedy(batch, cache)
+            out += [logits.numpy(), greedy]
+        runs.append(out)
+    assert all(np.array_equal(x, y) for x, y in zip(*runs))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_argmax_matches_paddle_lowest_index_on_ties(dtype):
     """specgen_argmax against paddle.argmax: vocabularies that are and are not multiples of 16 lanes, rows with

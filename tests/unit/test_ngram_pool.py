@@ -3,7 +3,7 @@ text."""
 import numpy as np
 
 from specgen.engine.proposers.base import SlotView
-from specgen.engine.proposers.ngram import NgramProposer
+from specgen.engine.proposers.ngram import NgramProposer, SourceStats
 from specgen.engine.proposers.ngram_pool import NgramPool
 
 
@@ -106,6 +106,25 @@ def test_proposer_learns_which_source_to_follow():
     assert proposer.stats.rate(1, np.array([3]))[0] > 0.5 > proposer.stats.rate(0, np.array([2]))[0]
     assert propose(proposer, seq) == [50, 51, 52]
     assert propose(NgramProposer(3, 1, 3), seq) == [60, 1, 2]  # no pool: own text only
+
+
+def test_source_statistics_count_every_scored_candidate_once():
+    """record() against np.add.at over (source, n) cells, with several slots scoring the same cell in a step."""
+    rng = np.random.default_rng(3)
+    stats, hits, seen = SourceStats(4), np.full((2, 5), SourceStats.PRIOR_HITS), np.full((2, 5), SourceStats.PRIOR_SEEN)
+    for _ in range(20):
+        match_len = rng.integers(0, 5, (2, 9))  # 9 slots, n in 0..4 (0: no candidate): cells repeat
+        hit = rng.random((2, 9)) < 0.5
+        stats.record(match_len, hit)
+        hits *= SourceStats.DECAY
+        seen *= SourceStats.DECAY
+        m = match_len > 0
+        source = np.broadcast_to(np.arange(2)[:, None], match_len.shape)[m]
+        np.add.at(hits, (source, match_len[m]), hit[m].astype(np.float64))
+        np.add.at(seen, (source, match_len[m]), 1.0)
+    np.testing.assert_allclose(stats.hits, hits, rtol=1e-12)
+    np.testing.assert_allclose(stats.seen, seen, rtol=1e-12)
+    assert np.allclose(stats.seen[:, 0], SourceStats.PRIOR_SEEN * SourceStats.DECAY ** 20, rtol=1e-12)  # n = 0: never
 
 
 def test_finished_requests_enter_the_pool():
