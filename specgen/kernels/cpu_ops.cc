@@ -480,6 +480,27 @@ void merge_partials(const Tile<T, C>& t, int64_t D, const T* parts, int64_t nch)
   }
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+constexpr int64_t kPrefetchKeys = 16;  // how far ahead of the scores the keys are asked for
+
+// Asks for a key or value row ahead of its use (hardware prefetch alone streamed the caches at ~19 GB/s).
+template <typename E>
+inline void prefetch_row(const E* p, int64_t D) {
+  for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(E)); off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + off, _MM_HINT_T0);
+}
+
+// Before a block of keys [j0, j0 + nk) is scored: the keys kPrefetchKeys further on (and, at a chunk's start,
+// those of its first kPrefetchKeys positions), and the block's values, which the weighted sum reads next.
+template <typename E>
+inline void prefetch_block(const Tile<float, E>& t, int64_t D, int64_t jb, int64_t j0, int64_t nk, int64_t je) {
+  if (j0 == jb)
+    for (int64_t j = jb; j < std::min(je, jb + kPrefetchKeys); ++j) prefetch_row(t.key(j, D), D);
+  for (int64_t j = j0 + kPrefetchKeys; j < std::min(je, j0 + kPrefetchKeys + nk); ++j) prefetch_row(t.key(j, D), D);
+  for (int64_t j = j0; j < j0 + nk; ++j) prefetch_row(t.value(j, D), D);
+}
+#endif
+
 #if defined(__AVX512F__)
 // r[j] = sum of the 16 lanes of a[j], j = 0..15: pairs of vectors are folded lane-half by lane-half (a fixed
 // tree, 15 permute-and-add steps for 16 sums instead of 16 horizontal reductions).
@@ -583,6 +604,7 @@ void chunk_partial(const Tile<float, E>& t, int64_t D, int64_t jb, int64_t je, s
   for (int64_t j0 = jb; j0 < je; j0 += 16) {
     const int64_t nk = std::min<int64_t>(16, je - j0);
     for (int64_t kk = 0; kk < 16; ++kk) keys[kk] = kk < nk ? t.key(j0 + kk, D) : nullptr;
+    prefetch_block(t, D, jb, j0, nk, je);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t a = r / t.G, g = r % t.G;
       if (j0 > t.p0 + a) continue;  // every key of the block is in this row's future (zeroed below)
@@ -708,6 +730,7 @@ void chunk_partial(const Tile<float, E>& t, int64_t D, int64_t jb, int64_t je, s
   for (int64_t j0 = jb; j0 < je; j0 += 8) {
     const int64_t nk = std::min<int64_t>(8, je - j0);
     for (int64_t kk = 0; kk < 8; ++kk) keys[kk] = kk < nk ? t.key(j0 + kk, D) : nullptr;
+    prefetch_block(t, D, jb, j0, nk, je);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t a = r / t.G, g = r % t.G;
       if (j0 > t.p0 + a) continue;  // every key of the block is in this row's future (zeroed below)
