@@ -213,6 +213,9 @@ def train_mtp(
     steps: Annotated[int | None, typer.Option(help=_train_default("Optimizer steps.", "steps"))] = None,
     batch_size: Annotated[int | None, typer.Option(help=_train_default("Windows per step.", "batch_size"))] = None,
     seq_len: Annotated[int | None, typer.Option(help=_train_default("Positions per window.", "seq_len"))] = None,
+    window_anchor: Annotated[str | None, typer.Option(help=_train_default(
+        "start | end: windows tiled from each sequence's start, or back from its end (a continuation then sees "
+        "up to --seq-len positions of its prompt).", "window_anchor"))] = None,
     lr: Annotated[float | None, typer.Option(help=_train_default("Peak learning rate (warmup, then cosine).", "lr"))] = None,
     warmup_steps: Annotated[int | None, typer.Option(help=_train_default("Linear warmup steps.", "warmup_steps"))] = None,
     gen_max_tokens: Annotated[int | None, typer.Option(help=_train_default("Tokens generated per prompt.", "gen_max_tokens"))] = None,
@@ -250,7 +253,7 @@ def train_mtp(
     with exit_codes(f"interrupted: rerun the same command to resume into {output}"):
         check_input(data)
         fmt = detect_format(data, input_format)
-        flags = {"steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "warmup_steps": warmup_steps,
+        flags = {"steps": steps, "batch_size": batch_size, "seq_len": seq_len, "window_anchor": window_anchor, "lr": lr, "warmup_steps": warmup_steps,
                  "gen_max_tokens": gen_max_tokens, "gen_batch_size": gen_batch_size, "gen_samples": gen_samples,
                  "gen_temperature": gen_temperature, "shortlist": shortlist,
                  "chain_weight": chain_weight, "distill": distill, "hidden_noise": hidden_noise,

@@ -7,6 +7,7 @@ from specgen.errors import ConfigError
 
 SAVE_DTYPES = ("float16", "float32")
 INITS = ("last-layer", "random")
+WINDOW_ANCHORS = ("start", "end")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class TrainConfig:
     # 0.433 at 500 and 0.438 at 800 (the shipped head: --steps 800, ~27 min of training)
     batch_size: int = 16  # windows per step
     seq_len: int = 128  # positions per window
+    window_anchor: str = "start"  # windows tiled from each sequence's start, or back from its end (windows.py)
     lr: float = 1e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 50
@@ -71,6 +73,8 @@ class TrainConfig:
             raise ConfigError(f"distill must be in [0, 1], got {self.distill}")
         if self.save_dtype not in SAVE_DTYPES:
             raise ConfigError(f"save-dtype must be one of {', '.join(SAVE_DTYPES)}, got {self.save_dtype!r}")
+        if self.window_anchor not in WINDOW_ANCHORS:
+            raise ConfigError(f"window-anchor must be one of {', '.join(WINDOW_ANCHORS)}, got {self.window_anchor!r}")
         if self.init not in INITS:
             raise ConfigError(f"init must be one of {', '.join(INITS)}, got {self.init!r}")
 

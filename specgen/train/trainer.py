@@ -62,9 +62,10 @@ def training_set(data_dir: Path, vocab_size: int, cfg: TrainConfig) -> TrainingS
     # held out: the greedy continuations of the held-out prompts (what greedy speculation meets); their sampled
     # siblings are used by neither side
     eval_seqs = eval_seqs[greedy[eval_seqs]]
-    windows = make_windows(data, cfg.seq_len, cfg.overlap, cfg.prompt_examples)
+    from_end = cfg.window_anchor == "end"
+    windows = make_windows(data, cfg.seq_len, cfg.overlap, cfg.prompt_examples, from_end)
     train = windows.subset(np.isin(windows.seq, train_seqs))
-    continuation = make_windows(data, cfg.seq_len, cfg.overlap, prompt_examples=False)
+    continuation = make_windows(data, cfg.seq_len, cfg.overlap, prompt_examples=False, from_end=from_end)
     held = continuation.subset(np.isin(continuation.seq, eval_seqs))
     if len(held) > cfg.max_eval_windows:  # evenly spaced, so that every held-out sequence tends to show up
         held = held.subset(np.linspace(0, len(held) - 1, cfg.max_eval_windows).round().astype(np.int64))

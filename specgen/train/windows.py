@@ -34,13 +34,28 @@ class Windows:
         return len(self.seq)
 
 
-def make_windows(data: CachedData, seq_len: int, overlap: int, prompt_examples: bool) -> Windows:
+def make_windows(data: CachedData, seq_len: int, overlap: int, prompt_examples: bool,
+                 from_end: bool = False) -> Windows:
+    """Windows over every sequence's examples. from_end: tiled back from each sequence's end instead of forward
+    from its start, so the last window (the continuation, and as much of the prompt before it as fits) is a
+    whole seq_len: a continuation then attends to up to seq_len positions of its prompt, as it does at inference,
+    instead of to the `overlap` positions a window that starts inside it repeats."""
     assert 0 <= overlap < seq_len
     rows = []
     for s in range(len(data.ids)):
         first = int(data.first_pos[s])
         end = first + int(data.num_rows[s]) - 1  # positions [.., end) have a label (token i + 2 exists)
         loss_from = first if prompt_examples else max(first, int(data.prompt_len[s]) - 1)
+        if from_end:
+            mine, stop = [], end
+            while stop > loss_from:
+                start = max(first, stop - seq_len)
+                # the window's first `overlap` positions are context only, unless it starts at the sequence's start
+                lo = max(loss_from, start + overlap) if start > first else loss_from
+                mine.append((s, start, stop - start, lo))
+                stop = lo
+            rows += mine[::-1]
+            continue
         start = max(first, loss_from - overlap)
         while loss_from < end:
             stop = min(start + seq_len, end)

@@ -197,13 +197,19 @@ def test_chunked_prefill_and_shared_prefix_record_the_same_data(lm, tmp_path):
 def test_windows_cover_each_example_once(lm, data_dir):
     data = load_data(data_dir / "data")
     for prompt_examples in (True, False):
-        w = make_windows(data, seq_len=8, overlap=2, prompt_examples=prompt_examples)
-        assert (w.length <= 8).all() and (w.loss_from >= w.start).all()
-        for s in range(len(data.ids)):
-            mine = np.nonzero(w.seq == s)[0]
-            loss = [p for i in mine for p in range(w.loss_from[i], w.start[i] + w.length[i])]
-            end = data.first_pos[s] + data.num_rows[s] - 1  # position i + 2 exists for i < end
-            assert loss == list(range(0 if prompt_examples else data.prompt_len[s] - 1, end))
+        for from_end in (False, True):
+            w = make_windows(data, seq_len=8, overlap=2, prompt_examples=prompt_examples, from_end=from_end)
+            assert (w.length <= 8).all() and (w.loss_from >= w.start).all()
+            for s in range(len(data.ids)):
+                mine = np.nonzero(w.seq == s)[0]
+                loss = [p for i in mine for p in range(w.loss_from[i], w.start[i] + w.length[i])]
+                end = data.first_pos[s] + data.num_rows[s] - 1  # position i + 2 exists for i < end
+                assert loss == list(range(0 if prompt_examples else data.prompt_len[s] - 1, end))
+                # a window's loss starts past `overlap` context positions, unless it starts at the sequence's start
+                assert all(w.loss_from[i] - w.start[i] >= 2 or w.start[i] == data.first_pos[s] for i in mine[1:])
+                if from_end and len(mine):  # the last window ends at the sequence's end and is as long as it can be
+                    assert w.start[mine[-1]] + w.length[mine[-1]] == end
+                    assert w.length[mine[-1]] == min(8, end - data.first_pos[s])
 
 
 def test_data_generation_resumes(lm, data_dir, tmp_path):
