@@ -253,7 +253,8 @@ def train_mtp(
     with exit_codes(f"interrupted: rerun the same command to resume into {output}"):
         check_input(data)
         fmt = detect_format(data, input_format)
-        flags = {"steps": steps, "batch_size": batch_size, "seq_len": seq_len, "window_anchor": window_anchor, "lr": lr, "warmup_steps": warmup_steps,
+        flags = {"steps": steps, "batch_size": batch_size, "seq_len": seq_len, "window_anchor": window_anchor,
+                 "lr": lr, "warmup_steps": warmup_steps,
                  "gen_max_tokens": gen_max_tokens, "gen_batch_size": gen_batch_size, "gen_samples": gen_samples,
                  "gen_temperature": gen_temperature, "shortlist": shortlist,
                  "chain_weight": chain_weight, "distill": distill, "hidden_noise": hidden_noise,

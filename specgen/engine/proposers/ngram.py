@@ -124,9 +124,10 @@ class SourceStats:
         self.hits *= self.DECAY
         self.seen *= self.DECAY
         width = self.hits.shape[1]
-        cell = (match_len + np.array([[0], [width]]))[match_len > 0]  # [num_scored] flat (source, n) cells
+        scored = match_len > 0
+        cell = (match_len + np.array([[0], [width]]))[scored]  # [num_scored] flat (source, n) cells
         if len(cell):  # counts per cell (np.bincount: a cell may be scored by several slots)
-            self.hits += np.bincount(cell, hit[match_len > 0], 2 * width).reshape(2, width)
+            self.hits += np.bincount(cell, hit[scored], 2 * width).reshape(2, width)
             self.seen += np.bincount(cell, None, 2 * width).reshape(2, width)
 
 
@@ -139,14 +140,16 @@ class NgramProposer:
         self.k, self.n_min, self.n_max = k, n_min, n_max
         self.pool = NgramPool(pool_capacity, n_min, n_max) if pool_capacity > 0 else None
         self.stats = SourceStats(n_max)
-        self._stats_args = (self.stats.hits.ctypes.data, self.stats.seen.ctypes.data)  # their addresses (fixed)
         # candidates of the last propose, scored in observe: slots, first draft and match length per source
         self._pending: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # [num_seqs], [2, num_seqs] x 2
         # ngram.cc (its per-slot buffers hold up to NATIVE_MAX drafts and tail tokens); None: the numpy reference
         self._lib = host() if max(k, n_max) <= NATIVE_MAX else None
         # specgen_ngram_propose's arguments that stay put for the proposer's life: the pool's and the statistics'
         # arrays (allocated once, updated in place), by address (each .ctypes.data costs ~2 us a step)
-        self._fixed_args: tuple | None = None
+        pool, stats = self.pool, self.stats
+        self._pool_args = () if pool is None else (pool.ring.ctypes.data, pool.capacity, pool.keys.ctypes.data,
+                                                   pool.ends.ctypes.data, pool.table_bits)
+        self._stats_args = (stats.hits.ctypes.data, stats.seen.ctypes.data)
 
     def propose(self, view: SlotView) -> DraftTokens:
         self._pending = None
@@ -165,13 +168,10 @@ class NgramProposer:
         seq_lens = np.ascontiguousarray(view.seq_lens, np.int64)
         max_draft = np.ascontiguousarray(view.max_draft, np.int64)
         out = np.empty((len(slots), k + 5), np.int64)  # drafts, num_draft, own first + n, pool first + n
-        if self._fixed_args is None:
-            self._fixed_args = (pool.ring.ctypes.data, pool.capacity, pool.keys.ctypes.data, pool.ends.ctypes.data,
-                                pool.table_bits)
         self._lib.specgen_ngram_propose(
             tokens.ctypes.data, tokens.shape[1], slots.ctypes.data, seq_lens.ctypes.data, max_draft.ctypes.data,
-            len(slots), k, self.n_min, self.n_max, *self._fixed_args, pool.written, self._stats_args[0],
-            self._stats_args[1], self.stats.POOL_MIN_RATE, out.ctypes.data)
+            len(slots), k, self.n_min, self.n_max, *self._pool_args, pool.written, *self._stats_args,
+            self.stats.POOL_MIN_RATE, out.ctypes.data)
         self._pending = (slots.copy(), out[:, [k + 1, k + 3]].T, out[:, [k + 2, k + 4]].T)
         return DraftTokens(out[:, :k], out[:, k])
 
