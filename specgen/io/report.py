@@ -78,9 +78,10 @@ def summary_table(summary: Summary, title: str = "summary") -> Table:
         ("wall time (s)", _fmt(summary.wall_time_s, ".2f")),
         ("output tokens/s", _fmt(summary.output_tokens_per_s, ".1f")),
         ("mean accepted length", _fmt(summary.mean_accepted_length)),
-        ("acceptance rate", _fmt(summary.acceptance_rate)),
+        ("drafts verified", str(summary.num_draft_tokens)),
+        ("acceptance rate (of drafts verified)", _fmt(summary.acceptance_rate)),
     ]
-    rows += [(f"accepted at draft position {i + 1}", f"{p:.3f}")
+    rows += [(f"draft position {i + 1} accepted, per decode step", f"{p:.3f}")
              for i, p in enumerate(summary.per_position_acceptance)]
     if summary.kv_cache_bytes is not None:
         rows.append(("KV cache at peak (MiB)", f"{summary.kv_cache_bytes / 2**20:.1f}"

@@ -119,3 +119,18 @@ def test_summary():
     empty = summarize([])
     assert empty.acceptance_rate is None and empty.mean_accepted_length is None
     assert empty.output_tokens_per_s is None
+
+
+def test_summary_table_says_what_each_rate_is_out_of():
+    from rich.console import Console
+
+    from specgen.io.report import summary_table
+
+    console = Console(width=120, record=True)
+    console.print(summary_table(summarize([record(0), record(1)])))
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
+            for line in console.export_text().splitlines() if line.count("│") == 3}
+    assert rows["drafts verified"] == "12"
+    assert rows["acceptance rate (of drafts verified)"] == "0.333"
+    assert rows["draft position 1 accepted, per decode step"] == "1.000"  # 2 of 2 decode steps per request
+    assert rows["draft position 3 accepted, per decode step"] == "0.000"
