@@ -44,24 +44,24 @@ def replay_ceiling(prompts: list[list[int]], outputs: list[list[int]], k: int, n
                    pool: int = 0) -> float:
     """Tokens per step if every n-gram draft were verified for free, teacher-forced on the plain outputs. With
     pool > 0 the job's pool holds the requests replayed before (in order), as if they had finished earlier."""
-    emitted = [e for per_request in replay_steps(prompts, outputs, k, n_min, n_max, pool) for e in per_request]
+    emitted = replay_steps(prompts, outputs, k, n_min, n_max, pool)
     return sum(emitted) / max(len(emitted), 1)
 
 
 def replay_steps(prompts: list[list[int]], outputs: list[list[int]], k: int, n_min: int, n_max: int,
-                 pool: int = 0) -> list[list[int]]:
-    """replay_ceiling's steps: per request, the tokens each step emits (1 + the drafts that match), the prefill
-    step's first token included."""
+                 pool: int = 0) -> list[int]:
+    """replay_ceiling's steps, request after request: the tokens each step emits (1 + the drafts that match),
+    each request's prefill step (its first token) included."""
     from specgen.engine.proposers.base import SlotView
     from specgen.engine.proposers.ngram import NgramProposer
     from specgen.engine.types import StepUpdate
 
     proposer = NgramProposer(k, n_min, n_max, pool)
-    steps: list[list[int]] = []
+    steps: list[int] = []
     for p, out in zip(prompts, outputs):
         seq = np.array([p + out], np.int64)
         pos = len(p)
-        steps.append([1])  # the first output token comes from the prefill step
+        steps.append(1)  # the first output token comes from the prefill step
         pos += 1
         while pos < seq.shape[1]:
             d = proposer.propose(SlotView(np.zeros(1, np.int64), seq, np.array([pos]), np.array([k])))
@@ -70,7 +70,7 @@ def replay_steps(prompts: list[list[int]], outputs: list[list[int]], k: int, n_m
             while acc < len(drafts) and pos + acc < seq.shape[1] and drafts[acc] == seq[0, pos + acc]:
                 acc += 1
             emitted = min(acc + 1, seq.shape[1] - pos)
-            steps[-1].append(emitted)
+            steps.append(emitted)
             pos += emitted
             one = np.zeros(1, np.int64)  # the step's outcome, as the engine reports it to the proposer
             proposer.observe(StepUpdate(one, one, np.array([pos - emitted - 1]), np.array([emitted]),

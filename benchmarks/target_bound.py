@@ -24,38 +24,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from context_cost import step_costs
 from spec_bench import load_sets, replay_steps, run_method
-
-
-def step_costs(model, position: int, tokens: list[int], slots: int = 1, repeats: int = 15) -> dict[int, float]:
-    """Seconds of a greedy forward of T tokens per slot at `position` (random tokens), median of alternated runs."""
-    from specgen.engine.types import build_forward_batch
-
-    m = model.model
-    rng = np.random.default_rng(0)
-    s = np.arange(slots, dtype=np.int64)
-    cache = m.new_cache(slots, position + max(tokens) + 1)
-    if position:
-        m.forward_greedy(build_forward_batch(s, np.zeros(slots, np.int64), np.full(slots, position),
-                                             rng.integers(0, 1000, slots * position), np.zeros(slots, bool)),
-                         cache, logits=False)
-    batches = {t: build_forward_batch(s, np.full(slots, position), np.full(slots, t),
-                                      rng.integers(0, 1000, slots * t), np.ones(slots, bool)) for t in tokens}
-    times: dict[int, list[float]] = {t: [] for t in tokens}
-    for b in batches.values():
-        m.forward_greedy(b, cache, logits=False)
-    for _ in range(repeats):
-        for t, b in batches.items():
-            start = time.perf_counter()
-            m.forward_greedy(b, cache, logits=False)
-            times[t].append(time.perf_counter() - start)
-    return {t: float(np.median(v)) for t, v in times.items()}
 
 
 def main() -> None:
@@ -84,8 +59,9 @@ def main() -> None:
         outs, r = run_method(model, prompts, sp, 1, plain)
         _, pre = run_method(model, prompts, replace(sp, max_tokens=1), 1, plain)
         p = pre["wall_s"] / r["wall_s"]
-        steps = [e for req in replay_steps(prompts, [o.token_ids for o in outs], args.k, 1, 3, pool) for e in req]
-        c = step_costs(model, int(np.median([len(x) for x in prompts])), list(range(1, args.k + 2)))
+        steps = replay_steps(prompts, [o.token_ids for o in outs], args.k, 1, 3, pool)
+        pos = int(np.median([len(x) for x in prompts]))
+        c = step_costs(model.model, [pos], list(range(1, args.k + 2)), repeats=15)[pos]
         tokens = sum(steps)
         free = tokens / len(steps)
         dec = tokens * c[1] / sum(c[e] for e in steps)  # each replayed step costs c(1 + accepted) = c(emitted)
@@ -94,10 +70,10 @@ def main() -> None:
     if args.batch_32:
         prompts = [list(model.tokenizer.encode_chat(m)) for m in sets["code_rewrite"]]
         outs, _ = run_method(model, prompts, sp, 32, plain)
-        steps = [e for req in replay_steps(prompts, [o.token_ids for o in outs], args.k, 1, 3, pool) for e in req]
+        steps = replay_steps(prompts, [o.token_ids for o in outs], args.k, 1, 3, pool)
         free = sum(steps) / len(steps)
         pos = int(np.median([len(x) for x in prompts])) + args.max_tokens // 2
-        c = step_costs(model, pos, [1, 2, 3], slots=32, repeats=7)
+        c = step_costs(model.model, [pos], [1, 2, 3], slots=32, repeats=7)[pos]
         cost_at = float(np.interp(free, [1, 2, 3], [c[1], c[2], c[3]]))  # c(32 x tokens per step)
         print(f"code_rewrite at 32 slots: {free:.2f} tokens per step for free; c(64)/c(32) {c[2] / c[1]:.2f}x, "
               f"c(96)/c(32) {c[3] / c[1]:.2f}x; oracle decoding bound {free * c[1] / cost_at:.2f}x", flush=True)
