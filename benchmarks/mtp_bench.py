@@ -55,6 +55,8 @@ def main() -> None:
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3], help="num_speculative_tokens to compare")
     ap.add_argument("--mtp-model", default=None,
                     help="head directory [default: the head shipped for the default model]")
+    ap.add_argument("--mtp-copy", type=int, nargs="+", default=None,
+                    help="SpecConfig.mtp_copy values to compare (0: the head's drafts only) [default: the default]")
     ap.add_argument("--no-adaptive", action="store_true", help="verify every draft (measures raw acceptance)")
     ap.add_argument("--sets", nargs="*", default=None, help=f"subset of {CATEGORIES + ['code_rewrite']}")
     ap.add_argument("--threads", type=int, default=2)
@@ -67,12 +69,15 @@ def main() -> None:
     from specgen import SpecConfig
 
     methods = {"none": SpecConfig()}
+    copies = args.mtp_copy or [SpecConfig().mtp_copy]
     for k in args.ks:
-        methods[f"mtp k={k}"] = SpecConfig(method="mtp", num_speculative_tokens=k, mtp_model=args.mtp_model,
-                                           adaptive=not args.no_adaptive)
+        for c in copies:
+            label = f"mtp k={k}" + (f" c={c}" if len(copies) > 1 else "")
+            methods[label] = SpecConfig(method="mtp", num_speculative_tokens=k, mtp_model=args.mtp_model,
+                                        adaptive=not args.no_adaptive, mtp_copy=c)
     warm_up(model, list(model.tokenizer.encode_chat(next(iter(sets.values()))[0])), args.batch_sizes, methods)
     results = []
-    print(f"{'set':<15}{'bs':>4} {'method':<9}{'tok/s':>8}{'speedup':>9}{'accept':>8}{'tok/step':>9}"
+    print(f"{'set':<15}{'bs':>4} {'method':<13}{'tok/s':>8}{'speedup':>9}{'accept':>8}{'tok/step':>9}"
           f"{'acc@1':>7}{'acc@2':>7} identical", flush=True)
     for name, msgs in sets.items():
         prompts = [list(model.tokenizer.encode_chat(m)) for m in msgs]
@@ -90,7 +95,7 @@ def main() -> None:
                        "identical": same}
                 results.append(row)
                 runs = " " + " ".join(f"{x:.2f}" for x in r["speedups"]) if args.repeats > 1 else ""
-                print(f"{name:<15}{bs:>4} {mname:<9}{r['tok_s']:>8.1f}{row['speedup']:>8.2f}x"
+                print(f"{name:<15}{bs:>4} {mname:<13}{r['tok_s']:>8.1f}{row['speedup']:>8.2f}x"
                       f"{fmt(r['acceptance']):>8}{r['mean_accepted_length']:>9.2f}{fmt(pos[0]):>7}{fmt(pos[1]):>7} {same}"
                       f"{runs}", flush=True)
     if args.json:

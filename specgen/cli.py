@@ -25,6 +25,9 @@ NumSpec = Annotated[int | None, typer.Option(help="Draft tokens per step, 1..5."
 NgramPool = Annotated[int | None, typer.Option(
     help="Tokens of finished requests' text searched for n-gram drafts too (0: each request's own text only).")]
 MtpModel = Annotated[str | None, typer.Option(help="Draft (MTP) checkpoint for --method mtp.")]
+MtpCopy = Annotated[int | None, typer.Option(
+    help="--method mtp: where the last N+ tokens occurred earlier in the text, draft what followed there instead "
+         "of the head's guess (0: the head only) [default: 2].")]
 SpecJson = Annotated[str | None, typer.Option(
     help='FastDeploy-style JSON, inline or a file: '
          '{"method": "mtp", "num_speculative_tokens": 1, "model": "path"}.')]
@@ -108,7 +111,8 @@ def run(
     input: Annotated[Path, typer.Argument(help="Prompts: .jsonl / .json lines, or .parquet.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Results: .jsonl or .parquet.")],
     model: Model = None, method: MethodOpt = None, num_speculative_tokens: NumSpec = None,
-    mtp_model: MtpModel = None, ngram_pool: NgramPool = None, speculative_config: SpecJson = None,
+    mtp_model: MtpModel = None, mtp_copy: MtpCopy = None, ngram_pool: NgramPool = None,
+    speculative_config: SpecJson = None,
     batch_size: BatchSize = None, max_tokens: MaxTokens = None, temperature: Temperature = None,
     top_p: TopP = None, top_k: TopK = None, seed: Seed = None, stop: Stop = None, ignore_eos: IgnoreEos = None,
     dtype: Dtype = None, threads: Threads = None, max_model_len: MaxModelLen = None, prefill_chunk: PrefillChunk = None,
@@ -126,7 +130,7 @@ def run(
     with exit_codes(f"interrupted: finished records are in {output}; rerun with --resume to complete it"):
         cfg = resolve_config(config, speculative_config, {
             "method": method, "num_speculative_tokens": num_speculative_tokens, "mtp_model": mtp_model,
-            "ngram_pool": ngram_pool, "batch_size": batch_size, "max_tokens": max_tokens,
+            "mtp_copy": mtp_copy, "ngram_pool": ngram_pool, "batch_size": batch_size, "max_tokens": max_tokens,
             "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop,
             "ignore_eos": ignore_eos, "dtype": dtype, "threads": threads, "max_model_len": max_model_len,
             "prefill_chunk": prefill_chunk, "shared_prefix": shared_prefix, "kv_cache_dtype": kv_cache_dtype,
@@ -163,11 +167,12 @@ def bench(
     input: Annotated[Path, typer.Argument(help="Prompts: .jsonl / .json lines, or .parquet.")],
     methods: Annotated[str, typer.Option(help="Comma-separated; the first is the baseline.")] = "none,ngram",
     model: Model = None, num_speculative_tokens: NumSpec = None, mtp_model: MtpModel = None,
-    ngram_pool: NgramPool = None, batch_size: BatchSize = None, max_tokens: MaxTokens = None,
-    temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
-    stop: Stop = None, ignore_eos: IgnoreEos = None, dtype: Dtype = None, threads: Threads = None,
-    max_model_len: MaxModelLen = None, kv_cache_dtype: KvCacheDtype = None, matmul: Matmul = None,
-    config: ConfigFile = None, input_format: InputFormat = None, summary_json: SummaryJson = None,
+    mtp_copy: MtpCopy = None, ngram_pool: NgramPool = None, batch_size: BatchSize = None,
+    max_tokens: MaxTokens = None, temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None,
+    seed: Seed = None, stop: Stop = None, ignore_eos: IgnoreEos = None, dtype: Dtype = None,
+    threads: Threads = None, max_model_len: MaxModelLen = None, kv_cache_dtype: KvCacheDtype = None,
+    matmul: Matmul = None, config: ConfigFile = None, input_format: InputFormat = None,
+    summary_json: SummaryJson = None,
 ) -> None:
     from rich.console import Console
 
@@ -181,7 +186,7 @@ def bench(
         # The speculative options apply to every speculative method listed; resolve them as for `run`.
         cfg = resolve_config(config, None, {
             "method": _bench_spec_method(method_list), "num_speculative_tokens": num_speculative_tokens,
-            "mtp_model": mtp_model, "ngram_pool": ngram_pool, "batch_size": batch_size,
+            "mtp_model": mtp_model, "mtp_copy": mtp_copy, "ngram_pool": ngram_pool, "batch_size": batch_size,
             "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
             "stop": stop, "ignore_eos": ignore_eos, "dtype": dtype, "threads": threads, "max_model_len": max_model_len,
             "kv_cache_dtype": kv_cache_dtype, "matmul": matmul})

@@ -5,7 +5,8 @@ YAML shape: up to three sections, each mapping onto one config dataclass's field
     sampling:     {max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos}   -> SamplingParams
     engine:       {batch_size, dtype, threads, max_model_len, max_prefill_tokens, prefill_chunk, shared_prefix,
                    kv_cache_dtype, matmul, ...} -> EngineConfig
-    speculative:  {method, num_speculative_tokens, ngram_min, ngram_max, ngram_pool, mtp_model, adaptive} -> SpecConfig
+    speculative:  {method, num_speculative_tokens, ngram_min, ngram_max, ngram_pool, mtp_model, mtp_copy,
+                  adaptive} -> SpecConfig
 """
 from __future__ import annotations
 
@@ -128,9 +129,10 @@ def resolve(
 def _check_contradictions(spec: SpecConfig, explicit: set[str]) -> None:
     """Options given on the command line that the resolved method would silently ignore."""
     if spec.method is Method.NONE:
-        for name in ("num_speculative_tokens", "mtp_model", "ngram_min", "ngram_max", "ngram_pool"):
+        for name in ("num_speculative_tokens", "mtp_model", "mtp_copy", "ngram_min", "ngram_max", "ngram_pool"):
             if name in explicit:
                 raise ConfigError(f"{name} has no effect with method 'none'; choose a method (ngram or mtp) "
                                   "or drop the option")
-    if "mtp_model" in explicit and spec.method is not Method.MTP:
-        raise ConfigError(f"mtp_model needs method 'mtp' (the method is {spec.method.value!r})")
+    for name in ("mtp_model", "mtp_copy"):
+        if name in explicit and spec.method is not Method.MTP:
+            raise ConfigError(f"{name} needs method 'mtp' (the method is {spec.method.value!r})")

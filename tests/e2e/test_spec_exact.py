@@ -37,16 +37,18 @@ def mtp_dir(real_model64, tmp_path_factory):
 # Every k and every batch size (1, 7, 32) for both methods and both modes. The other k x batch pairs run
 # the same code paths; leaving them out keeps the suite inside CI's time. Batch 1 runs every fourth prompt
 # (8, all six categories, short to long): one slot runs them one after another, whose float64 steps each read
-# the model's 1 GB of weights: the costliest case.
+# the model's 1 GB of weights: the costliest case. "mtp" drafts with the head and copies (SpecConfig.mtp_copy's
+# default), "mtp/head" with the head alone.
 CASES = [("ngram", 1, 32), ("ngram", 3, 7), ("ngram", 5, 32), ("ngram", 5, 7), ("ngram", 5, 1),
-         ("mtp", 1, 32), ("mtp", 2, 7), ("mtp", 2, 1)]
+         ("mtp", 1, 32), ("mtp/head", 2, 7), ("mtp", 2, 1)]
 
 
 @pytest.mark.parametrize("mode", list(SAMPLING))
 @pytest.mark.parametrize("method,k,batch_size", CASES)
 def test_speculative_equals_plain(real_model64, prompts, plain, mtp_dir, mode, method, k, batch_size):
-    spec = SpecConfig(method=method, num_speculative_tokens=k, adaptive=False,
-                      mtp_model=mtp_dir if method == "mtp" else None)
+    mtp = method.startswith("mtp")
+    spec = SpecConfig(method="mtp" if mtp else method, num_speculative_tokens=k, adaptive=False,
+                      mtp_model=mtp_dir if mtp else None, **({"mtp_copy": 0} if method == "mtp/head" else {}))
     picked = range(0, len(prompts), 4 if batch_size == 1 else 1)
     outs = generate([prompts[i] for i in picked], model=real_model64,
                     sampling=[SAMPLING[mode](i) for i in picked], ids=[str(i) for i in picked],
@@ -60,5 +62,5 @@ def test_speculative_equals_plain(real_model64, prompts, plain, mtp_dir, mode, m
         s = o.stats
         assert s.num_emitted_tokens == s.num_accepted_tokens + s.num_steps == len(o.token_ids)
         assert sum(s.accepted_per_position) == s.num_accepted_tokens
-    if method == "ngram" and mode == "greedy":
+    if method in ("ngram", "mtp") and mode == "greedy":  # copied drafts are accepted (the random head's are not)
         assert sum(o.stats.num_accepted_tokens for o in outs) > 0

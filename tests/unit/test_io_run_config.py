@@ -91,6 +91,8 @@ def test_bad_values_are_config_errors():
     ({"num_speculative_tokens": 2}, None, "num_speculative_tokens has no effect with method 'none'"),
     ({"method": "none", "num_speculative_tokens": 2}, None, "no effect with method 'none'"),
     ({"method": "ngram", "mtp_model": "/m"}, None, "mtp_model needs method 'mtp'"),
+    ({"method": "ngram", "mtp_copy": 0}, None, "mtp_copy needs method 'mtp'"),
+    ({"method": "mtp", "mtp_copy": 9}, None, "mtp_copy must be in 0..8"),
     ({"ngram_pool": 0}, None, "ngram_pool has no effect with method 'none'"),
     ({}, {"method": "none", "num_speculative_tokens": 3}, "no effect with method 'none'"),
 ])

@@ -24,8 +24,10 @@ from specgen.config import SpecConfig
 from specgen.engine.kv_cache import KVCache
 from specgen.engine.model import LINEAR_KEYS, Model, TensorReader
 from specgen.engine.proposers.base import SlotView
+from specgen.engine.proposers.ngram import NATIVE_MAX, ngram_match, ngram_match_native
 from specgen.engine.types import DraftTokens, StepUpdate, build_forward_batch
 from specgen.errors import CheckpointError
+from specgen.kernels import host
 from specgen.models.checkpoint import QuantRows
 from specgen.models.config import ModelConfig
 
@@ -174,11 +176,20 @@ def load_draft_vocab(directory: str | Path) -> np.ndarray | None:
 
 
 class MtpProposer:
-    """Drafts k tokens per slot with an MTP head; its cache is brought up to date after every step."""
+    """Drafts k tokens per slot with an MTP head; its cache is brought up to date after every step.
 
-    def __init__(self, model: Model, head: MtpHead, k: int, acceptance_hint: float | None = None):
+    With copy_min > 0 a slot whose last copy_min (up to COPY_MAX) tokens occurred earlier in its prompt or output
+    gets what followed there instead (n-gram lookup, ngram.py), the head's drafts elsewhere: the head, trained on
+    short windows, hardly copies from far back, where summarization and RAG answers come from."""
+
+    COPY_MAX = 3  # longest tail looked up (a longer match wins over a shorter one)
+
+    def __init__(self, model: Model, head: MtpHead, k: int, acceptance_hint: float | None = None,
+                 copy_min: int = 0):
         self.model, self.head, self.k = model, head, k
         self.acceptance_hint = acceptance_hint  # the head's held-out position-1 accuracy, when training recorded it
+        self.copy_min = copy_min
+        self._lib = host() if copy_min and max(k, self.COPY_MAX, copy_min) <= NATIVE_MAX else None
         self.cache: KVCache | None = None
         # one specgen_mtp_draft call per step (bit-identical to `_run`'s ops); SPECGEN_FUSED_MTP=0 runs `_run`
         self.fused = head.columns is not None and kernels.switch("SPECGEN_FUSED_MTP")
@@ -188,7 +199,21 @@ class MtpProposer:
     def propose(self, view: SlotView) -> DraftTokens:
         if self.cache is None:
             return DraftTokens(np.zeros((len(view.slots), self.k), np.int64), np.zeros(len(view.slots), np.int64))
-        return DraftTokens(self.drafts[view.slots], np.minimum(self.num_drafts[view.slots], view.max_draft))
+        drafts, num = self.drafts[view.slots], self.num_drafts[view.slots]  # [num_seqs, k], [num_seqs]
+        if self.copy_min and len(view.slots):
+            copy = self._copies(view)
+            use = copy.num_draft > 0  # [num_seqs] a tail of >= copy_min tokens occurred before
+            drafts = np.where(use[:, None], copy.draft_ids, drafts)
+            num = np.where(use, copy.num_draft, num)
+        return DraftTokens(drafts, np.minimum(num, view.max_draft))
+
+    def _copies(self, view: SlotView) -> DraftTokens:
+        """n-gram drafts of tails of copy_min..COPY_MAX tokens (none where no such tail occurred before)."""
+        n_max = max(self.COPY_MAX, self.copy_min)
+        if self._lib is not None:
+            return ngram_match_native(view.tokens, view.slots, view.seq_lens, self.k, self.copy_min, n_max,
+                                      self._lib)[0]
+        return ngram_match(view.tokens[view.slots], view.seq_lens, self.k, self.copy_min, n_max)[0]
 
     def _ensure(self, num_slots: int) -> None:
         if self.cache is None:
@@ -296,7 +321,7 @@ def build_mtp_proposer(spec: SpecConfig, loaded: Any) -> MtpProposer:
     if head is None:
         head = loaded.model.heads[key] = MtpHead(load_mtp_weights(path), str(path), loaded.model,
                                                  load_draft_vocab(path))
-    return MtpProposer(loaded.model, head, spec.num_speculative_tokens, acceptance_hint(d))
+    return MtpProposer(loaded.model, head, spec.num_speculative_tokens, acceptance_hint(d), spec.mtp_copy)
 
 
 def acceptance_hint(directory: Path) -> float | None:
