@@ -57,6 +57,7 @@ def main() -> None:
                     help="head directory [default: the head shipped for the default model]")
     ap.add_argument("--mtp-copy", type=int, nargs="+", default=None,
                     help="SpecConfig.mtp_copy values to compare (0: the head's drafts only) [default: the default]")
+    ap.add_argument("--ngram", action="store_true", help="also run ngram at each k, for comparison")
     ap.add_argument("--no-adaptive", action="store_true", help="verify every draft (measures raw acceptance)")
     ap.add_argument("--sets", nargs="*", default=None, help=f"subset of {CATEGORIES + ['code_rewrite']}")
     ap.add_argument("--threads", type=int, default=2)
@@ -75,6 +76,9 @@ def main() -> None:
             label = f"mtp k={k}" + (f" c={c}" if len(copies) > 1 else "")
             methods[label] = SpecConfig(method="mtp", num_speculative_tokens=k, mtp_model=args.mtp_model,
                                         adaptive=not args.no_adaptive, mtp_copy=c)
+        if args.ngram:
+            methods[f"ngram k={k}"] = SpecConfig(method="ngram", num_speculative_tokens=k,
+                                                 adaptive=not args.no_adaptive)
     warm_up(model, list(model.tokenizer.encode_chat(next(iter(sets.values()))[0])), args.batch_sizes, methods)
     results = []
     print(f"{'set':<15}{'bs':>4} {'method':<13}{'tok/s':>8}{'speedup':>9}{'accept':>8}{'tok/step':>9}"

@@ -158,13 +158,17 @@ class Controller:
     # that are within the cost model's error (its table is timed on uniform blocks at position 0), and there
     # verifying drafts measured slower than plain decoding (32 slots of code rewriting: 0.87x and 0.97x).
     MIN_GAIN = 0.05
+    NUM_SOURCES = 2  # acceptance estimates per slot: one per kind of draft (DraftTokens.source)
 
     def __init__(self, cost: CostModel, max_draft: int, num_slots: int):
         self.cost, self.max_draft = cost, max_draft
         self.num_slots = num_slots
         self.off = False  # speculation ruled out for this engine (see rule_out): every slot stays detached
-        self.hits = np.zeros(num_slots)  # [num_slots] decayed count of drafts that matched
-        self.seen = np.zeros(num_slots)  # [num_slots] decayed count of drafts whose fate is known
+        # [NUM_SOURCES, num_slots] decayed counts of drafts that matched, and of drafts whose fate is known, per
+        # source (DraftTokens.source: an MTP slot's head and its copies are judged apart); hits / seen: source 0
+        self.hits_by = np.zeros((self.NUM_SOURCES, num_slots))
+        self.seen_by = np.zeros((self.NUM_SOURCES, num_slots))
+        self.hits, self.seen = self.hits_by[0], self.seen_by[0]  # views
         # decayed sums of (emitted tokens, seconds) of speculative and of plain decode steps: their ratio is the
         # measured throughput (a ratio of sums: one unlucky step moves it by its share of the window's time)
         self.sums = {True: np.zeros(2), False: np.zeros(2)}
@@ -203,7 +207,7 @@ class Controller:
         return not probe
 
     def reset(self, slot: int) -> None:
-        self.hits[slot] = self.seen[slot] = 0.0
+        self.hits_by[:, slot] = self.seen_by[:, slot] = 0.0
         self.idle[slot] = 0
 
     def detached(self, slots: np.ndarray) -> np.ndarray:
@@ -223,8 +227,10 @@ class Controller:
         a = min(1.0, self.HINT_HEADROOM * acceptance_hint)
         self.off = bool(self.cost(np.array([2 * n]))[0] >= (1.0 + a) * self.cost(np.array([n]))[0])
 
-    def alpha(self, slots: np.ndarray) -> np.ndarray:
-        return (self.hits[slots] + PRIOR_ACCEPTED) / (self.seen[slots] + PRIOR_DRAFTED)
+    def alpha(self, slots: np.ndarray, source: np.ndarray | None = None) -> np.ndarray:
+        """[num_seqs] acceptance estimate of each slot's drafts of `source` ([num_seqs]; None: source 0)."""
+        src = 0 if source is None else source
+        return (self.hits_by[src, slots] + PRIOR_ACCEPTED) / (self.seen_by[src, slots] + PRIOR_DRAFTED)
 
     def update(
         self,
@@ -233,6 +239,7 @@ class Controller:
         num_avail: np.ndarray,  # [num_seqs]
         emitted: np.ndarray,  # [num_seqs, >= width + 1] the tokens that came out
         kept: np.ndarray,  # [num_seqs] how many of them are real
+        source: np.ndarray | None = None,  # [num_seqs] the drafts' source (None: 0)
     ) -> None:
         width = draft_ids.shape[1]
         known = np.minimum(num_avail, kept)  # drafts whose true token is known
@@ -242,22 +249,25 @@ class Controller:
         match = (draft_ids == emitted[:, :width]) & (col < known[:, None])
         hits = np.cumprod(match, axis=1).sum(axis=1)
         seen = hits + (hits < known)
-        self.hits[slots] = self.DECAY * self.hits[slots] + hits
-        self.seen[slots] = self.DECAY * self.seen[slots] + seen
+        src = 0 if source is None else source
+        self.hits_by[src, slots] = self.DECAY * self.hits_by[src, slots] + hits
+        self.seen_by[src, slots] = self.DECAY * self.seen_by[src, slots] + seen
 
     def choose(
         self,
         slots: np.ndarray,  # [num_seqs] decoding slots
         num_avail: np.ndarray,  # [num_seqs] drafts the proposer offers
         other_tokens: int,  # tokens of the step that are not decode blocks (prefills)
+        source: np.ndarray | None = None,  # [num_seqs] the drafts' source (None: 0)
     ) -> np.ndarray:
-        """Drafts to verify per slot, [num_seqs] int64, each in [0, num_avail]."""
+        """Drafts to verify per slot, [num_seqs] int64, each in [0, num_avail]. A slot's idle count (detach) moves
+        only on steps whose drafts are source 0's: the drafter that costs time per slot."""
         n = len(num_avail)
         if n == 0 or num_avail.max() == 0 or self.off:
             return np.zeros(n, np.int64)
         if n == 1:
-            return self._choose_one(slots, int(num_avail[0]), other_tokens)
-        alpha = self.alpha(slots)  # [num_seqs]
+            return self._choose_one(slots, int(num_avail[0]), other_tokens, 0 if source is None else int(source[0]))
+        alpha = self.alpha(slots, source)  # [num_seqs]
         ks = np.arange(self.max_draft + 1)[None, :]  # [1, max_draft + 1]
         emit = expected_emitted(alpha[:, None], ks)  # [num_seqs, max_draft + 1] E_s(k)
         gain = np.where(ks <= num_avail[:, None], emit, -np.inf)
@@ -279,16 +289,18 @@ class Controller:
         spec = float(emit[rows, k].sum()) / (self.cost.at(base + int(k.sum())) + d)
         if not self._guard(spec > plain * (1.0 + self.MIN_GAIN) and bool(k.any())):
             k = np.zeros(n, np.int64)
-        self.idle[slots] = np.where(k == 0, self.idle[slots] + 1, 0)
+        idle = np.where(k == 0, self.idle[slots] + 1, 0)
+        self.idle[slots] = idle if source is None else np.where(source == 0, idle, self.idle[slots])
         return k
 
-    def _choose_one(self, slots: np.ndarray, avail: int, other_tokens: int) -> np.ndarray:
+    def _choose_one(self, slots: np.ndarray, avail: int, other_tokens: int, source: int = 0) -> np.ndarray:
         """choose for one decoding slot (batch 1, where the host's time per step counts most): every k in
         [0, avail] tried, in plain Python (~10 us against ~80 for the arrays' path); the exact maximum of the
         same objective that the Dinkelbach iteration approaches, with the same margin and guard."""
         s = int(slots[0])
         # alpha() for this slot with expected_emitted's clip, in Python floats (the arrays' calls cost ~10 us more)
-        a = min(max((self.hits[s] + PRIOR_ACCEPTED) / (self.seen[s] + PRIOR_DRAFTED), 0.0), 0.999)
+        a = min(max((self.hits_by[source, s] + PRIOR_ACCEPTED) / (self.seen_by[source, s] + PRIOR_DRAFTED), 0.0),
+                0.999)
         base, d = 1 + other_tokens, self.draft_cost or 0.0
         best_k, best, emit, p = 0, 0.0, 1.0, 1.0
         for k in range(1, min(avail, self.max_draft) + 1):
@@ -299,5 +311,6 @@ class Controller:
                 best_k, best = k, rate
         plain = 1.0 / self.cost.at(base)
         k = best_k if self._guard(best_k > 0 and best > plain * (1.0 + self.MIN_GAIN)) else 0
-        self.idle[s] = self.idle[s] + 1 if k == 0 else 0
+        if source == 0:
+            self.idle[s] = self.idle[s] + 1 if k == 0 else 0
         return np.array([k], np.int64)

@@ -198,7 +198,7 @@ class Engine:
         num_avail = np.minimum(drafts.num_draft, view.max_draft)  # [num_dec]
         num_draft = num_avail
         if self.controller is not None:
-            num_draft = np.minimum(num_avail, self.controller.choose(dec, num_avail, int(chunk.sum())))
+            num_draft = np.minimum(num_avail, self.controller.choose(dec, num_avail, int(chunk.sum()), drafts.source))
         width = drafts.draft_ids.shape[1]
 
         # Packed tokens: decoding blocks [last, drafts...] first, then the new slots' prompts.
@@ -238,7 +238,8 @@ class Engine:
         kept, by_eos = first_stop(emitted, num_emitted, self.eos_ids, room[slots], t.ignore_eos[slots])
         by_stop, texts = self._stop_strings(slots, emitted, kept)
         if self.controller is not None:
-            self.controller.update(dec, drafts.draft_ids, num_avail, emitted[: len(dec)], kept[: len(dec)])
+            self.controller.update(dec, drafts.draft_ids, num_avail, emitted[: len(dec)], kept[: len(dec)],
+                                   drafts.source)
 
         # Commit: tokens, lengths, statistics.
         col = np.arange(width + 1)[None, :]
@@ -270,8 +271,8 @@ class Engine:
         self.proposer.observe(StepUpdate(slots, block_start, starts, num_valid, done, t.tokens, hidden,
                                          catch_up, self.prefix_hidden, depth, detached, t.seq_len[slots]))
         draft_seconds += time.perf_counter() - draft_start
-        if self.controller is not None and len(dec) and not detached[: len(dec)].all():
-            self.controller.drafting(draft_seconds)
+        if self.controller is not None and len(dec) and (not detached[: len(dec)].all() or num_avail.any()):
+            self.controller.drafting(draft_seconds)  # (detached slots that still draft: MTP's copies)
         if self.controller is not None and len(new) == 0:  # steps that prefill are not comparable
             # A speculative step counts whole, drafting for the next one included; a plain one without the
             # drafter's time, which plain decoding would not spend (its slots detach from the drafter).

@@ -153,6 +153,8 @@ class DraftTokens:
 
     draft_ids: np.ndarray  # [num_seqs, max_draft] int64 (entries past num_draft are ignored)
     num_draft: np.ndarray  # [num_seqs] int64
+    source: np.ndarray | None = None  # [num_seqs] int64 which of the proposer's ways drafted each slot's tokens
+    # (MTP: 0 the head, 1 a copy); the controller keeps an acceptance estimate per source. None: all 0
 
 
 @dataclass(frozen=True)

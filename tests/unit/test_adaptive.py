@@ -22,6 +22,30 @@ def test_slot_detaches_after_drafts_stop_paying_and_reattaches_on_reset():
     assert ctl.detached(slots).tolist() == [False, False]
 
 
+@pytest.mark.parametrize("num_slots", [1, 2])  # one slot takes _choose_one's path, two the arrays'
+def test_each_source_of_drafts_has_its_own_acceptance_and_only_source_0_detaches(num_slots):
+    """An MTP slot's copies (source 1) accepted 0.9 and its head's drafts (source 0) 0.05: the choice follows
+    the source offered this step, the copies' results do not move the head's estimate, and steps that offer
+    copies leave the idle count (the head's detach) alone."""
+    ctl = Controller(CostModel(np.array([1, 2, 6]), np.array([1.0, 1.1, 1.5])), max_draft=3, num_slots=num_slots)
+    slots = np.arange(num_slots)
+    ctl.hits_by[1], ctl.seen_by[1] = 90.0, 100.0
+    ctl.hits_by[0], ctl.seen_by[0] = 5.0, 100.0
+    copy, head = np.ones(num_slots, np.int64), np.zeros(num_slots, np.int64)
+    avail = np.full(num_slots, 3)
+    assert (ctl.choose(slots, avail, 0, copy) >= 2).all()
+    assert (ctl.idle[slots] == 0).all()
+    assert (ctl.choose(slots, avail, 0, head) == 0).all() and (ctl.idle[slots] == 1).all()
+    assert (ctl.choose(slots, avail, 0, copy) >= 2).all() and (ctl.idle[slots] == 1).all()  # untouched
+    before = ctl.alpha(slots).copy()
+    drafts = np.tile([7, 8, 9], (num_slots, 1))
+    ctl.update(slots, drafts, avail, np.tile([7, 8, 9, 1], (num_slots, 1)), np.full(num_slots, 4), copy)
+    assert np.allclose(ctl.alpha(slots), before)  # the head's estimate
+    assert (ctl.hits_by[1, slots] == 0.9 * 90 + 3).all() and (ctl.seen_by[1, slots] == 0.9 * 100 + 3).all()
+    ctl.reset(0)
+    assert ctl.hits_by[:, 0].tolist() == [0.0, 0.0] and ctl.seen_by[:, 0].tolist() == [0.0, 0.0]
+
+
 def test_drafter_time_is_charged_and_guard_forced_plain_steps_detach():
     """A slot at acceptance 0.3: verifying one draft pays when drafting is free, not when the drafter (an MTP
     head's pass) takes 30% of a step; the slot then counts idle steps and detaches from the drafter. And when

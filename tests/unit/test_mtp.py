@@ -112,6 +112,14 @@ def test_mtp_through_the_api_and_missing_head(tiny_model64, tmp_path):
                                            adaptive=False))
     assert [o.token_ids for o in plain] == [o.token_ids for o in spec]
     assert all(o.stats.num_draft_tokens > 0 for o in spec)
+    # adaptive, copies judged apart from the head's drafts (DraftTokens.source), through the engine's controller
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = generate(prompts, model=tiny_model64, sampling=sp, engine=EngineConfig(dtype="float64"))
+    for copy in (0, 2):
+        spec = generate(prompts, model=tiny_model64, sampling=sp, engine=EngineConfig(dtype="float64"),
+                        speculative=SpecConfig(method="mtp", num_speculative_tokens=3, mtp_copy=copy,
+                                               mtp_model=str(tmp_path / "head")))
+        assert [o.token_ids for o in plain] == [o.token_ids for o in spec]
     with pytest.raises(CheckpointError, match="needs an MTP head"):
         generate(prompts, model=tiny_model64, speculative=SpecConfig(method="mtp"))
     with pytest.raises(CheckpointError, match="no MTP weights"):

@@ -200,12 +200,13 @@ class MtpProposer:
         if self.cache is None:
             return DraftTokens(np.zeros((len(view.slots), self.k), np.int64), np.zeros(len(view.slots), np.int64))
         drafts, num = self.drafts[view.slots], self.num_drafts[view.slots]  # [num_seqs, k], [num_seqs]
-        if self.copy_min and len(view.slots):
-            copy = self._copies(view)
-            use = copy.num_draft > 0  # [num_seqs] a tail of >= copy_min tokens occurred before
-            drafts = np.where(use[:, None], copy.draft_ids, drafts)
-            num = np.where(use, copy.num_draft, num)
-        return DraftTokens(drafts, np.minimum(num, view.max_draft))
+        if not self.copy_min or not len(view.slots):
+            return DraftTokens(drafts, np.minimum(num, view.max_draft))
+        copy = self._copies(view)
+        use = copy.num_draft > 0  # [num_seqs] a tail of >= copy_min tokens occurred before
+        drafts = np.where(use[:, None], copy.draft_ids, drafts)
+        num = np.where(use, copy.num_draft, num)
+        return DraftTokens(drafts, np.minimum(num, view.max_draft), use.astype(np.int64))
 
     def _copies(self, view: SlotView) -> DraftTokens:
         """n-gram drafts of tails of copy_min..COPY_MAX tokens (none where no such tail occurred before)."""
