@@ -1283,7 +1283,8 @@ std::vector<paddle::Tensor> ForwardBound(const paddle::Tensor& index, const padd
 // functions one op at a time): for each catch-up token t, input [rms_norm(embed[token_ids[t]], enorm);
 // rms_norm(hidden[rows[t]], hnorm)] @ eh_proj, the head's blocks (caches written), then at each sequence's last
 // token the final norm, the LM head and the argmax: draft 0. Drafts 1 .. depth-1 apply the head again to its own
-// output row and draft (mapped through draft_vocab when it is not empty), one position further on.
+// output row and draft (mapped through draft_vocab when it is not empty), one position further on. Sequences
+// whose drafts are not wanted (MTP's copies) are left out of last_rows: their tokens are only caught up.
 // -> drafts int64 [num_seqs, depth] (LM-head column indices mapped through draft_vocab).
 std::vector<paddle::Tensor> MtpDraft(
     const paddle::Tensor& token_ids, const paddle::Tensor& hidden, const paddle::Tensor& rows,
@@ -1318,7 +1319,7 @@ std::vector<paddle::Tensor> MtpDraft(
   const int64_t nv = draft_vocab.numel();
   PD_CHECK(nv == 0 || nv == vocab, "specgen_mtp_draft: draft_vocab needs one token id per LM-head column");
   auto drafts = paddle::empty({S, depth}, paddle::DataType::INT64, hidden.place());
-  if (n == 0 || S == 0) return {drafts};
+  if (n == 0) return {drafts};
   const int64_t *tok = token_ids.data<int64_t>(), *row = rows.data<int64_t>(), *last = last_rows.data<int64_t>();
   const int64_t *ids = nv ? draft_vocab.data<int64_t>() : nullptr, *pos = positions.data<int64_t>();
   const int64_t* slot = slots.data<int64_t>();
@@ -1350,6 +1351,7 @@ std::vector<paddle::Tensor> MtpDraft(
       pass.prefix_len = chain_zero.data();
     }
     run_blocks(x.data(), y.data(), m, hid, b, pass);
+    if (S == 0) break;  // the catch-up alone: no sequence wants drafts this step
     last_x.resize(S * hid);
     for (int64_t s = 0; s < S; ++s) {
       const int64_t r = d == 0 ? last[s] : s;

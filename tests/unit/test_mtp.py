@@ -14,14 +14,17 @@ class Recording(MtpProposer):
     """Records every proposal with the sequence it was made for. With an oracle (the plain run's outputs) it
     offers the true continuation instead, so every draft is accepted and each catch-up spans k + 1 positions."""
 
-    def __init__(self, *a, oracle=None):
-        super().__init__(*a)
-        self.log, self.oracle = [], oracle
+    def __init__(self, *a, oracle=None, copy_min=0):
+        super().__init__(*a, copy_min=copy_min)
+        self.log, self.oracle, self.copied = [], oracle, 0
 
     def propose(self, view):
         d = super().propose(view)
         if self.cache is not None:
             for i, s in enumerate(view.slots):
+                if d.source is not None and d.source[i]:  # a copy: the head drafted nothing for this step
+                    self.copied += 1
+                    continue
                 self.log.append((view.tokens[s, : view.seq_lens[i]].copy(), self.drafts[s].copy()))
         if self.oracle is None:
             return d
@@ -50,12 +53,16 @@ def reference_drafts(lm, head, seq, k):
     return out
 
 
-@pytest.mark.parametrize("dtype,k,oracle,vocab", [("float64", 1, False, False), ("float64", 3, False, False),
-                                                   ("float64", 3, True, False), ("float32", 1, False, False),
-                                                   ("float32", 3, False, True), ("float32", 3, True, False)])
-def test_incremental_drafts_equal_reference(tiny_model64, tiny_model, dtype, k, oracle, vocab):
+@pytest.mark.parametrize("dtype,k,oracle,vocab,copy,batch", [
+    ("float64", 1, False, False, 0, 4), ("float64", 3, False, False, 0, 4), ("float64", 3, True, False, 0, 4),
+    ("float32", 1, False, False, 0, 4), ("float32", 3, False, True, 0, 4), ("float32", 3, True, False, 0, 4),
+    ("float64", 2, False, False, 2, 4), ("float32", 3, False, True, 2, 4), ("float32", 2, False, False, 1, 4),
+    ("float32", 2, False, False, 2, 1)])  # one slot: a step that copies runs the fused pass with no drafts at all
+def test_incremental_drafts_equal_reference(tiny_model64, tiny_model, dtype, k, oracle, vocab, copy, batch):
     """float32 runs the step's head pass as one fused op (specgen_mtp_draft), the reference `_run`'s op-by-op
-    path: their drafts must agree bit for bit, with and without a draft vocabulary."""
+    path: their drafts must agree bit for bit, with and without a draft vocabulary. With copies (copy_min > 0)
+    the fused pass only catches the head's cache up for slots that will copy: the head's drafts offered in the
+    steps after are still the reference's."""
     lm = tiny_model64 if dtype == "float64" else tiny_model
     ids = np.arange(0, lm.config.vocab_size, 3) if vocab else None  # a draft vocabulary of every third token
     head = MtpHead(random_mtp_weights(lm.config, seed=1, std=0.3), "random", lm.model, ids)
@@ -66,11 +73,15 @@ def test_incremental_drafts_equal_reference(tiny_model64, tiny_model, dtype, k, 
     if oracle:
         plain = Engine(lm.model, None, EngineConfig(batch_size=4, dtype=dtype))
         full = [list(r.prompt_ids) + o.token_ids for r, o in zip(reqs, sorted(plain.run(reqs), key=lambda o: o.index))]
-    prop = Recording(lm.model, head, k, oracle=full)
+    prop = Recording(lm.model, head, k, oracle=full, copy_min=copy)
     assert prop.fused == (dtype == "float32" and lm.model.fused_layer)
-    eng = Engine(lm.model, None, EngineConfig(batch_size=4, dtype=dtype), prop)
+    eng = Engine(lm.model, None, EngineConfig(batch_size=batch, dtype=dtype), prop)
     outs = sorted(eng.run(reqs), key=lambda o: o.index)
-    assert len(outs) == 10 and len(prop.log) >= (10 * 64 // (k + 1) if oracle else 10 * 63)
+    assert len(outs) == 10
+    if copy:
+        assert prop.copied >= 10 and len(prop.log) >= 100  # both kinds of steps, many times
+    else:
+        assert len(prop.log) >= (10 * 64 // (k + 1) if oracle else 10 * 63)
     if oracle:
         assert [list(r.prompt_ids) + o.token_ids for r, o in zip(reqs, outs)] == full
         assert sum(o.stats.num_accepted_tokens for o in outs) >= 10 * 64 * k // (k + 1) - 10 * k

@@ -199,22 +199,29 @@ class MtpProposer:
     def propose(self, view: SlotView) -> DraftTokens:
         if self.cache is None:
             return DraftTokens(np.zeros((len(view.slots), self.k), np.int64), np.zeros(len(view.slots), np.int64))
-        drafts, num = self.drafts[view.slots], self.num_drafts[view.slots]  # [num_seqs, k], [num_seqs]
-        if not self.copy_min or not len(view.slots):
+        slots = view.slots
+        drafts, num = self.drafts[slots], self.num_drafts[slots]  # [num_seqs, k], [num_seqs]
+        if not self.copy_min or not len(slots):
             return DraftTokens(drafts, np.minimum(num, view.max_draft))
-        copy = self._copies(view)
-        use = copy.num_draft > 0  # [num_seqs] a tail of >= copy_min tokens occurred before
-        drafts = np.where(use[:, None], copy.draft_ids, drafts)
-        num = np.where(use, copy.num_draft, num)
+        stale = self.copy_at[slots] != view.seq_lens  # copies observe found for another length (or none)
+        if stale.any():
+            self._find_copies(view.tokens, slots[stale], view.seq_lens[stale])
+        copy_num = self.copy_num[slots]
+        use = copy_num > 0  # [num_seqs] a tail of >= copy_min tokens occurred before
+        drafts = np.where(use[:, None], self.copy_ids[slots], drafts)
+        num = np.where(use, copy_num, num)
         return DraftTokens(drafts, np.minimum(num, view.max_draft), use.astype(np.int64))
 
-    def _copies(self, view: SlotView) -> DraftTokens:
-        """n-gram drafts of tails of copy_min..COPY_MAX tokens (none where no such tail occurred before)."""
+    def _find_copies(self, tokens: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
+        """n-gram drafts of tails of copy_min..COPY_MAX tokens of these slots (none where no such tail occurred
+        before), kept per slot with the length they were found for; returns [len(slots)] bool: found."""
         n_max = max(self.COPY_MAX, self.copy_min)
         if self._lib is not None:
-            return ngram_match_native(view.tokens, view.slots, view.seq_lens, self.k, self.copy_min, n_max,
-                                      self._lib)[0]
-        return ngram_match(view.tokens[view.slots], view.seq_lens, self.k, self.copy_min, n_max)[0]
+            copy = ngram_match_native(tokens, slots, seq_lens, self.k, self.copy_min, n_max, self._lib)[0]
+        else:
+            copy = ngram_match(tokens[slots], seq_lens, self.k, self.copy_min, n_max)[0]
+        self.copy_ids[slots], self.copy_num[slots], self.copy_at[slots] = copy.draft_ids, copy.num_draft, seq_lens
+        return copy.num_draft > 0
 
     def _ensure(self, num_slots: int) -> None:
         if self.cache is None:
@@ -223,6 +230,10 @@ class MtpProposer:
                                  zeroed=self.model.ops is None)
             self.drafts = np.zeros((num_slots, self.k), np.int64)
             self.num_drafts = np.zeros(num_slots, np.int64)
+            # copy_min > 0: each slot's copied drafts [num_slots, k], their count, and the length they are for
+            self.copy_ids = np.zeros((num_slots, self.k), np.int64)
+            self.copy_num = np.zeros(num_slots, np.int64)
+            self.copy_at = np.full(num_slots, -1, np.int64)
 
     def _run(self, slots, starts, lens, token_ids, prev_hidden):
         """One packed pass of the head; returns (block output [num_tokens, hidden], argmax at each block's end)."""
@@ -241,12 +252,18 @@ class MtpProposer:
     def observe(self, update: StepUpdate) -> None:
         self._ensure(update.tokens.shape[0])
         live = ~update.finished & (update.num_valid > 0)
+        # Slots whose next drafts are copies (found now, from the committed text, for propose) need the head's pass
+        # only to catch its cache up: no LM head, no chained drafts (the fused pass leaves them out of last_rows).
+        copying = np.zeros(len(live), bool)
+        if self.copy_min and update.seq_lens is not None and live.any():
+            copying[live] = self._find_copies(update.tokens, update.slots[live], update.seq_lens[live])
         if update.detached is not None:  # drafts stopped paying for these slots: no more head passes for them
             self.num_drafts[update.slots[update.detached]] = 0
             live &= ~update.detached
         if not live.any():
             return
         slots, first, nv = update.slots[live], update.first_pos[live], update.num_valid[live]
+        copying = copying[live]
         # A slot's first block after a shared prefix also catches up the prefix positions (the head's own cache
         # is per slot), from the prefix's hidden states, kept once, appended after the forward's rows.
         pre = update.prefix_len[live] if update.prefix_len is not None else np.zeros(len(slots), np.int64)
@@ -262,8 +279,11 @@ class MtpProposer:
         depth = max(1, min(self.k, update.max_draft_next))  # chained drafts worth computing for the next step
         self.num_drafts[slots] = depth
         if self.fused:
-            self.drafts[slots, :depth] = self._fused_pass(slots[seq], start[seq] + offset, next_ids, hidden, rows,
-                                                          np.cumsum(total) - 1, int(last_pos.max()) + depth, depth)
+            want = ~copying
+            self.num_drafts[slots[copying]] = 0
+            self.drafts[slots[want], :depth] = self._fused_pass(
+                slots[seq], start[seq] + offset, next_ids, hidden, rows, (np.cumsum(total) - 1)[want],
+                int(last_pos.max()) + depth, depth)
             return
         h_main = paddle.gather(hidden, paddle.to_tensor(rows))  # [num_tokens, hidden]
         x, d = self._run(slots, start, total, next_ids, h_main)
@@ -277,7 +297,8 @@ class MtpProposer:
                     depth: int) -> np.ndarray:
         """`_run` for the catch-up tokens, then depth - 1 chained passes, as one specgen_mtp_draft call;
         returns the drafts [num_seqs, depth]. Per token [num_tokens]: cache slot, position, token i+1, row of
-        `hidden` (the main forward's final hidden states); last_rows [num_seqs]: each sequence's last token."""
+        `hidden` (the main forward's final hidden states); last_rows [num_seqs]: the last token of each sequence
+        that wants drafts (none: the catch-up alone)."""
         m, hd, cfg = self.model, self.head, self.model.config
         self.cache.reserve(needed)
         n, s = len(token_ids), len(last_rows)
