@@ -193,6 +193,7 @@ class MtpProposer:
         self.cache: KVCache | None = None
         # one specgen_mtp_draft call per step (bit-identical to `_run`'s ops); SPECGEN_FUSED_MTP=0 runs `_run`
         self.fused = head.columns is not None and kernels.switch("SPECGEN_FUSED_MTP")
+        self._index_tensors: dict[tuple[int, int], tuple] = {}  # (n, s) -> (numpy buffer, its tensors) (_index)
         self.drafts = np.zeros((0, k), np.int64)  # [num_slots, k] drafts ready for each slot's next step
         self.num_drafts = np.zeros(0, np.int64)  # [num_slots]
 
@@ -293,6 +294,30 @@ class MtpProposer:
             x, d = self._run(slots, last_pos + i, ones, d, x)
             self.drafts[slots, i] = d
 
+    INDEX_REUSE_SIZES = 256  # (num_tokens, num_seqs) shapes whose index tensors are kept (then all are dropped)
+
+    def _index(self, n: int, s: int, arrays: tuple) -> list:
+        """The fused pass's six index tensors: five of n (token ids, rows, positions, slots, prefix lengths, the
+        last always zero: pass None) and one of s (last rows). Making tensors right after the main forward costs
+        ~90 us for the copy and ~50 us for views of it here (Python runs cold once the weights have streamed
+        through the caches), so each (n, s) seen before reuses six tensors made once over views of a kept numpy
+        buffer (zero copy, as Model._index_tensor), and a pass only copies its integers in. The operator reads
+        them during the call and keeps no reference."""
+        kept = self._index_tensors.get((n, s))
+        if kept is None:
+            if len(self._index_tensors) >= self.INDEX_REUSE_SIZES:
+                self._index_tensors.clear()
+            buf = np.zeros(5 * n + s, np.int64)
+            views = [buf[i * n:(i + 1) * n] for i in range(5)] + [buf[5 * n:]]
+            kept = (buf, [paddle.base.core.eager.Tensor(v, paddle.CPUPlace(), False, True, "specgen_mtp_index", True)
+                          for v in views])
+            self._index_tensors[(n, s)] = kept
+        buf = kept[0]
+        for i, a in enumerate(arrays):
+            if a is not None:
+                buf[i * n:i * n + len(a)] = a
+        return kept[1]
+
     def _fused_pass(self, token_slots, positions, token_ids, hidden, rows, last_rows, needed: int,
                     depth: int) -> np.ndarray:
         """`_run` for the catch-up tokens, then depth - 1 chained passes, as one specgen_mtp_draft call;
@@ -301,17 +326,13 @@ class MtpProposer:
         that wants drafts (none: the catch-up alone)."""
         m, hd, cfg = self.model, self.head, self.model.config
         self.cache.reserve(needed)
-        n, s = len(token_ids), len(last_rows)
-        # the per-token index arrays as one host-to-tensor copy, then views: token ids, rows, positions, slots,
-        # prefix lengths (none: a zero per token), each sequence's last token [5 n + s] (~10 us per copy saved)
-        index = paddle.to_tensor(np.concatenate([token_ids, rows, positions, token_slots, np.zeros(n, np.int64),
-                                                 last_rows]).astype(np.int64, copy=False))
-        tok, row, pos, slot, pre = (index[i * n:(i + 1) * n] for i in range(5))
+        tok, row, pos, slot, pre, last = self._index(
+            len(token_ids), len(last_rows), (token_ids, rows, positions, token_slots, None, last_rows))
         *weights, q_norm, k_norm = hd.columns
         out = m.ops.specgen_mtp_draft(
             tok, hidden, row, hd.embed, hd.enorm, hd.hnorm, hd.eh_proj.panels, *weights, m.cos, m.sin,
             pos, slot, [self.cache.k[0]], [self.cache.v[0]], q_norm, k_norm, pre, [m._ones], [m._ones],
-            index[5 * n:5 * n + s], hd.final_norm, hd.lm_head.panels, hd.vocab_ids, cfg.num_heads,
+            last, hd.final_norm, hd.lm_head.panels, hd.vocab_ids, cfg.num_heads,
             cfg.num_kv_heads, self.cache.capacity, cfg.qk_norm, cfg.rms_norm_eps, 0, depth, hd.lm_head.n)
         return (out[0] if isinstance(out, (list, tuple)) else out).numpy()  # [num_seqs, depth]
 
