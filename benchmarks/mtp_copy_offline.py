@@ -29,16 +29,6 @@ from spec_bench import load_sets
 WINDOW = 128  # TrainConfig.seq_len: positions a training window holds
 
 
-def copy_draft(tokens: list[int], p: int, n_max: int = 3) -> tuple[int, int]:
-    """(token, tail length) of the n-gram draft for position p from tokens[:p]: (-1, 0) when no tail recurs."""
-    for n in range(n_max, 0, -1):
-        tail = tokens[p - n:p]
-        for j in range(p - 1, n - 1, -1):
-            if tokens[j - n:j] == tail:
-                return tokens[j], n
-    return -1, 0
-
-
 def bigram_classes(tokens: list[int]) -> np.ndarray:
     """[len(tokens)] 0: the bigram ending at p occurred within WINDOW positions before, 1: only further back,
     2: never (positions 0 and 1: 2)."""
@@ -85,6 +75,7 @@ def main() -> None:
 
     from specgen import kernels, load_model
     from specgen.engine.proposers.mtp import SHIPPED_HEAD
+    from specgen.engine.proposers.ngram import ngram_match
     from specgen.train.config import TrainConfig
     from specgen.train.data import generate_data, load_data, read_requests
 
@@ -116,11 +107,10 @@ def main() -> None:
                 continue
             labels = toks[rows + 2]
             head_pick = vocab[head.logits(x, paddle.to_tensor(rows), lm).numpy().argmax(-1)]
-            tl = toks.tolist()
-            copies = [copy_draft(tl, int(i) + 2) for i in rows]
-            copy_pick = np.array([c[0] for c in copies])
-            tail = np.array([c[1] for c in copies])
-            cls = bigram_classes(tl)[rows + 2]
+            # n-gram drafting's rule (tails of 3..1 tokens) at each position, from the tokens before it
+            copy, tail = ngram_match(np.broadcast_to(toks, (len(rows), T)), rows + 2, 1, 1, 3)
+            copy_pick = np.where(copy.num_draft > 0, copy.draft_ids[:, 0], -1)
+            cls = bigram_classes(toks.tolist())[rows + 2]
             head_ok, copy_ok = head_pick == labels, copy_pick == labels
             c = counts.setdefault(name, {})
             for key, v in [("n", len(rows)), ("head", head_ok.sum()), ("copy", copy_ok.sum()),

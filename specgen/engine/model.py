@@ -19,6 +19,34 @@ from specgen.models.checkpoint import Checkpoint, QuantRows
 from specgen.models.config import ModelConfig
 
 
+class KeptIndex:
+    """int64 index tensors for a kernel call, kept per shape (the lengths of its parts) and overwritten by the
+    next call of that shape. Making a tensor right after a forward costs ~90 us here, and a view of one ~10 us more
+    (paddle's allocation path runs cold once the weights have streamed through the caches), so each shape's
+    tensors are made once over views of one kept numpy buffer (zero copy) and a call only copies its integers
+    in. The kernels read the indices during the call and keep no reference. Past max_shapes shapes the kept ones
+    are dropped and collected again."""
+
+    def __init__(self, max_shapes: int):
+        self.max_shapes = max_shapes
+        self._kept: dict[tuple[int, ...], tuple[np.ndarray, list[paddle.Tensor]]] = {}
+
+    def tensors(self, parts: tuple[np.ndarray, ...]) -> list[paddle.Tensor]:
+        """One CPU tensor per part, holding its integers."""
+        lengths = tuple(len(p) for p in parts)
+        kept = self._kept.get(lengths)
+        if kept is None:
+            if len(self._kept) >= self.max_shapes:
+                self._kept.clear()
+            buf = np.empty(sum(lengths), np.int64)
+            ends = np.cumsum(lengths)
+            kept = (buf, [paddle.base.core.eager.Tensor(buf[e - n:e], paddle.CPUPlace(), False, True, "specgen_index",
+                                                        True) for n, e in zip(lengths, ends.tolist())])
+            self._kept[lengths] = kept
+        np.concatenate(parts, out=kept[0])
+        return kept[1]
+
+
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     """Inverse frequencies [head_dim / 2], with Llama-3 scaling when configured (as transformers does)."""
     dim = cfg.head_dim
@@ -244,7 +272,7 @@ class Model:
         self.bound_forward = kernels.switch("SPECGEN_BOUND_FORWARD")
         self._bound_weights: int | None = None  # the weights' handle in the kernels, once bound
         self._columns = None  # the main blocks' specgen_stack arguments, gathered on first use
-        self._index_tensors: dict[int, tuple[np.ndarray, paddle.Tensor]] = {}  # see _index_tensor
+        self._indices = KeptIndex(self.INDEX_REUSE_SIZES)  # the bound forward's index tensors (_index_tensor)
         self._ones = paddle.ones([cfg.head_dim], dtype=dtype)  # stands in for absent q/k norm weights
         self._none = paddle.zeros([0], dtype=dtype)  # stands in for absent biases
         self._no_screen = paddle.zeros([0], dtype="float32")  # specgen_forward without a screen: the logits
@@ -504,23 +532,11 @@ class Model:
     INDEX_REUSE_SIZES = 512  # index lengths kept at most (then the kept ones are dropped and collected again)
 
     def _index_tensor(self, index: np.ndarray) -> paddle.Tensor:
-        """`index` (int64 [m]) as a CPU tensor for specgen_forward_bound. Making a tensor right after a forward costs
-        ~90 us here (paddle's allocation path runs cold once the weights have streamed through the caches), so each
-        length m seen before reuses a tensor made once over a kept numpy buffer (sharing its memory: zero copy),
-        and the step only copies its m integers in. The operator reads the index during the call and keeps no
-        reference to it, so the next step may overwrite the buffer."""
-        m = len(index)
-        if m > self.INDEX_REUSE_MAX:
+        """`index` (int64 [m]) as a CPU tensor for specgen_forward_bound: kept per length (KeptIndex), or, past
+        INDEX_REUSE_MAX (prefills), a tensor of its own."""
+        if len(index) > self.INDEX_REUSE_MAX:
             return paddle.to_tensor(index.astype(np.int64, copy=False))
-        kept = self._index_tensors.get(m)
-        if kept is None:
-            if len(self._index_tensors) >= self.INDEX_REUSE_SIZES:
-                self._index_tensors.clear()
-            buf = np.empty(m, np.int64)
-            kept = (buf, paddle.base.core.eager.Tensor(buf, paddle.CPUPlace(), False, True, "specgen_index", True))
-            self._index_tensors[m] = kept
-        kept[0][:] = index
-        return kept[1]
+        return self._indices.tensors((index,))[0]
 
     def _screen_args(self, screened: bool) -> tuple:
         """specgen_forward's LmScreen and LmBound: the screen's (greedy tokens only), or empty (the logits)."""

@@ -22,7 +22,7 @@ import paddle.nn.functional as F
 from specgen import kernels
 from specgen.config import SpecConfig
 from specgen.engine.kv_cache import KVCache
-from specgen.engine.model import LINEAR_KEYS, Model, TensorReader
+from specgen.engine.model import LINEAR_KEYS, KeptIndex, Model, TensorReader
 from specgen.engine.proposers.base import SlotView
 from specgen.engine.proposers.ngram import NATIVE_MAX, ngram_match, ngram_match_native
 from specgen.engine.types import DraftTokens, StepUpdate, build_forward_batch
@@ -193,7 +193,7 @@ class MtpProposer:
         self.cache: KVCache | None = None
         # one specgen_mtp_draft call per step (bit-identical to `_run`'s ops); SPECGEN_FUSED_MTP=0 runs `_run`
         self.fused = head.columns is not None and kernels.switch("SPECGEN_FUSED_MTP")
-        self._index_tensors: dict[tuple[int, int], tuple] = {}  # (n, s) -> (numpy buffer, its tensors) (_index)
+        self._indices = KeptIndex(256)  # the fused pass's index tensors, kept per (tokens, sequences) shape
         self.drafts = np.zeros((0, k), np.int64)  # [num_slots, k] drafts ready for each slot's next step
         self.num_drafts = np.zeros(0, np.int64)  # [num_slots]
 
@@ -294,30 +294,6 @@ class MtpProposer:
             x, d = self._run(slots, last_pos + i, ones, d, x)
             self.drafts[slots, i] = d
 
-    INDEX_REUSE_SIZES = 256  # (num_tokens, num_seqs) shapes whose index tensors are kept (then all are dropped)
-
-    def _index(self, n: int, s: int, arrays: tuple) -> list:
-        """The fused pass's six index tensors: five of n (token ids, rows, positions, slots, prefix lengths, the
-        last always zero: pass None) and one of s (last rows). Making tensors right after the main forward costs
-        ~90 us for the copy and ~50 us for views of it here (Python runs cold once the weights have streamed
-        through the caches), so each (n, s) seen before reuses six tensors made once over views of a kept numpy
-        buffer (zero copy, as Model._index_tensor), and a pass only copies its integers in. The operator reads
-        them during the call and keeps no reference."""
-        kept = self._index_tensors.get((n, s))
-        if kept is None:
-            if len(self._index_tensors) >= self.INDEX_REUSE_SIZES:
-                self._index_tensors.clear()
-            buf = np.zeros(5 * n + s, np.int64)
-            views = [buf[i * n:(i + 1) * n] for i in range(5)] + [buf[5 * n:]]
-            kept = (buf, [paddle.base.core.eager.Tensor(v, paddle.CPUPlace(), False, True, "specgen_mtp_index", True)
-                          for v in views])
-            self._index_tensors[(n, s)] = kept
-        buf = kept[0]
-        for i, a in enumerate(arrays):
-            if a is not None:
-                buf[i * n:i * n + len(a)] = a
-        return kept[1]
-
     def _fused_pass(self, token_slots, positions, token_ids, hidden, rows, last_rows, needed: int,
                     depth: int) -> np.ndarray:
         """`_run` for the catch-up tokens, then depth - 1 chained passes, as one specgen_mtp_draft call;
@@ -326,8 +302,9 @@ class MtpProposer:
         that wants drafts (none: the catch-up alone)."""
         m, hd, cfg = self.model, self.head, self.model.config
         self.cache.reserve(needed)
-        tok, row, pos, slot, pre, last = self._index(
-            len(token_ids), len(last_rows), (token_ids, rows, positions, token_slots, None, last_rows))
+        # token ids, rows, positions, slots, prefix lengths (none: zeros), each sequence's last row
+        tok, row, pos, slot, pre, last = self._indices.tensors(
+            (token_ids, rows, positions, token_slots, np.zeros(len(token_ids), np.int64), last_rows))
         *weights, q_norm, k_norm = hd.columns
         out = m.ops.specgen_mtp_draft(
             tok, hidden, row, hd.embed, hd.enorm, hd.hnorm, hd.eh_proj.panels, *weights, m.cos, m.sin,
