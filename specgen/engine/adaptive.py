@@ -64,6 +64,12 @@ class CostModel:
     stopped using drifts back to the global ratio as contexts grow."""
 
     EMA = 0.1  # weight of one observation in the global ratio
+    # A step counts at most OUTLIER x the current prediction. On a shared machine a step now and then takes ~100 ms
+    # more (the hypervisor takes the CPU away: /proc/stat's steal ticks grow by 10-20 in exactly those steps, ~1
+    # step in 35 of a batch-1 job), 10-20x a decoding step; counted whole, one such step raised the global ratio
+    # from 1 to ~2.3 and its point's ratio by ~40% for the next ~30 steps. Real errors of the table (stale, other
+    # contexts) are within 2x per step, and a larger one is still followed, by up to 2x per step.
+    OUTLIER = 2.0
     POINT_PRIOR = 1.0  # observations' worth of the global ratio in each point's effective ratio
     POINT_DECAY = 0.97  # per observed step: a point's evidence (a ~30-step window)
 
@@ -129,7 +135,7 @@ class CostModel:
         predicted = self.table_at(num_tokens)
         if predicted <= 0:
             return
-        r = seconds / predicted
+        r = min(seconds, self.OUTLIER * self.at(num_tokens)) / predicted
         decay = self.POINT_DECAY
         self._sum = [decay * v for v in self._sum]
         self._evidence = [decay * e for e in self._evidence]
@@ -152,6 +158,9 @@ class Controller:
     DETACH_AFTER = 8  # steps in a row in which drafts did not pay for a slot before its drafter stops for it
     RATE_EMA = 0.2
     RATE_DECAY = 0.97  # the guard's throughputs: decayed sums of tokens and of seconds (a ~30-step window)
+    # The drafter's time per step really changes up to ~5x from one step to the next (an MTP head's pass: 0.14-0.18
+    # ms catching up alone, 0.61-0.71 ms with three chained drafts), a stalled machine's ~100 ms by 100x or more.
+    DRAFT_OUTLIER = 5.0
 
     HINT_HEADROOM = 1.5  # a head's held-out acceptance is an average over text; predictable text beats it
     # A step speculates only when the model predicts it MIN_GAIN faster than plain decoding: gains smaller than
@@ -177,12 +186,22 @@ class Controller:
         self.draft_cost: float | None = None  # seconds per step the proposer takes (propose + observe), EMA
 
     def drafting(self, seconds: float) -> None:
-        """The proposer's time in one step (drafting for the next step included)."""
+        """The proposer's time in one step (drafting for the next step included), counted at most DRAFT_OUTLIER x
+        the estimate (a stalled machine: CostModel.OUTLIER)."""
         old = self.draft_cost
-        self.draft_cost = seconds if old is None else (1 - self.RATE_EMA) * old + self.RATE_EMA * seconds
+        if old is None:
+            self.draft_cost = seconds
+            return
+        self.draft_cost = (1 - self.RATE_EMA) * old + self.RATE_EMA * min(seconds, self.DRAFT_OUTLIER * old)
 
-    def record(self, num_emitted: int, seconds: float, speculated: bool) -> None:
-        """Throughput of one decode-only step, for the guard."""
+    def record(self, num_emitted: int, seconds: float, speculated: bool, num_tokens: int | None = None) -> None:
+        """Throughput of one decode-only step, for the guard. num_tokens: the tokens the step fed; its seconds then
+        count at most CostModel.OUTLIER x the predicted step (the cost model's, plus the drafter's time when it
+        speculated), so that a step the machine stalled in does not veto speculation for hundreds of steps (the
+        speculative sums are updated only every PROBE_EVERY steps while vetoing). None: as measured."""
+        if num_tokens is not None:
+            predicted = self.cost.at(num_tokens) + ((self.draft_cost or 0.0) if speculated else 0.0)
+            seconds = min(seconds, self.cost.OUTLIER * predicted)
         s = self.sums[speculated]
         s *= self.RATE_DECAY
         s += (num_emitted, max(seconds, 1e-9))

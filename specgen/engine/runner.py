@@ -278,7 +278,7 @@ class Engine:
             # drafter's time, which plain decoding would not spend (its slots detach from the drafter).
             spec = bool(num_draft.sum())
             self.controller.record(int(kept.sum()), time.perf_counter() - step_start - (0.0 if spec else draft_seconds),
-                                   spec)
+                                   spec, len(batch.token_ids))
         finished = []
         for i in np.nonzero(done)[0]:
             s = int(slots[i])

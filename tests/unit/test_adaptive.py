@@ -113,6 +113,42 @@ def test_guard_throughput_is_a_ratio_of_decayed_sums():
     assert int(ctl.choose(np.array([0]), np.array([2]), 0)[0]) == 0 or ctl.steps % Controller.PROBE_EVERY == 0
 
 
+def _steady(with_tokens: bool) -> Controller:
+    """40 plain steps of 6 ms and 40 speculative ones of 9 ms emitting 2 tokens, the table right."""
+    cost = CostModel(np.array([1, 2, 6]), np.array([0.006, 0.007, 0.011]))
+    ctl = Controller(cost, max_draft=3, num_slots=1)
+    for _ in range(40):
+        cost.observe(1, 0.006)
+        ctl.record(1, 0.006, False, 1 if with_tokens else None)
+        cost.observe(4, 0.009)
+        ctl.record(2, 0.009, True, 4 if with_tokens else None)
+    return ctl
+
+
+def test_a_stalled_step_counts_at_most_outlier_times_its_prediction():
+    """A step the machine stalled in (~100 ms of hypervisor steal against 6-9 ms steps): the cost model, the
+    guard and the drafter's time take it as OUTLIER (DRAFT_OUTLIER) x their prediction, so speculation is not
+    vetoed for it; a lasting change of level is still followed."""
+    ctl, whole = _steady(True), _steady(False)
+    assert ctl.rate(True) == pytest.approx(2 / 0.009) and ctl.cost.scale == pytest.approx(1.0)
+    predicted = ctl.cost.at(4)
+    ctl.cost.observe(4, 0.110)
+    assert ctl.cost.scale == pytest.approx(0.9 + 0.1 * CostModel.OUTLIER * predicted / ctl.cost.table_at(4))
+    ctl.record(1, 0.110, True, 4)
+    whole.record(1, 0.110, True)  # counted whole, the step makes speculation measure slower than plain decoding
+    assert ctl.rate(True) > ctl.rate(False) and whole.rate(True) < whole.rate(False)
+    for _ in range(100):  # a real change of level, every step 2.5x the table: followed
+        ctl.cost.observe(1, 0.015)
+    assert ctl.cost.at(1) == pytest.approx(0.015, rel=0.02)
+
+    ctl.drafting(0.0005)
+    ctl.drafting(0.100)  # stalled while drafting
+    assert ctl.draft_cost == pytest.approx(0.8 * 0.0005 + 0.2 * Controller.DRAFT_OUTLIER * 0.0005)
+    for _ in range(30):  # the drafter's time rising 4.7x (a catch-up alone -> three chained drafts): followed
+        ctl.drafting(0.0033)
+    assert ctl.draft_cost == pytest.approx(0.0033, rel=0.01)
+
+
 def test_scalar_cost_equals_the_interpolated_table():
     cost = CostModel(np.array([1.0, 2.0, 6.0]), np.array([0.0059, 0.0071, 0.011]))
     cost.scale = 1.13
