@@ -139,26 +139,29 @@ def test_mtp_through_the_api_and_missing_head(tiny_model64, tmp_path):
 
 @pytest.mark.parametrize("native", [True, False])
 def test_copied_drafts_replace_the_heads_where_the_tail_repeats(tiny_model64, native):
-    """With copy_min 2 a slot whose last 2-3 tokens occurred before drafts what followed them there (longest,
-    then latest match, as ngram.py); every other slot keeps the head's drafts; max_draft still bounds both."""
+    """With copy_min 2 a slot whose last 2..COPY_MAX tokens occurred before drafts what followed them there
+    (longest, then latest match, as ngram.py); every other slot keeps the head's drafts; max_draft still bounds
+    both."""
     head = MtpHead(random_mtp_weights(tiny_model64.config, seed=1), "random", tiny_model64.model)
     p = MtpProposer(tiny_model64.model, head, 3, copy_min=2)
     if not native:
         p._lib = None  # ngram.py's numpy reference
-    p._ensure(4)
-    p.drafts[:] = [[90, 91, 92], [93, 94, 95], [96, 97, 98], [99, 100, 101]]  # the head's, as observe leaves them
-    p.num_drafts[:] = [3, 2, 3, 3]
-    rows = [[1, 2, 3, 4, 5, 1, 2, 0, 0, 0],  # tail (1, 2) at 0: copy 3 4 5
-            [7, 8, 9, 10, 11, 0, 0, 0, 0, 0],  # nothing repeats: the head's two drafts
-            [4, 1, 2, 3, 6, 4, 1, 2, 3, 0],  # tail (1, 2, 3) wins over (2, 3): copy 6 4 1
-            [5, 6, 7, 6, 0, 0, 0, 0, 0, 0]]  # only a 1-token tail repeats: the head's
-    view = SlotView(slots=np.array([0, 1, 2, 3]), tokens=np.array(rows, np.int64),
-                    seq_lens=np.array([7, 5, 9, 4]), max_draft=np.array([3, 3, 2, 3]))
+    p._ensure(5)
+    p.drafts[:] = [[90, 91, 92], [93, 94, 95], [96, 97, 98], [99, 100, 101], [102, 103, 104]]  # the head's
+    p.num_drafts[:] = [3, 2, 3, 3, 3]
+    rows = [[1, 2, 3, 4, 5, 1, 2, 0, 0, 0, 0, 0, 0, 0],  # tail (1, 2) at 0: copy 3 4 5
+            [7, 8, 9, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0, 0],  # nothing repeats: the head's two drafts
+            [4, 1, 2, 3, 6, 4, 1, 2, 3, 0, 0, 0, 0, 0],  # tail (1, 2, 3) wins over (2, 3): copy 6 4 1
+            [5, 6, 7, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],  # only a 1-token tail repeats: the head's
+            [1, 2, 3, 4, 7, 8, 9, 2, 3, 4, 5, 1, 2, 3, 4]]  # (1..4) at 0 wins over the later (2, 3, 4): 7 8 9
+    rows = [r + [0] * (15 - len(r)) for r in rows]
+    view = SlotView(slots=np.array([0, 1, 2, 3, 4]), tokens=np.array(rows, np.int64),
+                    seq_lens=np.array([7, 5, 9, 4, 15]), max_draft=np.array([3, 3, 2, 3, 3]))
     d = p.propose(view)
-    assert d.draft_ids.tolist() == [[3, 4, 5], [93, 94, 95], [6, 4, 1], [99, 100, 101]]
-    assert d.num_draft.tolist() == [3, 2, 2, 3]
+    assert d.draft_ids.tolist() == [[3, 4, 5], [93, 94, 95], [6, 4, 1], [99, 100, 101], [7, 8, 9]]
+    assert d.num_draft.tolist() == [3, 2, 2, 3, 3]
     off = MtpProposer(tiny_model64.model, head, 3)  # copy_min 0: the head's drafts everywhere
-    off._ensure(4)
+    off._ensure(5)
     off.drafts[:], off.num_drafts[:] = p.drafts, p.num_drafts
     assert off.propose(view).draft_ids.tolist() == p.drafts.tolist()
 
