@@ -11,6 +11,11 @@ prints per set and method: the median wall time, the median speedup over `none` 
 range), tokens per step (mean and standard deviation over repeats), the guard's vetoes (median; PROBE_EVERY's
 scheduled plain steps count among them) and the steal ticks of /proc/stat during the runs (median). Outputs
 must be identical to `none` in every run (checked).
+
+    python benchmarks/stall_ab.py --steal-trace --sets code_rewrite --methods mtp
+
+instead runs the first method once per set and prints its decode steps slower than 3x their median, with the
+steal ticks /proc/stat counted during each, against the ticks during all other steps.
 """
 from __future__ import annotations
 
@@ -46,6 +51,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steal-trace", action="store_true", help="per-step steal ticks of one run (see above)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     import specgen.engine.adaptive as adaptive
@@ -68,6 +74,9 @@ def main() -> None:
     loaded = load_model(None, threads=args.threads)
     sets = load_sets(args.per_category, args.mbpp)
     sp = SamplingParams(max_tokens=args.max_tokens)
+    if args.steal_trace:
+        steal_trace(loaded, sets, sp, args)
+        return
     print(f"batch {args.batch_size}, k = {args.k}, {args.repeats} alternated repeats; caps: OUTLIER "
           f"{caps['capped'][0]}, DRAFT_OUTLIER {caps['capped'][1]}")
     print(f"{'set':<15}{'method':<8}{'caps':<8}{'time':>8}{'speedup (range)':>22}{'tok/step (sd)':>16}"
@@ -104,6 +113,41 @@ def main() -> None:
                   f"{np.median(speedup):>9.3f}x ({speedup.min():.2f}-{speedup.max():.2f})"
                   f"{r[:, 1].mean():>10.2f} ({r[:, 1].std():.2f}){np.median(r[:, 2]):>8.0f}{np.median(r[:, 3]):>7.0f}",
                   flush=True)
+
+
+def steal_trace(loaded, sets, sp, args) -> None:
+    """One run of args.methods[0] per set: /proc/stat's steal ticks during each decode step (read as the guard
+    records the step), for the steps slower than 3x the median and for the others."""
+    import specgen.engine.adaptive as adaptive
+    from specgen import EngineConfig, SpecConfig
+    from specgen.engine.proposers import build_proposer
+    from specgen.engine.runner import Engine
+    from specgen.engine.types import Request
+
+    steps: list[tuple[float, int]] = []  # (seconds, steal ticks so far) per recorded step
+    record = adaptive.Controller.record
+
+    def tracing_record(self, num_emitted, seconds, speculated, num_tokens=None):
+        steps.append((seconds, steal_ticks()))
+        return record(self, num_emitted, seconds, speculated, num_tokens)
+
+    adaptive.Controller.record = tracing_record
+    for name in args.sets:
+        steps.clear()
+        reqs = [Request(str(i), i, tuple(loaded.tokenizer.encode_chat(m)), sp) for i, m in enumerate(sets[name])]
+        prop = build_proposer(SpecConfig(method=args.methods[0], num_speculative_tokens=args.k), loaded)
+        engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(batch_size=args.batch_size), prop,
+                        adaptive=True, max_draft=args.k)
+        before = steal_ticks()
+        list(engine.run(reqs))
+        seconds = np.array([x[0] for x in steps])
+        ticks = np.diff(np.array([before] + [x[1] for x in steps]))  # ticks since the step before's record
+        slow = seconds > 3 * np.median(seconds)
+        print(f"{name} {args.methods[0]}: {len(seconds)} decode steps, median {np.median(seconds) * 1e3:.1f} ms; "
+              f"{int(slow.sum())} slower than 3x ({', '.join(f'{x * 1e3:.0f}' for x in seconds[slow])} ms) with "
+              f"steal ticks {ticks[slow].tolist()}; the other {int((~slow).sum())} steps: {int(ticks[~slow].sum())} "
+              "ticks in all")
+    adaptive.Controller.record = record
 
 
 if __name__ == "__main__":

@@ -159,7 +159,7 @@ class Controller:
     RATE_EMA = 0.2
     RATE_DECAY = 0.97  # the guard's throughputs: decayed sums of tokens and of seconds (a ~30-step window)
     # The drafter's time per step really changes up to ~5x from one step to the next (an MTP head's pass: 0.14-0.18
-    # ms catching up alone, 0.61-0.71 ms with three chained drafts), a stalled machine's ~100 ms by 100x or more.
+    # ms catching up alone, 0.61-0.71 ms with three chained drafts); a stall (~100 ms) multiplies it by 100 or more.
     DRAFT_OUTLIER = 5.0
 
     HINT_HEADROOM = 1.5  # a head's held-out acceptance is an average over text; predictable text beats it
