@@ -22,13 +22,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spec_bench import load_sets
+from spec_bench import load_sets, run_method
 
 
 def steal_ticks() -> int:
@@ -55,10 +54,7 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     import specgen.engine.adaptive as adaptive
-    from specgen import EngineConfig, SamplingParams, SpecConfig, load_model
-    from specgen.engine.proposers import build_proposer
-    from specgen.engine.runner import Engine
-    from specgen.engine.types import Request
+    from specgen import SamplingParams, SpecConfig, load_model
 
     vetoes = [0]
     guard = adaptive.Controller._guard
@@ -81,8 +77,10 @@ def main() -> None:
           f"{caps['capped'][0]}, DRAFT_OUTLIER {caps['capped'][1]}")
     print(f"{'set':<15}{'method':<8}{'caps':<8}{'time':>8}{'speedup (range)':>22}{'tok/step (sd)':>16}"
           f"{'vetoes':>8}{'steal':>7}")
+    specs = {m: SpecConfig(method=m, num_speculative_tokens=args.k) for m in args.methods}
+    specs["none"] = SpecConfig()
     for name in args.sets:
-        reqs = [Request(str(i), i, tuple(loaded.tokenizer.encode_chat(m)), sp) for i, m in enumerate(sets[name])]
+        prompts = [list(loaded.tokenizer.encode_chat(m)) for m in sets[name]]
         runs: dict[tuple[str, str], list[tuple[float, float, int, int]]] = {}
         ref = None
         for _ in range(args.repeats):
@@ -90,19 +88,13 @@ def main() -> None:
                 for label in (["-"] if method == "none" else list(caps)):
                     if method != "none":
                         adaptive.CostModel.OUTLIER, adaptive.Controller.DRAFT_OUTLIER = caps[label]
-                    prop = None if method == "none" else build_proposer(
-                        SpecConfig(method=method, num_speculative_tokens=args.k), loaded)
-                    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(batch_size=args.batch_size), prop,
-                                    adaptive=prop is not None, max_draft=args.k)
-                    vetoes[0], s0, t0 = 0, steal_ticks(), time.perf_counter()
-                    outs = sorted(engine.run(reqs), key=lambda o: o.index)
-                    seconds = time.perf_counter() - t0
+                    vetoes[0], s0 = 0, steal_ticks()
+                    outs, r = run_method(loaded, prompts, sp, args.batch_size, specs[method])
                     ids = [o.token_ids for o in outs]
                     ref = ids if ref is None else ref
                     if ids != ref:
                         raise SystemExit(f"{name} {method} {label}: outputs differ from none's")
-                    tokens, steps = sum(len(x) for x in ids), sum(o.stats.num_steps for o in outs)
-                    runs.setdefault((method, label), []).append((seconds, tokens / steps, vetoes[0],
+                    runs.setdefault((method, label), []).append((r["wall_s"], r["mean_accepted_length"], vetoes[0],
                                                                  steal_ticks() - s0))
         adaptive.CostModel.OUTLIER, adaptive.Controller.DRAFT_OUTLIER = caps["capped"]
         base = np.array([r[0] for r in runs[("none", "-")]])
@@ -119,10 +111,7 @@ def steal_trace(loaded, sets, sp, args) -> None:
     """One run of args.methods[0] per set: /proc/stat's steal ticks during each decode step (read as the guard
     records the step), for the steps slower than 3x the median and for the others."""
     import specgen.engine.adaptive as adaptive
-    from specgen import EngineConfig, SpecConfig
-    from specgen.engine.proposers import build_proposer
-    from specgen.engine.runner import Engine
-    from specgen.engine.types import Request
+    from specgen import SpecConfig
 
     steps: list[tuple[float, int]] = []  # (seconds, steal ticks so far) per recorded step
     record = adaptive.Controller.record
@@ -134,12 +123,10 @@ def steal_trace(loaded, sets, sp, args) -> None:
     adaptive.Controller.record = tracing_record
     for name in args.sets:
         steps.clear()
-        reqs = [Request(str(i), i, tuple(loaded.tokenizer.encode_chat(m)), sp) for i, m in enumerate(sets[name])]
-        prop = build_proposer(SpecConfig(method=args.methods[0], num_speculative_tokens=args.k), loaded)
-        engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(batch_size=args.batch_size), prop,
-                        adaptive=True, max_draft=args.k)
+        prompts = [list(loaded.tokenizer.encode_chat(m)) for m in sets[name]]
         before = steal_ticks()
-        list(engine.run(reqs))
+        run_method(loaded, prompts, sp, args.batch_size,
+                   SpecConfig(method=args.methods[0], num_speculative_tokens=args.k))
         seconds = np.array([x[0] for x in steps])
         ticks = np.diff(np.array([before] + [x[1] for x in steps]))  # ticks since the step before's record
         slow = seconds > 3 * np.median(seconds)
