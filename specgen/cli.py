@@ -232,6 +232,9 @@ def train_mtp(
     shortlist: Annotated[int | None, typer.Option(
         help=_train_default("Training softmax over this many most frequent labels; 0: the full vocabulary.",
                             "shortlist"))] = None,
+    draft_vocab: Annotated[int | None, typer.Option(
+        help=_train_default("Tokens the saved head drafts from: the most frequent training labels (a cheaper "
+                            "LM head per draft); 0: the whole training vocabulary.", "draft_vocab"))] = None,
     chain_weight: Annotated[float | None, typer.Option(
         help=_train_default("Weight of the second-draft loss (the head applied to its own output); 0 trains "
                             "the first only.", "chain_weight"))] = None,
@@ -261,7 +264,7 @@ def train_mtp(
         flags = {"steps": steps, "batch_size": batch_size, "seq_len": seq_len, "window_anchor": window_anchor,
                  "lr": lr, "warmup_steps": warmup_steps,
                  "gen_max_tokens": gen_max_tokens, "gen_batch_size": gen_batch_size, "gen_samples": gen_samples,
-                 "gen_temperature": gen_temperature, "shortlist": shortlist,
+                 "gen_temperature": gen_temperature, "shortlist": shortlist, "draft_vocab": draft_vocab,
                  "chain_weight": chain_weight, "distill": distill, "hidden_noise": hidden_noise,
                  "eval_every": eval_every,
                  "checkpoint_every": checkpoint_every,

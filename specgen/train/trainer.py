@@ -39,7 +39,7 @@ from specgen.train.windows import (
 COLUMNS = ("step", "lr", "loss", "acc", "acc2", "eval_loss", "eval_acc", "eval_acc2", "seconds")
 # Settings that only change what is logged or written: a checkpoint made with others can be resumed.
 NOT_FINGERPRINTED = ("log_every", "eval_every", "checkpoint_every", "save_dtype", "max_eval_windows",
-                     "gen_batch_size")
+                     "gen_batch_size", "draft_vocab")
 OnStep = Callable[[int, int, "dict[str, Any] | None"], None]
 
 
@@ -53,6 +53,8 @@ class TrainingSet:
     vocab_ids: np.ndarray  # [train_vocab] int64 token id of each training-vocabulary index
     vocab_index: np.ndarray  # [vocab_size] int64 training-vocabulary index of each token, -1 outside it
     coverage: float  # share of training labels inside the training vocabulary
+    draft_ids: np.ndarray  # [draft_vocab] int64 the saved draft vocabulary: the most frequent labels, sorted by id
+    draft_coverage: float  # share of training labels inside the draft vocabulary
 
 
 def training_set(data_dir: Path, vocab_size: int, cfg: TrainConfig) -> TrainingSet:
@@ -75,7 +77,10 @@ def training_set(data_dir: Path, vocab_size: int, cfg: TrainConfig) -> TrainingS
     ids = shortlist(counts, cfg.shortlist)
     index = np.full(vocab_size, -1, np.int64)
     index[ids] = np.arange(len(ids))
-    return TrainingSet(data, train, held, ids, index, float(counts[ids].sum() / max(1, counts.sum())))
+    draft = shortlist(counts, cfg.draft_vocab) if 0 < cfg.draft_vocab < len(ids) else ids
+    total = max(1, counts.sum())
+    return TrainingSet(data, train, held, ids, index, float(counts[ids].sum() / total), draft,
+                       float(counts[draft].sum() / total))
 
 
 def batch_picks(step: int, num_windows: int, batch_size: int, seed: int) -> np.ndarray:
@@ -283,13 +288,15 @@ class Trainer:
                 **dataclasses.asdict(cfg), "num_sequences": len(s.data.ids),
                 "num_generated_tokens": s.data.num_generated, "num_train_windows": len(s.train),
                 "num_eval_windows": len(s.held_out), "train_vocab": len(s.vocab_ids),
-                "label_coverage": s.coverage, "eval_loss": last_eval.get("eval_loss"),
+                "label_coverage": s.coverage, "draft_vocab_size": len(s.draft_ids),
+                "draft_coverage": s.draft_coverage, "eval_loss": last_eval.get("eval_loss"),
                 "eval_acc": last_eval.get("eval_acc"), "eval_acc2": last_eval.get("eval_acc2"),
                 "train_seconds": rows[-1]["seconds"] if rows else 0.0,
             },
         }
         save_mtp(self.out_dir, export_weights(self.head, cfg.save_dtype), extra=meta)
-        # The training vocabulary, for a drafter that takes its argmax over these tokens only (a cheaper LM head).
-        np.save(self.out_dir / "draft_vocab.npy", s.vocab_ids)
+        # The draft vocabulary (the training vocabulary, or its draft_vocab most frequent labels), for a drafter that
+        # takes its argmax over these tokens only (a cheaper LM head).
+        np.save(self.out_dir / "draft_vocab.npy", s.draft_ids)
         plot_loss(self.out_dir / "loss.csv", self.out_dir / "loss.png")
         return meta

@@ -1,4 +1,5 @@
 """`specgen train-mtp`: what is trained is what the engine runs; data, checkpoints and saves are exact."""
+import dataclasses
 import json
 import shutil
 
@@ -112,6 +113,32 @@ def test_draft_vocabulary_restricts_the_drafts(lm):
     for bad in (np.array([0, 300]), np.array([[1, 2]]), np.array([0.5])):
         with pytest.raises(CheckpointError, match="draft vocabulary"):
             MtpHead(export_weights(head), "bad", m, bad)
+
+
+def test_saved_draft_vocabulary_is_the_most_frequent_training_labels(lm, data_dir, tmp_path):
+    """--draft-vocab N saves the N most frequent training labels (sorted by id) as draft_vocab.npy, without
+    changing the training; 0 saves the whole training vocabulary."""
+    from specgen.train.trainer import training_set
+    from specgen.train.windows import label_counts
+
+    base = TrainConfig(**{**SMALL, "steps": 2, "eval_every": 2, "checkpoint_every": 2})
+    full = training_set(data_dir / "data", lm.config.vocab_size, base)
+    n = len(full.vocab_ids) // 3
+    assert n >= 10
+    outs = {}
+    for size in (0, n):
+        outs[size] = fresh_run(data_dir, tmp_path, f"v{size}")
+        Trainer(lm, outs[size], dataclasses.replace(base, draft_vocab=size)).run()
+    assert np.array_equal(np.load(outs[0] / "draft_vocab.npy"), full.vocab_ids)
+    saved = np.load(outs[n] / "draft_vocab.npy")
+    counts = label_counts(full.data, full.train, lm.config.vocab_size)
+    left_out = np.setdiff1d(full.vocab_ids, saved)
+    assert len(saved) == n and np.all(np.diff(saved) > 0) and np.isin(saved, full.vocab_ids).all()
+    assert counts[saved].min() >= counts[left_out].max()
+    meta = json.loads((outs[n] / "config.json").read_text())["specgen_training"]
+    assert meta["draft_vocab_size"] == n and meta["draft_vocab"] == n
+    assert meta["draft_coverage"] == pytest.approx(counts[saved].sum() / counts.sum())
+    assert (outs[0] / "model.safetensors").read_bytes() == (outs[n] / "model.safetensors").read_bytes()
 
 
 def test_recorded_data_is_what_the_engine_computes(lm, data_dir):
@@ -382,7 +409,8 @@ def test_cli_train_then_run_with_the_head(tmp_path):
 
     help_text = " ".join(CliRunner().invoke(app, ["train-mtp", "--help"]).output.split())
     for option in ("--data", "--output", "--model", "--steps", "--batch-size", "--lr", "--seq-len", "--threads",
-                   "--gen-max-tokens", "--shortlist", "--chain-weight", "--distill", "--hidden-noise", "--save-dtype"):
+                   "--gen-max-tokens", "--shortlist", "--draft-vocab", "--chain-weight", "--distill", "--hidden-noise",
+                   "--save-dtype"):
         assert option in help_text, option
     assert f"[default: {TrainConfig.steps}]" in help_text
     bad = CliRunner().invoke(app, ["train-mtp", "--data", str(tmp_path / "none.jsonl"), "-o", str(out)])
