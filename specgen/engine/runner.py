@@ -269,7 +269,8 @@ class Engine:
         detached = None if self.controller is None else self.controller.detached(slots)
         draft_start = time.perf_counter()
         self.proposer.observe(StepUpdate(slots, block_start, starts, num_valid, done, t.tokens, hidden,
-                                         catch_up, self.prefix_hidden, depth, detached, t.seq_len[slots]))
+                                         catch_up, self.prefix_hidden, depth, detached, t.seq_len[slots],
+                                         t.prompt_len[slots]))
         draft_seconds += time.perf_counter() - draft_start
         if self.controller is not None and len(dec) and (not detached[: len(dec)].all() or num_avail.any()):
             self.controller.drafting(draft_seconds)  # (detached slots that still draft: MTP's copies)

@@ -175,6 +175,7 @@ class StepUpdate:
     max_draft_next: int = 5  # drafts worth preparing for the next step (the adaptive controller's hint)
     detached: np.ndarray | None = None  # [num_seqs] bool: stop drafting for these slots (drafts stopped paying)
     seq_lens: np.ndarray | None = None  # [num_seqs] int64 valid tokens of each slot after the commit
+    prompt_lens: np.ndarray | None = None  # [num_seqs] int64 each slot's prompt length
 
 
 @dataclass

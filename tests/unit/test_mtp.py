@@ -37,32 +37,38 @@ class Recording(MtpProposer):
         return type(d)(draft, np.minimum(self.k, view.max_draft))
 
 
-def reference_drafts(lm, head, seq, k):
-    """Recompute everything for one sequence: main prefill of seq[:-1], head over all positions, then chain."""
+def reference_drafts(lm, head, seq, k, shift=0):
+    """Recompute everything for one sequence: main prefill of seq[:-1], head over positions [shift, n) (as head
+    positions [0, n - shift)), then chain."""
     m = lm.model
     n = len(seq) - 1
     batch = build_forward_batch(np.array([0]), np.array([0]), np.array([n]), np.array(seq[:-1]), np.array([True]))
     _, hidden = m.forward(batch, m.new_cache(1, 256))
     fresh = MtpProposer(m, head, k)
     fresh._ensure(1)
-    x, d = fresh._run(np.array([0]), np.array([0]), np.array([n]), np.array(seq[1:]), hidden)
+    x, d = fresh._run(np.array([0]), np.array([0]), np.array([n - shift]), np.array(seq[shift + 1:]), hidden[shift:])
     out = [int(d[0])]
     for i in range(1, k):
-        x, d = fresh._run(np.array([0]), np.array([n - 1 + i]), np.array([1]), d, x)
+        x, d = fresh._run(np.array([0]), np.array([n - 1 - shift + i]), np.array([1]), d, x)
         out.append(int(d[0]))
     return out
 
 
-@pytest.mark.parametrize("dtype,k,oracle,vocab,copy,batch", [
-    ("float64", 1, False, False, 0, 4), ("float64", 3, False, False, 0, 4), ("float64", 3, True, False, 0, 4),
-    ("float32", 1, False, False, 0, 4), ("float32", 3, False, True, 0, 4), ("float32", 3, True, False, 0, 4),
-    ("float64", 2, False, False, 2, 4), ("float32", 3, False, True, 2, 4), ("float32", 2, False, False, 1, 4),
-    ("float32", 2, False, False, 2, 1)])  # one slot: a step that copies runs the fused pass with no drafts at all
-def test_incremental_drafts_equal_reference(tiny_model64, tiny_model, dtype, k, oracle, vocab, copy, batch):
+@pytest.mark.parametrize("dtype,k,oracle,vocab,copy,batch,window", [
+    ("float64", 1, False, False, 0, 4, 0), ("float64", 3, False, False, 0, 4, 0), ("float64", 3, True, False, 0, 4, 0),
+    ("float32", 1, False, False, 0, 4, 0), ("float32", 3, False, True, 0, 4, 0), ("float32", 3, True, False, 0, 4, 0),
+    ("float64", 2, False, False, 2, 4, 0), ("float32", 3, False, True, 2, 4, 0), ("float32", 2, False, False, 1, 4, 0),
+    ("float32", 2, False, False, 2, 1, 0),  # one slot: a step that copies runs the fused pass with no drafts at all
+    ("float64", 3, False, False, 0, 4, 6), ("float32", 3, False, False, 2, 4, 6), ("float32", 3, True, True, 0, 4, 6)])
+def test_incremental_drafts_equal_reference(tiny_model64, tiny_model, dtype, k, oracle, vocab, copy, batch, window,
+                                            monkeypatch):
     """float32 runs the step's head pass as one fused op (specgen_mtp_draft), the reference `_run`'s op-by-op
     path: their drafts must agree bit for bit, with and without a draft vocabulary. With copies (copy_min > 0)
     the fused pass only catches the head's cache up for slots that will copy: the head's drafts offered in the
-    steps after are still the reference's."""
+    steps after are still the reference's. With a prompt window (PROMPT_WINDOW = 6; 0 here: the whole prompt),
+    the head's cache holds only a prompt's last 6 positions, stored from its position 0 (prompts prefilled in
+    chunks of 4, so some chunks lie wholly before the window): the reference runs the head over those alone."""
+    monkeypatch.setattr(MtpProposer, "PROMPT_WINDOW", window)
     lm = tiny_model64 if dtype == "float64" else tiny_model
     ids = np.arange(0, lm.config.vocab_size, 3) if vocab else None  # a draft vocabulary of every third token
     head = MtpHead(random_mtp_weights(lm.config, seed=1, std=0.3), "random", lm.model, ids)
@@ -75,7 +81,8 @@ def test_incremental_drafts_equal_reference(tiny_model64, tiny_model, dtype, k, 
         full = [list(r.prompt_ids) + o.token_ids for r, o in zip(reqs, sorted(plain.run(reqs), key=lambda o: o.index))]
     prop = Recording(lm.model, head, k, oracle=full, copy_min=copy)
     assert prop.fused == (dtype == "float32" and lm.model.fused_layer)
-    eng = Engine(lm.model, None, EngineConfig(batch_size=batch, dtype=dtype), prop)
+    # with a window, prompts are prefilled in chunks of 4: a chunk wholly before the window gets no head pass
+    eng = Engine(lm.model, None, EngineConfig(batch_size=batch, dtype=dtype, prefill_chunk=4 if window else 0), prop)
     outs = sorted(eng.run(reqs), key=lambda o: o.index)
     assert len(outs) == 10
     if copy:
@@ -87,8 +94,16 @@ def test_incremental_drafts_equal_reference(tiny_model64, tiny_model, dtype, k, 
         assert sum(o.stats.num_accepted_tokens for o in outs) >= 10 * 64 * k // (k + 1) - 10 * k
     if vocab:
         assert all(np.isin(d, ids).all() for _, d in prop.log)
-    mismatches = [(len(seq), list(d), reference_drafts(lm, head, seq, k))
-                  for seq, d in prop.log if list(d) != reference_drafts(lm, head, seq, k)]
+    prompt_len = {r.prompt_ids: len(r.prompt_ids) for r in reqs}
+
+    def shift(seq):  # the head's window: a prompt's last `window` positions (prompts are unique prefixes here)
+        n = next(v for p, v in prompt_len.items() if tuple(seq[:v]) == p)
+        return max(0, n - window) if window else 0
+
+    if window:
+        assert sum(shift(seq) > 0 for seq, _ in prop.log) >= 50  # many drafts made from a window of the prompt
+    mismatches = [(len(seq), list(d), reference_drafts(lm, head, seq, k, shift(seq)))
+                  for seq, d in prop.log if list(d) != reference_drafts(lm, head, seq, k, shift(seq))]
     assert mismatches == []
 
 

@@ -5,8 +5,9 @@ i) through a projection, runs one decoder block with its own KV cache, and the (
 i+2. For k > 1 it is applied again to its own output hidden state and its own draft.
 
 Cache invariant: after each step the head's cache holds exact entries for every position whose main-model
-hidden state was verified (positions [0, seq_len - 1)); entries past that were written by the draft chain and
-are overwritten by the next catch-up, like the main cache's rejected drafts.
+hidden state was verified from the slot's window on (positions [shift, seq_len - 1), stored at head positions
+[0, seq_len - 1 - shift); shift = prompt length - PROMPT_WINDOW, or 0); entries past that were written by the
+draft chain and are overwritten by the next catch-up, like the main cache's rejected drafts.
 """
 from __future__ import annotations
 
@@ -186,6 +187,11 @@ class MtpProposer:
     # the alternative, the better source pays more (batch 8, k = 2, every draft verified: tokens per step
     # 1.69 -> 1.71 on summarization, 2.02 -> 2.06 on code rewriting, RAG unchanged; BENCHMARKS.md).
     COPY_MAX = 8
+    # Prompt positions the head's cache holds: only a prompt's last PROMPT_WINDOW positions are caught up, stored
+    # from the head's position 0 on (its positions are the main model's minus the slot's shift; rotary attention
+    # depends only on distances). The head trains on windows of 128 positions, so it is not asked to attend
+    # further back than it learned; and a long prompt's catch-up is no longer every position. 0: the whole prompt.
+    PROMPT_WINDOW = 256
 
     def __init__(self, model: Model, head: MtpHead, k: int, acceptance_hint: float | None = None,
                  copy_min: int = 0):
@@ -238,6 +244,7 @@ class MtpProposer:
             self.copy_ids = np.zeros((num_slots, self.k), np.int64)
             self.copy_num = np.zeros(num_slots, np.int64)
             self.copy_at = np.full(num_slots, -1, np.int64)
+            self.shift = np.zeros(num_slots, np.int64)  # [num_slots] main position - head position
 
     def _run(self, slots, starts, lens, token_ids, prev_hidden):
         """One packed pass of the head; returns (block output [num_tokens, hidden], argmax at each block's end)."""
@@ -272,25 +279,45 @@ class MtpProposer:
         # is per slot), from the prefix's hidden states, kept once, appended after the forward's rows.
         pre = update.prefix_len[live] if update.prefix_len is not None else np.zeros(len(slots), np.int64)
         start, total = first - pre, nv + pre  # [num_seqs]
+        new = start == 0  # a slot's first block: a new request, and its window of the prompt
+        if self.PROMPT_WINDOW and update.prompt_lens is not None:
+            self.shift[slots[new]] = np.maximum(update.prompt_lens[live][new] - self.PROMPT_WINDOW, 0)
+        else:
+            self.shift[slots[new]] = 0
+        shift = self.shift[slots]  # [num_seqs]
         seq = np.repeat(np.arange(len(slots)), total)  # [num_tokens] block of each catch-up token
         offset = np.arange(len(seq)) - np.concatenate([[0], np.cumsum(total)[:-1]])[seq]
         num_rows = int(update.hidden.shape[0])
         rows = np.where(offset < pre[seq], num_rows + start[seq] + offset,  # prefix position -> prefix row
                         update.block_start[live][seq] + offset - pre[seq])  # rows of the main forward
-        next_ids = update.tokens[slots[seq], start[seq] + offset + 1]  # token i+1 for position i
+        pos = start[seq] + offset  # [num_tokens] main-model position of each catch-up token
+        kept = pos >= shift[seq]  # inside the slot's window
+        if not kept.all():
+            seq, pos, rows = seq[kept], pos[kept], rows[kept]
+            total = np.bincount(seq, minlength=len(slots))
+            start = np.maximum(start, shift)
+            if not total.all():  # blocks wholly before their window (chunks of a long prompt): no pass
+                self.num_drafts[slots[total == 0]] = 0
+                keep = total > 0
+                slots, first, nv, copying, shift, start, total = (
+                    x[keep] for x in (slots, first, nv, copying, shift, start, total))
+                seq = np.cumsum(keep)[seq] - 1  # renumbered blocks
+                if not len(slots):
+                    return
+        next_ids = update.tokens[slots[seq], pos + 1]  # token i+1 for position i
         hidden = update.hidden if not pre.any() else paddle.concat([update.hidden, update.prefix_hidden])
-        last_pos = first + nv - 1
+        last_pos = first + nv - 1 - shift  # head positions
         depth = max(1, min(self.k, update.max_draft_next))  # chained drafts worth computing for the next step
         self.num_drafts[slots] = depth
         if self.fused:
             want = ~copying
             self.num_drafts[slots[copying]] = 0
             self.drafts[slots[want], :depth] = self._fused_pass(
-                slots[seq], start[seq] + offset, next_ids, hidden, rows, (np.cumsum(total) - 1)[want],
+                slots[seq], pos - shift[seq], next_ids, hidden, rows, (np.cumsum(total) - 1)[want],
                 int(last_pos.max()) + depth, depth)
             return
         h_main = paddle.gather(hidden, paddle.to_tensor(rows))  # [num_tokens, hidden]
-        x, d = self._run(slots, start, total, next_ids, h_main)
+        x, d = self._run(slots, start - shift, total, next_ids, h_main)
         self.drafts[slots, 0] = d
         ones = np.ones(len(slots), np.int64)
         for i in range(1, depth):
