@@ -45,7 +45,10 @@ def test_chunked_prefill_and_shared_prefix_are_token_identical(tiny64, shared_pr
     if method == "ngram":
         spec = SpecConfig(method="ngram", num_speculative_tokens=3)
     elif method == "mtp":
-        save_mtp(tmp_path, random_mtp_weights(tiny64.config, seed=3, std=0.3))
+        # as if trained on 64-position windows: the head sees each prompt's last 128 positions (chunks and the
+        # shared prefix before them get no head pass)
+        save_mtp(tmp_path, random_mtp_weights(tiny64.config, seed=3, std=0.3),
+                 extra={"specgen_training": {"seq_len": 64}})
         spec = SpecConfig(method="mtp", num_speculative_tokens=2, mtp_model=str(tmp_path))
     sp = _sampling(len(shared_prefix_prompts))
     whole = generate(shared_prefix_prompts, model=tiny64, sampling=sp, speculative=spec,

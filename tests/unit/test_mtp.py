@@ -14,8 +14,8 @@ class Recording(MtpProposer):
     """Records every proposal with the sequence it was made for. With an oracle (the plain run's outputs) it
     offers the true continuation instead, so every draft is accepted and each catch-up spans k + 1 positions."""
 
-    def __init__(self, *a, oracle=None, copy_min=0):
-        super().__init__(*a, copy_min=copy_min)
+    def __init__(self, *a, oracle=None, copy_min=0, prompt_window=0):
+        super().__init__(*a, copy_min=copy_min, prompt_window=prompt_window)
         self.log, self.oracle, self.copied = [], oracle, 0
 
     def propose(self, view):
@@ -60,15 +60,13 @@ def reference_drafts(lm, head, seq, k, shift=0):
     ("float64", 2, False, False, 2, 4, 0), ("float32", 3, False, True, 2, 4, 0), ("float32", 2, False, False, 1, 4, 0),
     ("float32", 2, False, False, 2, 1, 0),  # one slot: a step that copies runs the fused pass with no drafts at all
     ("float64", 3, False, False, 0, 4, 6), ("float32", 3, False, False, 2, 4, 6), ("float32", 3, True, True, 0, 4, 6)])
-def test_incremental_drafts_equal_reference(tiny_model64, tiny_model, dtype, k, oracle, vocab, copy, batch, window,
-                                            monkeypatch):
+def test_incremental_drafts_equal_reference(tiny_model64, tiny_model, dtype, k, oracle, vocab, copy, batch, window):
     """float32 runs the step's head pass as one fused op (specgen_mtp_draft), the reference `_run`'s op-by-op
     path: their drafts must agree bit for bit, with and without a draft vocabulary. With copies (copy_min > 0)
     the fused pass only catches the head's cache up for slots that will copy: the head's drafts offered in the
-    steps after are still the reference's. With a prompt window (PROMPT_WINDOW = 6; 0 here: the whole prompt),
+    steps after are still the reference's. With a prompt window (prompt_window = 6; 0 here: the whole prompt),
     the head's cache holds only a prompt's last 6 positions, stored from its position 0 (prompts prefilled in
     chunks of 4, so some chunks lie wholly before the window): the reference runs the head over those alone."""
-    monkeypatch.setattr(MtpProposer, "PROMPT_WINDOW", window)
     lm = tiny_model64 if dtype == "float64" else tiny_model
     ids = np.arange(0, lm.config.vocab_size, 3) if vocab else None  # a draft vocabulary of every third token
     head = MtpHead(random_mtp_weights(lm.config, seed=1, std=0.3), "random", lm.model, ids)
@@ -79,7 +77,7 @@ def test_incremental_drafts_equal_reference(tiny_model64, tiny_model, dtype, k, 
     if oracle:
         plain = Engine(lm.model, None, EngineConfig(batch_size=4, dtype=dtype))
         full = [list(r.prompt_ids) + o.token_ids for r, o in zip(reqs, sorted(plain.run(reqs), key=lambda o: o.index))]
-    prop = Recording(lm.model, head, k, oracle=full, copy_min=copy)
+    prop = Recording(lm.model, head, k, oracle=full, copy_min=copy, prompt_window=window)
     assert prop.fused == (dtype == "float32" and lm.model.fused_layer)
     # with a window, prompts are prefilled in chunks of 4: a chunk wholly before the window gets no head pass
     eng = Engine(lm.model, None, EngineConfig(batch_size=batch, dtype=dtype, prefill_chunk=4 if window else 0), prop)
@@ -105,6 +103,23 @@ def test_incremental_drafts_equal_reference(tiny_model64, tiny_model, dtype, k, 
     mismatches = [(len(seq), list(d), reference_drafts(lm, head, seq, k, shift(seq)))
                   for seq, d in prop.log if list(d) != reference_drafts(lm, head, seq, k, shift(seq))]
     assert mismatches == []
+
+
+def test_prompt_window_follows_the_heads_training(tmp_path):
+    """A head trained by `specgen train-mtp` on windows of seq_len positions sees a prompt's last 2 x seq_len
+    positions (the shipped head: 256); a head trained elsewhere sees the whole prompt."""
+    import json
+
+    from specgen.engine.proposers import mtp
+
+    for name, config, window in [("trained", {"specgen_training": {"seq_len": 64}}, 128),
+                                 ("external", {"architectures": ["DeepseekV3MTP"]}, 0),
+                                 ("broken", {"specgen_training": {"seq_len": "long"}}, 0)]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        assert mtp.prompt_window(tmp_path / name) == window, name
+    assert mtp.prompt_window(tmp_path / "missing") == 0
+    assert mtp.prompt_window(mtp.SHIPPED_HEAD) == 256
 
 
 def test_ernie_layout_gives_the_same_drafts(tiny_model64, tmp_path):

@@ -6,7 +6,7 @@ i+2. For k > 1 it is applied again to its own output hidden state and its own dr
 
 Cache invariant: after each step the head's cache holds exact entries for every position whose main-model
 hidden state was verified from the slot's window on (positions [shift, seq_len - 1), stored at head positions
-[0, seq_len - 1 - shift); shift = prompt length - PROMPT_WINDOW, or 0); entries past that were written by the
+[0, seq_len - 1 - shift); shift = prompt length - prompt_window, or 0); entries past that were written by the
 draft chain and are overwritten by the next catch-up, like the main cache's rejected drafts.
 """
 from __future__ import annotations
@@ -187,15 +187,15 @@ class MtpProposer:
     # the alternative, the better source pays more (batch 8, k = 2, every draft verified: tokens per step
     # 1.69 -> 1.71 on summarization, 2.02 -> 2.06 on code rewriting, RAG unchanged; BENCHMARKS.md).
     COPY_MAX = 8
-    # Prompt positions the head's cache holds: only a prompt's last PROMPT_WINDOW positions are caught up, stored
-    # from the head's position 0 on (its positions are the main model's minus the slot's shift; rotary attention
-    # depends only on distances). The head trains on windows of 128 positions, so it is not asked to attend
-    # further back than it learned; and a long prompt's catch-up is no longer every position. 0: the whole prompt.
-    PROMPT_WINDOW = 256
-
     def __init__(self, model: Model, head: MtpHead, k: int, acceptance_hint: float | None = None,
-                 copy_min: int = 0):
+                 copy_min: int = 0, prompt_window: int = 0):
         self.model, self.head, self.k = model, head, k
+        # Prompt positions the head's cache holds (0: all): only a prompt's last prompt_window positions are caught
+        # up, stored from the head's position 0 on (its positions are the main model's minus the slot's shift;
+        # rotary attention depends only on distances). For a head trained by `specgen train-mtp` on windows of
+        # seq_len positions this is 2 x seq_len (prompt_window()): it is not asked to attend further back than it
+        # learned, and a long prompt's catch-up is no longer every position.
+        self.prompt_window = prompt_window
         self.acceptance_hint = acceptance_hint  # the head's held-out position-1 accuracy, when training recorded it
         self.copy_min = copy_min
         self._lib = host() if copy_min and max(k, self.COPY_MAX, copy_min) <= NATIVE_MAX else None
@@ -280,8 +280,8 @@ class MtpProposer:
         pre = update.prefix_len[live] if update.prefix_len is not None else np.zeros(len(slots), np.int64)
         start, total = first - pre, nv + pre  # [num_seqs]
         new = start == 0  # a slot's first block: a new request, and its window of the prompt
-        if self.PROMPT_WINDOW and update.prompt_lens is not None:
-            self.shift[slots[new]] = np.maximum(update.prompt_lens[live][new] - self.PROMPT_WINDOW, 0)
+        if self.prompt_window and update.prompt_lens is not None:
+            self.shift[slots[new]] = np.maximum(update.prompt_lens[live][new] - self.prompt_window, 0)
         else:
             self.shift[slots[new]] = 0
         shift = self.shift[slots]  # [num_seqs]
@@ -371,13 +371,31 @@ def build_mtp_proposer(spec: SpecConfig, loaded: Any) -> MtpProposer:
     if head is None:
         head = loaded.model.heads[key] = MtpHead(load_mtp_weights(path), str(path), loaded.model,
                                                  load_draft_vocab(path))
-    return MtpProposer(loaded.model, head, spec.num_speculative_tokens, acceptance_hint(d), spec.mtp_copy)
+    return MtpProposer(loaded.model, head, spec.num_speculative_tokens, acceptance_hint(d), spec.mtp_copy,
+                       prompt_window(d))
+
+
+def _training_setting(directory: Path, name: str) -> float | None:
+    """A number `specgen train-mtp` recorded in the head's config.json (specgen_training), if any."""
+    try:
+        value = json.loads((directory / "config.json").read_text())["specgen_training"][name]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def acceptance_hint(directory: Path) -> float | None:
     """The held-out position-1 accuracy `specgen train-mtp` recorded in the head's config.json, if any."""
-    try:
-        acc = json.loads((directory / "config.json").read_text())["specgen_training"]["eval_acc"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return float(acc) if isinstance(acc, (int, float)) else None
+    return _training_setting(directory, "eval_acc")
+
+
+WINDOW_PER_SEQ_LEN = 2  # a trained head's prompt window, in its training windows' length: 256 for the shipped head
+
+
+def prompt_window(directory: Path) -> int:
+    """The prompt positions the head's cache holds: WINDOW_PER_SEQ_LEN x the window length `specgen train-mtp`
+    trained it on (the shipped head: 128 -> 256; its acceptance was the same with the whole prompt or the last
+    128 positions, BENCHMARKS.md), or 0 (the whole prompt) for a head trained elsewhere (DeepSeek-V3, ERNIE-4.5),
+    which may have learned to attend as far back as the main model."""
+    seq_len = _training_setting(directory, "seq_len")
+    return int(WINDOW_PER_SEQ_LEN * seq_len) if seq_len else 0
