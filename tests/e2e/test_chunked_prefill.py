@@ -121,3 +121,35 @@ def test_step_budget_limits_prefill_tokens(tiny64):
     eng.table.prefill_pos[0] = 96
     new, chunk = eng._prefill_chunks()
     assert new.tolist() == [0, 1, 2] and chunk.tolist() == [4, 32, 10]  # + 5 would make 51
+
+
+def test_mtp_drafts_are_the_same_with_chunks_and_a_shared_prefix(tiny64, shared_prefix_prompts, tmp_path,
+                                                                 monkeypatch):
+    """The head's window (a prompt's last 128 positions here) holds the same entries whether the prompt was
+    prefilled whole, in chunks, or read from the shared prefix: every draft offered for the same text is the same
+    (every draft verified, so that each variant drafts at the same points)."""
+    from specgen.engine.proposers.mtp import MtpProposer
+
+    drafts: dict[tuple, tuple] = {}
+    propose = MtpProposer.propose
+
+    def logged(self, view):
+        d = propose(self, view)
+        for i, s in enumerate(view.slots):
+            drafts[tuple(view.tokens[s, : view.seq_lens[i]].tolist())] = tuple(d.draft_ids[i, : d.num_draft[i]])
+        return d
+
+    monkeypatch.setattr(MtpProposer, "propose", logged)
+    save_mtp(tmp_path, random_mtp_weights(tiny64.config, seed=3, std=0.3), extra={"specgen_training": {"seq_len": 64}})
+    spec = SpecConfig(method="mtp", num_speculative_tokens=2, mtp_model=str(tmp_path), adaptive=False, mtp_copy=0)
+    prompts = shared_prefix_prompts[:16]
+    logs = []
+    for shared, chunk in [("off", 0), ("auto", 0), ("auto", 16), ("off", 64)]:
+        drafts.clear()
+        generate(prompts, model=tiny64, sampling=SamplingParams(max_tokens=12, ignore_eos=True), speculative=spec,
+                 engine=EngineConfig(batch_size=8, dtype="float64", shared_prefix=shared, prefill_chunk=chunk,
+                                     max_prefill_tokens=700))
+        logs.append(dict(drafts))
+    common = set(logs[0]).intersection(*logs[1:])
+    assert len(common) >= 100
+    assert all(log[text] == logs[0][text] for log in logs[1:] for text in common)

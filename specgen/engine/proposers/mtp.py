@@ -187,6 +187,7 @@ class MtpProposer:
     # the alternative, the better source pays more (batch 8, k = 2, every draft verified: tokens per step
     # 1.69 -> 1.71 on summarization, 2.02 -> 2.06 on code rewriting, RAG unchanged; BENCHMARKS.md).
     COPY_MAX = 8
+
     def __init__(self, model: Model, head: MtpHead, k: int, acceptance_hint: float | None = None,
                  copy_min: int = 0, prompt_window: int = 0):
         self.model, self.head, self.k = model, head, k
@@ -285,25 +286,22 @@ class MtpProposer:
         else:
             self.shift[slots[new]] = 0
         shift = self.shift[slots]  # [num_seqs]
+        skip = np.clip(shift - start, 0, total)  # leading positions before the slot's window
+        start, total = start + skip, total - skip
+        block_start = update.block_start[live]
+        if not total.all():  # blocks wholly before their window (chunks of a long prompt): no pass
+            self.num_drafts[slots[total == 0]] = 0
+            keep = total > 0
+            if not keep.any():
+                return
+            slots, first, nv, copying, shift, start, total, block_start = (
+                x[keep] for x in (slots, first, nv, copying, shift, start, total, block_start))
         seq = np.repeat(np.arange(len(slots)), total)  # [num_tokens] block of each catch-up token
-        offset = np.arange(len(seq)) - np.concatenate([[0], np.cumsum(total)[:-1]])[seq]
+        # [num_tokens] main-model position of each catch-up token
+        pos = start[seq] + np.arange(len(seq)) - np.concatenate([[0], np.cumsum(total)[:-1]])[seq]
         num_rows = int(update.hidden.shape[0])
-        rows = np.where(offset < pre[seq], num_rows + start[seq] + offset,  # prefix position -> prefix row
-                        update.block_start[live][seq] + offset - pre[seq])  # rows of the main forward
-        pos = start[seq] + offset  # [num_tokens] main-model position of each catch-up token
-        kept = pos >= shift[seq]  # inside the slot's window
-        if not kept.all():
-            seq, pos, rows = seq[kept], pos[kept], rows[kept]
-            total = np.bincount(seq, minlength=len(slots))
-            start = np.maximum(start, shift)
-            if not total.all():  # blocks wholly before their window (chunks of a long prompt): no pass
-                self.num_drafts[slots[total == 0]] = 0
-                keep = total > 0
-                slots, first, nv, copying, shift, start, total = (
-                    x[keep] for x in (slots, first, nv, copying, shift, start, total))
-                seq = np.cumsum(keep)[seq] - 1  # renumbered blocks
-                if not len(slots):
-                    return
+        rows = np.where(pos < first[seq], num_rows + pos,  # a shared-prefix position -> its prefix row
+                        block_start[seq] + pos - first[seq])  # rows of the main forward
         next_ids = update.tokens[slots[seq], pos + 1]  # token i+1 for position i
         hidden = update.hidden if not pre.any() else paddle.concat([update.hidden, update.prefix_hidden])
         last_pos = first + nv - 1 - shift  # head positions
