@@ -1,7 +1,7 @@
 """Write the prompts `specgen train-mtp` trains the default head on, disjoint from the evaluation prompts.
 
     python scripts/make_mtp_train_prompts.py -o mtp_train_prompts.jsonl [--tinystories] [--stdlib-code N]
-        [--stdlib-prose N]
+        [--stdlib-prose N] [--variants N]
 
 Evaluation (benchmarks/mtp_bench.py, benchmarks/spec_bench.py) uses the first EVAL_PER_CATEGORY Spec-Bench
 prompts of each category and the first EVAL_MBPP MBPP items; training uses Spec-Bench items at index
@@ -13,6 +13,13 @@ prompts (the same wording as the MBPP ones) built from functions of Python's own
 `--stdlib-prose N` adds N "Summarize:" prompts (Spec-Bench's wording) built from passages of its prose
 documentation (`pydoc_data.topics`) and module docstrings. Both are on every machine that runs Python,
 disjoint from the evaluation prompts, and chosen deterministically (sorted files, evenly spaced picks).
+
+`--variants N` adds N prompts per training Spec-Bench item, derived from that item so that the model writes new
+text of the same kind: a summarization article's sentences cut to a different span, a RAG item's passages
+rotated and one left out, a math problem's numbers changed, two translation sentences joined, a QA question
+asked with another instruction (the first variant of each QA item asks a RAG training item's question alone;
+both sets come from Natural Questions). Variants use training items only, so they stay disjoint from the
+evaluation prompts; the same data gives the same variants.
 """
 from __future__ import annotations
 
@@ -20,6 +27,8 @@ import argparse
 import ast
 import functools
 import json
+import random
+import re
 import sysconfig
 from pathlib import Path
 
@@ -44,6 +53,70 @@ def spec_bench_prompts(path: Path) -> list[dict]:
         if index >= EVAL_PER_CATEGORY:
             out.append({"id": f"specbench-{q['question_id']}",
                         "messages": [{"role": "user", "content": q["turns"][0]}]})
+    return out
+
+
+def _training_items(path: Path) -> dict[str, list[dict]]:
+    """Spec-Bench's training items (index >= EVAL_PER_CATEGORY within their category), by category."""
+    out: dict[str, list[dict]] = {}
+    for q in (json.loads(x) for x in path.read_text().splitlines() if x.strip()):
+        out.setdefault(q["category"], []).append(q)
+    return {c: qs[EVAL_PER_CATEGORY:] for c, qs in out.items() if len(qs) > EVAL_PER_CATEGORY}
+
+
+QA_ASKS = ("Answer in one sentence: {q}", "Explain in detail: {q}", "{q} Give the answer and the reason for it.")
+
+
+def _variant(category: str, text: str, j: int, n: int, items: list[dict], i: int, rng: random.Random) -> str | None:
+    """Variant j (1..n) of training item i of `category` (its first turn `text`), or None where it has none."""
+    if category == "summarization":
+        body = text.removeprefix("Summarize: ")
+        sentences = re.split(r"(?<=[.!?]) ", body)
+        span = max(4, (2 * len(sentences)) // 3)
+        if len(sentences) <= span:
+            return None
+        start = round(j * (len(sentences) - span) / n)
+        return SUMMARIZE.format(text=" ".join(sentences[start:start + span]))
+    if category == "rag":
+        lines = text.split("\n")
+        docs, question = lines[:-1], lines[-1]
+        if len(docs) < 3:
+            return None
+        r = j % len(docs)
+        return "\n".join((docs[r:] + docs[:r])[:-1] + [question])
+    if category == "math_reasoning":
+        def change(m: re.Match) -> str:
+            x = int(m.group())
+            return str(max(2, round(x * rng.uniform(0.5, 1.5)))) if x > 1 else m.group()
+        new = re.sub(r"(?<![\d.])\d+(?![\d.])", change, text)
+        return new if new != text else None
+    if category == "translation":
+        other = items[(i + j) % len(items)]["turns"][0].split(": ", 1)[-1]
+        return f"{text} {other}"
+    if category == "qa":
+        return QA_ASKS[(j - 1) % len(QA_ASKS)].format(q=text)
+    return None
+
+
+def spec_bench_variants(path: Path, n: int) -> list[dict]:
+    """n prompts per training Spec-Bench item, derived from it (module docstring, `--variants`)."""
+    items = _training_items(path)
+    rag_questions = [q["turns"][0].split("\n")[-1] for q in items.get("rag", [])]
+    # every first turn of the file, evaluation items included: a variant never repeats a prompt there
+    out, seen = [], {json.loads(x)["turns"][0] for x in path.read_text().splitlines() if x.strip()}
+    for category, qs in sorted(items.items()):
+        for i, q in enumerate(qs):
+            rng = random.Random(f"{q['question_id']}")
+            for j in range(1, n + 1):
+                text = q["turns"][0]
+                if category == "qa" and j == 1 and i < len(rag_questions):
+                    new = rag_questions[i]
+                else:
+                    new = _variant(category, text, j - (category == "qa"), n, qs, i, rng)
+                if new and new not in seen:
+                    seen.add(new)
+                    out.append({"id": f"specbench-{q['question_id']}-v{j}",
+                                "messages": [{"role": "user", "content": new}]})
     return out
 
 
@@ -160,8 +233,11 @@ def main() -> None:
                     help="add N code-rewriting prompts from the Python standard library's functions")
     ap.add_argument("--stdlib-prose", type=int, default=0, metavar="N",
                     help="add N summarization prompts from the standard library's prose documentation")
+    ap.add_argument("--variants", type=int, default=0, metavar="N",
+                    help="add N prompts per training Spec-Bench item, derived from it (see above)")
     args = ap.parse_args()
     records = spec_bench_prompts(args.data / "spec_bench" / "question.jsonl")
+    records += spec_bench_variants(args.data / "spec_bench" / "question.jsonl", args.variants) if args.variants else []
     records += mbpp_prompts(args.data / "mbpp" / "sanitized-mbpp.json")
     if args.tinystories:
         records += tinystories_prompts(args.data / "tinystories" / "tinystories_sample.txt")

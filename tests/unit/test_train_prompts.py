@@ -77,3 +77,60 @@ def test_extra_prompts_are_disjoint_from_the_evaluation_prompts(script):
     extra = script.stdlib_code_prompts(300) + script.stdlib_prose_prompts(100)
     assert not {p["messages"][0]["content"] for p in extra} & evaluated
     assert not {" ".join(_code(p).split()) for p in extra[:300]} & eval_code
+
+
+def _spec_bench(tmp_path: Path, per_category: int) -> Path:
+    """A Spec-Bench-shaped file: per_category items of each kind the variants derive from."""
+    lines, qid = [], 0
+    for i in range(per_category):
+        sentences = " ".join(f"Sentence {i}.{s} tells of the town's {s}th mayor." for s in range(9))
+        docs = "\n".join(f"Passage {i}.{d} about river number {d}." for d in range(5))
+        items = {"summarization": f"Summarize: {sentences}",
+                 "rag": f"{docs}\nWhich river is number {i}?",
+                 "math_reasoning": f"Ann has {i + 3} apples and buys 12 more at 1.5 dollars. How many now?",
+                 "translation": f"Translate German to English: Satz Nummer {i} .",
+                 "qa": f"Who was person number {i}?"}
+        for category, text in items.items():
+            qid += 1
+            lines.append(json.dumps({"question_id": qid, "category": category, "turns": [text]}))
+    path = tmp_path / "question.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_variants_derive_new_prompts_of_each_kind_from_training_items_only(script, tmp_path):
+    path = _spec_bench(tmp_path, script.EVAL_PER_CATEGORY + 4)
+    out = script.spec_bench_variants(path, 3)
+    assert out == script.spec_bench_variants(path, 3)
+    assert len({p["id"] for p in out}) == len(out)
+    items, index, seen = {}, {}, {}
+    for line in path.read_text().splitlines():
+        q = json.loads(line)
+        items[q["question_id"]] = q
+        index[q["question_id"]] = seen.get(q["category"], 0)
+        seen[q["category"]] = index[q["question_id"]] + 1
+    originals = {q["turns"][0] for q in items.values()}
+    by_kind: dict[str, list[str]] = {}
+    for p in out:
+        qid = int(p["id"].split("-")[1])
+        assert index[qid] >= script.EVAL_PER_CATEGORY  # training items only
+        item, text = items[qid], p["messages"][0]["content"]
+        assert text not in originals
+        by_kind.setdefault(item["category"], []).append(text)
+        original = item["turns"][0]
+        if item["category"] == "summarization":
+            assert text.startswith("Summarize: ") and text.removeprefix("Summarize: ") in original
+        elif item["category"] == "rag":
+            lines = text.split("\n")
+            assert lines[-1] == original.split("\n")[-1] and len(lines) == 5
+            assert set(lines[:-1]) < set(original.split("\n")[:-1])
+        elif item["category"] == "math_reasoning":
+            assert re.sub(r"\d+", "N", text) == re.sub(r"\d+", "N", original) and "1.5 dollars" in text
+        elif item["category"] == "translation":
+            assert text.startswith(original + " Satz Nummer ")
+    assert set(by_kind) == {"summarization", "rag", "math_reasoning", "translation", "qa"}
+    assert len(by_kind["translation"]) == len(by_kind["qa"]) == 3 * 4
+    assert all(len(v) <= 3 * 4 for v in by_kind.values())
+    # the first QA variant asks a RAG training item's question alone; the others ask with another instruction
+    assert by_kind["qa"][0] == "Which river is number 40?"
+    assert by_kind["qa"][1] == script.QA_ASKS[0].format(q="Who was person number 40?")
