@@ -76,7 +76,8 @@ def main() -> None:
                     help="head directory [default: the head shipped for the default model]")
     ap.add_argument("--mtp-copy", type=int, nargs="+", default=None,
                     help="SpecConfig.mtp_copy values to compare (0: the head's drafts only) [default: the default]")
-    ap.add_argument("--ngram", action="store_true", help="also run ngram at each k, for comparison")
+    ap.add_argument("--ngram", action="store_true",
+                    help="also run ngram at each k, for comparison (with the controller under --adaptive both)")
     ap.add_argument("--adaptive", choices=["on", "off", "both"], default="on",
                     help="the adaptive controller (on), every draft verified (off: raw acceptance), or each mtp "
                          "setting both ways (its rows labelled 'all' verify every draft)")
