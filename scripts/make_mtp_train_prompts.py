@@ -93,8 +93,6 @@ def _variant(category: str, text: str, j: int, n: int, items: list[dict], i: int
     if category == "translation":
         other = items[(i + j) % len(items)]["turns"][0].split(": ", 1)[-1]
         return f"{text} {other}"
-    if category == "qa":
-        return QA_ASKS[(j - 1) % len(QA_ASKS)].format(q=text)
     return None
 
 
@@ -106,13 +104,13 @@ def spec_bench_variants(path: Path, n: int) -> list[dict]:
     out, seen = [], {json.loads(x)["turns"][0] for x in path.read_text().splitlines() if x.strip()}
     for category, qs in sorted(items.items()):
         for i, q in enumerate(qs):
-            rng = random.Random(f"{q['question_id']}")
+            rng, text = random.Random(f"{q['question_id']}"), q["turns"][0]
             for j in range(1, n + 1):
-                text = q["turns"][0]
-                if category == "qa" and j == 1 and i < len(rag_questions):
-                    new = rag_questions[i]
+                if category == "qa":  # first a RAG training item's question alone, then this one asked other ways
+                    new = rag_questions[i] if j == 1 and i < len(rag_questions) else \
+                        QA_ASKS[(j - 2) % len(QA_ASKS)].format(q=text)
                 else:
-                    new = _variant(category, text, j - (category == "qa"), n, qs, i, rng)
+                    new = _variant(category, text, j, n, qs, i, rng)
                 if new and new not in seen:
                     seen.add(new)
                     out.append({"id": f"specbench-{q['question_id']}-v{j}",
