@@ -3,7 +3,7 @@
     python scripts/make_mtp_train_prompts.py -o mtp_train_prompts.jsonl [--tinystories] [--stdlib-code N]
         [--stdlib-prose N] [--variants N]
 
-Evaluation (benchmarks/mtp_bench.py, benchmarks/spec_bench.py) uses the first EVAL_PER_CATEGORY Spec-Bench
+Evaluation (benchmarks/speculation.py, through benchmarks/common.py) uses the first EVAL_PER_CATEGORY Spec-Bench
 prompts of each category and the first EVAL_MBPP MBPP items; training uses Spec-Bench items at index
 >= EVAL_PER_CATEGORY within their category (first turn), MBPP items from TRAIN_MBPP_FROM on, with the same
 code-rewriting prompt, and optionally the TinyStories sample (each story's first sentences, to continue).

@@ -1,48 +1,45 @@
 """The Python API: load_model() and generate()."""
 from __future__ import annotations
 
-import os
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from specgen.config import EngineConfig, SamplingParams, SpecConfig, default_threads
-from specgen.errors import InputError
+from specgen.config import EngineConfig, Method, SamplingParams, SpecConfig
+from specgen.errors import ConfigError, InputError
 from specgen.models.config import ModelConfig
 from specgen.models.tokenizer import TextTokenizer
 
-
-def set_threads(threads: int) -> int:
-    """Use `threads` CPU threads (0: the cores available) for Paddle's kernels."""
-    n = threads or default_threads()
-    os.environ["OMP_NUM_THREADS"] = str(n)
-    import paddle
-
-    paddle.base.core.set_num_threads(n)
-    return n
+# EngineConfig fields that decide how a model is loaded (the rest are the engine's own)
+LOAD_FIELDS = ("dtype", "threads", "device", "backend", "cpu_target", "cache_dir", "matmul")
 
 
 @dataclass
 class LoadedModel:
     """A model ready to run: weights on the device, its tokenizer and config."""
 
-    model: Any  # specgen.engine.model.Model
+    model: Any  # specgen.models.model.Model
     tokenizer: TextTokenizer | None
     config: ModelConfig
     source: str
+    engine: EngineConfig  # the settings it was loaded with (LOAD_FIELDS)
 
 
-def load_model(path: str | Path | None = None, dtype: str = "float32", threads: int = 0,
-               matmul: str = "float32") -> LoadedModel:
-    """Load an HF directory, a .gguf file, or (None) the default SmolLM2-135M-Instruct. matmul "int8" multiplies
-    by GGUF block-quantized weights with the inputs quantized to int8 (see EngineConfig.matmul)."""
-    set_threads(threads)
-    from specgen.engine.model import Model
+def load_model(path: str | Path | None = None, engine: EngineConfig | None = None, **settings: Any) -> LoadedModel:
+    """Load an HF directory, a .gguf file, or (None) the default SmolLM2-135M-Instruct, with the runtime of
+    `engine` (default EngineConfig()) and any EngineConfig field given by name (dtype="float64", backend=...)."""
+    from specgen.backends import select_backend
     from specgen.models import load_checkpoint
+    from specgen.models.model import Model
 
-    ckpt = load_checkpoint(path)
-    model = Model(ckpt, dtype=dtype, matmul=matmul)
-    return LoadedModel(model=model, tokenizer=ckpt.tokenizer, config=ckpt.config, source=ckpt.source)
+    unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(EngineConfig)})
+    if unknown:
+        raise ConfigError(f"load_model: unknown setting(s) {', '.join(unknown)}")
+    engine = dataclasses.replace(engine or EngineConfig(), **settings)
+    ckpt = load_checkpoint(path, engine.cache_root())
+    model = Model(ckpt, select_backend(engine))
+    return LoadedModel(model=model, tokenizer=ckpt.tokenizer, config=ckpt.config, source=ckpt.source, engine=engine)
 
 
 def encode_prompt(loaded: LoadedModel, prompt: Any, where: str = "prompt") -> tuple[int, ...]:
@@ -77,8 +74,7 @@ def generate(
 
     engine = engine or EngineConfig()
     speculative = speculative or SpecConfig()
-    loaded = model if isinstance(model, LoadedModel) \
-        else load_model(model, dtype=engine.dtype, threads=engine.threads, matmul=engine.matmul)
+    loaded = model if isinstance(model, LoadedModel) else load_model(model, engine)
     if sampling is None or isinstance(sampling, SamplingParams):
         params = [sampling or SamplingParams()] * len(prompts)
     else:
@@ -90,21 +86,23 @@ def generate(
         Request(id=ids[i], index=i, prompt_ids=encode_prompt(loaded, p, f"prompt {i}"), params=params[i])
         for i, p in enumerate(prompts)
     ]
-    eng = make_engine(loaded, engine, speculative)
-    outputs = sorted(eng.run(requests), key=lambda o: o.index)
-    return outputs
+    return sorted(make_engine(loaded, engine, speculative).run(requests), key=lambda o: o.index)
 
 
 def iter_generate(loaded: LoadedModel, requests: Iterable, engine: EngineConfig, speculative: SpecConfig):
-    """Stream outputs in completion order for an iterable of Requests (used by the CLI)."""
+    """Stream outputs in completion order for an iterable of Requests."""
     return make_engine(loaded, engine, speculative).run(requests)
 
 
 def make_engine(loaded: LoadedModel, engine: EngineConfig, speculative: SpecConfig):
-    from specgen.config import Method
+    """An engine over the loaded model with `engine`'s batch settings (its load settings are the model's:
+    LoadedModel.engine) and the proposer of `speculative`."""
+    from specgen import kernels
+    from specgen.engine.engine import Engine
     from specgen.engine.proposers import build_proposer
-    from specgen.engine.runner import Engine
 
     speculating = speculative.method is not Method.NONE
-    return Engine(loaded.model, loaded.tokenizer, engine, build_proposer(speculative, loaded),
+    runtime = loaded.engine
+    lib = kernels.host_lib(runtime.cpu_target, runtime.cache_root()) if speculating else None
+    return Engine(loaded.model, loaded.tokenizer, engine, build_proposer(speculative, loaded.model, lib),
                   adaptive=speculating and speculative.adaptive, max_draft=speculative.num_speculative_tokens)

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
+from specgen.cli_options import with_settings
 from specgen.errors import ConfigError, SpecgenError
 
 PRECEDENCE = ("Settings resolve once, later winning: dataclass defaults < --config YAML "
@@ -17,43 +18,12 @@ PRECEDENCE = ("Settings resolve once, later winning: dataclass defaults < --conf
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Offline batch generation with lossless speculative decoding.")
 
-# Options shared by `run` and `bench`. None means "not given": the config dataclasses hold the defaults.
+# Options of `run` and `bench` besides the settings (cli_options.with_settings adds one per config field).
 Model = Annotated[str | None, typer.Option(
     help="HF checkpoint directory or .gguf file [default: built-in SmolLM2-135M-Instruct]")]
-MethodOpt = Annotated[str | None, typer.Option("--method", help="Speculative method: none | ngram | mtp.")]
-NumSpec = Annotated[int | None, typer.Option(help="Draft tokens per step, 1..5.")]
-NgramPool = Annotated[int | None, typer.Option(
-    help="Tokens of finished requests' text searched for n-gram drafts too (0: each request's own text only).")]
-MtpModel = Annotated[str | None, typer.Option(help="Draft (MTP) checkpoint for --method mtp.")]
-MtpCopy = Annotated[int | None, typer.Option(
-    help="--method mtp: where the last N+ tokens occurred earlier in the text, draft what followed there instead "
-         "of the head's guess (0: the head only) [default: 2].")]
 SpecJson = Annotated[str | None, typer.Option(
-    help='FastDeploy-style JSON, inline or a file: '
-         '{"method": "mtp", "num_speculative_tokens": 1, "model": "path"}.')]
-BatchSize = Annotated[int | None, typer.Option(help="Static batch slots, 1..256.")]
-MaxTokens = Annotated[int | None, typer.Option(help="Output tokens per request (records may override).")]
-Temperature = Annotated[float | None, typer.Option(help="0 is greedy.")]
-TopP = Annotated[float | None, typer.Option(help="Nucleus sampling mass, (0, 1].")]
-TopK = Annotated[int | None, typer.Option(help="Top-k filter; 0 disables it.")]
-Seed = Annotated[int | None, typer.Option(help="Sampling seed (per request: seed and id).")]
-Stop = Annotated[list[str] | None, typer.Option(help="Stop string; repeat for several.")]
-IgnoreEos = Annotated[bool | None, typer.Option(
-    "--ignore-eos/--no-ignore-eos", help="Generate past EOS (fixed-length outputs).")]
-Dtype = Annotated[str | None, typer.Option(help="float32 | float64.")]
+    help='FastDeploy-style JSON, inline or a file: {"method": "mtp", "num_speculative_tokens": 1, "model": "path"}.')]
 Threads = Annotated[int | None, typer.Option(help="CPU threads; 0 uses every core available.")]
-MaxModelLen = Annotated[int | None, typer.Option(help="Cap on the context length; 0 keeps the model's.")]
-PrefillChunk = Annotated[int | None, typer.Option(
-    help="Prefill prompts longer than this many tokens in chunks, mixed into decode steps (0: whole prompts).")]
-SharedPrefix = Annotated[str | None, typer.Option(
-    help="auto: compute the prompt prefix the first batch shares (64+ tokens) once, for every slot; off.")]
-KvCacheDtype = Annotated[str | None, typer.Option(
-    help="auto: the KV cache in the compute dtype; float16: half the cache's memory and reads (float32 models on "
-         "specgen's CPU kernels; outputs stay identical with speculation on or off, not to a float32 cache).")]
-Matmul = Annotated[str | None, typer.Option(
-    help="float32: products over the weights rebuilt exactly; int8: inputs quantized to int8 per block of 32 and "
-         "integer products with GGUF Q4_0/Q4_1/Q8_0 weights (AVX-512 VNNI), as llama.cpp does: faster steps, most "
-         "with many rows (prefill, many slots); outputs close to float32's, identical with speculation on or off.")]
 ConfigFile = Annotated[Path | None, typer.Option(
     "--config", help="YAML file with sampling / engine / speculative sections.")]
 InputFormat = Annotated[str | None, typer.Option(help="jsonl | parquet [default: from the extension].")]
@@ -75,8 +45,8 @@ def exit_codes(interrupted: str = "interrupted") -> Iterator[None]:
 
 
 def resolve_config(config: Path | None, speculative_config: str | None, flags: dict[str, Any]):
-    """Flags (field name -> value or None) over --speculative-config over the YAML file over defaults."""
-    from specgen.io.run_config import load_yaml, parse_speculative_config, resolve
+    """Flags (setting -> value or None) over --speculative-config over the YAML file over defaults."""
+    from specgen.app.settings import load_yaml, parse_speculative_config, resolve
 
     sections = load_yaml(config) if config is not None else None
     spec_json = parse_speculative_config(speculative_config) if speculative_config is not None else None
@@ -86,7 +56,7 @@ def resolve_config(config: Path | None, speculative_config: str | None, flags: d
 def _load(model: str | None, cfg) -> Any:
     from specgen.api import load_model
 
-    return load_model(model, dtype=cfg.engine.dtype, threads=cfg.engine.threads, matmul=cfg.engine.matmul)
+    return load_model(model, cfg.engine)
 
 
 def _print_summary(summary, title: str) -> None:
@@ -107,34 +77,23 @@ def _write_json(path: Path | None, data: Any) -> None:
 
 @app.command(help="Generate a completion for every record of INPUT into OUTPUT (.jsonl or .parquet). "
                   + PRECEDENCE)
+@with_settings()
 def run(
     input: Annotated[Path, typer.Argument(help="Prompts: .jsonl / .json lines, or .parquet.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Results: .jsonl or .parquet.")],
-    model: Model = None, method: MethodOpt = None, num_speculative_tokens: NumSpec = None,
-    mtp_model: MtpModel = None, mtp_copy: MtpCopy = None, ngram_pool: NgramPool = None,
-    speculative_config: SpecJson = None,
-    batch_size: BatchSize = None, max_tokens: MaxTokens = None, temperature: Temperature = None,
-    top_p: TopP = None, top_k: TopK = None, seed: Seed = None, stop: Stop = None, ignore_eos: IgnoreEos = None,
-    dtype: Dtype = None, threads: Threads = None, max_model_len: MaxModelLen = None, prefill_chunk: PrefillChunk = None,
-    shared_prefix: SharedPrefix = None, kv_cache_dtype: KvCacheDtype = None, matmul: Matmul = None,
-    config: ConfigFile = None,
+    flags: dict[str, Any],
+    model: Model = None, speculative_config: SpecJson = None, config: ConfigFile = None,
     resume: Annotated[bool, typer.Option(
         "--resume", help="Continue an existing output, skipping the ids it holds.")] = False,
     on_error: Annotated[str, typer.Option(
         help="Bad records: skip (write an error record) | fail (exit 2).")] = "skip",
     quiet: Quiet = False, summary_json: SummaryJson = None, input_format: InputFormat = None,
 ) -> None:
-    from specgen.io.job import plan_job, run_job
+    from specgen.app.job import plan_job, run_job
     from specgen.io.report import run_progress
 
     with exit_codes(f"interrupted: finished records are in {output}; rerun with --resume to complete it"):
-        cfg = resolve_config(config, speculative_config, {
-            "method": method, "num_speculative_tokens": num_speculative_tokens, "mtp_model": mtp_model,
-            "mtp_copy": mtp_copy, "ngram_pool": ngram_pool, "batch_size": batch_size, "max_tokens": max_tokens,
-            "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop,
-            "ignore_eos": ignore_eos, "dtype": dtype, "threads": threads, "max_model_len": max_model_len,
-            "prefill_chunk": prefill_chunk, "shared_prefix": shared_prefix, "kv_cache_dtype": kv_cache_dtype,
-            "matmul": matmul})
+        cfg = resolve_config(config, speculative_config, flags)
         plan = plan_job(input, output, input_format, resume, on_error)
         loaded = _load(model, cfg)
         with run_progress(quiet) as progress:
@@ -163,20 +122,17 @@ def stats(
 
 @app.command(help="Run INPUT once per method on one loaded model and compare them side by side. "
                   + PRECEDENCE)
+@with_settings(exclude=("method",))
 def bench(
     input: Annotated[Path, typer.Argument(help="Prompts: .jsonl / .json lines, or .parquet.")],
+    flags: dict[str, Any],
     methods: Annotated[str, typer.Option(help="Comma-separated; the first is the baseline.")] = "none,ngram",
-    model: Model = None, num_speculative_tokens: NumSpec = None, mtp_model: MtpModel = None,
-    mtp_copy: MtpCopy = None, ngram_pool: NgramPool = None, batch_size: BatchSize = None,
-    max_tokens: MaxTokens = None, temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None,
-    seed: Seed = None, stop: Stop = None, ignore_eos: IgnoreEos = None, dtype: Dtype = None,
-    threads: Threads = None, max_model_len: MaxModelLen = None, kv_cache_dtype: KvCacheDtype = None,
-    matmul: Matmul = None, config: ConfigFile = None, input_format: InputFormat = None,
+    model: Model = None, config: ConfigFile = None, input_format: InputFormat = None,
     summary_json: SummaryJson = None,
 ) -> None:
     from rich.console import Console
 
-    from specgen.io.bench import parse_methods, run_bench
+    from specgen.app.bench import parse_methods, run_bench
     from specgen.io.readers import check_input
     from specgen.io.readers import input_format as detect_format
     from specgen.io.report import bench_table
@@ -184,12 +140,7 @@ def bench(
     with exit_codes():
         method_list = parse_methods(methods)
         # The speculative options apply to every speculative method listed; resolve them as for `run`.
-        cfg = resolve_config(config, None, {
-            "method": _bench_spec_method(method_list), "num_speculative_tokens": num_speculative_tokens,
-            "mtp_model": mtp_model, "mtp_copy": mtp_copy, "ngram_pool": ngram_pool, "batch_size": batch_size,
-            "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
-            "stop": stop, "ignore_eos": ignore_eos, "dtype": dtype, "threads": threads, "max_model_len": max_model_len,
-            "kv_cache_dtype": kv_cache_dtype, "matmul": matmul})
+        cfg = resolve_config(config, None, {**flags, "method": _bench_spec_method(method_list)})
         check_input(input)
         fmt = detect_format(input, input_format)
         rows = run_bench(input, fmt, _load(model, cfg), cfg, method_list)
@@ -292,9 +243,9 @@ def train_mtp(
 
 
 def _bench_spec_method(methods) -> str | None:
-    """The method the speculative options are checked against: mtp if listed, else ngram if listed."""
-    names = [m.value for m in methods]
-    return next((n for n in ("mtp", "ngram") if n in names), None)
+    """The method the speculative options are checked against: the last speculative one listed."""
+    names = [m.value for m in methods if m.value != "none"]
+    return names[-1] if names else None
 
 
 def main() -> None:

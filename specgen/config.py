@@ -1,17 +1,19 @@
-"""Frozen configuration dataclasses, one per concern; the single source of defaults."""
+"""Frozen configuration dataclasses, one per concern; the single source of defaults and of every runtime choice."""
 from __future__ import annotations
 
 import dataclasses
 import enum
 import os
+import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from specgen.errors import ConfigError
 
 
 class Method(str, enum.Enum):
-    """Speculative method: one string per method."""
+    """Speculative method: one string per method (each has a proposer in specgen.engine.proposers)."""
 
     NONE = "none"
     NGRAM = "ngram"
@@ -26,17 +28,29 @@ class Method(str, enum.Enum):
             raise ConfigError(f"unknown method {value!r} (valid: {valid})") from None
 
 
+def opt(default: Any = dataclasses.MISSING, help: str = "", factory: Any = dataclasses.MISSING) -> Any:
+    """A config field with its help text: the one description of a setting, shown by `specgen run --help`."""
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def _one_of(name: str, value: Any, valid: tuple) -> None:
+    if value not in valid:
+        raise ConfigError(f"{name} must be one of {', '.join(map(str, valid))}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding parameters. temperature 0 means greedy."""
 
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: no top-k filter
-    seed: int = 0
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False  # keep generating past EOS (fixed-length outputs for benchmarks)
+    max_tokens: int = opt(256, "Output tokens per request (records may override).")
+    temperature: float = opt(0.0, "Sampling temperature; 0 is greedy.")
+    top_p: float = opt(1.0, "Nucleus sampling mass, (0, 1].")
+    top_k: int = opt(0, "Top-k filter; 0 disables it.")
+    seed: int = opt(0, "Sampling seed (each request's randomness: seed, request id, output position).")
+    stop: tuple[str, ...] = opt((), "Stop string (repeat the option for several); the text is cut before it.")
+    ignore_eos: bool = opt(False, "Generate past EOS (fixed-length outputs).")
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -60,86 +74,161 @@ def default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+DEVICES = ("auto", "cpu", "gpu")
+# fused: specgen's CPU kernels (specgen/kernels), the whole forward as one operator; reference: Paddle's own
+# operators, on any device Paddle runs on; auto: fused on a CPU where the kernels build and pay, else reference.
+BACKENDS = ("auto", "fused", "reference")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """The static batch and the runtime."""
+    """The model's runtime (device, backend, precision, threads) and the static batch."""
 
-    batch_size: int = 32  # slots
-    dtype: str = "float32"
-    threads: int = 0  # 0: the cores available
-    max_model_len: int = 0  # 0: the model's context length
-    max_prefill_tokens: int = 4096  # prompt tokens admitted (and prefilled) per step
-    prefill_chunk: int = 0  # prompts longer than this are prefilled in chunks across steps; 0: whole prompts
-    shared_prefix: str = "auto"  # auto: the first batch's common prompt prefix is computed once (cascade); off
-    min_shared_prefix: int = 64  # shorter common prefixes are not shared
-    kv_cache_dtype: str = "auto"  # auto: the compute dtype; float16: halves the cache (float32 models, CPU kernels)
-    matmul: str = "float32"  # int8: inputs quantized per block of 32 for integer products (GGUF block weights)
+    batch_size: int = opt(32, "Static batch slots, 1..256.")
+    dtype: str = opt("float32", "float32 | float64 (exactness checks; ~1.5-2x slower).")
+    threads: int = opt(0, "CPU threads; 0 uses every core available to the process.")
+    device: str = opt("auto", "auto | cpu | gpu. auto: the GPU when Paddle is built with CUDA and one is visible.")
+    backend: str = opt("auto", "auto | fused | reference. fused: specgen's CPU kernels (the whole forward as one "
+                               "operator); reference: Paddle's operators, any device; auto: fused where the kernels "
+                               "build and pay (AVX2 or AVX-512).")
+    cpu_target: str = opt("native", "The fused kernels' build target (-march): native, or e.g. x86-64-v3 for an "
+                                    "AVX2 machine.")
+    cache_dir: str = opt("", "Where converted models, kernel builds and step-cost tables are kept "
+                             "[default: $XDG_CACHE_HOME/specgen or ~/.cache/specgen].")
+    cost_cache: bool = opt(True, "Keep measured step-cost tables in the cache for a week (a rerun times nothing).")
+    max_model_len: int = opt(0, "Cap on the context length; 0 keeps the model's.")
+    max_prefill_tokens: int = opt(4096, "Prompt tokens admitted (and prefilled) per step.")
+    prefill_chunk: int = opt(0, "Prefill prompts longer than this many tokens in chunks, mixed into decode steps "
+                                "(0: whole prompts).")
+    shared_prefix: str = opt("auto", "auto: compute the prompt prefix the first batch shares once, for every slot; "
+                                     "off.")
+    min_shared_prefix: int = opt(64, "Shorter common prefixes are not shared.")
+    kv_cache_dtype: str = opt("auto", "auto: the KV cache in the compute dtype; float16: half its memory and reads "
+                                      "(float32 models on the fused backend).")
+    matmul: str = opt("float32", "float32 | int8. int8: inputs quantized to int8 per block of 32 for integer "
+                                 "products with GGUF Q4_0/Q4_1/Q8_0 weights (AVX-512 VNNI), as llama.cpp does.")
 
     def __post_init__(self) -> None:
         if not 1 <= self.batch_size <= 256:
             raise ConfigError(f"batch_size must be in 1..256, got {self.batch_size}")
-        if self.dtype not in ("float32", "float64"):
-            raise ConfigError(f"dtype must be float32 or float64, got {self.dtype!r}")
+        _one_of("dtype", self.dtype, ("float32", "float64"))
+        _one_of("device", self.device, DEVICES)
+        _one_of("backend", self.backend, BACKENDS)
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
+        if not self.cpu_target or any(c.isspace() for c in self.cpu_target):
+            raise ConfigError(f"cpu_target must be a compiler -march value, got {self.cpu_target!r}")
         if self.max_model_len < 0 or self.max_prefill_tokens < 1:
             raise ConfigError("max_model_len must be >= 0 and max_prefill_tokens >= 1")
-        if self.shared_prefix not in ("auto", "off"):
-            raise ConfigError(f"shared_prefix must be 'auto' or 'off', got {self.shared_prefix!r}")
+        _one_of("shared_prefix", self.shared_prefix, ("auto", "off"))
         if self.min_shared_prefix < 1:
             raise ConfigError(f"min_shared_prefix must be >= 1, got {self.min_shared_prefix}")
-        if self.kv_cache_dtype not in ("auto", "float16"):
-            raise ConfigError(f"kv_cache_dtype must be 'auto' or 'float16', got {self.kv_cache_dtype!r}")
+        _one_of("kv_cache_dtype", self.kv_cache_dtype, ("auto", "float16"))
         if self.kv_cache_dtype == "float16" and self.dtype != "float32":
             raise ConfigError(f"kv_cache_dtype float16 needs dtype float32, got {self.dtype!r}")
-        if self.matmul not in ("float32", "int8"):
-            raise ConfigError(f"matmul must be 'float32' or 'int8', got {self.matmul!r}")
+        _one_of("matmul", self.matmul, ("float32", "int8"))
         if self.matmul == "int8" and self.dtype != "float32":
             raise ConfigError(f"matmul int8 needs dtype float32, got {self.dtype!r}")
         if self.prefill_chunk < 0:
             raise ConfigError(f"prefill_chunk must be >= 0 (0: no chunking), got {self.prefill_chunk}")
 
+    def cache_root(self) -> Path:
+        """Where converted models, kernel builds and step-cost tables are kept."""
+        if self.cache_dir:
+            return Path(self.cache_dir).expanduser()
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specgen"
+
+    def num_threads(self) -> int:
+        return self.threads or default_threads()
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    """--method ngram: drafts copied from where the text's tail occurred before (its own text, the job's pool)."""
+
+    min: int = opt(1, "Shortest tail looked up, in tokens.")
+    max: int = opt(3, "Longest tail looked up (a longer match wins).")
+    pool: int = opt(1 << 20, "Tokens of finished requests' text searched for drafts too (0: each request's own text "
+                             "only).")
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min <= self.max:
+            raise ConfigError(f"ngram needs 1 <= min <= max, got {self.min}, {self.max}")
+        if self.pool < 0:
+            raise ConfigError(f"ngram pool must be >= 0 tokens (0: no pool), got {self.pool}")
+
+
+@dataclass(frozen=True)
+class MtpConfig:
+    """--method mtp: a DeepSeek-V3 / ERNIE-4.5 style MTP head drafts the tokens after next."""
+
+    model: str | None = opt(None, "The MTP head's directory (DeepSeek-V3 or ERNIE-4.5 layout) [default: the head "
+                                  "shipped for the default model].")
+    # The shipped head hardly copies from far back (it trains on 128-position windows), where summarization and
+    # RAG answers come from.
+    copy: int = opt(2, "Where the last N+ tokens occurred earlier in the slot's text, draft what followed there "
+                       "instead of the head's guess (0: the head only).")
+    # Its pass then reads a quarter of the bytes. Only drafts can change, never outputs.
+    quantize: bool = opt(True, "Beside a main model kept in GGUF blocks, pack the head's projections as Q8_0 blocks "
+                               "(integer products with AVX-512 VNNI).")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.copy <= 8:
+            raise ConfigError(f"mtp copy must be in 0..8 tokens (0: the head's drafts only), got {self.copy}")
+
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding. k (num_speculative_tokens) is FastDeploy's bound 1..5."""
+    """Speculative decoding: the method, its bound on drafts per step (FastDeploy's 1..5) and each method's
+    own section."""
 
-    method: Method = Method.NONE
-    num_speculative_tokens: int = 3
-    ngram_min: int = 1
-    ngram_max: int = 3
-    ngram_pool: int = 1 << 20  # tokens of finished requests' text kept for n-gram lookup (0: own text only)
-    mtp_model: str | None = None
-    # MTP drafting with the slot's own text: where the last mtp_copy (or more) tokens occurred earlier in the
-    # prompt or output, the draft is what followed there (prompt lookup) instead of the head's guess; 0: the head
-    # only. The shipped head hardly copies from far back (it trains on 128-position windows): with 2, first drafts
-    # on held-out summarization / RAG are accepted 0.45 / 0.53 of the time, not 0.27 / 0.33 (BENCHMARKS.md, "MTP
-    # drafts that copy"). Copies come from the slot's own text (not the job's n-gram pool).
-    mtp_copy: int = 2
-    adaptive: bool = True
+    method: Method = opt(Method.NONE, "Speculative method: none | ngram | mtp.")
+    num_speculative_tokens: int = opt(3, "Draft tokens per step at most, 1..5.")
+    adaptive: bool = opt(True, "Choose each slot's drafts per step (0 included) from measured step costs and "
+                               "acceptance; off: verify every draft offered.")
+    ngram: NgramConfig = opt(help="n-gram drafting.", factory=NgramConfig)
+    mtp: MtpConfig = opt(help="MTP drafting.", factory=MtpConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Method.parse(self.method))
         if not 1 <= self.num_speculative_tokens <= 5:
             raise ConfigError(f"num_speculative_tokens must be in 1..5, got {self.num_speculative_tokens}")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ConfigError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
-        if not 0 <= self.mtp_copy <= 8:
-            raise ConfigError(f"mtp_copy must be in 0..8 tokens (0: the head's drafts only), got {self.mtp_copy}")
-        if self.ngram_pool < 0:
-            raise ConfigError(f"ngram_pool must be >= 0 tokens (0: no pool), got {self.ngram_pool}")
+        for name, cls in (("ngram", NgramConfig), ("mtp", MtpConfig)):
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"speculative.{name} must be a {cls.__name__}")
+
+
+# The SpecConfig section holding each method's own settings (a method without one has none).
+METHOD_SECTIONS: dict[Method, str] = {Method.NGRAM: "ngram", Method.MTP: "mtp"}
+
+
+def _nested_type(cls: type, name: str) -> type | None:
+    """The config dataclass a field of `cls` holds, if it holds one (SpecConfig.ngram -> NgramConfig)."""
+    hint = typing.get_type_hints(cls).get(name)
+    return hint if dataclasses.is_dataclass(hint) else None
 
 
 def from_mapping(cls: type, values: dict[str, Any], where: str) -> Any:
-    """Build a config dataclass from a mapping; unknown keys are an error naming the valid ones."""
+    """Build a config dataclass from a mapping, nested sections from nested mappings; unknown keys are an error
+    naming the valid ones."""
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - names)
+    unknown = sorted(map(str, set(values) - names))
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (valid: {', '.join(sorted(names))})")
+    built = dict(values)
+    for name, value in values.items():
+        sub = _nested_type(cls, name)
+        if sub is not None:
+            if value is None:
+                value = {}
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}.{name} must be a mapping of field: value")
+            built[name] = from_mapping(sub, value, f"{where}.{name}")
     try:
-        return cls(**values)
+        return cls(**built)
     except TypeError as exc:
         raise ConfigError(f"{where}: {exc}") from None
 
 
-__all__ = ["Method", "SamplingParams", "EngineConfig", "SpecConfig", "from_mapping", "default_threads", "field"]
+__all__ = ["Method", "SamplingParams", "EngineConfig", "SpecConfig", "NgramConfig", "MtpConfig", "METHOD_SECTIONS",
+           "from_mapping", "default_threads", "opt", "DEVICES", "BACKENDS"]

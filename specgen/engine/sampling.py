@@ -12,7 +12,6 @@ import hashlib
 import numpy as np
 import paddle
 
-from specgen import kernels
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _TOPP_CANDIDATES = 256  # top-p looks at this many most likely tokens first; falls back to a full sort
@@ -64,7 +63,7 @@ def sample(
 ) -> np.ndarray:
     """Token per row; [rows] int64. Greedy rows take the argmax (lowest id on a tie)."""
     if greedy is None:
-        greedy = kernels.argmax(logits).numpy()  # [rows]
+        greedy = paddle.argmax(logits, axis=-1).numpy()  # [rows] the lowest id on a tie
     sampled_rows = np.nonzero(temperature > 0)[0]
     if len(sampled_rows) == 0:
         return greedy

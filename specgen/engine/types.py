@@ -5,27 +5,15 @@ Dimension vocabulary (used in every shape comment):
   num_seqs     query blocks (one per participating slot) in one forward
   num_slots    static batch size (cache rows)
   max_q        longest query block of an attention group; max_kv its longest key range
+  num_wanted   sequences an MTP head drafts for in one pass
   num_logits   rows that need logits (a prefill's last token, every verify position)
   max_draft    the largest number of draft tokens any slot proposes this step (k)
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
-
-
-@dataclass(frozen=True)
-class AttnGroup:
-    """Query blocks of similar length that share one padded attention computation ("virtual padding")."""
-
-    seq_slots: np.ndarray  # [num_seqs_g] int64 cache row of each block
-    pad_token_index: np.ndarray  # [num_seqs_g, max_q] int64 packed-token index, or num_tokens for padding
-    pad_positions: np.ndarray  # [num_seqs_g, max_q] int64 position of each padded query (0 for padding)
-    max_kv: int  # keys attended: positions [0, max_kv) of each block's slot
-    token_rows: np.ndarray  # [num_tokens_g] int64 packed-token indices of this group's tokens, in order
-    token_pad_index: np.ndarray  # [num_tokens_g] int64 flat index into [num_seqs_g * max_q] of each token
 
 
 @dataclass(frozen=True)
@@ -41,62 +29,6 @@ class ForwardBatch:
     block_starts: np.ndarray  # [num_seqs] int64 position of each block's first token
     block_lens: np.ndarray  # [num_seqs] int64 tokens in each block
     token_prefix_len: np.ndarray | None = None  # [num_tokens] int64 shared-prefix positions of each token's slot
-    prefill_group_threshold: int = 16
-    prefill_group_budget: int = 1 << 19
-
-    @functools.cached_property
-    def groups(self) -> tuple[AttnGroup, ...]:
-        """The attention groups, built on first use: only the per-layer (unfused) forward reads them, so the fused
-        step does not pay for them."""
-        return attention_groups(self.block_slots, self.block_starts, self.block_lens, self.prefill_group_threshold,
-                                self.prefill_group_budget)
-
-
-def attention_groups(
-    slots: np.ndarray,  # [num_seqs] int64 cache row of each block
-    starts: np.ndarray,  # [num_seqs] int64 position of each block's first token
-    lens: np.ndarray,  # [num_seqs] int64 tokens in each block (>= 1)
-    prefill_group_threshold: int,
-    prefill_group_budget: int,
-) -> tuple[AttnGroup, ...]:
-    """Short blocks (decode/verify) in one group; long ones (prefill) sorted by length and split so that each
-    group's padded num_seqs * max_q * max_kv stays within prefill_group_budget (padding a 30-token prompt to a
-    1,000-token one costs 30x)."""
-    cu = np.zeros(len(lens) + 1, dtype=np.int64)
-    np.cumsum(lens, out=cu[1:])
-    num_tokens = int(cu[-1])
-    groups = []
-    is_long = lens > prefill_group_threshold
-    members = [np.nonzero(~is_long)[0]] if (~is_long).any() else []
-    long_seqs = np.nonzero(is_long)[0]
-    long_seqs = long_seqs[np.argsort(lens[long_seqs], kind="stable")]
-    start = 0
-    while start < len(long_seqs):
-        end = start + 1
-        while end < len(long_seqs):
-            q = lens[long_seqs[end]]
-            if (end - start + 1) * q * (starts[long_seqs[start:end + 1]] + q).max() > prefill_group_budget:
-                break
-            end += 1
-        members.append(long_seqs[start:end])
-        start = end
-    for seqs in members:
-        max_q = int(lens[seqs].max())
-        col = np.arange(max_q)
-        valid = col[None, :] < lens[seqs][:, None]  # [num_seqs_g, max_q]
-        pad_index = np.where(valid, cu[seqs][:, None] + col[None, :], num_tokens)
-        pad_pos = np.where(valid, starts[seqs][:, None] + col[None, :], 0)
-        groups.append(
-            AttnGroup(
-                seq_slots=slots[seqs].astype(np.int64),
-                pad_token_index=pad_index.astype(np.int64),
-                pad_positions=pad_pos.astype(np.int64),
-                max_kv=int((starts[seqs] + lens[seqs]).max()),
-                token_rows=pad_index[valid].astype(np.int64),
-                token_pad_index=np.nonzero(valid.reshape(-1))[0].astype(np.int64),
-            )
-        )
-    return tuple(groups)
 
 
 def build_forward_batch(
@@ -105,12 +37,10 @@ def build_forward_batch(
     lens: np.ndarray,  # [num_seqs] int64 tokens in each block (>= 1)
     token_ids: np.ndarray,  # [num_tokens] int64 the blocks' tokens, packed in block order
     logits_all: np.ndarray,  # [num_seqs] bool: logits for every row of the block (verify) or only the last
-    prefill_group_threshold: int = 16,
     no_logits: np.ndarray | None = None,  # [num_seqs] bool: no logits at all (a prompt chunk that is not the last)
     prefix_lens: np.ndarray | None = None,  # [num_seqs] int64 positions each slot reads from the shared prefix
-    prefill_group_budget: int = 1 << 19,
 ) -> ForwardBatch:
-    """Pack blocks; their attention groups (attention_groups) are built when first asked for."""
+    """Pack blocks one after the other."""
     cu = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=cu[1:])
     num_tokens = int(cu[-1])
@@ -127,13 +57,11 @@ def build_forward_batch(
         token_slots=slots[seq_of_token].astype(np.int64, copy=False),
         logit_rows=np.nonzero(need)[0].astype(np.int64, copy=False),
         max_position=int(positions.max()) + 1 if num_tokens else 0,
-        block_slots=np.array(slots, np.int64),  # copies: groups are built later
-        block_starts=np.array(starts, np.int64),  # copies: groups are built later
-        block_lens=np.array(lens, np.int64),  # copies: groups are built later
+        block_slots=np.array(slots, np.int64),  # copies: the caller's arrays may change after the call
+        block_starts=np.array(starts, np.int64),
+        block_lens=np.array(lens, np.int64),
         token_prefix_len=None if prefix_lens is None or not prefix_lens.any()
         else prefix_lens[seq_of_token].astype(np.int64),
-        prefill_group_threshold=prefill_group_threshold,
-        prefill_group_budget=prefill_group_budget,
     )
 
 

@@ -15,12 +15,15 @@
 //                         read, so a row's result still depends only on its own inputs.
 //   specgen_argmax        x [n, v]                         -> int64 [n]: index of each row's largest value, the
 //                         lowest index on a tie (as paddle.argmax)
-//   specgen_stack         whole pre-norm decoder blocks, float32 with packed weights (linear.cc), one after the
-//                         other (each argument a list, one entry per block): the ops above and the four
-//                         projections, the same functions in the same order, so bit-identical to calling them one
-//                         by one; all 30 blocks of a forward are one call instead of ~250 Python-side dispatches.
+//   specgen_stack         whole pre-norm decoder blocks with packed weights (linear.cc), one after the other (each
+//                         argument a list, one entry per block): the ops above and the four projections, the same
+//                         functions in the same order, so bit-identical to calling them one by one; all 30 blocks
+//                         of a forward are one call instead of ~250 Python-side dispatches. The activations' type
+//                         is float32 or float64 (the exactness tests' type: float64 panels, caches, RoPE tables,
+//                         norms and biases; half caches serve float32 only).
 //   specgen_forward       a whole forward: embedding, specgen_stack's blocks, final norm, the LM head at the rows
-//                         that need logits (bit-identical to those ops one after the other), and their argmax.
+//                         that need logits (bit-identical to those ops one after the other), and their argmax; in
+//                         the embedding's type (the greedy screen of a quantized LM head, lm_screen, is float32's).
 //   specgen_bind_weights  a model's weights for specgen_forward_bound, held in this library under a handle
 //   specgen_bind_caches   a KV cache's per-block tensors (and its shared prefix's), held the same way
 //   specgen_unbind        drops a handle of either kind
@@ -29,7 +32,8 @@
 //                         (26 us per decoder block), a tenth of a one-token step of the default model.
 //   specgen_mtp_draft     an MTP head's pass for a step: input norms and eh_proj, its block(s) (specgen_stack's code),
 //                         final norm, LM head and argmax at each sequence's last token, then depth - 1 chained
-//                         passes on its own drafts; the same functions in the same order as MtpProposer._run.
+//                         passes on its own drafts; the same functions in the same order as MtpProposer._run. In
+//                         the embedding's type, as specgen_forward.
 //
 // Every output row is computed from its own inputs in a fixed order, whatever else is in the batch, so results
 // do not depend on batch composition or on how many tokens a slot feeds (speculation on or off).
@@ -929,10 +933,11 @@ std::vector<paddle::Tensor> Attention(const paddle::Tensor& qkv, const paddle::T
 namespace {
 
 // out[r, :] += b for each of the n rows (no-op for an empty bias).
-void add_bias(float* out, const paddle::Tensor& b, int64_t n, int64_t width) {
+template <typename T>
+void add_bias(T* out, const paddle::Tensor& b, int64_t n, int64_t width) {
   if (b.numel() == 0) return;
   PD_CHECK(b.numel() == width, "bias width does not match its projection");
-  const float* bp = b.data<float>();
+  const T* bp = b.data<T>();
   for (int64_t r = 0; r < n; ++r)
 #pragma omp simd
     for (int64_t i = 0; i < width; ++i) out[r * width + i] += bp[i];
@@ -940,8 +945,9 @@ void add_bias(float* out, const paddle::Tensor& b, int64_t n, int64_t width) {
 
 // Scratch for one block's intermediates, reused across calls: grown to the largest forward seen and kept (an
 // 8,192-token prefill chunk of the default model leaves ~280 MB here).
+template <typename T>
 struct LayerScratch {
-  std::vector<float> h, qkv, att, o, sum, gu, act, m;
+  std::vector<T> h, qkv, att, o, sum, gu, act, m;
 };
 
 // One decoder block's tensors.
@@ -951,15 +957,45 @@ struct BlockTensors {
   const paddle::Tensor &q_norm, &k_norm, &prefix_k, &prefix_v;
 };
 
-// What every block of one forward shares.
+// What every block of one forward shares; T is the activations' type (float or double).
+template <typename T>
 struct StepInputs {
-  const float *cos, *sin;
+  const T *cos, *sin;
   const int64_t *positions, *slots, *prefix_len;  // [n] per token
   int64_t H, KV, capacity;
   bool qk_norm;
-  float eps;
+  T eps;
   int64_t prefix_capacity;
 };
+
+// The paddle type of activations T, and its name for errors.
+template <typename T>
+constexpr paddle::DataType dtype_of() {
+  return std::is_same_v<T, float> ? paddle::DataType::FLOAT32 : paddle::DataType::FLOAT64;
+}
+template <typename T>
+constexpr const char* dtype_name() {
+  return std::is_same_v<T, float> ? "float32" : "float64";
+}
+
+// f(T{}) for the activations' type T of t: float for float32, double for float64 (the whole-forward ops' two
+// instantiations; errors name op).
+template <typename F>
+auto with_activations(const paddle::Tensor& t, const char* op, F&& f) {
+  if (t.dtype() == paddle::DataType::FLOAT64) return f(double{});
+  PD_CHECK(t.dtype() == paddle::DataType::FLOAT32, op, ": float32 or float64 activations only");
+  return f(float{});
+}
+
+// w as a packed weight of k inputs and n outputs for activations T: float64 panels exactly when T is double, so a
+// mismatch stops before anything is written (errors name `name`).
+template <typename T>
+specgen::PackedWeight packed_for(const paddle::Tensor& w, int64_t k, int64_t n, const char* name) {
+  const specgen::PackedWeight p = specgen::packed_weight(w, k, n, name);
+  PD_CHECK(((p.kind == specgen::kFloat64Panels) == std::is_same_v<T, double>), name, ": ", dtype_name<T>(),
+           " activations need ", std::is_same_v<T, double> ? "float64 panels" : "float32, 16-bit or quantized panels");
+  return p;
+}
 
 // A block's packed projections, checked against the shapes the block needs (errors name the projection).
 struct BlockWeights {
@@ -967,24 +1003,59 @@ struct BlockWeights {
   int64_t D, inter;
 };
 
-BlockWeights check_block(const BlockTensors& b, const StepInputs& a, int64_t hid) {
+template <typename T>
+BlockWeights check_block(const BlockTensors& b, const StepInputs<T>& a, int64_t hid) {
   check_cpu(b.k_cache, "k_cache");
-  PD_CHECK(b.k_cache.dtype() == paddle::DataType::FLOAT32 || b.k_cache.dtype() == paddle::DataType::FLOAT16,
-           "specgen_stack: float32 or float16 caches only");
+  if constexpr (std::is_same_v<T, float>) {
+    PD_CHECK(b.k_cache.dtype() == paddle::DataType::FLOAT32 || b.k_cache.dtype() == paddle::DataType::FLOAT16,
+             "specgen_stack: float32 or float16 caches only");
+  } else {
+    PD_CHECK(b.k_cache.dtype() == paddle::DataType::FLOAT64,
+             "specgen_stack: float64 activations need float64 caches (float16 caches serve float32 only)");
+  }
   PD_CHECK(b.v_cache.dtype() == b.k_cache.dtype(), "specgen_stack: K and V caches of different types");
+  for (const paddle::Tensor* t :
+       {&b.attn_norm, &b.mlp_norm, &b.q_norm, &b.k_norm, &b.b_qkv, &b.b_o, &b.b_gu, &b.b_down})
+    PD_CHECK(t->numel() == 0 || t->dtype() == dtype_of<T>(), "specgen_stack: norms and biases must be ",
+             dtype_name<T>(), ", as the activations");
   const int64_t D = b.k_cache.shape().back(), wq = (a.H + 2 * a.KV) * D;
-  // w_down's inputs: [panels, inter, 32] float32, or [panels, inter / 32, bytes] quantized
-  const int64_t inter = b.w_down.shape()[1] * (b.w_down.dtype() == paddle::DataType::FLOAT32 ? 1 : 32);
-  return {specgen::packed_weight(b.w_qkv, hid, wq, "w_qkv"), specgen::packed_weight(b.w_o, a.H * D, hid, "w_o"),
-          specgen::packed_weight(b.w_gu, hid, 2 * inter, "w_gate_up"),
-          specgen::packed_weight(b.w_down, inter, hid, "w_down"), D, inter};
+  // w_down's inputs: [panels, inter, 32] float32 / float64, or [panels, inter / 32, bytes] quantized
+  const bool flat = b.w_down.dtype() == paddle::DataType::FLOAT32 || b.w_down.dtype() == paddle::DataType::FLOAT64;
+  const int64_t inter = b.w_down.shape()[1] * (flat ? 1 : 32);
+  return {packed_for<T>(b.w_qkv, hid, wq, "w_qkv"), packed_for<T>(b.w_o, a.H * D, hid, "w_o"),
+          packed_for<T>(b.w_gu, hid, 2 * inter, "w_gate_up"), packed_for<T>(b.w_down, inter, hid, "w_down"), D,
+          inter};
+}
+
+// att [n, H D] = the block's attention over qkv [n, (H + 2 KV) D], writing the tokens' K/V into its cache (T, or
+// for float32 activations IEEE halves).
+template <typename T>
+void block_attention(const T* qkv, T* att, int64_t n, int64_t D, const BlockTensors& b, const StepInputs<T>& a) {
+  const int64_t H = a.H, KV = a.KV;
+  if constexpr (std::is_same_v<T, float>) {
+    if (b.k_cache.dtype() == paddle::DataType::FLOAT16) {
+      bool shared = false;
+      for (int64_t t = 0; t < n; ++t) shared = shared || a.prefix_len[t] > 0;
+      PD_CHECK(!shared || (b.prefix_k.dtype() == b.k_cache.dtype() && b.prefix_v.dtype() == b.k_cache.dtype()),
+               "specgen_stack: the shared prefix's cache type differs from the slots' cache");
+      attention<float, uint16_t>(qkv, a.cos, a.sin, a.positions, a.slots, half_data(b.k_cache), half_data(b.v_cache),
+                                 b.q_norm.data<float>(), b.k_norm.data<float>(), att, n, H, KV, D, a.capacity,
+                                 a.qk_norm, a.eps, 8, a.prefix_len, half_data(b.prefix_k), half_data(b.prefix_v),
+                                 a.prefix_capacity);
+      return;
+    }
+  }
+  attention<T>(qkv, a.cos, a.sin, a.positions, a.slots, b.k_cache.data<T>(), b.v_cache.data<T>(),
+               b.q_norm.data<T>(), b.k_norm.data<T>(), att, n, H, KV, D, a.capacity, a.qk_norm, a.eps, 8,
+               a.prefix_len, b.prefix_k.data<T>(), b.prefix_v.data<T>(), a.prefix_capacity);
 }
 
 // out [n, hid] = the pre-norm decoder block applied to x [n, hid], writing this block's K/V into its cache.
-void block_forward(const float* x, float* out, int64_t n, int64_t hid, const BlockTensors& b, const BlockWeights& w,
-                   const StepInputs& a) {
+template <typename T>
+void block_forward(const T* x, T* out, int64_t n, int64_t hid, const BlockTensors& b, const BlockWeights& w,
+                   const StepInputs<T>& a) {
   const int64_t H = a.H, KV = a.KV, D = w.D, inter = w.inter, wq = (H + 2 * KV) * D;
-  static thread_local LayerScratch s;
+  static thread_local LayerScratch<T> s;
   s.h.resize(n * hid);
   s.qkv.resize(n * wq);
   s.att.resize(n * H * D);
@@ -993,46 +1064,35 @@ void block_forward(const float* x, float* out, int64_t n, int64_t hid, const Blo
   s.gu.resize(n * 2 * inter);
   s.act.resize(n * inter);
   s.m.resize(n * hid);
-  rms_norm_rows<float>(x, b.attn_norm.data<float>(), s.h.data(), n, hid, a.eps);
+  rms_norm_rows<T>(x, b.attn_norm.data<T>(), s.h.data(), n, hid, a.eps);
   specgen::packed_linear(s.h.data(), n, hid, w.qkv, s.qkv.data(), wq);
   add_bias(s.qkv.data(), b.b_qkv, n, wq);
-  if (b.k_cache.dtype() == paddle::DataType::FLOAT16) {
-    bool shared = false;
-    for (int64_t t = 0; t < n; ++t) shared = shared || a.prefix_len[t] > 0;
-    PD_CHECK(!shared || (b.prefix_k.dtype() == b.k_cache.dtype() && b.prefix_v.dtype() == b.k_cache.dtype()),
-             "specgen_stack: the shared prefix's cache type differs from the slots' cache");
-    attention<float, uint16_t>(s.qkv.data(), a.cos, a.sin, a.positions, a.slots, half_data(b.k_cache),
-                               half_data(b.v_cache), b.q_norm.data<float>(), b.k_norm.data<float>(), s.att.data(), n,
-                               H, KV, D, a.capacity, a.qk_norm, a.eps, 8, a.prefix_len, half_data(b.prefix_k),
-                               half_data(b.prefix_v), a.prefix_capacity);
-  } else {
-    attention<float>(s.qkv.data(), a.cos, a.sin, a.positions, a.slots, b.k_cache.data<float>(),
-                     b.v_cache.data<float>(), b.q_norm.data<float>(), b.k_norm.data<float>(), s.att.data(), n, H, KV,
-                     D, a.capacity, a.qk_norm, a.eps, 8, a.prefix_len, b.prefix_k.data<float>(),
-                     b.prefix_v.data<float>(), a.prefix_capacity);
-  }
+  block_attention(s.qkv.data(), s.att.data(), n, D, b, a);
   specgen::packed_linear(s.att.data(), n, H * D, w.o, s.o.data(), hid);
   add_bias(s.o.data(), b.b_o, n, hid);
-  add_rms_norm_rows<float>(x, s.o.data(), b.mlp_norm.data<float>(), s.sum.data(), s.h.data(), n, hid, a.eps);
+  add_rms_norm_rows<T>(x, s.o.data(), b.mlp_norm.data<T>(), s.sum.data(), s.h.data(), n, hid, a.eps);
   specgen::packed_linear(s.h.data(), n, hid, w.gu, s.gu.data(), 2 * inter);
   add_bias(s.gu.data(), b.b_gu, n, 2 * inter);
-  silu_mul_rows<float>(s.gu.data(), s.act.data(), n, inter);
+  silu_mul_rows<T>(s.gu.data(), s.act.data(), n, inter);
   specgen::packed_linear(s.act.data(), n, inter, w.down, s.m.data(), hid);
   add_bias(s.m.data(), b.b_down, n, hid);
 #pragma omp simd
   for (int64_t i = 0; i < n * hid; ++i) out[i] = s.sum[i] + s.m[i];
 }
 
-StepInputs step_inputs(const paddle::Tensor& x, const paddle::Tensor& cos, const paddle::Tensor& sin,
-                       const paddle::Tensor& positions, const paddle::Tensor& slots, const paddle::Tensor& prefix_len,
-                       int num_heads, int num_kv_heads, int64_t capacity, bool qk_norm, double eps,
-                       int64_t prefix_capacity) {
+template <typename T>
+StepInputs<T> step_inputs(const paddle::Tensor& x, const paddle::Tensor& cos, const paddle::Tensor& sin,
+                          const paddle::Tensor& positions, const paddle::Tensor& slots,
+                          const paddle::Tensor& prefix_len, int num_heads, int num_kv_heads, int64_t capacity,
+                          bool qk_norm, double eps, int64_t prefix_capacity) {
   check_cpu(x, "x");
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && x.shape().size() == 2,
-           "float32 activations [n, hidden] expected");
+  PD_CHECK(x.dtype() == dtype_of<T>() && x.shape().size() == 2, dtype_name<T>(),
+           " activations [n, hidden] expected");
+  PD_CHECK(cos.dtype() == dtype_of<T>() && sin.dtype() == dtype_of<T>(), "RoPE tables (cos, sin) must be ",
+           dtype_name<T>(), ", as the activations");
   check_token_index(positions, slots);
-  return {cos.data<float>(), sin.data<float>(), positions.data<int64_t>(), slots.data<int64_t>(),
-          prefix_len.data<int64_t>(), num_heads, num_kv_heads, capacity, qk_norm, static_cast<float>(eps),
+  return {cos.data<T>(), sin.data<T>(), positions.data<int64_t>(), slots.data<int64_t>(),
+          prefix_len.data<int64_t>(), num_heads, num_kv_heads, capacity, qk_norm, static_cast<T>(eps),
           prefix_capacity};
 }
 
@@ -1048,7 +1108,8 @@ struct Blocks {
   std::vector<BlockWeights> weights;
 };
 
-Blocks collect_blocks(const StepInputs& a, int64_t hid, const Tensors& attn_norm, const Tensors& w_qkv,
+template <typename T>
+Blocks collect_blocks(const StepInputs<T>& a, int64_t hid, const Tensors& attn_norm, const Tensors& w_qkv,
                       const Tensors& b_qkv, const Tensors& w_o, const Tensors& b_o, const Tensors& mlp_norm,
                       const Tensors& w_gu, const Tensors& b_gu, const Tensors& w_down, const Tensors& b_down,
                       Tensors& k_cache, Tensors& v_cache, const Tensors& q_norm, const Tensors& k_norm,
@@ -1068,14 +1129,15 @@ Blocks collect_blocks(const StepInputs& a, int64_t hid, const Tensors& attn_norm
 }
 
 // out [n, hid] = the blocks applied one after the other to x [n, hid] (n > 0).
-void run_blocks(const float* x, float* out, int64_t n, int64_t hid, const Blocks& b, const StepInputs& a) {
-  static thread_local std::vector<float> ping, pong;  // block outputs between blocks
+template <typename T>
+void run_blocks(const T* x, T* out, int64_t n, int64_t hid, const Blocks& b, const StepInputs<T>& a) {
+  static thread_local std::vector<T> ping, pong;  // block outputs between blocks
   ping.resize(n * hid);
   pong.resize(n * hid);
   const size_t L = b.tensors.size();
-  const float* in = x;
+  const T* in = x;
   for (size_t i = 0; i < L; ++i) {
-    float* dst = i + 1 == L ? out : (i % 2 == 0 ? ping.data() : pong.data());
+    T* dst = i + 1 == L ? out : (i % 2 == 0 ? ping.data() : pong.data());
     block_forward(in, dst, n, hid, b.tensors[i], b.weights[i], a);
     in = dst;
   }
@@ -1093,14 +1155,17 @@ std::vector<paddle::Tensor> Stack(const paddle::Tensor& x, const Tensors& attn_n
                                   const Tensors& q_norm, const Tensors& k_norm, const paddle::Tensor& prefix_len,
                                   const Tensors& prefix_k, const Tensors& prefix_v, int num_heads, int num_kv_heads,
                                   int64_t capacity, bool qk_norm, double eps, int64_t prefix_capacity) {
-  const StepInputs a = step_inputs(x, cos, sin, positions, slots, prefix_len, num_heads, num_kv_heads, capacity,
-                                   qk_norm, eps, prefix_capacity);
-  const int64_t n = x.shape()[0], hid = x.shape()[1];
-  const Blocks b = collect_blocks(a, hid, attn_norm, w_qkv, b_qkv, w_o, b_o, mlp_norm, w_gu, b_gu, w_down, b_down,
-                                  k_cache, v_cache, q_norm, k_norm, prefix_k, prefix_v);
-  auto out = paddle::empty({n, hid}, paddle::DataType::FLOAT32, x.place());
-  if (n > 0) run_blocks(x.data<float>(), out.data<float>(), n, hid, b, a);
-  return {out};
+  return with_activations(x, "specgen_stack", [&](auto type) -> std::vector<paddle::Tensor> {
+    using T = decltype(type);
+    const StepInputs<T> a = step_inputs<T>(x, cos, sin, positions, slots, prefix_len, num_heads, num_kv_heads,
+                                           capacity, qk_norm, eps, prefix_capacity);
+    const int64_t n = x.shape()[0], hid = x.shape()[1];
+    const Blocks b = collect_blocks(a, hid, attn_norm, w_qkv, b_qkv, w_o, b_o, mlp_norm, w_gu, b_gu, w_down, b_down,
+                                    k_cache, v_cache, q_norm, k_norm, prefix_k, prefix_v);
+    auto out = paddle::empty({n, hid}, x.dtype(), x.place());
+    if (n > 0) run_blocks(x.data<T>(), out.data<T>(), n, hid, b, a);
+    return {out};
+  });
 }
 
 // A whole forward of the main model (Model.forward with specgen_stack): x = embed[token_ids], the blocks, then
@@ -1109,8 +1174,9 @@ std::vector<paddle::Tensor> Stack(const paddle::Tensor& x, const Tensors& attn_n
 // which after the blocks have streamed the weights through the caches costs ~0.2 ms a call, is gone. The logits'
 // argmax (specgen_argmax's) comes with them: the greedy token of every logit row, for the sampler. With a non-empty
 // lm_screen (the LM head's integer-product panels) and lm_bound, only the greedy tokens are computed, with the
-// same values (specgen::screened_argmax), and logits is [0, vocab].
-// -> (logits [num_logits, vocab], hidden [n, hidden], greedy int64 [num_logits])
+// same values (specgen::screened_argmax), and logits is [0, vocab] (float32 only). A float64 embedding makes the
+// whole forward float64: float64 panels (the LM head's too), caches, tables and norms.
+// -> (logits [num_logits, vocab], hidden [n, hidden] in the embedding's type, greedy int64 [num_logits])
 std::vector<paddle::Tensor> Forward(
     const paddle::Tensor& token_ids, const paddle::Tensor& embed, const Tensors& attn_norm, const Tensors& w_qkv,
     const Tensors& b_qkv, const Tensors& w_o, const Tensors& b_o, const Tensors& mlp_norm, const Tensors& w_gu,
@@ -1122,55 +1188,61 @@ std::vector<paddle::Tensor> Forward(
     const paddle::Tensor& lm_bound, int num_heads, int num_kv_heads, int64_t capacity, bool qk_norm, double eps,
     int64_t prefix_capacity, int64_t vocab) {
   check_cpu(embed, "embed");
-  PD_CHECK(embed.dtype() == paddle::DataType::FLOAT32 && embed.shape().size() == 2,
-           "specgen_forward: float32 embedding [vocab, hidden]");
-  PD_CHECK(token_ids.dtype() == paddle::DataType::INT64 && logit_rows.dtype() == paddle::DataType::INT64,
-           "specgen_forward: int64 token ids and logit rows");
-  const int64_t n = token_ids.numel(), m = logit_rows.numel(), V = embed.shape()[0], hid = embed.shape()[1];
-  PD_CHECK(positions.numel() == n && slots.numel() == n && prefix_len.numel() == n,
-           "specgen_forward: one position, slot and prefix length per token");
-  PD_CHECK(final_norm.numel() == hid, "specgen_forward: final_norm must be [hidden]");
-  auto hidden = paddle::empty({n, hid}, paddle::DataType::FLOAT32, embed.place());
-  const StepInputs a = step_inputs(hidden, cos, sin, positions, slots, prefix_len, num_heads, num_kv_heads,
-                                   capacity, qk_norm, eps, prefix_capacity);
-  const Blocks b = collect_blocks(a, hid, attn_norm, w_qkv, b_qkv, w_o, b_o, mlp_norm, w_gu, b_gu, w_down, b_down,
-                                  k_cache, v_cache, q_norm, k_norm, prefix_k, prefix_v);
-  const specgen::PackedWeight lm = specgen::packed_weight(lm_head, hid, vocab, "lm_head");
-  const bool screened = lm_screen.numel() > 0;  // greedy tokens only (specgen::screened_argmax), no logits
-  if (screened) {
-    PD_CHECK(lm_bound.dtype() == paddle::DataType::FLOAT32 &&
-                 lm_bound.numel() == lm_head.shape()[0] * (hid / 32) * 32,
-             "specgen_forward: lm_bound must be float32 [panels, hidden / 32, 32]");
-  }
-  auto logits = paddle::empty({screened ? 0 : m, vocab}, paddle::DataType::FLOAT32, embed.place());
-  auto greedy = paddle::empty({m}, paddle::DataType::INT64, embed.place());
-  if (n == 0) return {logits, hidden, greedy};
-  static thread_local std::vector<float> x, y, rows;
-  x.resize(n * hid);
-  y.resize(n * hid);
-  const int64_t *tok = token_ids.data<int64_t>(), *lr = logit_rows.data<int64_t>();
-  const float* emb = embed.data<float>();
-  for (int64_t t = 0; t < n; ++t) {
-    PD_CHECK(tok[t] >= 0 && tok[t] < V, "specgen_forward: token id out of range");
-    std::copy(emb + tok[t] * hid, emb + (tok[t] + 1) * hid, x.data() + t * hid);
-  }
-  run_blocks(x.data(), y.data(), n, hid, b, a);
-  float* h = hidden.data<float>();
-  rms_norm_rows<float>(y.data(), final_norm.data<float>(), h, n, hid, static_cast<float>(eps));
-  if (m == 0) return {logits, hidden, greedy};
-  rows.resize(m * hid);
-  for (int64_t r = 0; r < m; ++r) {
-    PD_CHECK(lr[r] >= 0 && lr[r] < n, "specgen_forward: logit row out of range");
-    std::copy(h + lr[r] * hid, h + (lr[r] + 1) * hid, rows.data() + r * hid);
-  }
-  if (screened) {
-    const specgen::PackedWeight screen = specgen::packed_weight(lm_screen, hid, vocab, "lm_screen");
-    specgen::screened_argmax(rows.data(), m, hid, lm, screen, lm_bound.data<float>(), vocab, greedy.data<int64_t>());
+  PD_CHECK(embed.shape().size() == 2, "specgen_forward: embedding [vocab, hidden]");
+  return with_activations(embed, "specgen_forward", [&](auto type) -> std::vector<paddle::Tensor> {
+    using T = decltype(type);
+    PD_CHECK(token_ids.dtype() == paddle::DataType::INT64 && logit_rows.dtype() == paddle::DataType::INT64,
+             "specgen_forward: int64 token ids and logit rows");
+    const int64_t n = token_ids.numel(), m = logit_rows.numel(), V = embed.shape()[0], hid = embed.shape()[1];
+    PD_CHECK(positions.numel() == n && slots.numel() == n && prefix_len.numel() == n,
+             "specgen_forward: one position, slot and prefix length per token");
+    PD_CHECK(final_norm.numel() == hid, "specgen_forward: final_norm must be [hidden]");
+    auto hidden = paddle::empty({n, hid}, embed.dtype(), embed.place());
+    const StepInputs<T> a = step_inputs<T>(hidden, cos, sin, positions, slots, prefix_len, num_heads, num_kv_heads,
+                                           capacity, qk_norm, eps, prefix_capacity);
+    const Blocks b = collect_blocks(a, hid, attn_norm, w_qkv, b_qkv, w_o, b_o, mlp_norm, w_gu, b_gu, w_down, b_down,
+                                    k_cache, v_cache, q_norm, k_norm, prefix_k, prefix_v);
+    const specgen::PackedWeight lm = packed_for<T>(lm_head, hid, vocab, "lm_head");
+    const bool screened = lm_screen.numel() > 0;  // greedy tokens only (specgen::screened_argmax), no logits
+    if (screened) {
+      PD_CHECK((std::is_same_v<T, float>), "specgen_forward: the screened LM head (lm_screen) is float32 only");
+      PD_CHECK(lm_bound.dtype() == paddle::DataType::FLOAT32 &&
+                   lm_bound.numel() == lm_head.shape()[0] * (hid / 32) * 32,
+               "specgen_forward: lm_bound must be float32 [panels, hidden / 32, 32]");
+    }
+    auto logits = paddle::empty({screened ? 0 : m, vocab}, embed.dtype(), embed.place());
+    auto greedy = paddle::empty({m}, paddle::DataType::INT64, embed.place());
+    if (n == 0) return {logits, hidden, greedy};
+    static thread_local std::vector<T> x, y, rows;
+    x.resize(n * hid);
+    y.resize(n * hid);
+    const int64_t *tok = token_ids.data<int64_t>(), *lr = logit_rows.data<int64_t>();
+    const T* emb = embed.data<T>();
+    for (int64_t t = 0; t < n; ++t) {
+      PD_CHECK(tok[t] >= 0 && tok[t] < V, "specgen_forward: token id out of range");
+      std::copy(emb + tok[t] * hid, emb + (tok[t] + 1) * hid, x.data() + t * hid);
+    }
+    run_blocks(x.data(), y.data(), n, hid, b, a);
+    T* h = hidden.data<T>();
+    rms_norm_rows<T>(y.data(), final_norm.data<T>(), h, n, hid, static_cast<T>(eps));
+    if (m == 0) return {logits, hidden, greedy};
+    rows.resize(m * hid);
+    for (int64_t r = 0; r < m; ++r) {
+      PD_CHECK(lr[r] >= 0 && lr[r] < n, "specgen_forward: logit row out of range");
+      std::copy(h + lr[r] * hid, h + (lr[r] + 1) * hid, rows.data() + r * hid);
+    }
+    if constexpr (std::is_same_v<T, float>) {
+      if (screened) {
+        const specgen::PackedWeight screen = specgen::packed_weight(lm_screen, hid, vocab, "lm_screen");
+        specgen::screened_argmax(rows.data(), m, hid, lm, screen, lm_bound.data<float>(), vocab,
+                                 greedy.data<int64_t>());
+        return {logits, hidden, greedy};
+      }
+    }
+    specgen::packed_linear(rows.data(), m, hid, lm, logits.data<T>(), vocab);
+    argmax_rows<T>(logits.data<T>(), m, vocab, greedy.data<int64_t>());
     return {logits, hidden, greedy};
-  }
-  specgen::packed_linear(rows.data(), m, hid, lm, logits.data<float>(), vocab);
-  argmax_rows<float>(logits.data<float>(), m, vocab, greedy.data<int64_t>());
-  return {logits, hidden, greedy};
+  });
 }
 
 namespace {
@@ -1284,7 +1356,9 @@ std::vector<paddle::Tensor> ForwardBound(const paddle::Tensor& index, const padd
 // rms_norm(hidden[rows[t]], hnorm)] @ eh_proj, the head's blocks (caches written), then at each sequence's last
 // token the final norm, the LM head and the argmax: draft 0. Drafts 1 .. depth-1 apply the head again to its own
 // output row and draft (mapped through draft_vocab when it is not empty), one position further on. Sequences
-// whose drafts are not wanted (MTP's copies) are left out of last_rows: their tokens are only caught up.
+// whose drafts are not wanted (MTP's copies) are left out of last_rows: their tokens are only caught up. The
+// embedding's type (float32 or float64) is the pass's: hidden, norms, tables and caches in it, float64 panels for
+// float64 (eh_proj and the LM head included).
 // -> drafts int64 [num_seqs, depth] (LM-head column indices mapped through draft_vocab).
 std::vector<paddle::Tensor> MtpDraft(
     const paddle::Tensor& token_ids, const paddle::Tensor& hidden, const paddle::Tensor& rows,
@@ -1298,80 +1372,82 @@ std::vector<paddle::Tensor> MtpDraft(
     const paddle::Tensor& lm_head, const paddle::Tensor& draft_vocab, int num_heads, int num_kv_heads,
     int64_t capacity, bool qk_norm, double eps, int64_t prefix_capacity, int depth, int64_t vocab) {
   check_cpu(hidden, "hidden");
-  PD_CHECK(hidden.dtype() == paddle::DataType::FLOAT32 && embed.dtype() == paddle::DataType::FLOAT32,
-           "specgen_mtp_draft: float32 hidden states and embedding");
-  const int64_t hid = hidden.shape()[1], n = token_ids.numel(), S = last_rows.numel();
-  const int64_t num_hidden = hidden.shape()[0], V = embed.shape()[0];
-  PD_CHECK(embed.shape().size() == 2 && embed.shape()[1] == hid && enorm.numel() == hid && hnorm.numel() == hid &&
-               final_norm.numel() == hid,
-           "specgen_mtp_draft: embedding [vocab, hidden] and norms [hidden] must match the hidden states");
-  PD_CHECK(rows.numel() == n && positions.numel() == n && slots.numel() == n && prefix_len.numel() == n,
-           "specgen_mtp_draft: one row, position, slot and prefix length per token");
-  PD_CHECK(depth >= 1, "specgen_mtp_draft: depth >= 1");
-  for (const auto* t : {&token_ids, &rows, &last_rows, &draft_vocab})
-    PD_CHECK(t->dtype() == paddle::DataType::INT64, "specgen_mtp_draft: token ids, rows and draft_vocab are int64");
-  const StepInputs a = step_inputs(hidden, cos, sin, positions, slots, prefix_len, num_heads, num_kv_heads,
-                                   capacity, qk_norm, eps, prefix_capacity);
-  const Blocks b = collect_blocks(a, hid, attn_norm, w_qkv, b_qkv, w_o, b_o, mlp_norm, w_gu, b_gu, w_down, b_down,
-                                  k_cache, v_cache, q_norm, k_norm, prefix_k, prefix_v);
-  const specgen::PackedWeight eh = specgen::packed_weight(eh_proj, 2 * hid, hid, "eh_proj");
-  const specgen::PackedWeight lm = specgen::packed_weight(lm_head, hid, vocab, "lm_head");
-  const int64_t nv = draft_vocab.numel();
-  PD_CHECK(nv == 0 || nv == vocab, "specgen_mtp_draft: draft_vocab needs one token id per LM-head column");
-  auto drafts = paddle::empty({S, depth}, paddle::DataType::INT64, hidden.place());
-  if (n == 0) return {drafts};
-  const int64_t *tok = token_ids.data<int64_t>(), *row = rows.data<int64_t>(), *last = last_rows.data<int64_t>();
-  const int64_t *ids = nv ? draft_vocab.data<int64_t>() : nullptr, *pos = positions.data<int64_t>();
-  const int64_t* slot = slots.data<int64_t>();
-  const float *emb = embed.data<float>(), *hs = hidden.data<float>(), *fn = final_norm.data<float>();
-  const float eps_f = static_cast<float>(eps);
-  static thread_local std::vector<float> in, x, y, last_x, normed, logits;
-  std::vector<int64_t> idx(S), chain_tok(S), chain_pos(S), chain_slot(S), chain_zero(S, 0);
-  int64_t* out = drafts.data<int64_t>();
-  for (int d = 0; d < depth; ++d) {
-    // pass d: catch-up tokens (d == 0) or one token per sequence, fed its previous draft and output row
-    const int64_t m = d == 0 ? n : S;
-    const int64_t *t_tok = d == 0 ? tok : chain_tok.data(), *t_pos = d == 0 ? pos : chain_pos.data();
-    const int64_t* t_slot = d == 0 ? slot : chain_slot.data();
-    in.resize(m * 2 * hid);
-    for (int64_t t = 0; t < m; ++t) {
-      PD_CHECK(t_tok[t] >= 0 && t_tok[t] < V, "specgen_mtp_draft: token id out of range");
-      const float* h_row = d == 0 ? hs + row[t] * hid : last_x.data() + t * hid;
-      PD_CHECK(d > 0 || (row[t] >= 0 && row[t] < num_hidden), "specgen_mtp_draft: hidden row out of range");
-      rms_norm_rows<float>(emb + t_tok[t] * hid, enorm.data<float>(), in.data() + t * 2 * hid, 1, hid, eps_f);
-      rms_norm_rows<float>(h_row, hnorm.data<float>(), in.data() + t * 2 * hid + hid, 1, hid, eps_f);
+  return with_activations(embed, "specgen_mtp_draft", [&](auto type) -> std::vector<paddle::Tensor> {
+    using T = decltype(type);
+    PD_CHECK(hidden.dtype() == embed.dtype(), "specgen_mtp_draft: hidden states of the embedding's type");
+    const int64_t hid = hidden.shape()[1], n = token_ids.numel(), S = last_rows.numel();
+    const int64_t num_hidden = hidden.shape()[0], V = embed.shape()[0];
+    PD_CHECK(embed.shape().size() == 2 && embed.shape()[1] == hid && enorm.numel() == hid && hnorm.numel() == hid &&
+                 final_norm.numel() == hid,
+             "specgen_mtp_draft: embedding [vocab, hidden] and norms [hidden] must match the hidden states");
+    PD_CHECK(rows.numel() == n && positions.numel() == n && slots.numel() == n && prefix_len.numel() == n,
+             "specgen_mtp_draft: one row, position, slot and prefix length per token");
+    PD_CHECK(depth >= 1, "specgen_mtp_draft: depth >= 1");
+    for (const auto* t : {&token_ids, &rows, &last_rows, &draft_vocab})
+      PD_CHECK(t->dtype() == paddle::DataType::INT64, "specgen_mtp_draft: token ids, rows and draft_vocab are int64");
+    const StepInputs<T> a = step_inputs<T>(hidden, cos, sin, positions, slots, prefix_len, num_heads, num_kv_heads,
+                                           capacity, qk_norm, eps, prefix_capacity);
+    const Blocks b = collect_blocks(a, hid, attn_norm, w_qkv, b_qkv, w_o, b_o, mlp_norm, w_gu, b_gu, w_down, b_down,
+                                    k_cache, v_cache, q_norm, k_norm, prefix_k, prefix_v);
+    const specgen::PackedWeight eh = packed_for<T>(eh_proj, 2 * hid, hid, "eh_proj");
+    const specgen::PackedWeight lm = packed_for<T>(lm_head, hid, vocab, "lm_head");
+    const int64_t nv = draft_vocab.numel();
+    PD_CHECK(nv == 0 || nv == vocab, "specgen_mtp_draft: draft_vocab needs one token id per LM-head column");
+    auto drafts = paddle::empty({S, depth}, paddle::DataType::INT64, hidden.place());
+    if (n == 0) return {drafts};
+    const int64_t *tok = token_ids.data<int64_t>(), *row = rows.data<int64_t>(), *last = last_rows.data<int64_t>();
+    const int64_t *ids = nv ? draft_vocab.data<int64_t>() : nullptr, *pos = positions.data<int64_t>();
+    const int64_t* slot = slots.data<int64_t>();
+    const T *emb = embed.data<T>(), *hs = hidden.data<T>(), *fn = final_norm.data<T>();
+    const T eps_t = static_cast<T>(eps);
+    static thread_local std::vector<T> in, x, y, last_x, normed, logits;
+    std::vector<int64_t> idx(S), chain_tok(S), chain_pos(S), chain_slot(S), chain_zero(S, 0);
+    int64_t* out = drafts.data<int64_t>();
+    for (int d = 0; d < depth; ++d) {
+      // pass d: catch-up tokens (d == 0) or one token per sequence, fed its previous draft and output row
+      const int64_t m = d == 0 ? n : S;
+      const int64_t *t_tok = d == 0 ? tok : chain_tok.data(), *t_pos = d == 0 ? pos : chain_pos.data();
+      const int64_t* t_slot = d == 0 ? slot : chain_slot.data();
+      in.resize(m * 2 * hid);
+      for (int64_t t = 0; t < m; ++t) {
+        PD_CHECK(t_tok[t] >= 0 && t_tok[t] < V, "specgen_mtp_draft: token id out of range");
+        const T* h_row = d == 0 ? hs + row[t] * hid : last_x.data() + t * hid;
+        PD_CHECK(d > 0 || (row[t] >= 0 && row[t] < num_hidden), "specgen_mtp_draft: hidden row out of range");
+        rms_norm_rows<T>(emb + t_tok[t] * hid, enorm.data<T>(), in.data() + t * 2 * hid, 1, hid, eps_t);
+        rms_norm_rows<T>(h_row, hnorm.data<T>(), in.data() + t * 2 * hid + hid, 1, hid, eps_t);
+      }
+      x.resize(m * hid);
+      y.resize(m * hid);
+      specgen::packed_linear(in.data(), m, 2 * hid, eh, x.data(), hid);
+      StepInputs<T> pass = a;  // the chained passes: their own positions and slots, no shared prefix
+      if (d > 0) {
+        pass.positions = chain_pos.data();
+        pass.slots = chain_slot.data();
+        pass.prefix_len = chain_zero.data();
+      }
+      run_blocks(x.data(), y.data(), m, hid, b, pass);
+      if (S == 0) break;  // the catch-up alone: no sequence wants drafts this step
+      last_x.resize(S * hid);
+      for (int64_t s = 0; s < S; ++s) {
+        const int64_t r = d == 0 ? last[s] : s;
+        PD_CHECK(r >= 0 && r < m, "specgen_mtp_draft: last row out of range");
+        std::copy(y.data() + r * hid, y.data() + (r + 1) * hid, last_x.data() + s * hid);
+      }
+      normed.resize(S * hid);
+      rms_norm_rows<T>(last_x.data(), fn, normed.data(), S, hid, eps_t);
+      logits.resize(S * vocab);
+      specgen::packed_linear(normed.data(), S, hid, lm, logits.data(), vocab);
+      argmax_rows<T>(logits.data(), S, vocab, idx.data());
+      for (int64_t s = 0; s < S; ++s) {
+        const int64_t r = d == 0 ? last[s] : s;
+        out[s * depth + d] = ids ? ids[idx[s]] : idx[s];
+        chain_tok[s] = out[s * depth + d];
+        chain_pos[s] = t_pos[r] + 1;
+        chain_slot[s] = t_slot[r];
+      }
     }
-    x.resize(m * hid);
-    y.resize(m * hid);
-    specgen::packed_linear(in.data(), m, 2 * hid, eh, x.data(), hid);
-    StepInputs pass = a;  // the chained passes: their own positions and slots, no shared prefix
-    if (d > 0) {
-      pass.positions = chain_pos.data();
-      pass.slots = chain_slot.data();
-      pass.prefix_len = chain_zero.data();
-    }
-    run_blocks(x.data(), y.data(), m, hid, b, pass);
-    if (S == 0) break;  // the catch-up alone: no sequence wants drafts this step
-    last_x.resize(S * hid);
-    for (int64_t s = 0; s < S; ++s) {
-      const int64_t r = d == 0 ? last[s] : s;
-      PD_CHECK(r >= 0 && r < m, "specgen_mtp_draft: last row out of range");
-      std::copy(y.data() + r * hid, y.data() + (r + 1) * hid, last_x.data() + s * hid);
-    }
-    normed.resize(S * hid);
-    rms_norm_rows<float>(last_x.data(), fn, normed.data(), S, hid, eps_f);
-    logits.resize(S * vocab);
-    specgen::packed_linear(normed.data(), S, hid, lm, logits.data(), vocab);
-    argmax_rows<float>(logits.data(), S, vocab, idx.data());
-    for (int64_t s = 0; s < S; ++s) {
-      const int64_t r = d == 0 ? last[s] : s;
-      out[s * depth + d] = ids ? ids[idx[s]] : idx[s];
-      chain_tok[s] = out[s * depth + d];
-      chain_pos[s] = t_pos[r] + 1;
-      chain_slot[s] = t_slot[r];
-    }
-  }
-  return {drafts};
+    return {drafts};
+  });
 }
 
 PD_BUILD_OP(specgen_rms_norm).Inputs({"X", "W"}).Outputs({"Out"}).Attrs({"eps: double"}).SetKernelFn(PD_KERNEL(RmsNorm));

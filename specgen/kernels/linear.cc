@@ -1,13 +1,14 @@
 // Small-M matrix product over a packed weight (see specgen/kernels/__init__.py: pack_linear / pack_quantized).
 //
-//   specgen_linear            x [m, k] float32, w packed, n -> x @ W [m, n]
+//   specgen_linear            x [m, k] float32 (or float64, with float64 panels), w packed, n -> x @ W [m, n]
 //   specgen_screened_argmax   the argmax of each row of x @ W for a Q8_0 / Q4_0 W, without the product's rows
 //   specgen_pack_blocks       GGUF blocks -> the packed layouts below (pack_quantized, pack_screen)
 //
-// w is either float32 panels [ceil(n / 32), k, 32] or, for a checkpoint stored block-quantized (GGUF Q4_0, Q4_1,
-// Q8_0), uint8 panels [ceil(n / 32), k / 32, bytes]: for each panel of 32 output columns and each block of 32
-// inputs, the 32 columns' fp16 scales d (and, Q4_1, fp16 minimums m), then the 32 x 32 quants (Q8_0: row by
-// row, one int8 per column; Q4: per group of 8 inputs, each column's 8 nibbles in one 32-bit lane, q4_nibble).
+// w is either float32 panels [ceil(n / 32), k, 32] (float64 x: float64 panels of that layout, "Float64 panels"
+// below) or, for a checkpoint stored block-quantized (GGUF Q4_0, Q4_1, Q8_0), uint8 panels [ceil(n / 32),
+// k / 32, bytes]: for each panel of 32 output columns and each block of 32 inputs, the 32 columns' fp16 scales d
+// (and, Q4_1, fp16 minimums m), then the 32 x 32 quants (Q8_0: row by row, one int8 per column; Q4: per group of 8
+// inputs, each column's 8 nibbles in one 32-bit lane, q4_nibble).
 // The kernel rebuilds each weight as the GGUF reader does, w = d * q (+ m) in float32 (d * q is exact, so one
 // FMA gives the same bits), and feeds it to the same FMA chains: the product equals, bit for bit, the float32
 // product over the dequantized weight, while reading 5-8.5 bits per weight instead of 32. The same blocks
@@ -511,13 +512,6 @@ void qpanel_keep(const float* x, int64_t rows, int64_t k, const uint8_t* p, Quan
                  float* keep) {
   const int64_t width = std::min<int64_t>(kPanel, n - c0);
   with_quant(q, [&](auto Q) { qpanel_tail<decltype(Q)::value, kGroup, true>(x, rows, k, p, y, n, c0, width, keep); });
-}
-
-// SPECGEN_WIDE_LINEAR=0 turns wide_linear off (for benchmarks/prefill.py's side-by-side runs; the bits are the
-// same either way). Read on each call that could take it, so a process can alternate.
-bool wide_enabled() {
-  const char* v = std::getenv("SPECGEN_WIDE_LINEAR");
-  return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
 // packed_linear for m >= kWideMin rows: work items (pair of panels, chunk of <= kChunkRows rows), pair-major, in
@@ -1152,6 +1146,52 @@ void exact_columns(const float* x, int64_t k, const uint8_t* panels, Quant q, co
 
 constexpr int64_t kScreenRows = 64;  // rows screened at a time (their [rows, n] bounds stay ~12 MB)
 
+// ---- Float64 panels (specgen::kFloat64Panels) ----
+//
+// Float64 runs (the exactness tests' dtype) multiply by float64 panels [panels, k, 32], the float32 panels' layout.
+// Every output is one chain over the inputs in order, acc = fma(x[r, i], w[i, c], acc) from 0 for i = 0 .. k-1:
+// an FMA rounds once whether or not the compiler vectorises it, so a row's bits depend on that row alone, not on
+// m, its place in the batch or its row group. Rows go kRows64 at a time over a panel (the panel stays in L2 for
+// the next group); the compiler vectorises the 32 columns, and a group's accumulators (24 AVX-512 registers) stay
+// in registers. Not the float32 path's tuning: these products serve tests and float64 runs.
+constexpr int64_t kRows64 = 6;
+
+// One step of an output's chain. Builds without FMA instructions, where std::fma is a library call ([32, 576] @
+// [576, 1536] took 27 ms instead of 1.9 ms), round the product and the sum apart: other bits than FMA builds, but
+// still the same for every row.
+inline double chain_step(double x, double w, double acc) {
+#if defined(__FMA__)
+  return std::fma(x, w, acc);
+#else
+  return acc + x * w;
+#endif
+}
+
+// y[r, c0 .. c0 + width) for rows r < R of x (row stride k); panel p [k, 32] float64.
+template <int R>
+void f64_rows(const double* x, int64_t k, const double* p, double* y, int64_t n, int64_t c0, int64_t width) {
+  double acc[R][kPanel] = {};
+  for (int64_t i = 0; i < k; ++i) {
+    const double* w = p + i * kPanel;
+    for (int r = 0; r < R; ++r) {
+      const double b = x[r * k + i];
+#pragma omp simd
+      for (int64_t c = 0; c < kPanel; ++c) acc[r][c] = chain_step(b, w[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(y + r * n + c0, acc[r], width * sizeof(double));
+}
+
+// The last m mod kRows64 rows, with a compile-time row count.
+template <int R>
+void f64_tail(const double* x, int64_t rows, int64_t k, const double* p, double* y, int64_t n, int64_t c0,
+              int64_t width) {
+  if constexpr (R > 0) {
+    if (rows == R) return f64_rows<R>(x, k, p, y, n, c0, width);
+    f64_tail<R - 1>(x, rows, k, p, y, n, c0, width);
+  }
+}
+
 }  // namespace
 
 namespace specgen {
@@ -1163,6 +1203,11 @@ PackedWeight packed_weight(const paddle::Tensor& w, int64_t k, int64_t n, const 
     PD_CHECK(w.shape()[1] == k && w.shape()[2] == kPanel, name, ": not a packed [ceil(n / 32), ", k,
              ", 32] float32 weight");
     return {w.data<float>(), w.shape()[0], 0, false};
+  }
+  if (w.dtype() == paddle::DataType::FLOAT64) {
+    PD_CHECK(w.shape()[1] == k && w.shape()[2] == kPanel, name, ": not a packed [ceil(n / 32), ", k,
+             ", 32] float64 weight");
+    return {w.data<double>(), w.shape()[0], kFloat64Panels, false};
   }
   if (w.dtype() == paddle::DataType::BFLOAT16 || w.dtype() == paddle::DataType::FLOAT16) {
     PD_CHECK(k % kBlock == 0 && w.shape()[1] == k / kBlock && w.shape()[2] == kBlock * kPanel, name,
@@ -1183,10 +1228,10 @@ PackedWeight packed_weight(const paddle::Tensor& w, int64_t k, int64_t n, const 
 }
 
 void packed_linear(const float* x, int64_t m, int64_t k, const PackedWeight& w, float* y, int64_t n) {
+  PD_CHECK(w.kind != kFloat64Panels, "packed_linear: float64 panels need float64 inputs");
   if (m == 0) return;
 #if defined(__AVX512F__)
-  if (m >= kWideMin && !w.int8_product && wide_enabled())
-    return wide_linear(x, m, k, w.data, w.panels, w.kind, y, n);
+  if (m >= kWideMin && !w.int8_product) return wide_linear(x, m, k, w.data, w.panels, w.kind, y, n);
 #endif
   if (w.kind == 0) {
     const float* f = static_cast<const float*>(w.data);
@@ -1207,6 +1252,17 @@ void packed_linear(const float* x, int64_t m, int64_t k, const PackedWeight& w, 
   for (int64_t p = 0; p < w.panels; ++p) qpanel_any(x, m, k, q + p * panel_bytes, kind, y, n, p * kPanel);
 }
 
+void packed_linear(const double* x, int64_t m, int64_t k, const PackedWeight& w, double* y, int64_t n) {
+  PD_CHECK(w.kind == kFloat64Panels, "packed_linear: float64 inputs need float64 panels");
+  if (m == 0) return;
+  const double* f = static_cast<const double*>(w.data);
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < w.panels; ++p) {
+    const int64_t c0 = p * kPanel, width = std::min<int64_t>(kPanel, n - c0);
+    for (int64_t r = 0; r < m; r += kRows64)
+      f64_tail<kRows64>(x + r * k, std::min(kRows64, m - r), k, f + p * k * kPanel, y + r * n, n, c0, width);
+  }
+}
 
 void screened_argmax(const float* x, int64_t m, int64_t k, const PackedWeight& w, const PackedWeight& screen,
                      const float* bound, int64_t n, int64_t* out) {
@@ -1275,13 +1331,16 @@ void screened_argmax(const float* x, int64_t m, int64_t k, const PackedWeight& w
 
 }  // namespace specgen
 
+// x [m, k] float32, or float64 with float64 panels; the output has x's type.
 std::vector<paddle::Tensor> Linear(const paddle::Tensor& x, const paddle::Tensor& w, int64_t n) {
-  PD_CHECK(x.is_cpu() && x.dtype() == paddle::DataType::FLOAT32 && x.shape().size() == 2,
-           "specgen_linear: x must be a float32 CPU matrix");
+  const bool f64 = x.dtype() == paddle::DataType::FLOAT64;
+  PD_CHECK(x.is_cpu() && (x.dtype() == paddle::DataType::FLOAT32 || f64) && x.shape().size() == 2,
+           "specgen_linear: x must be a float32 or float64 CPU matrix");
   const int64_t m = x.shape()[0], k = x.shape()[1];
   const specgen::PackedWeight pw = specgen::packed_weight(w, k, n, "specgen_linear");
-  auto out = paddle::empty({m, n}, paddle::DataType::FLOAT32, x.place());
-  specgen::packed_linear(x.data<float>(), m, k, pw, out.data<float>(), n);
+  auto out = paddle::empty({m, n}, x.dtype(), x.place());
+  if (f64) specgen::packed_linear(x.data<double>(), m, k, pw, out.data<double>(), n);
+  else specgen::packed_linear(x.data<float>(), m, k, pw, out.data<float>(), n);
   return {out};
 }
 

@@ -9,10 +9,13 @@
 
 namespace specgen {
 
-// A packed weight W [k, n] (linear.cc): float32 panels [panels, k, 32] (kind 0), or panels of blocks of 32 inputs
-// [panels, k / 32, block]: GGUF-quantized (kind: the block's size in bytes), uint8 for float32 products over the
-// rebuilt weights, int8 for integer products with the inputs quantized to 8 bits (int8_product); or exactly
-// 16-bit weights, bfloat16 / float16 [panels, k / 32, 1024] (kind: linear.cc's Quant::kBF16 / kF16).
+// A packed weight W [k, n] (linear.cc): float32 panels [panels, k, 32] (kind 0), float64 panels of the same layout
+// for float64 activations (kind kFloat64Panels), or panels of blocks of 32 inputs [panels, k / 32, block]:
+// GGUF-quantized (kind: the block's size in bytes), uint8 for float32 products over the rebuilt weights, int8 for
+// integer products with the inputs quantized to 8 bits (int8_product); or exactly 16-bit weights, bfloat16 /
+// float16 [panels, k / 32, 1024] (kind: linear.cc's Quant::kBF16 / kF16).
+constexpr int64_t kFloat64Panels = 1;  // below every block kind's size in bytes (576 and up)
+
 struct PackedWeight {
   const void* data;
   int64_t panels;
@@ -66,6 +69,9 @@ inline uint16_t float_to_half(float f) {
 // y [m, n] = x [m, k] @ W (float32; each output two FMA chains, over the even and the odd inputs, added; or
 // with int8_product one over the blocks of 32 inputs; a row's result never depends on the other rows).
 void packed_linear(const float* x, int64_t m, int64_t k, const PackedWeight& w, float* y, int64_t n);
+
+// The same for float64 x and float64 panels: each output one chain over the inputs in order (linear.cc).
+void packed_linear(const double* x, int64_t m, int64_t k, const PackedWeight& w, double* y, int64_t n);
 
 // out [m] = the argmax (lowest index on a tie) of each row of x [m, k] @ W for a Q8_0 or Q4_0 weight w, without
 // computing every float32 logit: screen is the same weight's integer-product panels, bound [panels, k / 32, 32]

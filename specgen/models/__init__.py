@@ -7,21 +7,26 @@ from specgen.errors import CheckpointError
 from specgen.models.checkpoint import Checkpoint
 
 
-def load_checkpoint(path: str | Path | None) -> Checkpoint:
-    """Load an HF directory or a .gguf file; None means the default SmolLM2-135M-Instruct (cached)."""
+def load_checkpoint(path: str | Path | None, cache_root: Path | None = None) -> Checkpoint:
+    """Load an HF directory or a .gguf file; None means the default SmolLM2-135M-Instruct. A GGUF file is
+    converted once into `cache_root` (default: EngineConfig().cache_root()) and read back from there."""
+    if cache_root is None:
+        from specgen.config import EngineConfig
+
+        cache_root = EngineConfig().cache_root()
     from specgen.models import hf_loader
 
     if path is None or Path(path).suffix == ".gguf":
         from specgen.models import default_model
     if path is None:
-        return default_model.load_cached(default_model.default_gguf_path())
+        return default_model.load_cached(default_model.default_gguf_path(), cache_root)
     p = Path(path)
     if p.is_dir():
         return hf_loader.load_hf_dir(p)
     if p.suffix == ".gguf":
         if not p.exists():
             raise CheckpointError(f"{p}: file not found")
-        return default_model.load_cached(p)
+        return default_model.load_cached(p, cache_root)
     if not p.exists():
         raise CheckpointError(f"{p}: no such checkpoint (give an HF directory or a .gguf file)")
     raise CheckpointError(f"{p}: not a checkpoint (give an HF directory or a .gguf file)")

@@ -45,20 +45,15 @@ def default_gguf_path() -> Path:
     )
 
 
-def cache_dir(path: str | Path, cache_root: str | Path | None = None) -> Path:
-    """Where `path`'s conversion lives: <root>/<stem>-<hash of format, size and mtime>.
-
-    root is `cache_root`, else $SPECGEN_CACHE, else ~/.cache/specgen.
-    """
+def cache_dir(path: str | Path, cache_root: str | Path) -> Path:
+    """Where `path`'s conversion lives: <cache_root>/<stem>-<hash of format, size and mtime>."""
     path = Path(path)
-    if cache_root is None:
-        cache_root = os.environ.get("SPECGEN_CACHE") or Path.home() / ".cache" / "specgen"
     stat = path.stat()
     key = hashlib.sha256(f"{CACHE_FORMAT}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     return Path(cache_root) / f"{path.stem}-{key}"
 
 
-def load_cached(path: str | Path, cache_root: str | Path | None = None) -> Checkpoint:
+def load_cached(path: str | Path, cache_root: str | Path) -> Checkpoint:
     """load_gguf(path), converted once into the cache and read back from there afterwards."""
     path = Path(path)
     if not path.is_file():
@@ -77,7 +72,7 @@ def _write_entry(checkpoint: Checkpoint, entry: Path) -> None:
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
     except OSError as e:
-        raise CheckpointError(f"cannot create the model cache {entry.parent} ({e}); set SPECGEN_CACHE") from e
+        raise CheckpointError(f"cannot create the model cache {entry.parent} ({e}); set engine.cache_dir (--cache-dir)") from e
     try:
         weights = {name: np.ascontiguousarray(w) for name, w in checkpoint.weights.items()}
         save_file(weights, str(tmp / _WEIGHTS))  # float32 as loaded: the cache must not change any value
@@ -101,7 +96,7 @@ def _write_entry(checkpoint: Checkpoint, entry: Path) -> None:
             if not entry.is_dir():  # else another process finished the same conversion first: keep theirs
                 raise
     except OSError as e:
-        raise CheckpointError(f"cannot write the model cache {entry} ({e}); set SPECGEN_CACHE") from e
+        raise CheckpointError(f"cannot write the model cache {entry} ({e}); set engine.cache_dir (--cache-dir)") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
 

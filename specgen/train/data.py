@@ -100,6 +100,8 @@ class HiddenRecorder:
     verified (as it hands them to an MTP proposer, shared-prefix rows and prefill chunks included), and the
     main model's greedy choice after each kept prompt position (argmax of the LM head over those rows)."""
 
+    acceptance_hint = None
+
     def __init__(self, logits: Callable[[Any], Any], first_pos: Callable[[int], int]):
         self.logits = logits  # hidden rows [n, hidden] -> the main model's logits [n, vocab]
         self.first_pos = first_pos  # prompt length -> first position kept
@@ -216,7 +218,7 @@ def generate_data(loaded: Any, requests: list[Request], directory: Path, cfg: Tr
                   engine_config: EngineConfig | None = None) -> SequenceStore:
     """Generate what `directory` lacks; on_done(num_done, num_total, num_tokens_generated) after each sequence.
     engine_config: the engine's settings [default: the engine's defaults with cfg.gen_batch_size slots]."""
-    from specgen.engine.runner import Engine
+    from specgen.engine.engine import Engine
 
     store = SequenceStore.open(directory, data_meta(loaded, cfg))
     todo = [r for r in requests if r.id not in store.done]
@@ -228,7 +230,7 @@ def generate_data(loaded: Any, requests: list[Request], directory: Path, cfg: Tr
     def first_pos(prompt_len: int) -> int:
         return 0 if cfg.prompt_examples else max(0, prompt_len - 1 - cfg.context_tokens)
 
-    recorder = HiddenRecorder(lambda x: loaded.model.matmul(x, loaded.model.w.lm_head), first_pos)
+    recorder = HiddenRecorder(loaded.model.logits, first_pos)
     engine = Engine(loaded.model, loaded.tokenizer, engine_config or EngineConfig(batch_size=cfg.gen_batch_size),
                     recorder)
     recorder.request_of = lambda slot: engine.requests[slot]

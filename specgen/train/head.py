@@ -6,13 +6,21 @@ embedding, the RoPE tables and the LM head are the main model's, frozen.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from specgen.engine.model import Model, TensorReader, rms_norm
-from specgen.engine.proposers.mtp import random_mtp_weights
+from specgen.engine.kv_cache import KVCache
+from specgen.engine.proposers.mtp_head import random_mtp_weights
 from specgen.errors import ConfigError
+from specgen.layers.attention import AttentionIndex
+from specgen.layers.block import DecoderBlock, block_forward
+from specgen.layers.linear import Linear
+from specgen.layers.norm import rms_norm
+from specgen.models.model import Model
+from specgen.models.weights import TensorReader
 
 BLOCK_KEYS = ("attn_norm", "mlp_norm", "w_qkv", "b_qkv", "w_o", "b_o", "w_gate_up", "b_gate_up", "w_down", "b_down",
               "q_norm", "k_norm")
@@ -23,13 +31,24 @@ def residual_rms(model: Model, token_ids: np.ndarray) -> float:
     from specgen.engine.types import build_forward_batch
 
     n = len(token_ids)
+    cfg = model.config
     batch = build_forward_batch(np.array([0]), np.array([0]), np.array([n]), token_ids, np.array([False]))
-    cache = model.new_cache(1, n)
-    ctx = model.context(batch, cache)
-    x = F.embedding(paddle.to_tensor(batch.token_ids), model.w.embed)  # [n, hidden]
-    for li, layer in enumerate(model.w.layers[:-1]):
-        x = model.layer(x, layer, ctx, cache.k[li], cache.v[li])
+    cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, model.dtype, n, initial_capacity=n)
+    att = AttentionIndex(batch, cache, model.rope, cfg.num_heads, model.dtype)
+    x = F.embedding(paddle.to_tensor(batch.token_ids), model.weights.embed)  # [n, hidden]
+    for i, block in enumerate(model.weights.blocks[:-1]):  # the reference layers over dense copies of the weights
+        dense = DecoderBlock(**{**block.__dict__, **{k: Linear(getattr(block, k).dense(), getattr(block, k).bias)
+                                                      for k in ("qkv", "o", "gate_up", "down")}})
+        x = block_forward(x, dense, model.shape, att, i, cache.k[i], cache.v[i])
     return float(np.median(np.sqrt((x.numpy()[1:] ** 2).mean(-1))))  # the first token is an outlier (attention sink)
+
+
+def block_arrays(b: DecoderBlock) -> dict[str, np.ndarray]:
+    """A decoder block's weights as float32 arrays under the training names (BLOCK_KEYS; absent ones left out)."""
+    named = {"attn_norm": b.attn_norm, "mlp_norm": b.mlp_norm, "q_norm": b.q_norm, "k_norm": b.k_norm}
+    for key, lin in (("qkv", b.qkv), ("o", b.o), ("gate_up", b.gate_up), ("down", b.down)):
+        named[f"w_{key}"], named[f"b_{key}"] = lin.dense(), lin.bias
+    return {k: np.asarray(v.numpy(), np.float32) for k, v in named.items() if v is not None}
 
 
 def initial_weights(model: Model, init: str, seed: int, scale: float = 1.0) -> dict[str, np.ndarray]:
@@ -44,15 +63,15 @@ def initial_weights(model: Model, init: str, seed: int, scale: float = 1.0) -> d
     cfg = model.config
     h = cfg.hidden_size
     if init == "last-layer":
-        block = {k: v.numpy().astype(np.float32) for k, v in model.w.layers[-1].items() if v is not None}
+        block = block_arrays(model.weights.blocks[-1])
         eh = np.concatenate([np.zeros((h, h), np.float32), np.eye(h, dtype=np.float32)])  # [2 hidden, hidden]
     else:
         r = TensorReader(random_mtp_weights(cfg, seed), "random", cfg, "float32")
-        block = {k: v.numpy() for k, v in r.layer(f"model.layers.{cfg.num_layers}.").items() if v is not None}
+        block = block_arrays(r.block(f"model.layers.{cfg.num_layers}."))
         eh = np.random.default_rng(seed + 1).standard_normal((2 * h, h)).astype(np.float32) * 0.02
     norm = np.full(h, scale if init == "last-layer" else 1.0, np.float32)
     return {"enorm": norm, "hnorm": norm.copy(), "eh_proj": eh, **block,
-            "final_norm": model.w.final_norm.numpy().astype(np.float32)}
+            "final_norm": model.weights.final_norm.numpy().astype(np.float32)}
 
 
 class TrainableHead(paddle.nn.Layer):
@@ -63,8 +82,9 @@ class TrainableHead(paddle.nn.Layer):
         if model.dtype != "float32":
             raise ConfigError("train-mtp runs the main model in float32")
         cfg = self.cfg = model.config
-        self.eps, self.scale = cfg.rms_norm_eps, model.scale
-        self.embed, self.cos, self.sin = model.w.embed, model.cos, model.sin  # frozen: [vocab, hidden], [max_len, D/2]
+        self.eps, self.scale = cfg.rms_norm_eps, 1.0 / math.sqrt(cfg.head_dim)
+        # frozen: [vocab, hidden], [max_len, D/2]
+        self.embed, self.cos, self.sin = model.weights.embed, model.rope.cos, model.rope.sin
         for name, w in weights.items():
             p = self.create_parameter(list(w.shape), dtype="float32",
                                       default_initializer=paddle.nn.initializer.Assign(np.ascontiguousarray(w)))

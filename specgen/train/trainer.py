@@ -20,7 +20,6 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from specgen import kernels
 from specgen.errors import ConfigError, InputError
 from specgen.train.config import TrainConfig
 from specgen.train.data import CachedData, load_data, prompt_groups
@@ -118,7 +117,7 @@ class Trainer:
         self.head = TrainableHead(model, initial_weights(model, cfg.init, cfg.seed, scale))
         self.params = dict(self.head.named_parameters())
         self.opt = AdamW(self.params, cfg)
-        self.lm_full = kernels.dense(model.w.lm_head)  # [hidden, vocab]
+        self.lm_full = model.weights.lm_head.dense()  # [hidden, vocab]
         self.lm_train = paddle.gather(self.lm_full, paddle.to_tensor(self.set.vocab_ids), axis=1)  # [hidden, V']
         self.identity = np.arange(loaded.config.vocab_size, dtype=np.int64)
 
@@ -275,7 +274,7 @@ class Trainer:
             w.writerows({k: ("" if r.get(k) is None else r[k]) for k in COLUMNS} for r in rows)
 
     def save(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        from specgen.engine.proposers.mtp import save_mtp
+        from specgen.engine.proposers.mtp_head import save_mtp
         from specgen.train.plot import plot_loss
 
         cfg, s = self.cfg, self.set

@@ -7,9 +7,9 @@ import pytest
 from cli_support import invoke, write_jsonl
 
 import specgen.cli
-import specgen.io.job
-from specgen.config import EngineConfig, Method, SamplingParams, SpecConfig
-from specgen.io.job import JobResult
+import specgen.app.job
+from specgen.config import EngineConfig, Method, MtpConfig, NgramConfig, SamplingParams, SpecConfig
+from specgen.app.job import JobResult
 from specgen.io.summary import summarize
 
 
@@ -26,7 +26,7 @@ def captured(monkeypatch):
         seen.update(model=model)
         return "loaded"
 
-    monkeypatch.setattr(specgen.io.job, "run_job", fake_run_job)
+    monkeypatch.setattr(specgen.app.job, "run_job", fake_run_job)
     monkeypatch.setattr(specgen.cli, "_load", fake_load)
     return seen
 
@@ -59,7 +59,7 @@ def test_mtp_flags_and_model(captured, inp, tmp_path):
     result = invoke("run", inp, "-o", tmp_path / "o.jsonl", "--method", "mtp", "--mtp-model", "/ckpt/mtp",
                     "--model", "/ckpt/main", "--resume", model=False)
     assert result.exit_code == 0, result.output
-    assert captured["cfg"].spec == SpecConfig(method=Method.MTP, mtp_model="/ckpt/mtp")
+    assert captured["cfg"].spec == SpecConfig(method=Method.MTP, mtp=MtpConfig(model="/ckpt/mtp"))
     assert captured["model"] == "/ckpt/main" and captured["plan"].resume
 
 
@@ -74,7 +74,7 @@ def test_no_flags_gives_the_dataclass_defaults(captured, inp, tmp_path):
 def test_precedence_defaults_yaml_speculative_config_flags(captured, inp, tmp_path):
     yaml_file = tmp_path / "c.yaml"
     yaml_file.write_text("sampling:\n  max_tokens: 9\n  temperature: 0.5\nengine:\n  batch_size: 3\n"
-                         "speculative:\n  method: ngram\n  num_speculative_tokens: 2\n  ngram_max: 4\n")
+                         "speculative:\n  method: ngram\n  num_speculative_tokens: 2\n  ngram:\n    max: 4\n")
     result = invoke("run", inp, "-o", tmp_path / "o.jsonl", "--config", yaml_file, "--max-tokens", "20",
                     "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1, "model": "/d"}',
                     "--num-speculative-tokens", "5", model=False)
@@ -84,14 +84,17 @@ def test_precedence_defaults_yaml_speculative_config_flags(captured, inp, tmp_pa
     assert cfg.sampling.temperature == 0.5  # YAML over default
     assert cfg.sampling.top_p == 1.0  # default
     assert cfg.engine.batch_size == 3
-    assert cfg.spec == SpecConfig(method=Method.MTP, num_speculative_tokens=5, ngram_max=4, mtp_model="/d")
+    assert cfg.spec == SpecConfig(method=Method.MTP, num_speculative_tokens=5, ngram=NgramConfig(max=4),
+                                  mtp=MtpConfig(model="/d"))
 
 
 @pytest.mark.parametrize("command,options", [
     ("run", ["--output", "--model", "--method", "--num-speculative-tokens", "--mtp-model", "--ngram-pool",
              "--speculative-config", "--batch-size", "--max-tokens", "--temperature", "--top-p", "--top-k",
              "--seed", "--stop", "--ignore-eos", "--dtype", "--threads", "--max-model-len", "--config",
-             "--resume", "--on-error", "--quiet", "--summary-json", "--input-format"]),
+             "--resume", "--on-error", "--quiet", "--summary-json", "--input-format", "--device", "--backend",
+             "--cpu-target", "--cache-dir", "--no-cost-cache", "--ngram-min", "--ngram-max", "--mtp-copy",
+             "--no-mtp-quantize", "--no-adaptive", "--kv-cache-dtype", "--matmul", "--prefill-chunk"]),
     ("stats", ["--summary-json"]),
     ("bench", ["--methods", "--model", "--num-speculative-tokens", "--ngram-pool", "--batch-size", "--max-tokens",
                "--config"]),

@@ -137,7 +137,7 @@ def test_resume_completes_a_partial_output(jsonl_in, tmp_path):
 
 def test_interrupt_keeps_finished_records(jsonl_in, tmp_path, monkeypatch):
     """Ctrl-C (KeyboardInterrupt) mid-run: exit 130, finished records kept, Parquet finalized, resumable."""
-    from specgen.engine.runner import Engine
+    from specgen.engine.engine import Engine
 
     real = Engine.run
 
@@ -238,7 +238,7 @@ def test_kv_cache_dtype_float16_halves_the_reported_cache(jsonl_in, jsonl_run, t
     half, full = (json.loads(p.read_text())["kv_cache_bytes"] for p in (summary, jsonl_run[1]))
     assert half * 2 == full
     bad = invoke("run", jsonl_in, "-o", tmp_path / "bad.jsonl", "--kv-cache-dtype", "int8")
-    assert bad.exit_code == 2 and "kv_cache_dtype must be 'auto' or 'float16'" in bad.output
+    assert bad.exit_code == 2 and "kv_cache_dtype must be one of auto, float16, got 'int8'" in bad.output
 
 
 def test_matmul_int8_needs_block_weights(jsonl_in, tmp_path):

@@ -1,17 +1,19 @@
 """Chunked prefill and the shared prefix change nothing: outputs with prompts cut into 16/64/512-token chunks, and
 with a 500-token prefix computed once (cascade attention), equal whole-prompt prefill, with plain decoding,
-n-gram and MTP drafting (float64); chunks and reused prefix tokens are counted, and memory shrinks."""
+n-gram and MTP drafting (float64), on both backends; chunks and reused prefix tokens are counted, and memory
+shrinks."""
 import numpy as np
 import pytest
 
 from conftest import TINY
-from specgen import EngineConfig, SamplingParams, SpecConfig, generate, load_model
-from specgen.engine.proposers.mtp import random_mtp_weights, save_mtp
+from specgen import EngineConfig, MtpConfig, SamplingParams, SpecConfig, generate, load_model
+from specgen.engine.proposers.mtp_head import random_mtp_weights, save_mtp
 
 
-@pytest.fixture(scope="module")
-def tiny64(tmp_path_factory):
-    """The tiny Qwen2 checkpoint with its context raised to 2048 positions (room for a 500-token prefix)."""
+@pytest.fixture(scope="module", params=["fused", "reference"])
+def tiny64(tmp_path_factory, request):
+    """The tiny Qwen2 checkpoint with its context raised to 2048 positions (room for a 500-token prefix), on each
+    backend."""
     import json
     import shutil
 
@@ -20,7 +22,7 @@ def tiny64(tmp_path_factory):
     cfg = json.loads((d / "config.json").read_text())
     cfg["max_position_embeddings"] = 2048
     (d / "config.json").write_text(json.dumps(cfg))
-    return load_model(d, dtype="float64")
+    return load_model(d, dtype="float64", backend=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,7 @@ def test_chunked_prefill_and_shared_prefix_are_token_identical(tiny64, shared_pr
         # shared prefix before them get no head pass)
         save_mtp(tmp_path, random_mtp_weights(tiny64.config, seed=3, std=0.3),
                  extra={"specgen_training": {"seq_len": 64}})
-        spec = SpecConfig(method="mtp", num_speculative_tokens=2, mtp_model=str(tmp_path))
+        spec = SpecConfig(method="mtp", num_speculative_tokens=2, mtp=MtpConfig(model=str(tmp_path)))
     sp = _sampling(len(shared_prefix_prompts))
     whole = generate(shared_prefix_prompts, model=tiny64, sampling=sp, speculative=spec,
                      engine=EngineConfig(batch_size=8, dtype="float64", shared_prefix="off"))
@@ -90,7 +92,7 @@ def test_shared_prefix_saves_cache_memory(tiny64, shared_prefix_prompts):
 
 def test_no_sharing_below_the_minimum_or_for_prompts_without_the_prefix(tiny64):
     from specgen.api import make_engine
-    from specgen.engine.runner import common_prefix
+    from specgen.engine.slots import common_prefix
 
     assert common_prefix([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == [1, 2]
     assert common_prefix([[1, 2, 3]]) == []
@@ -108,7 +110,7 @@ def test_no_sharing_below_the_minimum_or_for_prompts_without_the_prefix(tiny64):
 
 def test_step_budget_limits_prefill_tokens(tiny64):
     """With chunking, a step feeds at most max_prefill_tokens prompt tokens (but always at least one chunk)."""
-    from specgen.engine.runner import Engine
+    from specgen.engine.engine import Engine
     from specgen.engine.types import Request
 
     eng = Engine(tiny64.model, None, EngineConfig(batch_size=4, dtype="float64", prefill_chunk=32,
@@ -141,7 +143,7 @@ def test_mtp_drafts_are_the_same_with_chunks_and_a_shared_prefix(tiny64, shared_
 
     monkeypatch.setattr(MtpProposer, "propose", logged)
     save_mtp(tmp_path, random_mtp_weights(tiny64.config, seed=3, std=0.3), extra={"specgen_training": {"seq_len": 64}})
-    spec = SpecConfig(method="mtp", num_speculative_tokens=2, mtp_model=str(tmp_path), adaptive=False, mtp_copy=0)
+    spec = SpecConfig(method="mtp", num_speculative_tokens=2, adaptive=False, mtp=MtpConfig(model=str(tmp_path), copy=0))
     prompts = shared_prefix_prompts[:16]
     logs = []
     for shared, chunk in [("off", 0), ("auto", 0), ("auto", 16), ("off", 64)]:

@@ -46,7 +46,7 @@ def test_float64_batch_invariance(real_model64, spec_bench):
 def top2_gap(model, ids):
     """Probability gap between the two most likely next tokens after `ids`, from a one-sequence forward."""
     batch = build_forward_batch(np.array([0]), np.array([0]), np.array([len(ids)]), np.array(ids), np.array([False]))
-    logits = model.model.forward(batch, model.model.new_cache(1, 2048))[0].numpy()[0].astype(np.float64)
+    logits = model.model.forward(batch, model.model.new_cache(1, 2048)).logits.numpy()[0].astype(np.float64)
     p = np.exp(logits - logits.max())
     p /= p.sum()
     top = np.sort(p)[-2:]
@@ -67,7 +67,7 @@ def test_float32_divergences_sit_at_near_ties(real_model, spec_bench):
 def test_float32_packed_weights_are_exact_across_batching_and_speculation(real_model, spec_bench):
     """With packed float32 weights every row of every op is computed on its own in a fixed order, so float32
     outputs do not change with batch size or with speculation: not even at near-ties."""
-    if not real_model.model.packs:
+    if real_model.model.backend.name != "fused":
         pytest.skip("packed linear needs the fused kernels and AVX2 (with FMA and F16C) or AVX-512")
     from specgen import SpecConfig
 
@@ -84,10 +84,11 @@ def test_float32_packed_weights_are_exact_across_batching_and_speculation(real_m
 
 
 def test_greedy_steps_without_logits_give_the_same_tokens(real_model, spec_bench):
-    """Greedy steps skip the LM head's logits (Model.screen: integer products screen the columns, float32 decides
-    among the few left): the tokens of whole greedy jobs, plain and speculative, are those of the logits' argmax."""
-    m = real_model.model
-    if m.screen is None:
+    """Greedy steps skip the LM head's logits (the fused backend's screen: integer products screen the columns,
+    float32 decides among the few left): the tokens of whole greedy jobs, plain and speculative, are those of the
+    logits' argmax."""
+    m = real_model.model.backend
+    if getattr(m, "screen", None) is None:
         pytest.skip("the greedy screen needs the fused kernels, a Q8_0 / Q4_0 LM head and AVX-512 VNNI")
     from specgen import SpecConfig
 
@@ -114,7 +115,7 @@ def test_float16_kv_cache_is_exact_across_batching_and_speculation(real_model, s
     with speculation, greedy or sampled. On MKL's products (no AVX2) keys and values differ by ~1e-7 between
     shapes before they are rounded, and a rounding to half can turn that into a half's step, so there the
     float16 cache keeps only the float32 guarantee of divergences at near-ties (tested above without it)."""
-    if not real_model.model.packs:
+    if real_model.model.backend.name != "fused":
         pytest.skip("batch-exact float16 KV caches need packed weights (the fused kernels and AVX2 or AVX-512)")
     from specgen import SpecConfig
 
@@ -170,7 +171,7 @@ def test_int8_matmul_stays_close_to_float32(real_model, real_model_int8):
     for it, out in zip(items, f32):
         ids = np.array(it["prompt_ids"] + out.token_ids, np.int64)
         batch = build_forward_batch(np.array([0]), np.array([0]), np.array([len(ids)]), ids, np.array([True]))
-        picks = m.forward_greedy(batch, m.new_cache(1, len(ids) + 1))[2][len(it["prompt_ids"]) - 1:-1]
+        picks = m.forward(batch, m.new_cache(1, len(ids) + 1)).greedy[len(it["prompt_ids"]) - 1:-1]
         same += int((picks == np.array(out.token_ids)).sum())
         total += len(out.token_ids)
     assert 0.9 <= same / total < 1.0, same / total

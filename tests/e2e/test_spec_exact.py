@@ -1,9 +1,8 @@
 """Speculation changes nothing: ngram and mtp outputs equal plain decoding on the real model (float64)."""
-import numpy as np
 import pytest
 
-from specgen import EngineConfig, SamplingParams, SpecConfig, generate
-from specgen.engine.proposers.mtp import random_mtp_weights, save_mtp
+from specgen import EngineConfig, MtpConfig, SamplingParams, SpecConfig, generate
+from specgen.engine.proposers.mtp_head import random_mtp_weights, save_mtp
 
 pytestmark = [pytest.mark.realmodel, pytest.mark.slow]
 
@@ -48,7 +47,7 @@ CASES = [("ngram", 1, 32), ("ngram", 3, 7), ("ngram", 5, 32), ("ngram", 5, 7), (
 def test_speculative_equals_plain(real_model64, prompts, plain, mtp_dir, mode, method, k, batch_size):
     mtp = method.startswith("mtp")
     spec = SpecConfig(method="mtp" if mtp else method, num_speculative_tokens=k, adaptive=False,
-                      mtp_model=mtp_dir if mtp else None, **({"mtp_copy": 0} if method == "mtp/head" else {}))
+                      mtp=MtpConfig(model=mtp_dir if mtp else None, copy=0 if method == "mtp/head" else 2))
     picked = range(0, len(prompts), 4 if batch_size == 1 else 1)
     outs = generate([prompts[i] for i in picked], model=real_model64,
                     sampling=[SAMPLING[mode](i) for i in picked], ids=[str(i) for i in picked],
@@ -64,3 +63,26 @@ def test_speculative_equals_plain(real_model64, prompts, plain, mtp_dir, mode, m
         assert sum(s.accepted_per_position) == s.num_accepted_tokens
     if method in ("ngram", "mtp") and mode == "greedy":  # copied drafts are accepted (the random head's are not)
         assert sum(o.stats.num_accepted_tokens for o in outs) > 0
+
+
+@pytest.fixture(scope="module")
+def real_ref64():
+    """The default model on the reference backend (Paddle's operators: a GPU user's path), float64."""
+    from specgen import load_model
+
+    return load_model(None, dtype="float64", backend="reference")
+
+
+@pytest.mark.parametrize("mode", list(SAMPLING))
+@pytest.mark.parametrize("method,k", [("ngram", 3), ("mtp", 2)])
+def test_reference_backend_equals_plain(real_ref64, prompts, plain, mtp_dir, mode, method, k):
+    """The reference backend: speculative outputs equal the fused backend's plain outputs (7 slots, every fourth
+    prompt)."""
+    spec = SpecConfig(method=method, num_speculative_tokens=k, adaptive=False,
+                      mtp=MtpConfig(model=mtp_dir if method == "mtp" else None))
+    picked = range(0, len(prompts), 4)
+    outs = generate([prompts[i] for i in picked], model=real_ref64, sampling=[SAMPLING[mode](i) for i in picked],
+                    ids=[str(i) for i in picked], speculative=spec,
+                    engine=EngineConfig(batch_size=7, dtype="float64", backend="reference"))
+    assert [o.token_ids for o in outs] == [plain[mode][i].token_ids for i in picked]
+    assert sum(o.stats.num_draft_tokens for o in outs) > 0

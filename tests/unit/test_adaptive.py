@@ -1,18 +1,35 @@
 """The adaptive controller's per-slot choices: drafts that stop paying detach the slot from its drafter."""
-from typing import ClassVar
-
 import numpy as np
 import pytest
 
-from specgen.engine.adaptive import Controller, CostModel, expected_emitted
+from specgen.config import EngineConfig
+from specgen.engine.adaptive import Controller, CostModel, StepReport, choose_drafts
+from specgen.engine.adaptive import calibrate as calibration
+from specgen.engine.adaptive import costs as cost_cache
+
+
+def expected_emitted(a: float, k: int) -> float:
+    """E[tokens per step] = 1 + a + ... + a^k."""
+    return sum(a ** j for j in range(k + 1))
+
+
+def _set(ctl: Controller, hits: float, seen: float, source: int = 0) -> None:
+    ctl.acceptance.hits[source], ctl.acceptance.seen[source] = hits, seen
+
+
+def _report(slots, drafts, avail, emitted, kept, source=None) -> StepReport:
+    n = len(slots)
+    return StepReport(slots=slots, draft_ids=drafts, num_avail=avail, num_draft=avail, source=source,
+                      emitted=emitted, kept=kept, num_tokens=n, num_emitted=int(kept.sum()), prefilled=True,
+                      forward_seconds=1.0, draft_seconds=0.0, step_seconds=1.0)
 
 
 def test_slot_detaches_after_drafts_stop_paying_and_reattaches_on_reset():
     # each extra verified token costs 10% of a 2-token step
     ctl = Controller(CostModel(np.array([2, 4, 12]), np.array([1.0, 1.2, 2.0])), max_draft=5, num_slots=2)
     slots = np.array([0, 1])
-    ctl.hits[:] = [0.0, 40.0]  # slot 0 never accepted; slot 1 always did
-    ctl.seen[:] = [40.0, 40.0]
+    ctl.acceptance.hits[0] = [0.0, 40.0]  # slot 0 never accepted; slot 1 always did
+    ctl.acceptance.seen[0] = [40.0, 40.0]
     for _ in range(Controller.DETACH_AFTER):
         k = ctl.choose(slots, np.array([5, 5]), 0)
     assert ctl.idle[0] == Controller.DETACH_AFTER and ctl.idle[1] == 0
@@ -22,28 +39,29 @@ def test_slot_detaches_after_drafts_stop_paying_and_reattaches_on_reset():
     assert ctl.detached(slots).tolist() == [False, False]
 
 
-@pytest.mark.parametrize("num_slots", [1, 2])  # one slot takes _choose_one's path, two the arrays'
+@pytest.mark.parametrize("num_slots", [1, 2])
 def test_each_source_of_drafts_has_its_own_acceptance_and_only_source_0_detaches(num_slots):
     """An MTP slot's copies (source 1) accepted 0.9 and its head's drafts (source 0) 0.05: the choice follows
     the source offered this step, the copies' results do not move the head's estimate, and steps that offer
     copies leave the idle count (the head's detach) alone."""
     ctl = Controller(CostModel(np.array([1, 2, 6]), np.array([1.0, 1.1, 1.5])), max_draft=3, num_slots=num_slots)
     slots = np.arange(num_slots)
-    ctl.hits_by[1], ctl.seen_by[1] = 90.0, 100.0
-    ctl.hits_by[0], ctl.seen_by[0] = 5.0, 100.0
+    _set(ctl, 90.0, 100.0, source=1)
+    _set(ctl, 5.0, 100.0, source=0)
     copy, head = np.ones(num_slots, np.int64), np.zeros(num_slots, np.int64)
     avail = np.full(num_slots, 3)
     assert (ctl.choose(slots, avail, 0, copy) >= 2).all()
     assert (ctl.idle[slots] == 0).all()
     assert (ctl.choose(slots, avail, 0, head) == 0).all() and (ctl.idle[slots] == 1).all()
     assert (ctl.choose(slots, avail, 0, copy) >= 2).all() and (ctl.idle[slots] == 1).all()  # untouched
-    before = ctl.alpha(slots).copy()
+    before = ctl.acceptance.rate(0, slots).copy()
     drafts = np.tile([7, 8, 9], (num_slots, 1))
-    ctl.update(slots, drafts, avail, np.tile([7, 8, 9, 1], (num_slots, 1)), np.full(num_slots, 4), copy)
-    assert np.allclose(ctl.alpha(slots), before)  # the head's estimate
-    assert (ctl.hits_by[1, slots] == 0.9 * 90 + 3).all() and (ctl.seen_by[1, slots] == 0.9 * 100 + 3).all()
+    ctl.end_step(_report(slots, drafts, avail, np.tile([7, 8, 9, 1], (num_slots, 1)), np.full(num_slots, 4), copy))
+    assert np.allclose(ctl.acceptance.rate(0, slots), before)  # the head's estimate
+    acc = ctl.acceptance
+    assert (acc.hits[1, slots] == 0.9 * 90 + 3).all() and (acc.seen[1, slots] == 0.9 * 100 + 3).all()
     ctl.reset(0)
-    assert ctl.hits_by[:, 0].tolist() == [0.0, 0.0] and ctl.seen_by[:, 0].tolist() == [0.0, 0.0]
+    assert acc.hits[:, 0].tolist() == [0.0, 0.0] and acc.seen[:, 0].tolist() == [0.0, 0.0]
 
 
 def test_drafter_time_is_charged_and_guard_forced_plain_steps_detach():
@@ -54,18 +72,18 @@ def test_drafter_time_is_charged_and_guard_forced_plain_steps_detach():
     cost = CostModel(np.array([1, 2, 6]), np.array([1.0, 1.05, 1.25]))
     ctl = Controller(cost, max_draft=2, num_slots=1)
     slot = np.array([0])
-    ctl.hits[:], ctl.seen[:] = 30.0, 100.0
+    _set(ctl, 30.0, 100.0)
     assert ctl.choose(slot, np.array([2]), 0)[0] >= 1  # E = 1.3 per 1.05 or better: pays
-    ctl.drafting(0.3)
+    ctl._drafting(0.3)
     ctl.idle[:] = 0
     for _ in range(Controller.DETACH_AFTER):
         assert ctl.choose(slot, np.array([2]), 0)[0] == 0  # 1.3 / (1.05 + 0.3) < 1
     assert ctl.detached(slot).tolist() == [True]
 
     ctl = Controller(cost, max_draft=2, num_slots=1)
-    ctl.hits[:], ctl.seen[:] = 30.0, 100.0
-    ctl.record(1, 1.0, speculated=False)  # plain: 1 token/s
-    ctl.record(1, 1.5, speculated=True)  # speculative: 0.67 tokens/s
+    _set(ctl, 30.0, 100.0)
+    ctl._record(1, 1.0, False, 1)  # plain: 1 token/s
+    ctl._record(1, 1.5, True, 3)  # speculative: 0.67 tokens/s
     ks = [int(ctl.choose(slot, np.array([2]), 0)[0]) for _ in range(Controller.DETACH_AFTER)]
     assert ks == [0] * Controller.DETACH_AFTER and ctl.detached(slot).tolist() == [True]
 
@@ -97,31 +115,31 @@ def test_guard_throughput_is_a_ratio_of_decayed_sums():
     ctl = Controller(cost, max_draft=2, num_slots=1)
     assert ctl.rate(True) is None and ctl.rate(False) is None
     for i in range(40):
-        ctl.record(1, 1 / 0.9, speculated=False)
-        ctl.record(2 if i % 2 else 1, 1.5, speculated=True)
+        ctl._record(1, 1 / 0.9, False, 1)
+        ctl._record(2 if i % 2 else 1, 1.5, True, 3)
     assert abs(ctl.rate(False) - 0.9) < 1e-9
     assert 0.95 < ctl.rate(True) < 1.05
     for _ in range(3):  # three unlucky speculative steps in a row do not flip the guard
-        ctl.record(1, 1.5, speculated=True)
+        ctl._record(1, 1.5, True, 3)
     assert ctl.rate(True) > ctl.rate(False)
-    ctl.hits[:], ctl.seen[:] = 60.0, 100.0
+    _set(ctl, 60.0, 100.0)
     ks = [int(ctl.choose(np.array([0]), np.array([2]), 0)[0]) for _ in range(Controller.PROBE_EVERY - 1)]
     assert all(k > 0 for k in ks)
     for _ in range(60):  # speculative steps slow down for good: the guard turns them off
-        ctl.record(1, 1.5, speculated=True)
+        ctl._record(1, 1.5, True, 3)
     assert ctl.rate(True) < ctl.rate(False)
     assert int(ctl.choose(np.array([0]), np.array([2]), 0)[0]) == 0 or ctl.steps % Controller.PROBE_EVERY == 0
 
 
-def _steady(with_tokens: bool) -> Controller:
+def _steady() -> Controller:
     """40 plain steps of 6 ms and 40 speculative ones of 9 ms emitting 2 tokens, the table right."""
     cost = CostModel(np.array([1, 2, 6]), np.array([0.006, 0.007, 0.011]))
     ctl = Controller(cost, max_draft=3, num_slots=1)
     for _ in range(40):
         cost.observe(1, 0.006)
-        ctl.record(1, 0.006, False, 1 if with_tokens else None)
+        ctl._record(1, 0.006, False, 1)
         cost.observe(4, 0.009)
-        ctl.record(2, 0.009, True, 4 if with_tokens else None)
+        ctl._record(2, 0.009, True, 4)
     return ctl
 
 
@@ -129,23 +147,24 @@ def test_a_stalled_step_counts_at_most_outlier_times_its_prediction():
     """A step the machine stalled in (~100 ms of hypervisor steal against 6-9 ms steps): the cost model, the
     guard and the drafter's time take it as OUTLIER (DRAFT_OUTLIER) x their prediction, so speculation is not
     vetoed for it; a lasting change of level is still followed."""
-    ctl, whole = _steady(True), _steady(False)
+    ctl = _steady()
     assert ctl.rate(True) == pytest.approx(2 / 0.009) and ctl.cost.scale == pytest.approx(1.0)
     predicted = ctl.cost.at(4)
     ctl.cost.observe(4, 0.110)
     assert ctl.cost.scale == pytest.approx(0.9 + 0.1 * CostModel.OUTLIER * predicted / ctl.cost.table_at(4))
-    ctl.record(1, 0.110, True, 4)
-    whole.record(1, 0.110, True)  # counted whole, the step makes speculation measure slower than plain decoding
-    assert ctl.rate(True) > ctl.rate(False) and whole.rate(True) < whole.rate(False)
+    tokens, seconds = ctl.sums[True] * ctl.RATE_DECAY + (1, 0.110)
+    assert tokens / seconds < ctl.rate(False)  # counted whole, it would make speculation measure slower
+    ctl._record(1, 0.110, True, 4)
+    assert ctl.rate(True) > ctl.rate(False)
     for _ in range(100):  # a real change of level, every step 2.5x the table: followed
         ctl.cost.observe(1, 0.015)
     assert ctl.cost.at(1) == pytest.approx(0.015, rel=0.02)
 
-    ctl.drafting(0.0005)
-    ctl.drafting(0.100)  # stalled while drafting
+    ctl._drafting(0.0005)
+    ctl._drafting(0.100)  # stalled while drafting
     assert ctl.draft_cost == pytest.approx(0.8 * 0.0005 + 0.2 * Controller.DRAFT_OUTLIER * 0.0005)
     for _ in range(30):  # the drafter's time rising 4.7x (a catch-up alone -> three chained drafts): followed
-        ctl.drafting(0.0033)
+        ctl._drafting(0.0033)
     assert ctl.draft_cost == pytest.approx(0.0033, rel=0.01)
 
 
@@ -159,23 +178,20 @@ def test_scalar_cost_equals_the_interpolated_table():
 
 
 def _stub_model(monkeypatch, seconds_of):
-    """A model whose forward advances a fake clock (runner.time.perf_counter) by seconds_of(call number, tokens)
-    and a cache of num_slots slots, for runner.calibrate."""
-    from specgen.engine import runner
-
+    """A model whose forward advances a fake clock (the calibration's time.perf_counter) by seconds_of(call number,
+    tokens), and its cost key."""
     clock = {"t": 0.0, "calls": 0}
-    monkeypatch.setattr(runner.time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock["t"])
 
     class Stub:
-        calibrations: ClassVar[dict] = {}
+        key = "model A"
 
-        def cost_key(self):  # no key: its tables are not kept on disk (cost_cache)
-            return None
+        def cost_key(self):
+            return self.key
 
-        def forward_greedy(self, batch, cache, logits=True):
+        def forward(self, batch, cache, logits=True):
             clock["calls"] += 1
             clock["t"] += seconds_of(clock["calls"], len(batch.token_ids))
-            return None, None, np.zeros(len(batch.logit_rows), np.int64)
 
     return Stub(), clock
 
@@ -186,15 +202,16 @@ class _Cache:
         self.dtype = "float32"
 
 
+NO_DISK = EngineConfig(cost_cache=False)
+
+
 def test_calibration_takes_the_median_of_repeated_timings(monkeypatch):
     """One slow timing (another process took the core) does not become the table's cost: each point is the
     median of its repeats, taken round robin."""
-    from specgen.engine import runner
-
     # call 4 (3 tokens) is slow
     stub, clock = _stub_model(monkeypatch, lambda call, tokens: 0.010 + 0.002 * (tokens - 1) + 0.050 * (call == 4))
-    controller = runner.calibrate(stub, _Cache(1), 2)
-    tokens, seconds = stub.calibrations[(1, 2)]
+    controller = calibration.controller_for(stub, _Cache(1), 2, NO_DISK)
+    tokens, seconds = calibration.measured(stub)[(1, 2)]
     assert tokens.tolist() == [1, 2, 3]
     np.testing.assert_allclose(seconds, [0.010, 0.012, 0.014])
     assert clock["calls"] == 1 + 3 * 3  # a warm-up, then rounds until 0.15 s are spent: 0.086 + 0.036 + 0.036 s
@@ -205,11 +222,9 @@ def test_calibration_anchors_steps_of_few_slots(monkeypatch):
     """A memory-bound step costs about the same for 1 token as for 8; verifying drafts of 8 slots is compute-bound
     (2 ms a token). The table gets a one-token point, so a 2-token step (slots drained at the end of a job) is
     not extrapolated from the compute-bound slope to almost nothing."""
-    from specgen.engine import runner
-
     stub, _ = _stub_model(monkeypatch, lambda call, tokens: 0.010 + 0.002 * max(0, tokens - 8))
-    controller = runner.calibrate(stub, _Cache(8), 5)
-    tokens, seconds = stub.calibrations[(8, 5)]
+    controller = calibration.controller_for(stub, _Cache(8), 5, NO_DISK)
+    tokens, seconds = calibration.measured(stub)[(8, 5)]
     assert tokens.tolist() == [1, 8, 16, 48]
     np.testing.assert_allclose(seconds, [0.010, 0.010, 0.026, 0.090])
     assert controller.cost.at(2) == pytest.approx(0.010)  # extrapolated from 8 tokens: 0.010 - 6 * 0.0023 < 0
@@ -218,71 +233,70 @@ def test_calibration_anchors_steps_of_few_slots(monkeypatch):
 def test_costs_are_measured_with_the_slots_the_job_fills(tiny_dir):
     """3 requests in an 8-slot engine: the start-up timings use 3 slots (the steps the job will run, at 3/8 of
     the cost of timing 8), and a job that fills the batch uses all 8."""
-    from specgen import EngineConfig, SamplingParams, SpecConfig, generate, load_model
+    from specgen import SamplingParams, SpecConfig, generate, load_model
 
     lm = load_model(tiny_dir, dtype="float32")
     spec = SpecConfig(method="ngram", num_speculative_tokens=3)
     sp = SamplingParams(max_tokens=4)
     generate([[5, 6, 7]] * 3, model=lm, sampling=sp, engine=EngineConfig(batch_size=8), speculative=spec)
-    assert list(lm.model.calibrations) == [(3, 3)]
-    tokens, seconds = lm.model.calibrations[(3, 3)]
+    tables = calibration.measured(lm.model)
+    assert list(tables) == [(3, 3)]
+    tokens, seconds = tables[(3, 3)]
     assert tokens.tolist() == [3, 6, 12]  # 1, 2 and 4 tokens for each of 3 slots
     generate([[5, 6, 7]] * 20, model=lm, sampling=sp, engine=EngineConfig(batch_size=8), speculative=spec)
-    assert list(lm.model.calibrations) == [(3, 3), (8, 3)]
-    tokens, seconds = lm.model.calibrations[(8, 3)]
+    assert list(tables) == [(3, 3), (8, 3)]
+    tokens, seconds = tables[(8, 3)]
     assert tokens.tolist() == [1, 8, 16, 32]  # 8 slots: one slot's single token anchors the table too
     assert (np.diff(seconds) >= 0).all()
 
 
 def test_cost_tables_are_kept_on_disk_between_runs(monkeypatch, tmp_path):
-    """A table timed once is stored under $SPECGEN_CACHE/costs and found by the next model of the same key on
-    this machine (a later run), which times nothing; another key, an entry past MAX_AGE_S, a malformed file or
-    SPECGEN_COST_CACHE=0 times the table again."""
+    """A table timed once is stored under <cache_dir>/costs and found by the next model of the same key on this
+    machine (a later run), which times nothing; another key, an entry past MAX_AGE_S, a malformed file or
+    cost_cache off times the table again."""
     import json
 
-    from specgen.engine import cost_cache, runner
+    disk = EngineConfig(cache_dir=str(tmp_path))
 
-    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
     def cost(call: int, tokens: int) -> float:
         return 0.010 + 0.002 * (tokens - 1)
 
     def fresh(key: str = "model A"):
         stub, clock = _stub_model(monkeypatch, cost)
-        stub.cost_key = lambda: key
+        stub.key = key
         return stub, clock
 
     first, clock = fresh()
-    runner.calibrate(first, _Cache(2), 3)
+    calibration.controller_for(first, _Cache(2), 3, disk)
     assert clock["calls"] > 0
     files = list((tmp_path / "costs").glob("*.json"))
     assert len(files) == 1
     again, clock = fresh()
-    controller = runner.calibrate(again, _Cache(2), 3)
+    controller = calibration.controller_for(again, _Cache(2), 3, disk)
     assert clock["calls"] == 0  # nothing timed
-    for a, b in zip(again.calibrations[(2, 3)], first.calibrations[(2, 3)]):
+    for a, b in zip(calibration.measured(again)[(2, 3)], calibration.measured(first)[(2, 3)]):
         np.testing.assert_array_equal(a, b)
-    assert controller.cost.at(8) == first.calibrations[(2, 3)][1][-1]
+    assert controller.cost.at(8) == calibration.measured(first)[(2, 3)][1][-1]
 
     other, clock = fresh("model B")
-    runner.calibrate(other, _Cache(2), 3)
+    calibration.controller_for(other, _Cache(2), 3, disk)
     assert clock["calls"] > 0 and len(list((tmp_path / "costs").glob("*.json"))) == 2
 
     entry = json.loads(files[0].read_text())
     entry["measured_at"] -= cost_cache.MAX_AGE_S + 1
     files[0].write_text(json.dumps(entry))
     stale, clock = fresh()
-    runner.calibrate(stale, _Cache(2), 3)
+    calibration.controller_for(stale, _Cache(2), 3, disk)
     assert clock["calls"] > 0  # timed again, and stored afresh
     assert json.loads(files[0].read_text())["measured_at"] > entry["measured_at"] + cost_cache.MAX_AGE_S
 
     files[0].write_text("{not json")
     broken, clock = fresh()
-    runner.calibrate(broken, _Cache(2), 3)
+    calibration.controller_for(broken, _Cache(2), 3, disk)
     assert clock["calls"] > 0
 
-    monkeypatch.setenv("SPECGEN_COST_CACHE", "0")
     off, clock = fresh("model C")
-    runner.calibrate(off, _Cache(2), 3)
+    calibration.controller_for(off, _Cache(2), 3, EngineConfig(cache_dir=str(tmp_path), cost_cache=False))
     assert clock["calls"] > 0 and len(list((tmp_path / "costs").glob("*.json"))) == 2
 
 
@@ -296,7 +310,7 @@ def test_speculation_needs_a_predicted_gain_of_min_gain():
     def choice(accepted: float, min_gain: float = Controller.MIN_GAIN) -> int:
         ctl = Controller(cost, max_draft=1, num_slots=1)
         ctl.MIN_GAIN = min_gain
-        ctl.hits[:], ctl.seen[:] = accepted * 102 - 1, 100.0  # alpha = (hits + 1) / (seen + 2)
+        _set(ctl, accepted * 102 - 1, 100.0)  # alpha = (hits + 1) / (seen + 2)
         return int(ctl.choose(slot, avail, 0)[0])
 
     assert Controller.MIN_GAIN == 0.05
@@ -306,18 +320,18 @@ def test_speculation_needs_a_predicted_gain_of_min_gain():
 
 
 def test_one_slot_takes_the_best_draft_count_of_the_objective():
-    """With one decoding slot choose tries every k: the result maximises E(k) / (c(1 + k) + d) over k >= 1
-    (brute force here), and is verified only when that beats plain decoding by MIN_GAIN."""
+    """With one decoding slot the choice maximises E(k) / (c(1 + k) + d) over k >= 1 (brute force here), and is
+    verified only when that beats plain decoding by MIN_GAIN."""
     cost = CostModel(np.array([1, 2, 4, 8, 16]), np.array([1.0, 1.06, 1.3, 1.9, 3.5]))
     for acc in (0.05, 0.3, 0.6, 0.8, 0.95):
         for avail in (1, 3, 5):
             for d in (0.0, 0.05):
                 ctl = Controller(cost, max_draft=5, num_slots=2)
-                ctl.hits[:], ctl.seen[:] = acc * 102 - 1, 100.0
+                _set(ctl, acc * 102 - 1, 100.0)
                 ctl.draft_cost = d or None
                 got = int(ctl.choose(np.array([0]), np.array([avail]), 0)[0])
-                a = (ctl.hits[0] + 1) / (ctl.seen[0] + 2)
-                rates = {k: expected_emitted(np.array(a), np.array(k)) / (cost.at(1 + k) + d)
+                a = float(ctl.acceptance.rate(0, 0))
+                rates = {k: expected_emitted(a, k) / (cost.at(1 + k) + d)
                          for k in range(1, avail + 1)}
                 k_best = max(rates, key=rates.get)
                 want = k_best if rates[k_best] > (1 + Controller.MIN_GAIN) / cost.at(1) else 0
@@ -376,7 +390,7 @@ def test_the_controller_drafts_once_its_steps_show_the_table_overpriced_verifyin
     steps show a 2-token step at 1.15x, and then it does."""
     cost, true = _stale_and_true()
     ctl = Controller(cost, max_draft=5, num_slots=1)
-    ctl.hits[:], ctl.seen[:] = 0.35 * 102 - 1, 100.0
+    _set(ctl, 0.35 * 102 - 1, 100.0)
     slot, avail = np.array([0]), np.array([5])
     assert int(ctl.choose(slot, avail, 0)[0]) == 0
     for step in range(40):
@@ -384,3 +398,18 @@ def test_the_controller_drafts_once_its_steps_show_the_table_overpriced_verifyin
         cost.observe(t, true[t])
     ctl.steps = 1  # not a probe step
     assert int(ctl.choose(slot, avail, 0)[0]) >= 1
+
+
+def test_many_slots_get_the_best_split_of_the_drafts():
+    """Three slots at acceptance 0.9, 0.5 and 0.05: the choice maximises sum E_s(k_s) / c(3 + sum k) over every
+    split of up to 3 drafts each (brute force), and the surest slot gets the most drafts."""
+    import itertools
+
+    cost = CostModel(np.array([3, 6, 12]), np.array([1.0, 1.25, 1.9]))
+    alpha = np.array([0.9, 0.5, 0.05])
+    avail = np.array([3, 3, 3])
+    k = choose_drafts(alpha, avail, 0, 0.0, cost, 0.05)
+    best = max(itertools.product(range(4), repeat=3),
+               key=lambda ks: sum(expected_emitted(a, j) for a, j in zip(alpha, ks)) / cost.at(3 + sum(ks)))
+    assert tuple(k.tolist()) == best
+    assert k[0] >= k[1] >= k[2]

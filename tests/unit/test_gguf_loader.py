@@ -295,14 +295,14 @@ def test_unsupported_architecture_and_tokenizer(tmp_path):
 
 def test_cache_roundtrip_key_and_corruption(tmp_path, tiny, monkeypatch):
     path, _ = tiny
-    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path / "cache"))
-    entry = cache_dir(path)
-    assert entry.parent == tmp_path / "cache" and entry.name.startswith("tiny-")
-    first = load_cached(path)
+    root = tmp_path / "cache"
+    entry = cache_dir(path, root)
+    assert entry.parent == root and entry.name.startswith("tiny-")
+    first = load_cached(path, root)
     assert sorted(p.name for p in entry.iterdir()) == [
         "config.json", "model.safetensors", "quantized.safetensors", "tokenizer.json", "tokenizer_meta.json"]
     assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # no temporary directory left behind
-    second = load_cached(path)
+    second = load_cached(path, root)
     assert second.config == first.config and second.source == str(path)
     for name, w in first.weights.items():
         assert second.weights[name].dtype == np.float32 and np.array_equal(second.weights[name], w), name
@@ -315,29 +315,35 @@ def test_cache_roundtrip_key_and_corruption(tmp_path, tiny, monkeypatch):
     assert second.tokenizer.encode("<|im_start|>hello 12") == first.tokenizer.encode("<|im_start|>hello 12")
     assert (second.tokenizer.chat_template, second.tokenizer.eos_token) == (TEMPLATE, "<|im_end|>")
     os.utime(path, ns=(0, 10**9))
-    assert cache_dir(path) != entry  # a changed file gets a fresh entry
+    assert cache_dir(path, root) != entry  # a changed file gets a fresh entry
     (entry / "config.json").write_text("{")
     os.utime(path, ns=(0, entry.stat().st_mtime_ns))
     monkeypatch.setattr(default_model, "cache_dir", lambda p, root=None: entry)
     with pytest.raises(CheckpointError, match=f"{entry}.*delete"):
-        load_cached(path)
+        load_cached(path, root)
 
 
 ALL_LINEAR = ("token_embd", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
-def models_with_and_without_blocks(ckpt, monkeypatch):
+def models_with_and_without_blocks(ckpt):
     """(keep, Model, kinds of layer 0's projections and the LM head): the checkpoint's model multiplying by its
-    blocks (keep "1") and by float32 panels of the dequantized weights (keep "0")."""
-    from specgen.engine.model import Model
+    blocks (keep "1") and by float32 panels of the dequantized weights (keep "0": the checkpoint without them)."""
+    import dataclasses
+
+    from specgen.backends import select_backend
+    from specgen.backends.fused import FusedBackend
+    from specgen.config import EngineConfig
+    from specgen.models.model import Model
 
     for keep in ("1", "0"):
-        monkeypatch.setenv("SPECGEN_QUANTIZED_WEIGHTS", keep)
-        m = Model(ckpt, "float32")
-        if not m.packs:
+        m = Model(ckpt if keep == "1" else dataclasses.replace(ckpt, quantized={}), select_backend(EngineConfig()))
+        if not isinstance(m.backend, FusedBackend):
             pytest.skip("packed linear needs the fused kernels and AVX2 (with FMA and F16C) or AVX-512")
-        kinds = {key: m.w.layers[0][key].kind for key in ("w_qkv", "w_o", "w_gate_up", "w_down")}
-        yield keep, m, kinds | {"lm_head": m.w.lm_head.kind}
+        b = m.weights.blocks[0]
+        kinds = {key: lin.weight.kind for key, lin in (("w_qkv", b.qkv), ("w_o", b.o), ("w_gate_up", b.gate_up),
+                                                       ("w_down", b.down))}
+        yield keep, m, kinds | {"lm_head": m.weights.lm_head.weight.kind}
 
 
 @pytest.mark.parametrize("qtype,quantized,arch", [
@@ -350,13 +356,13 @@ def models_with_and_without_blocks(ckpt, monkeypatch):
     (T.Q6_K, tuple(n for n in ALL_LINEAR if n != "attn_output"), "llama"),
     (T.Q5_K, tuple(n for n in ALL_LINEAR if n != "attn_output"), "llama"),  # multiplied as QX
 ], ids=lambda v: v.name if isinstance(v, T) else str(len(v)) if isinstance(v, tuple) else v)
-def test_quantized_weights_stay_blocks_and_give_the_same_bits(tmp_path, monkeypatch, qtype, quantized, arch):
+def test_quantized_weights_stay_blocks_and_give_the_same_bits(tmp_path, qtype, quantized, arch):
     """A GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K projections: load_gguf keeps their raw blocks beside the float32
     weights,
     each block set dequantizes (as packed for specgen_linear) to exactly the loaded weight, and a float32 model
     that multiplies by the blocks gives logits bit-identical to one over the dequantized weights."""
     from specgen import kernels
-    from specgen.engine.proposers.mtp import MtpHead, random_mtp_weights
+    from specgen.engine.proposers.mtp_head import MtpHeadWeights, random_mtp_weights
     from specgen.engine.types import build_forward_batch
 
     path = tmp_path / "tiny.gguf"
@@ -374,7 +380,7 @@ def test_quantized_weights_stay_blocks_and_give_the_same_bits(tmp_path, monkeypa
     ver = build_forward_batch(np.array([0, 1]), np.array([9, 14]), np.array([6, 1]), rng.integers(3, 200, 7),
                               np.array([True, True]))
     results = []
-    for keep, m, kinds in models_with_and_without_blocks(ckpt, monkeypatch):
+    for keep, m, kinds in models_with_and_without_blocks(ckpt):
         if keep == "1":
             fused = {"w_qkv": ("attn_q", "attn_k", "attn_v"), "w_o": ("attn_output",),
                      "w_gate_up": ("ffn_gate", "ffn_up"), "w_down": ("ffn_down",), "lm_head": ("token_embd",)}
@@ -386,28 +392,30 @@ def test_quantized_weights_stay_blocks_and_give_the_same_bits(tmp_path, monkeypa
         cache = m.new_cache(2, 32)
         kv = ckpt.config.num_kv_heads
         written = ((np.arange(2 * kv)[:, None] * cache.capacity) + np.arange(15)[None, :]).ravel()  # both slots 0-14
-        results.append([t.numpy() for b in (pre, ver) for t in m.forward(b, cache)]
+        results.append([t.numpy() for b in (pre, ver) for out in [m.forward(b, cache)]
+                        for t in (out.logits, out.hidden)]
                        + [c.numpy()[written] for c in cache.k])  # (rows past them are uninitialized)
-        # greedy steps of a Q8_0 / Q4_0 head skip its logits (Model.screen): the same tokens as their argmax
+        # greedy steps of a Q8_0 / Q4_0 head skip its logits (the backend's screen): the same tokens as their argmax
         screens = keep == "1" and kinds["lm_head"] in kernels.SCREENED_KINDS and kernels.has_vnni()
-        assert (m.screen is not None) == screens
+        assert (m.backend.screen is not None) == screens
         if screens:
             caches = m.new_cache(2, 32), m.new_cache(2, 32)
             for b in (pre, ver):
-                full, _, greedy = m.forward_greedy(b, caches[0])
-                none, _, screened = m.forward_greedy(b, caches[1], logits=False)
-                assert none is None and np.array_equal(screened, greedy)
-                assert np.array_equal(greedy, full.numpy().argmax(-1))
+                full = m.forward(b, caches[0])
+                screened = m.forward(b, caches[1], logits=False)
+                assert screened.logits is None and np.array_equal(screened.greedy, full.greedy)
+                assert np.array_equal(full.greedy, full.logits.numpy().argmax(-1))
         # an MTP head sharing the LM head over a draft vocabulary: those rows of the blocks, or of the float32 head
-        head = MtpHead(random_mtp_weights(ckpt.config, 5), "random", m, np.arange(3, 200, 7))
-        assert head.lm_head.kind == (kinds["lm_head"] if keep == "1" else "F32")
-        results[-1].append(head.lm_head.numpy())
+        head = MtpHeadWeights.read(random_mtp_weights(ckpt.config, 5), "random", m, np.arange(3, 200, 7))
+        lm_head = m.backend.prepare_head(m, head, quantize=True).lm_head.weight
+        assert lm_head.kind == (kinds["lm_head"] if keep == "1" else "F32")
+        results[-1].append(lm_head.numpy())
     for a, b in zip(*results):
         assert np.array_equal(a, b)
 
 
 
-def test_a_fused_projection_of_mixed_formats_is_multiplied_as_qx(tmp_path, monkeypatch):
+def test_a_fused_projection_of_mixed_formats_is_multiplied_as_qx(tmp_path):
     """A Q4_K_M-like file (Q4_K, with attn_v and ffn_down in Q6_K): the fused QKV's rows of both formats are
     converted to QX and stay blocks, the other projections keep their own format, and the logits and hidden
     states are bit-identical to float32 panels over the dequantized weights."""
@@ -421,11 +429,12 @@ def test_a_fused_projection_of_mixed_formats_is_multiplied_as_qx(tmp_path, monke
     batch = build_forward_batch(np.arange(2), np.zeros(2, np.int64), np.array([9, 14]),
                                 np.random.default_rng(4).integers(3, 200, 23), np.zeros(2, bool))
     results = []
-    for keep, m, kinds in models_with_and_without_blocks(ckpt, monkeypatch):
+    for keep, m, kinds in models_with_and_without_blocks(ckpt):
         want = {"w_qkv": "QX", "w_o": "F32", "w_gate_up": "Q4_K", "w_down": "Q6_K", "lm_head": "Q4_K"} \
             if keep == "1" else dict.fromkeys(kinds, "F32")
         assert kinds == want
-        results.append([t.numpy() for t in m.forward(batch, m.new_cache(2, 32))])
+        out = m.forward(batch, m.new_cache(2, 32))
+        results.append([out.logits.numpy(), out.hidden.numpy()])
     for a, b in zip(*results):
         assert np.array_equal(a, b)
 

@@ -10,7 +10,7 @@ from conftest import TINY
 from safetensors.numpy import load_file
 
 from specgen import EngineConfig, SamplingParams, generate, kernels, load_model
-from specgen.engine.model import LINEAR_KEYS
+from specgen.backends import fused
 from specgen.engine.types import build_forward_batch
 
 
@@ -74,16 +74,21 @@ def test_half_kind_picks_the_narrowest_exact_format():
 
 def test_half_checkpoint_packs_half_panels_with_float32_bits(half_dir, monkeypatch):
     """A bf16 / fp16 checkpoint's projections and LM head are packed as 16-bit panels (half the bytes of
-    float32 panels); its logits and hidden states are bit-identical to float32 panels over the same values
-    (SPECGEN_HALF_WEIGHTS=0), prefill and verify blocks alike, and so are whole generations."""
+    float32 panels); its logits and hidden states are bit-identical to float32 panels over the same values,
+    prefill and verify blocks alike, and so are whole generations."""
     dtype, d = half_dir
     m = load_model(d).model
-    if not m.packs:
+    if not isinstance(m.backend, fused.FusedBackend):
         pytest.skip("packed weights need the fused kernels and AVX2 or AVX-512")
-    assert {m.w.layers[0][key].kind for key in LINEAR_KEYS} | {m.w.lm_head.kind} == {dtype}
-    monkeypatch.setenv("SPECGEN_HALF_WEIGHTS", "0")
+
+    def kinds(model):
+        return {lin.weight.kind for lin in model.weights.blocks[0].linears()} | {model.weights.lm_head.weight.kind}
+
+    assert kinds(m) == {dtype}
+    # the same model packed as float32 panels
+    monkeypatch.setattr(fused, "pack_linear", lambda w, dtype="float32": kernels.pack_linear(w, False, dtype))
     ref = load_model(d).model
-    assert {ref.w.layers[0][key].kind for key in LINEAR_KEYS} | {ref.w.lm_head.kind} == {"F32"}
+    assert kinds(ref) == {"F32"}
     rng = np.random.default_rng(3)
     pre = build_forward_batch(np.arange(2), np.zeros(2, np.int64), np.array([9, 14]), rng.integers(3, 250, 23),
                               np.zeros(2, bool))
@@ -92,16 +97,16 @@ def test_half_checkpoint_packs_half_panels_with_float32_bits(half_dir, monkeypat
     outs = []
     for model in (m, ref):
         cache = model.new_cache(2, 64)
-        outs.append([t.numpy() for b in (pre, ver) for t in model.forward(b, cache)])
+        outs.append([t.numpy() for b in (pre, ver) for out in [model.forward(b, cache)]
+                     for t in (out.logits, out.hidden)])
     for a, b in zip(*outs):
         assert np.array_equal(a, b)
-    monkeypatch.delenv("SPECGEN_HALF_WEIGHTS")
-    lm = load_model(d)
     prompts = [[5, 6, 7, 8, 9], [11, 12]]
     sp = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=2)
-    runs = [generate(prompts, model=lm, sampling=sp, engine=EngineConfig(batch_size=bs)) for bs in (2, 1)]
-    monkeypatch.setenv("SPECGEN_HALF_WEIGHTS", "0")
-    runs.append(generate(prompts, model=load_model(d), sampling=sp))
+    runs = [generate(prompts, model=load_model(d), sampling=sp)]
+    monkeypatch.undo()
+    lm = load_model(d)
+    runs += [generate(prompts, model=lm, sampling=sp, engine=EngineConfig(batch_size=bs)) for bs in (2, 1)]
     assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]] == [o.token_ids for o in runs[2]]
 
 

@@ -6,7 +6,7 @@ import pytest
 from conftest import TINY, TINY_ARCHS
 
 from specgen import load_model
-from specgen.engine.model import rms_norm
+from specgen.layers.norm import rms_norm
 from specgen.engine.types import build_forward_batch
 from specgen.kernels import has_vnni, ops
 
@@ -153,26 +153,6 @@ def test_shared_prefix_attention_equals_a_private_copy(D):
             assert np.array_equal(sk.numpy()[row + pos[t] - P], kc.numpy()[row + pos[t]])
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_model_forward_with_kernels_equals_paddle_reference(arch):
-    """Every architecture (biases, qk-norm, GQA, interleaved RoPE) in float64: prefill then verify blocks."""
-    lm = load_model(TINY / arch, dtype="float64")
-    m = lm.model
-    rng = np.random.default_rng(2)
-    pre = build_forward_batch(np.arange(3), np.zeros(3, np.int64), np.array([20, 5, 33]),
-                              rng.integers(3, 250, 58), np.zeros(3, bool))
-    ver = build_forward_batch(np.array([0, 1, 2, 3]), np.array([20, 5, 33, 0]), np.array([1, 4, 6, 17]),
-                              rng.integers(3, 250, 28), np.array([True, True, True, False]))
-    results = []
-    for use in (K, None):
-        m.ops = use
-        cache = m.new_cache(4, 64)
-        results.append([m.forward(b, cache)[0].numpy() for b in (pre, ver)])
-    m.ops = K
-    for a, b in zip(*results):
-        assert np.abs(a - b).max() < 1e-10
-
-
 @pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (7, 45), (64, 33), (32, 32)])
 def test_packed_linear_matches_numpy_and_rows_do_not_depend_on_each_other(k, n):
     """specgen_linear over a packed weight: pack/unpack round trip, float64 reference, and each row's result
@@ -231,11 +211,11 @@ def test_quantized_linear_equals_float32_over_the_dequantized_weight(kind, k, n)
 
 @pytest.mark.parametrize("kind,k,n", [("float32", 576, 960), ("float32", 64, 45), ("Q4_1", 576, 70),
                                        ("Q8_0", 96, 33), ("Q4_0", 64, 32)])
-def test_wide_linear_equals_the_one_panel_path(kind, k, n, monkeypatch):
+def test_wide_linear_equals_the_one_panel_path(kind, k, n):
     """Past 16 rows specgen_linear multiplies two panels at a time in chunks of 48 rows (wide_linear); its
-    products are bit-identical to the one-panel path's (SPECGEN_WIDE_LINEAR=0) for 130 rows (three chunks; an
-    odd panel count, a partial last panel, one panel alone), and each row's result is the same whatever rows
-    come with it (17 to 130 rows, any offset)."""
+    products for 130 rows (three chunks; an odd panel count, a partial last panel, one panel alone) are
+    bit-identical to each row computed alone (one row: the one-panel path), and each row's result is the same
+    whatever rows come with it (17 to 130 rows, any offset)."""
     import gguf
     from gguf.quants import dequantize
 
@@ -257,9 +237,8 @@ def test_wide_linear_equals_the_one_panel_path(kind, k, n, monkeypatch):
     y = K.specgen_linear(paddle.to_tensor(x), panels, n).numpy()
     ref = x.astype(np.float64) @ w.astype(np.float64)
     assert np.abs(y - ref).max() <= 1e-6 * np.sqrt(k) * np.abs(ref).max() + 1e-6
-    monkeypatch.setenv("SPECGEN_WIDE_LINEAR", "0")
-    assert np.array_equal(K.specgen_linear(paddle.to_tensor(x), panels, n).numpy(), y)
-    monkeypatch.delenv("SPECGEN_WIDE_LINEAR")
+    alone = np.concatenate([K.specgen_linear(paddle.to_tensor(x[r:r + 1]), panels, n).numpy() for r in range(130)])
+    assert np.array_equal(alone, y)
     for m, at in [(17, 0), (18, 100), (47, 3), (48, 50), (49, 81), (97, 33), (130, 0)]:
         part = K.specgen_linear(paddle.to_tensor(x[at:at + m]), panels, n).numpy()
         assert np.array_equal(part, y[at:at + m]), (m, at)
@@ -338,44 +317,72 @@ def test_int8_products_equal_their_definition(kind, k, n):
         K.specgen_linear(paddle.to_tensor(x[:, :k - 32]), q.panels, n)
 
 
-def test_packed_float32_model_rows_equal_whatever_the_block(monkeypatch):
+def test_packed_float32_model_rows_equal_whatever_the_block():
     """Float32 with packed weights: a position's hidden state is bit-identical whether it is computed inside a
     whole-prompt prefill or as part of a later verify block beside another slot; and it stays within float32
-    rounding of the same model on MKL's matmul."""
-    lm = load_model(TINY / "llama", dtype="float32")
+    rounding of the same model on the reference backend (MKL's matmul)."""
+    lm = load_model(TINY / "llama", dtype="float32", backend="fused")
     m = lm.model
-    if not m.packs:
-        pytest.skip("packed linear needs AVX2 (with FMA and F16C) or AVX-512")
     rng = np.random.default_rng(5)
     ids = rng.integers(3, 250, 24)
     whole = build_forward_batch(np.array([0]), np.array([0]), np.array([24]), ids, np.array([False]))
-    h_whole = m.forward(whole, m.new_cache(2, 64))[1].numpy()
+    h_whole = m.forward(whole, m.new_cache(2, 64)).hidden.numpy()
     cache = m.new_cache(2, 64)
     m.forward(build_forward_batch(np.array([0, 1]), np.array([0, 0]), np.array([18, 9]),
                                   np.concatenate([ids[:18], ids[:9]]), np.zeros(2, bool)), cache)
     ver = build_forward_batch(np.array([1, 0]), np.array([9, 18]), np.array([3, 6]),
                               np.concatenate([ids[9:12], ids[18:24]]), np.ones(2, bool))
-    h_ver = m.forward(ver, cache)[1].numpy()
+    h_ver = m.forward(ver, cache).hidden.numpy()
     assert np.array_equal(h_ver[3:], h_whole[18:24])
     assert np.array_equal(h_ver[:3], h_whole[9:12])
-    monkeypatch.setenv("SPECGEN_PACKED_LINEAR", "0")  # the same model with MKL's matmul on dense weights
-    ref = load_model(TINY / "llama", dtype="float32").model
-    assert not ref.packs
-    h_ref = ref.forward(whole, ref.new_cache(2, 64))[1].numpy()
+    ref = load_model(TINY / "llama", dtype="float32", backend="reference").model
+    h_ref = ref.forward(whole, ref.new_cache(2, 64)).hidden.numpy()
     assert np.abs(h_ref - h_whole).max() < 1e-4
 
 
+def op_by_op_forward(m, batch, cache):
+    """The fused backend's forward as its kernels called one at a time (the per-op operators over the same packed
+    weights and caches, in specgen_forward's order): (logits, hidden, greedy)."""
+    from specgen.backends.reference import reserve
+
+    cfg, w = m.config, m.weights
+    reserve(batch, cache)
+    eps, n = cfg.rms_norm_eps, len(batch.token_ids)
+    ones, none = paddle.ones([cfg.head_dim], dtype="float32"), paddle.zeros([0], dtype="float32")
+    plen = paddle.to_tensor(batch.token_prefix_len if batch.token_prefix_len is not None else np.zeros(n, np.int64))
+    pre = cache.prefix
+
+    def linear(x, lin):
+        y = K.specgen_linear(x, lin.weight.panels, lin.weight.n)
+        y = y[0] if isinstance(y, (list, tuple)) else y
+        return y + lin.bias if lin.bias is not None else y
+
+    def first(out):
+        return out[0] if isinstance(out, (list, tuple)) else out
+
+    x = F.embedding(paddle.to_tensor(batch.token_ids), w.embed)
+    for i, blk in enumerate(w.blocks):
+        qkv = linear(first(K.specgen_rms_norm(x, blk.attn_norm, eps)), blk.qkv)
+        qk = blk.q_norm is not None
+        att = first(K.specgen_attention(
+            qkv, m.rope.cos, m.rope.sin, paddle.to_tensor(batch.positions), paddle.to_tensor(batch.token_slots),
+            cache.k[i], cache.v[i], blk.q_norm if qk else ones, blk.k_norm if qk else ones, plen,
+            pre.k[i] if pre is not None else ones, pre.v[i] if pre is not None else ones, cfg.num_heads,
+            cfg.num_kv_heads, cache.capacity, qk, eps, pre.capacity if pre is not None else 0))
+        x, h = K.specgen_add_rms_norm(x, linear(att, blk.o), blk.mlp_norm, eps)
+        x = x + linear(first(K.specgen_silu_mul(linear(h, blk.gate_up))), blk.down)
+    hidden = first(K.specgen_rms_norm(x, w.final_norm, eps))
+    logits = linear(paddle.gather(hidden, paddle.to_tensor(batch.logit_rows)), w.lm_head)
+    return logits, hidden, first(K.specgen_argmax(logits)).numpy()
+
+
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_fused_layer_op_is_bit_identical_to_op_by_op(arch):
-    """specgen_forward (embedding, every block, final norm, LM head in one op), specgen_stack over every
-    decoder block at once and over one block per call, float32 packed, against the same kernels called one by
-    one: every architecture (biases, qk-norm, GQA, interleaved RoPE),
-    prefill then mixed verify/prefill blocks, with and without a shared prefix: identical logits, hidden states
-    and caches, bit for bit; the greedy tokens specgen_forward computes with them are the logits' argmax."""
-    m = load_model(TINY / arch, dtype="float32").model
-    if not m.packs:
-        pytest.skip("packed linear needs AVX2 (with FMA and F16C) or AVX-512")
-    assert m.fused_layer
+def test_fused_forward_is_bit_identical_to_its_kernels_op_by_op(arch):
+    """specgen_forward_bound (embedding, every block, final norm, LM head in one operator, weights and caches
+    bound by handle), float32 packed, against the same kernels called one by one: every architecture (biases,
+    qk-norm, GQA, interleaved RoPE), prefill then mixed verify/prefill blocks, with and without a shared prefix:
+    identical logits, hidden states, greedy tokens and caches, bit for bit."""
+    m = load_model(TINY / arch, dtype="float32", backend="fused").model
     rng = np.random.default_rng(7)
     prefix = rng.integers(3, 250, 12)
     pre = build_forward_batch(np.arange(3), np.zeros(3, np.int64), np.array([20, 5, 33]),
@@ -386,18 +393,16 @@ def test_fused_layer_op_is_bit_identical_to_op_by_op(arch):
     shared = build_forward_batch(np.array([0, 1]), np.array([12, 12]), np.array([4, 5]), tails,
                                  np.zeros(2, bool), prefix_lens=np.array([12, 12]))
     results = []
-    assert m.fused_stack and m.fused_forward and m.bound_forward
-    for fused, stack, whole, bound in ((True, True, True, True), (True, True, True, False), (True, True, False, False),
-                                       (True, False, False, False), (False, False, False, False)):
-        m.fused_layer, m.fused_stack, m.fused_forward, m.bound_forward = fused, stack, whole, bound
+    for fused in (True, False):
+        run = (lambda b, c: tuple(vars(m.forward(b, c)).values())) if fused else \
+            (lambda b, c: op_by_op_forward(m, b, c))
         cache = m.new_cache(4, 64)
-        out = [m.forward_greedy(b, cache) for b in (pre, ver)]
+        out = [run(b, cache) for b in (pre, ver)]
         pcache = m.new_cache(1, 64)  # the shared prefix's own cache, computed once
-        m.forward(build_forward_batch(np.array([0]), np.array([0]), np.array([12]), prefix, np.array([False])),
-                  pcache)
+        run(build_forward_batch(np.array([0]), np.array([0]), np.array([12]), prefix, np.array([False])), pcache)
         scache = m.new_cache(2, 64)
         scache.prefix = pcache
-        out.append(m.forward_greedy(shared, scache))
+        out.append(run(shared, scache))
         for logits, _, greedy in out:
             assert np.array_equal(greedy, np.argmax(logits.numpy(), axis=-1))
         kv = m.config.num_kv_heads  # the rows written: positions 0-20, 0-8, 0-38, 0-16 of slots 0-3 (the rest are
@@ -405,61 +410,61 @@ def test_fused_layer_op_is_bit_identical_to_op_by_op(arch):
                                   for s, n in enumerate([21, 9, 39, 17]) for h in range(kv)])
         results.append([np.asarray(t) for triple in out for t in triple]
                        + [c.numpy()[written] for c in cache.k + cache.v])
-    m.fused_layer = m.fused_stack = m.fused_forward = m.bound_forward = True
-    for a, *others in zip(*results):
-        assert all(np.array_equal(a, b) for b in others)
+    for a, b in zip(*results):
+        assert np.array_equal(a, b)
 
 
 def test_bound_forward_follows_a_growing_cache_and_lets_it_go(monkeypatch):
     """specgen_forward_bound holds the cache's tensors by handle: when the cache grows (new tensors) the next
-    forward binds the new ones, so a slot that outgrows its cache gets the same bits as with every tensor passed
-    per call; a dropped cache's binding goes with it."""
+    forward binds the new ones, so a slot that outgrows its cache gets the same bits as in a cache that never
+    grew; a dropped cache's binding goes with it."""
     import gc
 
     from specgen.engine import kv_cache
+    from specgen.kernels import args
 
-    m = load_model(TINY / "llama", dtype="float32").model
-    if not (m.packs and m.fused_forward and m.bound_forward):
-        pytest.skip("needs the fused forward (packed weights: AVX2 or AVX-512)")
-    monkeypatch.setattr(kv_cache, "INITIAL_CAPACITY", 64)  # grows 64 -> 128 -> 256 (the tiny model's context)
+    m = load_model(TINY / "llama", dtype="float32", backend="fused").model
+    backend = m.backend
     ids = np.random.default_rng(5).integers(3, 250, 256)
     steps = [(0, 50), (50, 1), (51, 30), (81, 6), (87, 100), (187, 3), (190, 6)]  # then a block without logits
-    runs, bindings = {}, []  # every cache binding the bound run made
-    for bound in (True, False):
-        m.bound_forward = bound
+    runs, bindings = {}, []  # every cache binding the growing run made
+    for grows in (True, False):
+        # 64 -> 128 -> 256 (the tiny model's context), or 256 from the start
+        monkeypatch.setattr(kv_cache, "INITIAL_CAPACITY", 64 if grows else 256)
         cache = m.new_cache(1, 512)
         out = []
         for start, n in steps:
             b = build_forward_batch(np.array([0]), np.array([start]), np.array([n]), ids[start:start + n],
                                     np.array([True]))
-            logits, hidden, greedy = m.forward_greedy(b, cache)
-            out += [logits.numpy(), hidden.numpy(), greedy]
-            if bound and cache.binding[1] not in bindings:
+            o = m.forward(b, cache)
+            out += [o.logits.numpy(), o.hidden.numpy(), o.greedy]
+            if grows and cache.binding[1] not in bindings:
                 bindings.append(cache.binding[1])
         b = build_forward_batch(np.array([0]), np.array([196]), np.array([8]), ids[196:204], np.array([False]),
                                 no_logits=np.array([True]))
-        logits, hidden, greedy = m.forward_greedy(b, cache)
-        assert logits.shape[0] == 0 and len(greedy) == 0
-        out += [hidden.numpy()]
-        assert cache.capacity == 256 and cache.version == 3
-        runs[bound] = out
-        if bound:
+        o = m.forward(b, cache)
+        assert o.logits.shape[0] == 0 and len(o.greedy) == 0
+        out += [o.hidden.numpy()]
+        assert cache.capacity == 256 and cache.version == (3 if grows else 1)
+        runs[grows] = out
+        if grows:
             handle = paddle.to_tensor(np.array([cache.binding[1]]))
             cfg = m.config
             with pytest.raises(Exception, match="outside the bound caches"):  # slot 1 of a 1-slot cache
-                m.ops.specgen_forward_bound(paddle.to_tensor(np.array([5, 0, 1, 0, 0])), m._no_screen, m._no_screen,
-                                            1, m._weights_handle(), cache.binding[1], cfg.num_heads,
-                                            cfg.num_kv_heads, cache.capacity, cfg.qk_norm, cfg.rms_norm_eps, 0,
-                                            m.w.lm_head.n)
+                args.forward_bound(backend.ops, args.StepArgs(
+                    index=paddle.to_tensor(np.array([5, 0, 1, 0, 0])), num_tokens=1, weights=backend._weights(m),
+                    caches=cache.binding[1], capacity=cache.capacity, prefix_capacity=0,
+                    screen=backend._no_screen, bound=backend._no_screen,
+                    geometry=args.Geometry(cfg.num_heads, cfg.num_kv_heads, cfg.qk_norm, cfg.rms_norm_eps),
+                    vocab=m.weights.lm_head.weight.n))
             assert cache.binding[0][0] == 3  # bound again after each growth
             assert len(bindings) == 3 and bindings[-1] == cache.binding[1]
-            assert all(m.ops.specgen_unbind(paddle.to_tensor(np.array([h]))).numpy()[0] == 0
+            assert all(args.unbind(backend.ops, paddle.to_tensor(np.array([h]))) == 0
                        for h in bindings[:-1])  # the replaced bindings were dropped when the cache grew
-            assert m._weights_handle() == m._weights_handle()  # the weights are bound once
+            assert backend._weights(m) == backend._weights(m)  # the weights are bound once
             del cache, b
             gc.collect()
-            assert m.ops.specgen_unbind(handle).numpy()[0] == 0  # already dropped with the cache
-    m.bound_forward = True
+            assert args.unbind(backend.ops, handle) == 0  # already dropped with the cache
     assert [i for i, (a, b) in enumerate(zip(runs[True], runs[False])) if not np.array_equal(a, b)] == []
 
 
@@ -467,31 +472,30 @@ def test_bound_forward_index_tensors_are_reused_per_length(monkeypatch):
     """The step's index tensor is kept per length and overwritten (zero copy): a second index of the same length
     comes back in the same tensor with the new contents, one of another length in its own, one past
     INDEX_REUSE_MAX in a fresh tensor each time; and a run of steps that reuse them gives the bits of fresh ones."""
-    m = load_model(TINY / "llama", dtype="float32").model
+    m = load_model(TINY / "llama", dtype="float32", backend="fused").model
+    backend = m.backend
     a, b = np.arange(10, dtype=np.int64), np.arange(10, 20, dtype=np.int64)
-    ta = m._index_tensor(a)
+    ta = backend._index(a)
     assert ta.numpy().tolist() == a.tolist()
-    tb = m._index_tensor(b)
+    tb = backend._index(b)
     assert tb is ta and ta.numpy().tolist() == b.tolist()
-    assert m._index_tensor(np.arange(3, dtype=np.int64)) is not ta
-    monkeypatch.setattr(type(m), "INDEX_REUSE_MAX", 12)
+    assert backend._index(np.arange(3, dtype=np.int64)) is not ta
+    monkeypatch.setattr(type(backend), "INDEX_REUSE_MAX", 12)
     big = np.arange(13, dtype=np.int64)
-    assert m._index_tensor(big) is not m._index_tensor(big)
-    if not (m.packs and m.fused_forward and m.bound_forward):
-        return
+    assert backend._index(big) is not backend._index(big)
     ids = np.random.default_rng(9).integers(3, 250, 40)
     runs = []
     for fresh in (False, True):
         if fresh:  # every index a new tensor
-            monkeypatch.setattr(type(m), "INDEX_REUSE_MAX", 0)
+            monkeypatch.setattr(type(backend), "INDEX_REUSE_MAX", 0)
         cache = m.new_cache(2, 64)
         out = []
         for start, n in [(0, 20), (20, 2), (22, 2), (24, 2), (26, 1), (27, 1)]:  # lengths repeat, contents differ
             batch = build_forward_batch(np.array([0, 1]), np.array([start, start]), np.array([n, n]),
                                         np.concatenate([ids[start:start + n], ids[start + 5:start + 5 + n]]),
                                         np.array([True, True]))
-            logits, hidden, greedy = m.forward_greedy(batch, cache)
-            out += [logits.numpy(), greedy]
+            o = m.forward(batch, cache)
+            out += [o.logits.numpy(), o.greedy]
         runs.append(out)
     assert all(np.array_equal(x, y) for x, y in zip(*runs))
 
@@ -500,7 +504,7 @@ def test_bound_forward_index_tensors_are_reused_per_length(monkeypatch):
 def test_argmax_matches_paddle_lowest_index_on_ties(dtype):
     """specgen_argmax against paddle.argmax: vocabularies that are and are not multiples of 16 lanes, rows with
     ties (the lowest index wins), with the maximum in the last partial block, and all -inf."""
-    from specgen.kernels import argmax
+    from specgen.kernels import args
 
     rng = np.random.default_rng(3)
     for v in (1, 7, 16, 33, 49152):
@@ -508,7 +512,7 @@ def test_argmax_matches_paddle_lowest_index_on_ties(dtype):
         x[1] = rng.standard_normal(v)
         x[2, -1] = 10.0  # the maximum in the tail
         x[3] = -np.inf
-        got = argmax(paddle.to_tensor(x)).numpy()
+        got = args.argmax(K, paddle.to_tensor(x)).numpy()
         assert got.dtype == np.int64
         assert np.array_equal(got, paddle.argmax(paddle.to_tensor(x), axis=-1).numpy())
         assert np.array_equal(got, np.argmax(x, axis=-1))  # numpy: first occurrence
@@ -553,10 +557,11 @@ def test_a_finished_build_loads_without_the_builder(tmp_path, monkeypatch):
     import subprocess
     import sys
 
-    from specgen import kernels
+    from specgen.config import EngineConfig
+    from specgen.kernels import build
 
-    d = kernels._build_dir()
-    assert (d / kernels.BUILT_MARK).exists()  # this process's ops() built or loaded it
+    d = build.build_dir("native", EngineConfig().cache_root())
+    assert (d / build.BUILT_MARK).exists()  # this process's ops() built or loaded it
     code = ("import sys; from paddle.utils import cpp_extension; from specgen import kernels\n"
             "cpp_extension.load = lambda **kw: sys.exit('the builder ran')\n"  # load() must not be called
             "m = kernels.ops(); print(m is not None and hasattr(m, 'specgen_linear'))")
@@ -564,16 +569,16 @@ def test_a_finished_build_loads_without_the_builder(tmp_path, monkeypatch):
     assert out.returncode == 0 and out.stdout.strip().endswith("True"), out.stderr[-2000:]
     empty = tmp_path / "build"
     empty.mkdir()
-    assert kernels._load_built(empty) is None
-    (empty / kernels.BUILT_MARK).touch()
-    assert kernels._load_built(empty) is None  # marked, but no library
+    assert build.load_built(empty) is None
+    (empty / build.BUILT_MARK).touch()
+    assert build.load_built(empty) is None  # marked, but no library
     from paddle.utils.cpp_extension import extension_utils
 
     def broken(*args):
         raise TypeError("a Paddle whose private loader changed")
 
     monkeypatch.setattr(extension_utils, "_import_module_from_library", broken)
-    assert kernels._load_built(d) is None  # ops() then runs Paddle's builder, as before
+    assert build.load_built(d) is None  # ops() then runs Paddle's builder, as before
 
 
 @pytest.mark.skipif(not has_vnni(), reason="the greedy screen's integer products need AVX-512 VNNI")
@@ -674,50 +679,39 @@ def test_screened_argmax_keeps_a_column_its_integer_product_misses_by_nearly_the
 def test_blocks_are_packed_in_cpp_as_in_numpy(kind, int8):
     """specgen_pack_blocks (what pack_quantized runs with the kernels) gives the bytes of the numpy reference, for
     both layouts, with a partial last panel."""
-    from specgen.kernels import _pack_quantized_numpy, pack_quantized
+    from specgen.kernels.packing import pack_quantized
     from specgen.models.checkpoint import QUANT_BLOCK_BYTES
 
     blocks = np.random.default_rng(7).integers(0, 256, (77, 3, QUANT_BLOCK_BYTES[kind]), dtype=np.uint8)
-    fast, ref = pack_quantized(kind, blocks, int8), _pack_quantized_numpy(kind, blocks, int8)
+    fast, ref = pack_quantized(kind, blocks, int8, K), pack_quantized(kind, blocks, int8)
     assert fast.panels.dtype == ref.panels.dtype and (fast.k, fast.n, fast.int8_product) == (ref.k, ref.n, int8)
     assert np.array_equal(fast.panels.numpy(), ref.panels.numpy())
     if kind != "Q4_1" and int8:  # the greedy screen's panels and bound, both ways
-        from specgen import kernels
         from specgen.kernels import pack_screen
 
-        screen = pack_screen(kind, blocks)
-        monkey = kernels.ops
-        try:
-            kernels.ops = lambda: None
-            with np.errstate(invalid="ignore"):  # (random scales: some are NaN)
-                numpy_screen = pack_screen(kind, blocks)
-        finally:
-            kernels.ops = monkey
+        screen = pack_screen(kind, blocks, K)
+        with np.errstate(invalid="ignore"):  # (random scales: some are NaN)
+            numpy_screen = pack_screen(kind, blocks)
         assert np.array_equal(screen.panels.panels.numpy(), numpy_screen.panels.panels.numpy())
         assert screen.bound.shape == numpy_screen.bound.shape == [3, 3, 32]
         assert np.array_equal(screen.bound.numpy(), numpy_screen.bound.numpy(), equal_nan=True)  # (random d: some NaN)
 
 
-def test_build_target_hides_features_it_lacks(monkeypatch):
-    """SPECGEN_MARCH builds for another CPU (x86-64-v3: AVX2, FMA and F16C, no AVX-512), so the paths such a
-    machine takes can be run here: the engine then sees no AVX-512 even on a CPU that has it (the AVX2 product,
-    no integer products), no packed weights at all for a plain x86-64 target, and each target builds into its own
-    directory."""
-    from specgen import kernels
+def test_build_target_hides_features_it_lacks():
+    """EngineConfig.cpu_target builds for another CPU (x86-64-v3: AVX2, FMA and F16C, no AVX-512), so the paths
+    such a machine takes can be run here: the engine then sees no AVX-512 even on a CPU that has it (the AVX2
+    product, no integer products), no packed weights at all for a plain x86-64 target, and each target builds
+    into its own directory."""
+    from specgen.config import EngineConfig
+    from specgen.kernels import build
 
-    monkeypatch.setenv("SPECGEN_MARCH", "native")
-    native = {f: kernels._cpu_has(f) for f in kernels.FEATURE_MACROS}
-    native_dir = kernels._build_dir()
-    monkeypatch.setenv("SPECGEN_MARCH", "x86-64-v3")
-    assert not kernels._cpu_has("avx512f") and not has_vnni()
-    assert kernels.packed_linear_enabled(K, "float32") == all(native[f] for f in ("avx2", "fma", "f16c"))
-    assert kernels._build_dir() != native_dir
-    monkeypatch.setenv("SPECGEN_MARCH", "x86-64")
-    assert not any(kernels._cpu_has(f) for f in kernels.FEATURE_MACROS)
-    assert not kernels.packed_linear_enabled(K, "float32")
-    monkeypatch.setenv("SPECGEN_MARCH", "native")
-    assert {f: kernels._cpu_has(f) for f in kernels.FEATURE_MACROS} == native
-    assert kernels._build_dir() == native_dir
+    root = EngineConfig().cache_root()
+    native = {f: build.cpu_has(f, "native") for f in build.FEATURE_MACROS}
+    assert not build.cpu_has("avx512f", "x86-64-v3") and not build.has_vnni("x86-64-v3")
+    assert build.packs("x86-64-v3") == all(native[f] for f in ("avx2", "fma", "f16c"))
+    assert build.build_dir("x86-64-v3", root) != build.build_dir("native", root)
+    assert not any(build.cpu_has(f, "x86-64") for f in build.FEATURE_MACROS)
+    assert not build.packs("x86-64")
 
 
 def _two_chains(x: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -5,7 +5,7 @@ import paddle
 import pytest
 
 from conftest import TINY
-from specgen import EngineConfig, SamplingParams, SpecConfig, generate, load_model
+from specgen import EngineConfig, MtpConfig, SamplingParams, SpecConfig, generate, load_model
 from specgen.api import make_engine
 from specgen.engine.types import Request
 from specgen.errors import ConfigError
@@ -121,14 +121,9 @@ def test_half_cache_config_is_checked():
         EngineConfig(kv_cache_dtype="bfloat16")
     with pytest.raises(ConfigError, match="needs dtype float32"):
         EngineConfig(dtype="float64", kv_cache_dtype="float16")
-    lm = load_model(TINY / "llama", dtype="float32")
-    saved = lm.model.ops
-    lm.model.ops = None  # as without a compiler: the Paddle reference path keeps the model's dtype
-    try:
-        with pytest.raises(ConfigError, match="needs a float32 model and specgen's CPU kernels"):
-            generate([[5, 6, 7]], model=lm, engine=EngineConfig(kv_cache_dtype="float16"))
-    finally:
-        lm.model.ops = saved
+    lm = load_model(TINY / "llama", dtype="float32", backend="reference")  # keeps the model's dtype
+    with pytest.raises(ConfigError, match="needs a float32 model on the fused backend"):
+        generate([[5, 6, 7]], model=lm, engine=EngineConfig(kv_cache_dtype="float16"))
 
 
 @needs_kernels
@@ -149,7 +144,7 @@ def test_uninitialized_cache_rows_are_never_read(tiny_model, tmp_path, monkeypat
     (KVCache(zeroed=False): no memset of the allocation). Filled with NaN instead, every output is still the
     one a zero-filled cache gives: prefill, ngram and MTP verify blocks, batching, growth mid-decode."""
     from specgen.engine import kv_cache
-    from specgen.engine.proposers.mtp import random_mtp_weights, save_mtp
+    from specgen.engine.proposers.mtp_head import random_mtp_weights, save_mtp
 
     save_mtp(tmp_path / "head", random_mtp_weights(tiny_model.config, std=0.3))
     rng = np.random.default_rng(3)
@@ -159,7 +154,7 @@ def test_uninitialized_cache_rows_are_never_read(tiny_model, tmp_path, monkeypat
     # then to 256 while it decodes: the grown storage holds the old rows copied, and NaN past them
     sp = SamplingParams(max_tokens=40, ignore_eos=True)
     methods = [SpecConfig(), SpecConfig(method="ngram", num_speculative_tokens=3, adaptive=False),
-               SpecConfig(method="mtp", num_speculative_tokens=2, mtp_model=str(tmp_path / "head"), adaptive=False)]
+               SpecConfig(method="mtp", num_speculative_tokens=2, adaptive=False, mtp=MtpConfig(model=str(tmp_path / "head")))]
 
     def run():
         return [[o.token_ids for o in generate(prompts, model=tiny_model, sampling=sp,

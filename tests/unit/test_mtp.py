@@ -1,13 +1,22 @@
-"""The MTP head: incremental drafts equal a from-scratch reference; both weight layouts load alike."""
+"""The MTP head: incremental drafts equal a from-scratch recomputation on each backend; both weight layouts load
+alike; its projections follow the main model's format."""
 import numpy as np
 import pytest
 
-from specgen import EngineConfig, SamplingParams, SpecConfig, generate
+from specgen import EngineConfig, MtpConfig, SamplingParams, SpecConfig, generate
+from specgen.backends.base import MtpPass
+from specgen.engine.engine import Engine
 from specgen.engine.proposers.base import SlotView
-from specgen.engine.proposers.mtp import MtpHead, MtpProposer, random_mtp_weights, save_mtp
-from specgen.engine.runner import Engine
+from specgen.engine.proposers.mtp import MtpProposer
+from specgen.engine.proposers.mtp_head import MtpHeadWeights, random_mtp_weights, save_mtp
 from specgen.engine.types import Request, build_forward_batch
 from specgen.errors import CheckpointError
+
+
+def prepared(lm, weights, vocab=None, quantize=True):
+    """A head read from `weights` and prepared for lm's backend."""
+    head = MtpHeadWeights.read(weights, "random", lm.model, vocab)
+    return lm.model.backend.prepare_head(lm.model, head, quantize)
 
 
 class Recording(MtpProposer):
@@ -37,39 +46,40 @@ class Recording(MtpProposer):
         return type(d)(draft, np.minimum(self.k, view.max_draft))
 
 
-def reference_drafts(lm, head, seq, k, shift=0):
-    """Recompute everything for one sequence: main prefill of seq[:-1], head over positions [shift, n) (as head
-    positions [0, n - shift)), then chain."""
+def reference_drafts(lm, runner, seq, k, shift=0):
+    """Recompute everything for one sequence: main prefill of seq[:-1], the head over positions [shift, n) (as
+    head positions [0, n - shift)) into a fresh cache in one pass, then its chain."""
     m = lm.model
     n = len(seq) - 1
     batch = build_forward_batch(np.array([0]), np.array([0]), np.array([n]), np.array(seq[:-1]), np.array([True]))
-    _, hidden = m.forward(batch, m.new_cache(1, 256))
-    fresh = MtpProposer(m, head, k)
-    fresh._ensure(1)
-    x, d = fresh._run(np.array([0]), np.array([0]), np.array([n - shift]), np.array(seq[shift + 1:]), hidden[shift:])
-    out = [int(d[0])]
-    for i in range(1, k):
-        x, d = fresh._run(np.array([0]), np.array([n - 1 - shift + i]), np.array([1]), d, x)
-        out.append(int(d[0]))
-    return out
+    hidden = m.forward(batch, m.new_cache(1, 256)).hidden
+    cache = m.backend.new_cache(m, 1, m.max_len, "auto", num_layers=1)
+    p = MtpPass(token_slots=np.zeros(n - shift, np.int64), positions=np.arange(n - shift), token_ids=np.array(seq[shift + 1:]),
+                rows=np.arange(shift, n), hidden=hidden, seq_lens=np.array([n - shift]), last_rows=np.array([n - shift - 1]),
+                depth=k)
+    return [int(d) for d in runner.run(cache, p)[0]]
 
 
-@pytest.mark.parametrize("dtype,k,oracle,vocab,copy,batch,window", [
-    ("float64", 1, False, False, 0, 4, 0), ("float64", 3, False, False, 0, 4, 0), ("float64", 3, True, False, 0, 4, 0),
-    ("float32", 1, False, False, 0, 4, 0), ("float32", 3, False, True, 0, 4, 0), ("float32", 3, True, False, 0, 4, 0),
-    ("float64", 2, False, False, 2, 4, 0), ("float32", 3, False, True, 2, 4, 0), ("float32", 2, False, False, 1, 4, 0),
-    ("float32", 2, False, False, 2, 1, 0),  # one slot: a step that copies runs the fused pass with no drafts at all
-    ("float64", 3, False, False, 0, 4, 6), ("float32", 3, False, False, 2, 4, 6), ("float32", 3, True, True, 0, 4, 6)])
-def test_incremental_drafts_equal_reference(tiny_model64, tiny_model, dtype, k, oracle, vocab, copy, batch, window):
-    """float32 runs the step's head pass as one fused op (specgen_mtp_draft), the reference `_run`'s op-by-op
-    path: their drafts must agree bit for bit, with and without a draft vocabulary. With copies (copy_min > 0)
-    the fused pass only catches the head's cache up for slots that will copy: the head's drafts offered in the
-    steps after are still the reference's. With a prompt window (prompt_window = 6; 0 here: the whole prompt),
-    the head's cache holds only a prompt's last 6 positions, stored from its position 0 (prompts prefilled in
-    chunks of 4, so some chunks lie wholly before the window): the reference runs the head over those alone."""
-    lm = tiny_model64 if dtype == "float64" else tiny_model
+@pytest.mark.parametrize("model,k,oracle,vocab,copy,batch,window", [
+    ("fused64", 1, False, False, 0, 4, 0), ("fused64", 3, False, False, 0, 4, 0), ("fused64", 3, True, False, 0, 4, 0),
+    ("fused32", 1, False, False, 0, 4, 0), ("fused32", 3, False, True, 0, 4, 0), ("fused32", 3, True, False, 0, 4, 0),
+    ("fused64", 2, False, False, 2, 4, 0), ("fused32", 3, False, True, 2, 4, 0), ("fused32", 2, False, False, 1, 4, 0),
+    ("fused32", 2, False, False, 2, 1, 0),  # one slot: a step that copies runs the pass with no drafts at all
+    ("fused64", 3, False, False, 0, 4, 6), ("fused32", 3, False, False, 2, 4, 6), ("fused32", 3, True, True, 0, 4, 6),
+    ("reference64", 3, False, True, 0, 4, 0), ("reference64", 2, False, False, 2, 4, 6),
+    ("reference64", 3, True, False, 0, 4, 6)])
+def test_incremental_drafts_equal_reference(tiny_models, model, k, oracle, vocab, copy, batch, window):
+    """The head's pass of each step (catch-up of the committed positions, then chained drafts) gives the drafts a
+    recomputation from scratch gives, bit for bit on the fused backend (every row computed on its own; float64
+    on the reference backend), with and without a draft vocabulary. With copies (copy_min > 0) the pass only
+    catches the head's cache up for slots that will copy: the head's drafts offered in the steps after are still
+    the reference's. With a prompt window (prompt_window = 6; 0 here: the whole prompt), the head's cache holds
+    only a prompt's last 6 positions, stored from its position 0 (prompts prefilled in chunks of 4, so some
+    chunks lie wholly before the window): the reference runs the head over those alone."""
+    lm = tiny_models[model]
+    dtype = lm.model.dtype
     ids = np.arange(0, lm.config.vocab_size, 3) if vocab else None  # a draft vocabulary of every third token
-    head = MtpHead(random_mtp_weights(lm.config, seed=1, std=0.3), "random", lm.model, ids)
+    head = prepared(lm, random_mtp_weights(lm.config, seed=1, std=0.3), ids)
     rng = np.random.default_rng(0)
     reqs = [Request(str(i), i, tuple(int(x) for x in rng.integers(3, 300, int(rng.integers(2, 20)))),
                     SamplingParams(max_tokens=64, ignore_eos=True)) for i in range(10)]
@@ -78,7 +88,6 @@ def test_incremental_drafts_equal_reference(tiny_model64, tiny_model, dtype, k, 
         plain = Engine(lm.model, None, EngineConfig(batch_size=4, dtype=dtype))
         full = [list(r.prompt_ids) + o.token_ids for r, o in zip(reqs, sorted(plain.run(reqs), key=lambda o: o.index))]
     prop = Recording(lm.model, head, k, oracle=full, copy_min=copy, prompt_window=window)
-    assert prop.fused == (dtype == "float32" and lm.model.fused_layer)
     # with a window, prompts are prefilled in chunks of 4: a chunk wholly before the window gets no head pass
     eng = Engine(lm.model, None, EngineConfig(batch_size=batch, dtype=dtype, prefill_chunk=4 if window else 0), prop)
     outs = sorted(eng.run(reqs), key=lambda o: o.index)
@@ -110,7 +119,7 @@ def test_prompt_window_follows_the_heads_training(tmp_path):
     positions (the shipped head: 256); a head trained elsewhere sees the whole prompt."""
     import json
 
-    from specgen.engine.proposers import mtp
+    from specgen.engine.proposers import mtp_head as mtp
 
     for name, config, window in [("trained", {"specgen_training": {"seq_len": 64}}, 128),
                                  ("external", {"architectures": ["DeepseekV3MTP"]}, 0),
@@ -138,8 +147,8 @@ def test_ernie_layout_gives_the_same_drafts(tiny_model64, tmp_path):
         elif not rest.startswith("shared_head"):
             ernie["model.mtp_block.0." + rest] = w
     seq = [5, 9, 31, 7, 5, 9, 44, 12]
-    a = reference_drafts(tiny_model64, MtpHead(ds, "ds", tiny_model64.model), seq, 2)
-    b = reference_drafts(tiny_model64, MtpHead(ernie, "ernie", tiny_model64.model), seq, 2)
+    a = reference_drafts(tiny_model64, prepared(tiny_model64, ds), seq, 2)
+    b = reference_drafts(tiny_model64, prepared(tiny_model64, ernie), seq, 2)
     assert a == b
 
 
@@ -149,8 +158,8 @@ def test_mtp_through_the_api_and_missing_head(tiny_model64, tmp_path):
     sp = SamplingParams(max_tokens=10, ignore_eos=True)
     plain = generate(prompts, model=tiny_model64, sampling=sp, engine=EngineConfig(dtype="float64"))
     spec = generate(prompts, model=tiny_model64, sampling=sp, engine=EngineConfig(dtype="float64"),
-                    speculative=SpecConfig(method="mtp", num_speculative_tokens=2, mtp_model=str(tmp_path / "head"),
-                                           adaptive=False))
+                    speculative=SpecConfig(method="mtp", num_speculative_tokens=2, adaptive=False,
+                                           mtp=MtpConfig(model=str(tmp_path / "head"))))
     assert [o.token_ids for o in plain] == [o.token_ids for o in spec]
     assert all(o.stats.num_draft_tokens > 0 for o in spec)
     # adaptive, copies judged apart from the head's drafts (DraftTokens.source), through the engine's controller
@@ -158,13 +167,13 @@ def test_mtp_through_the_api_and_missing_head(tiny_model64, tmp_path):
     plain = generate(prompts, model=tiny_model64, sampling=sp, engine=EngineConfig(dtype="float64"))
     for copy in (0, 2):
         spec = generate(prompts, model=tiny_model64, sampling=sp, engine=EngineConfig(dtype="float64"),
-                        speculative=SpecConfig(method="mtp", num_speculative_tokens=3, mtp_copy=copy,
-                                               mtp_model=str(tmp_path / "head")))
+                        speculative=SpecConfig(method="mtp", num_speculative_tokens=3,
+                                               mtp=MtpConfig(model=str(tmp_path / "head"), copy=copy)))
         assert [o.token_ids for o in plain] == [o.token_ids for o in spec]
     with pytest.raises(CheckpointError, match="needs an MTP head"):
         generate(prompts, model=tiny_model64, speculative=SpecConfig(method="mtp"))
     with pytest.raises(CheckpointError, match="no MTP weights"):
-        MtpHead({}, "empty", tiny_model64.model)
+        MtpHeadWeights.read({}, "empty", tiny_model64.model)
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -172,10 +181,10 @@ def test_copied_drafts_replace_the_heads_where_the_tail_repeats(tiny_model64, na
     """With copy_min 2 a slot whose last 2..COPY_MAX tokens occurred before drafts what followed them there
     (longest, then latest match, as ngram.py); every other slot keeps the head's drafts; max_draft still bounds
     both."""
-    head = MtpHead(random_mtp_weights(tiny_model64.config, seed=1), "random", tiny_model64.model)
-    p = MtpProposer(tiny_model64.model, head, 3, copy_min=2)
-    if not native:
-        p._lib = None  # ngram.py's numpy reference
+    from specgen.kernels import host_lib
+
+    head = prepared(tiny_model64, random_mtp_weights(tiny_model64.config, seed=1))
+    p = MtpProposer(tiny_model64.model, head, 3, copy_min=2, lib=host_lib() if native else None)  # else: numpy's
     p._ensure(5)
     p.drafts[:] = [[90, 91, 92], [93, 94, 95], [96, 97, 98], [99, 100, 101], [102, 103, 104]]  # the head's
     p.num_drafts[:] = [3, 2, 3, 3, 3]
@@ -196,59 +205,46 @@ def test_copied_drafts_replace_the_heads_where_the_tail_repeats(tiny_model64, na
     assert off.propose(view).draft_ids.tolist() == p.drafts.tolist()
 
 
-def test_head_projections_are_q8_0_blocks_beside_a_quantized_main_model(tiny_model, monkeypatch):
-    """A float32 main model whose weights are packed as blocks packs the head's projections as Q8_0 (gguf.quants'
-    rounding: within half a step of each 32-weight block's scale); SPECGEN_QUANTIZED_HEAD=0 keeps float32."""
-    from specgen.engine.model import LINEAR_KEYS
+def test_head_projections_are_q8_0_blocks_beside_a_quantized_main_model(real_model):
+    """Beside a main model kept in GGUF blocks (the default model) the head's projections are packed as Q8_0
+    (gguf.quants' rounding: within half a step of each 32-weight block's scale), with integer products on a CPU
+    with AVX-512 VNNI; with quantize off they stay float32. Drafts then differ little: on 10 random prompts most
+    first drafts agree."""
+    from specgen import kernels
+    from specgen.backends.fused import FusedBackend
 
-    m = tiny_model.model
-    if not m.packs:
-        pytest.skip("Q8_0 head projections need packed weights (the fused kernels and AVX2 or AVX-512)")
-    weights = random_mtp_weights(tiny_model.config, seed=4, std=0.3)
+    m = real_model.model
+    if not isinstance(m.backend, FusedBackend):
+        pytest.skip("Q8_0 head projections need the fused backend")
+    weights = random_mtp_weights(real_model.config, seed=4, std=0.02)
     heads = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv("SPECGEN_QUANTIZED_HEAD", flag)
-        heads[flag] = MtpHead(weights, "random", m)
-    assert m.keeps_quantized
-    for key in LINEAR_KEYS + ("eh_proj",):
-        q, f = (h.eh_proj if key == "eh_proj" else h.block[key] for h in (heads["1"], heads["0"]))
-        assert (q.kind, f.kind) == ("Q8_0", "F32")
-        wq, wf = q.numpy(), f.numpy()  # [in, out]
+    for quantize in (True, False):
+        head = MtpHeadWeights.read(weights, "random", m)
+        heads[quantize] = (head, m.backend.prepare_head(m, head, quantize))
+    (q_head, q_run), (f_head, f_run) = heads[True], heads[False]
+    assert q_run.int8_product == kernels.has_vnni() and not f_run.int8_product
+    for q, f in zip(q_head.linears(), f_head.linears()):
+        assert (q.weight.kind, f.weight.kind) == ("Q8_0", "F32")
+        wq, wf = q.weight.numpy(), f.weight.numpy()  # [in, out]
         step = np.abs(wf).reshape(-1, 32, wf.shape[1]).max(axis=1) / 127  # [in / 32, out] each block's scale
         # half a step, plus 127 times the scale's own rounding to float16 (2^-11 relative)
         assert np.all(np.abs(wq - wf).reshape(-1, 32, wf.shape[1]) <= step[:, None, :] * (0.5 + 127 * 2.0 ** -11))
         assert not np.array_equal(wq, wf)
+    rng = np.random.default_rng(3)
+    same = 0
+    for _ in range(10):
+        seq = [int(x) for x in rng.integers(3, 3000, 12)]
+        same += reference_drafts(real_model, q_run, seq, 1) == reference_drafts(real_model, f_run, seq, 1)
+    assert same >= 7, f"{same} of 10 first drafts agree"
 
 
-def test_head_products_are_integer_on_vnni(tiny_model, monkeypatch):
-    """On a CPU with AVX-512 VNNI the head's Q8_0 blocks (and its draft vocabulary's LM-head rows) are packed for
-    integer products, from the same blocks; SPECGEN_INT8_HEAD=0 keeps float32 products. Drafts then differ
-    little: on 10 random prompts most of the fused op's first drafts are the float32 products' drafts."""
-    from specgen import kernels
-    from specgen.engine.model import LINEAR_KEYS
+def test_head_beside_a_float_model_stays_float(tiny_model):
+    """A main model without GGUF blocks: the head's projections are packed from its float weights."""
+    from specgen.backends.fused import FusedBackend
 
     m = tiny_model.model
-    weights = random_mtp_weights(tiny_model.config, seed=4, std=0.3)
-    ids = np.arange(0, tiny_model.config.vocab_size, 2)
-    heads = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv("SPECGEN_INT8_HEAD", flag)
-        heads[flag] = MtpHead(weights, "random", m, ids)
-    if not kernels.has_vnni():
-        assert not heads["1"].int8_product
-        pytest.skip("no AVX-512 VNNI: the head keeps float32 products")
-    assert heads["1"].int8_product and not heads["0"].int8_product
-    # the LM head's rows are repacked only from GGUF blocks of the main model's (this one's is float32)
-    assert heads["1"].lm_head.int8_product == (m.w.lm_head_quant is not None)
-    for key in LINEAR_KEYS + ("eh_proj",):
-        a, b = (h.eh_proj if key == "eh_proj" else h.block[key] for h in (heads["1"], heads["0"]))
-        assert (a.int8_product, b.int8_product) == (True, False), key
-        np.testing.assert_array_equal(a.numpy(), b.numpy())  # the same weights, only their products differ
-    rng = np.random.default_rng(3)
-    same = total = 0
-    for _ in range(10):
-        seq = [int(x) for x in rng.integers(3, 300, 12)]
-        d8, d32 = (reference_drafts(tiny_model, heads[f], seq, 1)[0] for f in ("1", "0"))
-        same += d8 == d32
-        total += 1
-    assert same >= 7, f"{same} of {total} first drafts agree"
+    if not isinstance(m.backend, FusedBackend):
+        pytest.skip("packed head projections need the fused backend")
+    head = MtpHeadWeights.read(random_mtp_weights(tiny_model.config, seed=4, std=0.3), "random", m)
+    m.backend.prepare_head(m, head, True)
+    assert {lin.weight.kind for lin in head.linears()} == {"F32"}

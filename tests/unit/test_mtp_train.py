@@ -8,13 +8,12 @@ import paddle
 import pytest
 from conftest import TINY
 
-from specgen import SamplingParams, SpecConfig, generate, load_model
-from specgen.engine.proposers.mtp import MtpHead, MtpProposer, load_mtp_weights, save_mtp
+from specgen import MtpConfig, SamplingParams, SpecConfig, generate, load_model
+from specgen.engine.proposers.mtp_head import MtpHeadWeights, load_mtp_weights, save_mtp
 from specgen.engine.types import build_forward_batch
-from specgen.kernels import dense
 from specgen.train.config import TrainConfig
 from specgen.train.data import generate_data, load_data, read_requests
-from specgen.train.head import TrainableHead, export_weights, initial_weights
+from specgen.train.head import TrainableHead, block_arrays, export_weights, initial_weights
 from specgen.train.trainer import Trainer, noisy_hidden
 from specgen.train.windows import make_batch, make_windows
 
@@ -49,6 +48,12 @@ def fresh_run(data_dir, tmp_path, name):
     return out
 
 
+def reference_head(m, weights, vocab=None):
+    """The head on the reference backend (its `_pass` gives block outputs and drafts) and a one-slot cache."""
+    head = m.backend.prepare_head(m, MtpHeadWeights.read(weights, "exported", m, vocab), quantize=False)
+    return head, m.backend.new_cache(m, 1, m.max_len, "auto", num_layers=1)
+
+
 def perturbed_head(lm, arch_model, seed):
     """A trainable head whose every weight is moved off its initial value, so that no term is trivially zero."""
     w = initial_weights(arch_model, "random", seed)
@@ -58,61 +63,58 @@ def perturbed_head(lm, arch_model, seed):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "ernie4_5"])
-def test_training_forward_equals_engine_drafts(arch, monkeypatch):
-    """Block outputs, logits and argmax of the training forward (both drafts) equal MtpProposer's for every
-    prefix of a sequence: the exported head, loaded by the engine with float32 projections, computes what was
-    trained (by default the engine packs them as Q8_0 blocks: test_mtp.py checks those)."""
-    monkeypatch.setenv("SPECGEN_QUANTIZED_HEAD", "0")
-    lm = load_model(TINY / arch, threads=1)
+def test_training_forward_equals_engine_drafts(arch):
+    """Block outputs, logits and argmax of the training forward (both drafts) equal the engine's head pass (the
+    reference backend's; test_mtp.py holds the fused one to it) for every prefix of a sequence: the exported
+    head, loaded by the engine with float32 projections, computes what was trained."""
+    lm = load_model(TINY / arch, threads=1, backend="reference")
     m = lm.model
     head = perturbed_head(lm, m, seed=3)
-    engine_head = MtpHead(export_weights(head), "exported", m)
     seq = [5, 9, 31, 7, 5, 9, 44, 12, 100, 3, 77, 200]
     n = len(seq) - 1
     batch = build_forward_batch(np.array([0]), np.array([0]), np.array([n]), np.array(seq[:-1]), np.array([True]))
-    _, hidden = m.forward(batch, m.new_cache(1, 64))  # [n, hidden] what the engine hands the head
+    hidden = m.forward(batch, m.new_cache(1, 64)).hidden  # [n, hidden] what the engine hands the head
     ref_x, ref_d, ref_x2, ref_d2 = [], [], [], []
     for j in range(1, n + 1):  # the engine's head over positions [0, j), then one chained step at position j
-        prop = MtpProposer(m, engine_head, 2)
-        prop._ensure(1)
-        x, d = prop._run(np.array([0]), np.array([0]), np.array([j]), np.array(seq[1:j + 1]), hidden[:j])
-        x2, d2 = prop._run(np.array([0]), np.array([j]), np.array([1]), d, x)
+        engine_head, cache = reference_head(m, export_weights(head))
+        x, d = engine_head._pass(cache, np.array([0]), np.array([0]), np.array([j]), np.array(seq[1:j + 1]),
+                                 hidden[:j])
+        x2, d2 = engine_head._pass(cache, np.array([0]), np.array([j]), np.array([1]), d, x)
         ref_x.append(x.numpy()[0]), ref_d.append(int(d[0])), ref_x2.append(x2.numpy()[0]), ref_d2.append(int(d2[0]))
     pos = paddle.to_tensor(np.arange(n)[None])
     x1, kv = head(hidden.unsqueeze(0), paddle.to_tensor(np.array(seq[1:])[None]), pos)
     rows = paddle.to_tensor(np.arange(n))
-    logits = head.logits(x1, rows, dense(m.w.lm_head)).numpy()
+    logits = head.logits(x1, rows, m.weights.lm_head.dense()).numpy()
     np.testing.assert_allclose(x1.numpy()[0], np.array(ref_x), rtol=1e-4, atol=1e-4)
     assert logits.argmax(-1).tolist() == ref_d
     x2 = head.chain(x1, kv, paddle.to_tensor(np.array(ref_d)[None]), pos)  # the engine chains on its own drafts
     np.testing.assert_allclose(x2.numpy()[0], np.array(ref_x2), rtol=1e-4, atol=1e-4)
-    assert head.logits(x2, rows, dense(m.w.lm_head)).numpy().argmax(-1).tolist() == ref_d2
+    assert head.logits(x2, rows, m.weights.lm_head.dense()).numpy().argmax(-1).tolist() == ref_d2
 
 
-def test_draft_vocabulary_restricts_the_drafts(lm):
+def test_draft_vocabulary_restricts_the_drafts():
     """With draft_vocab.npy the engine drafts the argmax over those tokens only; a bad one is a CheckpointError."""
     from specgen.errors import CheckpointError
 
+    lm = load_model(TINY / "llama", threads=1, backend="reference")
     m = lm.model
     head = perturbed_head(lm, m, seed=4)
     vocab = np.arange(1, 300, 3)
-    short = MtpHead(export_weights(head), "exported", m, vocab)
     seq = [5, 9, 31, 7, 5, 9, 44, 12, 100, 3]
     n = len(seq) - 1
     batch = build_forward_batch(np.array([0]), np.array([0]), np.array([n]), np.array(seq[:-1]), np.array([True]))
-    _, hidden = m.forward(batch, m.new_cache(1, 64))
+    hidden = m.forward(batch, m.new_cache(1, 64)).hidden
     drafts = []
     for j in range(1, n + 1):
-        prop = MtpProposer(m, short, 1)
-        prop._ensure(1)
-        drafts.append(int(prop._run(np.array([0]), np.array([0]), np.array([j]), np.array(seq[1:j + 1]),
-                                    hidden[:j])[1][0]))
+        short, cache = reference_head(m, export_weights(head), vocab)
+        drafts.append(int(short._pass(cache, np.array([0]), np.array([0]), np.array([j]), np.array(seq[1:j + 1]),
+                                      hidden[:j])[1][0]))
     x1, _ = head(hidden.unsqueeze(0), paddle.to_tensor(np.array(seq[1:])[None]), paddle.to_tensor(np.arange(n)[None]))
-    logits = head.logits(x1, paddle.to_tensor(np.arange(n)), dense(m.w.lm_head)).numpy()
+    logits = head.logits(x1, paddle.to_tensor(np.arange(n)), m.weights.lm_head.dense()).numpy()
     assert drafts == vocab[logits[:, vocab].argmax(-1)].tolist()
     for bad in (np.array([0, 300]), np.array([[1, 2]]), np.array([0.5])):
         with pytest.raises(CheckpointError, match="draft vocabulary"):
-            MtpHead(export_weights(head), "bad", m, bad)
+            MtpHeadWeights.read(export_weights(head), "bad", m, bad)
 
 
 def test_saved_draft_vocabulary_is_the_most_frequent_training_labels(lm, data_dir, tmp_path):
@@ -155,7 +157,8 @@ def test_recorded_data_is_what_the_engine_computes(lm, data_dir):
         plain = generate([prompt], model=lm, sampling=SamplingParams(max_tokens=SMALL["gen_max_tokens"]))[0]
         assert toks.tolist() == prompt + plain.token_ids
         batch = build_forward_batch(np.array([0]), np.array([0]), np.array([n]), toks[:-1], np.array([True]))
-        logits, hidden = m.forward(batch, m.new_cache(1, 64))
+        out = m.forward(batch, m.new_cache(1, 64))
+        logits, hidden = out.logits, out.hidden
         rows = np.asarray(data.hidden[data.row_start[s]: data.row_start[s] + n], np.float32)
         np.testing.assert_allclose(rows, hidden.numpy(), rtol=2e-3, atol=2e-3)
         assert targets[1:].tolist() == logits.numpy().argmax(-1).tolist()  # greedy choice at positions 1..T-1
@@ -182,7 +185,7 @@ def test_sampled_continuations_are_labelled_with_greedy_choices(lm, tmp_path):
         toks = data.tokens[data.tok_start[s]: data.tok_start[s] + n + 1]
         targets = data.targets[data.tok_start[s]: data.tok_start[s] + n + 1]
         batch = build_forward_batch(np.array([0]), np.array([0]), np.array([n]), toks[:-1], np.array([True]))
-        logits, _ = m.forward(batch, m.new_cache(1, 64))
+        logits = m.forward(batch, m.new_cache(1, 64)).logits
         assert targets[1:].tolist() == logits.numpy().argmax(-1).tolist()
         differs += targets[1:].tolist() != toks[1:].tolist()
     assert differs > 0  # sampling left the greedy path somewhere
@@ -272,7 +275,7 @@ def test_teacher_rows_hold_the_state_each_label_was_chosen_from(lm, data_dir):
     data = load_data(data_dir / "data")
     w = make_windows(data, seq_len=16, overlap=4, prompt_examples=True)
     b = make_batch(data, w, np.arange(len(w)), 16, np.arange(lm.config.vocab_size))
-    lm_head = dense(lm.model.w.lm_head).numpy()  # [hidden, vocab]
+    lm_head = lm.model.weights.lm_head.dense().numpy()  # [hidden, vocab]
     for rows, labels in ((b.teacher_rows, b.label_ids), (b.chain_teacher_rows, b.chain_ids)):
         assert len(rows) == len(labels) > 50
         chosen = (np.asarray(data.hidden[rows], np.float32) @ lm_head).argmax(-1)
@@ -289,7 +292,7 @@ def test_distill_loss_mixes_the_label_and_the_main_models_distribution(lm, data_
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((len(b.label_ids), len(s.vocab_ids))).astype(np.float32)
     got = float(trainer._loss(paddle.to_tensor(logits), paddle.to_tensor(b.label_ids), b.teacher_rows))
-    lm_train = dense(lm.model.w.lm_head).numpy()[:, s.vocab_ids].astype(np.float64)
+    lm_train = lm.model.weights.lm_head.dense().numpy()[:, s.vocab_ids].astype(np.float64)
     t = np.asarray(s.data.hidden[b.teacher_rows], np.float64) @ lm_train
     p = np.exp(t - t.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
@@ -366,8 +369,7 @@ def test_training_is_reproducible_and_resumes_exactly(lm, data_dir, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_saved_head_reloads_bit_identically(lm, tmp_path, dtype, monkeypatch):
-    monkeypatch.setenv("SPECGEN_QUANTIZED_HEAD", "0")  # the engine's float32 copy (not its default Q8_0 blocks)
+def test_saved_head_reloads_bit_identically(lm, tmp_path, dtype):
     head = perturbed_head(lm, lm.model, seed=5)
     weights = export_weights(head, dtype)
     save_mtp(tmp_path, weights)
@@ -376,10 +378,11 @@ def test_saved_head_reloads_bit_identically(lm, tmp_path, dtype, monkeypatch):
     assert all(loaded[k].dtype == np.float32 and np.array_equal(loaded[k], weights[k].astype(np.float32))
                for k in weights)
     if dtype == "float32":  # and the engine's copy of every tensor is the trained parameter itself
-        eh = MtpHead(loaded, "saved", lm.model)
+        eh = MtpHeadWeights.read(loaded, "saved", lm.model)
         params = dict(head.named_parameters())
-        assert np.array_equal(eh.eh_proj.numpy(), params["eh_proj"].numpy())
-        assert all(np.array_equal(eh.block[k].numpy(), params[k].numpy()) for k in eh.block if eh.block[k] is not None)
+        assert np.array_equal(eh.eh_proj.weight.numpy(), params["eh_proj"].numpy())
+        block = block_arrays(eh.block)
+        assert block and all(np.array_equal(v, params[k].numpy()) for k, v in block.items())
         assert np.array_equal(eh.final_norm.numpy(), params["final_norm"].numpy())
 
 
@@ -404,7 +407,7 @@ def test_cli_train_then_run_with_the_head(tmp_path):
     tiny = load_model(TINY / "llama", threads=1)
     plain = generate(src, model=tiny, sampling=sp)
     spec = generate(src, model=tiny, sampling=sp,
-                    speculative=SpecConfig(method="mtp", num_speculative_tokens=2, mtp_model=str(out)))
+                    speculative=SpecConfig(method="mtp", num_speculative_tokens=2, mtp=MtpConfig(model=str(out))))
     assert [o.token_ids for o in plain] == [o.token_ids for o in spec]
 
     help_text = " ".join(CliRunner().invoke(app, ["train-mtp", "--help"]).output.split())
@@ -425,22 +428,23 @@ def test_cli_train_then_run_with_the_head(tmp_path):
 def test_method_mtp_finds_the_shipped_head_for_the_default_model(lm, tmp_path, monkeypatch):
     """Without --mtp-model, the default model (its GGUF file name) gets the head shipped in the package; any other
     model, or a package without a head, gets the error naming --mtp-model."""
-    import dataclasses
-
-    from specgen.engine.proposers import mtp
+    from specgen.engine.proposers import mtp, mtp_head
     from specgen.errors import CheckpointError
     from specgen.models.default_model import DEFAULT_GGUF
 
-    monkeypatch.setattr(mtp, "SHIPPED_HEAD", tmp_path / "head")
-    as_default = dataclasses.replace(lm, source=f"/somewhere/{DEFAULT_GGUF}")
+    monkeypatch.setattr(mtp_head, "SHIPPED_HEAD", tmp_path / "head")
+    source = lm.model.source
     spec = SpecConfig(method="mtp", num_speculative_tokens=2, adaptive=False)
-    with pytest.raises(CheckpointError, match="needs an MTP head"):
-        generate([[5, 6, 7]], model=as_default, speculative=spec)
-    save_mtp(tmp_path / "head", export_weights(perturbed_head(lm, lm.model, seed=7), "float16"))
-    assert mtp.shipped_head(as_default.source) == tmp_path / "head" and mtp.shipped_head(lm.source) is None
     sp = SamplingParams(max_tokens=8, ignore_eos=True)
-    out = generate([[5, 6, 7]], model=as_default, sampling=sp, speculative=spec)[0]
-    assert out.stats.num_draft_tokens > 0
-    assert out.token_ids == generate([[5, 6, 7]], model=lm, sampling=sp)[0].token_ids
+    plain = generate([[5, 6, 7]], model=lm, sampling=sp)[0].token_ids
+    with monkeypatch.context() as as_default:
+        as_default.setattr(lm.model, "source", f"/somewhere/{DEFAULT_GGUF}")
+        with pytest.raises(CheckpointError, match="needs an MTP head"):
+            generate([[5, 6, 7]], model=lm, speculative=spec)
+        save_mtp(tmp_path / "head", export_weights(perturbed_head(lm, lm.model, seed=7), "float16"))
+        assert mtp.shipped_head(lm.model.source) == tmp_path / "head" and mtp.shipped_head(source) is None
+        out = generate([[5, 6, 7]], model=lm, sampling=sp, speculative=spec)[0]
+        assert out.stats.num_draft_tokens > 0
+        assert out.token_ids == plain
     with pytest.raises(CheckpointError, match="needs an MTP head"):
         generate([[5, 6, 7]], model=lm, speculative=spec)

@@ -5,9 +5,10 @@ import pytest
 
 from specgen.engine.proposers.ngram import ngram_match, ngram_match_native
 from specgen.engine.proposers.ngram_pool import NgramPool
-from specgen.kernels import host
+from specgen.kernels import host_lib
 
-pytestmark = pytest.mark.skipif(host() is None, reason="no C++ compiler: the numpy reference is used")
+LIB = host_lib()
+pytestmark = pytest.mark.skipif(LIB is None, reason="no C++ compiler: the numpy reference is used")
 
 
 @pytest.mark.parametrize("n_min,n_max,k", [(1, 3, 5), (2, 4, 3), (1, 1, 1), (3, 3, 2)])
@@ -22,7 +23,7 @@ def test_own_match_equals_reference(n_min, n_max, k):
         seq_lens = rng.integers(0, capacity + 1, len(slots)).astype(np.int64)
         width = max(int(seq_lens.max()), 1)
         ref, ref_len = ngram_match(table[slots, :width], seq_lens, k, n_min, n_max)
-        got, got_len = ngram_match_native(table, slots, seq_lens, k, n_min, n_max)
+        got, got_len = ngram_match_native(LIB, table, slots, seq_lens, k, n_min, n_max)
         np.testing.assert_array_equal(got.num_draft, ref.num_draft)
         np.testing.assert_array_equal(got.draft_ids, ref.draft_ids)
         np.testing.assert_array_equal(got_len, ref_len)
@@ -46,7 +47,7 @@ def test_pool_lookup_equals_reference(capacity, n_min, n_max):
         tail_lens = rng.integers(0, n_max + 2, 16).astype(np.int64)
         for k in (1, 5):
             ref = pool.lookup_reference(tails, tail_lens, k)
-            got = pool.lookup(tails, tail_lens, k)
+            got = pool.lookup(tails, tail_lens, k, LIB)
             for g, r in zip(got, ref):
                 np.testing.assert_array_equal(g, r)
             hits += int(ref[1].astype(bool).sum())
@@ -68,8 +69,7 @@ def test_proposer_with_a_pool_equals_its_numpy_reference_over_a_job():
     def text(n):
         return np.concatenate([phrases[i] for i in rng.integers(0, len(phrases), n)])[:200]
 
-    native, ref = NgramProposer(5, 1, 3, pool_capacity=600), NgramProposer(5, 1, 3, pool_capacity=600)
-    ref._lib = None
+    native, ref = NgramProposer(5, 1, 3, pool_capacity=600, lib=LIB), NgramProposer(5, 1, 3, pool_capacity=600)
     assert native._lib is not None
     num_slots, capacity = 6, 260
     table = rng.integers(0, 40, (num_slots, capacity)).astype(np.int64)  # leftovers past each length
@@ -111,5 +111,5 @@ def test_proposer_with_a_pool_equals_its_numpy_reference_over_a_job():
             t = text(6)
             table[s, : len(t)] = t
             lens[s] = len(t)
-    np.testing.assert_array_equal(native.stats.hits, ref.stats.hits)
+    np.testing.assert_array_equal(native.sources.hits, ref.sources.hits)
     assert pooled > 100 and taken > 5

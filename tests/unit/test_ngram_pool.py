@@ -3,7 +3,8 @@ text."""
 import numpy as np
 
 from specgen.engine.proposers.base import SlotView
-from specgen.engine.proposers.ngram import NgramProposer, SourceStats
+from specgen.engine.adaptive.estimator import PRIOR_HITS, PRIOR_SEEN, AcceptanceEstimator
+from specgen.engine.proposers.ngram import NgramProposer
 from specgen.engine.proposers.ngram_pool import NgramPool
 
 
@@ -103,28 +104,31 @@ def test_proposer_learns_which_source_to_follow():
     for _ in range(3):  # the pool's n=3 drafts turn out right, the own n=2 ones wrong
         propose(proposer, seq)
         proposer.observe(step_update(seq, [50]))
-    assert proposer.stats.rate(1, np.array([3]))[0] > 0.5 > proposer.stats.rate(0, np.array([2]))[0]
+    assert proposer.sources.rate(1, np.array([3]))[0] > 0.5 > proposer.sources.rate(0, np.array([2]))[0]
     assert propose(proposer, seq) == [50, 51, 52]
     assert propose(NgramProposer(3, 1, 3), seq) == [60, 1, 2]  # no pool: own text only
 
 
 def test_source_statistics_count_every_scored_candidate_once():
-    """record() against np.add.at over (source, n) cells, with several slots scoring the same cell in a step."""
+    """AcceptanceEstimator.add against np.add.at over (source, n) cells, with several slots scoring the same cell
+    in a step; rates are (hits + PRIOR_HITS) / (seen + PRIOR_SEEN)."""
     rng = np.random.default_rng(3)
-    stats, hits, seen = SourceStats(4), np.full((2, 5), SourceStats.PRIOR_HITS), np.full((2, 5), SourceStats.PRIOR_SEEN)
+    decay = NgramProposer.SOURCE_DECAY
+    stats, hits, seen = AcceptanceEstimator(2, 5, decay), np.zeros((2, 5)), np.zeros((2, 5))
     for _ in range(20):
         match_len = rng.integers(0, 5, (2, 9))  # 9 slots, n in 0..4 (0: no candidate): cells repeat
         hit = rng.random((2, 9)) < 0.5
-        stats.record(match_len, hit)
-        hits *= SourceStats.DECAY
-        seen *= SourceStats.DECAY
         m = match_len > 0
         source = np.broadcast_to(np.arange(2)[:, None], match_len.shape)[m]
+        stats.add(source, match_len[m], hit[m])
+        hits *= decay
+        seen *= decay
         np.add.at(hits, (source, match_len[m]), hit[m].astype(np.float64))
         np.add.at(seen, (source, match_len[m]), 1.0)
     np.testing.assert_allclose(stats.hits, hits, rtol=1e-12)
     np.testing.assert_allclose(stats.seen, seen, rtol=1e-12)
-    assert np.allclose(stats.seen[:, 0], SourceStats.PRIOR_SEEN * SourceStats.DECAY ** 20, rtol=1e-12)  # n = 0: never
+    assert (stats.seen[:, 0] == 0).all()  # n = 0: never scored
+    np.testing.assert_allclose(stats.rate(1, np.arange(5)), (hits[1] + PRIOR_HITS) / (seen[1] + PRIOR_SEEN))
 
 
 def test_finished_requests_enter_the_pool():
@@ -139,7 +143,7 @@ def test_finished_requests_enter_the_pool():
 def test_a_repeated_request_drafts_from_the_pool_in_the_engine(tiny_model64):
     """Through the engine: the same prompt six times, one slot. With the pool, requests 2-6 find their whole
     output in it; the outputs are those of plain decoding either way, and the pool's drafts are accepted."""
-    from specgen import EngineConfig, SamplingParams, SpecConfig, generate
+    from specgen import EngineConfig, NgramConfig, SamplingParams, SpecConfig, generate
 
     prompts = [[5, 6, 7, 8, 9]] * 6
     sp = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -147,7 +151,7 @@ def test_a_repeated_request_drafts_from_the_pool_in_the_engine(tiny_model64):
     plain = generate(prompts, model=tiny_model64, sampling=sp, engine=engine)
     runs = {pool: generate(prompts, model=tiny_model64, sampling=sp, engine=engine,
                            speculative=SpecConfig(method="ngram", num_speculative_tokens=5, adaptive=False,
-                                                  ngram_pool=pool)) for pool in (0, 1 << 16)}
+                                                  ngram=NgramConfig(pool=pool))) for pool in (0, 1 << 16)}
     for outs in runs.values():
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     own, pooled = ([o.stats.num_accepted_tokens for o in runs[p]] for p in (0, 1 << 16))

@@ -1,19 +1,40 @@
-"""Proposer registry: every Method maps to a proposer factory."""
+"""Proposers by method: every Method has one factory here, reading its own section of SpecConfig."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Callable
 
 from specgen.config import Method, SpecConfig
 from specgen.engine.proposers.base import NoProposer, Proposer
+from specgen.models.model import Model
 
 
-def build_proposer(spec: SpecConfig, loaded: Any) -> Proposer:
-    if spec.method is Method.NONE:
-        return NoProposer()
-    if spec.method is Method.NGRAM:
-        from specgen.engine.proposers.ngram import NgramProposer
+def _none(spec: SpecConfig, model: Model, lib) -> Proposer:
+    return NoProposer()
 
-        return NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max, spec.ngram_pool)
+
+def _ngram(spec: SpecConfig, model: Model, lib) -> Proposer:
+    from specgen.engine.proposers.ngram import NgramProposer
+
+    c = spec.ngram
+    return NgramProposer(spec.num_speculative_tokens, c.min, c.max, c.pool, lib)
+
+
+def _mtp(spec: SpecConfig, model: Model, lib) -> Proposer:
     from specgen.engine.proposers.mtp import build_mtp_proposer
 
-    return build_mtp_proposer(spec, loaded)
+    return build_mtp_proposer(spec, model, lib)
+
+
+# method -> factory(spec, model, ngram.cc's library or None)
+REGISTRY: dict[Method, Callable[[SpecConfig, Model, object], Proposer]] = {
+    Method.NONE: _none,
+    Method.NGRAM: _ngram,
+    Method.MTP: _mtp,
+}
+assert set(REGISTRY) == set(Method), "every method needs a proposer"
+
+
+def build_proposer(spec: SpecConfig, model: Model, lib=None) -> Proposer:
+    """The proposer of spec.method for `model`; lib: ngram.cc's library (specgen.kernels.host_lib), None for the
+    numpy references."""
+    return REGISTRY[spec.method](spec, model, lib)

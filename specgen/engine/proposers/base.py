@@ -20,6 +20,12 @@ class SlotView:
 
 
 class Proposer(Protocol):
+    """What the engine needs from a drafting method."""
+
+    # The drafter's held-out acceptance of its first draft, when known (a trained head records it): before the
+    # first step the controller rules speculation out where even that could not pay at the job's batch size.
+    acceptance_hint: float | None
+
     def propose(self, view: SlotView) -> DraftTokens:
         """Drafts for the decoding slots of the coming step."""
 
@@ -29,6 +35,8 @@ class Proposer(Protocol):
 
 class NoProposer:
     """Plain decoding: no drafts."""
+
+    acceptance_hint = None
 
     def propose(self, view: SlotView) -> DraftTokens:
         n = len(view.slots)

@@ -7,7 +7,7 @@ tokens that followed the occurrence; they may run into the tail itself (overlap 
 
 With the job's pool on (SpecConfig.ngram_pool, ngram_pool.py), the same tail is also looked up in the text of
 requests that finished earlier in the job. Which draft a slot gets when both offer one is learnt while the job
-runs (SourceStats): the source and match length whose first drafts were accepted more often. In a job of similar
+runs: the source and match length whose first drafts were accepted more often. In a job of similar
 requests (code rewritten to one pattern) the pool's longer matches win; where each request copies from its own
 input (summarization) the slot's own text does.
 """
@@ -15,37 +15,24 @@ from __future__ import annotations
 
 import numpy as np
 
+from specgen.engine.adaptive.estimator import PRIOR_HITS, PRIOR_SEEN, AcceptanceEstimator
 from specgen.engine.proposers.base import SlotView
 from specgen.engine.proposers.ngram_pool import NgramPool
 from specgen.engine.types import DraftTokens, StepUpdate
 from specgen.kernels import host
 
-NATIVE_MAX = 64  # ngram.cc's bound on k and n_max
-
-
 def ngram_match_native(
+    lib,  # ngram.cc's library (specgen.kernels.host)
     tokens: np.ndarray,  # [num_slots, capacity] int64 the runner's token table
     slots: np.ndarray,  # [num_seqs] int64 rows of the slots to draft for
     seq_lens: np.ndarray,  # [num_seqs] int64
     k: int,
     n_min: int,
     n_max: int,
-    lib=None,  # host() when given
-) -> tuple[DraftTokens, np.ndarray] | None:
-    """ngram_match over rows `slots` of the table, in ngram.cc (reads the table in place: no copy of the slots'
-    rows); None where the host kernels are not built."""
-    lib = lib or host()
-    if lib is None:
-        return None
-    tokens = np.ascontiguousarray(tokens, np.int64)
-    slots = np.ascontiguousarray(slots, np.int64)
-    seq_lens = np.ascontiguousarray(seq_lens, np.int64)
-    num_seqs = len(slots)
-    draft = np.empty((num_seqs, k), np.int64)
-    num_draft = np.empty(num_seqs, np.int64)
-    match_len = np.empty(num_seqs, np.int64)
-    lib.specgen_ngram_match(tokens.ctypes.data, tokens.shape[1], slots.ctypes.data, seq_lens.ctypes.data, num_seqs,
-                            k, n_min, n_max, draft.ctypes.data, num_draft.ctypes.data, match_len.ctypes.data)
+) -> tuple[DraftTokens, np.ndarray]:
+    """ngram_match over rows `slots` of the table, in ngram.cc (reads the table in place: no copy of the rows)."""
+    text, _keep = host.SlotText.of(tokens, slots, seq_lens)
+    draft, num_draft, match_len = host.ngram_match(lib, text, host.NgramRule(k, n_min, n_max))
     return DraftTokens(draft, num_draft), match_len
 
 
@@ -98,58 +85,34 @@ def ngram_match(
     return DraftTokens(draft.astype(np.int64), num_draft), np.where(num_draft > 0, match_len, 0)
 
 
-class SourceStats:
-    """Which text a slot's draft comes from when both its own text and the job's pool offer one: decayed
-    first-draft acceptance per source (0: own text, 1: pool) and match length n. Both candidates are scored
-    against the token that came out, whichever one was verified, so a source that is never chosen is still
-    measured. Ties go to the slot's own text; a pool source that rarely hits is not used (POOL_MIN_RATE)."""
+class NgramProposer:
+    """Drafts up to k tokens per slot by n-gram lookup in its own prompt and output, and, when a pool is kept
+    (pool_capacity > 0), in the text of the job's finished requests. Where both offer a draft, the one whose source
+    (0: own text, 1: pool) and match length have had more first drafts accepted so far: both candidates are scored
+    against the token that came out, whichever one was verified, so a source never chosen is still measured. Ties
+    go to the slot's own text; a pool source that rarely hits is not used (POOL_MIN_RATE)."""
 
-    DECAY = 0.998  # per step: the estimates follow a job whose kind of text changes
+    acceptance_hint = None
+    SOURCE_DECAY = 0.998  # per step: the estimates follow a job whose kind of text changes
     POOL_MIN_RATE = 0.25  # a pool draft is offered only above this: guesses from other requests' text that miss
     # most of the time (summarization: 0.1) would lower the slot's acceptance estimate, and with it k for the
     # slot's good own-text drafts
-    PRIOR_HITS, PRIOR_SEEN = 1.0, 2.0
 
-    def __init__(self, n_max: int):
-        self.hits = np.full((2, n_max + 1), self.PRIOR_HITS)  # [2, n_max + 1]
-        self.seen = np.full((2, n_max + 1), self.PRIOR_SEEN)
-
-    def rate(self, source: int, match_len: np.ndarray) -> np.ndarray:
-        """[num_seqs] estimated acceptance of the first draft (0 where there is no match)."""
-        return np.where(match_len > 0, self.hits[source, match_len] / self.seen[source, match_len], 0.0)
-
-    def record(self, match_len: np.ndarray, hit: np.ndarray) -> None:
-        """One step's scored candidates: match_len [2, num_seqs] int64 per source (0: no candidate), hit
-        [2, num_seqs] bool. Older evidence decays by DECAY per step."""
-        self.hits *= self.DECAY
-        self.seen *= self.DECAY
-        width = self.hits.shape[1]
-        scored = match_len > 0
-        cell = (match_len + np.array([[0], [width]]))[scored]  # [num_scored] flat (source, n) cells
-        if len(cell):  # counts per cell (np.bincount: a cell may be scored by several slots)
-            self.hits += np.bincount(cell, hit[scored], 2 * width).reshape(2, width)
-            self.seen += np.bincount(cell, None, 2 * width).reshape(2, width)
-
-
-class NgramProposer:
-    """Drafts up to k tokens per slot by n-gram lookup in its own prompt and output, and, when a pool is kept
-    (pool_capacity > 0), in the text of the job's finished requests: where both offer a draft, the one whose
-    source and match length have accepted more first drafts so far (SourceStats)."""
-
-    def __init__(self, k: int, n_min: int, n_max: int, pool_capacity: int = 0):
+    def __init__(self, k: int, n_min: int, n_max: int, pool_capacity: int = 0, lib=None):
+        """lib: ngram.cc's library (specgen.kernels.host_lib()); None runs the numpy reference."""
         self.k, self.n_min, self.n_max = k, n_min, n_max
         self.pool = NgramPool(pool_capacity, n_min, n_max) if pool_capacity > 0 else None
-        self.stats = SourceStats(n_max)
+        self.sources = AcceptanceEstimator(2, n_max + 1, self.SOURCE_DECAY)  # keyed by match length
         # candidates of the last propose, scored in observe: slots, first draft and match length per source
         self._pending: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # [num_seqs], [2, num_seqs] x 2
-        # ngram.cc (its per-slot buffers hold up to NATIVE_MAX drafts and tail tokens); None: the numpy reference
-        self._lib = host() if max(k, n_max) <= NATIVE_MAX else None
-        # specgen_ngram_propose's arguments that stay put for the proposer's life: the pool's and the statistics'
-        # arrays (allocated once, updated in place), by address (each .ctypes.data costs ~2 us a step)
-        pool, stats = self.pool, self.stats
-        self._pool_args = () if pool is None else (pool.ring.ctypes.data, pool.capacity, pool.keys.ctypes.data,
-                                                   pool.ends.ctypes.data, pool.table_bits)
-        self._stats_args = (stats.hits.ctypes.data, stats.seen.ctypes.data)
+        self._lib = lib if max(k, n_max) <= host.NATIVE_MAX else None
+        self._rule = host.NgramRule(k, n_min, n_max)
+        self._rates = host.SourceRates(self.sources.hits.ctypes.data, self.sources.seen.ctypes.data,
+                                       self.POOL_MIN_RATE, PRIOR_HITS, PRIOR_SEEN)
+
+    def _rate(self, source: int, match_len: np.ndarray) -> np.ndarray:
+        """[num_seqs] estimated acceptance of the first draft of `source` (0 where there is no match)."""
+        return np.where(match_len > 0, self.sources.rate(source, match_len), 0.0)
 
     def propose(self, view: SlotView) -> DraftTokens:
         self._pending = None
@@ -158,21 +121,14 @@ class NgramProposer:
         if self._lib is None:
             return self.propose_reference(view)
         if self.pool is None or not self.pool.written:
-            own, _ = ngram_match_native(view.tokens, view.slots, view.seq_lens, self.k, self.n_min, self.n_max,
-                                        self._lib)
+            own, _ = ngram_match_native(self._lib, view.tokens, view.slots, view.seq_lens, self.k, self.n_min,
+                                        self.n_max)
             return DraftTokens(own.draft_ids, np.minimum(own.num_draft, view.max_draft))
         # own match, pool lookup and the choice between them in one call (propose_reference is the reference)
-        pool, k = self.pool, self.k
-        tokens = np.ascontiguousarray(view.tokens, np.int64)
-        slots = np.ascontiguousarray(view.slots, np.int64)
-        seq_lens = np.ascontiguousarray(view.seq_lens, np.int64)
-        max_draft = np.ascontiguousarray(view.max_draft, np.int64)
-        out = np.empty((len(slots), k + 5), np.int64)  # drafts, num_draft, own first + n, pool first + n
-        self._lib.specgen_ngram_propose(
-            tokens.ctypes.data, tokens.shape[1], slots.ctypes.data, seq_lens.ctypes.data, max_draft.ctypes.data,
-            len(slots), k, self.n_min, self.n_max, *self._pool_args, pool.written, *self._stats_args,
-            self.stats.POOL_MIN_RATE, out.ctypes.data)
-        self._pending = (slots.copy(), out[:, [k + 1, k + 3]].T, out[:, [k + 2, k + 4]].T)
+        text, _keep = host.SlotText.of(view.tokens, view.slots, view.seq_lens)
+        out = host.ngram_propose(self._lib, text, view.max_draft, self._rule, self.pool.view, self._rates)
+        k = self.k
+        self._pending = (view.slots.copy(), out[:, [k + 1, k + 3]].T, out[:, [k + 2, k + 4]].T)
         return DraftTokens(out[:, :k], out[:, k])
 
     def propose_reference(self, view: SlotView) -> DraftTokens:
@@ -184,8 +140,8 @@ class NgramProposer:
             cols = view.seq_lens[:, None] - self.n_max + np.arange(self.n_max)[None, :]  # [num_seqs, n_max]
             tails = view.tokens[view.slots[:, None], np.maximum(cols, 0)]  # [num_seqs, n_max] right-aligned
             pool_ids, pool_num, pool_len = self.pool.lookup_reference(tails, view.seq_lens, self.k)
-            pool_rate = self.stats.rate(1, pool_len)  # [num_seqs]
-            take = (pool_rate > self.stats.rate(0, own_len)) & (pool_rate >= self.stats.POOL_MIN_RATE)
+            pool_rate = self._rate(1, pool_len)  # [num_seqs]
+            take = (pool_rate > self._rate(0, own_len)) & (pool_rate >= self.POOL_MIN_RATE)
             draft_ids = np.where(take[:, None], pool_ids, draft_ids)
             num_draft = np.where(take, pool_num, num_draft)
             self._pending = (view.slots.copy(), np.stack([own.draft_ids[:, 0], pool_ids[:, 0]]),
@@ -208,4 +164,6 @@ class NgramProposer:
         assert (update.slots[:n] == slots).all(), "decode blocks come first in a step"
         known = update.num_valid[:n] >= 1  # [num_seqs]
         truth = update.tokens[slots, update.first_pos[:n] + 1]  # [num_seqs]
-        self.stats.record(match_len * known[None, :], first == truth[None, :])
+        scored = (match_len > 0) & known[None, :]  # [2, num_seqs]
+        source = np.broadcast_to(np.arange(2)[:, None], scored.shape)
+        self.sources.add(source[scored], match_len[scored], (first == truth[None, :])[scored])

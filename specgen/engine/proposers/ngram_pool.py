@@ -40,6 +40,9 @@ class NgramPool:
         size = 1 << table_bits
         self.keys = np.zeros((n_max + 1, size), np.uint64)  # [n_max + 1, table_size] full hash of the n-gram
         self.ends = np.full((n_max + 1, size), -1, np.int64)  # [n_max + 1, table_size] stream position after it
+        # the pool for ngram.cc, by address (its arrays are updated in place; `written` is kept current)
+        self.view = host.PoolView(self.ring.ctypes.data, capacity, self.keys.ctypes.data, self.ends.ctypes.data,
+                                  table_bits, 0)
 
     def _slot(self, h: np.ndarray) -> np.ndarray:
         with np.errstate(over="ignore"):
@@ -61,6 +64,7 @@ class NgramPool:
         start = self.written
         self.ring[(start + np.arange(len(stream))) % self.capacity] = stream
         self.written += len(stream)
+        self.view.written = self.written
         for n in range(self.n_min, self.n_max + 1):
             if len(stream) <= n:
                 continue
@@ -73,22 +77,12 @@ class NgramPool:
             self.keys[n, slot[last]] = h[last]
             self.ends[n, slot[last]] = start + at[last] + n
 
-    def lookup(self, tails: np.ndarray, tail_lens: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """lookup_reference's result, from ngram.cc when the host kernels are built."""
-        lib = host()
+    def lookup(self, tails: np.ndarray, tail_lens: np.ndarray, k: int,
+               lib=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """lookup_reference's result, from ngram.cc when `lib` (specgen.kernels.host_lib()) is given."""
         if lib is None:
             return self.lookup_reference(tails, tail_lens, k)
-        tails = np.ascontiguousarray(tails, np.int64)
-        tail_lens = np.ascontiguousarray(tail_lens, np.int64)
-        num_seqs = tails.shape[0]
-        draft = np.empty((num_seqs, k), np.int64)
-        num_draft = np.empty(num_seqs, np.int64)
-        match_len = np.empty(num_seqs, np.int64)
-        lib.specgen_ngram_pool_lookup(tails.ctypes.data, tail_lens.ctypes.data, num_seqs, k, self.n_min, self.n_max,
-                                      self.ring.ctypes.data, self.capacity, self.keys.ctypes.data,
-                                      self.ends.ctypes.data, self.table_bits, self.written, draft.ctypes.data,
-                                      num_draft.ctypes.data, match_len.ctypes.data)
-        return draft, num_draft, match_len
+        return host.pool_lookup(lib, tails, tail_lens, host.NgramRule(k, self.n_min, self.n_max), self.view)
 
     def lookup_reference(self, tails: np.ndarray, tail_lens: np.ndarray,
                          k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -1,0 +1,89 @@
+"""What a backend does for the engine: prepare a decoder's weights, run a packed forward, make KV caches, run an
+MTP head's pass. Two implement it: the Paddle reference (any device) and the fused CPU kernels."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import paddle
+
+from specgen.engine.kv_cache import KVCache
+from specgen.engine.types import ForwardBatch
+from specgen.layers.block import BlockShape
+from specgen.layers.rotary import RopeTables
+from specgen.models.config import ModelConfig
+from specgen.models.weights import DecoderWeights
+
+
+class Model(Protocol):
+    """What a backend reads of the model it runs (specgen.models.model.Model)."""
+
+    config: ModelConfig
+    dtype: str
+    weights: DecoderWeights
+    rope: RopeTables
+    shape: BlockShape
+    max_len: int
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    """One forward's results."""
+
+    logits: paddle.Tensor | None  # [num_logits, vocab]; None when not asked for and the backend skipped them
+    hidden: paddle.Tensor  # [num_tokens, hidden] final normed hidden states
+    greedy: np.ndarray  # [num_logits] int64 each logit row's argmax (the lowest id on a tie)
+
+
+@dataclass(frozen=True)
+class MtpPass:
+    """One step's pass of an MTP head: its cache caught up over the catch-up tokens (grouped by sequence, in
+    order), then depth drafts for each sequence that wants them, each applying the head again to its own output
+    row and draft one position further on."""
+
+    token_slots: np.ndarray  # [num_tokens] int64 head cache slot of each catch-up token
+    positions: np.ndarray  # [num_tokens] int64 head position
+    token_ids: np.ndarray  # [num_tokens] int64 token i + 1 of position i
+    rows: np.ndarray  # [num_tokens] int64 row of `hidden` holding the main model's hidden state at position i
+    hidden: paddle.Tensor  # [num_rows, hidden]
+    seq_lens: np.ndarray  # [num_seqs] int64 catch-up tokens of each sequence (>= 1)
+    last_rows: np.ndarray  # [num_wanted] int64 the last catch-up token of each sequence that wants drafts
+    depth: int  # drafts per wanted sequence (>= 1)
+
+
+class HeadRunner(Protocol):
+    """An MTP head prepared for a backend."""
+
+    def run(self, cache: KVCache, p: MtpPass) -> np.ndarray:
+        """Catch up and draft: int64 [num_wanted, depth] token ids."""
+
+
+class Backend(Protocol):
+    name: str  # "fused" | "reference"
+    dtype: str
+
+    @property
+    def keeps_blocks(self) -> bool:
+        """Whether projections stored as GGUF blocks are multiplied from their blocks (their float copies are
+        then never converted)."""
+
+    def prepare(self, model: Model) -> None:
+        """Bring the model's weights into the form this backend's products read (in place)."""
+
+    def forward(self, model: Model, batch: ForwardBatch, cache: KVCache, logits: bool) -> ForwardOutput:
+        """One packed forward; writes the tokens' K/V. With `logits` False the caller needs the greedy tokens
+        only (the logits may then be skipped)."""
+
+    def logits(self, model: Model, hidden: paddle.Tensor) -> paddle.Tensor:
+        """The LM head over final normed hidden rows [rows, hidden] -> [rows, vocab]."""
+
+    def new_cache(self, model: Model, num_slots: int, max_capacity: int, kv_dtype: str,
+                  num_layers: int | None = None) -> KVCache:
+        """A KV cache for this backend (kv_dtype: auto, the model's dtype, or float16)."""
+
+    def prepare_head(self, model: Model, head: Any, quantize: bool) -> HeadRunner:
+        """An MTP head's weights (MtpHeadWeights) ready to run beside `model`."""
+
+    def describe(self) -> list:
+        """What a step's cost depends on besides the model's shape (cost tables are kept per description)."""

@@ -1,0 +1,257 @@
+"""The fused CPU backend: specgen's kernels run the whole forward as one operator (specgen_forward_bound: embedding,
+every block, final norm, LM head and the greedy tokens), over weights packed at load and handed to the kernels
+once, by handle, as are the KV cache's tensors; a step passes only its token indices. An MTP head's pass for a
+step is one operator too (specgen_mtp_draft). Rows are computed independently, in a fixed order, so results do
+not depend on what else is in the batch: the same bits at any batch size, with speculation on or off.
+
+Weights are packed for the kernels' products (specgen/kernels/packing.py): projections a GGUF file stores as
+blocks stay in them (rebuilt exactly in registers: the dequantized weights' bits, a fraction of the bytes read);
+float32 weights that are all exactly bfloat16 / float16 as 16-bit panels; with matmul int8 the blocks' integer
+products (inputs quantized per block of 32, AVX-512 VNNI). A greedy step over a Q8_0 / Q4_0 LM head skips the
+logits: integer products screen every column with an error bound, float32 products settle the few left.
+"""
+from __future__ import annotations
+
+import weakref
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import paddle
+
+from specgen import kernels
+from specgen.backends.base import ForwardOutput, Model, MtpPass
+from specgen.backends.reference import reserve
+from specgen.config import EngineConfig
+from specgen.engine.kv_cache import KVCache
+from specgen.engine.types import ForwardBatch
+from specgen.errors import ConfigError
+from specgen.kernels import args
+from specgen.kernels.packing import INT8_KINDS, SCREENED_KINDS, pack_linear, pack_quantized, pack_screen
+from specgen.layers.block import DecoderBlock
+from specgen.layers.linear import Linear
+from specgen.models.checkpoint import QuantRows
+
+
+
+class KeptIndex:
+    """int64 index tensors for a kernel call, kept per shape (the lengths of its parts) and overwritten by the
+    next call of that shape. Making a tensor right after a forward costs ~90 us here, and a view of one ~10 us more
+    (paddle's allocation path runs cold once the weights have streamed through the caches), so each shape's
+    tensors are made once over views of one kept numpy buffer (zero copy) and a call only copies its integers
+    in. The kernels read the indices during the call and keep no reference. Past max_shapes shapes the kept ones
+    are dropped and made again."""
+
+    def __init__(self, max_shapes: int):
+        self.max_shapes = max_shapes
+        self._kept: dict[tuple[int, ...], tuple[np.ndarray, list[paddle.Tensor]]] = {}
+
+    def tensors(self, parts: tuple[np.ndarray, ...]) -> list[paddle.Tensor]:
+        """One CPU tensor per part, holding its integers."""
+        lengths = tuple(len(p) for p in parts)
+        kept = self._kept.get(lengths)
+        if kept is None:
+            if len(self._kept) >= self.max_shapes:
+                self._kept.clear()
+            buf = np.empty(sum(lengths), np.int64)
+            ends = np.cumsum(lengths)
+            kept = (buf, [paddle.base.core.eager.Tensor(buf[e - n:e], paddle.CPUPlace(), False, True, "specgen_index",
+                                                        True) for n, e in zip(lengths, ends.tolist())])
+            self._kept[lengths] = kept
+        np.concatenate(parts, out=kept[0])
+        return kept[1]
+
+
+class FusedBackend:
+    name = "fused"
+    INDEX_REUSE_MAX = 1 << 14  # the longest index kept for reuse (decode and verify steps; prefills make their own)
+    INDEX_REUSE_SIZES = 512  # index lengths kept at most
+
+    def __init__(self, ops: ModuleType, engine: EngineConfig):
+        self.ops, self.dtype = ops, engine.dtype
+        self.vnni = kernels.has_vnni(engine.cpu_target)
+        self.int8_product = engine.matmul == "int8"
+        self.screen: kernels.Screen | None = None  # the LM head's greedy screen, when it has one
+        self._model_args: args.ModelArgs | None = None
+        self._weights_handle: int | None = None
+        self._indices = KeptIndex(self.INDEX_REUSE_SIZES)
+        self._no_screen = paddle.zeros([0], dtype="float32")
+
+    @property
+    def keeps_blocks(self) -> bool:
+        return self.dtype == "float32"  # float64 models multiply float64 panels of the dequantized weights
+
+    def pack(self, lin: Linear, int8_product: bool | None = None) -> Linear:
+        """lin with its weight packed (from its GGUF blocks where it has them, as integer-product panels with
+        int8_product, default: the engine's matmul), in place."""
+        if lin.packed:
+            return lin
+        if lin.blocks is not None and self.keeps_blocks:
+            int8 = self.int8_product if int8_product is None else int8_product
+            lin.weight = pack_quantized(lin.blocks.kind, lin.blocks.blocks, int8, self.ops)
+        else:
+            lin.weight = pack_linear(lin.weight, dtype=self.dtype)
+        return lin
+
+    def prepare(self, model: Model) -> None:
+        weights = model.weights
+        if self.int8_product:
+            has_blocks = any(lin.blocks is not None and lin.blocks.kind in INT8_KINDS for lin in weights.linears())
+            if not (has_blocks and self.vnni and self.dtype == "float32"):
+                raise ConfigError("matmul int8 needs a checkpoint with GGUF Q4_0 / Q4_1 / Q8_0 weights, a float32 "
+                                  "model and a CPU with AVX-512 VNNI (here: blocks "
+                                  f"{'yes' if has_blocks else 'no'}, {self.dtype}, VNNI "
+                                  f"{'yes' if self.vnni else 'no'})")
+        q = weights.lm_head.blocks
+        if (self.keeps_blocks and not self.int8_product and q is not None and q.kind in SCREENED_KINDS
+                and self.vnni):
+            self.screen = pack_screen(q.kind, q.blocks, self.ops)
+        for lin in weights.linears():
+            self.pack(lin)
+        self._kinds = sorted({lin.weight.kind for lin in weights.linears()})
+        self._ones = paddle.ones([model.config.head_dim], dtype=self.dtype)  # stands in for absent prefix caches
+
+    def block_args(self, blocks: list[DecoderBlock], head_dim: int) -> args.BlockArgs:
+        """The operators' per-block lists (absent biases and q/k norms replaced by their stand-ins)."""
+        none = paddle.zeros([0], dtype=self.dtype)
+        ones = paddle.ones([head_dim], dtype=self.dtype)
+
+        def bias(lin: Linear):
+            return lin.bias if lin.bias is not None else none
+
+        return args.BlockArgs(
+            attn_norm=[b.attn_norm for b in blocks], w_qkv=[b.qkv.weight.panels for b in blocks],
+            b_qkv=[bias(b.qkv) for b in blocks], w_o=[b.o.weight.panels for b in blocks],
+            b_o=[bias(b.o) for b in blocks], mlp_norm=[b.mlp_norm for b in blocks],
+            w_gate_up=[b.gate_up.weight.panels for b in blocks], b_gate_up=[bias(b.gate_up) for b in blocks],
+            w_down=[b.down.weight.panels for b in blocks], b_down=[bias(b.down) for b in blocks],
+            q_norm=[b.q_norm if b.q_norm is not None else ones for b in blocks],
+            k_norm=[b.k_norm if b.k_norm is not None else ones for b in blocks])
+
+    def _weights(self, model: Model) -> int:
+        """The model's weights in the kernels: bound on first use, dropped with this backend."""
+        if self._weights_handle is None:
+            w = model.weights
+            self._model_args = args.ModelArgs(w.embed, self.block_args(w.blocks, model.config.head_dim),
+                                              model.rope.cos, model.rope.sin, w.final_norm, w.lm_head.weight.panels)
+            handle = args.bind_weights(self.ops, self._model_args)
+            self._weights_handle = int(handle.numpy()[0])
+            weakref.finalize(self, args.unbind, self.ops, handle).atexit = False
+        return self._weights_handle
+
+    def _caches(self, model: Model, cache: KVCache) -> int:
+        """`cache`'s tensors (and its shared prefix's) in the kernels: bound again whenever they were replaced
+        (the cache grew, a prefix was set); the binding is dropped with the cache or when it is replaced."""
+        pre = cache.prefix
+        key = (cache.version, pre, pre.version if pre is not None else 0)  # pre compares by identity
+        if cache.binding is not None and cache.binding[0] == key:
+            return cache.binding[1]
+        cache.unbind()  # the tensors that were replaced, if any
+        n = len(cache.k)
+        stand_in = [self._ones] * n
+        handle = args.bind_caches(self.ops, args.CacheArgs(cache.k, cache.v, pre.k if pre is not None else stand_in,
+                                                           pre.v if pre is not None else stand_in))
+        release = weakref.finalize(cache, args.unbind, self.ops, handle)
+        release.atexit = False
+        cache.binding = (key, int(handle.numpy()[0]), release)
+        return cache.binding[1]
+
+    def _index(self, index: np.ndarray) -> paddle.Tensor:
+        """`index` as a CPU tensor: kept per length (KeptIndex), or, past INDEX_REUSE_MAX (prefills), its own."""
+        if len(index) > self.INDEX_REUSE_MAX:
+            return paddle.to_tensor(index.astype(np.int64, copy=False))
+        return self._indices.tensors((index,))[0]
+
+    def forward(self, model: Model, batch: ForwardBatch, cache: KVCache, logits: bool = True) -> ForwardOutput:
+        reserve(batch, cache)
+        n = len(batch.token_ids)
+        plen = batch.token_prefix_len
+        index = np.concatenate([batch.token_ids, batch.positions, batch.token_slots,
+                                plen if plen is not None else np.zeros(n, np.int64), batch.logit_rows])
+        screened = not logits and self.screen is not None
+        screen, bound = (self.screen.panels.panels, self.screen.bound) if screened else (self._no_screen,) * 2
+        pre = cache.prefix
+        cfg = model.config
+        out, hidden, greedy = args.forward_bound(self.ops, args.StepArgs(
+            index=self._index(index), num_tokens=n, weights=self._weights(model), caches=self._caches(model, cache),
+            capacity=cache.capacity, prefix_capacity=pre.capacity if pre is not None else 0, screen=screen,
+            bound=bound, geometry=args.Geometry(cfg.num_heads, cfg.num_kv_heads, cfg.qk_norm, cfg.rms_norm_eps),
+            vocab=model.weights.lm_head.weight.n))
+        return ForwardOutput(None if screened else out, hidden, greedy.numpy())
+
+    def logits(self, model: Model, hidden: paddle.Tensor) -> paddle.Tensor:
+        lm = model.weights.lm_head.weight
+        return args.linear(self.ops, hidden, lm.panels, lm.n)
+
+    def new_cache(self, model: Model, num_slots: int, max_capacity: int, kv_dtype: str = "auto",
+                  num_layers: int | None = None) -> KVCache:
+        dtype = self.dtype if kv_dtype == "auto" else kv_dtype
+        if dtype != self.dtype and (self.dtype != "float32" or dtype != "float16"):
+            raise ConfigError(f"a {dtype} KV cache needs a float32 model (this one: {self.dtype})")
+        cfg = model.config
+        # the kernels read only positions written before: the storage can start uninitialized (KVCache.admit)
+        return KVCache(cfg.num_layers if num_layers is None else num_layers, num_slots, cfg.num_kv_heads,
+                       cfg.head_dim, dtype, max_capacity, zeroed=False)
+
+    def prepare_head(self, model: Model, head: Any, quantize: bool) -> "FusedHead":
+        return FusedHead(self, model, head, quantize)
+
+    def describe(self) -> list:
+        return [self.name, self.int8_product, self.screen is not None, self._kinds]
+
+
+def q8_0(lin: Linear) -> QuantRows | None:
+    """A dense weight [in, out] as GGUF Q8_0 blocks of its rows (gguf.quants), when `in` is a multiple of 32."""
+    from gguf import GGMLQuantizationType, quants
+
+    rows = np.ascontiguousarray(lin.weight.numpy().T)  # [out, in]
+    if rows.dtype != np.float32 or rows.shape[1] % 32:
+        return None
+    blocks = quants.quantize(rows, GGMLQuantizationType.Q8_0)  # [out, in / 32 * 34] uint8
+    return QuantRows("Q8_0", blocks.reshape(rows.shape[0], rows.shape[1] // 32, -1))
+
+
+class FusedHead:
+    """An MTP head packed for specgen_mtp_draft. Beside a main model kept in GGUF blocks (and with `quantize`),
+    its projections are packed as Q8_0 blocks too: its pass reads ~4.5 instead of ~17 MB for the default model;
+    on a CPU with AVX-512 VNNI with integer products (drafts need not be float32's, only cheap). Only the drafts
+    can change, never the outputs."""
+
+    def __init__(self, backend: FusedBackend, model: Model, head: Any, quantize: bool):
+        self.backend = backend
+        main_blocks = backend.keeps_blocks and model.weights.lm_head.blocks is not None
+        q8 = quantize and main_blocks
+        self.int8_product = q8 and backend.vnni
+        for lin in [head.eh_proj, *head.block.linears()]:
+            if q8:
+                lin.blocks = q8_0(lin)
+            backend.pack(lin, self.int8_product)
+        main_lm = model.weights.lm_head
+        if head.draft_vocab is None:  # its own LM head, or the main model's
+            lm = backend.pack(head.lm_head) if head.lm_head is not None else main_lm
+        elif head.lm_head is None and main_lm.blocks is not None and backend.keeps_blocks:
+            # the draft vocabulary's rows of the main model's blocks
+            lm = Linear(pack_quantized(main_lm.blocks.kind, main_lm.blocks.blocks[head.draft_vocab],
+                                       backend.int8_product or self.int8_product, backend.ops))
+        else:  # the draft vocabulary's columns
+            src = head.lm_head if head.lm_head is not None else main_lm
+            cols = paddle.gather(src.dense(), paddle.to_tensor(head.draft_vocab), axis=1)  # [hidden, V']
+            lm = Linear(pack_linear(cols, dtype=backend.dtype))
+        self.lm_head = lm  # [hidden] -> [draft vocabulary]
+        cfg = model.config
+        vocab = head.draft_vocab if head.draft_vocab is not None else np.zeros(0, np.int64)
+        self.args = args.MtpHeadArgs(
+            embed=head.embed, enorm=head.enorm, hnorm=head.hnorm, eh_proj=head.eh_proj.weight.panels,
+            blocks=backend.block_args([head.block], cfg.head_dim), cos=model.rope.cos, sin=model.rope.sin,
+            final_norm=head.final_norm, lm_head=lm.weight.panels, draft_vocab=paddle.to_tensor(vocab),
+            vocab=lm.weight.n, geometry=args.Geometry(cfg.num_heads, cfg.num_kv_heads, cfg.qk_norm, cfg.rms_norm_eps),
+            ones=backend._ones)
+        self._indices = KeptIndex(256)  # the pass's index tensors, kept per (tokens, sequences) shape
+
+    def run(self, cache: KVCache, p: MtpPass) -> np.ndarray:
+        cache.reserve(int(p.positions.max()) + p.depth)
+        tok, row, pos, slot, pre, last = self._indices.tensors(
+            (p.token_ids, p.rows, p.positions, p.token_slots, np.zeros(len(p.token_ids), np.int64), p.last_rows))
+        return args.mtp_draft(self.backend.ops, self.args, args.MtpStepArgs(
+            token_ids=tok, hidden=p.hidden, rows=row, positions=pos, slots=slot, prefix_len=pre, last_rows=last,
+            k_cache=cache.k[0], v_cache=cache.v[0], capacity=cache.capacity, depth=p.depth)).numpy()

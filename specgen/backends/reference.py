@@ -1,0 +1,115 @@
+"""The reference backend: the forward in Paddle's own operators, composed of the layers in specgen/layers. It runs
+on any device Paddle runs on (a paddlepaddle-gpu user's path) and is what the fused kernels are tested against."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+from specgen.backends.base import ForwardOutput, Model, MtpPass
+from specgen.config import EngineConfig
+from specgen.engine.kv_cache import KVCache
+from specgen.engine.types import ForwardBatch, build_forward_batch
+from specgen.errors import CheckpointError, ConfigError
+from specgen.layers.attention import AttentionIndex
+from specgen.layers.block import block_forward
+from specgen.layers.linear import Linear
+from specgen.layers.norm import rms_norm
+
+
+
+class ReferenceBackend:
+    name = "reference"
+    keeps_blocks = False
+
+    def __init__(self, engine: EngineConfig):
+        self.dtype = engine.dtype
+
+    def prepare(self, model: Model) -> None:
+        for lin in model.weights.linears():
+            if lin.weight is None:
+                raise CheckpointError("the reference backend needs every weight as floats (none was converted)")
+            lin.blocks = None  # products read the dense weight; the blocks' memory goes
+
+    def forward(self, model: Model, batch: ForwardBatch, cache: KVCache, logits: bool = True) -> ForwardOutput:
+        w = model.weights
+        reserve(batch, cache)
+        att = AttentionIndex(batch, cache, model.rope, model.shape.num_heads, self.dtype)
+        x = F.embedding(paddle.to_tensor(batch.token_ids), w.embed)  # [num_tokens, hidden]
+        for i, block in enumerate(w.blocks):
+            x = block_forward(x, block, model.shape, att, i, cache.k[i], cache.v[i])
+        hidden = rms_norm(x, w.final_norm, model.shape.eps)  # [num_tokens, hidden]
+        out = w.lm_head(paddle.gather(hidden, paddle.to_tensor(batch.logit_rows)))  # [num_logits, vocab]
+        return ForwardOutput(out, hidden, paddle.argmax(out, axis=-1).numpy())
+
+    def logits(self, model: Model, hidden: paddle.Tensor) -> paddle.Tensor:
+        return model.weights.lm_head(hidden)
+
+    def new_cache(self, model: Model, num_slots: int, max_capacity: int, kv_dtype: str = "auto",
+                  num_layers: int | None = None) -> KVCache:
+        if kv_dtype not in ("auto", self.dtype):
+            raise ConfigError(f"a {kv_dtype} KV cache needs a float32 model on the fused backend (specgen's CPU "
+                              f"kernels); this model runs {self.dtype} on the reference backend")
+        cfg = model.config
+        # attention reads whole cache rows and masks the positions past each query: they must hold finite numbers
+        return KVCache(cfg.num_layers if num_layers is None else num_layers, num_slots, cfg.num_kv_heads,
+                       cfg.head_dim, self.dtype, max_capacity, zeroed=True)
+
+    def prepare_head(self, model: Model, head: Any, quantize: bool) -> "ReferenceHead":
+        return ReferenceHead(model, head)
+
+    def describe(self) -> list:
+        return [self.name]
+
+
+def reserve(batch: ForwardBatch, cache: KVCache) -> None:
+    """Room in `cache` for the positions `batch` writes (own rows past a shared prefix)."""
+    plen = batch.token_prefix_len
+    own_max = batch.max_position if plen is None else int((batch.positions - plen).max()) + 1
+    cache.reserve(batch.max_position, own_max)
+
+
+class ReferenceHead:
+    """An MTP head's pass in Paddle's operators: the catch-up tokens through the head, then chained drafts."""
+
+    def __init__(self, model: Model, head: Any):
+        self.model, self.head = model, head
+        lm = head.lm_head or model.weights.lm_head  # its own LM head, or the main model's
+        if head.draft_vocab is not None:  # drafts from these tokens only: their columns
+            lm = Linear(paddle.gather(lm.dense(), paddle.to_tensor(head.draft_vocab), axis=1))
+        self.lm_head = lm  # [hidden] -> [draft vocabulary]
+
+    def _pass(self, cache: KVCache, slots, starts, lens, token_ids, prev_hidden):
+        """One packed pass of the head over blocks (slots, starts, lens): (block output [num_tokens, hidden],
+        argmax token at each block's end [num_seqs])."""
+        m, hd = self.model, self.head
+        batch = build_forward_batch(slots, starts, lens, token_ids, np.zeros(len(slots), bool))
+        reserve(batch, cache)
+        eps = m.shape.eps
+        emb = F.embedding(paddle.to_tensor(batch.token_ids), hd.embed)  # [num_tokens, hidden]
+        x = hd.eh_proj(paddle.concat([rms_norm(emb, hd.enorm, eps), rms_norm(prev_hidden, hd.hnorm, eps)], axis=-1))
+        att = AttentionIndex(batch, cache, m.rope, m.shape.num_heads, m.dtype)
+        x = block_forward(x, hd.block, m.shape, att, 0, cache.k[0], cache.v[0])
+        last = paddle.gather(x, paddle.to_tensor(batch.logit_rows))  # [num_seqs, hidden]
+        drafts = paddle.argmax(self.lm_head(rms_norm(last, hd.final_norm, eps)), axis=-1).numpy()
+        return last, hd.token_ids(drafts)
+
+    def run(self, cache: KVCache, p: MtpPass) -> np.ndarray:
+        first = np.concatenate([[0], np.cumsum(p.seq_lens)[:-1]]).astype(np.int64)  # [num_seqs]
+        h_main = paddle.gather(p.hidden, paddle.to_tensor(p.rows))  # [num_tokens, hidden]
+        x, d = self._pass(cache, p.token_slots[first], p.positions[first], p.seq_lens, p.token_ids, h_main)
+        out = np.zeros((len(p.last_rows), p.depth), np.int64)
+        if not len(p.last_rows):
+            return out
+        # the sequences that want drafts: their blocks' ends are catch-up tokens p.last_rows
+        wanted = np.searchsorted(first, p.last_rows, side="right") - 1  # [num_wanted] their sequence
+        x = paddle.gather(x, paddle.to_tensor(wanted))
+        out[:, 0] = d = d[wanted]
+        slots, last_pos = p.token_slots[p.last_rows], p.positions[p.last_rows]
+        ones = np.ones(len(slots), np.int64)
+        for i in range(1, p.depth):
+            x, d = self._pass(cache, slots, last_pos + i, ones, d, x)
+            out[:, i] = d
+        return out

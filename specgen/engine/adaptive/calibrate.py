@@ -1,0 +1,75 @@
+"""The step-cost table of a model at a batch size: timed at start-up, or found on disk."""
+from __future__ import annotations
+
+import time
+import weakref
+
+import numpy as np
+
+from specgen.config import EngineConfig
+from specgen.engine.adaptive import costs
+from specgen.engine.adaptive.controller import Controller
+from specgen.engine.types import build_forward_batch
+
+REPEATS = 5  # timings per point of the table (round robin over the points), at most
+BUDGET = 0.15  # seconds of timed forwards after which fewer repeats are taken (large batches)
+ANCHOR_SLOTS = 8  # from this many slots on, the table also times one slot's single token
+
+# tables measured in this process, per model: {(num_slots, max_draft): (tokens, seconds)}; a later engine on the
+# same model (e.g. `specgen bench`) reuses them
+_measured: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def measured(model) -> dict:
+    return _measured.setdefault(model, {})
+
+
+def controller_for(model, cache, max_draft: int, engine: EngineConfig, num_slots: int | None = None) -> Controller:
+    """A controller whose cost table is this model's at num_slots slots (all the cache's by default): found in
+    this process or on disk, else timed: forwards feeding 1, 2 and max_draft + 1 tokens to each slot (their cache
+    rows are overwritten later by prefill), and with ANCHOR_SLOTS or more one slot's token; the median of up to
+    REPEATS timings per point, taken round robin (one timing of a 6 ms step can be off by 50% on a shared
+    machine, and one bad point skews every choice). The one-token point anchors steps of fewer slots, once slots
+    drain at a job's end (without it an 8-token step of 32 slots' table was extrapolated to 2 ms instead of the
+    18 ms it took). The forwards are greedy steps'; a sampled job's steps cost more per logit row, which the
+    online correction takes up."""
+    num_slots = cache.num_slots if num_slots is None else num_slots
+    key = (num_slots, max_draft)
+    table = measured(model).get(key)
+    path = None
+    if table is None and engine.cost_cache:
+        from specgen.kernels.build import build_key
+
+        path = costs.table_path(engine.cache_root(), [model.cost_key(), cache.dtype, str(num_slots), str(max_draft),
+                                                      str(engine.num_threads()), build_key(engine.cpu_target)])
+        table = costs.load(path)
+    if table is None:
+        table = _time_table(model, cache, max_draft, num_slots)
+        costs.store(path, *table)
+    measured(model)[key] = table
+    return Controller(costs.CostModel(*table), max_draft, cache.num_slots)
+
+
+def _time_table(model, cache, max_draft: int, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    slots = np.arange(num_slots, dtype=np.int64)
+    counts = sorted({1, 2, max_draft + 1})
+    batches = [build_forward_batch(slots, np.zeros(num_slots, np.int64), np.full(num_slots, q, np.int64),
+                                   np.zeros(num_slots * q, np.int64), np.ones(num_slots, bool)) for q in counts]
+    tokens = [q * num_slots for q in counts]
+    if num_slots >= ANCHOR_SLOTS:
+        batches.insert(0, build_forward_batch(slots[:1], np.zeros(1, np.int64), np.ones(1, np.int64),
+                                              np.zeros(1, np.int64), np.ones(1, bool)))
+        tokens.insert(0, 1)
+    model.forward(batches[0], cache, logits=False)  # warm-up
+    timings: list[list[float]] = [[] for _ in batches]
+    spent = 0.0
+    for _ in range(REPEATS):
+        for batch, times in zip(batches, timings):
+            start = time.perf_counter()
+            model.forward(batch, cache, logits=False)
+            times.append(time.perf_counter() - start)
+        spent += sum(times[-1] for times in timings)
+        if spent > BUDGET:
+            break
+    seconds = np.array([np.median(times) for times in timings])
+    return np.array(tokens), np.maximum.accumulate(seconds)

@@ -1,0 +1,282 @@
+"""The step loop: admit, propose, one packed forward, sample + verify all slots at once, commit."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from specgen.config import EngineConfig
+from specgen.engine.adaptive import Controller, StepReport
+from specgen.engine.adaptive.calibrate import controller_for
+from specgen.engine.proposers.base import NoProposer, Proposer, SlotView
+from specgen.engine.sampling import sample, uniforms
+from specgen.engine.scheduler import Scheduler
+from specgen.engine.slots import MAX_DRAFT, SlotTable, common_prefix, error_output, rejection
+from specgen.engine.stops import stop_strings
+from specgen.engine.types import DraftTokens, Request, RequestOutput, StepUpdate, build_forward_batch
+from specgen.engine.verify import accept_lengths, first_stop
+from specgen.errors import ConfigError
+from specgen.models.model import Model
+from specgen.models.tokenizer import TextTokenizer
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Who takes part in a step and with what: decoding slots with their drafts, prefilling slots with a chunk."""
+
+    dec: np.ndarray  # [num_dec] int64 decoding slots
+    new: np.ndarray  # [num_new] int64 slots prefilling this step
+    chunk: np.ndarray  # [num_new] int64 prompt tokens each feeds
+    final: np.ndarray  # [num_new] bool the chunk ends the prompt: its last row is sampled
+    room: np.ndarray  # [num_slots] int64 tokens each slot may still emit (>= 1 while active)
+    drafts: DraftTokens  # what the proposer offers the decoding slots
+    num_avail: np.ndarray  # [num_dec] int64 drafts offered, capped by room
+    num_draft: np.ndarray  # [num_dec] int64 drafts verified
+    draft_seconds: float  # the proposer's propose
+
+
+class Engine:
+    """Generates completions for a stream of requests with a static batch of slots."""
+
+    def __init__(self, model: Model, tokenizer: TextTokenizer | None, config: EngineConfig,
+                 proposer: Proposer | None = None, adaptive: bool = False, max_draft: int = MAX_DRAFT):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.proposer = proposer or NoProposer()
+        ctx = model.config.max_position_embeddings
+        self.context_len = min(ctx, config.max_model_len) if config.max_model_len else ctx
+        self.eos_ids = np.array(model.config.eos_token_ids, dtype=np.int64)
+        loaded = "int8" if model.int8_product else "float32"
+        if config.matmul != loaded:
+            raise ConfigError(f"the model was loaded with matmul {loaded!r}, the engine asks for "
+                              f"{config.matmul!r}: load it with load_model(..., matmul={config.matmul!r})")
+        self.cache = model.new_cache(config.batch_size, self.context_len, config.kv_cache_dtype)
+        self.table = SlotTable.empty(config.batch_size, 256)
+        self.requests: list[Request | None] = [None] * config.batch_size
+        self.adaptive, self.max_draft = adaptive, max_draft
+        self.controller: Controller | None = None  # with `adaptive`, made when the first run starts
+        self.prefix_ids: np.ndarray | None = None  # [prefix_tokens] the shared prefix, once computed
+        self.prefix_hidden = None  # paddle [prefix_tokens, hidden]
+
+    def _start(self, num_requests: int) -> None:
+        """The adaptive controller, its step costs measured with as many slots as the job will fill at first
+        (a job of 8 requests in 32 slots times 8-slot steps: 4x cheaper start-up, and the costs it will see)."""
+        active = max(1, min(self.config.batch_size, num_requests))
+        self.controller = controller_for(self.model, self.cache, self.max_draft, self.config, active)
+        self.controller.rule_out(self.proposer.acceptance_hint, active)
+
+    # ---- admission and retirement (per request, outside the step) ----
+
+    def _place(self, slot: int, req: Request) -> None:
+        n = len(req.prompt_ids)
+        end = min(n + req.params.max_tokens, self.context_len)  # the request's last position + 1
+        self.cache.admit(n + MAX_DRAFT + 1, end + MAX_DRAFT + 1)
+        # A prompt that starts with the shared prefix skips it (keeping at least one token of its own to prefill).
+        shared = 0
+        if self.prefix_ids is not None and n > 1 and len(self.prefix_ids) <= n:
+            if np.array_equal(self.prefix_ids, req.prompt_ids[: len(self.prefix_ids)]):
+                shared = min(len(self.prefix_ids), n - 1)
+        self.table.place(slot, req, end, shared)
+        self.requests[slot] = req
+        if self.controller is not None:
+            self.controller.reset(slot)
+
+    def _finish(self, slot: int, reason: str, text_cut: str | None) -> RequestOutput:
+        t, req = self.table, self.requests[slot]
+        out_ids = t.output_ids(slot)
+        text = text_cut if text_cut is not None else self._decode(out_ids)
+        t.active[slot] = False
+        self.requests[slot] = None
+        return RequestOutput(req.id, req.index, text, out_ids, reason, len(req.prompt_ids), t.stats(slot))
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    # ---- the loop ----
+
+    def run(self, requests: Iterable[Request]) -> Iterator[RequestOutput]:
+        """Yields outputs as requests finish (completion order)."""
+        sched = Scheduler(requests, self.config.batch_size, self.config.max_prefill_tokens, self.config.prefill_chunk)
+        if self.config.shared_prefix == "auto" and self.prefix_ids is None:
+            self.share_prefix(common_prefix([r.prompt_ids for r in sched.peek(self.config.batch_size)]))
+        if self.adaptive and self.controller is None:
+            self._start(len(sched.peek(self.config.batch_size)))
+        vocab = self.model.config.vocab_size
+        while sched.has_work(int(self.table.active.sum())):
+            for slot, req in sched.admit():
+                why = rejection(req, self.context_len, vocab)
+                if why is not None:
+                    sched.retire(slot)
+                    yield error_output(req, why)
+                else:
+                    self._place(slot, req)
+            if not self.table.active.any():
+                continue
+            for out, slot in self.step():
+                sched.retire(slot)
+                yield out
+
+    def step(self) -> list[tuple[RequestOutput, int]]:
+        """One forward for every active slot: prefill blocks (or prompt chunks) of new slots, [last + drafts] of
+        decoding ones. Returns the requests that finished, with their slots."""
+        start = time.perf_counter()
+        plan = self._plan()
+        t = self.table
+        width = plan.drafts.draft_ids.shape[1]
+        # Packed tokens: decoding blocks [last, drafts...] first, then the new slots' prompts.
+        dec, new, chunk = plan.dec, plan.new, plan.chunk
+        dec_blocks = np.concatenate([t.tokens[dec, t.seq_len[dec] - 1][:, None], plan.drafts.draft_ids], axis=1)
+        dec_mask = np.arange(width + 1)[None, :] <= plan.num_draft[:, None]  # [num_dec, width + 1]
+        col_all = np.arange(t.tokens.shape[1])[None, :]
+        new_start = t.prefill_pos[new]
+        new_mask = (col_all >= new_start[:, None]) & (col_all < (new_start + chunk)[:, None])
+        slots = np.concatenate([dec, new])
+        lens = np.concatenate([plan.num_draft + 1, chunk])
+        starts = np.concatenate([t.seq_len[dec] - 1, new_start])
+        batch = build_forward_batch(
+            slots, starts, lens, np.concatenate([dec_blocks[dec_mask], t.tokens[new][new_mask]]),
+            np.concatenate([np.ones(len(dec), bool), np.zeros(len(new), bool)]),
+            no_logits=np.concatenate([np.zeros(len(dec), bool), ~plan.final]),
+            prefix_lens=t.prefix_len[slots] if self.prefix_ids is not None else None)
+        # A step whose slots are all greedy needs no logits (a screened LM head skips them).
+        out = self.model.forward(batch, self.cache, logits=bool(t.temperature[slots].any()))
+        targets = self._sample(batch, out)
+        forward_seconds = time.perf_counter() - start
+
+        # Targets back into [num_seqs, width + 1]: decode rows are the first sum(num_draft + 1) logit rows.
+        emitted = np.zeros((len(slots), width + 1), np.int64)
+        num_dec_rows = int(dec_mask.sum())
+        emitted[: len(dec)][dec_mask] = targets[:num_dec_rows]
+        emitted[len(dec):, 0][plan.final] = targets[num_dec_rows:]
+        accepted = accept_lengths(plan.drafts.draft_ids, plan.num_draft, emitted[: len(dec)])
+        num_emitted = np.concatenate([accepted + 1, plan.final.astype(np.int64)])  # a mid-prompt chunk: none
+        kept, by_eos = first_stop(emitted, num_emitted, self.eos_ids, plan.room[slots], t.ignore_eos[slots])
+        by_stop, texts = stop_strings(self.tokenizer, self.requests, t, slots, emitted, kept)
+        produced = self._commit(plan, slots, emitted, kept)
+        done = by_eos | by_stop | (t.seq_len[slots] >= t.max_len[slots])
+
+        observe_seconds = self._observe(plan, slots, lens, starts, produced, kept, done, out.hidden)
+        if self.controller is not None:
+            self.controller.end_step(StepReport(
+                slots=dec, draft_ids=plan.drafts.draft_ids, num_avail=plan.num_avail, num_draft=plan.num_draft,
+                source=plan.drafts.source, emitted=emitted[: len(dec)], kept=kept[: len(dec)],
+                num_tokens=len(batch.token_ids), num_emitted=int(kept.sum()), prefilled=len(new) > 0,
+                forward_seconds=forward_seconds, draft_seconds=plan.draft_seconds + observe_seconds,
+                step_seconds=time.perf_counter() - start))
+        finished = []
+        for i in np.nonzero(done)[0]:
+            s = int(slots[i])
+            finished.append((self._finish(s, "stop" if (by_eos[i] or by_stop[i]) else "length", texts.get(s)), s))
+        return finished
+
+    def _plan(self) -> StepPlan:
+        """Decoding slots and their drafts (the controller's choice of how many), prefilling slots and chunks."""
+        t = self.table
+        dec = np.nonzero(t.active & t.prefilled)[0]  # [num_dec]
+        new, chunk = self._prefill_chunks()  # [num_new] slots prefilling this step and their chunk lengths
+        room = t.max_len - t.seq_len  # [num_slots]
+        view = SlotView(dec, t.tokens, t.seq_len[dec], np.minimum(room[dec] - 1, MAX_DRAFT))
+        draft_start = time.perf_counter()
+        drafts = self.proposer.propose(view)
+        draft_seconds = time.perf_counter() - draft_start
+        num_avail = np.minimum(drafts.num_draft, view.max_draft)  # [num_dec]
+        num_draft = num_avail
+        if self.controller is not None:
+            num_draft = np.minimum(num_avail, self.controller.choose(dec, num_avail, int(chunk.sum()), drafts.source))
+        return StepPlan(dec, new, chunk, t.prefill_pos[new] + chunk == t.prompt_len[new], room, drafts, num_avail,
+                        num_draft, draft_seconds)
+
+    def _sample(self, batch, out) -> np.ndarray:
+        """The main model's own choice at every logit row ([num_logits] int64): greedy, or the counter-based
+        sample of the row's (request, output position)."""
+        t = self.table
+        row_tok = batch.logit_rows  # [num_logits]
+        row_slot = batch.token_slots[row_tok]
+        temperature = t.temperature[row_slot]
+        u = None
+        if temperature.any():  # sampled rows: their uniforms
+            u = uniforms(t.rng_key[row_slot], batch.positions[row_tok] + 1 - t.prompt_len[row_slot])
+        return sample(out.logits, temperature, t.top_k[row_slot], t.top_p[row_slot], u, out.greedy)
+
+    def _commit(self, plan: StepPlan, slots: np.ndarray, emitted: np.ndarray, kept: np.ndarray) -> np.ndarray:
+        """Tokens, lengths and statistics of the step; returns [num_seqs] int64: 1 where the block emitted (a
+        decode block, a prompt's last chunk)."""
+        t, dec, new = self.table, plan.dec, plan.new
+        width = emitted.shape[1] - 1
+        col = np.arange(width + 1)[None, :]
+        keep_mask = col < kept[:, None]
+        t.tokens[np.repeat(slots, kept), (t.seq_len[slots][:, None] + col)[keep_mask]] = emitted[keep_mask]
+        t.seq_len[slots] += kept
+        t.prefill_pos[new] += plan.chunk
+        t.prefilled[new] = plan.final
+        t.num_chunks[new] += 1
+        produced = np.concatenate([np.ones(len(dec), np.int64), plan.final.astype(np.int64)])
+        t.num_steps[slots] += produced
+        t.num_draft[dec] += plan.num_draft
+        t.num_accepted[slots] += kept - produced
+        if width:
+            t.accepted_per_pos[slots, :width] += (col[:, :width] < (kept - 1)[:, None])
+            t.drafted_per_pos[dec, :width] += (col[:, :width] < plan.num_draft[:, None])
+        return produced
+
+    def _observe(self, plan: StepPlan, slots, lens, starts, produced, kept, done, hidden) -> float:
+        """Tell the proposer what the step committed (its drafts for the next step are prepared now); returns
+        the seconds it took."""
+        t = self.table
+        all_drafts = np.concatenate([plan.num_draft, np.zeros(len(plan.new), np.int64)])
+        block_start = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+        # positions whose input was right and whose next token is known (a mid-prompt chunk: all of them)
+        num_valid = np.where(produced == 1, lens - 1 - all_drafts + kept, lens)
+        first_block = t.prefill_pos[plan.new] - plan.chunk == t.prefix_len[plan.new]  # after any shared prefix
+        catch_up = np.concatenate([np.zeros(len(plan.dec), np.int64), np.where(first_block, t.prefix_len[plan.new],
+                                                                               0)])
+        # With the controller, a proposer whose drafts cost time (MTP) prepares one more than this step verified at
+        # most (one while speculation is off: enough for shadow acceptance), not always k.
+        c = self.controller
+        depth = MAX_DRAFT if c is None else int(plan.num_draft.max(initial=0)) + 1
+        start = time.perf_counter()
+        self.proposer.observe(StepUpdate(slots, block_start, starts, num_valid, done, t.tokens, hidden, catch_up,
+                                         self.prefix_hidden, depth, None if c is None else c.detached(slots),
+                                         t.seq_len[slots], t.prompt_len[slots]))
+        return time.perf_counter() - start
+
+    def share_prefix(self, prefix_ids) -> int:
+        """Compute the KV of `prefix_ids` once, into the cache's shared prefix; prompts placed afterwards that start
+        with it read it from there (cascade attention) instead of prefilling and storing it per slot. A prefix
+        shorter than `min_shared_prefix` is not worth it. Returns the tokens shared."""
+        if len(prefix_ids) < self.config.min_shared_prefix or self.table.active.any():
+            return 0
+        n = min(len(prefix_ids), self.context_len - 1)
+        ids = np.asarray(prefix_ids[:n], dtype=np.int64)
+        pre = self.model.new_cache(1, n, self.config.kv_cache_dtype)
+        pre.ensure(n)
+        batch = build_forward_batch(np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([n]), ids, np.zeros(1, bool))
+        hidden = self.model.forward(batch, pre).hidden
+        self.cache.prefix = pre
+        self.prefix_ids, self.prefix_hidden = ids, hidden  # hidden [n, hidden]: the MTP head's catch-up input
+        return n
+
+    def memory(self) -> dict[str, int]:
+        """KV cache bytes the run needed at its peak: every slot's rows up to the longest one (plus the shared
+        prefix, once), and the same without sharing (every slot holding the prefix itself). The allocation
+        rounds these up (it grows by doubling)."""
+        c = self.cache
+        prefix = c.prefix.nbytes() if c.prefix is not None else 0
+        return {"kv_cache_bytes": c.nbytes(c.peak_own) + prefix,
+                "kv_cache_bytes_unshared": c.nbytes(c.peak_position)}
+
+    def _prefill_chunks(self) -> tuple[np.ndarray, np.ndarray]:
+        """Slots still prefilling and how many prompt tokens each feeds this step: the rest of its prompt, or at
+        most `prefill_chunk` of it; with chunking, in slot order while `max_prefill_tokens` lasts (at least one)."""
+        t, cfg = self.table, self.config
+        new = np.nonzero(t.active & ~t.prefilled)[0]  # [num_new]
+        chunk = t.prompt_len[new] - t.prefill_pos[new]
+        if cfg.prefill_chunk and len(new):
+            chunk = np.minimum(chunk, cfg.prefill_chunk)
+            fits = np.cumsum(chunk) <= cfg.max_prefill_tokens
+            fits[0] = True
+            new, chunk = new[fits], chunk[fits]
+        return new, chunk.astype(np.int64)

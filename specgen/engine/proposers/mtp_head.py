@@ -1,0 +1,191 @@
+"""An MTP head's weights (DeepSeek-V3 section 2.2): reading them in either public layout, writing and making them.
+
+At position i the head combines RMSNorm(embedding of token i+1) and RMSNorm(main model's final hidden state at
+i) through a projection, runs one decoder block with its own KV cache, and the (shared) LM head predicts token
+i+2. For k > 1 it is applied again to its own output hidden state and its own draft.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import paddle
+
+from specgen.errors import CheckpointError
+from specgen.layers.block import DecoderBlock
+from specgen.layers.linear import Linear
+from specgen.models.config import ModelConfig
+from specgen.models.model import Model
+from specgen.models.weights import TensorReader
+
+
+@dataclass
+class MtpHeadWeights:
+    """The head's weights; embedding and final norm are the main model's unless the head has its own, and so is
+    the LM head (lm_head None).
+
+    `draft_vocab` (token ids; `draft_vocab.npy` beside a head trained by `specgen train-mtp`): drafts are the
+    argmax over these tokens only, so the head's LM head is that much cheaper (5.2 -> 1.0 ms per draft at batch
+    1 for 49,152 -> 8,192 tokens); verification is untouched, so outputs stay exact."""
+
+    embed: paddle.Tensor  # [vocab, hidden]
+    enorm: paddle.Tensor  # [hidden]
+    hnorm: paddle.Tensor  # [hidden]
+    eh_proj: Linear  # [2 hidden] -> [hidden]: [embedding; hidden state]
+    block: DecoderBlock
+    final_norm: paddle.Tensor  # [hidden]
+    lm_head: Linear | None  # [hidden] -> [vocab], its own; None: the main model's
+    draft_vocab: np.ndarray | None  # [draft_vocab] int64 token id of each LM-head column, when restricted
+
+    def linears(self) -> list[Linear]:
+        return [self.eh_proj, *self.block.linears()] + ([self.lm_head] if self.lm_head is not None else [])
+
+    def token_ids(self, columns: np.ndarray) -> np.ndarray:
+        """LM-head columns -> token ids."""
+        return columns if self.draft_vocab is None else self.draft_vocab[columns]
+
+    @classmethod
+    def read(cls, weights: dict[str, np.ndarray], source: str, main: Model,
+             draft_vocab: np.ndarray | None = None) -> "MtpHeadWeights":
+        """From the DeepSeek-V3 layout (`model.layers.{N}.eh_proj`, `enorm`, `hnorm`, `shared_head.*`) or the
+        ERNIE-4.5 layout (`model.mtp_linear_proj.0`, `mtp_emb_norm.0`, `mtp_hidden_norm.0`, `mtp_block.0.*`)."""
+        cfg = main.config
+        h = cfg.hidden_size
+        ds = sorted({int(m.group(1)) for n in weights if (m := re.match(r"model\.layers\.(\d+)\.eh_proj\.weight$", n))})
+        r = TensorReader(weights, source, _block_config(cfg, weights), main.dtype)
+        if ds:
+            p = f"model.layers.{ds[0]}."
+            names = (p + "enorm.weight", p + "hnorm.weight", p + "eh_proj.weight")
+            block, norm, head, embed = p, p + "shared_head.norm.weight", p + "shared_head.head.weight", \
+                p + "embed_tokens.weight"
+        elif "model.mtp_linear_proj.0.weight" in weights:
+            names = ("model.mtp_emb_norm.0.weight", "model.mtp_hidden_norm.0.weight", "model.mtp_linear_proj.0.weight")
+            block, norm, head, embed = "model.mtp_block.0.", "", "", ""
+        else:
+            raise CheckpointError(f"{source}: no MTP weights (expected model.layers.N.eh_proj.weight or "
+                                  f"model.mtp_linear_proj.0.weight)")
+        ids = None
+        if draft_vocab is not None:
+            ids = np.asarray(draft_vocab)
+            if ids.ndim != 1 or not len(ids) or ids.dtype.kind not in "iu" or ids.min() < 0 \
+                    or ids.max() >= cfg.vocab_size:
+                raise CheckpointError(f"{source}: draft vocabulary must be token ids in [0, {cfg.vocab_size})")
+            ids = ids.astype(np.int64)
+        w = main.weights
+        return cls(
+            embed=r.param(embed, (cfg.vocab_size, h)) if embed in weights else w.embed,
+            enorm=r.param(names[0], (h,)),
+            hnorm=r.param(names[1], (h,)),
+            eh_proj=r.linear([names[2]], [(h, 2 * h)]),
+            block=r.block(block),
+            final_norm=r.param(norm, (h,)) if norm in weights else w.final_norm,
+            lm_head=r.linear([head], [(cfg.vocab_size, h)]) if head in weights else None,
+            draft_vocab=ids,
+        )
+
+
+def _block_config(cfg: ModelConfig, weights: dict[str, np.ndarray]) -> ModelConfig:
+    """The main config, with the head block's own intermediate size when it differs."""
+    for name, w in weights.items():
+        if name.endswith("mlp.gate_proj.weight"):
+            return dataclasses.replace(cfg, intermediate_size=int(w.shape[0]))
+    return cfg
+
+
+def random_mtp_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[str, np.ndarray]:
+    """A randomly initialised head in the DeepSeek-V3 layout (tests, and train-mtp's random initialisation)."""
+    rng = np.random.default_rng(seed)
+    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    p = f"model.layers.{cfg.num_layers}."
+    shapes = {
+        "self_attn.q_proj.weight": (cfg.num_heads * hd, h), "self_attn.k_proj.weight": (cfg.num_kv_heads * hd, h),
+        "self_attn.v_proj.weight": (cfg.num_kv_heads * hd, h), "self_attn.o_proj.weight": (h, cfg.num_heads * hd),
+        "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter),
+        "eh_proj.weight": (h, 2 * h),
+    }
+    if cfg.qkv_bias:
+        shapes.update({"self_attn.q_proj.bias": (cfg.num_heads * hd,), "self_attn.k_proj.bias": (cfg.num_kv_heads * hd,),
+                       "self_attn.v_proj.bias": (cfg.num_kv_heads * hd,)})
+    if cfg.o_bias:
+        shapes["self_attn.o_proj.bias"] = (h,)
+    if cfg.mlp_bias:
+        shapes.update({"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,), "mlp.down_proj.bias": (h,)})
+    w = {p + n: (rng.standard_normal(s) * std).astype(np.float32) for n, s in shapes.items()}
+    for n in ("enorm.weight", "hnorm.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+              "shared_head.norm.weight"):
+        w[p + n] = np.ones(h, np.float32)
+    if cfg.qk_norm:
+        w[p + "self_attn.q_norm.weight"] = np.ones(hd, np.float32)
+        w[p + "self_attn.k_norm.weight"] = np.ones(hd, np.float32)
+    return w
+
+
+def save_mtp(directory: str | Path, weights: dict[str, np.ndarray], extra: dict[str, Any] | None = None) -> None:
+    """Write a head as `model.safetensors` + `config.json` (loadable with --mtp-model DIR)."""
+    from safetensors.numpy import save_file
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3MTP"], "num_nextn_predict_layers": 1,
+                                               **(extra or {})}, indent=2))
+
+
+def load_mtp_weights(directory: str | Path) -> dict[str, np.ndarray]:
+    from specgen.models.hf_loader import _weight_files, read_safetensors
+
+    d = Path(directory)
+    if not d.is_dir():
+        raise CheckpointError(f"{d}: MTP model directory not found")
+    return read_safetensors(_weight_files(d))
+
+
+def load_draft_vocab(directory: str | Path) -> np.ndarray | None:
+    """The head's draft vocabulary (`draft_vocab.npy`), or None: the full vocabulary."""
+    path = Path(directory) / "draft_vocab.npy"
+    if not path.is_file():
+        return None
+    try:
+        return np.load(path)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot read the draft vocabulary ({exc})") from None
+
+
+# The head shipped with the package for the default model, trained by `specgen train-mtp`
+# (scripts/make_mtp_train_prompts.py writes its training prompts).
+SHIPPED_HEAD = Path(__file__).resolve().parents[2] / "assets" / "mtp" / "smollm2-135m-instruct"
+
+
+def shipped_head(source: str) -> Path | None:
+    """The package's head when the main model is the default one (read from its GGUF file) and a head is there."""
+    from specgen.models.default_model import DEFAULT_GGUF
+
+    if Path(source).name != DEFAULT_GGUF or not (SHIPPED_HEAD / "model.safetensors").is_file():
+        return None
+    return SHIPPED_HEAD
+
+
+def training_setting(directory: Path, name: str) -> float | None:
+    """A number `specgen train-mtp` recorded in the head's config.json (specgen_training), if any."""
+    try:
+        value = json.loads((directory / "config.json").read_text())["specgen_training"][name]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+WINDOW_PER_SEQ_LEN = 2  # a trained head's prompt window, in its training windows' length: 256 for the shipped head
+
+
+def prompt_window(directory: Path) -> int:
+    """The prompt positions the head's cache holds: WINDOW_PER_SEQ_LEN x the window length `specgen train-mtp`
+    trained it on (the shipped head: 128 -> 256; its acceptance was the same with the whole prompt or the last
+    128 positions), or 0 (the whole prompt) for a head trained elsewhere (DeepSeek-V3, ERNIE-4.5), which may have
+    learned to attend as far back as the main model."""
+    seq_len = training_setting(directory, "seq_len")
+    return int(WINDOW_PER_SEQ_LEN * seq_len) if seq_len else 0

@@ -1,0 +1,169 @@
+"""Typed arguments of the fused operators (cpu_ops.cc, linear.cc): one dataclass per call, built once where its
+parts stay put (a model's weights, a head's block), and one function per operator that lays it out in the
+operator's order. Nowhere else are the operators called with positional lists.
+
+Tensors are paddle.Tensors; shapes in the comments use the vocabulary of specgen/engine/types.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from types import ModuleType
+from typing import Any
+
+Tensor = Any  # paddle.Tensor
+
+
+def _first(out):
+    return out[0] if isinstance(out, (list, tuple)) else out
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Attributes of a decoder block the operators need: head counts, q/k norms, the RMSNorm epsilon."""
+
+    num_heads: int
+    num_kv_heads: int
+    qk_norm: bool
+    eps: float
+
+
+@dataclass(frozen=True)
+class BlockArgs:
+    """Decoder blocks' weights as the operators take them: block i's tensor at index i of every list. Absent
+    biases are empty tensors, absent q/k norms ones [head_dim]; projections are packed panels (Packed.panels)."""
+
+    attn_norm: list[Tensor]  # [hidden] each
+    w_qkv: list[Tensor]  # [hidden] -> [(H + 2 KV) D]
+    b_qkv: list[Tensor]
+    w_o: list[Tensor]  # [H D] -> [hidden]
+    b_o: list[Tensor]
+    mlp_norm: list[Tensor]
+    w_gate_up: list[Tensor]  # [hidden] -> [2 inter]
+    b_gate_up: list[Tensor]
+    w_down: list[Tensor]  # [inter] -> [hidden]
+    b_down: list[Tensor]
+    q_norm: list[Tensor]  # [head_dim]
+    k_norm: list[Tensor]
+
+    def projections(self) -> list[list[Tensor]]:
+        """The lists from attn_norm to b_down, in the operators' order."""
+        return [getattr(self, f.name) for f in fields(self)][:10]
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """A main model's weights for specgen_bind_weights."""
+
+    embed: Tensor  # [vocab, hidden]
+    blocks: BlockArgs
+    cos: Tensor  # [max_len, head_dim / 2]
+    sin: Tensor
+    final_norm: Tensor  # [hidden]
+    lm_head: Tensor  # packed panels [hidden] -> [vocab]
+
+
+def bind_weights(ops: ModuleType, a: ModelArgs) -> Tensor:
+    """-> int64 handle [1] under which the kernels hold the weights (until unbind)."""
+    b = a.blocks
+    return _first(ops.specgen_bind_weights(a.embed, *b.projections(), a.cos, a.sin, b.q_norm, b.k_norm, a.final_norm,
+                                           a.lm_head))
+
+
+@dataclass(frozen=True)
+class CacheArgs:
+    """A KV cache's per-block tensors and its shared prefix's (stand-ins without one) for specgen_bind_caches."""
+
+    k: list[Tensor]  # per block [num_slots * num_kv_heads * capacity, head_dim]
+    v: list[Tensor]
+    prefix_k: list[Tensor]  # per block [num_kv_heads * prefix_capacity, head_dim]
+    prefix_v: list[Tensor]
+
+
+def bind_caches(ops: ModuleType, a: CacheArgs) -> Tensor:
+    return _first(ops.specgen_bind_caches(a.k, a.v, a.prefix_k, a.prefix_v))
+
+
+def unbind(ops: ModuleType, handle: Tensor) -> int:
+    """Drop a handle of either kind; 1 where it was bound."""
+    return int(_first(ops.specgen_unbind(handle)).numpy()[0])
+
+
+@dataclass(frozen=True)
+class StepArgs:
+    """One specgen_forward_bound call: the step's indices and the handles of the weights and caches."""
+
+    index: Tensor  # int64 [4 num_tokens + num_logits]: token ids, positions, slots, prefix lengths, logit rows
+    num_tokens: int
+    weights: int  # bind_weights' handle
+    caches: int  # bind_caches' handle
+    capacity: int  # cache positions per (slot, kv head)
+    prefix_capacity: int  # the shared prefix's positions (0: none)
+    screen: Tensor  # the LM head's integer-product panels for greedy tokens without logits; empty: the logits
+    bound: Tensor  # the screen's error bound [panels, hidden / 32, 32]; empty with an empty screen
+    geometry: Geometry
+    vocab: int
+
+
+def forward_bound(ops: ModuleType, a: StepArgs) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (logits [num_logits, vocab] (screened: [0, vocab]), hidden [num_tokens, hidden], greedy [num_logits])."""
+    g = a.geometry
+    logits, hidden, greedy = ops.specgen_forward_bound(a.index, a.screen, a.bound, a.num_tokens, a.weights, a.caches,
+                                                       g.num_heads, g.num_kv_heads, a.capacity, g.qk_norm, g.eps,
+                                                       a.prefix_capacity, a.vocab)
+    return logits, hidden, greedy
+
+
+@dataclass(frozen=True)
+class MtpHeadArgs:
+    """An MTP head's weights for specgen_mtp_draft (built once per head)."""
+
+    embed: Tensor  # [vocab, hidden]
+    enorm: Tensor  # [hidden]
+    hnorm: Tensor
+    eh_proj: Tensor  # packed [2 hidden] -> [hidden]
+    blocks: BlockArgs  # the head's decoder block(s)
+    cos: Tensor
+    sin: Tensor
+    final_norm: Tensor
+    lm_head: Tensor  # packed [hidden] -> [draft vocabulary]
+    draft_vocab: Tensor  # int64 token id of each LM-head column; empty: the column is the token id
+    vocab: int  # the LM head's columns
+    geometry: Geometry
+    ones: Tensor  # stand-in prefix caches (the head keeps no shared prefix)
+
+
+@dataclass(frozen=True)
+class MtpStepArgs:
+    """One specgen_mtp_draft call: the step's catch-up tokens and the drafts wanted."""
+
+    token_ids: Tensor  # int64 [num_tokens] token i + 1 of each catch-up position i
+    hidden: Tensor  # [num_rows, hidden] the main model's final hidden states
+    rows: Tensor  # int64 [num_tokens] row of `hidden` of each catch-up position
+    positions: Tensor  # int64 [num_tokens] head positions
+    slots: Tensor  # int64 [num_tokens] head cache slots
+    prefix_len: Tensor  # int64 [num_tokens] zeros (no shared prefix in the head's cache)
+    last_rows: Tensor  # int64 [num_wanted] the last catch-up token of each sequence that wants drafts
+    k_cache: Tensor  # the head's cache [num_slots * num_kv_heads * capacity, head_dim]
+    v_cache: Tensor
+    capacity: int
+    depth: int  # drafts per wanted sequence
+
+
+def mtp_draft(ops: ModuleType, h: MtpHeadArgs, a: MtpStepArgs) -> Tensor:
+    """-> drafts int64 [num_wanted, depth] (token ids, through draft_vocab)."""
+    g, b = h.geometry, h.blocks
+    return _first(ops.specgen_mtp_draft(
+        a.token_ids, a.hidden, a.rows, h.embed, h.enorm, h.hnorm, h.eh_proj, *b.projections(), h.cos, h.sin,
+        a.positions, a.slots, [a.k_cache], [a.v_cache], b.q_norm, b.k_norm, a.prefix_len, [h.ones], [h.ones],
+        a.last_rows, h.final_norm, h.lm_head, h.draft_vocab, g.num_heads, g.num_kv_heads, a.capacity, g.qk_norm,
+        g.eps, 0, a.depth, h.vocab))
+
+
+def linear(ops: ModuleType, x: Tensor, panels: Tensor, n: int) -> Tensor:
+    """x [rows, k] @ a packed weight [k, n]."""
+    return _first(ops.specgen_linear(x, panels, n))
+
+
+def argmax(ops: ModuleType, x: Tensor) -> Tensor:
+    """int64 [rows]: each row's largest value's index, the lowest on a tie."""
+    return _first(ops.specgen_argmax(x))

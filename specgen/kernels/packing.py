@@ -1,0 +1,349 @@
+"""Weight layouts of the fused kernels (linear.cc): packed panels of 32 output columns, in float32, float64, 16-bit
+or GGUF blocks, and the greedy screen of a quantized LM head; numpy references of every layout."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+
+PANEL = 32  # output columns per panel of a packed weight (linear.cc)
+
+
+@dataclass
+class Packed:
+    """A weight W [k, n] for specgen_linear: float32 (or float64) panels [ceil(n / 32), k, 32]; bfloat16 / float16 panels
+    [ceil(n / 32), k / 32, 32 x 32] of a weight whose every value is one (see pack_linear); or block-quantized
+    uint8 panels [ceil(n / 32), k / 32, QUANT_PANEL_BYTES[kind]] (see pack_quantized)."""
+
+    panels: object  # paddle.Tensor
+    k: int
+    n: int
+    kind: str = "F32"  # or "F64", one of HALF_KINDS, or a key of QUANT_PANEL_BYTES
+    int8_product: bool = False  # quantized only: int8 panels, multiplied with the inputs quantized to int8
+
+    def numpy(self) -> np.ndarray:
+        """The dense [k, n] weight, float32 (16-bit: widened; quantized: rebuilt as the GGUF reader does) or
+        float64."""
+        p = self.panels.numpy()
+        if self.int8_product:
+            p = _dequantize_panels(_float_layout(p.view(np.uint8), self.kind), self.kind)
+        elif self.kind in HALF_KINDS:
+            wide = (p.astype(np.uint32) << 16).view(np.float32) if self.kind == "BF16" else p.astype(np.float32)
+            p = wide.reshape(p.shape[0], self.k, PANEL)
+        elif self.kind not in ("F32", "F64"):
+            p = _dequantize_panels(p, self.kind)  # [panels, k, 32]
+        return np.ascontiguousarray(p.transpose(1, 0, 2).reshape(self.k, -1)[:, :self.n])
+
+    def dense(self):
+        import paddle
+
+        return paddle.to_tensor(self.numpy())
+
+
+# 16-bit panels: weights that are all exactly bfloat16 or float16 values (a bf16 / fp16 checkpoint, widened to
+# float32 on load) are packed as such and widened exactly in registers, so a product reads half the bytes of the
+# float32 panels and gives the same bits.
+HALF_KINDS = ("BF16", "F16")
+
+
+def half_kind(a: np.ndarray) -> str | None:
+    """"BF16" when every float32 value of `a` is exactly a bfloat16, else "F16" when every one is exactly a
+    float16 (bit for bit, so NaN payloads and -0 included), else None."""
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    if not (bits & 0xFFFF).any():
+        return "BF16"
+    with np.errstate(over="ignore"):
+        back = a.astype(np.float16).astype(np.float32)
+    return "F16" if np.array_equal(back.view(np.uint32), bits) else None
+
+
+def pack_linear(w, halves: bool = True, dtype: str = "float32") -> Packed:
+    """W [k, n] (a paddle tensor or array) -> Packed; zero columns pad n up to a multiple of 32. In float32, with
+    `halves`, k a multiple of 32 and every weight exactly a bfloat16 (or float16), the panels hold those 16-bit
+    values [panels, k / 32, 32 inputs x 32 columns] (HALF_KINDS). In float64 the panels are float64 [panels, k,
+    32] (kind "F64": a float64 model's products, one sum per output in input order)."""
+    import paddle
+
+    a = np.asarray(w.numpy() if hasattr(w, "numpy") else w, dtype=np.float64 if dtype == "float64" else np.float32)
+    if dtype == "float64":
+        halves = False
+    k, n = a.shape
+    panels = -(-n // PANEL)
+    if panels * PANEL != n:
+        a = np.concatenate([a, np.zeros((k, panels * PANEL - n), a.dtype)], axis=1)
+    p = np.ascontiguousarray(a.reshape(k, panels, PANEL).transpose(1, 0, 2))  # [panels, k, 32]
+    kind = half_kind(a) if halves and k % 32 == 0 else None
+    if kind == "BF16":  # paddle takes uint16 arrays as bfloat16
+        return Packed(paddle.to_tensor((p.view(np.uint32) >> 16).astype(np.uint16).reshape(panels, k // 32, -1)),
+                      k, n, kind)
+    if kind == "F16":
+        return Packed(paddle.to_tensor(p.astype(np.float16).reshape(panels, k // 32, -1)), k, n, kind)
+    return Packed(paddle.to_tensor(p), k, n, "F64" if dtype == "float64" else "F32")
+
+
+# Bytes per panel (32 output columns) and block of 32 inputs in specgen_linear's quantized layout: the 32
+# columns' fp16 scales d (Q4_1: then their fp16 minimums m), then the quants (Q8_0: 32 rows, one per input; Q4:
+# nibbles grouped by 8 inputs, see _q4_lanes). K-quants' scales are float32: Q4_K d and -m (then nibbles),
+# Q6_K d of inputs 0-15 and of inputs 16-31 (then q - 32 as int8, as Q8_0's), Q5_K as QX (see qx_rows and
+# _pack_k_numpy).
+QUANT_PANEL_BYTES = {"Q4_0": 64 + 512, "Q4_1": 128 + 512, "Q8_0": 64 + 1024, "Q4_K": 256 + 512, "Q6_K": 256 + 1024,
+                     "QX": 512 + 1024, "Q5_K": 512 + 1024}  # QX: d of each half, m of each half, int8 quants
+INT8_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # kinds with integer products (int8_product)
+
+
+def pack_quantized(kind: str, blocks: np.ndarray, int8_product: bool = False, ops: ModuleType | None = None) -> Packed:
+    """A GGUF block-quantized weight, uint8 blocks [n (out), k / 32, block bytes], -> Packed [k, n] for
+    specgen_linear, which multiplies by it without dequantizing it in memory. Zero blocks pad n to a multiple of
+    32 (d = m = 0: zero weights). With int8_product the quants are regrouped for integer products (linear.cc,
+    "Integer products") and the panels are int8: specgen_linear then quantizes its inputs to int8 per block.
+    With `ops` (the kernels) the panels are made in one C++ pass, else in numpy (the same bytes).
+
+    GGUF blocks (gguf.quants): Q8_0 = d, 32 int8; Q4_0 = d, 16 bytes; Q4_1 = d, m, 16 bytes, where byte j holds
+    input j in its low nibble and input j + 16 in its high one.
+    """
+    import paddle
+
+    if kind not in QUANT_PANEL_BYTES:
+        raise ValueError(f"unsupported quantization {kind!r}")
+    if kind not in INT8_KINDS:  # K-quants: float32 products only
+        return _pack_k_numpy(kind, blocks)
+    if ops is not None:  # the same bytes in one C++ pass (numpy's below: ~0.5 s for the default model)
+        panels, _ = ops.specgen_pack_blocks(paddle.to_tensor(np.ascontiguousarray(blocks)), int8_product, False)
+        return Packed(panels, blocks.shape[1] * 32, blocks.shape[0], kind, int8_product=int8_product)
+    return _pack_quantized_numpy(kind, blocks, int8_product)
+
+
+def _pack_quantized_numpy(kind: str, blocks: np.ndarray, int8_product: bool = False) -> Packed:
+    """pack_quantized in numpy: the reference of specgen_pack_blocks (and the path without the kernels)."""
+    import paddle
+
+    n, kb, _ = blocks.shape
+    panels = -(-n // PANEL)
+    if panels * PANEL != n:
+        blocks = np.concatenate([blocks, np.zeros((panels * PANEL - n, kb, blocks.shape[2]), np.uint8)])
+    b = blocks.reshape(panels, PANEL, kb, -1).transpose(0, 2, 1, 3)  # [panels, kb, 32 columns, block bytes]
+    parts = [b[..., 0:2].reshape(panels, kb, 64)]  # d of columns 0..31, fp16 little-endian
+    if kind == "Q4_1":
+        parts.append(b[..., 2:4].reshape(panels, kb, 64))  # m
+    qs = b[..., 2 if kind != "Q4_1" else 4:]  # [panels, kb, 32 columns, 16 or 32 bytes]
+    if int8_product:
+        if kind == "Q8_0":  # unsigned q + 128
+            u = (qs.view(np.int8).astype(np.int16) + 128).astype(np.uint8)  # [panels, kb, 32 columns, 32 inputs]
+        else:
+            u = np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+        # [panels, kb, column half h, column c, group g, input j] -> [.., g, h, c, j]
+        u = u.reshape(panels, kb, 2, 16, 8, 4).transpose(0, 1, 4, 2, 3, 5)
+        if kind != "Q8_0":  # columns c and c + 16 share a byte
+            u = u[:, :, :, 0] | (u[:, :, :, 1] << 4)
+        parts.append(u.reshape(panels, kb, -1))
+        packed = np.ascontiguousarray(np.concatenate(parts, axis=-1)).view(np.int8)
+        return Packed(paddle.to_tensor(packed), kb * 32, n, kind, int8_product=True)
+    if kind == "Q8_0":
+        parts.append(qs.transpose(0, 1, 3, 2).reshape(panels, kb, 1024))  # [input, column] int8
+    else:
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).transpose(0, 1, 3, 2)  # [panels, kb, 32 inputs, 32 columns]
+        parts.append(_q4_lanes(q))
+    packed = np.ascontiguousarray(np.concatenate(parts, axis=-1))
+    return Packed(paddle.to_tensor(packed), kb * 32, n, kind)
+
+
+def block_parts(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GGUF blocks [n, k / block weights, block bytes] of `kind` -> per block of 32 inputs and half of it (inputs
+    0-15, 16-31): scales d [n, k / 32, 2] and offsets m [n, k / 32, 2] (float32) and quants q [n, k / 32, 32]
+    (int8), such that fma(d, q, m) rounds to exactly the weight gguf.quants dequantizes (its scale products,
+    d * sc and dmin * m, are exact in float32; m is -0.0 where a format has no offset, so that a zero weight
+    keeps the sign of d * q)."""
+    from gguf.quants import Q4_K
+
+    n, nb, _ = blocks.shape
+
+    def f16(a: np.ndarray) -> np.ndarray:  # fp16 bytes [..., 2 j] -> float32 [..., j]
+        return np.ascontiguousarray(a).view(np.float16).astype(np.float32)
+
+    if kind in ("Q4_0", "Q4_1", "Q8_0"):
+        kb = nb
+        d = np.repeat(f16(blocks[..., 0:2]), 2, axis=-1)  # [n, kb, 2]
+        if kind == "Q8_0":
+            q = blocks[..., 2:].view(np.int8)
+        else:
+            qs = blocks[..., 4 if kind == "Q4_1" else 2:]
+            q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.int8) - np.int8(8 if kind == "Q4_0" else 0)
+        m = np.repeat(f16(blocks[..., 2:4]), 2, axis=-1) if kind == "Q4_1" else np.full((n, kb, 2), -0.0, np.float32)
+        return d, m, q
+    kb = nb * 8
+    if kind in ("Q4_K", "Q5_K"):
+        d, dmin = f16(blocks[..., 0:2]), f16(blocks[..., 2:4])  # [n, nb, 1]
+        sc, mn = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))  # [n nb, 8] each
+        scale = (d * sc.reshape(n, nb, 8).astype(np.float32)).reshape(n, kb, 1)
+        offset = -(dmin * mn.reshape(n, nb, 8).astype(np.float32)).reshape(n, kb, 1)
+        if kind == "Q4_K":
+            qs = blocks[..., 16:].reshape(n, nb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+            q = (qs & 0xF).reshape(n, kb, 32)
+        else:  # gguf.quants' Q5_K: 32 bytes of fifth bits, then nibbles
+            qh, qs = blocks[..., 16:48], blocks[..., 48:]
+            low = (qs.reshape(n, nb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 0xF
+            high = (qh.reshape(n, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+            q = (low.reshape(n, nb, 8, 32) | (high << 4)).reshape(n, kb, 32)
+        return np.repeat(scale, 2, axis=-1), np.repeat(offset, 2, axis=-1), q.astype(np.int8)
+    if kind == "Q6_K":  # as gguf.quants dequantizes it: a scale per 16 inputs
+        ql, qh = blocks[..., :128], blocks[..., 128:192]
+        scales = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)  # [n, nb, 16]
+        d = (f16(blocks[..., 208:210]) * scales).reshape(n, kb, 2)
+        low = (ql.reshape(n, nb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 0xF
+        high = (qh.reshape(n, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)) & 0x3
+        q = (low.reshape(n, nb, 8, 32) | (high.reshape(n, nb, 8, 32) << 4)).astype(np.int8) - np.int8(32)
+        return d, np.full((n, kb, 2), -0.0, np.float32), q.reshape(n, kb, 32)
+    raise ValueError(f"no block parts for {kind!r}")
+
+
+# Rows in specgen's own block format "QX" (QuantRows.blocks [n, k / 32, 48]): per 32 inputs d and m of each
+# half as float32, then the 32 quants as int8, the union of the formats above (block_parts). Fused projections
+# whose parts a GGUF stores in different formats (Q4_K_M: a Q6_K attn_v beside Q4_K attn_q and attn_k) are
+# converted to it, as are Q5_K rows.
+
+
+def qx_rows(kind: str, blocks: np.ndarray) -> np.ndarray:
+    """GGUF blocks of `kind` -> QX blocks [n, k / 32, 48] uint8 with the same weights."""
+    d, m, q = block_parts(kind, blocks)
+    head = np.concatenate([d, m], axis=-1).astype(np.float32).view(np.uint8)  # [n, k / 32, 16]
+    return np.ascontiguousarray(np.concatenate([head, q.view(np.uint8)], axis=-1))
+
+
+def _pack_k_numpy(kind: str, blocks: np.ndarray) -> Packed:
+    """GGUF Q4_K / Q6_K / Q5_K super-blocks, or QX rows, -> Packed [k, n] in blocks of 32 inputs (the layouts of
+    QUANT_PANEL_BYTES; Q5_K as QX): each weight rebuilds to the value gguf.quants dequantizes."""
+    import paddle
+
+    if kind == "QX":
+        head = blocks[..., :16].copy().view(np.float32)  # [n, kb, 4]: d of each half, then m
+        d, m, q = head[..., :2], head[..., 2:], blocks[..., 16:].view(np.int8)
+    else:
+        d, m, q = block_parts(kind, blocks)
+    n, kb, _ = q.shape
+    if kind == "Q5_K":
+        kind = "QX"
+    panels = -(-n // PANEL)
+    pad = panels * PANEL - n  # zero columns: zero scales, zero weights
+
+    def by_panel(a: np.ndarray) -> np.ndarray:  # [n, kb, ...] -> [panels, kb, 32 columns, ...]
+        a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
+        return a.reshape(panels, PANEL, kb, *a.shape[2:]).swapaxes(1, 2)
+
+    cols = by_panel(q).swapaxes(2, 3)  # [panels, kb, 32 inputs, 32 columns]
+    if kind == "Q4_K":
+        head, quants = [d[..., 0], m[..., 0]], _q4_lanes(cols.astype(np.uint8))
+    elif kind == "Q6_K":
+        head, quants = [d[..., 0], d[..., 1]], cols.reshape(panels, kb, 1024)
+    else:  # QX
+        head, quants = [d[..., 0], d[..., 1], m[..., 0], m[..., 1]], cols.reshape(panels, kb, 1024)
+    head = [np.ascontiguousarray(by_panel(h), np.float32).view(np.uint8) for h in head]  # [panels, kb, 128] each
+    packed = np.ascontiguousarray(np.concatenate(head + [np.ascontiguousarray(quants).view(np.uint8)], axis=-1))
+    return Packed(paddle.to_tensor(packed), kb * 32, n, kind)
+
+
+# Block kinds whose LM head specgen_forward can screen for greedy tokens (linear.cc, "Greedy tokens without the
+# logits"): weights d * q, with no offset term, so the integer products' error has a bound per block.
+SCREENED_KINDS = ("Q8_0", "Q4_0")
+
+
+@dataclass
+class Screen:
+    """What specgen_forward needs to give a quantized LM head's greedy tokens without its logits: the same
+    blocks as integer-product panels, and per panel, block of 32 inputs and column, |d| * sum |q| (float32
+    [panels, k / 32, 32]; exact: an fp16 scale times an integer below 2^12)."""
+
+    panels: Packed
+    bound: object  # paddle.Tensor
+
+
+def pack_screen(kind: str, blocks: np.ndarray, ops: ModuleType | None = None) -> Screen:
+    """A GGUF Q8_0 / Q4_0 weight, uint8 blocks [n (out), k / 32, block bytes] -> its Screen (in one C++ pass with
+    `ops`, else in numpy: the same bytes)."""
+    import paddle
+
+    if kind not in SCREENED_KINDS:
+        raise ValueError(f"no greedy screen for {kind!r} blocks (only {', '.join(SCREENED_KINDS)})")
+    n, kb, _ = blocks.shape
+    if ops is not None:  # panels and bound in one C++ pass (the numpy below: ~0.4 s for the default model's head)
+        panels, bound = ops.specgen_pack_blocks(paddle.to_tensor(np.ascontiguousarray(blocks)), True, True)
+        return Screen(Packed(panels, kb * 32, n, kind, int8_product=True), bound.reshape([-1, kb, PANEL]))
+    d = np.abs(np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32))  # [n, kb]
+    byte = np.arange(256)
+    if kind == "Q8_0":  # |q| of each quant byte (int8)
+        table = np.abs(byte.astype(np.uint8).view(np.int8).astype(np.int32))
+    else:  # |low nibble - 8| + |high nibble - 8|
+        table = np.abs((byte & 0xF) - 8) + np.abs((byte >> 4) - 8)
+    bound = d * table.astype(np.uint8)[blocks[..., 2:]].sum(-1, dtype=np.int32).astype(np.float32)  # [n, kb]
+    panels = -(-n // PANEL)
+    bound = np.concatenate([bound, np.zeros((panels * PANEL - n, kb), np.float32)])
+    bound = np.ascontiguousarray(bound.reshape(panels, PANEL, kb).transpose(0, 2, 1))  # [panels, kb, 32]
+    return Screen(_pack_quantized_numpy(kind, blocks, int8_product=True), paddle.to_tensor(bound))
+
+
+def _q4_lanes(q: np.ndarray) -> np.ndarray:
+    """Nibbles [panels, kb, 32 inputs, 32 columns] -> the float32-product layout's 512 bytes per block: per group
+    g of 8 inputs and half h of the columns, one little-endian 32-bit lane per column c, input 8g + j in its bits
+    4j .. 4j + 3 (linear.cc, q4_nibble)."""
+    panels, kb = q.shape[:2]
+    q = q.reshape(panels, kb, 4, 8, 2, 16).transpose(0, 1, 2, 4, 5, 3)  # [.., g, h, c, j]
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8).reshape(panels, kb, 512)
+
+
+def _q4_nibbles(raw: np.ndarray) -> np.ndarray:
+    """_q4_lanes' inverse: [panels, kb, 512] bytes -> nibbles [panels, kb, 32 inputs, 32 columns]."""
+    panels, kb = raw.shape[:2]
+    b = raw.reshape(panels, kb, 4, 2, 16, 4)  # [.., g, h, c, byte]
+    q = np.stack([b & 0xF, b >> 4], axis=-1).reshape(panels, kb, 4, 2, 16, 8)  # [.., g, h, c, j]
+    return q.transpose(0, 1, 2, 5, 3, 4).reshape(panels, kb, 32, 32)
+
+
+def _float_layout(p: np.ndarray, kind: str) -> np.ndarray:
+    """Integer-product panels (as uint8) -> the same weights in the float32-product layout."""
+    panels, kb, _ = p.shape
+    head = p[..., :128 if kind == "Q4_1" else 64]
+    if kind == "Q8_0":
+        u = p[..., 64:].reshape(panels, kb, 8, 2, 16, 4)  # [.., g, h, c, j]
+        q = (u.astype(np.int16) - 128).astype(np.int8).view(np.uint8)
+        q = q.transpose(0, 1, 2, 5, 3, 4).reshape(panels, kb, 1024)  # [.., input 4g + j, column 16h + c]
+        return np.concatenate([head, q], axis=-1)
+    raw = p[..., -512:].reshape(panels, kb, 8, 16, 4)  # [.., g, c, j]
+    q = np.stack([raw & 0xF, raw >> 4], axis=3)  # [.., g, h, c, j]
+    q = q.transpose(0, 1, 2, 5, 3, 4).reshape(panels, kb, 32, 32)  # [.., input 4g + j, column 16h + c]
+    return np.concatenate([head, _q4_lanes(q)], axis=-1)
+
+
+def _dequantize_panels(p: np.ndarray, kind: str) -> np.ndarray:
+    """uint8 panels [panels, k / 32, bytes] -> float32 [panels, k, 32], with gguf.quants' float32 arithmetic."""
+    panels, kb, _ = p.shape
+    if kind == "QX":  # w = d q + m per half, d q exact
+        d0, d1, m0, m1 = (p[..., a:a + 128].copy().view(np.float32)[:, :, None, :] for a in (0, 128, 256, 384))
+        q = p[..., 512:].copy().view(np.int8).reshape(panels, kb, 32, 32).astype(np.float32)
+        w = np.concatenate([q[:, :, :16] * d0 + m0, q[:, :, 16:] * d1 + m1], axis=2)
+        return w.reshape(panels, kb * 32, PANEL)
+    if kind in ("Q4_K", "Q6_K"):  # float32 scales [panels, kb, 1, 32] x 2
+        d, e = (p[..., a:a + 128].copy().view(np.float32)[:, :, None, :] for a in (0, 128))
+        if kind == "Q4_K":
+            w = d * _q4_nibbles(p[..., -512:]).astype(np.float32) + e  # e = -(dmin * m)
+        else:
+            q = p[..., 256:].copy().view(np.int8).reshape(panels, kb, 32, 32).astype(np.float32)
+            w = q * np.concatenate([np.broadcast_to(d, (panels, kb, 16, 32)), np.broadcast_to(e, (panels, kb, 16, 32))],
+                                   axis=2)
+        return w.reshape(panels, kb * 32, PANEL)
+    d = p[..., :64].copy().view(np.float16).astype(np.float32)[:, :, None, :]  # [panels, kb, 1, 32]
+    if kind == "Q8_0":
+        q = p[..., 64:].copy().view(np.int8).reshape(panels, kb, 32, 32).astype(np.float32)
+        w = q * d
+    else:
+        q = _q4_nibbles(p[..., -512:]).astype(np.float32)  # [panels, kb, 32 inputs, 32 columns]
+        if kind == "Q4_0":
+            w = d * (q - np.float32(8))
+        else:
+            m = p[..., 64:128].copy().view(np.float16).astype(np.float32)[:, :, None, :]
+            w = d * q + m
+    return w.reshape(panels, kb * 32, PANEL)
+
+
+def dense(w):
+    """A weight as a dense paddle tensor [k, n], whether or not it is packed."""
+    return w.dense() if isinstance(w, Packed) else w

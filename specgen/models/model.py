@@ -1,0 +1,56 @@
+"""The runtime model: a Llama-family decoder (Llama / Mistral / Qwen2 / Qwen3 / ERNIE-4.5) as typed weights, its
+RoPE tables, and the backend that runs its packed variable-length forward."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import paddle
+
+from specgen.backends.base import Backend, ForwardOutput
+from specgen.engine.kv_cache import KVCache
+from specgen.engine.types import ForwardBatch
+from specgen.layers.block import BlockShape
+from specgen.layers.rotary import RopeTables
+from specgen.models.checkpoint import Checkpoint
+from specgen.models.weights import DecoderWeights
+
+
+class Model:
+    """A decoder ready to run: `forward` runs one packed step and writes the KV cache."""
+
+    def __init__(self, ckpt: Checkpoint, backend: Backend):
+        """backend: from specgen.backends.select_backend (its dtype is the model's)."""
+        self.config = ckpt.config
+        self.source = ckpt.source
+        self.dtype = backend.dtype
+        self.backend = backend
+        self.weights = DecoderWeights.read(ckpt, self.dtype, blocks_only=self.backend.keeps_blocks)
+        cfg = self.config
+        self.shape = BlockShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+        self.rope = RopeTables.build(cfg, self.dtype)
+        self.max_len = cfg.max_position_embeddings
+        self.backend.prepare(self)
+
+    @property
+    def int8_product(self) -> bool:
+        """Whether products quantize their inputs to int8 (EngineConfig.matmul int8)."""
+        return bool(getattr(self.backend, "int8_product", False))
+
+    def forward(self, batch: ForwardBatch, cache: KVCache, logits: bool = True) -> ForwardOutput:
+        """One packed forward over `batch`; with `logits` False only the greedy tokens are needed."""
+        return self.backend.forward(self, batch, cache, logits)
+
+    def new_cache(self, num_slots: int, max_capacity: int, kv_dtype: str = "auto") -> KVCache:
+        """A KV cache for this model's blocks, in its dtype (auto) or float16 (float32 models, fused backend)."""
+        return self.backend.new_cache(self, num_slots, max_capacity, kv_dtype)
+
+    def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        """The LM head over final normed hidden rows [rows, hidden] -> [rows, vocab]."""
+        return self.backend.logits(self, hidden)
+
+    def cost_key(self) -> str:
+        """What a step's cost depends on in this model (the step-cost tables are kept per key): its shape, dtype,
+        backend and weights' formats."""
+        return json.dumps([dataclasses.asdict(self.config), self.dtype, self.backend.describe()], sort_keys=True,
+                          default=str)

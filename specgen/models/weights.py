@@ -1,0 +1,138 @@
+"""Typed weights of a decoder read from a Checkpoint: checked, QKV and gate/up fused, transposed to Paddle's
+[in, out], q/k rows reordered for rotate-half RoPE; with the raw GGUF blocks of the projections a file stores
+block-quantized, fused and reordered alike."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+
+from specgen.errors import CheckpointError
+from specgen.kernels.packing import qx_rows
+from specgen.layers.block import DecoderBlock
+from specgen.layers.linear import Linear
+from specgen.models.checkpoint import Checkpoint, QuantRows
+from specgen.models.config import ModelConfig
+
+
+def interleaved_to_half(w: np.ndarray, num_heads: int, head_dim: int) -> np.ndarray:
+    """Reorder each head's rows from pairs (2i, 2i+1) to halves (i, i + d/2).
+
+    q and k permuted alike leave q.k unchanged, and rotate-half RoPE on the reordered rows equals
+    pairwise RoPE on the original ones; so one RoPE implementation serves both layouts.
+    """
+    order = np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
+    shaped = w.reshape(num_heads, head_dim, *w.shape[1:])
+    return shaped[:, order].reshape(w.shape)
+
+
+class TensorReader:
+    """Checked access to a checkpoint's numpy tensors, converted to Paddle in the model's dtype."""
+
+    def __init__(self, weights: dict[str, np.ndarray], source: str, cfg: ModelConfig, dtype: str,
+                 quantized: dict[str, QuantRows] | None = None):
+        self.weights, self.source, self.cfg, self.dtype = weights, source, cfg, dtype
+        self.quantized = quantized or {}
+
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        w = self.weights.get(name)
+        if w is None:
+            raise CheckpointError(f"{self.source}: missing tensor {name!r}")
+        if tuple(w.shape) != shape:
+            raise CheckpointError(f"{self.source}: tensor {name!r} has shape {list(w.shape)}, expected {list(shape)}")
+        return w
+
+    def to_paddle(self, arr: np.ndarray) -> paddle.Tensor:
+        return paddle.to_tensor(np.ascontiguousarray(arr, dtype=self.dtype))
+
+    def param(self, name: str, shape: tuple[int, ...]) -> paddle.Tensor:
+        return self.to_paddle(self.get(name, shape))
+
+    def blocks(self, names: list[str], permute=None) -> QuantRows | None:
+        """The raw blocks of HF [out, in] weights `names`, each reordered by `permute` (None: kept) and
+        concatenated along out (rows of different formats converted to QX first); None unless every one is
+        stored block-quantized."""
+        rows = [self.quantized.get(n) for n in names]
+        if any(q is None for q in rows):
+            return None
+        kind = rows[0].kind if len({q.kind for q in rows}) == 1 else "QX"
+        permute = permute or [None] * len(rows)
+        blocks = [q.blocks if kind == q.kind else qx_rows(q.kind, q.blocks) for q in rows]
+        blocks = [b if f is None else f(b) for b, f in zip(blocks, permute)]
+        return QuantRows(kind, np.concatenate(blocks))
+
+    def linear(self, names: list[str], shapes: list[tuple[int, int]], bias: list[str] | None = None,
+               permute=None, blocks_only: bool = False) -> Linear:
+        """HF [out, in] weights `names` fused along out into one Linear [in, sum out]; with blocks_only and raw
+        blocks for all of them, the dense weight is checked but not converted (a backend packs the blocks)."""
+        arrays = [self.get(n, s) for n, s in zip(names, shapes)]
+        quant = self.blocks(names, permute)
+        weight = None
+        if quant is None or not blocks_only:
+            permute = permute or [None] * len(arrays)
+            arrays = [a if f is None else f(a) for a, f in zip(arrays, permute)]
+            weight = self.to_paddle(np.concatenate(arrays, axis=0).T)
+        b = None
+        if bias is not None:
+            parts = [self.get(n, (s[0],)) for n, s in zip(bias, shapes)]
+            permute = permute or [None] * len(parts)
+            b = self.to_paddle(np.concatenate([p if f is None else f(p) for p, f in zip(parts, permute)]))
+        return Linear(weight, b, quant)
+
+    def block(self, p: str, blocks_only: bool = False) -> DecoderBlock:
+        """One decoder block under prefix `p` (e.g. "model.layers.3.")."""
+        cfg = self.cfg
+        h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        permute = None
+        if cfg.rope_interleaved:
+            permute = [lambda w: interleaved_to_half(w, cfg.num_heads, hd),
+                       lambda w: interleaved_to_half(w, cfg.num_kv_heads, hd), None]
+        attn = p + "self_attn."
+        qkv = [attn + f"{n}_proj." for n in "qkv"]
+        mlp = [p + "mlp.gate_proj.", p + "mlp.up_proj."]
+        return DecoderBlock(
+            attn_norm=self.param(p + "input_layernorm.weight", (h,)),
+            qkv=self.linear([n + "weight" for n in qkv], [(q_out, h), (kv_out, h), (kv_out, h)],
+                            [n + "bias" for n in qkv] if cfg.qkv_bias else None, permute, blocks_only),
+            o=self.linear([attn + "o_proj.weight"], [(h, q_out)], [attn + "o_proj.bias"] if cfg.o_bias else None,
+                          blocks_only=blocks_only),
+            mlp_norm=self.param(p + "post_attention_layernorm.weight", (h,)),
+            gate_up=self.linear([m + "weight" for m in mlp], [(inter, h), (inter, h)],
+                                [m + "bias" for m in mlp] if cfg.mlp_bias else None, blocks_only=blocks_only),
+            down=self.linear([p + "mlp.down_proj.weight"], [(h, inter)],
+                             [p + "mlp.down_proj.bias"] if cfg.mlp_bias else None, blocks_only=blocks_only),
+            q_norm=self.param(attn + "q_norm.weight", (hd,)) if cfg.qk_norm else None,
+            k_norm=self.param(attn + "k_norm.weight", (hd,)) if cfg.qk_norm else None,
+        )
+
+
+@dataclass
+class DecoderWeights:
+    """A decoder's weights: embedding, blocks, final norm, LM head."""
+
+    embed: paddle.Tensor  # [vocab, hidden]
+    blocks: list[DecoderBlock]
+    final_norm: paddle.Tensor  # [hidden]
+    lm_head: Linear  # [hidden] -> [vocab]
+
+    @classmethod
+    def read(cls, ckpt: Checkpoint, dtype: str, blocks_only: bool = False) -> "DecoderWeights":
+        """blocks_only: every projection with raw GGUF blocks is packed from them by the backend, so its float32
+        copy is checked but not converted nor read from the mapped file (of the default model's load, 2.45 s
+        before, that and the mapping leave 0.97 s)."""
+        cfg = ckpt.config
+        r = TensorReader(ckpt.weights, ckpt.source, cfg, dtype, ckpt.quantized)
+        h = cfg.hidden_size
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings and "lm_head.weight" not in ckpt.weights \
+            else "lm_head.weight"
+        return cls(
+            embed=r.param("model.embed_tokens.weight", (cfg.vocab_size, h)),
+            blocks=[r.block(f"model.layers.{i}.", blocks_only) for i in range(cfg.num_layers)],
+            final_norm=r.param("model.norm.weight", (h,)),
+            lm_head=r.linear([head], [(cfg.vocab_size, h)], blocks_only=blocks_only),
+        )
+
+    def linears(self) -> list[Linear]:
+        return [lin for b in self.blocks for lin in b.linears()] + [self.lm_head]
