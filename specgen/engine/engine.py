@@ -163,9 +163,8 @@ class Engine:
             self.controller.end_step(StepReport(
                 slots=dec, draft_ids=plan.drafts.draft_ids, num_avail=plan.num_avail, num_draft=plan.num_draft,
                 source=plan.drafts.source, emitted=emitted[: len(dec)], kept=kept[: len(dec)],
-                num_tokens=len(batch.token_ids), num_emitted=int(kept.sum()), prefilled=len(new) > 0,
-                forward_seconds=forward_seconds, draft_seconds=plan.draft_seconds + observe_seconds,
-                step_seconds=time.perf_counter() - start))
+                num_tokens=len(batch.token_ids), forward_seconds=forward_seconds,
+                draft_seconds=plan.draft_seconds + observe_seconds))
         finished = []
         for i in np.nonzero(done)[0]:
             s = int(slots[i])

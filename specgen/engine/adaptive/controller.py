@@ -4,11 +4,11 @@ and each slot's running acceptance; and what it learns from each step.
 Acceptance is tracked per (slot, draft source) from every draft the proposer offered whose fate is known,
 verified or not: a draft not sent to verification is still compared with the token that came out (shadow
 acceptance), so a slot whose text turns predictable is noticed.
-Beside the choice (decide.py), three guards against a wrong model: a guard compares the measured throughput of
-steps that speculated with that of steps that did not, and decodes plainly while speculating measures slower
-(probing the other kind now and then); a slot whose drafts have not paid for DETACH_AFTER steps is detached
-(a drafter that costs time per slot, the MTP head, stops drafting for it); and a drafter whose own measured
-acceptance could not pay for one draft per slot at this batch size is ruled out before the first step.
+Beside the choice (decide.py): a slot whose drafts have not paid for DETACH_AFTER steps is detached (a drafter
+that costs time per slot, the MTP head, stops drafting for it), and a drafter whose own measured acceptance
+could not pay for one draft per slot at this batch size is ruled out before the first step. (A guard that
+compared measured throughputs of speculative and plain steps was removed: with the cost model corrected online
+it did not beat the choice alone, BENCHMARKS.md, "The adaptive controller's parts".)
 """
 from __future__ import annotations
 
@@ -33,19 +33,14 @@ class StepReport:
     emitted: np.ndarray  # [num_dec, >= width + 1] int64 the tokens that came out
     kept: np.ndarray  # [num_dec] int64 how many of them are real
     num_tokens: int  # tokens the forward fed
-    num_emitted: int  # tokens every slot of the step emitted
-    prefilled: bool  # the step fed prompt tokens
     forward_seconds: float  # from the step's start through sampling (what the cost table prices)
     draft_seconds: float  # the proposer's time (propose and observe)
-    step_seconds: float  # the whole step
 
 
 class Controller:
     DECAY = 0.9  # per step of a slot: its acceptance counts follow changes within a request
-    PROBE_EVERY = 16  # steps between forced plain (or, while speculation is off, speculative) probe steps
     DETACH_AFTER = 8  # steps in a row in which drafts did not pay for a slot before its drafter stops for it
-    RATE_EMA = 0.2
-    RATE_DECAY = 0.97  # the guard's throughputs: decayed sums of tokens and of seconds (a ~30-step window)
+    DRAFT_EMA = 0.2  # weight of one step in the drafter's time
     # The drafter's time per step really changes up to ~5x from one step to the next (an MTP head's pass: 0.14-0.18
     # ms catching up alone, 0.61-0.71 ms with three chained drafts); a stall (~100 ms) multiplies it by 100 or more.
     DRAFT_OUTLIER = 5.0
@@ -60,10 +55,6 @@ class Controller:
         self.cost, self.max_draft, self.num_slots = cost, max_draft, num_slots
         self.off = False  # speculation ruled out for this engine (see rule_out): every slot stays detached
         self.acceptance = AcceptanceEstimator(self.NUM_SOURCES, num_slots, self.DECAY)
-        # decayed sums of (emitted tokens, seconds) of speculative and of plain decode steps: their ratio is the
-        # measured throughput (one unlucky step moves it by its share of the window's time)
-        self.sums = {True: np.zeros(2), False: np.zeros(2)}
-        self.steps = 0
         self.idle = np.zeros(num_slots, np.int64)  # [num_slots] steps in a row the choice was k = 0
         self.draft_cost: float | None = None  # seconds per step the proposer takes (propose + observe), EMA
 
@@ -90,25 +81,9 @@ class Controller:
         src = 0 if source is None else source
         k = choose_drafts(self.acceptance.rate(src, slots), num_avail, other_tokens, self.draft_cost or 0.0,
                           self.cost, self.MIN_GAIN)
-        if not self._guard(bool(k.any())):
-            k = np.zeros(len(num_avail), np.int64)
         idle = np.where(k == 0, self.idle[slots] + 1, 0)
         self.idle[slots] = idle if source is None else np.where(source == 0, idle, self.idle[slots])
         return k
-
-    def _guard(self, speculate: bool) -> bool:
-        """Whether a step the cost model would speculate in does: not while speculation measures slower than
-        plain decoding; a probe step of the other kind now and then."""
-        self.steps += 1
-        if not speculate:
-            return False
-        spec, plain = self.rate(True), self.rate(False)
-        probe = self.steps % self.PROBE_EVERY == 0
-        if plain is None or spec is None:
-            return not (plain is None and probe)
-        if spec < plain:
-            return probe
-        return not probe
 
     def detached(self, slots: np.ndarray) -> np.ndarray:
         """[num_seqs] bool: slots whose drafts have not paid for DETACH_AFTER steps in a row (or speculation is
@@ -124,17 +99,11 @@ class Controller:
     # ---- after a step ----
 
     def end_step(self, r: StepReport) -> None:
-        """What the step taught: acceptance per (slot, source), the step's cost, the drafter's time and, for
-        decode-only steps, the guard's throughputs."""
+        """What the step taught: acceptance per (slot, source), the step's cost, the drafter's time."""
         self.cost.observe(r.num_tokens, r.forward_seconds)
         self._count(r)
         if len(r.slots) and (not self.detached(r.slots).all() or r.num_avail.any()):
             self._drafting(r.draft_seconds)  # (detached slots that still draft: MTP's copies)
-        if not r.prefilled:  # steps that prefill are not comparable
-            # A speculative step counts whole, drafting for the next one included; a plain one without the
-            # drafter's time, which plain decoding would not spend (its slots detach from the drafter).
-            spec = bool(r.num_draft.sum())
-            self._record(r.num_emitted, r.step_seconds - (0.0 if spec else r.draft_seconds), spec, r.num_tokens)
 
     def _count(self, r: StepReport) -> None:
         """Every offered draft whose true token is known, verified or not, against the tokens that came out."""
@@ -152,19 +121,4 @@ class Controller:
         the estimate (a stalled machine: CostModel.OUTLIER)."""
         old = self.draft_cost
         self.draft_cost = seconds if old is None else \
-            (1 - self.RATE_EMA) * old + self.RATE_EMA * min(seconds, self.DRAFT_OUTLIER * old)
-
-    def _record(self, num_emitted: int, seconds: float, speculated: bool, num_tokens: int) -> None:
-        """Throughput of one decode-only step, for the guard; its seconds count at most CostModel.OUTLIER x the
-        predicted step (plus the drafter's time when it speculated), so that a step the machine stalled in does
-        not veto speculation for hundreds of steps."""
-        predicted = self.cost.at(num_tokens) + ((self.draft_cost or 0.0) if speculated else 0.0)
-        seconds = min(seconds, self.cost.OUTLIER * predicted)
-        s = self.sums[speculated]
-        s *= self.RATE_DECAY
-        s += (num_emitted, max(seconds, 1e-9))
-
-    def rate(self, speculated: bool) -> float | None:
-        """Measured tokens per second of speculative (or plain) decode steps, None before the first."""
-        tokens, seconds = self.sums[speculated]
-        return tokens / seconds if seconds > 0 else None
+            (1 - self.DRAFT_EMA) * old + self.DRAFT_EMA * min(seconds, self.DRAFT_OUTLIER * old)
