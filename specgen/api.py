@@ -11,9 +11,6 @@ from specgen.errors import ConfigError, InputError
 from specgen.models.config import ModelConfig
 from specgen.models.tokenizer import TextTokenizer
 
-# EngineConfig fields that decide how a model is loaded (the rest are the engine's own)
-LOAD_FIELDS = ("dtype", "threads", "device", "backend", "cpu_target", "cache_dir", "matmul")
-
 
 @dataclass
 class LoadedModel:

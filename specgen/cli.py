@@ -44,13 +44,13 @@ def exit_codes(interrupted: str = "interrupted") -> Iterator[None]:
         raise typer.Exit(130) from None
 
 
-def resolve_config(config: Path | None, speculative_config: str | None, flags: dict[str, Any]):
+def resolve_config(config: Path | None, speculative_config: str | None, flags: dict[str, Any], methods=None):
     """Flags (setting -> value or None) over --speculative-config over the YAML file over defaults."""
     from specgen.app.settings import load_yaml, parse_speculative_config, resolve
 
     sections = load_yaml(config) if config is not None else None
     spec_json = parse_speculative_config(speculative_config) if speculative_config is not None else None
-    return resolve(sections, flags, spec_json)
+    return resolve(sections, flags, spec_json, methods)
 
 
 def _load(model: str | None, cfg) -> Any:
@@ -140,7 +140,7 @@ def bench(
     with exit_codes():
         method_list = parse_methods(methods)
         # The speculative options apply to every speculative method listed; resolve them as for `run`.
-        cfg = resolve_config(config, None, {**flags, "method": _bench_spec_method(method_list)})
+        cfg = resolve_config(config, None, {**flags, "method": _bench_spec_method(method_list)}, set(method_list))
         check_input(input)
         fmt = detect_format(input, input_format)
         rows = run_bench(input, fmt, _load(model, cfg), cfg, method_list)

@@ -104,8 +104,8 @@ def check_sections(data: Any, where: str) -> dict[str, dict[str, Any]]:
 
 def parse_speculative_config(value: str) -> dict[str, Any]:
     """FastDeploy-style JSON, inline or in a file: {"method": "mtp", "num_speculative_tokens": 1, "model": path}
-    ("model" is the drafter's checkpoint: the method's own `model` setting); otherwise the speculative section's
-    keys, methods' settings nested ({"method": "ngram", "ngram": {"pool": 0}})."""
+    ("model" is the drafter's checkpoint: resolve() makes it the resolved method's own `model` setting);
+    otherwise the speculative section's keys, methods' settings nested ({"method": "ngram", "ngram": {"pool": 0}})."""
     text, where = value, "--speculative-config"
     if not value.lstrip().startswith("{"):
         p = Path(value)
@@ -120,30 +120,37 @@ def parse_speculative_config(value: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a JSON object")
     data = dict(data)
-    if "model" in data:
-        method = Method.parse(data.get("method", "none"))
-        section = METHOD_SECTIONS.get(method)
-        if section is None or "model" not in {f.name for f in dataclasses.fields(_section_type(section))}:
-            raise ConfigError(f"{where}: \"model\" needs a method that drafts with a checkpoint (mtp), got "
-                              f"{method.value!r}")
-        data.setdefault(section, {})
-        data[section] = {**data[section], "model": data.pop("model")}
-    from_mapping(SpecConfig, data, where)  # unknown keys and bad values: an error naming them, now
+    if "model" in data and not isinstance(data["model"], str):
+        raise ConfigError(f"{where}: \"model\" must be a checkpoint path")
+    # unknown keys and bad values: an error naming them, now
+    from_mapping(SpecConfig, {k: v for k, v in data.items() if k != "model"}, where)
     return data
 
 
-def _section_type(section: str) -> type:
-    return typing.get_type_hints(SpecConfig)[section]
+def _with_model(section: str | None, model: str, method: Method) -> None:
+    """Check that the method takes a checkpoint (FastDeploy JSON's "model")."""
+    fields = {f.name for f in dataclasses.fields(typing.get_type_hints(SpecConfig)[section])} if section else set()
+    if "model" not in fields:
+        raise ConfigError(f"--speculative-config: \"model\" ({model}) needs a method that drafts with a "
+                          f"checkpoint (mtp), the method is {method.value!r}")
 
 
 def resolve(yaml_sections: Mapping[str, Mapping[str, Any]] | None, flags: Mapping[str, Any],
-            speculative_json: Mapping[str, Any] | None = None) -> RunConfig:
+            speculative_json: Mapping[str, Any] | None = None, methods: set[Method] | None = None) -> RunConfig:
     """Merge the layers (a flag of None means "not given") and build the three dataclasses. `flags` are keyed by
-    Setting.flag; a key that is no setting is a programming error."""
+    Setting.flag; a key that is no setting is a programming error. `methods`: the methods the settings serve
+    (`specgen bench` runs several; default: the resolved one), for the check that none is ignored."""
     by_flag = {s.flag: s for s in all_settings()}
     layers: dict[str, dict[str, Any]] = {s: _copy(dict((yaml_sections or {}).get(s, {}))) for s in SECTIONS}
-    _merge(layers["speculative"], speculative_json or {})
+    js = dict(speculative_json or {})
+    model = js.pop("model", None)
+    _merge(layers["speculative"], js)
     given = {k: v for k, v in flags.items() if v is not None and v != () and v != []}
+    if model is not None:  # the checkpoint of the method the layers resolve to, below the flags
+        method = Method.parse(given.get("method", layers["speculative"].get("method", Method.NONE)))
+        _with_model(METHOD_SECTIONS.get(method), model, method)
+        layers["speculative"].setdefault(METHOD_SECTIONS[method], {})["model"] = model
+        js.setdefault(METHOD_SECTIONS[method], {})["model"] = model
     for name, value in given.items():
         path = by_flag[name].path
         node = layers[path[0]]
@@ -151,8 +158,8 @@ def resolve(yaml_sections: Mapping[str, Mapping[str, Any]] | None, flags: Mappin
             node = node.setdefault(key, {})
         node[path[-1]] = value
     cfgs = {s: from_mapping(cls, layers[s], s) for s, cls in SECTIONS.items()}
-    explicit = {by_flag[name].path for name in given} | _paths(("speculative",), speculative_json or {})
-    _check_contradictions(cfgs["speculative"], explicit)
+    explicit = {by_flag[name].path for name in given} | _paths(("speculative",), js)
+    _check_contradictions(cfgs["speculative"], explicit, methods)
     return RunConfig(sampling=cfgs["sampling"], engine=cfgs["engine"], spec=cfgs["speculative"])
 
 
@@ -175,15 +182,18 @@ def _paths(prefix: tuple[str, ...], d: Mapping[str, Any]) -> set[tuple[str, ...]
     return out
 
 
-def _check_contradictions(spec: SpecConfig, explicit: set[tuple[str, ...]]) -> None:
-    """Speculative settings given on the command line that the resolved method would silently ignore."""
-    own = METHOD_SECTIONS.get(spec.method)
+def _check_contradictions(spec: SpecConfig, explicit: set[tuple[str, ...]], methods: set[Method] | None) -> None:
+    """Speculative settings given on the command line that the methods run would silently ignore (`adaptive` is
+    harmless anywhere)."""
+    methods = methods or {spec.method}
+    sections = {METHOD_SECTIONS.get(m) for m in methods}
+    named = ", ".join(sorted(m.value for m in methods))
     for path in sorted(explicit):
-        if path[0] != "speculative" or len(path) < 2 or path[1] == "method":
+        if path[0] != "speculative" or len(path) < 2 or path[1] in ("method", "adaptive"):
             continue
         name = ".".join(path[1:])
-        if spec.method is Method.NONE:
+        if methods == {Method.NONE}:
             raise ConfigError(f"{name} has no effect with method 'none'; choose a method "
                               f"({', '.join(m.value for m in Method if m is not Method.NONE)}) or drop the option")
-        if len(path) > 2 and path[1] != own:
-            raise ConfigError(f"{name} needs method {path[1]!r} (the method is {spec.method.value!r})")
+        if len(path) > 2 and path[1] not in sections:
+            raise ConfigError(f"{name} needs method {path[1]!r} (the method is {named!r})")

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 import numpy as np
 import paddle
 
+from specgen.config import EngineConfig
 from specgen.engine.kv_cache import KVCache
 from specgen.engine.types import ForwardBatch
 from specgen.layers.block import BlockShape
@@ -16,7 +17,7 @@ from specgen.models.config import ModelConfig
 from specgen.models.weights import DecoderWeights
 
 
-class Model(Protocol):
+class ModelView(Protocol):
     """What a backend reads of the model it runs (specgen.models.model.Model)."""
 
     config: ModelConfig
@@ -52,7 +53,7 @@ class MtpPass:
     depth: int  # drafts per wanted sequence (>= 1)
 
 
-class HeadRunner(Protocol):
+class PreparedHead(Protocol):
     """An MTP head prepared for a backend."""
 
     def run(self, cache: KVCache, p: MtpPass) -> np.ndarray:
@@ -62,27 +63,29 @@ class HeadRunner(Protocol):
 class Backend(Protocol):
     name: str  # "fused" | "reference"
     dtype: str
+    engine: EngineConfig  # the settings the model was loaded with (threads, cpu_target, ...)
+    int8_product: bool  # products quantize their inputs to int8 (EngineConfig.matmul int8)
 
     @property
     def keeps_blocks(self) -> bool:
         """Whether projections stored as GGUF blocks are multiplied from their blocks (their float copies are
         then never converted)."""
 
-    def prepare(self, model: Model) -> None:
+    def prepare(self, model: ModelView) -> None:
         """Bring the model's weights into the form this backend's products read (in place)."""
 
-    def forward(self, model: Model, batch: ForwardBatch, cache: KVCache, logits: bool) -> ForwardOutput:
+    def forward(self, model: ModelView, batch: ForwardBatch, cache: KVCache, logits: bool) -> ForwardOutput:
         """One packed forward; writes the tokens' K/V. With `logits` False the caller needs the greedy tokens
         only (the logits may then be skipped)."""
 
-    def logits(self, model: Model, hidden: paddle.Tensor) -> paddle.Tensor:
+    def logits(self, model: ModelView, hidden: paddle.Tensor) -> paddle.Tensor:
         """The LM head over final normed hidden rows [rows, hidden] -> [rows, vocab]."""
 
-    def new_cache(self, model: Model, num_slots: int, max_capacity: int, kv_dtype: str,
+    def new_cache(self, model: ModelView, num_slots: int, max_capacity: int, kv_dtype: str,
                   num_layers: int | None = None) -> KVCache:
         """A KV cache for this backend (kv_dtype: auto, the model's dtype, or float16)."""
 
-    def prepare_head(self, model: Model, head: Any, quantize: bool) -> HeadRunner:
+    def prepare_head(self, model: ModelView, head: Any, quantize: bool) -> PreparedHead:
         """An MTP head's weights (MtpHeadWeights) ready to run beside `model`."""
 
     def describe(self) -> list:

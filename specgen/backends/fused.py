@@ -20,7 +20,7 @@ import numpy as np
 import paddle
 
 from specgen import kernels
-from specgen.backends.base import ForwardOutput, Model, MtpPass
+from specgen.backends.base import ForwardOutput, ModelView, MtpPass
 from specgen.backends.reference import reserve
 from specgen.config import EngineConfig
 from specgen.engine.kv_cache import KVCache
@@ -31,7 +31,6 @@ from specgen.kernels.packing import INT8_KINDS, SCREENED_KINDS, pack_linear, pac
 from specgen.layers.block import DecoderBlock
 from specgen.layers.linear import Linear
 from specgen.models.checkpoint import QuantRows
-
 
 
 class KeptIndex:
@@ -68,6 +67,7 @@ class FusedBackend:
     INDEX_REUSE_SIZES = 512  # index lengths kept at most
 
     def __init__(self, ops: ModuleType, engine: EngineConfig):
+        self.engine = engine  # the settings the model was loaded with
         self.ops, self.dtype = ops, engine.dtype
         self.vnni = kernels.has_vnni(engine.cpu_target)
         self.int8_product = engine.matmul == "int8"
@@ -93,7 +93,7 @@ class FusedBackend:
             lin.weight = pack_linear(lin.weight, dtype=self.dtype)
         return lin
 
-    def prepare(self, model: Model) -> None:
+    def prepare(self, model: ModelView) -> None:
         weights = model.weights
         if self.int8_product:
             has_blocks = any(lin.blocks is not None and lin.blocks.kind in INT8_KINDS for lin in weights.linears())
@@ -109,12 +109,13 @@ class FusedBackend:
         for lin in weights.linears():
             self.pack(lin)
         self._kinds = sorted({lin.weight.kind for lin in weights.linears()})
-        self._ones = paddle.ones([model.config.head_dim], dtype=self.dtype)  # stands in for absent prefix caches
+        # stand-ins for absent q/k norms and prefix caches, and for absent biases
+        self.ones = paddle.ones([model.config.head_dim], dtype=self.dtype)
+        self.none = paddle.zeros([0], dtype=self.dtype)
 
-    def block_args(self, blocks: list[DecoderBlock], head_dim: int) -> args.BlockArgs:
+    def block_args(self, blocks: list[DecoderBlock]) -> args.BlockArgs:
         """The operators' per-block lists (absent biases and q/k norms replaced by their stand-ins)."""
-        none = paddle.zeros([0], dtype=self.dtype)
-        ones = paddle.ones([head_dim], dtype=self.dtype)
+        none, ones = self.none, self.ones
 
         def bias(lin: Linear):
             return lin.bias if lin.bias is not None else none
@@ -128,18 +129,18 @@ class FusedBackend:
             q_norm=[b.q_norm if b.q_norm is not None else ones for b in blocks],
             k_norm=[b.k_norm if b.k_norm is not None else ones for b in blocks])
 
-    def _weights(self, model: Model) -> int:
+    def _weights(self, model: ModelView) -> int:
         """The model's weights in the kernels: bound on first use, dropped with this backend."""
         if self._weights_handle is None:
             w = model.weights
-            self._model_args = args.ModelArgs(w.embed, self.block_args(w.blocks, model.config.head_dim),
+            self._model_args = args.ModelArgs(w.embed, self.block_args(w.blocks),
                                               model.rope.cos, model.rope.sin, w.final_norm, w.lm_head.weight.panels)
             handle = args.bind_weights(self.ops, self._model_args)
             self._weights_handle = int(handle.numpy()[0])
             weakref.finalize(self, args.unbind, self.ops, handle).atexit = False
         return self._weights_handle
 
-    def _caches(self, model: Model, cache: KVCache) -> int:
+    def _caches(self, model: ModelView, cache: KVCache) -> int:
         """`cache`'s tensors (and its shared prefix's) in the kernels: bound again whenever they were replaced
         (the cache grew, a prefix was set); the binding is dropped with the cache or when it is replaced."""
         pre = cache.prefix
@@ -148,7 +149,7 @@ class FusedBackend:
             return cache.binding[1]
         cache.unbind()  # the tensors that were replaced, if any
         n = len(cache.k)
-        stand_in = [self._ones] * n
+        stand_in = [self.ones] * n
         handle = args.bind_caches(self.ops, args.CacheArgs(cache.k, cache.v, pre.k if pre is not None else stand_in,
                                                            pre.v if pre is not None else stand_in))
         release = weakref.finalize(cache, args.unbind, self.ops, handle)
@@ -162,7 +163,7 @@ class FusedBackend:
             return paddle.to_tensor(index.astype(np.int64, copy=False))
         return self._indices.tensors((index,))[0]
 
-    def forward(self, model: Model, batch: ForwardBatch, cache: KVCache, logits: bool = True) -> ForwardOutput:
+    def forward(self, model: ModelView, batch: ForwardBatch, cache: KVCache, logits: bool = True) -> ForwardOutput:
         reserve(batch, cache)
         n = len(batch.token_ids)
         plen = batch.token_prefix_len
@@ -179,11 +180,11 @@ class FusedBackend:
             vocab=model.weights.lm_head.weight.n))
         return ForwardOutput(None if screened else out, hidden, greedy.numpy())
 
-    def logits(self, model: Model, hidden: paddle.Tensor) -> paddle.Tensor:
+    def logits(self, model: ModelView, hidden: paddle.Tensor) -> paddle.Tensor:
         lm = model.weights.lm_head.weight
         return args.linear(self.ops, hidden, lm.panels, lm.n)
 
-    def new_cache(self, model: Model, num_slots: int, max_capacity: int, kv_dtype: str = "auto",
+    def new_cache(self, model: ModelView, num_slots: int, max_capacity: int, kv_dtype: str = "auto",
                   num_layers: int | None = None) -> KVCache:
         dtype = self.dtype if kv_dtype == "auto" else kv_dtype
         if dtype != self.dtype and (self.dtype != "float32" or dtype != "float16"):
@@ -193,7 +194,7 @@ class FusedBackend:
         return KVCache(cfg.num_layers if num_layers is None else num_layers, num_slots, cfg.num_kv_heads,
                        cfg.head_dim, dtype, max_capacity, zeroed=False)
 
-    def prepare_head(self, model: Model, head: Any, quantize: bool) -> "FusedHead":
+    def prepare_head(self, model: ModelView, head: Any, quantize: bool) -> "FusedHead":
         return FusedHead(self, model, head, quantize)
 
     def describe(self) -> list:
@@ -217,7 +218,7 @@ class FusedHead:
     on a CPU with AVX-512 VNNI with integer products (drafts need not be float32's, only cheap). Only the drafts
     can change, never the outputs."""
 
-    def __init__(self, backend: FusedBackend, model: Model, head: Any, quantize: bool):
+    def __init__(self, backend: FusedBackend, model: ModelView, head: Any, quantize: bool):
         self.backend = backend
         main_blocks = backend.keeps_blocks and model.weights.lm_head.blocks is not None
         q8 = quantize and main_blocks
@@ -242,10 +243,10 @@ class FusedHead:
         vocab = head.draft_vocab if head.draft_vocab is not None else np.zeros(0, np.int64)
         self.args = args.MtpHeadArgs(
             embed=head.embed, enorm=head.enorm, hnorm=head.hnorm, eh_proj=head.eh_proj.weight.panels,
-            blocks=backend.block_args([head.block], cfg.head_dim), cos=model.rope.cos, sin=model.rope.sin,
+            blocks=backend.block_args([head.block]), cos=model.rope.cos, sin=model.rope.sin,
             final_norm=head.final_norm, lm_head=lm.weight.panels, draft_vocab=paddle.to_tensor(vocab),
             vocab=lm.weight.n, geometry=args.Geometry(cfg.num_heads, cfg.num_kv_heads, cfg.qk_norm, cfg.rms_norm_eps),
-            ones=backend._ones)
+            ones=backend.ones)
         self._indices = KeptIndex(256)  # the pass's index tensors, kept per (tokens, sequences) shape
 
     def run(self, cache: KVCache, p: MtpPass) -> np.ndarray:

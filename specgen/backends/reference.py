@@ -8,7 +8,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from specgen.backends.base import ForwardOutput, Model, MtpPass
+from specgen.backends.base import ForwardOutput, ModelView, MtpPass
 from specgen.config import EngineConfig
 from specgen.engine.kv_cache import KVCache
 from specgen.engine.types import ForwardBatch, build_forward_batch
@@ -19,21 +19,22 @@ from specgen.layers.linear import Linear
 from specgen.layers.norm import rms_norm
 
 
-
 class ReferenceBackend:
     name = "reference"
     keeps_blocks = False
+    int8_product = False
 
     def __init__(self, engine: EngineConfig):
+        self.engine = engine  # the settings the model was loaded with
         self.dtype = engine.dtype
 
-    def prepare(self, model: Model) -> None:
+    def prepare(self, model: ModelView) -> None:
         for lin in model.weights.linears():
             if lin.weight is None:
                 raise CheckpointError("the reference backend needs every weight as floats (none was converted)")
             lin.blocks = None  # products read the dense weight; the blocks' memory goes
 
-    def forward(self, model: Model, batch: ForwardBatch, cache: KVCache, logits: bool = True) -> ForwardOutput:
+    def forward(self, model: ModelView, batch: ForwardBatch, cache: KVCache, logits: bool = True) -> ForwardOutput:
         w = model.weights
         reserve(batch, cache)
         att = AttentionIndex(batch, cache, model.rope, model.shape.num_heads, self.dtype)
@@ -44,10 +45,10 @@ class ReferenceBackend:
         out = w.lm_head(paddle.gather(hidden, paddle.to_tensor(batch.logit_rows)))  # [num_logits, vocab]
         return ForwardOutput(out, hidden, paddle.argmax(out, axis=-1).numpy())
 
-    def logits(self, model: Model, hidden: paddle.Tensor) -> paddle.Tensor:
+    def logits(self, model: ModelView, hidden: paddle.Tensor) -> paddle.Tensor:
         return model.weights.lm_head(hidden)
 
-    def new_cache(self, model: Model, num_slots: int, max_capacity: int, kv_dtype: str = "auto",
+    def new_cache(self, model: ModelView, num_slots: int, max_capacity: int, kv_dtype: str = "auto",
                   num_layers: int | None = None) -> KVCache:
         if kv_dtype not in ("auto", self.dtype):
             raise ConfigError(f"a {kv_dtype} KV cache needs a float32 model on the fused backend (specgen's CPU "
@@ -57,7 +58,7 @@ class ReferenceBackend:
         return KVCache(cfg.num_layers if num_layers is None else num_layers, num_slots, cfg.num_kv_heads,
                        cfg.head_dim, self.dtype, max_capacity, zeroed=True)
 
-    def prepare_head(self, model: Model, head: Any, quantize: bool) -> "ReferenceHead":
+    def prepare_head(self, model: ModelView, head: Any, quantize: bool) -> "ReferenceHead":
         return ReferenceHead(model, head)
 
     def describe(self) -> list:
@@ -74,8 +75,9 @@ def reserve(batch: ForwardBatch, cache: KVCache) -> None:
 class ReferenceHead:
     """An MTP head's pass in Paddle's operators: the catch-up tokens through the head, then chained drafts."""
 
-    def __init__(self, model: Model, head: Any):
-        self.model, self.head = model, head
+    def __init__(self, model: ModelView, head: Any):
+        # what the pass reads of the model (not the model itself: the head is cached per model, weakly)
+        self.rope, self.shape, self.dtype, self.head = model.rope, model.shape, model.dtype, head
         lm = head.lm_head or model.weights.lm_head  # its own LM head, or the main model's
         if head.draft_vocab is not None:  # drafts from these tokens only: their columns
             lm = Linear(paddle.gather(lm.dense(), paddle.to_tensor(head.draft_vocab), axis=1))
@@ -84,14 +86,14 @@ class ReferenceHead:
     def _pass(self, cache: KVCache, slots, starts, lens, token_ids, prev_hidden):
         """One packed pass of the head over blocks (slots, starts, lens): (block output [num_tokens, hidden],
         argmax token at each block's end [num_seqs])."""
-        m, hd = self.model, self.head
+        hd = self.head
         batch = build_forward_batch(slots, starts, lens, token_ids, np.zeros(len(slots), bool))
         reserve(batch, cache)
-        eps = m.shape.eps
+        eps = self.shape.eps
         emb = F.embedding(paddle.to_tensor(batch.token_ids), hd.embed)  # [num_tokens, hidden]
         x = hd.eh_proj(paddle.concat([rms_norm(emb, hd.enorm, eps), rms_norm(prev_hidden, hd.hnorm, eps)], axis=-1))
-        att = AttentionIndex(batch, cache, m.rope, m.shape.num_heads, m.dtype)
-        x = block_forward(x, hd.block, m.shape, att, 0, cache.k[0], cache.v[0])
+        att = AttentionIndex(batch, cache, self.rope, self.shape.num_heads, self.dtype)
+        x = block_forward(x, hd.block, self.shape, att, 0, cache.k[0], cache.v[0])
         last = paddle.gather(x, paddle.to_tensor(batch.logit_rows))  # [num_seqs, hidden]
         drafts = paddle.argmax(self.lm_head(rms_norm(last, hd.final_norm, eps)), axis=-1).numpy()
         return last, hd.token_ids(drafts)

@@ -237,9 +237,11 @@ class Engine:
         c = self.controller
         depth = MAX_DRAFT if c is None else int(plan.num_draft.max(initial=0)) + 1
         start = time.perf_counter()
-        self.proposer.observe(StepUpdate(slots, block_start, starts, num_valid, done, t.tokens, hidden, catch_up,
-                                         self.prefix_hidden, depth, None if c is None else c.detached(slots),
-                                         t.seq_len[slots], t.prompt_len[slots]))
+        self.proposer.observe(StepUpdate(
+            slots=slots, block_start=block_start, first_pos=starts, num_valid=num_valid, finished=done,
+            tokens=t.tokens, hidden=hidden, prefix_len=catch_up, prefix_hidden=self.prefix_hidden,
+            max_draft_next=depth, detached=None if c is None else c.detached(slots), seq_lens=t.seq_len[slots],
+            prompt_lens=t.prompt_len[slots]))
         return time.perf_counter() - start
 
     def share_prefix(self, prefix_ids) -> int:
@@ -250,8 +252,7 @@ class Engine:
             return 0
         n = min(len(prefix_ids), self.context_len - 1)
         ids = np.asarray(prefix_ids[:n], dtype=np.int64)
-        pre = self.model.new_cache(1, n, self.config.kv_cache_dtype)
-        pre.ensure(n)
+        pre = self.model.new_cache(1, n, self.config.kv_cache_dtype)  # (room for the prefix: reserved by forward)
         batch = build_forward_batch(np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([n]), ids, np.zeros(1, bool))
         hidden = self.model.forward(batch, pre).hidden
         self.cache.prefix = pre

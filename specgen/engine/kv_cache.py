@@ -45,7 +45,7 @@ class KVCache:
         self.peak_position = 0  # largest absolute position + 1 any slot reached (memory report)
         self.peak_own = 0  # largest row + 1 any slot stored in its own rows
         self.version = 0  # counts replacements of the k / v tensors (ensure), for whoever holds them by handle
-        self.binding = None  # (what was bound, handle, its release): Model's handle of these tensors in the kernels
+        self.binding = None  # (what was bound, handle, its release): the fused backend's handle of these tensors
         self.ensure(self.initial_capacity)
 
     def ensure(self, needed: int) -> None:

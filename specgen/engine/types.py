@@ -1,4 +1,4 @@
-"""Typed batch state shared by the runner, the model and the proposers.
+"""Typed batch state shared by the engine, the model and the proposers.
 
 Dimension vocabulary (used in every shape comment):
   num_tokens   all query tokens of one forward, packed slot after slot

@@ -1,1 +1,1 @@
-"""Input readers, output writers and resume, the output schema, the summary, and the batch job."""
+"""Input readers, output writers and resume, the output schema, the summary, the progress report."""

@@ -6,7 +6,7 @@ Tensors are paddle.Tensors; shapes in the comments use the vocabulary of specgen
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -47,7 +47,8 @@ class BlockArgs:
 
     def projections(self) -> list[list[Tensor]]:
         """The lists from attn_norm to b_down, in the operators' order."""
-        return [getattr(self, f.name) for f in fields(self)][:10]
+        return [self.attn_norm, self.w_qkv, self.b_qkv, self.w_o, self.b_o, self.mlp_norm, self.w_gate_up,
+                self.b_gate_up, self.w_down, self.b_down]
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,13 @@ def mtp_draft(ops: ModuleType, h: MtpHeadArgs, a: MtpStepArgs) -> Tensor:
 def linear(ops: ModuleType, x: Tensor, panels: Tensor, n: int) -> Tensor:
     """x [rows, k] @ a packed weight [k, n]."""
     return _first(ops.specgen_linear(x, panels, n))
+
+
+def pack_blocks(ops: ModuleType, blocks: Tensor, int8_product: bool, with_bound: bool) -> tuple[Tensor, Tensor]:
+    """GGUF Q4_0 / Q4_1 / Q8_0 blocks uint8 [n, k / 32, bytes] -> (packed panels, the greedy screen's bound or an
+    empty tensor)."""
+    panels, bound = ops.specgen_pack_blocks(blocks, int8_product, with_bound)
+    return panels, bound
 
 
 def argmax(ops: ModuleType, x: Tensor) -> Tensor:

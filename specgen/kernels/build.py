@@ -80,11 +80,6 @@ def ops(target: str, cache_root: Path) -> ModuleType | None:
     return _ops[target]
 
 
-def loaded_ops() -> ModuleType | None:
-    """The extension this process loaded, if any (packing uses its one-pass C++ packers when it is there)."""
-    return next((m for m in _ops.values() if m is not None), None)
-
-
 def _build(target: str, cache_root: Path) -> ModuleType | None:
     if _compiler() is None:
         return None

@@ -1,5 +1,5 @@
 // Fused CPU operators for the packed forward (see specgen/kernels/__init__.py for the build and
-// specgen/engine/model.py for the Paddle reference each one matches).
+// specgen/layers/ for the Paddle reference each one matches: the reference backend, specgen/backends/reference.py).
 //
 //   specgen_rms_norm      x [n, h], w [h]                  -> x * rsqrt(mean(x^2) + eps) * w
 //   specgen_add_rms_norm  x [n, h], r [n, h], w [h]        -> (x + r, rms_norm(x + r))

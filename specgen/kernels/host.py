@@ -15,7 +15,7 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 class SlotText(ctypes.Structure):
-    """Rows `slots` [num_seqs] of the runner's token table [*, row_stride], valid up to seq_lens [num_seqs]."""
+    """Rows `slots` [num_seqs] of the engine's token table [*, row_stride], valid up to seq_lens [num_seqs]."""
 
     _fields_ = [("tokens", _ptr), ("row_stride", _i64), ("slots", _ptr), ("seq_lens", _ptr), ("num_seqs", _i64)]
 

@@ -1,6 +1,6 @@
 // n-gram drafting on the host: a slot's own-text match, the job pool's lookup and the proposer's choice between
 // them, as plain C functions called through ctypes on numpy buffers (no Paddle tensors: drafting reads the
-// runner's numpy token table in place). The references are specgen/engine/proposers/ngram.py (ngram_match,
+// engine's numpy token table in place). The references are specgen/engine/proposers/ngram.py (ngram_match,
 // NgramProposer.propose_reference) and ngram_pool.py (NgramPool.lookup_reference); tests/unit/test_ngram.py and
 // test_ngram_native.py compare them on hand-worked and random cases. Each function takes its arguments as structs
 // that specgen/kernels/host.py builds. Callers guarantee the shapes: slots index rows of the table,
@@ -11,7 +11,7 @@ extern "C" {
 
 // The argument structs (specgen/kernels/host.py mirrors each as a ctypes.Structure, field for field).
 
-// Rows `slots` of the runner's token table [*, row_stride], valid up to seq_lens[s].
+// Rows `slots` of the engine's token table [*, row_stride], valid up to seq_lens[s].
 struct SlotText {
   const int64_t* tokens;
   int64_t row_stride;

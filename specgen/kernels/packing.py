@@ -109,7 +109,9 @@ def pack_quantized(kind: str, blocks: np.ndarray, int8_product: bool = False, op
     if kind not in INT8_KINDS:  # K-quants: float32 products only
         return _pack_k_numpy(kind, blocks)
     if ops is not None:  # the same bytes in one C++ pass (numpy's below: ~0.5 s for the default model)
-        panels, _ = ops.specgen_pack_blocks(paddle.to_tensor(np.ascontiguousarray(blocks)), int8_product, False)
+        from specgen.kernels.args import pack_blocks
+
+        panels, _ = pack_blocks(ops, paddle.to_tensor(np.ascontiguousarray(blocks)), int8_product, False)
         return Packed(panels, blocks.shape[1] * 32, blocks.shape[0], kind, int8_product=int8_product)
     return _pack_quantized_numpy(kind, blocks, int8_product)
 
@@ -266,7 +268,9 @@ def pack_screen(kind: str, blocks: np.ndarray, ops: ModuleType | None = None) ->
         raise ValueError(f"no greedy screen for {kind!r} blocks (only {', '.join(SCREENED_KINDS)})")
     n, kb, _ = blocks.shape
     if ops is not None:  # panels and bound in one C++ pass (the numpy below: ~0.4 s for the default model's head)
-        panels, bound = ops.specgen_pack_blocks(paddle.to_tensor(np.ascontiguousarray(blocks)), True, True)
+        from specgen.kernels.args import pack_blocks
+
+        panels, bound = pack_blocks(ops, paddle.to_tensor(np.ascontiguousarray(blocks)), True, True)
         return Screen(Packed(panels, kb * 32, n, kind, int8_product=True), bound.reshape([-1, kb, PANEL]))
     d = np.abs(np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32))  # [n, kb]
     byte = np.arange(256)

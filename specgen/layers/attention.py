@@ -102,7 +102,8 @@ class _GroupIndex:
         if not self.direct:
             pos = np.arange(L)[None, None, :]  # [1, 1, L]
             p = prefix_lens[:, None, None]  # [S, 1, 1]
-            own = (slots[:, None, None] * KV + np.arange(KV)[None, :, None]) * cap + np.maximum(pos - p, 0)
+            # a slot's own rows past its capacity are never allowed (masked), but must be read within it
+            own = (slots[:, None, None] * KV + np.arange(KV)[None, :, None]) * cap + np.clip(pos - p, 0, cap - 1)
             self.kv_rows = paddle.to_tensor(own.reshape(-1))  # [S * KV * L]
             if shared:
                 pcap = cache.prefix.capacity

@@ -35,15 +35,17 @@ class Model:
     @property
     def int8_product(self) -> bool:
         """Whether products quantize their inputs to int8 (EngineConfig.matmul int8)."""
-        return bool(getattr(self.backend, "int8_product", False))
+        return self.backend.int8_product
 
     def forward(self, batch: ForwardBatch, cache: KVCache, logits: bool = True) -> ForwardOutput:
         """One packed forward over `batch`; with `logits` False only the greedy tokens are needed."""
         return self.backend.forward(self, batch, cache, logits)
 
-    def new_cache(self, num_slots: int, max_capacity: int, kv_dtype: str = "auto") -> KVCache:
-        """A KV cache for this model's blocks, in its dtype (auto) or float16 (float32 models, fused backend)."""
-        return self.backend.new_cache(self, num_slots, max_capacity, kv_dtype)
+    def new_cache(self, num_slots: int, max_capacity: int, kv_dtype: str = "auto",
+                  num_layers: int | None = None) -> KVCache:
+        """A KV cache for this model's blocks (or num_layers blocks: an MTP head's), in its dtype (auto) or
+        float16 (float32 models, fused backend)."""
+        return self.backend.new_cache(self, num_slots, max_capacity, kv_dtype, num_layers)
 
     def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """The LM head over final normed hidden rows [rows, hidden] -> [rows, vocab]."""

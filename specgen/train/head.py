@@ -6,6 +6,7 @@ embedding, the RoPE tables and the LM head are the main model's, frozen.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -37,8 +38,8 @@ def residual_rms(model: Model, token_ids: np.ndarray) -> float:
     att = AttentionIndex(batch, cache, model.rope, cfg.num_heads, model.dtype)
     x = F.embedding(paddle.to_tensor(batch.token_ids), model.weights.embed)  # [n, hidden]
     for i, block in enumerate(model.weights.blocks[:-1]):  # the reference layers over dense copies of the weights
-        dense = DecoderBlock(**{**block.__dict__, **{k: Linear(getattr(block, k).dense(), getattr(block, k).bias)
-                                                      for k in ("qkv", "o", "gate_up", "down")}})
+        dense = dataclasses.replace(block, **{k: Linear(getattr(block, k).dense(), getattr(block, k).bias)
+                                              for k in ("qkv", "o", "gate_up", "down")})
         x = block_forward(x, dense, model.shape, att, i, cache.k[i], cache.v[i])
     return float(np.median(np.sqrt((x.numpy()[1:] ** 2).mean(-1))))  # the first token is an outlier (attention sink)
 

@@ -155,3 +155,18 @@ def test_mtp_drafts_are_the_same_with_chunks_and_a_shared_prefix(tiny64, shared_
     common = set(logs[0]).intersection(*logs[1:])
     assert len(common) >= 100
     assert all(log[text] == logs[0][text] for log in logs[1:] for text in common)
+
+
+def test_slots_with_and_without_the_shared_prefix_decode_together(tiny64):
+    """A slot reading a 200-token shared prefix deep into its output (absolute positions past its own rows'
+    capacity) decodes beside a slot placed later without the prefix: the same tokens as without sharing."""
+    rng = np.random.default_rng(5)
+    prefix = rng.integers(3, 250, 200).tolist()
+    prompts = [prefix + rng.integers(3, 250, 8).tolist(), prefix + rng.integers(3, 250, 5).tolist(),
+               rng.integers(3, 250, 140).tolist()]
+    sp = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (120, 2, 60)]
+    runs = [generate(prompts, model=tiny64, sampling=sp, engine=EngineConfig(batch_size=2, dtype="float64",
+                                                                          shared_prefix=shared, min_shared_prefix=64))
+            for shared in ("auto", "off")]
+    assert [o.stats.num_cached_prompt_tokens for o in runs[0]] == [200, 200, 0]
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]

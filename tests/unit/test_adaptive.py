@@ -1,4 +1,6 @@
 """The adaptive controller's per-slot choices: drafts that stop paying detach the slot from its drafter."""
+import types
+
 import numpy as np
 import pytest
 
@@ -138,6 +140,7 @@ def _stub_model(monkeypatch, seconds_of):
 
     class Stub:
         key = "model A"
+        backend = types.SimpleNamespace(engine=EngineConfig())  # the settings it was loaded with
 
         def cost_key(self):
             return self.key

@@ -32,9 +32,23 @@ def test_yaml_over_defaults_and_flags_over_yaml():
 def test_speculative_json_between_yaml_and_flags():
     sections = {"speculative": {"method": "ngram", "num_speculative_tokens": 2}}
     js = parse_speculative_config('{"method": "mtp", "num_speculative_tokens": 1, "model": "/m"}')
-    assert js == {"method": "mtp", "num_speculative_tokens": 1, "mtp": {"model": "/m"}}
+    assert js == {"method": "mtp", "num_speculative_tokens": 1, "model": "/m"}
     cfg = resolve(sections, {"num_speculative_tokens": 5}, js)
     assert cfg.spec == SpecConfig(method=Method.MTP, num_speculative_tokens=5, mtp=MtpConfig(model="/m"))
+    # "model" follows the method however it is given (here a flag), and a flag for it still wins
+    only_model = parse_speculative_config('{"model": "/m"}')
+    assert resolve(None, {"method": "mtp"}, only_model).spec.mtp.model == "/m"
+    assert resolve(None, {"method": "mtp", "mtp_model": "/flag"}, only_model).spec.mtp.model == "/flag"
+    with pytest.raises(ConfigError, match="needs a method that drafts with a checkpoint"):
+        resolve(None, {"method": "ngram"}, only_model)
+
+
+def test_bench_settings_serve_every_method_listed():
+    cfg = resolve(None, {"method": "mtp", "ngram_pool": 0, "mtp_copy": 1}, None, {Method.NONE, Method.NGRAM, Method.MTP})
+    assert cfg.spec.ngram.pool == 0 and cfg.spec.mtp.copy == 1
+    with pytest.raises(ConfigError, match="mtp.copy needs method 'mtp'"):
+        resolve(None, {"method": "ngram", "mtp_copy": 1}, None, {Method.NONE, Method.NGRAM})
+    assert not resolve(None, {"adaptive": False}).spec.adaptive  # harmless with method none
 
 
 def test_speculative_json_from_a_file(tmp_path):
@@ -45,7 +59,6 @@ def test_speculative_json_from_a_file(tmp_path):
 
 @pytest.mark.parametrize("value,fragment", [
     ('{"method": "ngram", "quantization": "wint8"}', "unknown key(s) quantization"),
-    ('{"method": "ngram", "model": "/m"}', "\"model\" needs a method that drafts with a checkpoint"),
     ('{"method": "ngram", "ngram": {"pool": -1}}', "ngram pool must be >= 0"),
     ("{not json", "not valid JSON"),
     ("/no/such/file.json", "neither a JSON object nor a readable file"),

@@ -348,7 +348,7 @@ def op_by_op_forward(m, batch, cache):
     cfg, w = m.config, m.weights
     reserve(batch, cache)
     eps, n = cfg.rms_norm_eps, len(batch.token_ids)
-    ones, none = paddle.ones([cfg.head_dim], dtype="float32"), paddle.zeros([0], dtype="float32")
+    ones = paddle.ones([cfg.head_dim], dtype="float32")
     plen = paddle.to_tensor(batch.token_prefix_len if batch.token_prefix_len is not None else np.zeros(n, np.int64))
     pre = cache.prefix
 

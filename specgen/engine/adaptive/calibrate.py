@@ -40,8 +40,9 @@ def controller_for(model, cache, max_draft: int, engine: EngineConfig, num_slots
     if table is None and engine.cost_cache:
         from specgen.kernels.build import build_key
 
+        loaded = model.backend.engine  # the threads and kernels the model runs with
         path = costs.table_path(engine.cache_root(), [model.cost_key(), cache.dtype, str(num_slots), str(max_draft),
-                                                      str(engine.num_threads()), build_key(engine.cpu_target)])
+                                                      str(loaded.num_threads()), build_key(loaded.cpu_target)])
         table = costs.load(path)
     if table is None:
         table = _time_table(model, cache, max_draft, num_slots)

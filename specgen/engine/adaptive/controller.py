@@ -6,9 +6,7 @@ verified or not: a draft not sent to verification is still compared with the tok
 acceptance), so a slot whose text turns predictable is noticed.
 Beside the choice (decide.py): a slot whose drafts have not paid for DETACH_AFTER steps is detached (a drafter
 that costs time per slot, the MTP head, stops drafting for it), and a drafter whose own measured acceptance
-could not pay for one draft per slot at this batch size is ruled out before the first step. (A guard that
-compared measured throughputs of speculative and plain steps was removed: with the cost model corrected online
-it did not beat the choice alone, BENCHMARKS.md, "The adaptive controller's parts".)
+could not pay for one draft per slot at this batch size is ruled out before the first step.
 """
 from __future__ import annotations
 
@@ -33,7 +31,7 @@ class StepReport:
     emitted: np.ndarray  # [num_dec, >= width + 1] int64 the tokens that came out
     kept: np.ndarray  # [num_dec] int64 how many of them are real
     num_tokens: int  # tokens the forward fed
-    forward_seconds: float  # from the step's start through sampling (what the cost table prices)
+    forward_seconds: float  # from the step's start through sampling (the forward, and the planning before it)
     draft_seconds: float  # the proposer's time (propose and observe)
 
 

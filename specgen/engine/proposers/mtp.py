@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from specgen.backends.base import HeadRunner, MtpPass
+from specgen.backends.base import MtpPass, PreparedHead
 from specgen.config import SpecConfig
 from specgen.engine.kv_cache import KVCache
 from specgen.engine.proposers.base import SlotView
@@ -39,11 +39,11 @@ class MtpProposer:
     # 1.69 -> 1.71 on summarization, 2.02 -> 2.06 on code rewriting, RAG unchanged).
     COPY_MAX = 8
 
-    def __init__(self, model: Model, runner: HeadRunner, k: int, acceptance_hint: float | None = None,
+    def __init__(self, model: Model, head: PreparedHead, k: int, acceptance_hint: float | None = None,
                  copy_min: int = 0, prompt_window: int = 0, lib=None):
-        """runner: the head prepared for the model's backend; lib: ngram.cc's library for the copies (None: the
-        numpy reference)."""
-        self.model, self.runner, self.k = model, runner, k
+        """head: prepared for the model's backend; lib: ngram.cc's library for the copies (None: the numpy
+        reference)."""
+        self.model, self.head, self.k = model, head, k
         # Prompt positions the head's cache holds (0: all): only a prompt's last prompt_window positions are caught
         # up, stored from the head's position 0 on (its positions are the main model's minus the slot's shift;
         # rotary attention depends only on distances), so the head is not asked to attend further back than it
@@ -85,7 +85,7 @@ class MtpProposer:
 
     def _ensure(self, num_slots: int) -> None:
         if self.cache is None:
-            self.cache = self.model.backend.new_cache(self.model, num_slots, self.model.max_len, "auto", num_layers=1)
+            self.cache = self.model.new_cache(num_slots, self.model.max_len, num_layers=1)
             self.drafts = np.zeros((num_slots, self.k), np.int64)
             self.num_drafts = np.zeros(num_slots, np.int64)
             # copy_min > 0: each slot's copied drafts [num_slots, k], their count, and the length they are for
@@ -140,12 +140,12 @@ class MtpProposer:
         depth = max(1, min(self.k, update.max_draft_next))  # chained drafts worth computing for the next step
         want = ~copying
         self.num_drafts[slots] = np.where(want, depth, 0)
-        self.drafts[slots[want], :depth] = self.runner.run(self.cache, MtpPass(
+        self.drafts[slots[want], :depth] = self.head.run(self.cache, MtpPass(
             token_slots=slots[seq], positions=pos - shift[seq], token_ids=next_ids, rows=rows, hidden=hidden,
             seq_lens=total, last_rows=(np.cumsum(total) - 1)[want], depth=depth))
 
 
-# heads prepared per model in this process: {(directory, its files' mtimes, quantize): runner}; later generate()
+# heads prepared per model in this process: {(directory, its files' mtimes, quantize): head}; later generate()
 # calls on the same model reuse them
 _heads: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -159,9 +159,9 @@ def build_mtp_proposer(spec: SpecConfig, model: Model, lib=None) -> MtpProposer:
     d = Path(path).resolve()
     key = (str(d), tuple(sorted((f.name, f.stat().st_mtime_ns) for f in d.iterdir())) if d.is_dir() else (),
            spec.mtp.quantize)
-    runners = _heads.setdefault(model, {})
-    if key not in runners:
+    heads = _heads.setdefault(model, {})
+    if key not in heads:
         head = MtpHeadWeights.read(load_mtp_weights(path), str(path), model, load_draft_vocab(path))
-        runners[key] = model.backend.prepare_head(model, head, spec.mtp.quantize)
-    return MtpProposer(model, runners[key], spec.num_speculative_tokens, training_setting(d, "eval_acc"),
+        heads[key] = model.backend.prepare_head(model, head, spec.mtp.quantize)
+    return MtpProposer(model, heads[key], spec.num_speculative_tokens, training_setting(d, "eval_acc"),
                        spec.mtp.copy, prompt_window(d), lib)

@@ -23,7 +23,7 @@ from specgen.kernels import host
 
 def ngram_match_native(
     lib,  # ngram.cc's library (specgen.kernels.host)
-    tokens: np.ndarray,  # [num_slots, capacity] int64 the runner's token table
+    tokens: np.ndarray,  # [num_slots, capacity] int64 the engine's token table
     slots: np.ndarray,  # [num_seqs] int64 rows of the slots to draft for
     seq_lens: np.ndarray,  # [num_seqs] int64
     k: int,
@@ -102,7 +102,8 @@ class NgramProposer:
         """lib: ngram.cc's library (specgen.kernels.host_lib()); None runs the numpy reference."""
         self.k, self.n_min, self.n_max = k, n_min, n_max
         self.pool = NgramPool(pool_capacity, n_min, n_max) if pool_capacity > 0 else None
-        self.sources = AcceptanceEstimator(2, n_max + 1, self.SOURCE_DECAY)  # keyed by match length
+        # keyed by match length; its arrays are only ever updated in place: ngram.cc reads them by address
+        self.sources = AcceptanceEstimator(2, n_max + 1, self.SOURCE_DECAY)
         # candidates of the last propose, scored in observe: slots, first draft and match length per source
         self._pending: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # [num_seqs], [2, num_seqs] x 2
         self._lib = lib if max(k, n_max) <= host.NATIVE_MAX else None

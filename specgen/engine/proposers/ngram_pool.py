@@ -35,14 +35,17 @@ class NgramPool:
     def __init__(self, capacity: int, n_min: int, n_max: int, table_bits: int = 18):
         self.capacity, self.n_min, self.n_max, self.table_bits = capacity, n_min, n_max, table_bits
         self.ring = np.full(capacity, _SEP, np.int64)  # [capacity] token ids, _SEP between sequences
-        # tokens ever written: stream position p lives at ring[p % capacity] while p >= written - capacity
-        self.written = 0
         size = 1 << table_bits
         self.keys = np.zeros((n_max + 1, size), np.uint64)  # [n_max + 1, table_size] full hash of the n-gram
         self.ends = np.full((n_max + 1, size), -1, np.int64)  # [n_max + 1, table_size] stream position after it
-        # the pool for ngram.cc, by address (its arrays are updated in place; `written` is kept current)
+        # the pool for ngram.cc, by address (its arrays are only ever updated in place), and the tokens written
         self.view = host.PoolView(self.ring.ctypes.data, capacity, self.keys.ctypes.data, self.ends.ctypes.data,
                                   table_bits, 0)
+
+    @property
+    def written(self) -> int:
+        """Tokens ever written: stream position p lives at ring[p % capacity] while p >= written - capacity."""
+        return self.view.written
 
     def _slot(self, h: np.ndarray) -> np.ndarray:
         with np.errstate(over="ignore"):
@@ -63,8 +66,7 @@ class NgramPool:
         stream = padded[col <= seq_lens[:, None]][-self.capacity:]  # [num_stream] in order, at most the ring
         start = self.written
         self.ring[(start + np.arange(len(stream))) % self.capacity] = stream
-        self.written += len(stream)
-        self.view.written = self.written
+        self.view.written += len(stream)
         for n in range(self.n_min, self.n_max + 1):
             if len(stream) <= n:
                 continue
