@@ -253,7 +253,7 @@ def main() -> None:
     labels = list(next(iter(results.values()))["ratios"])
     common.print_table(["ratio", *results], [[label, *(r["ratios"][label] for r in results.values())]
                                              for label in labels])
-    print(common.machine())
+    print(common.machine())  # the end's time and load, beside the start's
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine, "command": sys.argv,
                                                "versions": versions(), "args": vars(args), "sets": results},

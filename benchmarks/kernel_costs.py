@@ -1,6 +1,6 @@
 """The fused kernels' costs on the default model: the weights' products, and a whole forward by tokens fed.
 
-    python benchmarks/kernels.py --rows 1 2 4 6 8 16 32 64 128 --tokens 1 2 3 4 6 8 16 32 64
+    python benchmarks/kernel_costs.py --rows 1 2 4 6 8 16 32 64 128 --tokens 1 2 3 4 6 8 16 32 64
 
 Products: for each row count M, one pass multiplies [M, k] inputs by every projection of the model (30 decoder
 blocks' QKV, O, gate/up, down) and the LM head, as one step does; ms per pass is the best of --repeats, three

@@ -1,6 +1,6 @@
 """Where a decoding step's time goes: plain and n-gram decoding at batch 1, 32 and 256 on the default model.
 
-    python benchmarks/profile.py --batch-sizes 1 32 256 --methods none ngram --max-tokens 48
+    python benchmarks/step_profile.py --batch-sizes 1 32 256 --methods none ngram --max-tokens 48
 
 Fills every slot with a Spec-Bench summarization or RAG prompt and runs the job; the engine's step phases are
 timed (wrapped, the same calls): planning (the proposer's drafts and the controller's choice), the forward (one
