@@ -109,6 +109,8 @@ class FusedBackend:
         for lin in weights.linears():
             self.pack(lin)
         self._kinds = sorted({lin.weight.kind for lin in weights.linears()})
+        cfg = model.config
+        self._geometry = args.Geometry(cfg.num_heads, cfg.num_kv_heads, cfg.qk_norm, cfg.rms_norm_eps)
         # stand-ins for absent q/k norms and prefix caches, and for absent biases
         self.ones = paddle.ones([model.config.head_dim], dtype=self.dtype)
         self.none = paddle.zeros([0], dtype=self.dtype)
@@ -172,12 +174,10 @@ class FusedBackend:
         screened = not logits and self.screen is not None
         screen, bound = (self.screen.panels.panels, self.screen.bound) if screened else (self._no_screen,) * 2
         pre = cache.prefix
-        cfg = model.config
         out, hidden, greedy = args.forward_bound(self.ops, args.StepArgs(
             index=self._index(index), num_tokens=n, weights=self._weights(model), caches=self._caches(model, cache),
             capacity=cache.capacity, prefix_capacity=pre.capacity if pre is not None else 0, screen=screen,
-            bound=bound, geometry=args.Geometry(cfg.num_heads, cfg.num_kv_heads, cfg.qk_norm, cfg.rms_norm_eps),
-            vocab=model.weights.lm_head.weight.n))
+            bound=bound, geometry=self._geometry, vocab=model.weights.lm_head.weight.n))
         return ForwardOutput(None if screened else out, hidden, greedy.numpy())
 
     def logits(self, model: ModelView, hidden: paddle.Tensor) -> paddle.Tensor:
