@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,12 +52,17 @@ def check_input(path: Path) -> None:
 def count_records(path: Path, fmt: str) -> int:
     """Cheap total for the progress bar: non-blank lines (one pass over bytes), or Parquet metadata rows."""
     if fmt == "parquet":
-        return _parquet_file(path).metadata.num_rows
+        return _parquet_rows(_parquet_file(path), path)
     n = 0
     with open(path, "rb") as f:
         for line in f:
-            n += bool(line.strip())
+            n += _is_record(line)
     return n
+
+
+def _is_record(line: bytes) -> bool:
+    """Blank lines (a trailing newline, ASCII spacing) are not records; count and read both ask here."""
+    return bool(line.strip())
 
 
 def iter_records(path: Path, fmt: str) -> Iterator[RawRecord]:
@@ -67,14 +73,26 @@ def iter_records(path: Path, fmt: str) -> Iterator[RawRecord]:
 def _iter_jsonl(path: Path) -> Iterator[RawRecord]:
     with open(path, "rb") as f:
         for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue  # blank lines (a trailing newline, spacing) are not records
-            try:
-                yield RawRecord(number, json.loads(line))
-            except UnicodeDecodeError:
-                yield RawRecord(number, None, "not UTF-8 text")
-            except json.JSONDecodeError as exc:
-                yield RawRecord(number, None, f"malformed JSON ({exc.msg} at column {exc.colno})")
+            if _is_record(line):
+                yield _decode_line(number, line)
+
+
+def _decode_line(number: int, line: bytes) -> RawRecord:
+    # Decoded here, not by json.loads(bytes): that guesses UTF-16/32 from NUL bytes and would read a UTF-16
+    # line as a record. A leading byte-order mark is allowed (where a file starts, or where files were joined).
+    try:
+        text = line.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        at = len(line) - len(exc.object) + exc.start + 1  # exc.object: the line past a byte-order mark
+        return RawRecord(number, None, f"not UTF-8 text (byte {at})")
+    try:
+        return RawRecord(number, json.loads(text))
+    except json.JSONDecodeError as exc:
+        return RawRecord(number, None, f"malformed JSON ({exc.msg} at column {exc.colno})")
+    except RecursionError:
+        return RawRecord(number, None, "malformed JSON (nested too deeply)")
+    except ValueError:  # the only other one: an integer past Python's int/str conversion limit
+        return RawRecord(number, None, f"malformed JSON (an integer over {sys.get_int_max_str_digits()} digits)")
 
 
 def _parquet_file(path: Path):
@@ -83,23 +101,61 @@ def _parquet_file(path: Path):
 
     try:
         return pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as exc:
+    except (pa.ArrowException, OSError, ValueError) as exc:  # ValueError: a footer's names not UTF-8
         raise InputError(f"{path}: not a readable Parquet file ({exc})") from None
+
+
+def _parquet_rows(pf, path: Path) -> int:
+    """The footer's row count, once its row groups add up to it: a corrupt footer can say anything."""
+    meta = pf.metadata
+    groups = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+    if meta.num_rows < 0 or min(groups, default=0) < 0 or sum(groups) != meta.num_rows:
+        raise InputError(f"{path}: corrupt Parquet footer ({meta.num_rows} rows, but its row groups hold "
+                         f"{sum(groups)})")
+    return meta.num_rows
 
 
 def _iter_parquet(path: Path) -> Iterator[RawRecord]:
     import pyarrow as pa
 
     pf = _parquet_file(path)
+    num_rows = _parquet_rows(pf, path)
     number = 0
     batches = pf.iter_batches(batch_size=PARQUET_BATCH_ROWS)
     while True:
         try:
             batch = next(batches)
         except StopIteration:
-            return
-        except (pa.ArrowException, OSError) as exc:
+            break
+        except (pa.ArrowException, OSError, ValueError) as exc:
             raise InputError(f"{path}: Parquet read failed after row {number} ({exc})") from None
-        for row in batch.to_pylist():
+        if number + batch.num_rows > num_rows:  # count_records promised num_rows: every row is accounted for
+            raise InputError(f"{path}: corrupt Parquet file (more rows than the {num_rows} its footer lists)")
+        for row, error in _batch_rows(batch):
             number += 1
-            yield RawRecord(number, row)
+            yield RawRecord(number, row, error)
+    if number != num_rows:
+        raise InputError(f"{path}: corrupt Parquet file (it ends after row {number} of the {num_rows} its "
+                         "footer lists)")
+
+
+def _batch_rows(batch) -> list[tuple[dict[str, Any] | None, str | None]]:
+    """A batch's rows as dicts; a value Python cannot hold (a timestamp past the year 9999) fails its row only."""
+    import pyarrow as pa
+
+    try:
+        return [(row, None) for row in batch.to_pylist()]
+    except (pa.ArrowException, ValueError, OverflowError):
+        return [_row(batch, i) for i in range(batch.num_rows)]
+
+
+def _row(batch, i: int) -> tuple[dict[str, Any] | None, str | None]:
+    import pyarrow as pa
+
+    row = {}
+    for name, column in zip(batch.schema.names, batch.columns):
+        try:
+            row[name] = column[i].as_py()
+        except (pa.ArrowException, ValueError, OverflowError) as exc:
+            return None, f"column {name!r} has a value Python cannot hold ({exc})"
+    return row, None

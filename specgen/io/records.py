@@ -8,6 +8,7 @@ A field whose value is null counts as absent (Parquet rows carry nulls for colum
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,8 @@ OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 OPENAI_BODY_READ = ("messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                     "top_k", "seed", "stop")
 OPENAI_BODY_IGNORED = ("model", "user", "metadata", "store")
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the engine keeps integer sampling fields in int64 arrays
+SHOWN_CHARS = 60  # longest piece of a record's own text quoted in a message
 
 
 class RecordError(InputError):
@@ -51,7 +54,7 @@ def parse_record(raw: Any, default_id: str) -> InputRecord:
     if "custom_id" in raw or "body" in raw:
         return _parse_openai(raw)
     record_id = _parse_id(raw.get("id", default_id), "id")
-    unknown = sorted(str(k) for k in raw if k not in NATIVE_KEYS)
+    unknown = sorted(_show_name(k) for k in raw if k not in NATIVE_KEYS)
     if unknown:
         raise RecordError(f"unknown field(s) {', '.join(unknown)} (valid: {', '.join(NATIVE_KEYS)})",
                           record_id)
@@ -66,23 +69,23 @@ def parse_record(raw: Any, default_id: str) -> InputRecord:
 
 def _parse_openai(raw: dict[str, Any]) -> InputRecord:
     record_id = _parse_id(raw["custom_id"], "custom_id") if "custom_id" in raw else None
-    unknown = sorted(str(k) for k in raw if k not in OPENAI_KEYS)
+    unknown = sorted(_show_name(k) for k in raw if k not in OPENAI_KEYS)
     if unknown:
         raise RecordError(f"unknown field(s) {', '.join(unknown)} in an OpenAI Batch line "
                           f"(valid: {', '.join(OPENAI_KEYS)})", record_id)
     if record_id is None:
         raise RecordError("OpenAI Batch line without custom_id")
     if raw.get("method", "POST") != "POST":
-        raise RecordError(f"method must be POST, got {raw['method']!r}", record_id)
+        raise RecordError(f"method must be POST, got {_show(raw['method'])}", record_id)
     url = raw.get("url")
-    if url is not None and url not in OPENAI_URLS:
-        raise RecordError(f"url {url!r} is not supported (valid: {', '.join(OPENAI_URLS)})", record_id)
+    if url is not None and not (isinstance(url, str) and url in OPENAI_URLS):
+        raise RecordError(f"url {_show(url)} is not supported (valid: {', '.join(OPENAI_URLS)})", record_id)
     body = raw.get("body")
     if not isinstance(body, dict):
         raise RecordError("body must be a JSON object", record_id)
     body = {k: v for k, v in body.items() if v is not None}
     known = OPENAI_BODY_READ + OPENAI_BODY_IGNORED + ("n", "stream")
-    unknown = sorted(str(k) for k in body if k not in known)
+    unknown = sorted(_show_name(k) for k in body if k not in known)
     if unknown:
         raise RecordError(f"unsupported field(s) body.{', body.'.join(unknown)}", record_id)
     if body.get("n", 1) != 1 or body.get("stream", False) is not False:
@@ -103,7 +106,7 @@ def _openai_prompt(body: dict[str, Any], url: str | None, record_id: str) -> Inp
         key = "input_ids"  # the completions API takes token ids as the prompt
     sampling = {k: body[k] for k in SAMPLING_KEYS if k in body}
     if "max_completion_tokens" in body:
-        if "max_tokens" in body and body["max_tokens"] != body["max_completion_tokens"]:
+        if "max_tokens" in body and not _same_int(body["max_tokens"], body["max_completion_tokens"]):
             raise RecordError("body.max_tokens and body.max_completion_tokens disagree", record_id)
         sampling["max_tokens"] = body["max_completion_tokens"]
     return InputRecord(record_id, _check_prompt(key, prompt, record_id), _check_sampling(sampling, record_id))
@@ -115,7 +118,17 @@ def _parse_id(value: Any, name: str) -> str:
     text = str(value)
     if not text:
         raise RecordError(f"{name} must not be empty")
+    _check_text(text, name, None)
     return text
+
+
+def _check_text(value: str, name: str, record_id: str | None) -> None:
+    """JSON's \\ud800 escapes can spell lone surrogates: not Unicode, so no tokenizer or writer takes them."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RecordError(f"{name} is not valid Unicode (a lone surrogate \\u{ord(value[exc.start]):04x} "
+                          f"at character {exc.start})", record_id) from None
 
 
 def _check_prompt(key: str, value: Any, record_id: str) -> Any:
@@ -124,6 +137,7 @@ def _check_prompt(key: str, value: Any, record_id: str) -> Any:
             raise RecordError(f"prompt must be a string, got {_type_name(value)}", record_id)
         if not value:
             raise RecordError("empty prompt", record_id)
+        _check_text(value, "prompt", record_id)
         return value
     if not isinstance(value, list):
         raise RecordError(f"{key} must be a list, got {_type_name(value)}", record_id)
@@ -136,6 +150,8 @@ def _check_prompt(key: str, value: Any, record_id: str) -> Any:
     for i, m in enumerate(value):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise RecordError(f"messages[{i}] must be an object with string role and content", record_id)
+        _check_text(m["role"], f"messages[{i}].role", record_id)
+        _check_text(m["content"], f"messages[{i}].content", record_id)
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
@@ -147,15 +163,50 @@ def _check_sampling(values: dict[str, Any], record_id: str) -> tuple[tuple[str, 
             value = [value] if isinstance(value, str) else value
             if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
                 raise RecordError("stop must be a string or a list of strings", record_id)
+            for i, s in enumerate(value):
+                _check_text(s, f"stop[{i}]", record_id)
             value = tuple(value)
         elif key in ("temperature", "top_p"):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise RecordError(f"{key} must be a number, got {_type_name(value)}", record_id)
-            value = float(value)
+            value = _check_float(key, value, record_id)
         elif isinstance(value, bool) or not isinstance(value, int):
             raise RecordError(f"{key} must be an integer, got {_type_name(value)}", record_id)
+        elif not INT64_MIN <= value <= INT64_MAX:
+            raise RecordError(f"{key} must be a 64-bit integer, got one outside [-2**63, 2**63)", record_id)
         out.append((key, value))
     return tuple(out)
+
+
+def _check_float(key: str, value: Any, record_id: str) -> float:
+    """A finite float: JSON (as Python reads it) and Parquet both carry NaN and infinities."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RecordError(f"{key} must be a number, got {_type_name(value)}", record_id)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past the float range
+        raise RecordError(f"{key} must be a finite number, got an integer past the float range",
+                          record_id) from None
+    if not math.isfinite(number):
+        raise RecordError(f"{key} must be a finite number, got {number}", record_id)
+    return number
+
+
+def _same_int(a: Any, b: Any) -> bool:
+    """a == b for integers; anything else differs (a deep == of nested lists can overflow the stack)."""
+    return type(a) is int and type(b) is int and a == b
+
+
+def _show(value: Any) -> str:
+    """A record's value in a message: a string or number quoted (shortened), anything else by its type."""
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        text = repr(value)  # repr escapes lone surrogates, so the message can be written as UTF-8
+        return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
+    return _type_name(value)
+
+
+def _show_name(key: Any) -> str:
+    """A field name in a message: as written, unless it would be unwritable (lone surrogates) or long."""
+    text = str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
 
 
 def _type_name(value: Any) -> str:

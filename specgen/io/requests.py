@@ -15,6 +15,7 @@ from specgen.io.records import RecordError, parse_record
 Encode = Callable[[Any, str], "tuple[int, ...]"]
 # Called with (record id, message naming the line, number of prompt tokens or None) for each bad record.
 OnBad = Callable[[str, str, "int | None"], None]
+MAX_NUMBER_DIGITS = 18  # an id this long or shorter may be a line/row number (below 10**18)
 
 
 class SeenIds:
@@ -30,9 +31,10 @@ class SeenIds:
 
     @staticmethod
     def _number(record_id: str) -> int | None:
-        if record_id.isascii() and record_id.isdigit() and str(int(record_id)) == record_id:
-            return int(record_id)
-        return None
+        if len(record_id) > MAX_NUMBER_DIGITS or not (record_id.isascii() and record_id.isdigit()):
+            return None  # longer digit strings are no line number (and int() refuses past 4300 digits)
+        k = int(record_id)
+        return k if str(k) == record_id else None
 
     def __contains__(self, record_id: str) -> bool:
         k = self._number(record_id)
