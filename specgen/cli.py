@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -10,7 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from specgen.cli_options import with_settings
-from specgen.errors import ConfigError, SpecgenError
+from specgen.errors import EXIT_RECORD_ERRORS, EXIT_SIGINT, ConfigError, OutputError, SpecgenError, Stopped
 
 PRECEDENCE = ("Settings resolve once, later winning: dataclass defaults < --config YAML "
               "< --speculative-config < individual flags.")
@@ -32,16 +34,32 @@ Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but er
 
 
 @contextmanager
-def exit_codes(interrupted: str = "interrupted") -> Iterator[None]:
-    """The one place where errors become exit codes: SpecgenError.exit_code, 130 for Ctrl-C."""
+def exit_codes(interrupted: str = "interrupted", resume: str | None = None) -> Iterator[None]:
+    """The one place where errors become exit codes: SpecgenError.exit_code (README: "Exit codes"), 130 for a
+    Ctrl-C outside a run. `resume`: the command that continues the job, told after a stop or a write error."""
     try:
         yield
+    except Stopped as exc:
+        typer.echo(f"{exc}; resume with: {resume}" if resume else str(exc), err=True)
+        raise typer.Exit(exc.exit_code) from None
+    except OutputError as exc:
+        typer.echo(f"error: {exc}" + (f"; free space or fix the folder, then resume with: {resume}" if resume else ""),
+                   err=True)
+        raise typer.Exit(exc.exit_code) from None
     except SpecgenError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         typer.echo(interrupted, err=True)
-        raise typer.Exit(130) from None
+        raise typer.Exit(EXIT_SIGINT) from None
+
+
+def resume_command() -> str:
+    """This command line with --resume: what continues the job (as words where specgen runs as a library)."""
+    args = sys.argv[1:]
+    if args[:1] != ["run"]:
+        return "the same command with --resume"
+    return shlex.join(["specgen", *args, *([] if "--resume" in args else ["--resume"])])
 
 
 def resolve_config(config: Path | None, speculative_config: str | None, flags: dict[str, Any], methods=None):
@@ -84,25 +102,36 @@ def run(
     flags: dict[str, Any],
     model: Model = None, speculative_config: SpecJson = None, config: ConfigFile = None,
     resume: Annotated[bool, typer.Option(
-        "--resume", help="Continue an existing output, skipping the ids it holds.")] = False,
+        "--resume", help="Continue an existing output, skipping the ids it holds; refused when the settings that "
+                         "decide its records (stored with it) differ.")] = False,
+    allow_mismatch: Annotated[bool, typer.Option(
+        "--allow-mismatch", help="With --resume: continue even though the settings differ.")] = False,
     on_error: Annotated[str, typer.Option(
         help="Bad records: skip (write an error record) | fail (exit 2).")] = "skip",
     quiet: Quiet = False, summary_json: SummaryJson = None, input_format: InputFormat = None,
 ) -> None:
-    from specgen.app.job import plan_job, run_job
+    from specgen.app.job import check_manifest, plan_job, run_job, run_manifest
     from specgen.io.report import run_progress
 
-    with exit_codes(f"interrupted: finished records are in {output}; rerun with --resume to complete it"):
+    with exit_codes(f"interrupted: finished records are in {output}; rerun with --resume to complete it",
+                    resume=resume_command()):
         cfg = resolve_config(config, speculative_config, flags)
-        plan = plan_job(input, output, input_format, resume, on_error)
-        loaded = _load(model, cfg)
-        with run_progress(quiet) as progress:
-            result = run_job(plan, loaded, cfg, progress)
+        plan = plan_job(input, output, input_format, resume, on_error, allow_mismatch)
+        with plan.lock:
+            loaded = _load(model, cfg)
+            for line in check_manifest(plan, run_manifest(loaded, cfg)):
+                typer.echo(f"warning: --allow-mismatch: {line}", err=True)
+            with run_progress(quiet) as progress:
+                result = run_job(plan, loaded, cfg, progress)
         if not quiet:
             if result.num_resumed:
                 typer.echo(f"resumed: {result.num_resumed} records were already in {output}")
             _print_summary(result.summary, "run summary")
         _write_json(summary_json, {**result.summary.to_dict(), "num_resumed": result.num_resumed})
+        if result.summary.num_errors:
+            typer.echo(f"{result.summary.num_errors} records are error records (their `error` field says why)",
+                       err=True)
+            raise typer.Exit(EXIT_RECORD_ERRORS)
 
 
 @app.command(help="Print the summary of an output file (.jsonl or .parquet), finished or not.")
@@ -110,14 +139,19 @@ def stats(
     output: Annotated[Path, typer.Argument(help="An output of `specgen run`.")],
     summary_json: SummaryJson = None,
 ) -> None:
+    from specgen.io.manifest import describe, read_manifest
     from specgen.io.outputs import iter_output_records, output_format
     from specgen.io.summary import summarize
 
     with exit_codes():
         output_format(output)
         summary = summarize(iter_output_records(output))
+        manifest = read_manifest(output)
+        typer.echo("settings (the run manifest):" if manifest else "settings: no manifest (an older specgen's output)")
+        for line in describe(manifest or {}):
+            typer.echo(f"  {line}")
         _print_summary(summary, f"{output.name}")
-        _write_json(summary_json, summary.to_dict())
+        _write_json(summary_json, {**summary.to_dict(), "manifest": manifest})
 
 
 @app.command(help="Run INPUT once per method on one loaded model and compare them side by side. "
@@ -249,4 +283,8 @@ def _bench_spec_method(methods) -> str | None:
 
 
 def main() -> None:
+    import paddle
+
+    # Paddle's handlers turn SIGTERM (a scheduler's stop) into a C++ crash dump; specgen handles the stop itself.
+    paddle.disable_signal_handler()
     app(prog_name="specgen")

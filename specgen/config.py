@@ -35,6 +35,23 @@ def opt(default: Any = dataclasses.MISSING, help: str = "", factory: Any = datac
     return field(default=default, metadata={"help": help})
 
 
+SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
+              "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_size(text: str, name: str) -> int:
+    """'8GiB', '512 MB', '1.5g', '1048576' -> bytes."""
+    number = text.strip().rstrip("bBiIkKmMgGtT ")
+    unit = text.strip()[len(number):].strip().lower()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in SIZE_UNITS or not value > 0:
+        raise ConfigError(f"{name} must be a size such as 8GiB or 512MiB, got {text!r}")
+    return int(value * SIZE_UNITS[unit])
+
+
 def _one_of(name: str, value: Any, valid: tuple) -> None:
     if value not in valid:
         raise ConfigError(f"{name} must be one of {', '.join(map(str, valid))}, got {value!r}")
@@ -97,6 +114,9 @@ class EngineConfig:
                              "[default: $XDG_CACHE_HOME/specgen or ~/.cache/specgen].")
     cost_cache: bool = opt(True, "Keep measured step-cost tables in the cache for a week (a rerun times nothing).")
     max_model_len: int = opt(0, "Cap on the context length; 0 keeps the model's.")
+    max_kv_memory: str = opt("", "Cap on the KV cache's memory (e.g. 8GiB, 512MiB); a request that would take the "
+                                 "cache past it (or past 90% of the memory available at start) stops the run "
+                                 "with advice, instead of the kernel killing it. Empty: the memory available.")
     max_prefill_tokens: int = opt(4096, "Prompt tokens admitted (and prefilled) per step.")
     prefill_chunk: int = opt(0, "Prefill prompts longer than this many tokens in chunks, mixed into decode steps "
                                 "(0: whole prompts).")
@@ -120,6 +140,7 @@ class EngineConfig:
             raise ConfigError(f"cpu_target must be a compiler -march value, got {self.cpu_target!r}")
         if self.max_model_len < 0 or self.max_prefill_tokens < 1:
             raise ConfigError("max_model_len must be >= 0 and max_prefill_tokens >= 1")
+        self.kv_memory_limit()  # a bad size: an error now
         _one_of("shared_prefix", self.shared_prefix, ("auto", "off"))
         if self.min_shared_prefix < 1:
             raise ConfigError(f"min_shared_prefix must be >= 1, got {self.min_shared_prefix}")
@@ -131,6 +152,10 @@ class EngineConfig:
             raise ConfigError(f"matmul int8 needs dtype float32, got {self.dtype!r}")
         if self.prefill_chunk < 0:
             raise ConfigError(f"prefill_chunk must be >= 0 (0: no chunking), got {self.prefill_chunk}")
+
+    def kv_memory_limit(self) -> int | None:
+        """max_kv_memory in bytes (None: not set)."""
+        return parse_size(self.max_kv_memory, "max_kv_memory") if self.max_kv_memory else None
 
     def cache_root(self) -> Path:
         """Where converted models, kernel builds and step-cost tables are kept."""

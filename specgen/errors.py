@@ -1,4 +1,9 @@
-"""The one error hierarchy; the CLI maps each class to an exit code."""
+"""The one error hierarchy; the CLI maps each class to an exit code (README: "Exit codes")."""
+
+# A run that wrote every record but some of them are error records (bad input, non-finite numbers).
+EXIT_RECORD_ERRORS = 8
+EXIT_SIGINT = 130
+EXIT_SIGTERM = 143
 
 
 class SpecgenError(Exception):
@@ -8,7 +13,7 @@ class SpecgenError(Exception):
 
 
 class ConfigError(SpecgenError):
-    """A bad option, YAML key or contradictory setting."""
+    """A bad option, YAML key or contradictory setting (or a resume whose settings differ from the output's)."""
 
     exit_code = 2
 
@@ -29,3 +34,34 @@ class EngineError(SpecgenError):
     """An internal invariant of the engine failed at run time."""
 
     exit_code = 4
+
+
+class OutputError(SpecgenError):
+    """The output could not be written (disk full, I/O error, folder gone, read-only); what was written before
+    is intact and --resume completes it."""
+
+    exit_code = 5
+
+
+class OutputBusyError(SpecgenError):
+    """Another run holds the output's lock."""
+
+    exit_code = 6
+
+
+class MemoryBudgetError(SpecgenError):
+    """The KV cache at the configured batch size and context does not fit the memory available."""
+
+    exit_code = 7
+
+
+class Stopped(SpecgenError):
+    """SIGTERM or SIGINT asked the run to stop; finished records are written."""
+
+    def __init__(self, signum: int, detail: str | None = None):
+        import signal
+
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped by {name}" + (f": {detail}" if detail else ""))
+        self.signum = signum
+        self.exit_code = EXIT_SIGTERM if signum == signal.SIGTERM else EXIT_SIGINT

@@ -1,6 +1,9 @@
 """The batch job: input records -> engine -> output records, written as they finish, resumable."""
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import signal
 import threading
 import time
@@ -11,10 +14,16 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from specgen import __version__
 from specgen.api import encode_prompt, make_engine
 from specgen.app.settings import RunConfig
-from specgen.errors import ConfigError, InputError
-from specgen.io.outputs import existing_parts, output_format
+from specgen.engine.engine import gib
+from specgen.errors import ConfigError, InputError, OutputError, SpecgenError, Stopped
+from specgen.io.lock import OutputLock
+from specgen.io.manifest import content_hash, differences, read_manifest, write_sidecar
+from specgen.io.outputs import done_ids, existing_parts, output_format
 from specgen.io.readers import check_input, count_records, input_format, iter_records, unit_name
 from specgen.io.report import RunProgress
 from specgen.io.requests import RequestSource
@@ -27,13 +36,15 @@ ON_ERROR = ("skip", "fail")
 
 @dataclass(frozen=True)
 class JobPlan:
-    """Checked paths and policies of a run, known before the model is loaded."""
+    """Checked paths and policies of a run, known before the model is loaded; holds the output's lock."""
 
     input: Path
     input_format: str  # jsonl | parquet
     output: Path
     resume: bool
     on_error: str  # skip: bad records become error records; fail: the first one stops the run (exit 2)
+    lock: OutputLock  # held: release() (or `with plan.lock`) when the run ends
+    allow_mismatch: bool = False  # resume an output whose manifest differs from this run's settings
 
 
 @dataclass(frozen=True)
@@ -42,17 +53,61 @@ class JobResult:
     num_resumed: int  # records skipped because an earlier run had written them
 
 
-def plan_job(input: Path, output: Path, fmt: str | None, resume: bool, on_error: str) -> JobPlan:
-    """Fail fast (before loading a model) on a missing input, an unknown format or an existing output."""
+def plan_job(input: Path, output: Path, fmt: str | None, resume: bool, on_error: str,
+             allow_mismatch: bool = False) -> JobPlan:
+    """Fail fast (before loading a model) on a missing input, an unknown format, an output another run holds, an
+    existing output without --resume, or one that cannot be written; takes the output's lock."""
     if on_error not in ON_ERROR:
         raise ConfigError(f"--on-error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
+    if allow_mismatch and not resume:
+        raise ConfigError("--allow-mismatch only applies with --resume")
     check_input(input)
     fmt = input_format(input, fmt)
     output_format(output)
-    parts = existing_parts(output)
-    if parts and not resume:
-        raise ConfigError(f"output {parts[0]} already exists; pass --resume to continue it, or remove it")
-    return JobPlan(input, fmt, output, resume, on_error)
+    if not output.parent.is_dir():
+        raise ConfigError(f"{output.parent}: the output's folder does not exist")
+    lock = OutputLock(output).acquire()
+    try:
+        parts = existing_parts(output)
+        if parts and not resume:
+            raise ConfigError(f"output {parts[0]} already exists; pass --resume to continue it, or remove it")
+        for part in parts:
+            if not os.access(part, os.W_OK):
+                raise OutputError(f"cannot write {part}: permission denied (read-only)")
+    except BaseException:
+        lock.release()
+        raise
+    return JobPlan(input, fmt, output, resume, on_error, lock, allow_mismatch)
+
+
+def run_manifest(loaded: Any, cfg: RunConfig) -> dict[str, Any]:
+    """The settings that decide the output records: the model (path and content hash), the precision and
+    backend it runs with, sampling, and the method with its settings. Batch size and threads do not change a
+    token, so they are not in it."""
+    e = loaded.engine
+    return {
+        "specgen_version": __version__,
+        "model": {"path": str(Path(loaded.source).resolve()), "sha256": content_hash(loaded.source, e.cache_root())},
+        "engine": {"dtype": e.dtype, "kv_cache_dtype": cfg.engine.kv_cache_dtype,
+                   "matmul": e.matmul, "backend": loaded.model.backend.name,
+                   "max_model_len": cfg.engine.max_model_len},
+        "sampling": json.loads(json.dumps(dataclasses.asdict(cfg.sampling))),
+        "speculative": json.loads(json.dumps(dataclasses.asdict(cfg.spec), default=lambda v: v.value)),
+    }
+
+
+def check_manifest(plan: JobPlan, manifest: dict[str, Any]) -> list[str]:
+    """Store the manifest with a new output (or an old output without one); on --resume, refuse settings that
+    differ from the stored ones unless --allow-mismatch. Returns the differences allowed."""
+    stored = read_manifest(plan.output) if existing_parts(plan.output) else None
+    if stored is None:
+        write_sidecar(plan.output, manifest)
+        return []
+    diffs = differences(stored, manifest)
+    if diffs and not plan.allow_mismatch:
+        raise ConfigError(f"--resume: {plan.output} was written with other settings:\n  " + "\n  ".join(diffs)
+                          + "\nrun with the output's settings, or add --allow-mismatch to mix them in one output")
+    return diffs
 
 
 def context_len(loaded: Any, engine_cfg: Any) -> int:
@@ -69,24 +124,62 @@ def request_source(plan_input: Path, fmt: str, loaded: Any, cfg: RunConfig, **kw
     )
 
 
-@contextmanager
-def deferred_sigint() -> Iterator[None]:
-    """Hold a Ctrl-C until the block is done, so that a record is never half written."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if received and callable(previous):
-            previous(signal.SIGINT, None)
+class Interrupts:
+    """SIGTERM and SIGINT during a run: the first raises Stopped where the run is (admitting, in a forward), or
+    right after the record being written, so a record is never half written; what is finished stays written.
+    A second one (a Parquet output being finalized) raises again at once: the journal stays for --resume."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._holding = False
+        self._pending = False
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = self.signum or signum
+        if self._holding:
+            self._pending = True
+            return
+        raise Stopped(self.signum)
+
+    @contextmanager
+    def installed(self) -> Iterator["Interrupts"]:
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Signals wait until the block is done."""
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+            if self._pending:
+                self._pending = False
+                raise Stopped(self.signum)
 
 
 def run_job(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress) -> JobResult:
-    """Stream the input through the engine; a KeyboardInterrupt leaves every finished record on disk."""
+    """Stream the input through the engine, writing records as they finish. Stopped (a signal) and OutputError
+    (a failed write) leave every record written before them on disk, and say how many."""
+    interrupts = Interrupts()
+    with interrupts.installed():
+        try:
+            return _run(plan, loaded, cfg, progress, interrupts)
+        except Stopped as exc:
+            raise Stopped(exc.signum, f"{_count_written(plan.output)} records are in {plan.output}") from None
+        except OutputError as exc:
+            raise OutputError(f"{exc}; {_count_written(plan.output)} records are safely in {plan.output}") from None
+
+
+def _run(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress, interrupts: Interrupts) -> JobResult:
     unit = unit_name(plan.input_format)
     total = count_records(plan.input, plan.input_format)
     sink, done = open_sink(plan.output, plan.resume)
@@ -94,7 +187,7 @@ def run_job(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress) -
     completed = [len(done)]
 
     def emit(record: dict[str, Any]) -> None:
-        with deferred_sigint():
+        with interrupts.held():
             sink.write(record)
         acc.add(record)
         completed[0] += 1
@@ -108,9 +201,15 @@ def run_job(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress) -
     source = request_source(plan.input, plan.input_format, loaded, cfg, done_ids=done,
                             on_bad=on_bad if skip else None)
     start = time.perf_counter()
+    engine = None
     try:
         progress.start(total, completed=min(len(done), total))
         engine = make_engine(loaded, cfg.engine, cfg.spec)
+        full = engine.kv_need(np.full(cfg.engine.batch_size, engine.context_len))
+        if full > engine.kv_budget:
+            progress.note(f"the KV cache at {cfg.engine.batch_size} slots x {engine.context_len} positions would need "
+                          f"{gib(full)}, over its budget of {gib(engine.kv_budget)}: requests are admitted while they "
+                          f"fit ({engine.memory_advice()})")
         for out in engine.run(source):
             message = None
             if out.error is not None:
@@ -120,6 +219,13 @@ def run_job(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress) -
                 progress.record_error(message)
             emit(result_record(out, cfg.spec, error=message))
     finally:
-        with deferred_sigint():
-            sink.close()
+        sink.close()
     return JobResult(acc.summary(time.perf_counter() - start, **engine.memory()), source.num_skipped)
+
+
+def _count_written(output: Path) -> str:
+    """Records the output holds now, read back from disk (a torn last line is trimmed, as --resume would)."""
+    try:
+        return str(len(done_ids(output)))
+    except (OSError, SpecgenError):
+        return "an unknown number of"

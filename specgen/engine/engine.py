@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import numpy as np
+import paddle
 
 from specgen.config import EngineConfig
 from specgen.engine.adaptive import Controller, StepReport
@@ -17,9 +18,40 @@ from specgen.engine.slots import MAX_DRAFT, SlotTable, common_prefix, error_outp
 from specgen.engine.stops import stop_strings
 from specgen.engine.types import DraftTokens, Request, RequestOutput, StepUpdate, build_forward_batch
 from specgen.engine.verify import accept_lengths, first_stop
-from specgen.errors import ConfigError
+from specgen.engine.kv_cache import available_memory
+from specgen.errors import ConfigError, MemoryBudgetError
 from specgen.models.model import Model
 from specgen.models.tokenizer import TextTokenizer
+
+
+def kv_budget(cache, config: EngineConfig) -> int:
+    """Bytes the KV cache may take: 90% of the memory available now (plus what a zero-filled cache already holds),
+    capped by max_kv_memory."""
+    avail = int(0.9 * available_memory()) + (cache.nbytes() if cache.zeroed else 0)
+    limit = config.kv_memory_limit()
+    return avail if limit is None else min(avail, limit)
+
+
+def gib(n: int) -> str:
+    """Bytes for a message: GiB, or MiB / KiB below one."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def nonfinite_slots(out, batch) -> np.ndarray:
+    """Slots with a NaN or Inf in the step's final hidden states (or its logits, where computed): [n] int64, most
+    often empty. One reduction each when all is well; the per-row search only when it is not."""
+    rows = None
+    if not np.isfinite(float(paddle.sum(out.hidden))):
+        bad = ~paddle.isfinite(out.hidden).all(axis=1).numpy()  # [num_tokens]
+        rows = batch.token_slots[bad]
+    if out.logits is not None and not np.isfinite(float(paddle.sum(out.logits))):
+        bad = ~paddle.isfinite(out.logits).all(axis=1).numpy()  # [num_logits]
+        logit_slots = batch.token_slots[batch.logit_rows[bad]]
+        rows = logit_slots if rows is None else np.concatenate([rows, logit_slots])
+    return np.empty(0, np.int64) if rows is None else np.unique(rows)
 
 
 @dataclass(frozen=True)
@@ -54,12 +86,14 @@ class Engine:
             raise ConfigError(f"the model was loaded with matmul {loaded!r}, the engine asks for "
                               f"{config.matmul!r}: load it with load_model(..., matmul={config.matmul!r})")
         self.cache = model.new_cache(config.batch_size, self.context_len, config.kv_cache_dtype)
+        self.kv_budget = kv_budget(self.cache, config)  # bytes the KV cache may take (admission checks it)
         self.table = SlotTable.empty(config.batch_size, 256)
         self.requests: list[Request | None] = [None] * config.batch_size
         self.adaptive, self.max_draft = adaptive, max_draft
         self.controller: Controller | None = None  # with `adaptive`, made when the first run starts
         self.prefix_ids: np.ndarray | None = None  # [prefix_tokens] the shared prefix, once computed
         self.prefix_hidden = None  # paddle [prefix_tokens, hidden]
+        self.num_steps = 0  # steps run (named in a non-finite request's error)
 
     def _start(self, num_requests: int) -> None:
         """The adaptive controller, its step costs measured with as many slots as the job will fill at first
@@ -73,6 +107,7 @@ class Engine:
     def _place(self, slot: int, req: Request) -> None:
         n = len(req.prompt_ids)
         end = min(n + req.params.max_tokens, self.context_len)  # the request's last position + 1
+        self._check_memory(req, end)
         self.cache.admit(n + MAX_DRAFT + 1, end + MAX_DRAFT + 1)
         # A prompt that starts with the shared prefix skips it (keeping at least one token of its own to prefill).
         shared = 0
@@ -84,6 +119,31 @@ class Engine:
         if self.controller is not None:
             self.controller.reset(slot)
 
+    def kv_need(self, ends: np.ndarray) -> int:
+        """KV bytes for requests whose last positions + 1 are `ends`, each running to its end: the pages a slot
+        writes (storage starts uninitialized), or the whole zero-filled capacity they make the cache grow to."""
+        c, room = self.cache, MAX_DRAFT + 1
+        if c.zeroed:
+            return c.nbytes(max(c.capacity, min(int(ends.max(initial=0)) + room, c.max_capacity)))
+        return c.bytes_per_position() * int((np.minimum(ends + room, c.max_capacity)).sum())
+
+    def memory_advice(self) -> str:
+        """What fits the KV budget: the batch size at the full context, the context at this batch size."""
+        per_slot = self.kv_need(np.array([self.context_len])) // (self.cache.num_slots if self.cache.zeroed else 1)
+        batch = max(1, self.kv_budget // max(per_slot, 1))
+        positions = self.kv_budget // (self.cache.bytes_per_position() * self.cache.num_slots) - MAX_DRAFT - 1
+        return f"--batch-size {min(batch, 256)} or --max-model-len {max(positions, 1)} guarantees it"
+
+    def _check_memory(self, req: Request, end: int) -> None:
+        t = self.table
+        need = self.kv_need(np.append(t.max_len[t.active], end))
+        if need > self.kv_budget:
+            raise MemoryBudgetError(
+                f"request {req.id!r} runs to position {end}: with the {int(t.active.sum())} requests running, the "
+                f"KV cache would need {gib(need)}, over its budget of {gib(self.kv_budget)}; rerun with --resume "
+                f"and a smaller --batch-size or --max-model-len ({self.memory_advice()}), or another "
+                "--max-kv-memory")
+
     def _finish(self, slot: int, reason: str, text_cut: str | None) -> RequestOutput:
         t, req = self.table, self.requests[slot]
         out_ids = t.output_ids(slot)
@@ -91,6 +151,12 @@ class Engine:
         t.active[slot] = False
         self.requests[slot] = None
         return RequestOutput(req.id, req.index, text, out_ids, reason, len(req.prompt_ids), t.stats(slot))
+
+    def _fail(self, slot: int, why: str) -> RequestOutput:
+        req = self.requests[slot]
+        self.table.active[slot] = False
+        self.requests[slot] = None
+        return error_output(req, why)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
@@ -145,6 +211,8 @@ class Engine:
         out = self.model.forward(batch, self.cache, logits=bool(t.temperature[slots].any()))
         targets = self._sample(batch, out)
         forward_seconds = time.perf_counter() - start
+        self.num_steps += 1
+        broken = np.isin(slots, nonfinite_slots(out, batch))  # [num_seqs] NaN / Inf: these requests end in error
 
         # Targets back into [num_seqs, width + 1]: decode rows are the first sum(num_draft + 1) logit rows.
         emitted = np.zeros((len(slots), width + 1), np.int64)
@@ -155,8 +223,9 @@ class Engine:
         num_emitted = np.concatenate([accepted + 1, plan.final.astype(np.int64)])  # a mid-prompt chunk: none
         kept, by_eos = first_stop(emitted, num_emitted, self.eos_ids, plan.room[slots], t.ignore_eos[slots])
         by_stop, texts = stop_strings(self.tokenizer, self.requests, t, slots, emitted, kept)
+        position = t.seq_len[slots] - t.prompt_len[slots]  # [num_seqs] output tokens before this step
         produced = self._commit(plan, slots, emitted, kept)
-        done = by_eos | by_stop | (t.seq_len[slots] >= t.max_len[slots])
+        done = by_eos | by_stop | (t.seq_len[slots] >= t.max_len[slots]) | broken
 
         observe_seconds = self._observe(plan, slots, lens, starts, produced, kept, done, out.hidden)
         if self.controller is not None:
@@ -168,6 +237,11 @@ class Engine:
         finished = []
         for i in np.nonzero(done)[0]:
             s = int(slots[i])
+            if broken[i]:
+                finished.append((self._fail(s, f"non-finite values (NaN or Inf) in the model's output at engine step "
+                                               f"{self.num_steps}, output token {int(position[i])}"),
+                                 s))
+                continue
             finished.append((self._finish(s, "stop" if (by_eos[i] or by_stop[i]) else "length", texts.get(s)), s))
         return finished
 

@@ -100,6 +100,11 @@ class KVCache:
         self.peak_position = max(self.peak_position, max_position)
         self.peak_own = max(self.peak_own, own_max)
 
+    def bytes_per_position(self) -> int:
+        """K and V bytes of one slot's position, over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * {"float64": 8, "float32": 4,
+                                                                            "float16": 2}[self.dtype]
+
     def nbytes(self, capacity: int | None = None) -> int:
         """Bytes of K and V over all layers (with the shared prefix's), or for another per-slot capacity."""
         itemsize = {"float64": 8, "float32": 4, "float16": 2}[self.dtype]
@@ -115,6 +120,30 @@ def _physical_memory() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 1 << 62
+
+
+def available_memory() -> int:
+    """Bytes this process may still take: Linux's MemAvailable, capped by a cgroup v2 memory limit; the
+    physical memory where neither is known."""
+    avail = _physical_memory()
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            avail = min(avail, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return max(avail, 0)
 
 
 @functools.cache

@@ -45,6 +45,11 @@ class RunProgress:
         tps = f"{acc.num_output_tokens / elapsed:.1f}" if elapsed > 0 else "-"
         self._progress.update(self._task, completed=completed, tps=tps, acc=_fmt(acc.acceptance_rate, ".2f"))
 
+    def note(self, message: str) -> None:
+        """A line about the run itself (shown unless --quiet)."""
+        if not self.quiet:
+            self._progress.console.print(f"note: {message}", markup=False, highlight=False)
+
     def record_error(self, message: str) -> None:
         """Bad records are errors: shown even with --quiet, up to MAX_ERRORS_SHOWN."""
         self._errors_shown += 1

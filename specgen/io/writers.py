@@ -8,13 +8,15 @@ over the output and removes the journal; a kill at any point of that leaves part
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
 from pathlib import Path
 from typing import Any, Protocol
 
-from specgen.errors import ConfigError, InputError
+from specgen.errors import ConfigError, InputError, OutputError
+from specgen.io.manifest import PARQUET_KEY, read_manifest, sidecar_path
 from specgen.io.outputs import existing_parts, iter_parquet_batches, journal_path, output_format, scan_jsonl
 
 SYNC_EVERY_RECORDS = 64
@@ -38,12 +40,17 @@ class _PeriodicSync:
         self._lock = threading.Lock()
         self._dirty = False
         self._stop = threading.Event()
+        self.error: OSError | None = None  # a failed fsync of the timer's, raised by the sink's next write
         self._thread = threading.Thread(target=self._loop, name="specgen-fsync", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):
-            self.sync()
+            try:
+                self.sync()
+            except OSError as exc:
+                self.error = exc
+                return
 
     def mark_dirty(self) -> None:
         self._dirty = True
@@ -55,39 +62,79 @@ class _PeriodicSync:
                 os.fsync(self._fd)
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
+        """Stop the timer and sync what is pending."""
+        self.halt()
         self.sync()
+
+    def halt(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 class JsonlSink:
-    """One JSON object per line, appended in completion order."""
+    """One JSON object per line, appended in completion order, each line one write(2) of an unbuffered file (a
+    failed write leaves at most a torn last line, which --resume trims). A write error, or the file vanishing
+    from its path (its folder removed), raises OutputError; close() after one only lets the descriptor go."""
 
     def __init__(self, path: Path, append: bool):
         self.path = path
-        self._file = open(path, "ab" if append else "xb")  # noqa: SIM115 (held open by the sink until close())
+        try:
+            self._file = open(path, "ab" if append else "xb", buffering=0)  # noqa: SIM115 (held until close())
+        except OSError as exc:
+            raise OutputError(_what(path, exc)) from None
+        self._ino = os.fstat(self._file.fileno()).st_ino
         self._sync = _PeriodicSync(self._file.fileno(), SYNC_EVERY_SECONDS)
         self._since_sync = 0
+        self.failed = False
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record, ensure_ascii=False).encode("utf-8") + b"\n")
-        self._file.flush()
-        self._sync.mark_dirty()
-        self._since_sync += 1
-        if self._since_sync >= SYNC_EVERY_RECORDS:
-            self._since_sync = 0
-            self._sync.sync()
+        data = memoryview(json.dumps(record, ensure_ascii=False).encode("utf-8") + b"\n")
+        try:
+            if self._sync.error is not None:
+                raise self._sync.error
+            while data:
+                data = data[self._file.write(data):]
+            self._sync.mark_dirty()
+            self._since_sync += 1
+            if self._since_sync >= SYNC_EVERY_RECORDS:
+                self._since_sync = 0
+                self._check_path()
+                self._sync.sync()
+        except OSError as exc:
+            self.failed = True
+            raise OutputError(_what(self.path, exc)) from None
+
+    def _check_path(self) -> None:
+        """Writes to a file whose folder was removed succeed and are lost: fail instead."""
+        try:
+            same = os.stat(self.path).st_ino == self._ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise OSError(errno.ENOENT, "the file was removed or replaced while this run wrote it")
 
     def close(self) -> None:
         if self._file.closed:
             return
-        self._file.flush()
-        self._sync.stop()
-        self._file.close()
+        try:
+            if not self.failed:
+                try:
+                    if self._sync.error is not None:
+                        raise self._sync.error
+                    self._check_path()
+                    self._sync.stop()
+                except OSError as exc:
+                    self.failed = True
+                    raise OutputError(_what(self.path, exc)) from None
+        finally:
+            self._sync.halt()
+            self._file.close()
 
 
 class ParquetSink:
-    """Records go to the journal as they finish; close() turns the output into one Parquet file."""
+    """Records go to the journal as they finish; close() turns the output into one Parquet file (not after a
+    failed write: the journal stays for --resume)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -98,7 +145,8 @@ class ParquetSink:
 
     def close(self) -> None:
         self._journal.close()
-        finalize_parquet(self.path)
+        if not self._journal.failed:
+            finalize_parquet(self.path)
 
 
 def open_sink(path: Path, resume: bool) -> tuple[Sink, set[str]]:
@@ -117,15 +165,36 @@ def open_sink(path: Path, resume: bool) -> tuple[Sink, set[str]]:
 
 
 def finalize_parquet(path: Path) -> None:
-    """Merge the existing Parquet output (if any) and the journal into `path` atomically; drop the journal."""
+    """Merge the existing Parquet output (if any) and the journal into `path` atomically, with the run manifest
+    in its metadata; drop the journal and the manifest's sidecar. On any failure (or an interrupt) the
+    temporary file goes and the parts stay as they were."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        _merge_parquet(path, tmp)
+        _fsync_path(tmp)
+        os.replace(tmp, path)
+        _fsync_path(path.parent)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(_what(tmp, exc)) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    journal_path(path).unlink(missing_ok=True)
+    sidecar_path(path).unlink(missing_ok=True)
+
+
+def _merge_parquet(path: Path, tmp: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from specgen.io.schema import arrow_schema
 
     schema = arrow_schema()
+    manifest = read_manifest(path)
+    if manifest is not None:
+        schema = schema.with_metadata({PARQUET_KEY: json.dumps(manifest, sort_keys=True).encode()})
     journal = journal_path(path)
-    tmp = path.with_name(path.name + ".tmp")
     seen: set[str] = set()
     with pq.ParquetWriter(tmp, schema) as writer:
         if path.exists():
@@ -147,11 +216,11 @@ def finalize_parquet(path: Path) -> None:
                     chunk = []
             if chunk:
                 writer.write_table(pa.Table.from_pylist(chunk, schema))
-    _fsync_path(tmp)
-    os.replace(tmp, path)
-    _fsync_path(path.parent)
-    if journal.exists():
-        journal.unlink()
+
+
+def _what(path: Path, exc: OSError) -> str:
+    """`cannot write FILE: the error`, in the OS's words."""
+    return f"cannot write {path}: {exc.strerror or exc}"
 
 
 def _fsync_path(path: Path) -> None:

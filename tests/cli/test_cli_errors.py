@@ -4,6 +4,8 @@ from __future__ import annotations
 import pytest
 from cli_support import assert_one_error_line, by_id, invoke, read_output, write_jsonl, write_parquet
 
+from specgen.errors import EXIT_RECORD_ERRORS
+
 GOOD = {"id": "ok", "prompt": "fine"}
 
 # (case, the bad line written as line 2, message fragment); the tiny model: vocab 300, context 256.
@@ -41,7 +43,7 @@ def test_bad_record_skipped_as_an_error_record(tmp_path, case, line, fragment):
     inp = write_jsonl(tmp_path / "in.jsonl", [GOOD, line, {"id": "after", "prompt": "after"}])
     out = tmp_path / "out.jsonl"
     result = invoke("run", inp, "-o", out, "--max-tokens", "2", "-q")
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == EXIT_RECORD_ERRORS, result.output  # finished, with error records
     assert fragment in result.stderr  # errors are shown even with --quiet
     records = read_output(out)
     errors = [r for r in records if r["error"] is not None]
@@ -54,7 +56,7 @@ def test_bad_record_skipped_as_an_error_record(tmp_path, case, line, fragment):
 def test_error_record_ids(tmp_path):
     inp = write_jsonl(tmp_path / "in.jsonl", ["{broken", {"id": "mine", "prompt": ""}])
     out = tmp_path / "out.jsonl"
-    assert invoke("run", inp, "-o", out, "-q").exit_code == 0
+    assert invoke("run", inp, "-o", out, "-q").exit_code == EXIT_RECORD_ERRORS
     records = by_id(read_output(out))
     assert records["1"]["error"].startswith("line 1: malformed JSON")  # unreadable: the line number
     assert records["mine"]["error"] == "line 2: empty prompt"  # readable: its own id
@@ -141,7 +143,7 @@ def test_engine_rejections_name_the_line(tmp_path, monkeypatch):
     monkeypatch.setattr(requests.RequestSource, "_check_ids", lambda self, ids, record_id: None)
     inp = write_jsonl(tmp_path / "in.jsonl", [GOOD, {"input_ids": [1, 300]}])
     out = tmp_path / "out.jsonl"
-    assert invoke("run", inp, "-o", out, "--max-tokens", "2", "-q").exit_code == 0
+    assert invoke("run", inp, "-o", out, "--max-tokens", "2", "-q").exit_code == EXIT_RECORD_ERRORS
     errors = [r["error"] for r in read_output(out) if r["error"]]
     assert errors == ["line 2: token id 300 outside the vocabulary [0, 300)"]
     result = invoke("run", inp, "-o", tmp_path / "o2.jsonl", "--on-error", "fail")

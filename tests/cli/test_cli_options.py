@@ -27,6 +27,8 @@ def captured(monkeypatch):
         return "loaded"
 
     monkeypatch.setattr(specgen.app.job, "run_job", fake_run_job)
+    monkeypatch.setattr(specgen.app.job, "run_manifest", lambda loaded, cfg: {})
+    monkeypatch.setattr(specgen.app.job, "check_manifest", lambda plan, manifest: [])
     monkeypatch.setattr(specgen.cli, "_load", fake_load)
     return seen
 
