@@ -34,7 +34,7 @@ def load_model(path: str | Path | None = None, engine: EngineConfig | None = Non
     if unknown:
         raise ConfigError(f"load_model: unknown setting(s) {', '.join(unknown)}")
     engine = dataclasses.replace(engine or EngineConfig(), **settings)
-    ckpt = load_checkpoint(path, engine.cache_root())
+    ckpt = load_checkpoint(path, engine.cache_root(), engine.quantization)
     model = Model(ckpt, select_backend(engine))
     return LoadedModel(model=model, tokenizer=ckpt.tokenizer, config=ckpt.config, source=ckpt.source, engine=engine)
 

@@ -125,8 +125,12 @@ class EngineConfig:
     min_shared_prefix: int = opt(64, "Shorter common prefixes are not shared.")
     kv_cache_dtype: str = opt("auto", "auto: the KV cache in the compute dtype; float16: half its memory and reads "
                                       "(float32 models on the fused backend).")
+    quantization: str = opt("auto", "auto | none | wint8 | wint4: the projections' and LM head's weights. auto: as "
+                                     "stored (GGUF blocks, or float); none: float (GGUF blocks dequantized); wint8 / "
+                                     "wint4: quantized at load in blocks of 32 inputs (Q8_0 / Q4_1), cached.")
     matmul: str = opt("float32", "float32 | int8. int8: inputs quantized to int8 per block of 32 for integer "
-                                 "products with GGUF Q4_0/Q4_1/Q8_0 weights (AVX-512 VNNI), as llama.cpp does.")
+                                 "products with block weights (GGUF Q4_0/Q4_1/Q8_0, --quantization wint8 / wint4; "
+                                 "AVX-512 VNNI), as llama.cpp does.")
 
     def __post_init__(self) -> None:
         if not 1 <= self.batch_size <= 256:
@@ -147,6 +151,7 @@ class EngineConfig:
         _one_of("kv_cache_dtype", self.kv_cache_dtype, ("auto", "float16"))
         if self.kv_cache_dtype == "float16" and self.dtype != "float32":
             raise ConfigError(f"kv_cache_dtype float16 needs dtype float32, got {self.dtype!r}")
+        _one_of("quantization", self.quantization, ("auto", "none", "wint8", "wint4"))
         _one_of("matmul", self.matmul, ("float32", "int8"))
         if self.matmul == "int8" and self.dtype != "float32":
             raise ConfigError(f"matmul int8 needs dtype float32, got {self.dtype!r}")

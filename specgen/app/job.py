@@ -88,7 +88,7 @@ def run_manifest(loaded: Any, cfg: RunConfig) -> dict[str, Any]:
     return {
         "specgen_version": __version__,
         "model": {"path": str(Path(loaded.source).resolve()), "sha256": content_hash(loaded.source, e.cache_root())},
-        "engine": {"dtype": e.dtype, "kv_cache_dtype": cfg.engine.kv_cache_dtype,
+        "engine": {"dtype": e.dtype, "kv_cache_dtype": cfg.engine.kv_cache_dtype, "quantization": e.quantization,
                    "matmul": e.matmul, "backend": loaded.model.backend.name,
                    "max_model_len": cfg.engine.max_model_len},
         "sampling": json.loads(json.dumps(dataclasses.asdict(cfg.sampling))),

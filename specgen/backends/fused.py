@@ -98,8 +98,8 @@ class FusedBackend:
         if self.int8_product:
             has_blocks = any(lin.blocks is not None and lin.blocks.kind in INT8_KINDS for lin in weights.linears())
             if not (has_blocks and self.vnni and self.dtype == "float32"):
-                raise ConfigError("matmul int8 needs a checkpoint with GGUF Q4_0 / Q4_1 / Q8_0 weights, a float32 "
-                                  "model and a CPU with AVX-512 VNNI (here: blocks "
+                raise ConfigError("matmul int8 needs block weights (GGUF Q4_0 / Q4_1 / Q8_0, or --quantization "
+                                  "wint8 | wint4), a float32 model and a CPU with AVX-512 VNNI (here: blocks "
                                   f"{'yes' if has_blocks else 'no'}, {self.dtype}, VNNI "
                                   f"{'yes' if self.vnni else 'no'})")
         q = weights.lm_head.blocks
