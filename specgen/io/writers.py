@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from specgen.errors import ConfigError, InputError, OutputError
+from specgen.io.ids import SeenIds
 from specgen.io.manifest import PARQUET_KEY, read_manifest, sidecar_path
 from specgen.io.outputs import existing_parts, iter_parquet_batches, journal_path, output_format, scan_jsonl
 
@@ -149,7 +150,7 @@ class ParquetSink:
             finalize_parquet(self.path)
 
 
-def open_sink(path: Path, resume: bool) -> tuple[Sink, set[str]]:
+def open_sink(path: Path, resume: bool) -> tuple[Sink, SeenIds]:
     """Open the output; with `resume`, continue it and return the ids it already holds."""
     from specgen.io.outputs import done_ids
 
@@ -159,7 +160,7 @@ def open_sink(path: Path, resume: bool) -> tuple[Sink, set[str]]:
         raise ConfigError(f"output {parts[0]} already exists; pass --resume to continue it, or remove it")
     if not path.parent.is_dir():
         raise ConfigError(f"{path.parent}: the output's folder does not exist")
-    done = done_ids(path) if parts else set()
+    done = done_ids(path) if parts else SeenIds()
     sink: Sink = JsonlSink(path, append=bool(parts)) if fmt == "jsonl" else ParquetSink(path)
     return sink, done
 

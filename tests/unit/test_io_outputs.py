@@ -45,7 +45,7 @@ def test_error_record():
 def test_jsonl_sink_and_resume_trims_a_torn_line(tmp_path):
     out = tmp_path / "out.jsonl"
     sink, done = open_sink(out, resume=False)
-    assert done == set()
+    assert len(done) == 0
     for i in range(3):
         sink.write(record(i))
     sink.close()
@@ -55,7 +55,7 @@ def test_jsonl_sink_and_resume_trims_a_torn_line(tmp_path):
     with pytest.raises(ConfigError, match="already exists; pass --resume"):
         open_sink(out, resume=False)
     sink, done = open_sink(out, resume=True)
-    assert done == {"r0", "r1", "r2"}
+    assert len(done) == 3 and all(f"r{i}" in done for i in range(3))
     sink.write(record(3))
     sink.close()
     lines = out.read_text().splitlines()
@@ -82,7 +82,7 @@ def test_parquet_journal_finalize_and_resume(tmp_path):
     assert pq.read_table(out).schema.equals(arrow_schema())
 
     sink, done = open_sink(out, resume=True)
-    assert done == {"r0", "r1"}
+    assert len(done) == 2 and "r0" in done and "r1" in done and "r2" not in done
     sink.write(record(2))
     sink.close()
     rows = pq.read_table(out).to_pylist()
@@ -97,7 +97,8 @@ def test_finalize_after_a_kill_between_rename_and_journal_delete(tmp_path):
     sink.write(record(0))
     sink.close()
     journal_path(out).write_text(json.dumps(record(0)) + "\n" + json.dumps(record(1)) + "\n")
-    assert done_ids(out) == {"r0", "r1"}
+    done = done_ids(out)
+    assert len(done) == 2 and "r0" in done and "r1" in done and "r2" not in done
     assert [r["id"] for r in iter_output_records(out)] == ["r0", "r1"]
     finalize_parquet(out)
     assert [r["id"] for r in pq.read_table(out).to_pylist()] == ["r0", "r1"]
