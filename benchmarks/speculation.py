@@ -39,18 +39,16 @@ def counts(outs) -> dict:
 
 
 def oracle(model, prompts, plain_outs, sampling, batch_size, k, plain_wall, spec):
-    """(ceiling, oracle job speedup, prefill share) of n-gram drafting with `spec`'s rule on this job."""
+    """(ceiling, oracle job speedup, prefill share) of n-gram drafting with `spec`'s rule on this job: the same
+    figures as `specgen bench` (specgen/app/bounds.py), the prefill share from the job run to its first token."""
     from specgen import SpecConfig
     from specgen.app import bounds
+    from specgen.engine.proposers import build_proposer
 
-    steps = bounds.replay_steps(prompts, [o.token_ids for o in plain_outs], k, spec.ngram)
     _, pre_wall = run(model, prompts, dataclasses.replace(sampling, max_tokens=1), batch_size, SpecConfig())
-    p = min(pre_wall / plain_wall, 0.99)
-    position = int(np.median([len(x) for x in prompts]))
-    tokens = list(range(1, k + 2)) if batch_size == 1 else [1, 2, 3]
-    costs = bounds.step_costs(model.model, position, tokens, slots=batch_size, repeats=15 if batch_size == 1 else 5)
-    decode = bounds.oracle_decode_bound(steps, costs, batch_size)
-    return sum(steps) / len(steps), bounds.job_bound(decode, p), p
+    got = bounds.possible(model.model, build_proposer(spec, model.model), prompts, [o.token_ids for o in plain_outs],
+                          k, batch_size, bounds.prefill_share(pre_wall, plain_wall))
+    return got.ceiling, got.oracle, got.prefill_share
 
 
 def main() -> None:

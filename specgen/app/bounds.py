@@ -10,23 +10,38 @@ Host time per step (drafting, bookkeeping) is not charged, so the real ceiling i
 """
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from specgen.config import NgramConfig
-from specgen.engine.proposers.base import SlotView
-from specgen.engine.proposers.ngram import NgramProposer
+from specgen.engine.proposers.base import Proposer, SlotView
 from specgen.engine.types import StepUpdate, build_forward_batch
+
+# (model, position, tokens, slots=, repeats=) -> {tokens per slot: seconds per step}: step_costs, or a test's own
+MeasureCosts = Callable[..., dict[int, float]]
+
+
+@dataclass(frozen=True)
+class Possible:
+    """What a drafting rule could gain on one job at one batch size, on this machine."""
+
+    ceiling: float  # tokens per step if verifying were free: the replay's emitted tokens / its steps
+    decode_bound: float  # the decoding steps' oracle speedup over plain decoding
+    prefill_share: float  # the plain job's time spent before the first tokens (not sped up)
+    oracle: float  # the whole job's bound: job_bound(decode_bound, prefill_share)
+    costs: dict[int, float]  # the measured seconds per step, by tokens fed per slot
+    slots: int  # the slots the costs were measured at
 
 
 def replay_steps(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], k: int,
-                 ngram: NgramConfig) -> list[int]:
-    """The tokens each step would emit if n-gram drafting (k drafts, `ngram`'s rule and pool) were verified for
-    free, teacher-forced on the outputs, request after request (each request's prefill step, its first token,
-    included; with a pool, the requests replayed before are in it, as if they had finished earlier)."""
-    proposer = NgramProposer(k, ngram.min, ngram.max, ngram.pool)
+                 proposer: Proposer) -> list[int]:
+    """The tokens each step would emit if `proposer`'s drafts (k at most; a model-free drafter such as n-gram,
+    fresh) were verified for free, teacher-forced on the outputs, request after request (each request's prefill
+    step, its first token, included; with an n-gram pool, the requests replayed before are in it, as if they had
+    finished earlier)."""
     steps: list[int] = []
     one = np.zeros(1, np.int64)
     for prompt, out in zip(prompts, outputs):
@@ -53,13 +68,14 @@ def step_costs(model, position: int, tokens: Sequence[int], slots: int = 1, repe
     specgen Model."""
     s = np.arange(slots, dtype=np.int64)
     rng = np.random.default_rng(0)
+    vocab = min(1000, model.config.vocab_size)
     cache = model.new_cache(slots, position + max(tokens) + 1)
     if position:
         model.forward(build_forward_batch(s, np.zeros(slots, np.int64), np.full(slots, position),
-                                          rng.integers(0, 1000, slots * position), np.zeros(slots, bool)), cache,
+                                          rng.integers(0, vocab, slots * position), np.zeros(slots, bool)), cache,
                       logits=False)
     batches = {t: build_forward_batch(s, np.full(slots, position), np.full(slots, t),
-                                      rng.integers(0, 1000, slots * t), np.ones(slots, bool)) for t in tokens}
+                                      rng.integers(0, vocab, slots * t), np.ones(slots, bool)) for t in tokens}
     times: dict[int, list[float]] = {t: [] for t in tokens}
     for b in batches.values():  # warm
         model.forward(b, cache, logits=False)
@@ -85,3 +101,25 @@ def oracle_decode_bound(steps: Sequence[int], costs: dict[int, float], slots: in
 def job_bound(decode_bound: float, prefill_share: float) -> float:
     """The whole job's bound, its prefill (a share p of the plain job's time) not sped up."""
     return 1.0 / (prefill_share + (1.0 - prefill_share) / decode_bound)
+
+
+def prefill_share(prefill_wall: float, plain_wall: float) -> float:
+    """p: the plain job's time spent prefilling, from the same job run to its first token only (capped at 0.99:
+    timing noise on a job of tiny outputs can put the prefill pass above the whole)."""
+    return min(prefill_wall / plain_wall, 0.99)
+
+
+def possible(model, proposer: Proposer, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], k: int,
+             slots: int, share: float, measure: MeasureCosts = step_costs) -> Possible:
+    """The ceiling and the oracle bound of `proposer`'s rule on a job (prompts and plain decoding's outputs, in
+    input order) at `slots` slots (at most one per request), its step costs measured on `model` at the median
+    prompt length: at one slot for each token count a replayed step emits, at several for 1 up to the mean
+    tokens per step rounded up (the bound interpolates there)."""
+    steps = replay_steps(prompts, outputs, k, proposer)
+    per_step = sum(steps) / len(steps)
+    slots = max(1, min(slots, len(prompts)))
+    tokens = sorted(set(steps) | {1}) if slots == 1 else list(range(1, max(2, math.ceil(per_step)) + 1))
+    position = int(np.median([len(p) for p in prompts]))
+    costs = measure(model, position, tokens, slots=slots, repeats=15 if slots == 1 else 5)
+    decode = oracle_decode_bound(steps, costs, slots)
+    return Possible(per_step, decode, share, job_bound(decode, share), costs, slots)
