@@ -154,32 +154,63 @@ def stats(
         _write_json(summary_json, {**summary.to_dict(), "manifest": manifest})
 
 
-@app.command(help="Run INPUT once per method on one loaded model and compare them side by side. "
-                  + PRECEDENCE)
+@app.command(help="Run INPUT once per method (and batch size) on one loaded model and compare them side by side: "
+                  "tok/s, speedup, what speculation could reach (the n-gram ceiling, the oracle bound), and advice: "
+                  "the fastest choice, with its YAML for --config. " + PRECEDENCE)
 @with_settings(exclude=("method",))
 def bench(
     input: Annotated[Path, typer.Argument(help="Prompts: .jsonl / .json lines, or .parquet.")],
     flags: dict[str, Any],
     methods: Annotated[str, typer.Option(help="Comma-separated; the first is the baseline.")] = "none,ngram",
+    batch_sizes: Annotated[str | None, typer.Option(
+        help="Comma-separated batch sizes to bench each method at, e.g. 1,32,256 [default: --batch-size].")] = None,
+    sample: Annotated[int | None, typer.Option(
+        help="Bench a uniform random sample of this many records (drawn in one streaming pass; records keep "
+             "their line numbers) [default: every record].")] = None,
+    sample_seed: Annotated[int, typer.Option(help="Seed of --sample: the same seed, the same records.")] = 0,
+    plot: Annotated[Path | None, typer.Option(
+        help="Write a PNG: tok/s per method with its oracle bound, acceptance per draft position.")] = None,
     model: Model = None, config: ConfigFile = None, input_format: InputFormat = None,
     summary_json: SummaryJson = None,
 ) -> None:
     from rich.console import Console
 
-    from specgen.app.bench import parse_methods, run_bench
+    from specgen.app.advice import advise
+    from specgen.app.bench import BenchInput, parse_batch_sizes, parse_methods, run_bench
     from specgen.io.readers import check_input
     from specgen.io.readers import input_format as detect_format
     from specgen.io.report import bench_table
+    from specgen.io.sample import sample_records
 
     with exit_codes():
         method_list = parse_methods(methods)
+        if batch_sizes is not None and flags.get("batch_size") is not None:
+            raise ConfigError("give --batch-size or --batch-sizes, not both")
+        sizes = parse_batch_sizes(batch_sizes) if batch_sizes is not None else None
         # The speculative options apply to every speculative method listed; resolve them as for `run`.
         cfg = resolve_config(config, None, {**flags, "method": _bench_spec_method(method_list)}, set(method_list))
         check_input(input)
         fmt = detect_format(input, input_format)
-        rows = run_bench(input, fmt, _load(model, cfg), cfg, method_list)
-        Console().print(bench_table(rows))
-        _write_json(summary_json, [{"method": m, "identical": same, **s.to_dict()} for m, s, same in rows])
+        records = sample_records(input, fmt, sample, sample_seed) if sample is not None else None
+        rows = run_bench(BenchInput(input, fmt, records), _load(model, cfg), cfg, method_list, sizes)
+        advice = advise(rows, cfg)
+        console = Console() if Console().is_terminal else Console(width=150)  # a file gets every column
+        if records is not None:
+            typer.echo(f"sample: {len(records)} records of {input.name} (seed {sample_seed})")
+        console.print(bench_table(rows))
+        if advice is not None:
+            typer.echo(f"{advice.headline}\nwhy: {advice.why}\n--config YAML:\n{advice.yaml}", nl=False)
+        if plot is not None:
+            from specgen.io.bench_plot import plot_bench
+
+            plot_bench(rows, plot, f"specgen bench: {input.name}" + (f", {len(records)} sampled" if records else ""))
+        _write_json(summary_json, {
+            "input": str(input),
+            "sample": None if records is None else {"records": len(records), "seed": sample_seed,
+                                                     "numbers": [r.number for r in records]},
+            "rows": [r.to_dict() for r in rows],
+            "advice": None if advice is None else advice.to_dict(),
+        })
 
 
 def _train_default(text: str, name: str) -> str:

@@ -1,23 +1,92 @@
-"""Side-by-side runs of the same prompts with several methods on one loaded model."""
+"""Side-by-side runs of the same prompts with several methods on one loaded model, at one or more batch sizes, each
+beside what it could reach on them (the ceiling and the oracle bound of bounds.py)."""
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from specgen.api import iter_generate
+from specgen.app import bounds
 from specgen.app.job import request_source
 from specgen.app.settings import RunConfig
-from specgen.config import Method, SamplingParams, SpecConfig
+from specgen.config import EngineConfig, Method, SamplingParams, SpecConfig
+from specgen.engine.proposers import build_proposer
+from specgen.engine.types import Request
 from specgen.errors import ConfigError
+from specgen.io.readers import RawRecord
 from specgen.io.schema import error_record, result_record
 from specgen.io.summary import Summary, SummaryAccumulator
 
 WARMUP_TOKENS = 4
+# Drafting rules a model-free replay can run (bounds.replay_steps): their ceiling and oracle bound are computed.
+REPLAYABLE = (Method.NGRAM,)
+
+
+@dataclass(frozen=True)
+class BenchInput:
+    """What is benched: a file, streamed once per pass, or a sample of its records (io/sample.py)."""
+
+    path: Path
+    fmt: str  # jsonl | parquet
+    sample: list[RawRecord] | None = None  # None: every record of the file
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    """One method at one batch size."""
+
+    method: str
+    k: int | None  # drafts per step at most (num_speculative_tokens); None for none
+    batch_size: int
+    summary: Summary  # of its timed pass
+    identical: bool  # token-identical to the first method's outputs at this batch size
+    speedup: float | None  # output tok/s over the first method's at this batch size
+    speedup_over_plain: float | None  # output tok/s over none's at this batch size (when none was benched)
+    possible: bounds.Possible | None  # a replayable rule (ngram) with none benched: its ceiling and oracle bound
+    prefill_wall_s: float | None = None  # the job to its first token only (none; the prefill share's numerator)
+
+    @property
+    def tok_s(self) -> float | None:
+        return self.summary.output_tokens_per_s
+
+    @property
+    def of_oracle(self) -> float | None:
+        """The speedup over plain decoding as a share of the oracle bound."""
+        if self.possible is None or self.speedup_over_plain is None:
+            return None
+        return self.speedup_over_plain / self.possible.oracle
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.possible
+        return {
+            "method": self.method, "k": self.k, "batch_size": self.batch_size, "identical": self.identical,
+            "tok_s": self.tok_s, "speedup": self.speedup, "speedup_over_plain": self.speedup_over_plain,
+            "tokens_per_step": self.summary.mean_accepted_length, "acceptance": self.summary.acceptance_rate,
+            "per_position_acceptance": self.summary.per_position_acceptance,
+            "ceiling": None if p is None else p.ceiling, "decode_bound": None if p is None else p.decode_bound,
+            "oracle": None if p is None else p.oracle, "of_oracle": self.of_oracle,
+            "prefill_share": None if p is None else p.prefill_share, "prefill_wall_s": self.prefill_wall_s,
+            "step_costs": None if p is None else {str(t): c for t, c in p.costs.items()},
+            "cost_slots": None if p is None else p.slots,
+            "summary": self.summary.to_dict(),
+        }
+
+
+@dataclass
+class _Pass:
+    """One timed pass: its summary, each request's output tokens (packed, exact) and, when kept, the
+    prompts and outputs in input order for the replay."""
+
+    summary: Summary
+    tokens: dict[str, bytes]
+    prompts: dict[str, tuple[int, tuple[int, ...]]]  # id -> (index, prompt ids)
+    outputs: dict[str, list[int]]
 
 
 def parse_methods(value: str) -> list[Method]:
@@ -31,43 +100,114 @@ def parse_methods(value: str) -> list[Method]:
     return methods
 
 
-def run_bench(input: Path, fmt: str, loaded: Any, cfg: RunConfig, methods: Sequence[Method],
-              warmup: bool = True) -> list[tuple[str, Summary, bool]]:
-    """(method, summary, token-identical to the first method's outputs) for each method, in order."""
-    if warmup:
-        for method in methods:
-            _warmup(input, fmt, loaded, dataclasses.replace(cfg, spec=dataclasses.replace(cfg.spec, method=method)))
-    rows: list[tuple[str, Summary, bool]] = []
-    baseline: dict[str, bytes] | None = None
-    for method in methods:
-        summary, tokens = _run_method(input, fmt, loaded, cfg, dataclasses.replace(cfg.spec, method=method))
-        baseline = tokens if baseline is None else baseline
-        rows.append((method.value, summary, tokens == baseline))
+def parse_batch_sizes(value: str) -> list[int]:
+    """"1,32,256" -> [1, 32, 256], each a valid EngineConfig.batch_size."""
+    try:
+        sizes = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"--batch-sizes must be comma-separated integers (e.g. 1,32,256), got {value!r}") from None
+    if not sizes or len(set(sizes)) != len(sizes):
+        raise ConfigError(f"--batch-sizes needs distinct sizes (e.g. 1,32,256), got {value!r}")
+    for size in sizes:
+        EngineConfig(batch_size=size)  # 1..256, or an error saying so
+    return sizes
+
+
+def run_bench(inp: BenchInput, loaded: Any, cfg: RunConfig, methods: Sequence[Method],
+              batch_sizes: Sequence[int] | None = None, warmup: bool = True,
+              measure: bounds.MeasureCosts = bounds.step_costs) -> list[BenchRow]:
+    """Every method at every batch size (default: the configured one), batch size after batch size. `measure`:
+    the step costs of the oracle bound (bounds.step_costs times this machine)."""
+    rows: list[BenchRow] = []
+    for size in batch_sizes or [cfg.engine.batch_size]:
+        sized = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, batch_size=size))
+        rows += _bench_batch(inp, loaded, sized, methods, warmup, measure)
     return rows
 
 
-def _run_method(input: Path, fmt: str, loaded: Any, cfg: RunConfig, spec: SpecConfig):
-    """One timed pass over the input: its summary and each request's output tokens (packed, exact)."""
+def _bench_batch(inp: BenchInput, loaded: Any, cfg: RunConfig, methods: Sequence[Method], warmup: bool,
+                 measure: bounds.MeasureCosts) -> list[BenchRow]:
+    specs = {m: dataclasses.replace(cfg.spec, method=m) for m in methods}
+    if warmup:
+        for spec in specs.values():
+            _warmup(inp, loaded, dataclasses.replace(cfg, spec=spec))
+    passes = {m: _run_method(inp, loaded, cfg, spec, keep=m is Method.NONE) for m, spec in specs.items()}
+    base, plain = passes[methods[0]], passes.get(Method.NONE)
+    prefill_wall = share = None
+    if plain is not None and any(m in REPLAYABLE for m in methods):
+        prefill_wall = _prefill_wall(inp, loaded, cfg)
+        share = bounds.prefill_share(prefill_wall, plain.summary.wall_time_s)
+    rows = []
+    for m, spec in specs.items():
+        s = passes[m].summary
+        possible = None
+        if m in REPLAYABLE and share is not None and plain.outputs:
+            ids = sorted(plain.outputs, key=lambda i: plain.prompts[i][0])  # input order
+            proposer = build_proposer(spec, loaded.model)  # fresh, the numpy reference: the rule, replayed
+            possible = bounds.possible(loaded.model, proposer, [plain.prompts[i][1] for i in ids],
+                                       [plain.outputs[i] for i in ids], spec.num_speculative_tokens,
+                                       cfg.engine.batch_size, share, measure)
+        rows.append(BenchRow(
+            method=m.value, k=None if m is Method.NONE else spec.num_speculative_tokens,
+            batch_size=cfg.engine.batch_size, summary=s, identical=passes[m].tokens == base.tokens,
+            speedup=_ratio(s, base.summary), speedup_over_plain=None if plain is None else _ratio(s, plain.summary),
+            possible=possible, prefill_wall_s=prefill_wall if m is Method.NONE else None))
+    return rows
+
+
+def _ratio(s: Summary, base: Summary) -> float | None:
+    if not s.output_tokens_per_s or not base.output_tokens_per_s:
+        return None
+    return s.output_tokens_per_s / base.output_tokens_per_s
+
+
+def _source(inp: BenchInput, loaded: Any, cfg: RunConfig, acc: SummaryAccumulator | None):
+    def on_bad(record_id: str, message: str, num_prompt_tokens: int | None) -> None:
+        if acc is not None:
+            acc.add(error_record(record_id, message, cfg.spec, num_prompt_tokens))
+
+    return request_source(inp.path, inp.fmt, loaded, cfg, records=inp.sample, on_bad=on_bad)
+
+
+def _run_method(inp: BenchInput, loaded: Any, cfg: RunConfig, spec: SpecConfig, keep: bool) -> _Pass:
+    """One timed pass over the input; `keep`: hold its prompts and outputs for the replay."""
     acc = SummaryAccumulator()
     tokens: dict[str, bytes] = {}
+    prompts: dict[str, tuple[int, tuple[int, ...]]] = {}
+    outputs: dict[str, list[int]] = {}
 
-    def on_bad(record_id: str, message: str, num_prompt_tokens: int | None) -> None:
-        acc.add(error_record(record_id, message, spec, num_prompt_tokens))
+    def tapped(requests: Iterable[Request]) -> Iterator[Request]:
+        for r in requests:
+            prompts[r.id] = (r.index, r.prompt_ids)
+            yield r
 
-    source = request_source(input, fmt, loaded, cfg, on_bad=on_bad)
+    source = _source(inp, loaded, cfg, acc)
     start = time.perf_counter()
-    for out in iter_generate(loaded, source, cfg.engine, spec):
+    for out in iter_generate(loaded, tapped(source) if keep else source, cfg.engine, spec):
         acc.add(result_record(out, spec))
         tokens[out.id] = array("q", out.token_ids).tobytes()
-    return acc.summary(time.perf_counter() - start), tokens
+        if keep and out.error is None:
+            outputs[out.id] = list(out.token_ids)
+    return _Pass(acc.summary(time.perf_counter() - start), tokens, prompts, outputs)
 
 
-def _warmup(input: Path, fmt: str, loaded: Any, cfg: RunConfig) -> None:
+def _prefill_wall(inp: BenchInput, loaded: Any, cfg: RunConfig) -> float:
+    """Seconds of plain decoding's pass with every request cut to its first token: the job's prefill."""
+    spec = dataclasses.replace(cfg.spec, method=Method.NONE)
+    first = (dataclasses.replace(r, params=dataclasses.replace(r.params, max_tokens=1))
+             for r in _source(inp, loaded, cfg, None))
+    start = time.perf_counter()
+    for _ in iter_generate(loaded, first, cfg.engine, spec):
+        pass
+    return time.perf_counter() - start
+
+
+def _warmup(inp: BenchInput, loaded: Any, cfg: RunConfig) -> None:
     """The first batch of requests, WARMUP_TOKENS each, before a method is measured: its one-time start-up (the
     runtime's warm-up, the step-cost table at the job's batch size, a head's load) is then not in its figures,
     as it is a negligible part of a real job's."""
     short = dataclasses.replace(cfg, sampling=SamplingParams(max_tokens=WARMUP_TOKENS))
-    source = request_source(input, fmt, loaded, short, on_bad=lambda *args: None)
+    source = _source(inp, loaded, short, None)
     first = [dataclasses.replace(r, params=short.sampling) for r in itertools.islice(source, cfg.engine.batch_size)]
     for _ in iter_generate(loaded, first, cfg.engine, cfg.spec):
         pass

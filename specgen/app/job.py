@@ -7,7 +7,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -24,7 +24,7 @@ from specgen.errors import ConfigError, InputError, OutputError, SpecgenError, S
 from specgen.io.lock import OutputLock
 from specgen.io.manifest import content_hash, differences, read_manifest, write_sidecar
 from specgen.io.outputs import done_ids, existing_parts, output_format
-from specgen.io.readers import check_input, count_records, input_format, iter_records, unit_name
+from specgen.io.readers import RawRecord, check_input, count_records, input_format, iter_records, unit_name
 from specgen.io.report import RunProgress
 from specgen.io.requests import RequestSource
 from specgen.io.schema import error_record, result_record
@@ -116,9 +116,12 @@ def context_len(loaded: Any, engine_cfg: Any) -> int:
     return min(ctx, engine_cfg.max_model_len) if engine_cfg.max_model_len else ctx
 
 
-def request_source(plan_input: Path, fmt: str, loaded: Any, cfg: RunConfig, **kwargs: Any) -> RequestSource:
+def request_source(plan_input: Path, fmt: str, loaded: Any, cfg: RunConfig, records: Iterable[RawRecord] | None = None,
+                   **kwargs: Any) -> RequestSource:
+    """The input's requests; `records`: these instead of the whole file (a sample of it)."""
     return RequestSource(
-        records=iter_records(plan_input, fmt), encode=partial(encode_prompt, loaded), sampling=cfg.sampling,
+        records=iter_records(plan_input, fmt) if records is None else records, encode=partial(encode_prompt, loaded),
+        sampling=cfg.sampling,
         context_len=context_len(loaded, cfg.engine), vocab_size=loaded.config.vocab_size, unit=unit_name(fmt),
         **kwargs,
     )

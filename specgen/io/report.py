@@ -4,12 +4,16 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from specgen.io.summary import Summary, SummaryAccumulator
+
+if TYPE_CHECKING:
+    from specgen.app.bench import BenchRow
 
 MAX_ERRORS_SHOWN = 20
 
@@ -97,15 +101,26 @@ def summary_table(summary: Summary, title: str = "summary") -> Table:
     return table
 
 
-def bench_table(rows: Sequence[tuple[str, Summary, bool]]) -> Table:
-    """One row per method: (method, its summary, token-identical to the first method's outputs)."""
+def bench_table(rows: Sequence[BenchRow]) -> Table:
+    """One row per method and batch size (specgen.app.bench.BenchRow): its rate, its speedup over the first
+    method at that batch size, acceptance, and for n-gram what was possible (ceiling, oracle bound, the share of
+    it reached); for a learned drafter, acceptance per draft position."""
     table = Table(title="bench")
-    for name in ("method", "reqs", "tokens", "tok/s", "speedup", "accept", "acc len", "identical"):
-        table.add_column(name, justify="left" if name == "method" else "right")
-    base = rows[0][1].output_tokens_per_s if rows else None
-    for method, s, identical in rows:
-        speedup = s.output_tokens_per_s / base if base and s.output_tokens_per_s else None
-        table.add_row(method, str(s.num_requests), str(s.num_output_tokens),
-                      _fmt(s.output_tokens_per_s, ".1f"), _fmt(speedup, ".2f") + ("x" if speedup else ""),
-                      _fmt(s.acceptance_rate), _fmt(s.mean_accepted_length), "yes" if identical else "NO")
+    columns = ("method", "k", "batch", "reqs", "tokens", "tok/s", "speedup", "accept", "tok/step", "ceiling",
+               "oracle", "of oracle", "per position", "identical")
+    for name in columns:
+        table.add_column(name, justify="left" if name in ("method", "per position") else "right")
+    for r in rows:
+        s, p = r.summary, r.possible
+        positions = (" ".join(f"{x:.2f}" for x in s.per_position_acceptance)
+                     if r.method not in ("none", "ngram") else "")  # learned drafters
+        table.add_row(r.method, "-" if r.k is None else str(r.k), str(r.batch_size), str(s.num_requests),
+                      str(s.num_output_tokens), _fmt(r.tok_s, ".1f"), _x(r.speedup), _fmt(s.acceptance_rate),
+                      _fmt(s.mean_accepted_length, ".2f"), _fmt(None if p is None else p.ceiling, ".2f"),
+                      _x(None if p is None else p.oracle), _fmt(r.of_oracle, ".0%"), positions or "-",
+                      "yes" if r.identical else "NO")
     return table
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"

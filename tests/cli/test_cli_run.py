@@ -178,10 +178,10 @@ def test_bench_side_by_side(jsonl_in, tmp_path):
     result = invoke("bench", jsonl_in, "--methods", "none,ngram", "--max-tokens", "6", "--batch-size", "4",
                     "--summary-json", summary)
     assert result.exit_code == 0, result.output
-    rows = json.loads(summary.read_text())
+    rows = json.loads(summary.read_text())["rows"]
     assert [r["method"] for r in rows] == ["none", "ngram"]
     assert all(r["identical"] for r in rows)
-    assert rows[0]["num_requests"] == rows[1]["num_requests"] == N
+    assert rows[0]["summary"]["num_requests"] == rows[1]["summary"]["num_requests"] == N
     for column in ("tok/s", "speedup", "accept", "identical"):
         assert column in result.output
 
