@@ -161,7 +161,9 @@ def stats(
 def bench(
     input: Annotated[Path, typer.Argument(help="Prompts: .jsonl / .json lines, or .parquet.")],
     flags: dict[str, Any],
-    methods: Annotated[str, typer.Option(help="Comma-separated; the first is the baseline.")] = "none,ngram",
+    methods: Annotated[str, typer.Option(
+        help="Comma-separated; the first is the baseline; method:k tries a k of its own (none,ngram:2,ngram:5).")
+    ] = "none,ngram",
     batch_sizes: Annotated[str | None, typer.Option(
         help="Comma-separated batch sizes to bench each method at, e.g. 1,32,256 [default: --batch-size].")] = None,
     sample: Annotated[int | None, typer.Option(
@@ -183,7 +185,8 @@ def bench(
     from specgen.io.sample import sample_records
 
     with exit_codes():
-        method_list = parse_methods(methods)
+        choices = parse_methods(methods)
+        method_list = [c.method for c in choices]
         if batch_sizes is not None and flags.get("batch_size") is not None:
             raise ConfigError("give --batch-size or --batch-sizes, not both")
         sizes = parse_batch_sizes(batch_sizes) if batch_sizes is not None else None
@@ -192,7 +195,7 @@ def bench(
         check_input(input)
         fmt = detect_format(input, input_format)
         records = sample_records(input, fmt, sample, sample_seed) if sample is not None else None
-        rows = run_bench(BenchInput(input, fmt, records), _load(model, cfg), cfg, method_list, sizes)
+        rows = run_bench(BenchInput(input, fmt, records), _load(model, cfg), cfg, choices, sizes)
         advice = advise(rows, cfg)
         console = Console() if Console().is_terminal else Console(width=150)  # a file gets every column
         if records is not None:

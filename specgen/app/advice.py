@@ -39,7 +39,7 @@ def advise(rows: Sequence[BenchRow], cfg: RunConfig) -> Advice | None:
     headline = f"fastest on the sample: {best.method}{k}, batch {best.batch_size}, {best.tok_s:.1f} tok/s{tried}"
     return Advice(best.method, best.k, best.batch_size, best.tok_s, headline,
                   _why(best, [r for r in rows if r.batch_size == best.batch_size]),
-                  config_yaml(cfg, Method(best.method), best.batch_size))
+                  config_yaml(cfg, Method(best.method), best.k, best.batch_size))
 
 
 def _why(best: BenchRow, same_size: Sequence[BenchRow]) -> str:
@@ -48,12 +48,12 @@ def _why(best: BenchRow, same_size: Sequence[BenchRow]) -> str:
         drafters = [r for r in same_size if r.method != Method.NONE.value and r.speedup_over_plain]
         if not drafters:
             return f"only plain decoding was benched at batch {best.batch_size}: run none"
-        others = "; ".join(f"{r.method} {r.speedup_over_plain:.2f}x"
+        others = "; ".join(f"{r.label} {r.speedup_over_plain:.2f}x"
                            + ("" if r.possible is None else f" of a possible {r.possible.oracle:.2f}x") for r in drafters)
         return f"no drafter pays at batch {best.batch_size}: run none ({others})"
-    over = "none" if best.speedup_over_plain is not None else base.method
+    over = "none" if best.speedup_over_plain is not None else base.label
     gain = best.speedup_over_plain if best.speedup_over_plain is not None else best.speedup
-    line = f"{best.method} gains {gain:.2f}x over {over} at batch {best.batch_size}" + _of_possible(best)
+    line = f"{best.label} gains {gain:.2f}x over {over} at batch {best.batch_size}" + _of_possible(best)
     if best.possible is not None:
         line += f", {best.possible.ceiling:.2f} tokens per step if verifying were free"
     positions = best.summary.per_position_acceptance
@@ -68,14 +68,15 @@ def _of_possible(row: BenchRow) -> str:
     return f" of a possible {row.possible.oracle:.2f}x ({row.of_oracle:.0%} of the oracle bound)"
 
 
-def config_yaml(cfg: RunConfig, method: Method, batch_size: int) -> str:
-    """The YAML (sampling / engine / speculative, as settings.load_yaml reads it) that runs `method` at
-    `batch_size` with the bench's other settings: the fields that differ from the defaults, and max_tokens."""
+def config_yaml(cfg: RunConfig, method: Method, k: int | None, batch_size: int) -> str:
+    """The YAML (sampling / engine / speculative, as settings.load_yaml reads it) that runs `method` with `k`
+    drafts at most at `batch_size`, with the bench's other settings: the fields that differ from the defaults,
+    and max_tokens."""
     sampling = {"max_tokens": cfg.sampling.max_tokens, **_changed(cfg.sampling)}
     engine = {**_changed(cfg.engine), "batch_size": batch_size}
     speculative: dict[str, Any] = {"method": method.value}
     if method is not Method.NONE:
-        speculative["num_speculative_tokens"] = cfg.spec.num_speculative_tokens
+        speculative["num_speculative_tokens"] = k
         speculative.update({k: v for k, v in _changed(cfg.spec).items()
                             if k not in ("method", "num_speculative_tokens", *METHOD_SECTIONS.values())})
         section = METHOD_SECTIONS.get(method)

@@ -42,6 +42,7 @@ class BenchRow:
     """One method at one batch size."""
 
     method: str
+    label: str  # as --methods named it: the method, or method:k
     k: int | None  # drafts per step at most (num_speculative_tokens); None for none
     batch_size: int
     summary: Summary  # of its timed pass
@@ -65,7 +66,8 @@ class BenchRow:
     def to_dict(self) -> dict[str, Any]:
         p = self.possible
         return {
-            "method": self.method, "k": self.k, "batch_size": self.batch_size, "identical": self.identical,
+            "method": self.method, "label": self.label, "k": self.k, "batch_size": self.batch_size,
+            "identical": self.identical,
             "tok_s": self.tok_s, "speedup": self.speedup, "speedup_over_plain": self.speedup_over_plain,
             "tokens_per_step": self.summary.mean_accepted_length, "acceptance": self.summary.acceptance_rate,
             "per_position_acceptance": self.summary.per_position_acceptance,
@@ -89,15 +91,42 @@ class _Pass:
     outputs: dict[str, list[int]]
 
 
-def parse_methods(value: str) -> list[Method]:
-    """"none,ngram" -> [Method.NONE, Method.NGRAM]; the first is the baseline."""
+@dataclass(frozen=True)
+class Choice:
+    """A method to bench, and its k when --methods gives one ("ngram:2"; None: --num-speculative-tokens)."""
+
+    method: Method
+    k: int | None = None
+
+    @property
+    def label(self) -> str:
+        return self.method.value if self.k is None else f"{self.method.value}:{self.k}"
+
+
+def parse_methods(value: str) -> list[Choice]:
+    """"none,ngram:2,ngram:5" -> each method with its k, if given; the first is the baseline."""
     names = [v.strip() for v in value.split(",") if v.strip()]
     if not names:
-        raise ConfigError("--methods needs at least one method (e.g. none,ngram)")
-    methods = [Method.parse(n) for n in names]
-    if len(set(methods)) != len(methods):
+        raise ConfigError("--methods needs at least one method (e.g. none,ngram or none,ngram:2,ngram:5)")
+    choices = [_choice(n) for n in names]
+    if len({c.label for c in choices}) != len(choices):
         raise ConfigError(f"--methods lists a method twice: {value}")
-    return methods
+    return choices
+
+
+def _choice(name: str) -> Choice:
+    method, _, k = name.partition(":")
+    m = Method.parse(method.strip())
+    if not k:
+        return Choice(m)
+    if m is Method.NONE:
+        raise ConfigError(f"--methods: none drafts nothing, so it takes no k ({name!r})")
+    try:
+        num = int(k)
+    except ValueError:
+        raise ConfigError(f"--methods: k must be an integer, as in ngram:2 (got {name!r})") from None
+    SpecConfig(method=m, num_speculative_tokens=num)  # 1..5, or an error saying so
+    return Choice(m, num)
 
 
 def parse_batch_sizes(value: str) -> list[int]:
@@ -113,7 +142,7 @@ def parse_batch_sizes(value: str) -> list[int]:
     return sizes
 
 
-def run_bench(inp: BenchInput, loaded: Any, cfg: RunConfig, methods: Sequence[Method],
+def run_bench(inp: BenchInput, loaded: Any, cfg: RunConfig, methods: Sequence[Choice],
               batch_sizes: Sequence[int] | None = None, warmup: bool = True,
               measure: bounds.MeasureCosts = bounds.step_costs) -> list[BenchRow]:
     """Every method at every batch size (default: the configured one), batch size after batch size. `measure`:
@@ -125,21 +154,23 @@ def run_bench(inp: BenchInput, loaded: Any, cfg: RunConfig, methods: Sequence[Me
     return rows
 
 
-def _bench_batch(inp: BenchInput, loaded: Any, cfg: RunConfig, methods: Sequence[Method], warmup: bool,
+def _bench_batch(inp: BenchInput, loaded: Any, cfg: RunConfig, methods: Sequence[Choice], warmup: bool,
                  measure: bounds.MeasureCosts) -> list[BenchRow]:
-    specs = {m: dataclasses.replace(cfg.spec, method=m) for m in methods}
+    specs = {c: dataclasses.replace(cfg.spec, method=c.method, num_speculative_tokens=c.k or
+                                    cfg.spec.num_speculative_tokens) for c in methods}
     if warmup:
         for spec in specs.values():
             _warmup(inp, loaded, dataclasses.replace(cfg, spec=spec))
-    passes = {m: _run_method(inp, loaded, cfg, spec, keep=m is Method.NONE) for m, spec in specs.items()}
-    base, plain = passes[methods[0]], passes.get(Method.NONE)
+    passes = {c: _run_method(inp, loaded, cfg, spec, keep=c.method is Method.NONE) for c, spec in specs.items()}
+    base = passes[methods[0]]
+    plain = next((passes[c] for c in methods if c.method is Method.NONE), None)
     prefill_wall = share = None
-    if plain is not None and any(m in REPLAYABLE for m in methods):
+    if plain is not None and any(c.method in REPLAYABLE for c in methods):
         prefill_wall = _prefill_wall(inp, loaded, cfg)
         share = bounds.prefill_share(prefill_wall, plain.summary.wall_time_s)
     rows = []
-    for m, spec in specs.items():
-        s = passes[m].summary
+    for c, spec in specs.items():
+        m, s = c.method, passes[c].summary
         possible = None
         if m in REPLAYABLE and share is not None and plain.outputs:
             ids = sorted(plain.outputs, key=lambda i: plain.prompts[i][0])  # input order
@@ -148,8 +179,8 @@ def _bench_batch(inp: BenchInput, loaded: Any, cfg: RunConfig, methods: Sequence
                                        [plain.outputs[i] for i in ids], spec.num_speculative_tokens,
                                        cfg.engine.batch_size, share, measure)
         rows.append(BenchRow(
-            method=m.value, k=None if m is Method.NONE else spec.num_speculative_tokens,
-            batch_size=cfg.engine.batch_size, summary=s, identical=passes[m].tokens == base.tokens,
+            method=m.value, label=c.label, k=None if m is Method.NONE else spec.num_speculative_tokens,
+            batch_size=cfg.engine.batch_size, summary=s, identical=passes[c].tokens == base.tokens,
             speedup=_ratio(s, base.summary), speedup_over_plain=None if plain is None else _ratio(s, plain.summary),
             possible=possible, prefill_wall_s=prefill_wall if m is Method.NONE else None))
     return rows

@@ -21,13 +21,13 @@ def plot_bench(rows: Sequence[BenchRow], png_path: Path, title: str = "specgen b
     import matplotlib.pyplot as plt
 
     sizes = sorted({r.batch_size for r in rows})
-    methods = list(dict.fromkeys(r.method for r in rows))
+    methods = list(dict.fromkeys(r.label for r in rows))
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     width = 0.8 / len(methods)
     bound_label = "oracle bound"
     for j, method in enumerate(methods):
         for i, size in enumerate(sizes):
-            row = next((r for r in rows if r.method == method and r.batch_size == size), None)
+            row = next((r for r in rows if r.label == method and r.batch_size == size), None)
             if row is None or not row.tok_s:
                 continue
             x = i + (j - (len(methods) - 1) / 2) * width
@@ -42,7 +42,7 @@ def plot_bench(rows: Sequence[BenchRow], png_path: Path, title: str = "specgen b
     drew = False
     for j, method in enumerate(methods):
         for size in sizes:
-            row = next((r for r in rows if r.method == method and r.batch_size == size), None)
+            row = next((r for r in rows if r.label == method and r.batch_size == size), None)
             positions = [] if row is None else row.summary.per_position_acceptance
             if positions:
                 right.plot(range(1, len(positions) + 1), positions, marker="o", color=f"C{j}",

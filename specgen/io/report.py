@@ -114,7 +114,7 @@ def bench_table(rows: Sequence[BenchRow]) -> Table:
         s, p = r.summary, r.possible
         positions = (" ".join(f"{x:.2f}" for x in s.per_position_acceptance)
                      if r.method not in ("none", "ngram") else "")  # learned drafters
-        table.add_row(r.method, "-" if r.k is None else str(r.k), str(r.batch_size), str(s.num_requests),
+        table.add_row(r.label, "-" if r.k is None else str(r.k), str(r.batch_size), str(s.num_requests),
                       str(s.num_output_tokens), _fmt(r.tok_s, ".1f"), _x(r.speedup), _fmt(s.acceptance_rate),
                       _fmt(s.mean_accepted_length, ".2f"), _fmt(None if p is None else p.ceiling, ".2f"),
                       _x(None if p is None else p.oracle), _fmt(r.of_oracle, ".0%"), positions or "-",

@@ -18,8 +18,8 @@ def bench_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench")
     path = write_jsonl(folder / "in.jsonl", prompts(N))
     summary, plot = folder / "bench.json", folder / "bench.png"
-    result = invoke("bench", path, "--sample", "6", "--sample-seed", "5", "--batch-sizes", "1,4", "--max-tokens", "6",
-                    "--plot", plot, "--summary-json", summary)
+    result = invoke("bench", path, "--methods", "none,ngram:2", "--sample", "6", "--sample-seed", "5",
+                    "--batch-sizes", "1,4", "--max-tokens", "6", "--plot", plot, "--summary-json", summary)
     assert result.exit_code == 0, result.output
     return path, json.loads(summary.read_text()), plot, result.output
 
@@ -37,15 +37,15 @@ def test_sample_is_the_seeded_one_with_line_numbers(bench_run):
 def test_every_batch_size_and_figure(bench_run):
     _, data, _, output = bench_run
     rows = data["rows"]
-    assert [(r["method"], r["k"], r["batch_size"]) for r in rows] == [
-        ("none", None, 1), ("ngram", 3, 1), ("none", None, 4), ("ngram", 3, 4)]
+    assert [(r["label"], r["method"], r["k"], r["batch_size"]) for r in rows] == [
+        ("none", "none", None, 1), ("ngram:2", "ngram", 2, 1), ("none", "none", None, 4), ("ngram:2", "ngram", 2, 4)]
     for r in rows:
         assert r["identical"] and r["tok_s"] > 0 and r["speedup"] > 0
         assert r["summary"]["num_output_tokens"] / r["summary"]["wall_time_s"] == pytest.approx(r["tok_s"])
     for r in rows[1::2]:  # ngram: what was possible
         assert r["ceiling"] >= 1 and r["oracle"] >= 1 and 0 < r["prefill_share"] < 1
         assert r["of_oracle"] == pytest.approx(r["speedup"] / r["oracle"])
-        assert r["decode_bound"] >= 1 and r["step_costs"]["1"] > 0 and len(r["per_position_acceptance"]) == 3
+        assert r["decode_bound"] >= 1 and r["step_costs"]["1"] > 0 and len(r["per_position_acceptance"]) == 2
     for column in ("tok/s", "speedup", "ceiling", "oracle", "of oracle", "per position", "identical"):
         assert column in output
 
@@ -57,12 +57,13 @@ def test_advice_names_the_fastest_and_its_yaml_resolves(bench_run, tmp_path):
     best = max(data["rows"], key=lambda r: r["tok_s"])
     assert (advice["method"], advice["batch_size"]) == (best["method"], best["batch_size"])
     assert advice["headline"] in output and f"why: {advice['why']}" in output and advice["yaml"] in output
-    assert advice["why"].startswith("no drafter pays" if best["method"] == "none" else "ngram gains")
+    assert advice["why"].startswith("no drafter pays" if best["method"] == "none" else "ngram:2 gains")
     path = tmp_path / "advised.yaml"
     path.write_text(advice["yaml"])
     cfg = resolve(load_yaml(path), {})
     assert (cfg.spec.method.value, cfg.engine.batch_size, cfg.sampling.max_tokens) == (best["method"],
                                                                                          best["batch_size"], 6)
+    assert best["method"] == "none" or cfg.spec.num_speculative_tokens == 2
 
 
 @needs_ngram

@@ -12,7 +12,7 @@ import yaml
 from specgen import generate
 from specgen.app import bounds
 from specgen.app.advice import advise
-from specgen.app.bench import BenchInput, parse_batch_sizes, run_bench
+from specgen.app.bench import BenchInput, Choice, parse_batch_sizes, parse_methods, run_bench
 from specgen.app.settings import load_yaml, resolve
 from specgen.config import Method, SamplingParams
 from specgen.engine import proposers
@@ -64,8 +64,8 @@ def bench(tiny_model, tmp_path: Path, monkeypatch, max_tokens: int, right: int, 
     path.write_text("".join(json.dumps({"id": f"r{i}", "input_ids": p}) + "\n" for i, p in enumerate(PROMPTS)))
     cfg = resolve(None, {"max_tokens": max_tokens, "ignore_eos": True, "adaptive": False, "method": "ngram",
                          "num_speculative_tokens": K}, None, {Method.NONE, Method.NGRAM})
-    rows = run_bench(BenchInput(path, "jsonl"), tiny_model, cfg, [Method.NONE, Method.NGRAM], list(sizes),
-                     warmup=False, measure=costs)
+    choices = [Choice(Method.NONE), Choice(Method.NGRAM)]
+    rows = run_bench(BenchInput(path, "jsonl"), tiny_model, cfg, choices, list(sizes), warmup=False, measure=costs)
     return cfg, rows
 
 
@@ -174,6 +174,17 @@ def test_advice_why(tiny_model, tmp_path, monkeypatch):
     lost = advise([at(none, 100.0, 1.0), at(ngram, 90.0, 0.9)], cfg)
     assert lost.method == "none" and lost.why.startswith("no drafter pays at batch 1: run none (ngram 0.90x")
     assert lost.yaml.endswith("speculative:\n  method: none\n")
+
+
+def test_parse_methods_with_k():
+    assert parse_methods("none, ngram:2,ngram:5,mtp") == [Choice(Method.NONE), Choice(Method.NGRAM, 2),
+                                                         Choice(Method.NGRAM, 5), Choice(Method.MTP)]
+    assert [c.label for c in parse_methods("none,ngram:2")] == ["none", "ngram:2"]
+    for bad, fragment in (("none,none", "twice"), ("ngram:2,ngram:2", "twice"), ("none:2", "takes no k"),
+                          ("ngram:x", "k must be an integer"), ("ngram:9", "num_speculative_tokens must be in 1..5"),
+                          ("", "at least one"), ("eagle", "unknown method")):
+        with pytest.raises(ConfigError, match=fragment):
+            parse_methods(bad)
 
 
 def test_parse_batch_sizes():
