@@ -37,9 +37,22 @@ def advise(rows: Sequence[BenchRow], cfg: RunConfig) -> Advice | None:
     k = "" if best.k is None else f", k {best.k}"
     tried = f" (batch sizes tried: {', '.join(map(str, sizes))})" if len(sizes) > 1 else ""
     headline = f"fastest on the sample: {best.method}{k}, batch {best.batch_size}, {best.tok_s:.1f} tok/s{tried}"
-    return Advice(best.method, best.k, best.batch_size, best.tok_s, headline,
-                  _why(best, [r for r in rows if r.batch_size == best.batch_size]),
+    why = _why(best, [r for r in rows if r.batch_size == best.batch_size]) + _elsewhere(best, candidates)
+    return Advice(best.method, best.k, best.batch_size, best.tok_s, headline, why,
                   config_yaml(cfg, Method(best.method), best.k, best.batch_size))
+
+
+def _elsewhere(best: BenchRow, rows: Sequence[BenchRow]) -> str:
+    """What pays at the other batch sizes (a job held to a smaller batch, for its memory): the best drafter
+    over plain decoding at each, where one gains."""
+    parts = []
+    for size in sorted({r.batch_size for r in rows} - {best.batch_size}):
+        gains = [r for r in rows if r.batch_size == size and r.method != Method.NONE.value
+                 and (r.speedup_over_plain or 0) > 1]
+        if gains:
+            top = max(gains, key=lambda r: r.speedup_over_plain)
+            parts.append(f"at batch {size} {top.label} gains {top.speedup_over_plain:.2f}x" + _of_possible(top))
+    return "".join(f"; {p}" for p in parts)
 
 
 def _why(best: BenchRow, same_size: Sequence[BenchRow]) -> str:

@@ -174,6 +174,13 @@ def test_advice_why(tiny_model, tmp_path, monkeypatch):
     lost = advise([at(none, 100.0, 1.0), at(ngram, 90.0, 0.9)], cfg)
     assert lost.method == "none" and lost.why.startswith("no drafter pays at batch 1: run none (ngram 0.90x")
     assert lost.yaml.endswith("speculative:\n  method: none\n")
+    # plain decoding at 4 slots is fastest, but a job held to one slot gains from ngram: said too
+    big = [dataclasses.replace(at(none, 300.0, 1.0), batch_size=4), dataclasses.replace(at(ngram, 291.0, 0.97),
+                                                                                        batch_size=4)]
+    mixed = advise([at(none, 100.0, 1.0), at(ngram, 120.0, 1.2)] + big, cfg)
+    assert (mixed.method, mixed.batch_size) == ("none", 4)
+    assert mixed.why.startswith("no drafter pays at batch 4: run none (ngram 0.97x of a possible")
+    assert f"; at batch 1 ngram gains 1.20x of a possible {oracle:.2f}x" in mixed.why
 
 
 def test_parse_methods_with_k():
