@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType, quants
 from specgen import EngineConfig, Method, SamplingParams, SpecConfig, generate, load_model
 from specgen.errors import ConfigError
 from specgen.models import load_checkpoint
-from specgen.models.quantize import KIND, projection_names, quantize_checkpoint, quantize_rows
+from specgen.models.quantize import HEAD_KIND, KIND, projection_names, quantize_checkpoint, quantize_rows
 
 PROMPTS = [[3, 4, 5, 6, 7, 3, 4, 5], [9, 8, 7, 9, 8, 7, 9, 8], [11, 12, 13], [20, 21, 20, 21, 20, 21, 20]]
 
@@ -33,7 +33,7 @@ def test_every_projection_and_the_head_quantized(mode, tmp_path):
     assert count == len(names) == 2 * 7 + 1 and names[-1] == "lm_head.weight"
     for name in names:
         q = quantized.quantized[name]
-        assert q.kind == KIND[mode]
+        assert q.kind == (HEAD_KIND if name == "lm_head.weight" else KIND[mode])
         assert np.array_equal(quantized.weights[name],
                               quants.dequantize(q.blocks.reshape(q.blocks.shape[0], -1), GGMLQuantizationType[q.kind]))
     assert np.array_equal(quantized.weights["model.embed_tokens.weight"], ckpt.weights["model.embed_tokens.weight"])
