@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import json
 import shlex
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -52,6 +54,23 @@ def exit_codes(interrupted: str = "interrupted", resume: str | None = None) -> I
     except KeyboardInterrupt:
         typer.echo(interrupted, err=True)
         raise typer.Exit(EXIT_SIGINT) from None
+
+
+@contextmanager
+def sigterm_stops() -> Iterator[None]:
+    """SIGTERM before the job runs (loading the model) stops like Ctrl-C does: a line and exit 143, not a silent
+    death (the job installs its own handlers while it runs)."""
+    def stop(signum: int, frame: Any) -> None:
+        raise Stopped(signum, "nothing was written yet")
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def resume_command() -> str:
@@ -114,7 +133,7 @@ def run(
     from specgen.io.report import run_progress
 
     with exit_codes(f"interrupted: finished records are in {output}; rerun with --resume to complete it",
-                    resume=resume_command()):
+                    resume=resume_command()), sigterm_stops():
         cfg = resolve_config(config, speculative_config, flags)
         plan = plan_job(input, output, input_format, resume, on_error, allow_mismatch)
         with plan.lock:
@@ -317,8 +336,4 @@ def _bench_spec_method(methods) -> str | None:
 
 
 def main() -> None:
-    import paddle
-
-    # Paddle's handlers turn SIGTERM (a scheduler's stop) into a C++ crash dump; specgen handles the stop itself.
-    paddle.disable_signal_handler()
     app(prog_name="specgen")

@@ -133,3 +133,15 @@ def test_second_sigint_exits_at_once_losing_nothing(tmp_path, inputs, reference)
     rc, err = finish(spawn(inputs, out, "--resume"))
     assert rc == 0, err
     assert_matches_reference(out, reference)
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.6, 1.5])
+def test_sigterm_while_starting_ends_quietly(tmp_path, inputs, delay):
+    """A SIGTERM while Paddle is imported or the model loads: exit 143, no crash dump, nothing written."""
+    out = tmp_path / "out.jsonl"
+    proc = spawn(inputs, out)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGTERM)
+    rc, err = finish(proc)
+    assert rc in (143, -signal.SIGTERM), err
+    assert "Traceback" not in err and "FatalError" not in err
