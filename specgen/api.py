@@ -101,5 +101,5 @@ def make_engine(loaded: LoadedModel, engine: EngineConfig, speculative: SpecConf
     speculating = speculative.method is not Method.NONE
     runtime = loaded.engine
     lib = kernels.host_lib(runtime.cpu_target, runtime.cache_root()) if speculating else None
-    return Engine(loaded.model, loaded.tokenizer, engine, build_proposer(speculative, loaded.model, lib),
+    return Engine(loaded.model, loaded.tokenizer, engine, build_proposer(speculative, loaded.model, lib, loaded),
                   adaptive=speculating and speculative.adaptive, max_draft=speculative.num_speculative_tokens)

@@ -329,6 +329,27 @@ def train_mtp(
                        f"{acc2}; loss curve {output}/loss.png; use: --method mtp --mtp-model {output}")
 
 
+@app.command("make-draft", help="Build a draft model for --method draft_model from the main model itself: its "
+                               "first --layers decoder layers with its final norm and LM head, saved as an ordinary "
+                               "HF checkpoint in OUTPUT (float32; it quantizes at load with the main model). Use: "
+                               "--method draft_model --draft-model OUTPUT.")
+def make_draft(
+    output: Annotated[Path, typer.Option("--output", "-o", help="A new directory for the draft checkpoint.")],
+    model: Model = None,
+    layers: Annotated[int, typer.Option(help="Decoder layers the draft keeps (1 .. the main model's - 1).")] = 6,
+) -> None:
+    with exit_codes():
+        from specgen.config import EngineConfig
+        from specgen.models import load_checkpoint
+        from specgen.models.export import first_layers, save_hf
+
+        ckpt = load_checkpoint(model, EngineConfig().cache_root())
+        total = ckpt.config.num_layers
+        save_hf(first_layers(ckpt, layers), output, {"specgen_draft": {"source": ckpt.source, "layers": layers}})
+        typer.echo(f"saved {output}: {layers} of the {total} layers of {ckpt.source}; use: --method draft_model "
+                   f"--draft-model {output}")
+
+
 def _bench_spec_method(methods) -> str | None:
     """The method the speculative options are checked against: the last speculative one listed."""
     names = [m.value for m in methods if m.value != "none"]

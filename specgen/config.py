@@ -18,6 +18,7 @@ class Method(str, enum.Enum):
     NONE = "none"
     NGRAM = "ngram"
     MTP = "mtp"
+    DRAFT_MODEL = "draft_model"
 
     @classmethod
     def parse(cls, value: str | "Method") -> "Method":
@@ -212,10 +213,13 @@ class SpecConfig:
     """Speculative decoding: the method, its bound on drafts per step (FastDeploy's 1..5) and each method's
     own section."""
 
-    method: Method = opt(Method.NONE, "Speculative method: none | ngram | mtp.")
+    method: Method = opt(Method.NONE, "Speculative method: none | ngram | mtp | draft_model.")
     num_speculative_tokens: int = opt(3, "Draft tokens per step at most, 1..5.")
     adaptive: bool = opt(True, "Choose each slot's drafts per step (0 included) from measured step costs and "
                                "acceptance; off: verify every draft offered.")
+    draft_model: str | None = opt(None, "The drafter's checkpoint: for draft_model a smaller model with the main "
+                                        "model's vocabulary (HF directory or .gguf; `specgen make-draft` builds "
+                                        "one), for mtp an MTP head (as --mtp-model).")
     ngram: NgramConfig = opt(help="n-gram drafting.", factory=NgramConfig)
     mtp: MtpConfig = opt(help="MTP drafting.", factory=MtpConfig)
 
@@ -226,6 +230,9 @@ class SpecConfig:
         for name, cls in (("ngram", NgramConfig), ("mtp", MtpConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"speculative.{name} must be a {cls.__name__}")
+        if self.method is Method.DRAFT_MODEL and not self.draft_model:
+            raise ConfigError("--method draft_model needs --draft-model PATH (an HF directory or .gguf with the main "
+                              "model's vocabulary; `specgen make-draft` builds one from the main model)")
 
 
 # The SpecConfig section holding each method's own settings (a method without one has none).

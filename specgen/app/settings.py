@@ -5,7 +5,7 @@ settings nested under `speculative`:
 
     sampling:     {max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos}              -> SamplingParams
     engine:       {batch_size, dtype, threads, device, backend, ..., kv_cache_dtype, matmul}  -> EngineConfig
-    speculative:  {method, num_speculative_tokens, adaptive, ngram: {min, max, pool},
+    speculative:  {method, num_speculative_tokens, adaptive, draft_model, ngram: {min, max, pool},
                    mtp: {model, copy, quantize}}                                              -> SpecConfig
 
 Every field is also a flag of `specgen run` and `specgen bench`: a top-level field by its name (--batch-size), a
@@ -123,16 +123,22 @@ def parse_speculative_config(value: str) -> dict[str, Any]:
     if "model" in data and not isinstance(data["model"], str):
         raise ConfigError(f"{where}: \"model\" must be a checkpoint path")
     # unknown keys and bad values: an error naming them, now
-    from_mapping(SpecConfig, {k: v for k, v in data.items() if k != "model"}, where)
+    checked = {k: v for k, v in data.items() if k != "model"}
+    if "model" in data:
+        checked["draft_model"] = data["model"]
+    from_mapping(SpecConfig, checked, where)
     return data
 
 
-def _with_model(section: str | None, model: str, method: Method) -> None:
+# Methods that draft with a checkpoint (SpecConfig.draft_model; mtp also reads its own mtp.model).
+CHECKPOINT_METHODS = (Method.MTP, Method.DRAFT_MODEL)
+
+
+def _with_model(model: str, method: Method) -> None:
     """Check that the method takes a checkpoint (FastDeploy JSON's "model")."""
-    fields = {f.name for f in dataclasses.fields(typing.get_type_hints(SpecConfig)[section])} if section else set()
-    if "model" not in fields:
+    if method not in CHECKPOINT_METHODS:
         raise ConfigError(f"--speculative-config: \"model\" ({model}) needs a method that drafts with a "
-                          f"checkpoint (mtp), the method is {method.value!r}")
+                          f"checkpoint (mtp, draft_model), the method is {method.value!r}")
 
 
 def resolve(yaml_sections: Mapping[str, Mapping[str, Any]] | None, flags: Mapping[str, Any],
@@ -146,11 +152,15 @@ def resolve(yaml_sections: Mapping[str, Mapping[str, Any]] | None, flags: Mappin
     model = js.pop("model", None)
     _merge(layers["speculative"], js)
     given = {k: v for k, v in flags.items() if v is not None and v != () and v != []}
-    if model is not None:  # the checkpoint of the method the layers resolve to, below the flags
+    if model is not None:  # the drafter's checkpoint, below the flags: mtp.model for mtp, else draft_model
         method = Method.parse(given.get("method", layers["speculative"].get("method", Method.NONE)))
-        _with_model(METHOD_SECTIONS.get(method), model, method)
-        layers["speculative"].setdefault(METHOD_SECTIONS[method], {})["model"] = model
-        js.setdefault(METHOD_SECTIONS[method], {})["model"] = model
+        _with_model(model, method)
+        if method is Method.MTP:
+            layers["speculative"].setdefault("mtp", {})["model"] = model
+            js.setdefault("mtp", {})["model"] = model
+        else:
+            layers["speculative"]["draft_model"] = model
+            js["draft_model"] = model
     for name, value in given.items():
         path = by_flag[name].path
         node = layers[path[0]]
@@ -197,3 +207,5 @@ def _check_contradictions(spec: SpecConfig, explicit: set[tuple[str, ...]], meth
                               f"({', '.join(m.value for m in Method if m is not Method.NONE)}) or drop the option")
         if len(path) > 2 and path[1] not in sections:
             raise ConfigError(f"{name} needs method {path[1]!r} (the method is {named!r})")
+        if path[1] == "draft_model" and not methods & set(CHECKPOINT_METHODS):
+            raise ConfigError(f"draft_model needs method draft_model or mtp (the method is {named!r})")

@@ -84,6 +84,11 @@ class DraftTokens:
     source: np.ndarray | None = None  # [num_seqs] int64 which of the proposer's ways drafted each slot's tokens
     # (MTP: 0 the head, 1 a copy); the controller keeps an acceptance estimate per source. None: all 0
 
+    @classmethod
+    def none(cls, num_seqs: int, width: int) -> "DraftTokens":
+        """No drafts for any of num_seqs slots."""
+        return cls(np.zeros((num_seqs, width), np.int64), np.zeros(num_seqs, np.int64))
+
 
 @dataclass(frozen=True)
 class StepUpdate:

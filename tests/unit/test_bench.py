@@ -59,7 +59,8 @@ def bench(tiny_model, tmp_path: Path, monkeypatch, max_tokens: int, right: int, 
     plain = generate(PROMPTS, model=tiny_model, sampling=sampling)
     texts = [np.array(p + o.token_ids) for p, o in zip(PROMPTS, plain)]
     vocab = tiny_model.config.vocab_size
-    monkeypatch.setitem(proposers.REGISTRY, Method.NGRAM, lambda spec, model, lib: ScriptedProposer(texts, right, vocab))
+    monkeypatch.setitem(proposers.REGISTRY, Method.NGRAM,
+                        lambda spec, model, lib, main: ScriptedProposer(texts, right, vocab))
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps({"id": f"r{i}", "input_ids": p}) + "\n" for i, p in enumerate(PROMPTS)))
     cfg = resolve(None, {"max_tokens": max_tokens, "ignore_eos": True, "adaptive": False, "method": "ngram",

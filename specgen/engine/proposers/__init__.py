@@ -8,33 +8,41 @@ from specgen.engine.proposers.base import NoProposer, Proposer
 from specgen.models.model import Model
 
 
-def _none(spec: SpecConfig, model: Model, lib) -> Proposer:
+def _none(spec: SpecConfig, model: Model, lib, main) -> Proposer:
     return NoProposer()
 
 
-def _ngram(spec: SpecConfig, model: Model, lib) -> Proposer:
+def _ngram(spec: SpecConfig, model: Model, lib, main) -> Proposer:
     from specgen.engine.proposers.ngram import NgramProposer
 
     c = spec.ngram
     return NgramProposer(spec.num_speculative_tokens, c.min, c.max, c.pool, lib)
 
 
-def _mtp(spec: SpecConfig, model: Model, lib) -> Proposer:
+def _mtp(spec: SpecConfig, model: Model, lib, main) -> Proposer:
     from specgen.engine.proposers.mtp import build_mtp_proposer
 
     return build_mtp_proposer(spec, model, lib)
 
 
-# method -> factory(spec, model, ngram.cc's library or None)
-REGISTRY: dict[Method, Callable[[SpecConfig, Model, object], Proposer]] = {
+def _draft_model(spec: SpecConfig, model: Model, lib, main) -> Proposer:
+    from specgen.engine.proposers.draft_model import build_draft_model_proposer
+
+    return build_draft_model_proposer(spec, model, main)
+
+
+# method -> factory(spec, model, ngram.cc's library or None, the main LoadedModel or None)
+REGISTRY: dict[Method, Callable[[SpecConfig, Model, object, object], Proposer]] = {
     Method.NONE: _none,
     Method.NGRAM: _ngram,
     Method.MTP: _mtp,
+    Method.DRAFT_MODEL: _draft_model,
 }
 assert set(REGISTRY) == set(Method), "every method needs a proposer"
 
 
-def build_proposer(spec: SpecConfig, model: Model, lib=None) -> Proposer:
+def build_proposer(spec: SpecConfig, model: Model, lib=None, main=None) -> Proposer:
     """The proposer of spec.method for `model`; lib: ngram.cc's library (specgen.kernels.host_lib), None for the
-    numpy references."""
-    return REGISTRY[spec.method](spec, model, lib)
+    numpy references; main: the api.LoadedModel of `model` (a draft model loads with its settings, and its
+    vocabulary is checked against its tokenizer)."""
+    return REGISTRY[spec.method](spec, model, lib, main)

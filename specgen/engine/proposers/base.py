@@ -39,8 +39,7 @@ class NoProposer:
     acceptance_hint = None
 
     def propose(self, view: SlotView) -> DraftTokens:
-        n = len(view.slots)
-        return DraftTokens(np.zeros((n, 0), dtype=np.int64), np.zeros(n, dtype=np.int64))
+        return DraftTokens.none(len(view.slots), 0)
 
     def observe(self, update: StepUpdate) -> None:
         return None

@@ -58,7 +58,7 @@ class MtpProposer:
 
     def propose(self, view: SlotView) -> DraftTokens:
         if self.cache is None:
-            return DraftTokens(np.zeros((len(view.slots), self.k), np.int64), np.zeros(len(view.slots), np.int64))
+            return DraftTokens.none(len(view.slots), self.k)
         slots = view.slots
         drafts, num = self.drafts[slots], self.num_drafts[slots]  # [num_seqs, k], [num_seqs]
         if not self.copy_min or not len(slots):
@@ -151,8 +151,9 @@ _heads: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def build_mtp_proposer(spec: SpecConfig, model: Model, lib=None) -> MtpProposer:
-    """The head comes from speculative.mtp.model, else from the package when it ships one for this main model."""
-    path = spec.mtp.model if spec.mtp.model is not None else shipped_head(str(model.source))
+    """The head comes from speculative.mtp.model (--mtp-model) or speculative.draft_model (--draft-model), else
+    from the package when it ships one for this main model."""
+    path = spec.mtp.model or spec.draft_model or shipped_head(str(model.source))
     if path is None:
         raise CheckpointError("--method mtp needs an MTP head: give --mtp-model DIR (DeepSeek-V3 or ERNIE-4.5 "
                               "layout; `specgen train-mtp` trains one); the main checkpoint has none")

@@ -1,0 +1,141 @@
+"""Draft-model drafting: a smaller model with the main model's vocabulary proposes k tokens per slot, greedily,
+one forward per draft position over every drafting slot at once; the main model verifies them in its own step.
+
+Cache invariant: the draft keeps its own KV cache in the main model's slot layout. After each step, for a slot
+it drafted for, positions [0, valid) hold exact entries (valid = the slot's committed length then); the draft
+chain's entries past them are overwritten by the next catch-up, as the main cache's rejected drafts are. A
+slot's catch-up feeds its committed tokens [valid, seq_len): its whole prompt the first time, afterwards the
+tokens the last verification accepted plus the main model's own; a slot the controller detached catches up
+whatever it missed when it drafts again.
+"""
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from specgen.config import SpecConfig
+from specgen.engine.kv_cache import KVCache
+from specgen.engine.proposers.base import SlotView
+from specgen.engine.types import DraftTokens, StepUpdate, build_forward_batch
+from specgen.errors import CheckpointError
+from specgen.models.model import Model
+from specgen.models.tokenizer import TextTokenizer
+
+
+class DraftModelProposer:
+    """Drafts k tokens per slot with a separate draft model; drafts for the next step are made in observe."""
+
+    acceptance_hint = None
+
+    def __init__(self, draft: Model, k: int):
+        self.draft, self.k = draft, k
+        self.cache: KVCache | None = None  # made at the first observe, with the main cache's slots
+        self.drafts = np.zeros((0, k), np.int64)  # [num_slots, k] drafts ready for each slot's next step
+        self.num_drafts = np.zeros(0, np.int64)  # [num_slots]
+        self.valid = np.zeros(0, np.int64)  # [num_slots] leading positions whose draft-cache entries are exact
+
+    def propose(self, view: SlotView) -> DraftTokens:
+        if self.cache is None:
+            return DraftTokens.none(len(view.slots), self.k)
+        return DraftTokens(self.drafts[view.slots], np.minimum(self.num_drafts[view.slots], view.max_draft))
+
+    def _ensure(self, num_slots: int) -> None:
+        if self.cache is None:
+            self.cache = self.draft.new_cache(num_slots, self.draft.max_len)
+            self.valid = np.zeros(num_slots, np.int64)
+            self.drafts = np.zeros((num_slots, self.k), np.int64)
+            self.num_drafts = np.zeros(num_slots, np.int64)
+
+    def observe(self, update: StepUpdate) -> None:
+        self._ensure(update.tokens.shape[0])
+        pre = update.prefix_len if update.prefix_len is not None else 0
+        fresh = update.first_pos - pre == 0  # [num_seqs] a slot's first block: a new request
+        self.valid[update.slots[fresh]] = 0
+        self.num_drafts[update.slots] = 0
+        seq_lens, prompt_lens = update.seq_lens, update.prompt_lens
+        if seq_lens is None or prompt_lens is None:
+            return
+        # drafting slots: decoding next step (their prompt done), still running, not detached by the controller
+        live = ~update.finished & (seq_lens > prompt_lens)
+        if update.detached is not None:
+            live &= ~update.detached
+        if not live.any():
+            return
+        slots, ends = update.slots[live], seq_lens[live]  # [n]
+        depth = max(1, min(self.k, update.max_draft_next))
+        room = self.draft.max_len - ends  # [n] positions the draft may still write
+        slots, ends = slots[room > 0], ends[room > 0]
+        if not len(slots):
+            return
+        starts = self.valid[slots]
+        lens = ends - starts  # [n] >= 1: at least the last committed token
+        seq = np.repeat(np.arange(len(slots)), lens)
+        pos = starts[seq] + np.arange(len(seq)) - np.concatenate([[0], np.cumsum(lens)[:-1]])[seq]
+        tokens = update.tokens[slots[seq], pos]  # [num_tokens] the committed tokens fed
+        out = self.draft.forward(build_forward_batch(slots, starts, lens, tokens, np.zeros(len(slots), bool)),
+                                 self.cache, logits=False)
+        self.valid[slots] = ends
+        drafts = np.zeros((len(slots), self.k), np.int64)
+        drafts[:, 0] = out.greedy  # [n] each block's last row: the token after the slot's last one
+        for j in range(1, depth):  # one forward per draft position, over every drafting slot
+            positions = ends + j - 1
+            ok = positions < self.draft.max_len - 1
+            if not ok.all():
+                break
+            batch = build_forward_batch(slots, positions, np.ones(len(slots), np.int64), drafts[:, j - 1],
+                                        np.zeros(len(slots), bool))
+            drafts[:, j] = self.draft.forward(batch, self.cache, logits=False).greedy
+        else:
+            j = depth
+        self.drafts[slots] = drafts
+        self.num_drafts[slots] = depth if j == depth else j
+
+
+def check_vocabulary(main: TextTokenizer | None, draft: TextTokenizer | None, main_size: int, draft_size: int,
+                     where: str) -> None:
+    """The draft must share the main model's vocabulary: the same size and, token by token, the same strings."""
+    if main_size != draft_size:
+        raise CheckpointError(f"{where}: the draft model's vocabulary has {draft_size} tokens, the main model's "
+                              f"{main_size}; a draft model must share the main model's vocabulary")
+    if main is None or draft is None:
+        return
+    a, b = main.tokenizer, draft.tokenizer
+    for i in range(min(a.get_vocab_size(), b.get_vocab_size(), main_size)):
+        if a.id_to_token(i) != b.id_to_token(i):
+            raise CheckpointError(f"{where}: token {i} differs ({a.id_to_token(i)!r} in the main model, "
+                                  f"{b.id_to_token(i)!r} in the draft); a draft model must share the main "
+                                  "model's vocabulary")
+
+
+def build_draft_model_proposer(spec: SpecConfig, model: Model, main) -> DraftModelProposer:
+    """The draft checkpoint (spec.draft_model) loaded beside `model` with the main model's load settings
+    (backend, dtype, quantization, threads: `main`, its api.LoadedModel; defaults without one), its vocabulary
+    checked against the main model's; loaded once per main model."""
+    from specgen.api import load_model
+    from specgen.config import EngineConfig
+
+    path = str(spec.draft_model)
+    drafts = _drafts.setdefault(model, {})
+    if path not in drafts:
+        settings = main.engine if main is not None else EngineConfig(dtype=model.dtype)
+        loaded = load_model(path, settings, quantization=draft_quantization(model, settings.quantization))
+        check_vocabulary(main.tokenizer if main is not None else None, loaded.tokenizer, model.config.vocab_size,
+                         loaded.config.vocab_size, path)
+        drafts[path] = loaded.model
+    return DraftModelProposer(drafts[path], spec.num_speculative_tokens)
+
+
+def draft_quantization(model: Model, main_mode: str) -> str:
+    """The draft quantizes with the main model: its mode when one was asked for; under auto, as the main model
+    stores its projections (4-bit blocks: wint4, 8-bit ones: wint8, float: auto)."""
+    if main_mode != "auto":
+        return main_mode
+    kinds = {lin.blocks.kind for lin in model.weights.linears() if lin.blocks is not None}
+    if not kinds:
+        return "auto"
+    return "wint8" if kinds <= {"Q8_0"} else "wint4"
+
+
+# draft models loaded per main model in this process: {path: Model}
+_drafts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

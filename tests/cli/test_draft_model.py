@@ -1,0 +1,81 @@
+"""--method draft_model: exact whatever the draft, the vocabulary checked, make-draft's checkpoint loads."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from cli_support import invoke, read_output, write_jsonl
+from conftest import TINY
+
+from specgen import EngineConfig, Method, SamplingParams, SpecConfig, generate, load_model
+from specgen.engine.proposers.draft_model import check_vocabulary
+from specgen.errors import CheckpointError, ConfigError
+from specgen.models import load_checkpoint
+from specgen.models.export import first_layers, save_hf
+
+PROMPTS = [[3, 4, 5, 6, 7, 3, 4, 5], [9, 8, 7, 9, 8, 7, 9, 8], [11, 12, 13], [20, 21, 20, 21, 20, 21, 20, 21, 20]]
+
+
+@pytest.fixture(scope="module")
+def cut(tmp_path_factory):
+    """A 1-layer draft cut from the tiny llama (a poor drafter: drafts are often wrong)."""
+    path = tmp_path_factory.mktemp("draft") / "cut"
+    save_hf(first_layers(load_checkpoint(TINY / "llama"), 1), path)
+    return path
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("draft", ["self", "cut"])
+def test_draft_model_outputs_equal_plain_decoding(tiny_model, tiny_model64, cut, draft, dtype):
+    lm = tiny_model if dtype == "float32" else tiny_model64
+    path = str(TINY / "llama") if draft == "self" else str(cut)
+    for temperature in (0.0, 0.9):
+        sp = SamplingParams(max_tokens=24, ignore_eos=True, temperature=temperature, seed=11)
+        ref = [o.token_ids for o in generate(PROMPTS, model=lm, sampling=sp)]
+        for batch, adaptive in ((1, False), (3, False), (4, True)):
+            spec = SpecConfig(method=Method.DRAFT_MODEL, draft_model=path, adaptive=adaptive, num_speculative_tokens=4)
+            outs = generate(PROMPTS, model=lm, sampling=sp, engine=EngineConfig(batch_size=batch, dtype=dtype),
+                            speculative=spec)
+            assert [o.token_ids for o in outs] == ref, (draft, temperature, batch)
+            if draft == "self" and temperature == 0 and not adaptive:  # the model drafting for itself: all right
+                assert all(o.stats.num_accepted_tokens == o.stats.num_draft_tokens > 0 for o in outs)
+
+
+def test_vocabulary_must_match(tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(TINY / "llama", other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    name = next(n for n, i in vocab.items() if i == 7)
+    vocab[name + "_x"] = vocab.pop(name)
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(CheckpointError, match="token 7 differs"):
+        generate([[1, 2]], model=load_model(TINY / "llama"), sampling=SamplingParams(max_tokens=2),
+                 speculative=SpecConfig(method=Method.DRAFT_MODEL, draft_model=str(other)))
+    with pytest.raises(CheckpointError, match="vocabulary has 100 tokens, the main model's 300"):
+        check_vocabulary(None, None, 300, 100, "d")
+
+
+def test_draft_model_needs_a_checkpoint():
+    with pytest.raises(ConfigError, match="needs --draft-model PATH"):
+        SpecConfig(method=Method.DRAFT_MODEL)
+
+
+def test_make_draft_and_run_from_the_cli(tmp_path):
+    draft = tmp_path / "draft"
+    result = invoke("make-draft", "-o", draft, "--layers", "1", "--model", TINY / "llama")
+    assert result.exit_code == 0, result.output
+    assert json.loads((draft / "config.json").read_text())["num_hidden_layers"] == 1
+    assert invoke("make-draft", "-o", tmp_path / "d2", "--layers", "2", "--model", TINY / "llama").exit_code == 2
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"input_ids": p} for p in PROMPTS])
+    args = ["--max-tokens", "12", "--ignore-eos", "-q"]
+    assert invoke("run", inp, "-o", tmp_path / "plain.jsonl", *args).exit_code == 0
+    spec = json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2})
+    result = invoke("run", inp, "-o", tmp_path / "draft.jsonl", *args, "--speculative-config", spec)
+    assert result.exit_code == 0, result.output
+    by = {r["id"]: r["token_ids"] for r in read_output(tmp_path / "plain.jsonl")}
+    got = read_output(tmp_path / "draft.jsonl")
+    assert all(r["token_ids"] == by[r["id"]] for r in got) and len(got) == len(PROMPTS)
+    bad = invoke("run", inp, "-o", tmp_path / "x.jsonl", *args, "--method", "ngram", "--draft-model", str(draft))
+    assert bad.exit_code == 2 and "draft_model needs method draft_model or mtp" in bad.output
