@@ -28,8 +28,10 @@ class Advice:
 
 
 def advise(rows: Sequence[BenchRow], cfg: RunConfig) -> Advice | None:
-    """The fastest row whose outputs were identical to the baseline's (None if no row has a rate)."""
-    candidates = [r for r in rows if r.identical and r.tok_s]
+    """The fastest row whose outputs were identical to the baseline's (None if no row has a rate). A drafter
+    that verified no drafts ran as plain decoding (the controller found none that pays): its rate differs from
+    none's by noise alone, so it is not a choice."""
+    candidates = [r for r in rows if r.identical and r.tok_s and (r.k is None or r.summary.num_draft_tokens)]
     if not candidates:
         return None
     best = max(candidates, key=lambda r: r.tok_s)
@@ -61,8 +63,7 @@ def _why(best: BenchRow, same_size: Sequence[BenchRow]) -> str:
         drafters = [r for r in same_size if r.method != Method.NONE.value and r.speedup_over_plain]
         if not drafters:
             return f"only plain decoding was benched at batch {best.batch_size}: run none"
-        others = "; ".join(f"{r.label} {r.speedup_over_plain:.2f}x"
-                           + ("" if r.possible is None else f" of a possible {r.possible.oracle:.2f}x") for r in drafters)
+        others = "; ".join(_versus_plain(r) for r in drafters)
         return f"no drafter pays at batch {best.batch_size}: run none ({others})"
     over = "none" if best.speedup_over_plain is not None else base.label
     gain = best.speedup_over_plain if best.speedup_over_plain is not None else best.speedup
@@ -73,6 +74,13 @@ def _why(best: BenchRow, same_size: Sequence[BenchRow]) -> str:
     if best.method != Method.NGRAM.value and positions:
         line += "; drafts accepted per position " + ", ".join(f"{p:.2f}" for p in positions)
     return line
+
+
+def _versus_plain(row: BenchRow) -> str:
+    if not row.summary.num_draft_tokens:
+        return f"{row.label} verified no drafts"
+    return f"{row.label} {row.speedup_over_plain:.2f}x" + ("" if row.possible is None else
+                                                          f" of a possible {row.possible.oracle:.2f}x")
 
 
 def _of_possible(row: BenchRow) -> str:

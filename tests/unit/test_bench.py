@@ -175,6 +175,11 @@ def test_advice_why(tiny_model, tmp_path, monkeypatch):
     lost = advise([at(none, 100.0, 1.0), at(ngram, 90.0, 0.9)], cfg)
     assert lost.method == "none" and lost.why.startswith("no drafter pays at batch 1: run none (ngram 0.90x")
     assert lost.yaml.endswith("speculative:\n  method: none\n")
+    # a drafter that verified no drafts ran as plain decoding: faster by noise alone, it is no choice
+    idle = at(ngram, 130.0, 1.3)
+    idle = dataclasses.replace(idle, summary=dataclasses.replace(idle.summary, num_draft_tokens=0))
+    noise = advise([at(none, 100.0, 1.0), idle], cfg)
+    assert noise.method == "none" and noise.why == "no drafter pays at batch 1: run none (ngram verified no drafts)"
     # plain decoding at 4 slots is fastest, but a job held to one slot gains from ngram: said too
     big = [dataclasses.replace(at(none, 300.0, 1.0), batch_size=4), dataclasses.replace(at(ngram, 291.0, 0.97),
                                                                                         batch_size=4)]
