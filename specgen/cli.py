@@ -58,10 +58,10 @@ def exit_codes(interrupted: str = "interrupted", resume: str | None = None) -> I
 
 @contextmanager
 def sigterm_stops() -> Iterator[None]:
-    """SIGTERM before the job runs (loading the model) stops like Ctrl-C does: a line and exit 143, not a silent
-    death (the job installs its own handlers while it runs)."""
+    """SIGTERM while the model loads stops like Ctrl-C does: a line and exit 143, not a silent death (the job
+    installs its own handlers while it runs)."""
     def stop(signum: int, frame: Any) -> None:
-        raise Stopped(signum, "nothing was written yet")
+        raise Stopped(signum, "while loading the model; the output is as it was")
 
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -133,13 +133,14 @@ def run(
     from specgen.io.report import run_progress
 
     with exit_codes(f"interrupted: finished records are in {output}; rerun with --resume to complete it",
-                    resume=resume_command()), sigterm_stops():
+                    resume=resume_command()):
         cfg = resolve_config(config, speculative_config, flags)
         plan = plan_job(input, output, input_format, resume, on_error, allow_mismatch)
         with plan.lock:
-            loaded = _load(model, cfg)
-            for line in check_manifest(plan, run_manifest(loaded, cfg)):
-                typer.echo(f"warning: --allow-mismatch: {line}", err=True)
+            with sigterm_stops():
+                loaded = _load(model, cfg)
+                for line in check_manifest(plan, run_manifest(loaded, cfg)):
+                    typer.echo(f"warning: --allow-mismatch: {line}", err=True)
             with run_progress(quiet) as progress:
                 result = run_job(plan, loaded, cfg, progress)
         if not quiet:
@@ -357,4 +358,7 @@ def _bench_spec_method(methods) -> str | None:
 
 
 def main() -> None:
+    import faulthandler
+
+    faulthandler.enable()  # a crash in a native kernel prints where Python was (Paddle's own dumps are off)
     app(prog_name="specgen")

@@ -55,8 +55,9 @@ class MemoryBudgetError(SpecgenError):
     exit_code = 7
 
 
-class Stopped(SpecgenError):
-    """SIGTERM or SIGINT asked the run to stop; finished records are written."""
+class Stopped(BaseException):
+    """SIGTERM or SIGINT asked the run to stop; finished records are written. A BaseException, as
+    KeyboardInterrupt is: no `except Exception` on the way (a loader's, a kernel build's) may swallow the stop."""
 
     def __init__(self, signum: int, detail: str | None = None):
         import signal

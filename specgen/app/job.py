@@ -19,6 +19,7 @@ import numpy as np
 from specgen import __version__
 from specgen.api import encode_prompt, make_engine
 from specgen.app.settings import RunConfig
+from specgen.config import METHOD_SECTIONS, SpecConfig
 from specgen.engine.engine import gib
 from specgen.errors import ConfigError, InputError, OutputError, SpecgenError, Stopped
 from specgen.io.lock import OutputLock
@@ -92,8 +93,20 @@ def run_manifest(loaded: Any, cfg: RunConfig) -> dict[str, Any]:
                    "matmul": e.matmul, "backend": loaded.model.backend.name,
                    "max_model_len": cfg.engine.max_model_len},
         "sampling": json.loads(json.dumps(dataclasses.asdict(cfg.sampling))),
-        "speculative": json.loads(json.dumps(dataclasses.asdict(cfg.spec), default=lambda v: v.value)),
+        "speculative": method_settings(cfg.spec),
     }
+
+
+def method_settings(spec: SpecConfig) -> dict[str, Any]:
+    """The method, its bound on drafts and its own settings (not those of the methods not run, nor `adaptive`,
+    which chooses among drafts and cannot change a token)."""
+    out: dict[str, Any] = {"method": spec.method.value, "num_speculative_tokens": spec.num_speculative_tokens}
+    section = METHOD_SECTIONS.get(spec.method)
+    if section is not None:
+        out[section] = dataclasses.asdict(getattr(spec, section))
+    if spec.draft_model is not None:
+        out["draft_model"] = spec.draft_model
+    return json.loads(json.dumps(out))
 
 
 def check_manifest(plan: JobPlan, manifest: dict[str, Any]) -> list[str]:
@@ -107,6 +120,8 @@ def check_manifest(plan: JobPlan, manifest: dict[str, Any]) -> list[str]:
     if diffs and not plan.allow_mismatch:
         raise ConfigError(f"--resume: {plan.output} was written with other settings:\n  " + "\n  ".join(diffs)
                           + "\nrun with the output's settings, or add --allow-mismatch to mix them in one output")
+    if diffs:  # the output now mixes settings: say so in its manifest (`specgen stats` shows it)
+        write_sidecar(plan.output, {**stored, "mixed": [*stored.get("mixed", []), *diffs]})
     return diffs
 
 
@@ -134,12 +149,15 @@ class Interrupts:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.count = 0  # signals received
         self._holding = False
+        self._abort_at = 0  # while holding: the signal count that aborts the block anyway (0: none does)
         self._pending = False
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.signum = self.signum or signum
-        if self._holding:
+        self.count += 1
+        if self._holding and not (self._abort_at and self.count >= self._abort_at):
             self._pending = True
             return
         raise Stopped(self.signum)
@@ -157,13 +175,16 @@ class Interrupts:
                 signal.signal(s, handler)
 
     @contextmanager
-    def held(self) -> Iterator[None]:
-        """Signals wait until the block is done."""
+    def held(self, abortable: bool = False) -> Iterator[None]:
+        """Signals wait until the block is done; `abortable`: a second signal (counting one that came before the
+        block) aborts it."""
         self._holding = True
+        self._abort_at = self.count + 1 if abortable and self.count else (2 if abortable else 0)
         try:
             yield
         finally:
             self._holding = False
+            self._abort_at = 0
             if self._pending:
                 self._pending = False
                 raise Stopped(self.signum)
@@ -211,8 +232,8 @@ def _run(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress, inte
         full = engine.kv_need(np.full(cfg.engine.batch_size, engine.context_len))
         if full > engine.kv_budget:
             progress.note(f"the KV cache at {cfg.engine.batch_size} slots x {engine.context_len} positions would need "
-                          f"{gib(full)}, over its budget of {gib(engine.kv_budget)}: requests are admitted while they "
-                          f"fit ({engine.memory_advice()})")
+                          f"{gib(full)}, over its budget of {gib(engine.kv_budget)}; a request that would take it past "
+                          f"the budget stops the run (exit 7; {engine.memory_advice()})")
         for out in engine.run(source):
             message = None
             if out.error is not None:
@@ -222,7 +243,8 @@ def _run(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress, inte
                 progress.record_error(message)
             emit(result_record(out, cfg.spec, error=message))
     finally:
-        sink.close()
+        with interrupts.held(abortable=True):  # a Parquet merge: the first signal waits for it, a second aborts
+            sink.close()
     return JobResult(acc.summary(time.perf_counter() - start, **engine.memory()), source.num_skipped)
 
 

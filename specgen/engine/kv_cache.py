@@ -86,6 +86,17 @@ class KVCache:
         ahead = self.nbytes(whole) <= _physical_memory() and not _strict_overcommit()
         self.ensure(whole if ahead else min(prompt, self.max_capacity))
 
+    def clear_slot(self, slot: int) -> None:
+        """Zero every row of `slot` in a zero-filled cache (a request that went non-finite left NaN there, which the
+        reference attention's masked reads would carry into the slot's next request); storage that starts
+        uninitialized is never read past what was written, so it needs nothing."""
+        if not self.zeroed or self.capacity == 0:
+            return
+        rows = self.num_kv_heads * self.capacity
+        for store in (self.k, self.v):
+            for t in store:
+                t[slot * rows: (slot + 1) * rows] = 0
+
     def unbind(self) -> None:
         """Drop the kernels' handle of these tensors (Model binds them again at its next forward)."""
         if self.binding is not None:

@@ -109,6 +109,7 @@ class StepUpdate:
     detached: np.ndarray | None = None  # [num_seqs] bool: stop drafting for these slots (drafts stopped paying)
     seq_lens: np.ndarray | None = None  # [num_seqs] int64 valid tokens of each slot after the commit
     prompt_lens: np.ndarray | None = None  # [num_seqs] int64 each slot's prompt length
+    broken: np.ndarray | None = None  # [num_seqs] bool went non-finite (finished too): a drafter clears its rows
 
 
 @dataclass

@@ -69,12 +69,17 @@ def write_sidecar(output: Path, manifest: Mapping[str, Any]) -> None:
         raise OutputError(f"cannot write {side}: {exc.strerror or exc}") from None
 
 
+# Shown, not compared: the model is the same by its content's hash wherever it lies; the version, and the
+# record of settings an --allow-mismatch resume mixed in, say how the output came to be.
+NOT_COMPARED = ("specgen_version", "model.path", "mixed")
+
+
 def differences(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """One line per setting that differs: `key: stored (output) -> current (this run)`."""
     a, b = _flatten(stored), _flatten(current)
     out = []
     for key in sorted(set(a) | set(b)):
-        if key == "specgen_version" or a.get(key) == b.get(key):
+        if key in NOT_COMPARED or a.get(key) == b.get(key):
             continue
         out.append(f"{key}: {_show(a.get(key))} (output) -> {_show(b.get(key))} (this run)")
     return out

@@ -80,7 +80,11 @@ def cache_key(source: str, mode: str) -> str:
     root = Path(source)
     files = [root] if root.is_file() else sorted(p for p in root.iterdir() if p.is_file())
     stamp = [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
-    return hashlib.sha256(json.dumps([QUANT_FORMAT, mode, stamp]).encode()).hexdigest()[:16]
+    from specgen import __version__
+    from specgen.models.default_model import CACHE_FORMAT
+
+    # the loaders' output is part of what is cached: their cache format and specgen's version are in the key
+    return hashlib.sha256(json.dumps([QUANT_FORMAT, CACHE_FORMAT, __version__, mode, stamp]).encode()).hexdigest()[:16]
 
 
 def load_quantized(source: str, mode: str, cache_root: Path, load) -> Checkpoint:

@@ -173,6 +173,7 @@ def test_resume_with_other_settings_is_refused(tmp_path, inputs, ext):
     assert "--allow-mismatch" in result.stderr
     result = invoke("run", inputs, "-o", out, *ARGS, "--resume", "--allow-mismatch")
     assert result.exit_code == 0 and "warning: --allow-mismatch: sampling.max_tokens" in result.stderr
+    assert "mixed: " in invoke("stats", out).stdout  # the output says it mixes settings
     assert invoke("run", inputs, "-o", out, *first, "--resume").exit_code == 0  # the same settings: fine
     stats = invoke("stats", out)
     assert stats.exit_code == 0 and "sampling.max_tokens: 3" in stats.stdout and "model.sha256" in stats.stdout
@@ -258,9 +259,9 @@ def test_kv_cache_over_its_budget_stops_with_advice(tmp_path, inputs):
     assert result.exit_code == 7, result.output
     [line] = stderr_lines(result)
     assert line.startswith("error: request 'q") and "over its budget of 40.0 KiB" in line
-    assert "--batch-size" in line and "--max-model-len" in line
+    assert "--max-model-len" not in line  # it is in the manifest: a resume with another one would be refused
     # the advice holds: the batch size it names runs the job within the same budget
-    batch = line.split("(--batch-size ")[1].split(" ")[0]
+    batch = line.split("--resume and --batch-size ")[1].split(" ")[0]
     args = [a if a != "4" else batch for a in ARGS]
     assert invoke("run", inputs, "-o", out, *args, "--max-kv-memory", "40KiB", "--resume").exit_code == 0
 
@@ -268,3 +269,22 @@ def test_kv_cache_over_its_budget_stops_with_advice(tmp_path, inputs):
 def test_bad_memory_size_is_a_config_error(tmp_path, inputs):
     result = invoke("run", inputs, "-o", tmp_path / "o.jsonl", "--max-kv-memory", "lots")
     assert result.exit_code == 2 and "max_kv_memory must be a size such as 8GiB" in result.stderr
+
+
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+def test_the_slot_of_a_nan_request_serves_the_next_one_cleanly(tmp_path, poisoned, backend):
+    """A request that went non-finite leaves nothing behind in its slot (nor in a drafter's cache): a short request
+    placed there afterwards gets the tokens it gets alone."""
+    a = {"id": "a", "input_ids": [3 + (i % 9) for i in range(39)] + [7]}
+    b = {"id": "b", "input_ids": [8 + (i % 5) for i in range(30)], "max_tokens": 30}
+    c = {"id": "c", "input_ids": [4, 5, 6, 8]}
+    args = [*ARGS, "--backend", backend, "--batch-size", "2", "--model", poisoned]
+    for method in ("none", "ngram"):
+        out, alone = tmp_path / f"{method}.jsonl", tmp_path / f"{method}-alone.jsonl"
+        result = invoke("run", write_jsonl(tmp_path / "in.jsonl", [a, b, c]), "-o", out, *args, "--method", method,
+                        model=False)
+        assert result.exit_code == EXIT_RECORD_ERRORS, result.output
+        assert invoke("run", write_jsonl(tmp_path / "c.jsonl", [c]), "-o", alone, *args, model=False).exit_code == 0
+        got = by_id(read_output(out))
+        assert got["a"]["error"] and got["b"]["error"] is None and got["c"]["error"] is None
+        assert got["c"]["token_ids"] == read_output(alone)[0]["token_ids"]

@@ -49,6 +49,9 @@ class DraftModelProposer:
 
     def observe(self, update: StepUpdate) -> None:
         self._ensure(update.tokens.shape[0])
+        if update.broken is not None and update.broken.any():
+            for slot in update.slots[update.broken]:
+                self.cache.clear_slot(int(slot))
         pre = update.prefix_len if update.prefix_len is not None else 0
         fresh = update.first_pos - pre == 0  # [num_seqs] a slot's first block: a new request
         self.valid[update.slots[fresh]] = 0

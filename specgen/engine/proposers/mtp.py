@@ -96,6 +96,9 @@ class MtpProposer:
 
     def observe(self, update: StepUpdate) -> None:
         self._ensure(update.tokens.shape[0])
+        if update.broken is not None and update.broken.any():
+            for slot in update.slots[update.broken]:
+                self.cache.clear_slot(int(slot))
         live = ~update.finished & (update.num_valid > 0)
         # Slots whose next drafts are copies (found now, from the committed text, for propose) need the head's pass
         # only to catch its cache up: no LM head, no chained drafts (the fused pass leaves them out of last_rows).
