@@ -38,7 +38,8 @@ def plot_bench(rows: Sequence[BenchRow], png_path: Path, title: str = "specgen b
                 bound_label = None
     left.set_xticks(range(len(sizes)), [f"batch {s}" for s in sizes])
     left.set(ylabel="output tokens/s", title="rate per method (black: its oracle bound)")
-    left.legend(fontsize=8)
+    left.set_ylim(0, left.get_ylim()[1] * 1.3)  # room for the legend above the bars
+    left.legend(fontsize=8, loc="upper left", ncol=2)
     drew = False
     for j, method in enumerate(methods):
         for size in sizes:
