@@ -190,6 +190,8 @@ def bench(
         help="Bench a uniform random sample of this many records (drawn in one streaming pass; records keep "
              "their line numbers) [default: every record].")] = None,
     sample_seed: Annotated[int, typer.Option(help="Seed of --sample: the same seed, the same records.")] = 0,
+    repeats: Annotated[int, typer.Option(
+        help="Timed passes per method and batch size, alternated; each keeps its fastest (shared machines).")] = 1,
     plot: Annotated[Path | None, typer.Option(
         help="Write a PNG: tok/s per method with its oracle bound, acceptance per draft position.")] = None,
     model: Model = None, config: ConfigFile = None, input_format: InputFormat = None,
@@ -215,7 +217,7 @@ def bench(
         check_input(input)
         fmt = detect_format(input, input_format)
         records = sample_records(input, fmt, sample, sample_seed) if sample is not None else None
-        rows = run_bench(BenchInput(input, fmt, records), _load(model, cfg), cfg, choices, sizes)
+        rows = run_bench(BenchInput(input, fmt, records), _load(model, cfg), cfg, choices, sizes, repeats=repeats)
         advice = advise(rows, cfg)
         console = Console() if Console().is_terminal else Console(width=150)  # a file gets every column
         if records is not None:

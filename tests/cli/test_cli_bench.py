@@ -19,7 +19,7 @@ def bench_run(tmp_path_factory):
     path = write_jsonl(folder / "in.jsonl", prompts(N))
     summary, plot = folder / "bench.json", folder / "bench.png"
     result = invoke("bench", path, "--methods", "none,ngram:2", "--sample", "6", "--sample-seed", "5",
-                    "--batch-sizes", "1,4", "--max-tokens", "6", "--plot", plot, "--summary-json", summary)
+                    "--batch-sizes", "1,4", "--max-tokens", "6", "--repeats", "2", "--plot", plot, "--summary-json", summary)
     assert result.exit_code == 0, result.output
     return path, json.loads(summary.read_text()), plot, result.output
 

@@ -99,7 +99,7 @@ def test_precedence_defaults_yaml_speculative_config_flags(captured, inp, tmp_pa
              "--no-mtp-quantize", "--no-adaptive", "--kv-cache-dtype", "--matmul", "--prefill-chunk"]),
     ("stats", ["--summary-json"]),
     ("bench", ["--methods", "--model", "--num-speculative-tokens", "--ngram-pool", "--batch-size", "--max-tokens",
-               "--config", "--batch-sizes", "--sample", "--sample-seed", "--plot"]),
+               "--config", "--batch-sizes", "--sample", "--sample-seed", "--repeats", "--plot"]),
 ])
 def test_help_lists_the_options(command, options):
     result = invoke(command, "--help")

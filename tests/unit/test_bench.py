@@ -53,7 +53,7 @@ def costs(model, position, tokens, slots, repeats):
     return {t: 1.0 + 0.5 * (t - 1) for t in tokens}
 
 
-def bench(tiny_model, tmp_path: Path, monkeypatch, max_tokens: int, right: int, sizes=(1,)):
+def bench(tiny_model, tmp_path: Path, monkeypatch, max_tokens: int, right: int, sizes=(1,), repeats: int = 1):
     """none and the scripted drafter (as method ngram, drafts verified as offered) on PROMPTS."""
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     plain = generate(PROMPTS, model=tiny_model, sampling=sampling)
@@ -66,7 +66,8 @@ def bench(tiny_model, tmp_path: Path, monkeypatch, max_tokens: int, right: int, 
     cfg = resolve(None, {"max_tokens": max_tokens, "ignore_eos": True, "adaptive": False, "method": "ngram",
                          "num_speculative_tokens": K}, None, {Method.NONE, Method.NGRAM})
     choices = [Choice(Method.NONE), Choice(Method.NGRAM)]
-    rows = run_bench(BenchInput(path, "jsonl"), tiny_model, cfg, choices, list(sizes), warmup=False, measure=costs)
+    rows = run_bench(BenchInput(path, "jsonl"), tiny_model, cfg, choices, list(sizes), warmup=False, measure=costs,
+                     repeats=repeats)
     return cfg, rows
 
 
@@ -123,8 +124,8 @@ def test_drafts_never_accepted(tiny_model, tmp_path, monkeypatch):
 
 
 def test_drafts_half_accepted(tiny_model, tmp_path, monkeypatch):
-    # 11 tokens: the first, then five steps of 1 accepted draft + 1
-    _, rows = bench(tiny_model, tmp_path, monkeypatch, 11, right=1)
+    # 11 tokens: the first, then five steps of 1 accepted draft + 1; timed twice each, the fastest kept
+    _, rows = bench(tiny_model, tmp_path, monkeypatch, 11, right=1, repeats=2)
     check_rates(rows)
     s = rows[1].summary
     # drafts per request: 2 in each of the first four decode steps, 1 in the last (2 tokens left: room for 1)
@@ -198,6 +199,12 @@ def test_parse_methods_with_k():
                           ("", "at least one"), ("eagle", "unknown method")):
         with pytest.raises(ConfigError, match=fragment):
             parse_methods(bad)
+
+
+def test_repeats_must_be_positive(tiny_model, tmp_path):
+    with pytest.raises(ConfigError, match="--repeats must be >= 1"):
+        run_bench(BenchInput(tmp_path / "in.jsonl", "jsonl"), tiny_model, resolve(None, {}), [Choice(Method.NONE)],
+                  repeats=0)
 
 
 def test_parse_batch_sizes():
