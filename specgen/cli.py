@@ -231,6 +231,7 @@ def bench(
             plot_bench(rows, plot, f"specgen bench: {input.name}" + (f", {len(records)} sampled" if records else ""))
         _write_json(summary_json, {
             "input": str(input),
+            "repeats": repeats,
             "sample": None if records is None else {"records": len(records), "seed": sample_seed,
                                                      "numbers": [r.number for r in records]},
             "rows": [r.to_dict() for r in rows],

@@ -28,7 +28,7 @@ def bench_run(tmp_path_factory):
 def test_sample_is_the_seeded_one_with_line_numbers(bench_run):
     path, data, _, output = bench_run
     numbers = [r.number for r in sample_records(path, "jsonl", 6, 5)]
-    assert data["sample"] == {"records": 6, "seed": 5, "numbers": numbers}
+    assert data["sample"] == {"records": 6, "seed": 5, "numbers": numbers} and data["repeats"] == 2
     assert "sample: 6 records of in.jsonl (seed 5)" in output
     assert all(row["summary"]["num_requests"] == 6 for row in data["rows"])
 
