@@ -135,9 +135,10 @@ def test_second_sigint_exits_at_once_losing_nothing(tmp_path, inputs, reference)
     assert_matches_reference(out, reference)
 
 
-@pytest.mark.parametrize("delay", [0.05, 0.6, 1.5])
+@pytest.mark.parametrize("delay", [0.05, 0.3, 0.6])
 def test_sigterm_while_starting_ends_quietly(tmp_path, inputs, delay):
-    """A SIGTERM while Paddle is imported or the model loads: exit 143, no crash dump, nothing written."""
+    """A SIGTERM while Paddle is imported or the model loads: exit 143, no crash dump, the output as it was. (On a
+    quiet machine the whole run takes ~1.5 s: the delays stay well inside its start.)"""
     out = tmp_path / "out.jsonl"
     proc = spawn(inputs, out)
     time.sleep(delay)
@@ -145,3 +146,4 @@ def test_sigterm_while_starting_ends_quietly(tmp_path, inputs, delay):
     rc, err = finish(proc)
     assert rc in (143, -signal.SIGTERM), err
     assert "Traceback" not in err and "FatalError" not in err
+    assert lines_written(out) < NUM_REQUESTS
