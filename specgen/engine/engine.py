@@ -138,7 +138,7 @@ class Engine:
     def _check_memory(self, slot: int, req: Request, end: int) -> None:
         """The slots' pages stay resident up to the longest request each held (and, once the cache grew, up to the
         rows the growth copied for every slot): the need is each slot's high-water mark, this slot's raised."""
-        t, c = self.table, self.cache
+        c = self.cache
         ends = np.maximum(self.kv_high, c.peak_own if c.capacity > c.initial_capacity else 0)  # [num_slots]
         ends[slot] = max(ends[slot], end)
         need = self.kv_need(ends[ends > 0])

@@ -15,11 +15,10 @@ from typing import Any
 
 from specgen.errors import InputError, OutputError
 from specgen.io.outputs import output_format
+from specgen.models.checkpoint import checkpoint_files, file_stamps
 
 PARQUET_KEY = b"specgen.manifest"
 HASH_CHUNK = 1 << 20
-# Files of an HF checkpoint directory that decide its outputs: weights, configs, tokenizer.
-MODEL_FILE_SUFFIXES = (".safetensors", ".json", ".model", ".txt", ".gguf", ".npy", ".jinja")
 
 
 def sidecar_path(output: Path) -> Path:
@@ -107,10 +106,8 @@ def _show(value: Any) -> str:
 def content_hash(path: str | Path, cache_root: Path) -> str:
     """sha256 over a checkpoint's files (a file, or a directory's weight / config / tokenizer files, by name),
     remembered in `cache_root` by path, size and modification time so that a rerun reads nothing."""
-    root = Path(path)
-    files = [root] if root.is_file() else sorted(p for p in root.iterdir()
-                                                 if p.is_file() and p.suffix in MODEL_FILE_SUFFIXES)
-    stamp = json.dumps([[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files])
+    files = checkpoint_files(path)
+    stamp = json.dumps(file_stamps(files))
     key = hashlib.sha256(stamp.encode()).hexdigest()[:24]
     memo = cache_root / "hashes" / f"{key}.txt"
     try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -35,3 +36,20 @@ class Checkpoint:
     tokenizer: TextTokenizer | None
     source: str  # the path it was loaded from, for messages
     quantized: dict[str, QuantRows] = field(default_factory=dict)
+
+
+# Files of an HF checkpoint directory that decide its outputs: weights, configs, tokenizer.
+MODEL_FILE_SUFFIXES = (".safetensors", ".json", ".model", ".txt", ".gguf", ".npy", ".jinja")
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """The files a checkpoint is: a .gguf file itself, or a directory's weight / config / tokenizer files."""
+    root = Path(path)
+    if root.is_file():
+        return [root]
+    return sorted(p for p in root.iterdir() if p.is_file() and p.suffix in MODEL_FILE_SUFFIXES)
+
+
+def file_stamps(files: list[Path]) -> list[list]:
+    """[resolved path, size, modification time] of each file: what tells a cache keyed by them that they changed."""
+    return [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]

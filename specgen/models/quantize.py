@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from specgen.models.checkpoint import QUANT_BLOCK_BYTES, QUANT_BLOCK_WEIGHTS, Checkpoint, QuantRows
+from specgen.models.checkpoint import (QUANT_BLOCK_BYTES, QUANT_BLOCK_WEIGHTS, Checkpoint, QuantRows,
+                                       checkpoint_files, file_stamps)
 
 QUANTIZATIONS = ("auto", "none", "wint8", "wint4")
 KIND = {"wint8": "Q8_0", "wint4": "Q4_1"}
@@ -77,9 +78,7 @@ def quantize_rows(w: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
 
 def cache_key(source: str, mode: str) -> str:
     """The quantized entry of a checkpoint: its files' paths, sizes and modification times, and the mode."""
-    root = Path(source)
-    files = [root] if root.is_file() else sorted(p for p in root.iterdir() if p.is_file())
-    stamp = [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+    stamp = file_stamps(checkpoint_files(source))
     from specgen import __version__
     from specgen.models.default_model import CACHE_FORMAT
 
