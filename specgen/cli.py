@@ -14,7 +14,8 @@ from typing import Annotated, Any
 import typer
 
 from specgen.cli_options import with_settings
-from specgen.errors import EXIT_RECORD_ERRORS, EXIT_SIGINT, ConfigError, OutputError, SpecgenError, Stopped
+from specgen.errors import (EXIT_RECORD_ERRORS, EXIT_SIGINT, ConfigError, OutputError, SpecgenError, Stopped,
+                            WorkerError)
 
 PRECEDENCE = ("Settings resolve once, later winning: dataclass defaults < --config YAML "
               "< --speculative-config < individual flags.")
@@ -47,6 +48,9 @@ def exit_codes(interrupted: str = "interrupted", resume: str | None = None) -> I
     except OutputError as exc:
         typer.echo(f"error: {exc}" + (f"; free space or fix the folder, then resume with: {resume}" if resume else ""),
                    err=True)
+        raise typer.Exit(exc.exit_code) from None
+    except WorkerError as exc:
+        typer.echo(f"error: {exc}" + (f"; resume with: {resume}" if resume else ""), err=True)
         raise typer.Exit(exc.exit_code) from None
     except SpecgenError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -177,7 +181,7 @@ def stats(
 @app.command(help="Run INPUT once per method (and batch size) on one loaded model and compare them side by side: "
                   "tok/s, speedup, what speculation could reach (the n-gram ceiling, the oracle bound), and advice: "
                   "the fastest choice, with its YAML for --config. " + PRECEDENCE)
-@with_settings(exclude=("method",))
+@with_settings(exclude=("method", "data_parallel_size", "ray"))
 def bench(
     input: Annotated[Path, typer.Argument(help="Prompts: .jsonl / .json lines, or .parquet.")],
     flags: dict[str, Any],

@@ -235,6 +235,26 @@ class SpecConfig:
                               "model's vocabulary; `specgen make-draft` builds one from the main model)")
 
 
+RAY_LOCAL = "local"  # ParallelConfig.ray: start a Ray instance on this machine
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many engines run a job, and where: local worker processes, or a Ray cluster."""
+
+    data_parallel_size: int = opt(1, "Engines, each in its own worker process with its share of --threads, fed "
+                                     "from one reader and writing through one writer (with --ray: Ray workers, "
+                                     "each with --threads CPUs).")
+    ray: str = opt("", "Run the job on Ray Data: a cluster's address (auto, host:port, ray://host:10001), or "
+                       f"{RAY_LOCAL} to start an instance here (needs specgen[ray]). Empty: no Ray.")
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.data_parallel_size <= 1024:
+            raise ConfigError(f"data_parallel_size must be in 1..1024, got {self.data_parallel_size}")
+        if self.ray != self.ray.strip() or any(c.isspace() for c in self.ray):
+            raise ConfigError(f"ray must be a cluster address or {RAY_LOCAL!r}, got {self.ray!r}")
+
+
 # The SpecConfig section holding each method's own settings (a method without one has none).
 METHOD_SECTIONS: dict[Method, str] = {Method.NGRAM: "ngram", Method.MTP: "mtp"}
 
@@ -267,5 +287,5 @@ def from_mapping(cls: type, values: dict[str, Any], where: str) -> Any:
         raise ConfigError(f"{where}: {exc}") from None
 
 
-__all__ = ["Method", "SamplingParams", "EngineConfig", "SpecConfig", "NgramConfig", "MtpConfig", "METHOD_SECTIONS",
+__all__ = ["Method", "SamplingParams", "EngineConfig", "SpecConfig", "NgramConfig", "MtpConfig", "ParallelConfig", "METHOD_SECTIONS",
            "from_mapping", "default_threads", "opt", "DEVICES", "BACKENDS"]

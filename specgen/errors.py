@@ -36,6 +36,11 @@ class EngineError(SpecgenError):
     exit_code = 4
 
 
+class WorkerError(EngineError):
+    """A worker process of a parallel job died (killed, out of memory) or stopped answering; the records finished
+    before are in the output and --resume completes it."""
+
+
 class OutputError(SpecgenError):
     """The output could not be written (disk full, I/O error, folder gone, read-only); what was written before
     is intact and --resume completes it."""

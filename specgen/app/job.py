@@ -21,7 +21,7 @@ from specgen.api import encode_prompt, make_engine
 from specgen.app.settings import RunConfig
 from specgen.config import METHOD_SECTIONS, SpecConfig
 from specgen.engine.engine import gib
-from specgen.errors import ConfigError, InputError, OutputError, SpecgenError, Stopped
+from specgen.errors import ConfigError, InputError, OutputError, SpecgenError, Stopped, WorkerError
 from specgen.io.lock import OutputLock
 from specgen.io.manifest import content_hash, differences, read_manifest, write_sidecar
 from specgen.io.outputs import done_ids, existing_parts, output_format
@@ -191,16 +191,17 @@ class Interrupts:
 
 
 def run_job(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress) -> JobResult:
-    """Stream the input through the engine, writing records as they finish. Stopped (a signal) and OutputError
-    (a failed write) leave every record written before them on disk, and say how many."""
+    """Stream the input through the engine, writing records as they finish. Stopped (a signal), OutputError
+    (a failed write) and WorkerError (a dead worker) leave every record written before them on disk, and say how
+    many."""
     interrupts = Interrupts()
     with interrupts.installed():
         try:
             return _run(plan, loaded, cfg, progress, interrupts)
         except Stopped as exc:
             raise Stopped(exc.signum, f"{_count_written(plan.output)} records are in {plan.output}") from None
-        except OutputError as exc:
-            raise OutputError(f"{exc}; {_count_written(plan.output)} records are safely in {plan.output}") from None
+        except (OutputError, WorkerError) as exc:
+            raise type(exc)(f"{exc}; {_count_written(plan.output)} records are safely in {plan.output}") from None
 
 
 def _run(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress, interrupts: Interrupts) -> JobResult:
@@ -225,27 +226,42 @@ def _run(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress, inte
     source = request_source(plan.input, plan.input_format, loaded, cfg, done_ids=done,
                             on_bad=on_bad if skip else None)
     start = time.perf_counter()
-    engine = None
     try:
         progress.start(total, completed=min(len(done), total))
-        engine = make_engine(loaded, cfg.engine, cfg.spec)
-        full = engine.kv_need(np.full(cfg.engine.batch_size, engine.context_len))
-        if full > engine.kv_budget:
-            progress.note(f"the KV cache at {cfg.engine.batch_size} slots x {engine.context_len} positions would need "
-                          f"{gib(full)}, over its budget of {gib(engine.kv_budget)}; a request that would take it past "
-                          f"the budget stops the run (exit 7; {engine.memory_advice()})")
-        for out in engine.run(source):
-            message = None
-            if out.error is not None:
-                message = f"{unit} {out.index}: {out.error}"
-                if not skip:
-                    raise InputError(message)
-                progress.record_error(message)
-            emit(result_record(out, cfg.spec, error=message))
+        with job_engine(loaded, cfg, progress) as engine:
+            for out in engine.run(source):
+                message = None
+                if out.error is not None:
+                    message = f"{unit} {out.index}: {out.error}"
+                    if not skip:
+                        raise InputError(message)
+                    progress.record_error(message)
+                emit(result_record(out, cfg.spec, error=message))
+            memory = engine.memory()
     finally:
         with interrupts.held(abortable=True):  # a Parquet merge: the first signal waits for it, a second aborts
             sink.close()
-    return JobResult(acc.summary(time.perf_counter() - start, **engine.memory()), source.num_skipped)
+    return JobResult(acc.summary(time.perf_counter() - start, **memory), source.num_skipped)
+
+
+@contextmanager
+def job_engine(loaded: Any, cfg: RunConfig, progress: RunProgress) -> Iterator[Any]:
+    """The job's engine: one here, or --data-parallel-size workers behind the same run/memory contract (their
+    processes end with the block)."""
+    if cfg.parallel.data_parallel_size > 1:
+        from specgen.distributed.data_parallel import DataParallelEngine
+
+        with DataParallelEngine(loaded.source, loaded.engine, cfg.engine, cfg.spec,
+                                cfg.parallel.data_parallel_size) as engine:
+            yield engine
+        return
+    engine = make_engine(loaded, cfg.engine, cfg.spec)
+    full = engine.kv_need(np.full(cfg.engine.batch_size, engine.context_len))
+    if full > engine.kv_budget:
+        progress.note(f"the KV cache at {cfg.engine.batch_size} slots x {engine.context_len} positions would need "
+                      f"{gib(full)}, over its budget of {gib(engine.kv_budget)}; a request that would take it past "
+                      f"the budget stops the run (exit 7; {engine.memory_advice()})")
+    yield engine
 
 
 def _count_written(output: Path) -> str:

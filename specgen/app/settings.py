@@ -1,12 +1,13 @@
 """Run settings: dataclass defaults < YAML file < --speculative-config < flags, resolved once.
 
-YAML shape: up to three sections, each mapping onto one config dataclass (specgen/config.py), methods' own
+YAML shape: up to four sections, each mapping onto one config dataclass (specgen/config.py), methods' own
 settings nested under `speculative`:
 
     sampling:     {max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos}              -> SamplingParams
     engine:       {batch_size, dtype, threads, device, backend, ..., kv_cache_dtype, matmul}  -> EngineConfig
     speculative:  {method, num_speculative_tokens, adaptive, draft_model, ngram: {min, max, pool},
                    mtp: {model, copy, quantize}}                                              -> SpecConfig
+    parallel:     {data_parallel_size, ray}                                                   -> ParallelConfig
 
 Every field is also a flag of `specgen run` and `specgen bench`: a top-level field by its name (--batch-size), a
 method's field with the method as prefix (--ngram-pool, --mtp-model).
@@ -23,19 +24,22 @@ from typing import Any
 
 import yaml
 
-from specgen.config import METHOD_SECTIONS, EngineConfig, Method, SamplingParams, SpecConfig, from_mapping
+from specgen.config import (METHOD_SECTIONS, EngineConfig, Method, ParallelConfig, SamplingParams, SpecConfig,
+                            from_mapping)
 from specgen.errors import ConfigError
 
-SECTIONS: dict[str, type] = {"sampling": SamplingParams, "engine": EngineConfig, "speculative": SpecConfig}
+SECTIONS: dict[str, type] = {"sampling": SamplingParams, "engine": EngineConfig, "speculative": SpecConfig,
+                             "parallel": ParallelConfig}
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """The three resolved configs of a run; each component receives only its own part."""
+    """The resolved configs of a run; each component receives only its own part."""
 
     sampling: SamplingParams
     engine: EngineConfig
     spec: SpecConfig
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
 
 
 @dataclass(frozen=True)
@@ -143,7 +147,7 @@ def _with_model(model: str, method: Method) -> None:
 
 def resolve(yaml_sections: Mapping[str, Mapping[str, Any]] | None, flags: Mapping[str, Any],
             speculative_json: Mapping[str, Any] | None = None, methods: set[Method] | None = None) -> RunConfig:
-    """Merge the layers (a flag of None means "not given") and build the three dataclasses. `flags` are keyed by
+    """Merge the layers (a flag of None means "not given") and build the dataclasses. `flags` are keyed by
     Setting.flag; a key that is no setting is a programming error. `methods`: the methods the settings serve
     (`specgen bench` runs several; default: the resolved one), for the check that none is ignored."""
     by_flag = {s.flag: s for s in all_settings()}
@@ -170,7 +174,8 @@ def resolve(yaml_sections: Mapping[str, Mapping[str, Any]] | None, flags: Mappin
     cfgs = {s: from_mapping(cls, layers[s], s) for s, cls in SECTIONS.items()}
     explicit = {by_flag[name].path for name in given} | _paths(("speculative",), js)
     _check_contradictions(cfgs["speculative"], explicit, methods)
-    return RunConfig(sampling=cfgs["sampling"], engine=cfgs["engine"], spec=cfgs["speculative"])
+    return RunConfig(sampling=cfgs["sampling"], engine=cfgs["engine"], spec=cfgs["speculative"],
+                     parallel=cfgs["parallel"])
 
 
 def _copy(d: dict) -> dict:
