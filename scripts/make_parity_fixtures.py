@@ -53,6 +53,8 @@ from transformers import (
     AutoTokenizer,
     Ernie4_5Config,
     Ernie4_5ForCausalLM,
+    Ernie4_5_MoeConfig,
+    Ernie4_5_MoeForCausalLM,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
@@ -62,6 +64,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -219,6 +223,48 @@ def tiny_specs(ids: dict[str, int]) -> dict:
                 **tok_ids,
                 head_dim=16,
                 use_bias=True,
+                rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+            ),
+            ids["<|im_end|>"],
+            True,
+        ),
+        # Qwen3-MoE: 8 experts, top-2 softmax gating NOT renormalised (norm_topk_prob False, transformers' default);
+        # three layers, the middle one dense (mlp_only_layers).
+        "qwen3_moe": (
+            Qwen3MoeConfig,
+            Qwen3MoeForCausalLM,
+            dict(
+                BASE,
+                **tok_ids,
+                num_hidden_layers=3,
+                head_dim=16,
+                tie_word_embeddings=False,
+                num_experts=8,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                norm_topk_prob=False,
+                mlp_only_layers=[1],
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            ),
+            ids["<|im_end|>"],
+            False,
+        ),
+        # ERNIE-4.5-MoE: layer 0 dense (moe_layer_start_index 1), 8 experts top-3 renormalised, 2 shared experts,
+        # a random e_score_correction_bias (it picks the experts, not their weights); no biases, as the released
+        # checkpoints (with use_bias its LM head has one, which specgen does not read).
+        "ernie4_5_moe": (
+            Ernie4_5_MoeConfig,
+            Ernie4_5_MoeForCausalLM,
+            dict(
+                BASE,
+                **tok_ids,
+                num_hidden_layers=3,
+                head_dim=16,
+                moe_num_experts=8,
+                moe_k=3,
+                moe_intermediate_size=32,
+                moe_num_shared_experts=2,
+                moe_layer_start_index=1,
                 rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
             ),
             ids["<|im_end|>"],

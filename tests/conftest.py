@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY = FIXTURES / "tiny"
-TINY_ARCHS = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "ernie4_5"]
+TINY_ARCHS = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "ernie4_5", "qwen3_moe", "ernie4_5_moe"]
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 

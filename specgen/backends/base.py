@@ -35,6 +35,7 @@ class ForwardOutput:
     logits: paddle.Tensor | None  # [num_logits, vocab]; None when not asked for and the backend skipped them
     hidden: paddle.Tensor  # [num_tokens, hidden] final normed hidden states
     greedy: np.ndarray  # [num_logits] int64 each logit row's argmax (the lowest id on a tie)
+    expert_counts: np.ndarray | None = None  # [num_routed_blocks, num_experts] int64 tokens each expert took (MoE)
 
 
 @dataclass(frozen=True)

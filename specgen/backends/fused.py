@@ -74,6 +74,8 @@ class FusedBackend:
         self.screen: kernels.Screen | None = None  # the LM head's greedy screen, when it has one
         self._model_args: args.ModelArgs | None = None
         self._weights_handle: int | None = None
+        self._moe_args: args.MoeArgs | None = None  # a mixture-of-experts model's routed blocks, once bound
+        self._counts_handle: paddle.Tensor | None = None
         self._indices = KeptIndex(self.INDEX_REUSE_SIZES)
         self._no_screen = paddle.zeros([0], dtype="float32")
 
@@ -119,15 +121,18 @@ class FusedBackend:
         """The operators' per-block lists (absent biases and q/k norms replaced by their stand-ins)."""
         none, ones = self.none, self.ones
 
-        def bias(lin: Linear):
-            return lin.bias if lin.bias is not None else none
+        def bias(lin: Linear | None):
+            return lin.bias if lin is not None and lin.bias is not None else none
+
+        def panels(lin: Linear | None):  # a routed block without shared experts has no dense MLP
+            return lin.weight.panels if lin is not None else none
 
         return args.BlockArgs(
             attn_norm=[b.attn_norm for b in blocks], w_qkv=[b.qkv.weight.panels for b in blocks],
             b_qkv=[bias(b.qkv) for b in blocks], w_o=[b.o.weight.panels for b in blocks],
             b_o=[bias(b.o) for b in blocks], mlp_norm=[b.mlp_norm for b in blocks],
-            w_gate_up=[b.gate_up.weight.panels for b in blocks], b_gate_up=[bias(b.gate_up) for b in blocks],
-            w_down=[b.down.weight.panels for b in blocks], b_down=[bias(b.down) for b in blocks],
+            w_gate_up=[panels(b.gate_up) for b in blocks], b_gate_up=[bias(b.gate_up) for b in blocks],
+            w_down=[panels(b.down) for b in blocks], b_down=[bias(b.down) for b in blocks],
             q_norm=[b.q_norm if b.q_norm is not None else ones for b in blocks],
             k_norm=[b.k_norm if b.k_norm is not None else ones for b in blocks])
 
@@ -138,6 +143,10 @@ class FusedBackend:
             self._model_args = args.ModelArgs(w.embed, self.block_args(w.blocks),
                                               model.rope.cos, model.rope.sin, w.final_norm, w.lm_head.weight.panels)
             handle = args.bind_weights(self.ops, self._model_args)
+            if model.config.moe is not None:
+                self._moe_args = moe_args(model)
+                args.bind_experts(self.ops, handle, self._moe_args)
+                self._counts_handle = handle
             self._weights_handle = int(handle.numpy()[0])
             weakref.finalize(self, args.unbind, self.ops, handle).atexit = False
         return self._weights_handle
@@ -178,7 +187,8 @@ class FusedBackend:
             index=self._index(index), num_tokens=n, weights=self._weights(model), caches=self._caches(model, cache),
             capacity=cache.capacity, prefix_capacity=pre.capacity if pre is not None else 0, screen=screen,
             bound=bound, geometry=self._geometry, vocab=model.weights.lm_head.weight.n))
-        return ForwardOutput(None if screened else out, hidden, greedy.numpy())
+        counts = args.take_expert_counts(self.ops, self._counts_handle).numpy() if self._moe_args else None
+        return ForwardOutput(None if screened else out, hidden, greedy.numpy(), counts)
 
     def logits(self, model: ModelView, hidden: paddle.Tensor) -> paddle.Tensor:
         lm = model.weights.lm_head.weight
@@ -199,6 +209,20 @@ class FusedBackend:
 
     def describe(self) -> list:
         return [self.name, self.int8_product, self.screen is not None, self._kinds]
+
+
+def moe_args(model: ModelView) -> args.MoeArgs:
+    """The routed blocks of an MoE model whose Linears are packed, for specgen_bind_experts."""
+    routed = [(i, b.moe) for i, b in enumerate(model.weights.blocks) if b.moe is not None]
+    first = routed[0][1]
+    none = paddle.zeros([0], dtype="float32")
+    return args.MoeArgs(
+        blocks=[i for i, _ in routed], routers=[m.router.weight.panels for _, m in routed],
+        bias=[m.selection_bias.astype("float32") if m.selection_bias is not None else none for _, m in routed],
+        w_gate_up=[e.gate_up.weight.panels for _, m in routed for e in m.experts],
+        w_down=[e.down.weight.panels for _, m in routed for e in m.experts],
+        hidden=model.config.hidden_size, inter=model.config.moe.intermediate_size, num_experts=first.num_experts,
+        top_k=first.top_k, first_expert=first.first_expert, norm=first.norm_topk_prob, norm_min=first.norm_min)
 
 
 def q8_0(lin: Linear) -> QuantRows | None:

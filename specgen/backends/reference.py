@@ -39,11 +39,14 @@ class ReferenceBackend:
         reserve(batch, cache)
         att = AttentionIndex(batch, cache, model.rope, model.shape.num_heads, self.dtype)
         x = F.embedding(paddle.to_tensor(batch.token_ids), w.embed)  # [num_tokens, hidden]
+        moe = model.config.moe
+        counts = np.zeros((len(moe.layers), moe.num_experts), np.int64) if moe is not None else None
         for i, block in enumerate(w.blocks):
-            x = block_forward(x, block, model.shape, att, i, cache.k[i], cache.v[i])
+            routed = counts[moe.layers.index(i)] if block.moe is not None else None
+            x = block_forward(x, block, model.shape, att, i, cache.k[i], cache.v[i], routed)
         hidden = rms_norm(x, w.final_norm, model.shape.eps)  # [num_tokens, hidden]
         out = w.lm_head(paddle.gather(hidden, paddle.to_tensor(batch.logit_rows)))  # [num_logits, vocab]
-        return ForwardOutput(out, hidden, paddle.argmax(out, axis=-1).numpy())
+        return ForwardOutput(out, hidden, paddle.argmax(out, axis=-1).numpy(), counts)
 
     def logits(self, model: ModelView, hidden: paddle.Tensor) -> paddle.Tensor:
         return model.weights.lm_head(hidden)

@@ -71,6 +71,37 @@ def bind_weights(ops: ModuleType, a: ModelArgs) -> Tensor:
 
 
 @dataclass(frozen=True)
+class MoeArgs:
+    """A mixture-of-experts model's routed blocks for specgen_bind_experts: routed block j (model block blocks[j])
+    has routers[j], bias[j] and its local experts l at w_gate_up / w_down[j * num_local + l], the expert ids
+    [first_expert, first_expert + num_local)."""
+
+    blocks: list[int]  # [num_routed] ascending block indices
+    routers: list[Tensor]  # packed [hidden] -> [num_experts]
+    bias: list[Tensor]  # float32 [num_experts] selection bias, or empty
+    w_gate_up: list[Tensor]  # packed [hidden] -> [2 inter], [num_routed * num_local]
+    w_down: list[Tensor]  # packed [inter] -> [hidden]
+    hidden: int
+    inter: int  # each expert's intermediate size
+    num_experts: int
+    top_k: int
+    first_expert: int
+    norm: bool  # divide the top-k weights by max(their sum, norm_min)
+    norm_min: float
+
+
+def bind_experts(ops: ModuleType, weights: Tensor, a: MoeArgs) -> None:
+    """Hold the routed experts with the weights bound under `weights` (bind_weights' handle)."""
+    ops.specgen_bind_experts(weights, a.routers, a.bias, a.w_gate_up, a.w_down, a.blocks, a.hidden, a.inter,
+                             a.num_experts, a.top_k, a.first_expert, a.norm, a.norm_min)
+
+
+def take_expert_counts(ops: ModuleType, weights: Tensor) -> Tensor:
+    """-> int64 [num_routed, num_experts]: tokens each expert took since the last call (then zeroed)."""
+    return _first(ops.specgen_take_expert_counts(weights))
+
+
+@dataclass(frozen=True)
 class CacheArgs:
     """A KV cache's per-block tensors and its shared prefix's (stand-ins without one) for specgen_bind_caches."""
 

@@ -30,10 +30,14 @@
 //   specgen_forward_bound specgen_forward with the weights and caches given by handle: the per-step arguments are
 //                         the token indices alone. Handing Paddle ~480 tensors per call costs ~0.8 ms on this CPU
 //                         (26 us per decoder block), a tenth of a one-token step of the default model.
+//   specgen_bind_experts  a mixture-of-experts model's routers and experts (moe.cc), held with its bound weights:
+//                         the routed blocks' MLP in specgen_forward_bound (beside their shared experts, if any)
+//   specgen_take_expert_counts  the tokens each expert took since the last call, per routed block
 //   specgen_mtp_draft     an MTP head's pass for a step: input norms and eh_proj, its block(s) (specgen_stack's code),
 //                         final norm, LM head and argmax at each sequence's last token, then depth - 1 chained
-//                         passes on its own drafts; the same functions in the same order as MtpProposer._run. In
-//                         the embedding's type, as specgen_forward.
+//                         passes on its own drafts; also the catch-up tokens' block outputs (the next MTP module's
+//                         input). The same functions in the same order as the reference head, in the embedding's
+//                         type, as specgen_forward.
 //
 // Every output row is computed from its own inputs in a fixed order, whatever else is in the batch, so results
 // do not depend on batch composition or on how many tokens a slot feeds (speculation on or off).
@@ -947,7 +951,7 @@ void add_bias(T* out, const paddle::Tensor& b, int64_t n, int64_t width) {
 // 8,192-token prefill chunk of the default model leaves ~280 MB here).
 template <typename T>
 struct LayerScratch {
-  std::vector<T> h, qkv, att, o, sum, gu, act, m;
+  std::vector<T> h, qkv, att, o, sum, gu, act, m, e;
 };
 
 // One decoder block's tensors.
@@ -997,7 +1001,8 @@ specgen::PackedWeight packed_for(const paddle::Tensor& w, int64_t k, int64_t n, 
   return p;
 }
 
-// A block's packed projections, checked against the shapes the block needs (errors name the projection).
+// A block's packed projections, checked against the shapes the block needs (errors name the projection). A routed
+// block without shared experts has no dense MLP: inter 0.
 struct BlockWeights {
   specgen::PackedWeight qkv, o, gu, down;
   int64_t D, inter;
@@ -1019,12 +1024,14 @@ BlockWeights check_block(const BlockTensors& b, const StepInputs<T>& a, int64_t 
     PD_CHECK(t->numel() == 0 || t->dtype() == dtype_of<T>(), "specgen_stack: norms and biases must be ",
              dtype_name<T>(), ", as the activations");
   const int64_t D = b.k_cache.shape().back(), wq = (a.H + 2 * a.KV) * D;
+  BlockWeights w{packed_for<T>(b.w_qkv, hid, wq, "w_qkv"), packed_for<T>(b.w_o, a.H * D, hid, "w_o"), {}, {}, D, 0};
+  if (b.w_down.numel() == 0) return w;  // no dense MLP (a routed block's experts are all it has)
   // w_down's inputs: [panels, inter, 32] float32 / float64, or [panels, inter / 32, bytes] quantized
   const bool flat = b.w_down.dtype() == paddle::DataType::FLOAT32 || b.w_down.dtype() == paddle::DataType::FLOAT64;
-  const int64_t inter = b.w_down.shape()[1] * (flat ? 1 : 32);
-  return {packed_for<T>(b.w_qkv, hid, wq, "w_qkv"), packed_for<T>(b.w_o, a.H * D, hid, "w_o"),
-          packed_for<T>(b.w_gu, hid, 2 * inter, "w_gate_up"), packed_for<T>(b.w_down, inter, hid, "w_down"), D,
-          inter};
+  w.inter = b.w_down.shape()[1] * (flat ? 1 : 32);
+  w.gu = packed_for<T>(b.w_gu, hid, 2 * w.inter, "w_gate_up");
+  w.down = packed_for<T>(b.w_down, w.inter, hid, "w_down");
+  return w;
 }
 
 // att [n, H D] = the block's attention over qkv [n, (H + 2 KV) D], writing the tokens' K/V into its cache (T, or
@@ -1050,10 +1057,11 @@ void block_attention(const T* qkv, T* att, int64_t n, int64_t D, const BlockTens
                a.prefix_len, b.prefix_k.data<T>(), b.prefix_v.data<T>(), a.prefix_capacity);
 }
 
-// out [n, hid] = the pre-norm decoder block applied to x [n, hid], writing this block's K/V into its cache.
+// out [n, hid] = the pre-norm decoder block applied to x [n, hid], writing this block's K/V into its cache. With
+// moe, the MLP is the routed experts' output plus the dense MLP's (the shared experts), if the block has one.
 template <typename T>
 void block_forward(const T* x, T* out, int64_t n, int64_t hid, const BlockTensors& b, const BlockWeights& w,
-                   const StepInputs<T>& a) {
+                   const StepInputs<T>& a, const specgen::ExpertBlock* moe) {
   const int64_t H = a.H, KV = a.KV, D = w.D, inter = w.inter, wq = (H + 2 * KV) * D;
   static thread_local LayerScratch<T> s;
   s.h.resize(n * hid);
@@ -1071,13 +1079,27 @@ void block_forward(const T* x, T* out, int64_t n, int64_t hid, const BlockTensor
   specgen::packed_linear(s.att.data(), n, H * D, w.o, s.o.data(), hid);
   add_bias(s.o.data(), b.b_o, n, hid);
   add_rms_norm_rows<T>(x, s.o.data(), b.mlp_norm.data<T>(), s.sum.data(), s.h.data(), n, hid, a.eps);
-  specgen::packed_linear(s.h.data(), n, hid, w.gu, s.gu.data(), 2 * inter);
-  add_bias(s.gu.data(), b.b_gu, n, 2 * inter);
-  silu_mul_rows<T>(s.gu.data(), s.act.data(), n, inter);
-  specgen::packed_linear(s.act.data(), n, inter, w.down, s.m.data(), hid);
-  add_bias(s.m.data(), b.b_down, n, hid);
+  if (inter > 0) {
+    specgen::packed_linear(s.h.data(), n, hid, w.gu, s.gu.data(), 2 * inter);
+    add_bias(s.gu.data(), b.b_gu, n, 2 * inter);
+    silu_mul_rows<T>(s.gu.data(), s.act.data(), n, inter);
+    specgen::packed_linear(s.act.data(), n, inter, w.down, s.m.data(), hid);
+    add_bias(s.m.data(), b.b_down, n, hid);
+  }
+  if (moe == nullptr) {
 #pragma omp simd
-  for (int64_t i = 0; i < n * hid; ++i) out[i] = s.sum[i] + s.m[i];
+    for (int64_t i = 0; i < n * hid; ++i) out[i] = s.sum[i] + s.m[i];
+    return;
+  }
+  s.e.resize(n * hid);
+  specgen::moe_mlp<T>(s.h.data(), s.e.data(), n, hid, *moe);
+  if (inter > 0) {  // (routed + shared) + residual, transformers' order
+#pragma omp simd
+    for (int64_t i = 0; i < n * hid; ++i) out[i] = s.sum[i] + (s.e[i] + s.m[i]);
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n * hid; ++i) out[i] = s.sum[i] + s.e[i];
+  }
 }
 
 template <typename T>
@@ -1102,10 +1124,12 @@ namespace {
 
 using Tensors = std::vector<paddle::Tensor>;
 
-// Blocks 0 .. L-1 of one forward, block i's tensors at index i of each list (errors name the projection).
+// Blocks 0 .. L-1 of one forward, block i's tensors at index i of each list (errors name the projection); moe[i]
+// the routed experts of block i (nullptr: dense; an empty list: no block is routed).
 struct Blocks {
   std::vector<BlockTensors> tensors;
   std::vector<BlockWeights> weights;
+  std::vector<const specgen::ExpertBlock*> moe;
 };
 
 template <typename T>
@@ -1138,7 +1162,7 @@ void run_blocks(const T* x, T* out, int64_t n, int64_t hid, const Blocks& b, con
   const T* in = x;
   for (size_t i = 0; i < L; ++i) {
     T* dst = i + 1 == L ? out : (i % 2 == 0 ? ping.data() : pong.data());
-    block_forward(in, dst, n, hid, b.tensors[i], b.weights[i], a);
+    block_forward(in, dst, n, hid, b.tensors[i], b.weights[i], a, b.moe.empty() ? nullptr : b.moe[i]);
     in = dst;
   }
 }
@@ -1177,7 +1201,7 @@ std::vector<paddle::Tensor> Stack(const paddle::Tensor& x, const Tensors& attn_n
 // same values (specgen::screened_argmax), and logits is [0, vocab] (float32 only). A float64 embedding makes the
 // whole forward float64: float64 panels (the LM head's too), caches, tables and norms.
 // -> (logits [num_logits, vocab], hidden [n, hidden] in the embedding's type, greedy int64 [num_logits])
-std::vector<paddle::Tensor> Forward(
+std::vector<paddle::Tensor> ForwardImpl(
     const paddle::Tensor& token_ids, const paddle::Tensor& embed, const Tensors& attn_norm, const Tensors& w_qkv,
     const Tensors& b_qkv, const Tensors& w_o, const Tensors& b_o, const Tensors& mlp_norm, const Tensors& w_gu,
     const Tensors& b_gu, const Tensors& w_down, const Tensors& b_down, const paddle::Tensor& cos,
@@ -1186,7 +1210,7 @@ std::vector<paddle::Tensor> Forward(
     const Tensors& prefix_k, const Tensors& prefix_v, const paddle::Tensor& final_norm,
     const paddle::Tensor& logit_rows, const paddle::Tensor& lm_head, const paddle::Tensor& lm_screen,
     const paddle::Tensor& lm_bound, int num_heads, int num_kv_heads, int64_t capacity, bool qk_norm, double eps,
-    int64_t prefix_capacity, int64_t vocab) {
+    int64_t prefix_capacity, int64_t vocab, const std::vector<const specgen::ExpertBlock*>* moe) {
   check_cpu(embed, "embed");
   PD_CHECK(embed.shape().size() == 2, "specgen_forward: embedding [vocab, hidden]");
   return with_activations(embed, "specgen_forward", [&](auto type) -> std::vector<paddle::Tensor> {
@@ -1200,8 +1224,15 @@ std::vector<paddle::Tensor> Forward(
     auto hidden = paddle::empty({n, hid}, embed.dtype(), embed.place());
     const StepInputs<T> a = step_inputs<T>(hidden, cos, sin, positions, slots, prefix_len, num_heads, num_kv_heads,
                                            capacity, qk_norm, eps, prefix_capacity);
-    const Blocks b = collect_blocks(a, hid, attn_norm, w_qkv, b_qkv, w_o, b_o, mlp_norm, w_gu, b_gu, w_down, b_down,
-                                    k_cache, v_cache, q_norm, k_norm, prefix_k, prefix_v);
+    Blocks b = collect_blocks(a, hid, attn_norm, w_qkv, b_qkv, w_o, b_o, mlp_norm, w_gu, b_gu, w_down, b_down,
+                              k_cache, v_cache, q_norm, k_norm, prefix_k, prefix_v);
+    if (moe != nullptr) {
+      PD_CHECK(moe->size() == b.tensors.size(), "specgen_forward: one entry of the bound experts per block");
+      for (const specgen::ExpertBlock* e : *moe)
+        PD_CHECK(e == nullptr || (e->router.kind == specgen::kFloat64Panels) == (std::is_same_v<T, double>),
+                 "specgen_forward: the experts' panels are not of the activations' type");
+      b.moe = *moe;
+    }
     const specgen::PackedWeight lm = packed_for<T>(lm_head, hid, vocab, "lm_head");
     const bool screened = lm_screen.numel() > 0;  // greedy tokens only (specgen::screened_argmax), no logits
     if (screened) {
@@ -1245,13 +1276,40 @@ std::vector<paddle::Tensor> Forward(
   });
 }
 
+// specgen_forward's operator: no routed experts (those come bound, with specgen_forward_bound).
+std::vector<paddle::Tensor> Forward(
+    const paddle::Tensor& token_ids, const paddle::Tensor& embed, const Tensors& attn_norm, const Tensors& w_qkv,
+    const Tensors& b_qkv, const Tensors& w_o, const Tensors& b_o, const Tensors& mlp_norm, const Tensors& w_gu,
+    const Tensors& b_gu, const Tensors& w_down, const Tensors& b_down, const paddle::Tensor& cos,
+    const paddle::Tensor& sin, const paddle::Tensor& positions, const paddle::Tensor& slots, Tensors& k_cache,
+    Tensors& v_cache, const Tensors& q_norm, const Tensors& k_norm, const paddle::Tensor& prefix_len,
+    const Tensors& prefix_k, const Tensors& prefix_v, const paddle::Tensor& final_norm,
+    const paddle::Tensor& logit_rows, const paddle::Tensor& lm_head, const paddle::Tensor& lm_screen,
+    const paddle::Tensor& lm_bound, int num_heads, int num_kv_heads, int64_t capacity, bool qk_norm, double eps,
+    int64_t prefix_capacity, int64_t vocab) {
+  return ForwardImpl(token_ids, embed, attn_norm, w_qkv, b_qkv, w_o, b_o, mlp_norm, w_gu, b_gu, w_down, b_down, cos,
+                     sin, positions, slots, k_cache, v_cache, q_norm, k_norm, prefix_len, prefix_k, prefix_v,
+                     final_norm, logit_rows, lm_head, lm_screen, lm_bound, num_heads, num_kv_heads, capacity, qk_norm,
+                     eps, prefix_capacity, vocab, nullptr);
+}
+
 namespace {
 
 // What specgen_bind_weights / specgen_bind_caches keep: copies of the tensor handles (they share the storage,
 // which stays alive until specgen_unbind), looked up by handle in specgen_forward_bound.
+// A mixture-of-experts model's routed blocks (specgen_bind_experts): the tensors, their ExpertBlocks, each block's
+// entry (nullptr: dense) and the tokens each expert took since they were last taken.
+struct BoundExperts {
+  Tensors routers, bias, w_gu, w_down;
+  std::vector<specgen::ExpertBlock> routed;  // [num_routed]
+  std::vector<const specgen::ExpertBlock*> blocks;  // [num_layers]
+  std::vector<int64_t> counts;  // [num_routed, num_experts]
+};
+
 struct BoundWeights {
   paddle::Tensor embed, cos, sin, final_norm, lm_head;
   Tensors attn_norm, w_qkv, b_qkv, w_o, b_o, mlp_norm, w_gu, b_gu, w_down, b_down, q_norm, k_norm;
+  std::shared_ptr<BoundExperts> experts;  // set by specgen_bind_experts for an MoE model
 };
 struct BoundCaches {
   Tensors k, v, prefix_k, prefix_v;
@@ -1286,6 +1344,77 @@ std::vector<paddle::Tensor> BindWeights(const paddle::Tensor& embed, const Tenso
   const int64_t id = bound_next++;
   bound_weights[id] = std::move(w);
   return {handle_tensor(id, embed.place())};
+}
+
+namespace {
+
+std::shared_ptr<BoundWeights> bound_weights_of(const paddle::Tensor& handle, const char* op) {
+  PD_CHECK(handle.dtype() == paddle::DataType::INT64 && handle.numel() == 1, op, ": one int64 handle");
+  const int64_t id = handle.data<int64_t>()[0];
+  std::lock_guard<std::mutex> lock(bound_mutex);
+  auto it = bound_weights.find(id);
+  PD_CHECK(it != bound_weights.end(), op, ": no weights bound under handle ", id);
+  return it->second;
+}
+
+}  // namespace
+
+// The routed experts of the weights bound under `handle` (returned): routers[j], bias[j] (float32 [num_experts] or
+// empty) and the local experts l of routed block j at w_gate_up / w_down[j * num_local + l] (packed panels), for
+// the blocks listed in `blocks` (ascending). The experts held are ids [first_expert, first_expert + num_local).
+std::vector<paddle::Tensor> BindExperts(const paddle::Tensor& handle, const Tensors& routers, const Tensors& bias,
+                                        const Tensors& w_gu, const Tensors& w_down,
+                                        const std::vector<int64_t>& blocks, int64_t hidden, int64_t inter,
+                                        int64_t num_experts, int64_t top_k, int64_t first_expert, bool norm,
+                                        double norm_min) {
+  auto w = bound_weights_of(handle, "specgen_bind_experts");
+  const size_t R = blocks.size(), L = w->attn_norm.size();
+  PD_CHECK(R > 0 && routers.size() == R && bias.size() == R && w_gu.size() == w_down.size() &&
+               w_gu.size() % R == 0 && !w_gu.empty(),
+           "specgen_bind_experts: one router and bias per routed block, the same number of experts in each");
+  PD_CHECK(top_k >= 1 && top_k <= num_experts, "specgen_bind_experts: 1 <= top_k <= num_experts");
+  const int64_t local = static_cast<int64_t>(w_gu.size() / R);
+  PD_CHECK(first_expert >= 0 && first_expert + local <= num_experts, "specgen_bind_experts: experts out of range");
+  auto e = std::make_shared<BoundExperts>(BoundExperts{routers, bias, w_gu, w_down, {}, {}, {}});
+  e->routed.resize(R);
+  e->blocks.assign(L, nullptr);
+  e->counts.assign(R * num_experts, 0);
+  for (size_t j = 0; j < R; ++j) {
+    PD_CHECK(blocks[j] >= 0 && static_cast<size_t>(blocks[j]) < L, "specgen_bind_experts: block out of range");
+    specgen::ExpertBlock& m = e->routed[j];
+    m.router = specgen::packed_weight(routers[j], hidden, num_experts, "router");
+    for (int64_t l = 0; l < local; ++l) {
+      m.gate_up.push_back(specgen::packed_weight(w_gu[j * local + l], hidden, 2 * inter, "expert gate_up"));
+      m.down.push_back(specgen::packed_weight(w_down[j * local + l], inter, hidden, "expert down"));
+    }
+    PD_CHECK(bias[j].numel() == 0 || (bias[j].dtype() == paddle::DataType::FLOAT32 && bias[j].numel() == num_experts),
+             "specgen_bind_experts: a selection bias is float32 [num_experts]");
+    m.bias = bias[j].numel() ? bias[j].data<float>() : nullptr;
+    m.num_experts = num_experts;
+    m.top_k = top_k;
+    m.inter = inter;
+    m.first_expert = first_expert;
+    m.norm = norm;
+    m.norm_min = norm_min;
+    m.counts = e->counts.data() + j * num_experts;
+    e->blocks[blocks[j]] = &m;
+  }
+  std::lock_guard<std::mutex> lock(bound_mutex);
+  w->experts = std::move(e);
+  return {handle.copy_to(handle.place(), false)};
+}
+
+// -> int64 [num_routed, num_experts]: the tokens each expert of each routed block took since the last call (then
+// zeroed); [0, 0] for weights without experts.
+std::vector<paddle::Tensor> TakeExpertCounts(const paddle::Tensor& handle) {
+  auto w = bound_weights_of(handle, "specgen_take_expert_counts");
+  if (!w->experts) return {paddle::empty({0, 0}, paddle::DataType::INT64, handle.place())};
+  auto& e = *w->experts;
+  const int64_t R = static_cast<int64_t>(e.routed.size()), E = e.routed[0].num_experts;
+  auto out = paddle::empty({R, E}, paddle::DataType::INT64, handle.place());
+  std::copy(e.counts.begin(), e.counts.end(), out.data<int64_t>());
+  std::fill(e.counts.begin(), e.counts.end(), 0);
+  return {out};
 }
 
 std::vector<paddle::Tensor> BindCaches(const Tensors& k_cache, const Tensors& v_cache, const Tensors& prefix_k,
@@ -1345,10 +1474,11 @@ std::vector<paddle::Tensor> ForwardBound(const paddle::Tensor& index, const padd
     PD_CHECK(slot[t] >= 0 && slot[t] < rows / (num_kv_heads * capacity) && pos[t] - pl[t] >= 0 &&
                  pos[t] - pl[t] < capacity,
              "specgen_forward_bound: token ", t, " falls outside the bound caches");
-  return Forward(token_ids, w->embed, w->attn_norm, w->w_qkv, w->b_qkv, w->w_o, w->b_o, w->mlp_norm, w->w_gu, w->b_gu,
-                 w->w_down, w->b_down, w->cos, w->sin, positions, slots, c->k, c->v, w->q_norm, w->k_norm, prefix_len,
-                 c->prefix_k, c->prefix_v, w->final_norm, logit_rows, w->lm_head, lm_screen, lm_bound, num_heads,
-                 num_kv_heads, capacity, qk_norm, eps, prefix_capacity, vocab);
+  return ForwardImpl(token_ids, w->embed, w->attn_norm, w->w_qkv, w->b_qkv, w->w_o, w->b_o, w->mlp_norm, w->w_gu,
+                     w->b_gu, w->w_down, w->b_down, w->cos, w->sin, positions, slots, c->k, c->v, w->q_norm, w->k_norm,
+                     prefix_len, c->prefix_k, c->prefix_v, w->final_norm, logit_rows, w->lm_head, lm_screen, lm_bound,
+                     num_heads, num_kv_heads, capacity, qk_norm, eps, prefix_capacity, vocab,
+                     w->experts ? &w->experts->blocks : nullptr);
 }
 
 // An MTP head's whole pass for a step (see MtpProposer in specgen/engine/proposers/mtp.py, which runs the same
@@ -1521,6 +1651,18 @@ PD_BUILD_OP(specgen_bind_caches)
     .Inputs({paddle::Vec("KCache"), paddle::Vec("VCache"), paddle::Vec("PrefixK"), paddle::Vec("PrefixV")})
     .Outputs({"Handle"})
     .SetKernelFn(PD_KERNEL(BindCaches));
+
+PD_BUILD_OP(specgen_bind_experts)
+    .Inputs({"Handle", paddle::Vec("Routers"), paddle::Vec("Bias"), paddle::Vec("WGateUp"), paddle::Vec("WDown")})
+    .Outputs({"Out"})
+    .Attrs({"blocks: std::vector<int64_t>", "hidden: int64_t", "inter: int64_t", "num_experts: int64_t",
+            "top_k: int64_t", "first_expert: int64_t", "norm: bool", "norm_min: double"})
+    .SetKernelFn(PD_KERNEL(BindExperts));
+
+PD_BUILD_OP(specgen_take_expert_counts)
+    .Inputs({"Handle"})
+    .Outputs({"Counts"})
+    .SetKernelFn(PD_KERNEL(TakeExpertCounts));
 
 PD_BUILD_OP(specgen_unbind).Inputs({"Handle"}).Outputs({"Dropped"}).SetKernelFn(PD_KERNEL(Unbind));
 

@@ -1,9 +1,10 @@
-// Functions shared between the kernel sources (linear.cc, cpu_ops.cc), compiled into one extension module.
+// Functions shared between the kernel sources (linear.cc, cpu_ops.cc, moe.cc), compiled into one extension module.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "paddle/extension.h"
 
@@ -78,5 +79,23 @@ void packed_linear(const double* x, int64_t m, int64_t k, const PackedWeight& w,
 // float32 |d| * sum |q| per column and block (linear.cc, "Greedy tokens without the logits").
 void screened_argmax(const float* x, int64_t m, int64_t k, const PackedWeight& w, const PackedWeight& screen,
                      const float* bound, int64_t n, int64_t* out);
+
+// A routed (mixture-of-experts) block's weights as moe_mlp reads them: the router [hidden] -> [num_experts], and the
+// experts held here, ids [first_expert, first_expert + gate_up.size()), each gate_up [hidden] -> [2 inter] and
+// down [inter] -> [hidden]. Bias (float32 [num_experts], or nullptr) is added to the probabilities to choose the
+// experts, not to weight them (ERNIE-4.5's e_score_correction_bias).
+struct ExpertBlock {
+  PackedWeight router;
+  std::vector<PackedWeight> gate_up, down;
+  const float* bias;
+  int64_t num_experts, top_k, inter, first_expert;
+  bool norm;  // divide the top-k weights by max(their sum, norm_min)
+  double norm_min;
+  int64_t* counts;  // [num_experts] tokens routed to each expert, added to per call (nullptr: not counted)
+};
+
+// out [n, hid] = the routed experts' output for normed rows h [n, hid] (moe.cc; specgen/layers/moe.py's math).
+template <typename T>
+void moe_mlp(const T* h, T* out, int64_t n, int64_t hid, const ExpertBlock& m);
 
 }  // namespace specgen

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import paddle
 import paddle.nn.functional as F
 
 from specgen.layers.attention import AttentionIndex
 from specgen.layers.linear import Linear
+from specgen.layers.moe import MoeExperts, moe_forward
 from specgen.layers.norm import rms_norm
 from specgen.layers.rotary import rotate
 
@@ -16,19 +18,22 @@ LINEAR_FIELDS = ("qkv", "o", "gate_up", "down")  # a block's projections (Linear
 
 @dataclass
 class DecoderBlock:
-    """One block's weights: QKV and gate/up fused at load, projections in Paddle's [in, out]."""
+    """One block's weights: QKV and gate/up fused at load, projections in Paddle's [in, out]. A routed block
+    (mixture of experts) has `moe`, and gate_up / down only for its shared experts (None without)."""
 
     attn_norm: paddle.Tensor  # [hidden]
     qkv: Linear  # [hidden] -> [(H + 2 KV) D], q and k rows in rotate-half order
     o: Linear  # [H D] -> [hidden]
     mlp_norm: paddle.Tensor  # [hidden]
-    gate_up: Linear  # [hidden] -> [2 inter]: gate, then up
-    down: Linear  # [inter] -> [hidden]
+    gate_up: Linear | None  # [hidden] -> [2 inter]: gate, then up (the dense MLP, or the shared experts)
+    down: Linear | None  # [inter] -> [hidden]
     q_norm: paddle.Tensor | None = None  # [head_dim] (Qwen3: RMSNorm on each head of q and k before RoPE)
     k_norm: paddle.Tensor | None = None
+    moe: MoeExperts | None = None  # the routed experts
 
     def linears(self) -> list[Linear]:
-        return [getattr(self, name) for name in LINEAR_FIELDS]
+        own = [getattr(self, name) for name in LINEAR_FIELDS if getattr(self, name) is not None]
+        return own + (self.moe.linears() if self.moe is not None else [])
 
 
 @dataclass(frozen=True)
@@ -42,8 +47,9 @@ class BlockShape:
 
 
 def block_forward(x: paddle.Tensor, w: DecoderBlock, shape: BlockShape, att: AttentionIndex, layer: int,
-                  k_cache: paddle.Tensor, v_cache: paddle.Tensor) -> paddle.Tensor:
-    """x [num_tokens, hidden] -> the block's output; writes the tokens' K/V into the block's cache."""
+                  k_cache: paddle.Tensor, v_cache: paddle.Tensor, counts: np.ndarray | None = None) -> paddle.Tensor:
+    """x [num_tokens, hidden] -> the block's output; writes the tokens' K/V into the block's cache. A routed block
+    adds its tokens per expert to counts [num_experts] when given."""
     n, H, KV, D, eps = x.shape[0], shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.eps
     qkv = w.qkv(rms_norm(x, w.attn_norm, eps))  # [num_tokens, (H + 2 KV) D]
     q, k, v = paddle.split(qkv, [H * D, KV * D, KV * D], axis=-1)
@@ -52,5 +58,10 @@ def block_forward(x: paddle.Tensor, w: DecoderBlock, shape: BlockShape, att: Att
         q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
     q, k = rotate(q, att.cos, att.sin), rotate(k, att.cos, att.sin)
     x = x + w.o(att.attend(q, k, v, layer, k_cache, v_cache))
-    gate, up = paddle.split(w.gate_up(rms_norm(x, w.mlp_norm, eps)), 2, axis=-1)
-    return x + w.down(F.silu(gate) * up)
+    h = rms_norm(x, w.mlp_norm, eps)
+    mlp = moe_forward(h, w.moe, counts) if w.moe is not None else None
+    if w.gate_up is not None:
+        gate, up = paddle.split(w.gate_up(h), 2, axis=-1)
+        dense = w.down(F.silu(gate) * up)
+        mlp = dense if mlp is None else mlp + dense
+    return x + mlp

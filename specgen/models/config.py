@@ -1,4 +1,5 @@
-"""ModelConfig: the architecture hyper-parameters every loader produces and the runtime consumes."""
+"""ModelConfig: the architecture hyper-parameters every loader produces and the runtime consumes (MoeConfig: a
+mixture-of-experts model's routing)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,6 +11,8 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Ernie4_5_ForCausalLM": "ernie4_5",
     "Ernie4_5ForCausalLM": "ernie4_5",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
 }
 
 
@@ -21,6 +24,24 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The routed experts of a mixture-of-experts model (transformers' Qwen3MoeSparseMoeBlock and
+    Ernie4_5_MoeSparseMoeBlock): per token, probs = softmax(router logits); the top_k experts by probs (+ the
+    selection bias, ERNIE's e_score_correction_bias, which picks experts but does not weight them); their probs as
+    weights, divided by max(their sum, norm_min) when norm_topk_prob; the output is the weighted sum of the chosen
+    experts' SwiGLU MLPs, plus the shared experts' (a dense MLP of num_shared_experts * intermediate_size)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    layers: tuple[int, ...]  # the blocks whose MLP is routed (the others are dense, of ModelConfig.intermediate_size)
+    norm_topk_prob: bool
+    norm_min: float = 0.0  # ERNIE's moe_norm_min
+    num_shared_experts: int = 0
+    selection_bias: bool = False  # ERNIE: mlp.moe_statics.e_score_correction_bias
 
 
 @dataclass(frozen=True)
@@ -50,3 +71,4 @@ class ModelConfig:
     rope_interleaved: bool = False  # rotate pairs (2i, 2i+1) instead of halves (GPT-J style)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    moe: MoeConfig | None = None  # qwen3_moe, ernie4_5_moe

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 
 from specgen.errors import CheckpointError
 from specgen.models.checkpoint import Checkpoint
-from specgen.models.config import ARCHITECTURES, ModelConfig, RopeScaling
+from specgen.models.config import ARCHITECTURES, ModelConfig, MoeConfig, RopeScaling
 from specgen.models.tokenizer import TextTokenizer
 
 
@@ -51,6 +51,28 @@ def _eos_ids(directory: Path, cfg: dict[str, Any]) -> tuple[int, ...]:
     return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
 
 
+def _moe(cfg: dict[str, Any], arch: str) -> MoeConfig | None:
+    """The routing of a qwen3_moe / ernie4_5_moe config.json (either spelling of the expert count), as
+    transformers' decoder layers decide which blocks are routed."""
+    layers = int(cfg["num_hidden_layers"])
+    if arch == "qwen3_moe":
+        num = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)))
+        step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or [])
+        routed = tuple(i for i in range(layers) if i not in dense and num > 0 and (i + 1) % step == 0)
+        return MoeConfig(num, int(cfg["num_experts_per_tok"]), int(cfg["moe_intermediate_size"]), routed,
+                         bool(cfg.get("norm_topk_prob", False)))
+    if arch == "ernie4_5_moe":
+        num = int(cfg.get("moe_num_experts", cfg.get("num_experts", 0)))
+        start, interval = int(cfg.get("moe_layer_start_index", 1)), int(cfg.get("moe_layer_interval", 1))
+        end = int(cfg.get("moe_layer_end_index", -1))
+        end = layers - 1 if end == -1 else end
+        routed = tuple(i for i in range(layers) if (i + 1) % interval == 0 and start <= i <= end)
+        return MoeConfig(num, int(cfg.get("moe_k", cfg.get("num_experts_per_tok", 0))),
+                         int(cfg["moe_intermediate_size"]), routed, True, float(cfg.get("moe_norm_min", 1e-12)),
+                         int(cfg.get("moe_num_shared_experts", 0)), True)
+    return None
+
+
 def parse_config(directory: Path) -> ModelConfig:
     path = directory / "config.json"
     cfg = _read_json(path)
@@ -65,6 +87,7 @@ def parse_config(directory: Path) -> ModelConfig:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         use_bias = bool(cfg.get("use_bias", False))
+        ernie = arch in ("ernie4_5", "ernie4_5_moe")
         rope_theta = cfg.get("rope_theta")
         if rope_theta is None:
             rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
@@ -80,15 +103,16 @@ def parse_config(directory: Path) -> ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "ernie4_5")),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", ernie)),
             rope_scaling=_rope_scaling(cfg, path),
-            qkv_bias=arch == "qwen2" or (arch == "ernie4_5" and use_bias) or bool(cfg.get("attention_bias")),
-            o_bias=(arch == "ernie4_5" and use_bias) or (arch == "llama" and bool(cfg.get("attention_bias"))),
-            mlp_bias=(arch == "ernie4_5" and use_bias) or bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "qwen3",
-            rope_interleaved=arch == "ernie4_5",
+            qkv_bias=arch == "qwen2" or (ernie and use_bias) or bool(cfg.get("attention_bias")),
+            o_bias=(ernie and use_bias) or (arch == "llama" and bool(cfg.get("attention_bias"))),
+            mlp_bias=(ernie and use_bias) or bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            rope_interleaved=ernie,
             eos_token_ids=_eos_ids(directory, cfg),
             bos_token_id=cfg.get("bos_token_id"),
+            moe=_moe(cfg, arch),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}: missing or bad field {exc}") from None

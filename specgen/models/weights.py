@@ -12,6 +12,7 @@ from specgen.errors import CheckpointError
 from specgen.kernels.packing import qx_rows
 from specgen.layers.block import DecoderBlock
 from specgen.layers.linear import Linear
+from specgen.layers.moe import Expert, MoeExperts
 from specgen.models.checkpoint import Checkpoint, QuantRows
 from specgen.models.config import ModelConfig
 
@@ -80,8 +81,32 @@ class TensorReader:
             b = self.to_paddle(np.concatenate([p if f is None else f(p) for p, f in zip(parts, permute)]))
         return Linear(weight, b, quant)
 
-    def block(self, p: str, blocks_only: bool = False) -> DecoderBlock:
-        """One decoder block under prefix `p` (e.g. "model.layers.3.")."""
+    def mlp(self, p: str, inter: int, blocks_only: bool, bias: bool) -> tuple[Linear, Linear]:
+        """A SwiGLU MLP under prefix `p` (e.g. "model.layers.3.mlp."): (gate_up, down)."""
+        h = self.cfg.hidden_size
+        gu = [p + "gate_proj.", p + "up_proj."]
+        return (self.linear([m + "weight" for m in gu], [(inter, h), (inter, h)],
+                            [m + "bias" for m in gu] if bias else None, blocks_only=blocks_only),
+                self.linear([p + "down_proj.weight"], [(h, inter)], [p + "down_proj.bias"] if bias else None,
+                            blocks_only=blocks_only))
+
+    def experts(self, p: str, blocks_only: bool) -> MoeExperts:
+        """A routed block's router and experts under `p` (e.g. "model.layers.3.mlp."), the HF layout of Qwen3-MoE
+        and ERNIE-4.5-MoE: gate.weight [num_experts, hidden], experts.{e}.{gate,up,down}_proj.weight, and ERNIE's
+        moe_statics.e_score_correction_bias [1, num_experts]."""
+        moe, h = self.cfg.moe, self.cfg.hidden_size
+        E = moe.num_experts
+        bias = None
+        if moe.selection_bias:
+            bias = self.to_paddle(self.get(p + "moe_statics.e_score_correction_bias", (1, E)).reshape(E))
+        experts = [Expert(*self.mlp(f"{p}experts.{e}.", moe.intermediate_size, blocks_only, False)) for e in range(E)]
+        return MoeExperts(router=self.linear([p + "gate.weight"], [(E, h)], blocks_only=blocks_only), experts=experts,
+                          num_experts=E, top_k=moe.top_k, norm_topk_prob=moe.norm_topk_prob, norm_min=moe.norm_min,
+                          selection_bias=bias)
+
+    def block(self, p: str, blocks_only: bool = False, routed: bool = False) -> DecoderBlock:
+        """One decoder block under prefix `p` (e.g. "model.layers.3."); a routed one (mixture of experts) with its
+        experts and, where the model has them, its shared experts as the dense MLP."""
         cfg = self.cfg
         h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
@@ -91,7 +116,14 @@ class TensorReader:
                        lambda w: interleaved_to_half(w, cfg.num_kv_heads, hd), None]
         attn = p + "self_attn."
         qkv = [attn + f"{n}_proj." for n in "qkv"]
-        mlp = [p + "mlp.gate_proj.", p + "mlp.up_proj."]
+        moe = self.experts(p + "mlp.", blocks_only) if routed else None
+        if not routed:
+            gate_up, down = self.mlp(p + "mlp.", inter, blocks_only, cfg.mlp_bias)
+        elif cfg.moe.num_shared_experts:
+            shared = cfg.moe.num_shared_experts * cfg.moe.intermediate_size
+            gate_up, down = self.mlp(p + "mlp.shared_experts.", shared, blocks_only, cfg.mlp_bias)
+        else:
+            gate_up = down = None
         return DecoderBlock(
             attn_norm=self.param(p + "input_layernorm.weight", (h,)),
             qkv=self.linear([n + "weight" for n in qkv], [(q_out, h), (kv_out, h), (kv_out, h)],
@@ -99,12 +131,11 @@ class TensorReader:
             o=self.linear([attn + "o_proj.weight"], [(h, q_out)], [attn + "o_proj.bias"] if cfg.o_bias else None,
                           blocks_only=blocks_only),
             mlp_norm=self.param(p + "post_attention_layernorm.weight", (h,)),
-            gate_up=self.linear([m + "weight" for m in mlp], [(inter, h), (inter, h)],
-                                [m + "bias" for m in mlp] if cfg.mlp_bias else None, blocks_only=blocks_only),
-            down=self.linear([p + "mlp.down_proj.weight"], [(h, inter)],
-                             [p + "mlp.down_proj.bias"] if cfg.mlp_bias else None, blocks_only=blocks_only),
+            gate_up=gate_up,
+            down=down,
             q_norm=self.param(attn + "q_norm.weight", (hd,)) if cfg.qk_norm else None,
             k_norm=self.param(attn + "k_norm.weight", (hd,)) if cfg.qk_norm else None,
+            moe=moe,
         )
 
 
@@ -125,11 +156,14 @@ class DecoderWeights:
         cfg = ckpt.config
         r = TensorReader(ckpt.weights, ckpt.source, cfg, dtype, ckpt.quantized)
         h = cfg.hidden_size
+        if "lm_head.bias" in ckpt.weights:
+            raise CheckpointError(f"{ckpt.source}: an LM head with a bias (lm_head.bias) is not supported")
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings and "lm_head.weight" not in ckpt.weights \
             else "lm_head.weight"
         return cls(
             embed=r.param("model.embed_tokens.weight", (cfg.vocab_size, h)),
-            blocks=[r.block(f"model.layers.{i}.", blocks_only) for i in range(cfg.num_layers)],
+            blocks=[r.block(f"model.layers.{i}.", blocks_only, cfg.moe is not None and i in cfg.moe.layers)
+                    for i in range(cfg.num_layers)],
             final_norm=r.param("model.norm.weight", (h,)),
             lm_head=r.linear([head], [(cfg.vocab_size, h)], blocks_only=blocks_only),
         )

@@ -376,7 +376,7 @@ def op_by_op_forward(m, batch, cache):
     return logits, hidden, first(K.specgen_argmax(logits)).numpy()
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("arch", [a for a in TINY_ARCHS if not a.endswith("_moe")])  # MoE: tests/unit/test_moe.py
 def test_fused_forward_is_bit_identical_to_its_kernels_op_by_op(arch):
     """specgen_forward_bound (embedding, every block, final norm, LM head in one operator, weights and caches
     bound by handle), float32 packed, against the same kernels called one by one: every architecture (biases,
@@ -394,7 +394,7 @@ def test_fused_forward_is_bit_identical_to_its_kernels_op_by_op(arch):
                                  np.zeros(2, bool), prefix_lens=np.array([12, 12]))
     results = []
     for fused in (True, False):
-        run = (lambda b, c: tuple(vars(m.forward(b, c)).values())) if fused else \
+        run = (lambda b, c: tuple(vars(m.forward(b, c)).values())[:3]) if fused else \
             (lambda b, c: op_by_op_forward(m, b, c))
         cache = m.new_cache(4, 64)
         out = [run(b, cache) for b in (pre, ver)]
