@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import paddle
@@ -91,6 +91,7 @@ class Engine:
         self.prefix_ids: np.ndarray | None = None  # [prefix_tokens] the shared prefix, once computed
         self.prefix_hidden = None  # paddle [prefix_tokens, hidden]
         self.num_steps = 0  # steps run (named in a non-finite request's error)
+        self.expert_tokens: np.ndarray | None = None  # [num_routed_blocks, num_experts] tokens each expert took (MoE)
 
     def _start(self, num_requests: int) -> None:
         """The adaptive controller, its step costs measured with as many slots as the job will fill at first
@@ -217,6 +218,8 @@ class Engine:
         targets = self._sample(batch, out)
         forward_seconds = time.perf_counter() - start
         self.num_steps += 1
+        if out.expert_counts is not None:  # an MoE model: what its experts took (verified drafts included)
+            self.expert_tokens = out.expert_counts + (self.expert_tokens if self.expert_tokens is not None else 0)
         broken = np.isin(slots, nonfinite_slots(out, batch))  # [num_seqs] NaN / Inf: these requests end in error
 
         # Targets back into [num_seqs, width + 1]: decode rows are the first sum(num_draft + 1) logit rows.
@@ -338,14 +341,18 @@ class Engine:
         self.prefix_ids, self.prefix_hidden = ids, hidden  # hidden [n, hidden]: the MTP head's catch-up input
         return n
 
-    def memory(self) -> dict[str, int]:
+    def memory(self) -> dict[str, Any]:
         """KV cache bytes the run needed at its peak: every slot's rows up to the longest one (plus the shared
         prefix, once), and the same without sharing (every slot holding the prefix itself). The allocation
-        rounds these up (it grows by doubling)."""
+        rounds these up (it grows by doubling). For an MoE model also the tokens each expert of each routed block
+        took (an array: workers' totals add up, as the bytes do)."""
         c = self.cache
         prefix = c.prefix.nbytes() if c.prefix is not None else 0
-        return {"kv_cache_bytes": c.nbytes(c.peak_own) + prefix,
-                "kv_cache_bytes_unshared": c.nbytes(c.peak_position)}
+        out: dict[str, Any] = {"kv_cache_bytes": c.nbytes(c.peak_own) + prefix,
+                               "kv_cache_bytes_unshared": c.nbytes(c.peak_position)}
+        if self.expert_tokens is not None:
+            out["expert_tokens"] = self.expert_tokens
+        return out
 
     def _prefill_chunks(self) -> tuple[np.ndarray, np.ndarray]:
         """Slots still prefilling and how many prompt tokens each feeds this step: the rest of its prompt, or at

@@ -96,6 +96,10 @@ def summary_table(summary: Summary, title: str = "summary") -> Table:
         rows.append(("KV cache at peak (MiB)", f"{summary.kv_cache_bytes / 2**20:.1f}"
                      + (f" (without the shared prefix: {summary.kv_cache_bytes_unshared / 2**20:.1f})"
                         if summary.kv_cache_bytes_unshared != summary.kv_cache_bytes else "")))
+    if summary.expert_tokens is not None:
+        rows.append(("tokens per expert (routed blocks summed)", " ".join(map(str, summary.expert_tokens))))
+        rows.append(("expert load, busiest / mean (per block, averaged)",
+                     _fmt(summary.expert_load_max_over_mean, ".2f")))
     for name, value in rows:
         table.add_row(name, value)
     return table

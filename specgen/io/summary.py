@@ -32,6 +32,11 @@ class Summary:
     methods: list[str]
     kv_cache_bytes: int | None = None  # the engine's KV cache at its peak (a run, not a file), shared prefix once
     kv_cache_bytes_unshared: int | None = None  # the same run if every slot held the prefix itself
+    # A mixture-of-experts model (a run, not a file): the tokens each expert took, summed over the routed blocks
+    # (every token the forwards fed: prompts, and drafts verified whether accepted or not), and the load balance:
+    # per routed block the busiest expert's tokens over the mean expert's, averaged over the blocks (1.0: even).
+    expert_tokens: list[int] | None = None
+    expert_load_max_over_mean: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,8 +87,13 @@ class SummaryAccumulator:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
     def summary(self, wall_time_s: float | None = None, kv_cache_bytes: int | None = None,
-                kv_cache_bytes_unshared: int | None = None) -> Summary:
+                kv_cache_bytes_unshared: int | None = None, expert_tokens: Any = None) -> Summary:
+        """expert_tokens: int [num_routed_blocks, num_experts] (Engine.memory), for an MoE model."""
         steps = self.num_decode_steps
+        load = None
+        if expert_tokens is not None and expert_tokens.sum():
+            busy = expert_tokens[expert_tokens.sum(axis=1) > 0]
+            load = float((busy.max(axis=1) / busy.mean(axis=1)).mean())
         return Summary(
             num_requests=self.num_requests,
             num_errors=self.num_errors,
@@ -102,6 +112,8 @@ class SummaryAccumulator:
             methods=list(self.methods),
             kv_cache_bytes=kv_cache_bytes,
             kv_cache_bytes_unshared=kv_cache_bytes_unshared,
+            expert_tokens=expert_tokens.sum(axis=0).tolist() if expert_tokens is not None else None,
+            expert_load_max_over_mean=load,
         )
 
 
