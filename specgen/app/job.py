@@ -197,6 +197,10 @@ def run_job(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress) -
     interrupts = Interrupts()
     with interrupts.installed():
         try:
+            if cfg.parallel.ray:
+                from specgen.distributed.ray_job import run_on_ray
+
+                return run_on_ray(plan, loaded, cfg, progress, interrupts)
             return _run(plan, loaded, cfg, progress, interrupts)
         except Stopped as exc:
             raise Stopped(exc.signum, f"{_count_written(plan.output)} records are in {plan.output}") from None
@@ -204,44 +208,53 @@ def run_job(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress) -
             raise type(exc)(f"{exc}; {_count_written(plan.output)} records are safely in {plan.output}") from None
 
 
+class RecordWriter:
+    """The job's one writer: each record to the output (a signal waits until it is whole), the summary and the
+    progress. Under --on-error fail an error record stops the run instead (InputError, exit 2)."""
+
+    def __init__(self, plan: JobPlan, progress: RunProgress, interrupts: Interrupts):
+        self.sink, self.done = open_sink(plan.output, plan.resume)  # done: the ids the output holds already
+        self.fail = plan.on_error == "fail"
+        self.progress, self.interrupts = progress, interrupts
+        self.acc = SummaryAccumulator()
+        self.completed = len(self.done)
+
+    def add(self, record: dict[str, Any]) -> None:
+        if record["error"] is not None:
+            if self.fail:
+                raise InputError(record["error"])
+            self.progress.record_error(record["error"])
+        with self.interrupts.held():
+            self.sink.write(record)
+        self.acc.add(record)
+        self.completed += 1
+        self.progress.update(self.acc, self.completed)
+
+    def close(self) -> None:
+        with self.interrupts.held(abortable=True):  # a Parquet merge: the first signal waits for it, a second aborts
+            self.sink.close()
+
+
 def _run(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress, interrupts: Interrupts) -> JobResult:
     unit = unit_name(plan.input_format)
     total = count_records(plan.input, plan.input_format)
-    sink, done = open_sink(plan.output, plan.resume)
-    acc = SummaryAccumulator()
-    completed = [len(done)]
-
-    def emit(record: dict[str, Any]) -> None:
-        with interrupts.held():
-            sink.write(record)
-        acc.add(record)
-        completed[0] += 1
-        progress.update(acc, completed[0])
+    writer = RecordWriter(plan, progress, interrupts)
 
     def on_bad(record_id: str, message: str, num_prompt_tokens: int | None) -> None:
-        progress.record_error(message)
-        emit(error_record(record_id, message, cfg.spec, num_prompt_tokens))
+        writer.add(error_record(record_id, message, cfg.spec, num_prompt_tokens))
 
-    skip = plan.on_error == "skip"
-    source = request_source(plan.input, plan.input_format, loaded, cfg, done_ids=done,
-                            on_bad=on_bad if skip else None)
+    source = request_source(plan.input, plan.input_format, loaded, cfg, done_ids=writer.done, on_bad=on_bad)
     start = time.perf_counter()
     try:
-        progress.start(total, completed=min(len(done), total))
+        progress.start(total, completed=min(len(writer.done), total))
         with job_engine(loaded, cfg, progress) as engine:
             for out in engine.run(source):
-                message = None
-                if out.error is not None:
-                    message = f"{unit} {out.index}: {out.error}"
-                    if not skip:
-                        raise InputError(message)
-                    progress.record_error(message)
-                emit(result_record(out, cfg.spec, error=message))
+                message = None if out.error is None else f"{unit} {out.index}: {out.error}"
+                writer.add(result_record(out, cfg.spec, error=message))
             memory = engine.memory()
     finally:
-        with interrupts.held(abortable=True):  # a Parquet merge: the first signal waits for it, a second aborts
-            sink.close()
-    return JobResult(acc.summary(time.perf_counter() - start, **memory), source.num_skipped)
+        writer.close()
+    return JobResult(writer.acc.summary(time.perf_counter() - start, **memory), source.num_skipped)
 
 
 @contextmanager

@@ -159,3 +159,66 @@ def _row(batch, i: int) -> tuple[dict[str, Any] | None, str | None]:
         except (pa.ArrowException, ValueError, OverflowError) as exc:
             return None, f"column {name!r} has a value Python cannot hold ({exc})"
     return row, None
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A run of an input's records that can be read on its own (by another process or machine)."""
+
+    path: str
+    fmt: str  # jsonl | parquet
+    start: int  # JSONL: the byte offset of its first line; Parquet: its row group
+    first_number: int  # the line / row number before its first record
+    num_records: int  # records to read (JSONL: blank lines not counted)
+    skip: int = 0  # Parquet: the row group's rows before it
+
+
+def chunks(path: Path, fmt: str, size: int) -> list[Chunk]:
+    """The input cut into runs of `size` records (Parquet: within row groups), in input order: one pass over a
+    JSONL file's bytes, a Parquet file's footer."""
+    if fmt == "parquet":
+        meta = _parquet_file(path).metadata
+        out, first = [], 0
+        for group in range(meta.num_row_groups):
+            rows = meta.row_group(group).num_rows
+            out += [Chunk(str(path), fmt, group, first + skip, min(size, rows - skip), skip)
+                    for skip in range(0, rows, size)]
+            first += rows
+        return out
+    out, offset, start, first, count = [], 0, 0, 0, 0
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            if _is_record(line):
+                if count == 0:
+                    start, first = offset, number - 1
+                count += 1
+                if count == size:
+                    out.append(Chunk(str(path), fmt, start, first, count))
+                    count = 0
+            offset += len(line)
+    if count:
+        out.append(Chunk(str(path), fmt, start, first, count))
+    return out
+
+
+def iter_chunk(chunk: Chunk) -> Iterator[RawRecord]:
+    """A chunk's records, numbered as iter_records numbers them."""
+    if chunk.fmt == "parquet":
+        import pyarrow as pa
+
+        try:
+            batch = _parquet_file(Path(chunk.path)).read_row_group(chunk.start).slice(chunk.skip, chunk.num_records)
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            raise InputError(f"{chunk.path}: Parquet read failed in row group {chunk.start} ({exc})") from None
+        for i, (row, error) in enumerate(_batch_rows(batch), start=chunk.first_number + 1):
+            yield RawRecord(i, row, error)
+        return
+    with open(chunk.path, "rb") as f:
+        f.seek(chunk.start)
+        left = chunk.num_records
+        for number, line in enumerate(f, start=chunk.first_number + 1):
+            if not left:
+                return
+            if _is_record(line):
+                left -= 1
+                yield _decode_line(number, line)
