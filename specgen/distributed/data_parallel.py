@@ -34,6 +34,7 @@ def serve(worker: Worker, job: EngineJob) -> dict[str, int]:
     threads = worker.spec.threads
     loaded = load_model(job.model, dataclasses.replace(job.load, threads=threads))
     engine = make_engine(loaded, dataclasses.replace(job.engine, threads=threads), job.spec)
+    worker.ready()
     for out in engine.run(worker.tasks()):
         worker.send(out)
     return engine.memory()
@@ -57,7 +58,13 @@ class DataParallelEngine:
         self.max_in_flight = 2 * num_workers * engine.batch_size
 
     def __enter__(self) -> "DataParallelEngine":
+        """Start the workers and wait until each has loaded its model (a load error is raised here)."""
         self.group.start()
+        try:
+            self.group.wait_ready()
+        except BaseException:
+            self.group.close()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:

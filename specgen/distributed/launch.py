@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 from specgen.errors import EngineError, SpecgenError, WorkerError
 
 # What a worker's target receives, and what it sends back through `Worker.send`.
-OUTPUT, DONE, FAILED = "output", "done", "failed"
+OUTPUT, READY, DONE, FAILED = "output", "ready", "done", "failed"
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class WorkerSpec:
 
 class Message(NamedTuple):
     rank: int
-    kind: str  # OUTPUT | DONE (payload: the target's return value) | FAILED (payload: the exception)
+    kind: str  # OUTPUT | READY | DONE (payload: the target's return value) | FAILED (payload: the exception)
     payload: Any
 
 
@@ -52,6 +52,10 @@ class Worker:
 
     def send(self, payload: Any) -> None:
         self._results.put(Message(self.spec.rank, OUTPUT, payload))
+
+    def ready(self) -> None:
+        """Say that start-up (loading a model) is over: WorkerGroup.wait_ready returns once every worker has."""
+        self._results.put(Message(self.spec.rank, READY, None))
 
 
 Target = Callable[[Worker, Any], Any]  # (worker, the group's argument) -> the DONE payload
@@ -102,6 +106,7 @@ class WorkerGroup:
                                   name=f"specgen-{what.replace(' ', '-')}-{s.rank}", daemon=True)
                       for s in self.specs]
         self.finished: dict[int, Any] = {}  # rank -> its DONE payload
+        self.num_ready = 0
 
     def start(self) -> "WorkerGroup":
         for p in self.procs:
@@ -132,7 +137,16 @@ class WorkerGroup:
         if msg.kind == DONE:
             self.finished[msg.rank] = msg.payload
             return None
+        if msg.kind == READY:
+            self.num_ready += 1
+            return None
         return msg
+
+    def wait_ready(self) -> None:
+        """Until every worker has called Worker.ready (its start-up errors, or its death, raise here)."""
+        while self.num_ready < len(self.procs):
+            msg = self.receive(timeout=1.0)
+            assert msg is None, "a worker sent output before it was ready"
 
     def check_alive(self) -> None:
         """A worker that exited 0 has sent its last message (the queue is flushed before it exits)."""

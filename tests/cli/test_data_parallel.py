@@ -66,6 +66,17 @@ def test_workers_write_the_one_engine_records(tmp_path, drafters, method):
     assert s2["kv_cache_bytes"] > 0  # the workers' peaks, summed
 
 
+def test_a_worker_start_up_error_is_the_job_error(tmp_path):
+    """The draft model loads in the workers only: its error (exit 3, naming it) comes from there, before any
+    request is handed out."""
+    inp = write_jsonl(tmp_path / "in.jsonl", RECORDS[:2])
+    res = invoke("run", inp, "-o", tmp_path / "out.jsonl", "--data-parallel-size", "2", "-q",
+                 "--method", "draft_model", "--draft-model", str(tmp_path / "missing"))
+    assert res.exit_code == 3, res.output
+    assert "missing" in res.output
+    assert not (tmp_path / "out.jsonl").read_text()  # nothing written
+
+
 def spawn(inp: Path, out: Path, *extra: str) -> subprocess.Popen:
     argv = [sys.executable, "-m", "specgen", "run", str(inp), "-o", str(out), "--model", str(TINY_LLAMA),
             "--max-tokens", "16", "--batch-size", "4", "--ignore-eos", "--quiet", "--threads", "2", *extra]
