@@ -72,3 +72,14 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     moe: MoeConfig | None = None  # qwen3_moe, ernie4_5_moe
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> "ModelConfig":
+        """From dataclasses.asdict's form read back from JSON (nested configs as dicts, tuples as lists)."""
+        fields = dict(fields)
+        if fields.get("rope_scaling") is not None:
+            fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+        if fields.get("moe") is not None:
+            fields["moe"] = MoeConfig(**dict(fields["moe"], layers=tuple(fields["moe"]["layers"])))
+        fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
+        return cls(**fields)

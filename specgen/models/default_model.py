@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 
 from specgen.errors import CheckpointError
 from specgen.models.checkpoint import QUANT_BLOCK_BYTES, Checkpoint, QuantRows
-from specgen.models.config import ModelConfig, RopeScaling
+from specgen.models.config import ModelConfig
 from specgen.models.gguf_loader import load_gguf
 from specgen.models.tokenizer import TextTokenizer
 
@@ -104,11 +104,7 @@ def _write_entry(checkpoint: Checkpoint, entry: Path) -> None:
 def _read_entry(entry: Path, source: str) -> Checkpoint:
     hint = f"delete {entry} to convert the GGUF again"
     try:
-        fields = json.loads((entry / _CONFIG).read_text())
-        if fields.get("rope_scaling") is not None:
-            fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
-        fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
-        config = ModelConfig(**fields)
+        config = ModelConfig.from_dict(json.loads((entry / _CONFIG).read_text()))
         weights = _read_float32_safetensors(entry / _WEIGHTS)
         quantized = _read_quantized(entry / _QUANTIZED)
         tokenizer = None

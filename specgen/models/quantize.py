@@ -1,6 +1,7 @@
 """Weight-only quantization at load (`--quantization`, FastDeploy's names wint8 / wint4), for any checkpoint.
 
-The weights it applies to are every decoder block's projections (q, k, v, o, gate, up, down) and the LM head.
+The weights it applies to are every decoder block's projections (q, k, v, o, gate, up, down; in a routed block
+each expert's and the shared experts') and the LM head.
 - auto (default): as the checkpoint stores them: a GGUF file's blocks stay blocks (their natural mode), float
   weights stay float.
 - none: all in floating point (a GGUF file's blocks dequantized: the float model they stand for).
@@ -29,7 +30,7 @@ QUANTIZATIONS = ("auto", "none", "wint8", "wint4")
 KIND = {"wint8": "Q8_0", "wint4": "Q4_1"}
 HEAD_KIND = "Q8_0"
 # Part of every cache key: bump it whenever quantize_checkpoint's output changes.
-QUANT_FORMAT = 2
+QUANT_FORMAT = 3
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                "mlp.up_proj", "mlp.down_proj")
 
@@ -39,6 +40,10 @@ def projection_names(ckpt: Checkpoint) -> list[str]:
     head (the embedding's matrix when the head is tied to it)."""
     cfg = ckpt.config
     names = [f"model.layers.{i}.{p}.weight" for i in range(cfg.num_layers) for p in PROJECTIONS]
+    if cfg.moe is not None:  # routed blocks: every expert's and the shared experts' projections (not the router)
+        mlp = [f"{p}_proj" for p in ("gate", "up", "down")]
+        names += [f"model.layers.{i}.mlp.{e}.{p}.weight" for i in cfg.moe.layers
+                  for e in [f"experts.{j}" for j in range(cfg.moe.num_experts)] + ["shared_experts"] for p in mlp]
     head = "lm_head.weight" if "lm_head.weight" in ckpt.weights else "model.embed_tokens.weight"
     return [n for n in names + [head] if n in ckpt.weights]
 

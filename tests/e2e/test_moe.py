@@ -82,6 +82,24 @@ def test_expert_counts_agree_between_backends():
     assert (counts["fused"].sum(axis=1) == lens.sum() * moe.top_k).all()
 
 
+def test_wint8_quantizes_every_expert_and_the_backends_agree():
+    """--quantization wint8 puts each expert (and the shared experts) in Q8_0 blocks, not the router; the fused
+    backend multiplies the blocks, the reference their dequantized values: the same logits up to float32 rounding."""
+    rng = np.random.default_rng(6)
+    lens = np.array([9, 3])
+    batch = build_forward_batch(np.arange(2), np.zeros(2, np.int64), lens, rng.integers(3, 297, lens.sum()),
+                                np.ones(2, bool))
+    logits = {}
+    for backend in ("fused", "reference"):
+        m = load_model(TINY / "ernie4_5_moe", backend=backend, quantization="wint8").model
+        logits[backend] = m.forward(batch, m.new_cache(2, 64)).logits.numpy()
+        if backend == "fused":
+            moe = m.weights.blocks[1].moe
+            assert moe.experts[5].down.blocks.kind == "Q8_0" and m.weights.blocks[1].gate_up.blocks.kind == "Q8_0"
+            assert moe.router.blocks is None
+    assert np.abs(logits["fused"] - logits["reference"]).max() < 1e-4
+
+
 def test_summary_of_expert_load():
     """Tokens per expert summed over the routed blocks; the load: busiest / mean expert per block, averaged."""
     from specgen.io.summary import SummaryAccumulator
