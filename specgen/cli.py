@@ -1,6 +1,8 @@
 """The `specgen` command line: Typer commands that build the config, run the job, map errors to exit codes."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import shlex
 import signal
@@ -281,9 +283,14 @@ def train_mtp(
     draft_vocab: Annotated[int | None, typer.Option(
         help=_train_default("Tokens the saved head drafts from: the most frequent training labels (a cheaper "
                             "LM head per draft); 0: the whole training vocabulary.", "draft_vocab"))] = None,
+    num_layers: Annotated[int | None, typer.Option(help=_train_default(
+        "MTP modules (multi-layer MTP, DeepSeek-V3's num_nextn_predict_layers): module i drafts position i + 1 "
+        "from module i - 1's output; with one, the head is chained with itself.", "num_layers"))] = None,
+    module_weight: Annotated[float | None, typer.Option(help=_train_default(
+        "Loss weight of modules 1.. relative to module 0.", "module_weight"))] = None,
     chain_weight: Annotated[float | None, typer.Option(
-        help=_train_default("Weight of the second-draft loss (the head applied to its own output); 0 trains "
-                            "the first only.", "chain_weight"))] = None,
+        help=_train_default("Weight of the second-draft loss (the head applied to its own output; one module "
+                            "only); 0 trains the first only.", "chain_weight"))] = None,
     distill: Annotated[float | None, typer.Option(
         help=_train_default("Weight of the soft-target loss (the main model's own distribution over the label, "
                             "from its cached hidden states); the rest goes to the greedy label.", "distill"))] = None,
@@ -312,6 +319,7 @@ def train_mtp(
                  "gen_max_tokens": gen_max_tokens, "gen_batch_size": gen_batch_size, "gen_samples": gen_samples,
                  "gen_temperature": gen_temperature, "shortlist": shortlist, "draft_vocab": draft_vocab,
                  "chain_weight": chain_weight, "distill": distill, "hidden_noise": hidden_noise,
+                 "num_layers": num_layers, "module_weight": module_weight,
                  "eval_every": eval_every,
                  "checkpoint_every": checkpoint_every,
                  "save_dtype": save_dtype, "init": init, "seed": seed}
@@ -334,28 +342,81 @@ def train_mtp(
             acc = "-" if t["eval_acc"] is None else f"{t['eval_acc']:.3f}"
             acc2 = "-" if t["eval_acc2"] is None else f"{t['eval_acc2']:.3f}"
             typer.echo(f"saved {output}/model.safetensors ({cfg.save_dtype}); held-out top-1 {acc}, both drafts "
-                       f"{acc2}; loss curve {output}/loss.png; use: --method mtp --mtp-model {output}")
+                       f"{acc2}; loss curve {output}/loss.png; use: --method mtp --draft-model {output}")
 
 
 @app.command("make-draft", help="Build a draft model for --method draft_model from the main model itself: its "
                                "first --layers decoder layers with its final norm and LM head, saved as an ordinary "
-                               "HF checkpoint in OUTPUT (float32; it quantizes at load with the main model). Use: "
-                               "--method draft_model --draft-model OUTPUT.")
+                               "HF checkpoint in OUTPUT (float32; it quantizes at load with the main model). With "
+                               "--data, the layers and final norm are first trained by self-distillation on the "
+                               "model's own continuations of those prompts (train-mtp's data and loop; training "
+                               "state in OUTPUT/training, so rerunning resumes). Use: --method draft_model "
+                               "--draft-model OUTPUT.")
 def make_draft(
     output: Annotated[Path, typer.Option("--output", "-o", help="A new directory for the draft checkpoint.")],
     model: Model = None,
     layers: Annotated[int, typer.Option(help="Decoder layers the draft keeps (1 .. the main model's - 1).")] = 6,
+    data: Annotated[Path | None, typer.Option("--data", help="Prompts to distill on (.jsonl / .parquet as "
+                                                             "`specgen run` reads them); none: the cut alone.")] = None,
+    steps: Annotated[int | None, typer.Option(help=_train_default("Optimizer steps.", "steps"))] = None,
+    batch_size: Annotated[int | None, typer.Option(help=_train_default("Windows per step.", "batch_size"))] = None,
+    seq_len: Annotated[int | None, typer.Option(help=_train_default("Positions per window.", "seq_len"))] = None,
+    lr: Annotated[float | None, typer.Option(help=_train_default("Peak learning rate.", "lr"))] = None,
+    gen_max_tokens: Annotated[int | None, typer.Option(help=_train_default("Tokens generated per prompt.", "gen_max_tokens"))] = None,
+    distill: Annotated[float | None, typer.Option(help=_train_default(
+        "Weight of the main model's own distribution in the loss; the rest on its greedy label.", "distill"))] = None,
+    seed: Annotated[int | None, typer.Option(help=_train_default("Training seed.", "seed"))] = None,
+    threads: Threads = None, input_format: InputFormat = None, quiet: Quiet = False,
 ) -> None:
-    with exit_codes():
+    with exit_codes(f"interrupted: rerun the same command to resume into {output}"):
         from specgen.config import EngineConfig
         from specgen.models import load_checkpoint
         from specgen.models.export import first_layers, save_hf
 
         ckpt = load_checkpoint(model, EngineConfig().cache_root())
         total = ckpt.config.num_layers
-        save_hf(first_layers(ckpt, layers), output, {"specgen_draft": {"source": ckpt.source, "layers": layers}})
-        typer.echo(f"saved {output}: {layers} of the {total} layers of {ckpt.source}; use: --method draft_model "
-                   f"--draft-model {output}")
+        draft = first_layers(ckpt, layers)
+        info: dict = {"source": ckpt.source, "layers": layers}
+        if data is not None:
+            if (output / "config.json").exists():
+                raise ConfigError(f"{output}: already holds a draft checkpoint")
+            flags = {"steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr,
+                     "gen_max_tokens": gen_max_tokens, "distill": distill, "seed": seed}
+            trained = _distill_draft(model, data, output / "training", layers, flags, threads, input_format, quiet)
+            draft = dataclasses.replace(draft, weights={**draft.weights, **trained.pop("weights")})
+            info["training"] = trained
+        save_hf(draft, output, {"specgen_draft": info}, keep=("training",))
+        how = "" if data is None else f", distilled (held-out first-draft agreement {info['training']['eval_acc']:.3f})"
+        typer.echo(f"saved {output}: {layers} of the {total} layers of {ckpt.source}{how}; use: --method "
+                   f"draft_model --draft-model {output}")
+
+
+def _distill_draft(model, data: Path, workdir: Path, layers: int, flags: dict, threads, input_format,
+                   quiet: bool) -> dict:
+    """Generate the main model's continuations of `data` and train the draft's layers on them (train/draft.py);
+    returns the training summary with the trained weights under "weights" (HF names)."""
+    from specgen.api import load_model
+    from specgen.config import from_mapping
+    from specgen.io.readers import check_input
+    from specgen.io.readers import input_format as detect_format
+    from specgen.train.config import TrainConfig
+    from specgen.train.data import generate_data, read_requests
+    from specgen.train.draft import DraftTrainer
+    from specgen.train.progress import train_progress
+
+    check_input(data)
+    fmt = detect_format(data, input_format)
+    cfg = from_mapping(TrainConfig, {k: v for k, v in flags.items() if v is not None}, "make-draft")
+    loaded = load_model(model, threads=threads or 0)
+    if not 1 <= layers < loaded.config.num_layers:
+        raise ConfigError(f"--layers must be in 1..{loaded.config.num_layers - 1}, got {layers}")
+    workdir.mkdir(parents=True, exist_ok=True)
+    requests = read_requests(data, fmt, loaded, cfg)
+    with train_progress(quiet) as progress:
+        generate_data(loaded, requests, workdir / "data", cfg, progress.generating)
+        trainer = DraftTrainer(loaded, workdir, cfg, layers)
+        summary = trainer.run(progress.training)
+    return {**summary, "weights": trainer.draft.hf_weights()}
 
 
 def _bench_spec_method(methods) -> str | None:

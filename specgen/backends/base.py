@@ -57,8 +57,9 @@ class MtpPass:
 class PreparedHead(Protocol):
     """An MTP head prepared for a backend."""
 
-    def run(self, cache: KVCache, p: MtpPass) -> np.ndarray:
-        """Catch up and draft: int64 [num_wanted, depth] token ids."""
+    def run(self, cache: KVCache, p: MtpPass) -> tuple[np.ndarray, Any]:
+        """Catch up and draft: (int64 [num_wanted, depth] token ids, the block's output rows of the catch-up
+        tokens, paddle [num_tokens, hidden]: the next module's hidden input in multi-layer MTP)."""
 
 
 class Backend(Protocol):

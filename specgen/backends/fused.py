@@ -273,10 +273,11 @@ class FusedHead:
             ones=backend.ones)
         self._indices = KeptIndex(256)  # the pass's index tensors, kept per (tokens, sequences) shape
 
-    def run(self, cache: KVCache, p: MtpPass) -> np.ndarray:
+    def run(self, cache: KVCache, p: MtpPass) -> tuple[np.ndarray, paddle.Tensor]:
         cache.reserve(int(p.positions.max()) + p.depth)
         tok, row, pos, slot, pre, last = self._indices.tensors(
             (p.token_ids, p.rows, p.positions, p.token_slots, np.zeros(len(p.token_ids), np.int64), p.last_rows))
-        return args.mtp_draft(self.backend.ops, self.args, args.MtpStepArgs(
+        drafts, rows = args.mtp_draft(self.backend.ops, self.args, args.MtpStepArgs(
             token_ids=tok, hidden=p.hidden, rows=row, positions=pos, slots=slot, prefix_len=pre, last_rows=last,
-            k_cache=cache.k[0], v_cache=cache.v[0], capacity=cache.capacity, depth=p.depth)).numpy()
+            k_cache=cache.k[0], v_cache=cache.v[0], capacity=cache.capacity, depth=p.depth))
+        return drafts.numpy(), rows

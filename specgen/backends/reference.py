@@ -87,8 +87,8 @@ class ReferenceHead:
         self.lm_head = lm  # [hidden] -> [draft vocabulary]
 
     def _pass(self, cache: KVCache, slots, starts, lens, token_ids, prev_hidden):
-        """One packed pass of the head over blocks (slots, starts, lens): (block output [num_tokens, hidden],
-        argmax token at each block's end [num_seqs])."""
+        """One packed pass of the head over blocks (slots, starts, lens): (block output at each block's end
+        [num_seqs, hidden], argmax token there [num_seqs], the block output of every token [num_tokens, hidden])."""
         hd = self.head
         batch = build_forward_batch(slots, starts, lens, token_ids, np.zeros(len(slots), bool))
         reserve(batch, cache)
@@ -99,15 +99,15 @@ class ReferenceHead:
         x = block_forward(x, hd.block, self.shape, att, 0, cache.k[0], cache.v[0])
         last = paddle.gather(x, paddle.to_tensor(batch.logit_rows))  # [num_seqs, hidden]
         drafts = paddle.argmax(self.lm_head(rms_norm(last, hd.final_norm, eps)), axis=-1).numpy()
-        return last, hd.token_ids(drafts)
+        return last, hd.token_ids(drafts), x
 
-    def run(self, cache: KVCache, p: MtpPass) -> np.ndarray:
+    def run(self, cache: KVCache, p: MtpPass) -> tuple[np.ndarray, paddle.Tensor]:
         first = np.concatenate([[0], np.cumsum(p.seq_lens)[:-1]]).astype(np.int64)  # [num_seqs]
         h_main = paddle.gather(p.hidden, paddle.to_tensor(p.rows))  # [num_tokens, hidden]
-        x, d = self._pass(cache, p.token_slots[first], p.positions[first], p.seq_lens, p.token_ids, h_main)
+        x, d, rows = self._pass(cache, p.token_slots[first], p.positions[first], p.seq_lens, p.token_ids, h_main)
         out = np.zeros((len(p.last_rows), p.depth), np.int64)
         if not len(p.last_rows):
-            return out
+            return out, rows
         # the sequences that want drafts: their blocks' ends are catch-up tokens p.last_rows
         wanted = np.searchsorted(first, p.last_rows, side="right") - 1  # [num_wanted] their sequence
         x = paddle.gather(x, paddle.to_tensor(wanted))
@@ -115,6 +115,6 @@ class ReferenceHead:
         slots, last_pos = p.token_slots[p.last_rows], p.positions[p.last_rows]
         ones = np.ones(len(slots), np.int64)
         for i in range(1, p.depth):
-            x, d = self._pass(cache, slots, last_pos + i, ones, d, x)
+            x, d, _ = self._pass(cache, slots, last_pos + i, ones, d, x)
             out[:, i] = d
-        return out
+        return out, rows

@@ -181,14 +181,16 @@ class MtpStepArgs:
     depth: int  # drafts per wanted sequence
 
 
-def mtp_draft(ops: ModuleType, h: MtpHeadArgs, a: MtpStepArgs) -> Tensor:
-    """-> drafts int64 [num_wanted, depth] (token ids, through draft_vocab)."""
+def mtp_draft(ops: ModuleType, h: MtpHeadArgs, a: MtpStepArgs) -> tuple[Tensor, Tensor]:
+    """-> (drafts int64 [num_wanted, depth] (token ids, through draft_vocab), the block's output rows of the
+    catch-up tokens [num_tokens, hidden])."""
     g, b = h.geometry, h.blocks
-    return _first(ops.specgen_mtp_draft(
+    drafts, rows = ops.specgen_mtp_draft(
         a.token_ids, a.hidden, a.rows, h.embed, h.enorm, h.hnorm, h.eh_proj, *b.projections(), h.cos, h.sin,
         a.positions, a.slots, [a.k_cache], [a.v_cache], b.q_norm, b.k_norm, a.prefix_len, [h.ones], [h.ones],
         a.last_rows, h.final_norm, h.lm_head, h.draft_vocab, g.num_heads, g.num_kv_heads, a.capacity, g.qk_norm,
-        g.eps, 0, a.depth, h.vocab))
+        g.eps, 0, a.depth, h.vocab)[:2]
+    return drafts, rows
 
 
 def linear(ops: ModuleType, x: Tensor, panels: Tensor, n: int) -> Tensor:

@@ -1489,7 +1489,8 @@ std::vector<paddle::Tensor> ForwardBound(const paddle::Tensor& index, const padd
 // whose drafts are not wanted (MTP's copies) are left out of last_rows: their tokens are only caught up. The
 // embedding's type (float32 or float64) is the pass's: hidden, norms, tables and caches in it, float64 panels for
 // float64 (eh_proj and the LM head included).
-// -> drafts int64 [num_seqs, depth] (LM-head column indices mapped through draft_vocab).
+// -> drafts int64 [num_seqs, depth] (LM-head column indices mapped through draft_vocab), and the block's output
+// rows of the catch-up tokens [num_tokens, hidden] (the next module's hidden input in multi-layer MTP).
 std::vector<paddle::Tensor> MtpDraft(
     const paddle::Tensor& token_ids, const paddle::Tensor& hidden, const paddle::Tensor& rows,
     const paddle::Tensor& embed, const paddle::Tensor& enorm, const paddle::Tensor& hnorm,
@@ -1524,7 +1525,8 @@ std::vector<paddle::Tensor> MtpDraft(
     const int64_t nv = draft_vocab.numel();
     PD_CHECK(nv == 0 || nv == vocab, "specgen_mtp_draft: draft_vocab needs one token id per LM-head column");
     auto drafts = paddle::empty({S, depth}, paddle::DataType::INT64, hidden.place());
-    if (n == 0) return {drafts};
+    auto out_rows = paddle::empty({n, hid}, hidden.dtype(), hidden.place());
+    if (n == 0) return {drafts, out_rows};
     const int64_t *tok = token_ids.data<int64_t>(), *row = rows.data<int64_t>(), *last = last_rows.data<int64_t>();
     const int64_t *ids = nv ? draft_vocab.data<int64_t>() : nullptr, *pos = positions.data<int64_t>();
     const int64_t* slot = slots.data<int64_t>();
@@ -1556,6 +1558,7 @@ std::vector<paddle::Tensor> MtpDraft(
         pass.prefix_len = chain_zero.data();
       }
       run_blocks(x.data(), y.data(), m, hid, b, pass);
+      if (d == 0) std::copy(y.data(), y.data() + n * hid, out_rows.data<T>());
       if (S == 0) break;  // the catch-up alone: no sequence wants drafts this step
       last_x.resize(S * hid);
       for (int64_t s = 0; s < S; ++s) {
@@ -1576,7 +1579,7 @@ std::vector<paddle::Tensor> MtpDraft(
         chain_slot[s] = t_slot[r];
       }
     }
-    return {drafts};
+    return {drafts, out_rows};
   });
 }
 
@@ -1621,7 +1624,7 @@ PD_BUILD_OP(specgen_mtp_draft)
              "Positions", "Slots", paddle::Vec("KCache"), paddle::Vec("VCache"), paddle::Vec("QNorm"),
              paddle::Vec("KNorm"), "PrefixLen", paddle::Vec("PrefixK"), paddle::Vec("PrefixV"), "LastRows",
              "FinalNorm", "LmHead", "DraftVocab"})
-    .Outputs({"Drafts", paddle::Vec("KCacheOut"), paddle::Vec("VCacheOut")})
+    .Outputs({"Drafts", "BlockOut", paddle::Vec("KCacheOut"), paddle::Vec("VCacheOut")})
     .SetInplaceMap({{paddle::Vec("KCache"), paddle::Vec("KCacheOut")}, {paddle::Vec("VCache"), paddle::Vec("VCacheOut")}})
     .Attrs({"num_heads: int", "num_kv_heads: int", "capacity: int64_t", "qk_norm: bool", "eps: double",
             "prefix_capacity: int64_t", "depth: int", "vocab: int64_t"})

@@ -54,11 +54,12 @@ def hf_config(cfg: ModelConfig) -> dict:
     return out
 
 
-def save_hf(ckpt: Checkpoint, directory: Path, extra: dict | None = None) -> None:
+def save_hf(ckpt: Checkpoint, directory: Path, extra: dict | None = None, keep: tuple[str, ...] = ()) -> None:
     """Write `ckpt` into `directory` (created; written into a temporary sibling, then renamed): config.json (with
-    `extra` keys), model.safetensors in float32, tokenizer.json and tokenizer_config.json."""
+    `extra` keys), model.safetensors in float32, tokenizer.json and tokenizer_config.json. `keep`: entries the
+    directory may already hold (a draft's training state); the files then go in beside them, config.json last."""
     directory = Path(directory)
-    if directory.exists() and any(directory.iterdir()):
+    if directory.exists() and any(p.name not in keep for p in directory.iterdir()):
         raise ConfigError(f"{directory}: exists and is not empty")
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
@@ -73,9 +74,11 @@ def save_hf(ckpt: Checkpoint, directory: Path, extra: dict | None = None) -> Non
             meta = {"chat_template": tok.chat_template, "bos_token": tok.bos_token, "eos_token": tok.eos_token,
                     "add_bos_token": tok.add_bos_token}
             (tmp / "tokenizer_config.json").write_text(json.dumps(meta, indent=2) + "\n")
-        if directory.exists():
-            directory.rmdir()
-        os.rename(tmp, directory)
+        if directory.exists():  # beside what it keeps: the files moved in one by one, config.json last
+            for f in sorted(tmp.iterdir(), key=lambda f: f.name == "config.json"):
+                os.replace(f, directory / f.name)
+        else:
+            os.rename(tmp, directory)
     except OSError as exc:
         raise CheckpointError(f"cannot write {directory}: {exc}") from None
     finally:

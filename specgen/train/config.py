@@ -44,6 +44,9 @@ class TrainConfig:
     distill: float = 0.5  # weight of the soft-target loss: cross-entropy against the main model's own distribution
     # over the shortlist (from its cached hidden state one position on), the rest on the greedy label; 0: labels
     # only. On the default model's 400 prompts, 500 steps: held-out top-1 0.415 (0) -> 0.433 (0.5), 0.420 (1)
+    num_layers: int = 1  # MTP modules (DeepSeek-V3's num_nextn_predict_layers): module i trained on the labels
+    # of position i + 1 from module i - 1's output; with one, the head is chained with itself for later drafts
+    module_weight: float = 0.5  # loss weight of modules 1.. relative to module 0 (with num_layers > 1)
     chain_weight: float = 0.5  # weight of the second-draft loss (the head applied to its own output); 0 halves a step
     init: str = "last-layer"  # block initialised from the main model's last layer, or random
     seed: int = 0
@@ -71,8 +74,10 @@ class TrainConfig:
             raise ConfigError("need lr > 0, 0 <= min-lr-ratio <= 1, weight-decay >= 0, grad-clip > 0")
         if self.gen_temperature <= 0:
             raise ConfigError(f"gen-temperature must be > 0, got {self.gen_temperature}")
-        if self.chain_weight < 0 or self.hidden_noise < 0:
-            raise ConfigError("chain-weight and hidden-noise must be >= 0")
+        if self.chain_weight < 0 or self.hidden_noise < 0 or self.module_weight < 0:
+            raise ConfigError("chain-weight, module-weight and hidden-noise must be >= 0")
+        if not 1 <= self.num_layers <= 8:
+            raise ConfigError(f"num-layers must be in 1..8, got {self.num_layers}")
         if not 0 <= self.distill <= 1:
             raise ConfigError(f"distill must be in [0, 1], got {self.distill}")
         if self.save_dtype not in SAVE_DTYPES:

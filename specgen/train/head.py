@@ -75,13 +75,14 @@ def initial_weights(model: Model, init: str, seed: int, scale: float = 1.0) -> d
             "final_norm": model.weights.final_norm.numpy().astype(np.float32)}
 
 
-class TrainableHead(paddle.nn.Layer):
-    """MTP head over padded windows: [batch, seq_len] positions of one sequence each, causal within a window."""
+class TrainableBlock(paddle.nn.Layer):
+    """A decoder block (parameters BLOCK_KEYS, and whatever else `weights` names) over padded windows:
+    [batch, seq_len] positions of one sequence each, causal within a window."""
 
     def __init__(self, model: Model, weights: dict[str, np.ndarray]):
         super().__init__()
         if model.dtype != "float32":
-            raise ConfigError("train-mtp runs the main model in float32")
+            raise ConfigError("training runs the main model in float32")
         cfg = self.cfg = model.config
         self.eps, self.scale = cfg.rms_norm_eps, 1.0 / math.sqrt(cfg.head_dim)
         # frozen: [vocab, hidden], [max_len, D/2]
@@ -94,11 +95,13 @@ class TrainableHead(paddle.nn.Layer):
     def _p(self, name: str) -> paddle.Tensor | None:
         return self._parameters.get(name)
 
-    def block_input(self, hidden: paddle.Tensor, token_ids: paddle.Tensor) -> paddle.Tensor:
-        """[batch, seq_len, hidden]: eh_proj([RMSNorm(emb(token i + 1)); RMSNorm(hidden at i)])."""
-        emb = F.embedding(token_ids, self.embed)  # [batch, seq_len, hidden]
-        both = paddle.concat([rms_norm(emb, self.enorm, self.eps), rms_norm(hidden, self.hnorm, self.eps)], axis=-1)
-        return paddle.matmul(both, self.eh_proj)
+    def block(self, x: paddle.Tensor, positions: paddle.Tensor):
+        """x [batch, seq_len, hidden] -> (the block's output, its keys and values)."""
+        q, k, v = self._qkv(x, positions)
+        L = x.shape[1]
+        mask = paddle.to_tensor(np.triu(np.full((L, L), -np.inf, np.float32), 1))  # [L, L] key j <= query i
+        probs = F.softmax(paddle.matmul(q, k, transpose_y=True) + mask, axis=-1)  # [B, H, L, L]
+        return self._finish(x, paddle.matmul(probs, v)), (k, v)
 
     def _qkv(self, x: paddle.Tensor, positions: paddle.Tensor):
         """q [batch, heads, seq_len, D] scaled, k/v [batch, heads, seq_len, D] (kv heads repeated for GQA)."""
@@ -135,14 +138,20 @@ class TrainableHead(paddle.nn.Layer):
             m = m + self.b_down
         return x + m
 
+
+
+class TrainableHead(TrainableBlock):
+    """MTP head over padded windows: [batch, seq_len] positions of one sequence each, causal within a window."""
+
     def forward(self, hidden: paddle.Tensor, next_ids: paddle.Tensor, positions: paddle.Tensor):
         """First draft: returns (block output [batch, seq_len, hidden], its keys and values for the chain)."""
-        x = self.block_input(hidden, next_ids)
-        q, k, v = self._qkv(x, positions)
-        L = x.shape[1]
-        mask = paddle.to_tensor(np.triu(np.full((L, L), -np.inf, np.float32), 1))  # [L, L] key j <= query i
-        probs = F.softmax(paddle.matmul(q, k, transpose_y=True) + mask, axis=-1)  # [B, H, L, L]
-        return self._finish(x, paddle.matmul(probs, v)), (k, v)
+        return self.block(self.block_input(hidden, next_ids), positions)
+
+    def block_input(self, hidden: paddle.Tensor, token_ids: paddle.Tensor) -> paddle.Tensor:
+        """[batch, seq_len, hidden]: eh_proj([RMSNorm(emb(token i + 1)); RMSNorm(hidden at i)])."""
+        emb = F.embedding(token_ids, self.embed)  # [batch, seq_len, hidden]
+        both = paddle.concat([rms_norm(emb, self.enorm, self.eps), rms_norm(hidden, self.hnorm, self.eps)], axis=-1)
+        return paddle.matmul(both, self.eh_proj)
 
     def chain(self, x1: paddle.Tensor, kv1, after_ids: paddle.Tensor, positions: paddle.Tensor) -> paddle.Tensor:
         """Second draft, as the engine chains it: at each position i the head's own output x1[i] and token i + 2
@@ -177,11 +186,19 @@ def _half_to_interleaved(w: np.ndarray, num_heads: int, head_dim: int) -> np.nda
     return shaped[:, np.argsort(order)].reshape(w.shape)
 
 
-def export_weights(head: TrainableHead, dtype: str = "float32") -> dict[str, np.ndarray]:
-    """The head in the DeepSeek-V3 layout under `model.layers.{num_layers}.` (HF [out, in] weights); the
-    embedding and LM head are not written: the engine shares the main model's."""
-    cfg = head.cfg
+def export_weights(head: TrainableHead, dtype: str = "float32", index: int = 0) -> dict[str, np.ndarray]:
+    """The head (module `index` of a multi-layer one) in the DeepSeek-V3 layout under
+    `model.layers.{num_layers + index}.` (HF [out, in] weights); the embedding and LM head are not written: the
+    engine shares the main model's."""
     w = {name: p.numpy() for name, p in head.named_parameters()}
+    out = {"enorm.weight": w["enorm"], "hnorm.weight": w["hnorm"], "eh_proj.weight": w["eh_proj"].T,
+           "shared_head.norm.weight": w["final_norm"], **block_to_hf(w, head.cfg)}
+    p = f"model.layers.{head.cfg.num_layers + index}."
+    return {p + n: np.ascontiguousarray(a.astype(dtype)) for n, a in out.items()}
+
+
+def block_to_hf(w: dict[str, np.ndarray], cfg) -> dict[str, np.ndarray]:
+    """A block's training arrays (BLOCK_KEYS, engine layout) -> its HF weights, named below the layer prefix."""
     H, KV, D, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     q, k, v = np.split(w["w_qkv"].T, [H * D, (H + KV) * D])
     qkv_b = np.split(w["b_qkv"], [H * D, (H + KV) * D]) if "b_qkv" in w else None
@@ -190,8 +207,7 @@ def export_weights(head: TrainableHead, dtype: str = "float32") -> dict[str, np.
         if qkv_b is not None:
             qkv_b[0], qkv_b[1] = _half_to_interleaved(qkv_b[0], H, D), _half_to_interleaved(qkv_b[1], KV, D)
     gate, up = np.split(w["w_gate_up"].T, [inter])
-    out = {"enorm.weight": w["enorm"], "hnorm.weight": w["hnorm"], "eh_proj.weight": w["eh_proj"].T,
-           "shared_head.norm.weight": w["final_norm"], "input_layernorm.weight": w["attn_norm"],
+    out = {"input_layernorm.weight": w["attn_norm"],
            "post_attention_layernorm.weight": w["mlp_norm"], "self_attn.q_proj.weight": q,
            "self_attn.k_proj.weight": k, "self_attn.v_proj.weight": v, "self_attn.o_proj.weight": w["w_o"].T,
            "mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up, "mlp.down_proj.weight": w["w_down"].T}
@@ -204,5 +220,4 @@ def export_weights(head: TrainableHead, dtype: str = "float32") -> dict[str, np.
         out["mlp.down_proj.bias"] = w["b_down"]
     if "q_norm" in w:
         out["self_attn.q_norm.weight"], out["self_attn.k_norm.weight"] = w["q_norm"], w["k_norm"]
-    p = f"model.layers.{cfg.num_layers}."
-    return {p + n: np.ascontiguousarray(a.astype(dtype)) for n, a in out.items()}
+    return out

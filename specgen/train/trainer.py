@@ -35,7 +35,7 @@ from specgen.train.windows import (
     split_sequences,
 )
 
-COLUMNS = ("step", "lr", "loss", "acc", "acc2", "eval_loss", "eval_acc", "eval_acc2", "seconds")
+COLUMNS = ("step", "lr", "loss", "acc", "acc2", "eval_loss", "eval_acc", "eval_acc2", "eval_acc3", "seconds")
 # Settings that only change what is logged or written: a checkpoint made with others can be resumed.
 NOT_FINGERPRINTED = ("log_every", "eval_every", "checkpoint_every", "save_dtype", "max_eval_windows",
                      "gen_batch_size", "draft_vocab")
@@ -111,15 +111,22 @@ class Trainer:
         model = loaded.model
         self.set = training_set(out_dir / "data", loaded.config.vocab_size, cfg)
         paddle.seed(cfg.seed)
-        data = self.set.data
-        sample = data.tokens[data.tok_start[0]: data.tok_start[0] + min(256, data.num_rows[0] + 1)]
-        scale = residual_rms(model, sample) if cfg.init == "last-layer" else 1.0
-        self.head = TrainableHead(model, initial_weights(model, cfg.init, cfg.seed, scale))
-        self.params = dict(self.head.named_parameters())
+        self.params = self.make_student(model)
         self.opt = AdamW(self.params, cfg)
         self.lm_full = model.weights.lm_head.dense()  # [hidden, vocab]
         self.lm_train = paddle.gather(self.lm_full, paddle.to_tensor(self.set.vocab_ids), axis=1)  # [hidden, V']
         self.identity = np.arange(loaded.config.vocab_size, dtype=np.int64)
+
+    def make_student(self, model: Any) -> dict[str, paddle.Tensor]:
+        """The model trained (here the head's modules), initialised; returns its parameters by name."""
+        cfg, data = self.cfg, self.set.data
+        sample = data.tokens[data.tok_start[0]: data.tok_start[0] + min(256, data.num_rows[0] + 1)]
+        scale = residual_rms(model, sample) if cfg.init == "last-layer" else 1.0
+        # module i of a multi-layer head (the first is `head`); its parameters are named m{i}.*
+        self.modules = [TrainableHead(model, initial_weights(model, cfg.init, cfg.seed + i, scale))
+                        for i in range(cfg.num_layers)]
+        self.head = self.modules[0]
+        return {(f"m{i}." if i else "") + n: p for i, m in enumerate(self.modules) for n, p in m.named_parameters()}
 
     # ---- one step and one evaluation ----
 
@@ -127,7 +134,7 @@ class Trainer:
         """Returns (loss, top-1 accuracy over the training vocabulary, second-draft accuracy or None)."""
         cfg, s = self.cfg, self.set
         picks = batch_picks(step, len(s.train), cfg.batch_size, cfg.seed)
-        b = make_batch(s.data, s.train, picks, cfg.seq_len, s.vocab_index)
+        b = make_batch(s.data, s.train, picks, cfg.seq_len, s.vocab_index, cfg.num_layers)
         if cfg.hidden_noise > 0:
             b = dataclasses.replace(b, hidden=noisy_hidden(b.hidden, cfg.hidden_noise, cfg.seed, step))
         hidden, next_ids, positions = _tensors(b)
@@ -137,16 +144,38 @@ class Trainer:
         loss = self._loss(logits, labels, b.teacher_rows)
         acc = float((paddle.argmax(logits, axis=-1) == labels).astype("float32").mean())
         acc2 = None
-        if cfg.chain_weight > 0 and len(b.chain_rows):
+        if cfg.num_layers > 1:  # modules 1..: each on the one before's outputs, teacher-forced tokens
+            x = x1
+            for i, (ids, rows, label_ids, teacher) in enumerate(self._later(b), start=1):
+                x, _ = self.modules[i](x, paddle.to_tensor(ids), positions)
+                if not len(rows):
+                    continue
+                logits_i = self.modules[i].logits(x, paddle.to_tensor(rows), self.lm_train)
+                labels_i = paddle.to_tensor(label_ids)
+                loss = loss + cfg.module_weight * self._loss(logits_i, labels_i, teacher)
+                if i == 1:
+                    acc2 = float((paddle.argmax(logits_i, axis=-1) == labels_i).astype("float32").mean())
+        elif cfg.chain_weight > 0 and len(b.chain_rows):
             x2 = self.head.chain(x1, kv, paddle.to_tensor(b.after_ids), positions)
             logits2 = self.head.logits(x2, paddle.to_tensor(b.chain_rows), self.lm_train)
             labels2 = paddle.to_tensor(b.chain_ids)
             loss = loss + cfg.chain_weight * self._loss(logits2, labels2, b.chain_teacher_rows)
             acc2 = float((paddle.argmax(logits2, axis=-1) == labels2).astype("float32").mean())
-        loss.backward()
-        self.opt.step(lr_at(step, cfg))
-        self.head.clear_gradients()
+        self.update(loss, step)
         return float(loss), acc, acc2
+
+    def update(self, loss: paddle.Tensor, step: int) -> None:
+        """Backward, the optimizer's step, gradients cleared."""
+        loss.backward()
+        self.opt.step(lr_at(step, self.cfg))
+        for p in self.params.values():
+            p.clear_gradient()
+
+    @staticmethod
+    def _later(b: Batch) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """Modules 1.. of a multi-layer head: (input token ids [batch, seq_len], loss rows, labels, teacher rows)."""
+        return [(b.after_ids, b.chain_rows, b.chain_ids, b.chain_teacher_rows)] + \
+            [(a.ids, a.rows, a.labels, a.teacher_rows) for a in b.ahead]
 
     def _loss(self, logits: paddle.Tensor, labels: paddle.Tensor, teacher_rows: np.ndarray) -> paddle.Tensor:
         """Mean cross-entropy of logits [num, V'] against the greedy labels [num] and, with cfg.distill, against
@@ -169,10 +198,12 @@ class Trainer:
         held = self.set.held_out
         if len(held) == 0:
             return {}
-        tot_loss = num = num_ok = num2 = num_ok2 = 0.0
+        depth = max(2, min(3, self.cfg.num_layers))  # positions evaluated past the first
+        tot_loss = num = num_ok = 0.0
+        num_later, ok_later = np.zeros(depth - 1), np.zeros(depth - 1)
         for lo in range(0, len(held), self.cfg.batch_size):
             picks = np.arange(lo, min(lo + self.cfg.batch_size, len(held)))
-            b = make_batch(self.set.data, held, picks, self.cfg.seq_len, self.identity)
+            b = make_batch(self.set.data, held, picks, self.cfg.seq_len, self.identity, self.cfg.num_layers)
             hidden, next_ids, positions = _tensors(b)
             x1, kv = self.head(hidden, next_ids, positions)
             logits = self.head.logits(x1, paddle.to_tensor(b.loss_rows), self.lm_full)
@@ -181,13 +212,26 @@ class Trainer:
             ok = np.zeros(b.hidden.shape[0] * b.hidden.shape[1], bool)
             ok[b.loss_rows] = paddle.argmax(logits, axis=-1).numpy() == b.label_ids
             num, num_ok = num + len(b.loss_rows), num_ok + ok.sum()
-            if len(b.chain_rows):
-                x2 = self.head.chain(x1, kv, paddle.to_tensor(b.after_ids), positions)
-                pred2 = paddle.argmax(self.head.logits(x2, paddle.to_tensor(b.chain_rows), self.lm_full), axis=-1)
-                num2 += len(b.chain_rows)
-                num_ok2 += (ok[b.chain_rows] & (pred2.numpy() == b.chain_ids)).sum()
-        return {"eval_loss": float(tot_loss / max(num, 1)), "eval_acc": float(num_ok / max(num, 1)),
-                "eval_acc2": float(num_ok2 / max(num2, 1))}
+            x = x1
+            for i, (ids, rows, label_ids, _) in enumerate(self._later(b)[:depth - 1], start=1):
+                if self.cfg.num_layers > 1:
+                    x, _ = self.modules[i](x, paddle.to_tensor(ids), positions)
+                elif i == 1:  # one module: chained on its own output
+                    x = self.head.chain(x1, kv, paddle.to_tensor(ids), positions)
+                if not len(rows):
+                    continue
+                pred = paddle.argmax(self.modules[min(i, len(self.modules) - 1)].logits(
+                    x, paddle.to_tensor(rows), self.lm_full), axis=-1).numpy()
+                both = np.zeros_like(ok)
+                both[rows] = ok[rows] & (pred == label_ids)  # every draft up to this one right
+                num_later[i - 1] += len(rows)
+                ok_later[i - 1] += both.sum()
+                ok = both
+        out = {"eval_loss": float(tot_loss / max(num, 1)), "eval_acc": float(num_ok / max(num, 1)),
+               "eval_acc2": float(ok_later[0] / max(num_later[0], 1))}
+        if depth > 2:
+            out["eval_acc3"] = float(ok_later[1] / max(num_later[1], 1))
+        return out
 
     # ---- checkpoints ----
 
@@ -263,7 +307,7 @@ class Trainer:
         row: dict[str, Any] = {"step": step, "lr": lr_at(max(step - 1, 0), self.cfg) if step else 0.0,
                                "loss": sums[0] / n if n else None, "acc": sums[1] / n if n else None,
                                "acc2": sums[2] / n if n and self.cfg.chain_weight > 0 else None}
-        row.update({k: ev.get(k) for k in ("eval_loss", "eval_acc", "eval_acc2")})
+        row.update({k: ev.get(k) for k in ("eval_loss", "eval_acc", "eval_acc2", "eval_acc3")})
         row["seconds"] = round(seconds, 2)
         return row
 
@@ -290,10 +334,14 @@ class Trainer:
                 "label_coverage": s.coverage, "draft_vocab_size": len(s.draft_ids),
                 "draft_coverage": s.draft_coverage, "eval_loss": last_eval.get("eval_loss"),
                 "eval_acc": last_eval.get("eval_acc"), "eval_acc2": last_eval.get("eval_acc2"),
+                "eval_acc3": last_eval.get("eval_acc3"),
                 "train_seconds": rows[-1]["seconds"] if rows else 0.0,
             },
         }
-        save_mtp(self.out_dir, export_weights(self.head, cfg.save_dtype), extra=meta)
+        weights = {}
+        for i, m in enumerate(self.modules):
+            weights.update(export_weights(m, cfg.save_dtype, i))
+        save_mtp(self.out_dir, weights, extra=meta)
         # The draft vocabulary (the training vocabulary, or its draft_vocab most frequent labels), for a drafter that
         # takes its argmax over these tokens only (a cheaper LM head).
         np.save(self.out_dir / "draft_vocab.npy", s.draft_ids)

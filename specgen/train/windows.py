@@ -97,6 +97,17 @@ def shortlist(counts: np.ndarray, size: int) -> np.ndarray:
 
 
 @dataclass(frozen=True)
+class Ahead:
+    """Module m's inputs and labels (multi-layer MTP, m >= 2): at position i it reads token i + 1 + m and
+    module m - 1's output, and predicts the greedy choice at i + 2 + m."""
+
+    ids: np.ndarray  # [batch, seq_len] int64 token i + 1 + m (0 past the sequence's end and on padding)
+    rows: np.ndarray  # [num] int64 flat loss rows (into batch * seq_len) with a label at i + 2 + m
+    labels: np.ndarray  # [num] int64 greedy choice at i + 2 + m, as a vocabulary index
+    teacher_rows: np.ndarray  # [num] int64 row of CachedData.hidden at i + 1 + m
+
+
+@dataclass(frozen=True)
 class Batch:
     """Windows padded to seq_len. `label_ids` index the training vocabulary (the shortlist)."""
 
@@ -111,11 +122,13 @@ class Batch:
     teacher_rows: np.ndarray  # [num_loss] int64 row of CachedData.hidden at i + 1: the main model's state whose
     # logits are its distribution over the label at i + 2
     chain_teacher_rows: np.ndarray  # [num_chain] int64 row at i + 2, for the label at i + 3
+    ahead: tuple[Ahead, ...] = ()  # modules 2, 3, ... of a multi-layer head
 
 
 def make_batch(data: CachedData, windows: Windows, picks: np.ndarray, seq_len: int,
-               vocab_index: np.ndarray) -> Batch:
-    """vocab_index: [vocab_size] training-vocabulary index of each token, -1 outside it (no loss there)."""
+               vocab_index: np.ndarray, modules: int = 2) -> Batch:
+    """vocab_index: [vocab_size] training-vocabulary index of each token, -1 outside it (no loss there);
+    modules: the head's modules (the inputs and labels of modules 2.. are `ahead`)."""
     B, h = len(picks), data.hidden.shape[1]
     hidden = np.zeros((B, seq_len, h), np.float32)
     next_ids = np.zeros((B, seq_len), np.int64)
@@ -144,5 +157,25 @@ def make_batch(data: CachedData, windows: Windows, picks: np.ndarray, seq_len: i
     chain_rows = np.nonzero(cflat >= 0)[0]
     # rows i + 1 and i + 2 exist wherever a label at i + 2 (i + 3) does: a sequence stores rows up to T - 2
     flat_rows = rows.reshape(-1)
+    ahead = tuple(_ahead(data, windows, picks, seq_len, vocab_index, m, flat_rows) for m in range(2, modules))
     return Batch(hidden, next_ids, after_ids, positions, loss_rows, flat[loss_rows], chain_rows, cflat[chain_rows],
-                 flat_rows[loss_rows] + 1, flat_rows[chain_rows] + 2)
+                 flat_rows[loss_rows] + 1, flat_rows[chain_rows] + 2, ahead)
+
+
+def _ahead(data: CachedData, windows: Windows, picks: np.ndarray, seq_len: int, vocab_index: np.ndarray, m: int,
+           flat_rows: np.ndarray) -> Ahead:
+    B = len(picks)
+    ids = np.zeros((B, seq_len), np.int64)
+    labels = np.full((B, seq_len), -1, np.int64)
+    for b, w in enumerate(picks.tolist()):
+        s, start, n, loss_from = (int(x[w]) for x in (windows.seq, windows.start, windows.length, windows.loss_from))
+        t0 = data.tok_start[s] + start - data.first_pos[s]
+        seq_end = data.tok_start[s] + data.num_rows[s] + 1  # one past sequence s's last token
+        num_ids = max(0, min(n, seq_end - t0 - 1 - m))  # token i + 1 + m exists for offsets [0, num_ids)
+        ids[b, :num_ids] = data.tokens[t0 + 1 + m:t0 + 1 + m + num_ids]
+        k, num_labels = loss_from - start, min(n, seq_end - t0 - 2 - m)
+        if num_labels > k:
+            labels[b, k:num_labels] = vocab_index[data.targets[t0 + 2 + m + k:t0 + 2 + m + num_labels]]
+    flat = labels.reshape(-1)
+    rows = np.nonzero(flat >= 0)[0]
+    return Ahead(ids, rows, flat[rows], flat_rows[rows] + 1 + m)

@@ -79,3 +79,43 @@ def test_make_draft_and_run_from_the_cli(tmp_path):
     assert all(r["token_ids"] == by[r["id"]] for r in got) and len(got) == len(PROMPTS)
     bad = invoke("run", inp, "-o", tmp_path / "x.jsonl", *args, "--method", "ngram", "--draft-model", str(draft))
     assert bad.exit_code == 2 and "draft_model needs method draft_model or mtp" in bad.output
+
+
+def test_untrained_draft_exports_the_cut_itself(tiny_model):
+    """The trainable draft starts as the cut: its layers and final norm written back under their HF names are
+    the main model's first layers' own weights."""
+    from specgen.train.draft import TrainableDraft
+
+    cut = first_layers(load_checkpoint(TINY / "llama"), 1)
+    w = TrainableDraft(tiny_model.model, 1).hf_weights()
+    assert sorted(w) == sorted(n for n in cut.weights if n.startswith(("model.layers.", "model.norm")))
+    for name, a in w.items():
+        assert a.shape == cut.weights[name].shape and float(abs(a - cut.weights[name]).max()) < 1e-6, name
+
+
+def test_make_draft_distills_and_the_draft_stays_exact(tmp_path):
+    """make-draft --data: the draft learns the model's own continuations (on its training prompts, more of its
+    drafts are accepted than the cut's), the training state stays beside the checkpoint, rerunning refuses to
+    overwrite, and outputs with it equal plain decoding."""
+    prompts = [[int(x) for x in range(3 + i, 3 + i + 4 + i % 5)] for i in range(12)]
+    data = write_jsonl(tmp_path / "train.jsonl", [{"id": f"t{i}", "input_ids": p} for i, p in enumerate(prompts)])
+    draft = tmp_path / "distilled"
+    args = ["make-draft", "-o", draft, "--layers", "1", "--model", TINY / "llama", "--data", data, "--steps", "40",
+            "--batch-size", "4", "--seq-len", "16", "--gen-max-tokens", "24", "--lr", "3e-3", "--threads", "1", "-q"]
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    info = json.loads((draft / "config.json").read_text())["specgen_draft"]
+    assert info["layers"] == 1 and info["training"]["steps"] == 40 and (draft / "training" / "loss.csv").is_file()
+    assert invoke(*args).exit_code == 2  # a checkpoint is there already
+    lm = load_model(TINY / "llama")
+    sp = SamplingParams(max_tokens=24)
+    ref = [o.token_ids for o in generate(prompts, model=lm, sampling=sp)]
+    accepted = {}
+    for name, path in (("cut", tmp_path / "cut"), ("distilled", draft)):
+        if name == "cut":
+            save_hf(first_layers(load_checkpoint(TINY / "llama"), 1), path)
+        outs = generate(prompts, model=lm, sampling=sp, speculative=SpecConfig(
+            method=Method.DRAFT_MODEL, draft_model=str(path), adaptive=False, num_speculative_tokens=2))
+        assert [o.token_ids for o in outs] == ref
+        accepted[name] = sum(o.stats.num_accepted_tokens for o in outs) / sum(o.stats.num_draft_tokens for o in outs)
+    assert accepted["distilled"] > accepted["cut"] + 0.1, accepted

@@ -78,6 +78,6 @@ def test_mtp_drafts_agree_between_backends(pair, tmp_path):
             got.append(runner.run(cache, MtpPass(
                 token_slots=np.zeros(n, np.int64), positions=np.arange(n), token_ids=np.array(seq[1:]),
                 rows=np.arange(n), hidden=hidden, seq_lens=np.array([n]), last_rows=np.array([n - 1]),
-                depth=3)).tolist())
+                depth=3))[0].tolist())
         drafts[backend] = got
     assert drafts["fused"] == drafts["reference"]

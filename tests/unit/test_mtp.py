@@ -48,16 +48,40 @@ class Recording(MtpProposer):
 
 def reference_drafts(lm, runner, seq, k, shift=0):
     """Recompute everything for one sequence: main prefill of seq[:-1], the head over positions [shift, n) (as
-    head positions [0, n - shift)) into a fresh cache in one pass, then its chain."""
+    head positions [0, n - shift)) into a fresh cache in one pass, then its chain. runner: one prepared head, or
+    a list of modules (multi-layer MTP): module i runs over the same positions on module i - 1's outputs, fed
+    token p + 1 + i where it is committed and the drafts of the modules before it past that; it drafts draft i + 1,
+    the last module the rest by chaining itself."""
     m = lm.model
     n = len(seq) - 1
     batch = build_forward_batch(np.array([0]), np.array([0]), np.array([n]), np.array(seq[:-1]), np.array([True]))
-    hidden = m.forward(batch, m.new_cache(1, 256)).hidden
-    cache = m.backend.new_cache(m, 1, m.max_len, "auto", num_layers=1)
-    p = MtpPass(token_slots=np.zeros(n - shift, np.int64), positions=np.arange(n - shift), token_ids=np.array(seq[shift + 1:]),
-                rows=np.arange(shift, n), hidden=hidden, seq_lens=np.array([n - shift]), last_rows=np.array([n - shift - 1]),
-                depth=k)
-    return [int(d) for d in runner.run(cache, p)[0]]
+    hidden, rows = m.forward(batch, m.new_cache(1, 256)).hidden, np.arange(shift, n)
+    modules = runner if isinstance(runner, list) else [runner]
+    pos, drafts = np.arange(shift, n), []
+    for i, r in enumerate(modules):
+        ids = [seq[j] if j < len(seq) else drafts[j - len(seq)] for j in pos + 1 + i]
+        cache = m.backend.new_cache(m, 1, m.max_len, "auto", num_layers=1)
+        d, hidden = r.run(cache, MtpPass(
+            token_slots=np.zeros(n - shift, np.int64), positions=pos - shift, token_ids=np.array(ids), rows=rows,
+            hidden=hidden, seq_lens=np.array([n - shift]), last_rows=np.array([n - shift - 1]),
+            depth=max(1, k - i) if i == len(modules) - 1 else 1))
+        drafts += [int(x) for x in d[0]]
+        rows = np.arange(n - shift)
+        if len(drafts) >= k:
+            break
+    return drafts[:k]
+
+
+def random_requests(lm, num, max_prompt, max_tokens, seed, oracle):
+    """`num` requests of random prompts (2 .. max_prompt - 1 tokens), and with `oracle` each one's prompt and plain
+    continuation (else None)."""
+    rng = np.random.default_rng(seed)
+    reqs = [Request(str(i), i, tuple(int(x) for x in rng.integers(3, 300, int(rng.integers(2, max_prompt)))),
+                    SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for i in range(num)]
+    if not oracle:
+        return reqs, None
+    plain = Engine(lm.model, None, EngineConfig(batch_size=4, dtype=lm.model.dtype))
+    return reqs, [list(r.prompt_ids) + o.token_ids for r, o in zip(reqs, sorted(plain.run(reqs), key=lambda o: o.index))]
 
 
 @pytest.mark.parametrize("model,k,oracle,vocab,copy,batch,window", [
@@ -80,14 +104,8 @@ def test_incremental_drafts_equal_reference(tiny_models, model, k, oracle, vocab
     dtype = lm.model.dtype
     ids = np.arange(0, lm.config.vocab_size, 3) if vocab else None  # a draft vocabulary of every third token
     head = prepared(lm, random_mtp_weights(lm.config, seed=1, std=0.3), ids)
-    rng = np.random.default_rng(0)
-    reqs = [Request(str(i), i, tuple(int(x) for x in rng.integers(3, 300, int(rng.integers(2, 20)))),
-                    SamplingParams(max_tokens=64, ignore_eos=True)) for i in range(10)]
-    full = None
-    if oracle:
-        plain = Engine(lm.model, None, EngineConfig(batch_size=4, dtype=dtype))
-        full = [list(r.prompt_ids) + o.token_ids for r, o in zip(reqs, sorted(plain.run(reqs), key=lambda o: o.index))]
-    prop = Recording(lm.model, head, k, oracle=full, copy_min=copy, prompt_window=window)
+    reqs, full = random_requests(lm, 10, 20, 64, 0, oracle)
+    prop = Recording(lm.model, [head], k, oracle=full, copy_min=copy, prompt_window=window)
     # with a window, prompts are prefilled in chunks of 4: a chunk wholly before the window gets no head pass
     eng = Engine(lm.model, None, EngineConfig(batch_size=batch, dtype=dtype, prefill_chunk=4 if window else 0), prop)
     outs = sorted(eng.run(reqs), key=lambda o: o.index)
@@ -111,6 +129,38 @@ def test_incremental_drafts_equal_reference(tiny_models, model, k, oracle, vocab
         assert sum(shift(seq) > 0 for seq, _ in prop.log) >= 50  # many drafts made from a window of the prompt
     mismatches = [(len(seq), list(d), reference_drafts(lm, head, seq, k, shift(seq)))
                   for seq, d in prop.log if list(d) != reference_drafts(lm, head, seq, k, shift(seq))]
+    assert mismatches == []
+
+
+@pytest.mark.parametrize("model,modules,k,oracle,copy,window,batch", [
+    ("fused64", 2, 3, False, 0, 0, 4), ("fused64", 3, 3, True, 0, 6, 4), ("fused32", 3, 2, False, 2, 0, 4),
+    ("fused64", 3, 4, False, 0, 6, 1), ("reference64", 2, 3, False, 0, 6, 4), ("reference64", 3, 2, True, 2, 0, 4)])
+def test_multi_layer_drafts_equal_reference(tiny_models, model, modules, k, oracle, copy, window, batch):
+    """Multi-layer MTP (N modules, module i drafting position i + 1; k > N chains the last module, k < N leaves
+    the later modules catching up only): every step's drafts equal a from-scratch recomputation of every module,
+    bit for bit on the fused backend, through prompts prefilled in chunks of 3 (a module's first positions lag
+    module 0's by one per module across chunk ends), prompt windows, copies and every draft accepted (oracle)."""
+    lm = tiny_models[model]
+    dtype = lm.model.dtype
+    weights = random_mtp_weights(lm.config, seed=3, std=0.3, num_modules=modules)
+    heads = [lm.model.backend.prepare_head(lm.model, h, True)
+             for h in MtpHeadWeights.read_modules(weights, "random", lm.model)]
+    assert len(heads) == modules
+    reqs, full = random_requests(lm, 7, 16, 24, 1, oracle)
+    prop = Recording(lm.model, heads, k, oracle=full, copy_min=copy, prompt_window=window)
+    eng = Engine(lm.model, None, EngineConfig(batch_size=batch, dtype=dtype, prefill_chunk=3), prop)
+    outs = sorted(eng.run(reqs), key=lambda o: o.index)
+    if oracle:
+        assert [list(r.prompt_ids) + o.token_ids for r, o in zip(reqs, outs)] == full
+    assert len(prop.log) >= 40
+    prompt_len = {r.prompt_ids: len(r.prompt_ids) for r in reqs}
+
+    def shift(seq):
+        n = next(v for p, v in prompt_len.items() if tuple(seq[:v]) == p)
+        return max(0, n - window) if window else 0
+
+    mismatches = [(len(seq), list(d), reference_drafts(lm, heads, seq, k, shift(seq)))
+                  for seq, d in prop.log if list(d) != reference_drafts(lm, heads, seq, k, shift(seq))]
     assert mismatches == []
 
 
@@ -184,7 +234,7 @@ def test_copied_drafts_replace_the_heads_where_the_tail_repeats(tiny_model64, na
     from specgen.kernels import host_lib
 
     head = prepared(tiny_model64, random_mtp_weights(tiny_model64.config, seed=1))
-    p = MtpProposer(tiny_model64.model, head, 3, copy_min=2, lib=host_lib() if native else None)  # else: numpy's
+    p = MtpProposer(tiny_model64.model, [head], 3, copy_min=2, lib=host_lib() if native else None)  # else: numpy's
     p._ensure(5)
     p.drafts[:] = [[90, 91, 92], [93, 94, 95], [96, 97, 98], [99, 100, 101], [102, 103, 104]]  # the head's
     p.num_drafts[:] = [3, 2, 3, 3, 3]
@@ -199,7 +249,7 @@ def test_copied_drafts_replace_the_heads_where_the_tail_repeats(tiny_model64, na
     d = p.propose(view)
     assert d.draft_ids.tolist() == [[3, 4, 5], [93, 94, 95], [6, 4, 1], [99, 100, 101], [7, 8, 9]]
     assert d.num_draft.tolist() == [3, 2, 2, 3, 3]
-    off = MtpProposer(tiny_model64.model, head, 3)  # copy_min 0: the head's drafts everywhere
+    off = MtpProposer(tiny_model64.model, [head], 3)  # copy_min 0: the head's drafts everywhere
     off._ensure(5)
     off.drafts[:], off.num_drafts[:] = p.drafts, p.num_drafts
     assert off.propose(view).draft_ids.tolist() == p.drafts.tolist()

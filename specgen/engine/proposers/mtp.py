@@ -5,10 +5,20 @@ Cache invariant: after each step the head's cache holds exact entries for every 
 hidden state was verified from the slot's window on (positions [shift, seq_len - 1), stored at head positions
 [0, seq_len - 1 - shift); shift = prompt length - prompt_window, or 0); entries past that were written by the
 draft chain and are overwritten by the next catch-up, like the main cache's rejected drafts.
+
+Multi-layer MTP (DeepSeek-V3's num_nextn_predict_layers > 1): module i at position p takes module i - 1's output
+there (module 0: the main model's hidden state) and token p + 1 + i, and predicts token p + 2 + i; each module has
+its own cache. Module i is exact at positions p + 1 + i < seq_len, so it lags module 0 by up to i positions:
+each step it catches up from its own `valid` boundary to the last verified position, feeding the drafts of the
+modules before it where the token is not committed yet (those entries are overwritten next step). The module
+before it produced this step's outputs from one position later at most; that one row is carried from the step
+that computed it. Drafts: module i's argmax at the last position is draft i + 1; the last module chains itself
+for drafts past the number of modules.
 """
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +32,7 @@ from specgen.engine.proposers.mtp_head import (MtpHeadWeights, load_draft_vocab,
                                                shipped_head, training_setting)
 from specgen.engine.proposers.ngram import ngram_match, ngram_match_native
 from specgen.engine.types import DraftTokens, StepUpdate
-from specgen.errors import CheckpointError
+from specgen.errors import CheckpointError, EngineError
 from specgen.kernels import host
 from specgen.models.model import Model
 
@@ -39,11 +49,11 @@ class MtpProposer:
     # 1.69 -> 1.71 on summarization, 2.02 -> 2.06 on code rewriting, RAG unchanged).
     COPY_MAX = 8
 
-    def __init__(self, model: Model, head: PreparedHead, k: int, acceptance_hint: float | None = None,
+    def __init__(self, model: Model, heads: Sequence[PreparedHead], k: int, acceptance_hint: float | None = None,
                  copy_min: int = 0, prompt_window: int = 0, lib=None):
-        """head: prepared for the model's backend; lib: ngram.cc's library for the copies (None: the numpy
-        reference)."""
-        self.model, self.head, self.k = model, head, k
+        """heads: the head's modules (one, or several for multi-layer MTP), prepared for the model's backend;
+        lib: ngram.cc's library for the copies (None: the numpy reference)."""
+        self.model, self.heads, self.k = model, list(heads), k
         # Prompt positions the head's cache holds (0: all): only a prompt's last prompt_window positions are caught
         # up, stored from the head's position 0 on (its positions are the main model's minus the slot's shift;
         # rotary attention depends only on distances), so the head is not asked to attend further back than it
@@ -85,7 +95,13 @@ class MtpProposer:
 
     def _ensure(self, num_slots: int) -> None:
         if self.cache is None:
-            self.cache = self.model.new_cache(num_slots, self.model.max_len, num_layers=1)
+            self.caches = [self.model.new_cache(num_slots, self.model.max_len, num_layers=1) for _ in self.heads]
+            self.cache = self.caches[0]
+            # modules i >= 1: positions [.., valid[i]) of each slot are exact (main-model positions), and carry[i]
+            # is module i - 1's output at position valid[i] (used when module i - 1 starts one position later)
+            self.valid = np.zeros((len(self.heads), num_slots), np.int64)
+            hidden = self.model.config.hidden_size
+            self.carry = [paddle.zeros([num_slots, hidden], self.model.dtype) for _ in self.heads]
             self.drafts = np.zeros((num_slots, self.k), np.int64)
             self.num_drafts = np.zeros(num_slots, np.int64)
             # copy_min > 0: each slot's copied drafts [num_slots, k], their count, and the length they are for
@@ -98,7 +114,8 @@ class MtpProposer:
         self._ensure(update.tokens.shape[0])
         if update.broken is not None and update.broken.any():
             for slot in update.slots[update.broken]:
-                self.cache.clear_slot(int(slot))
+                for cache in self.caches:
+                    cache.clear_slot(int(slot))
         live = ~update.finished & (update.num_valid > 0)
         # Slots whose next drafts are copies (found now, from the committed text, for propose) need the head's pass
         # only to catch its cache up: no LM head, no chained drafts (the fused pass leaves them out of last_rows).
@@ -121,17 +138,20 @@ class MtpProposer:
             self.shift[slots[new]] = np.maximum(update.prompt_lens[live][new] - self.prompt_window, 0)
         else:
             self.shift[slots[new]] = 0
+        self.valid[:, slots[new]] = self.shift[slots[new]]
         shift = self.shift[slots]  # [num_seqs]
         skip = np.clip(shift - start, 0, total)  # leading positions before the slot's window
         start, total = start + skip, total - skip
         block_start = update.block_start[live]
+        # [num_seqs] committed tokens (a prompt being prefilled is all known)
+        seq_lens = update.seq_lens[live] if update.seq_lens is not None else first + nv + 1
         if not total.all():  # blocks wholly before their window (chunks of a long prompt): no pass
             self.num_drafts[slots[total == 0]] = 0
             keep = total > 0
             if not keep.any():
                 return
-            slots, first, nv, copying, shift, start, total, block_start = (
-                x[keep] for x in (slots, first, nv, copying, shift, start, total, block_start))
+            slots, first, nv, copying, shift, start, total, block_start, seq_lens = (
+                x[keep] for x in (slots, first, nv, copying, shift, start, total, block_start, seq_lens))
         seq = np.repeat(np.arange(len(slots)), total)  # [num_tokens] block of each catch-up token
         # [num_tokens] main-model position of each catch-up token
         pos = start[seq] + np.arange(len(seq)) - np.concatenate([[0], np.cumsum(total)[:-1]])[seq]
@@ -143,9 +163,55 @@ class MtpProposer:
         depth = max(1, min(self.k, update.max_draft_next))  # chained drafts worth computing for the next step
         want = ~copying
         self.num_drafts[slots] = np.where(want, depth, 0)
-        self.drafts[slots[want], :depth] = self.head.run(self.cache, MtpPass(
+        single = len(self.heads) == 1
+        drafts, out = self.heads[0].run(self.cache, MtpPass(
             token_slots=slots[seq], positions=pos - shift[seq], token_ids=next_ids, rows=rows, hidden=hidden,
-            seq_lens=total, last_rows=(np.cumsum(total) - 1)[want], depth=depth))
+            seq_lens=total, last_rows=(np.cumsum(total) - 1)[want], depth=depth if single else 1))
+        if single:
+            self.drafts[slots[want], :depth] = drafts
+            return
+        chain = np.zeros((len(slots), len(self.heads) + depth), np.int64)  # [num_seqs, ..] drafts so far
+        chain[want, :1] = drafts
+        self._later_modules(update.tokens, slots, start, start + total - 1, seq_lens, shift, want, depth, out, chain)
+        self.drafts[slots[want], :depth] = chain[want, :depth]
+
+    def _later_modules(self, tokens: np.ndarray, slots: np.ndarray, start: np.ndarray, end: np.ndarray,
+                       seq_lens: np.ndarray, shift: np.ndarray, want: np.ndarray, depth: int, out, chain) -> None:
+        """Modules 1.. of a multi-layer head, after module 0 caught up positions [start, end] of each sequence
+        (main positions; its block outputs `out`) and drafted chain[:, 0] for the wanted ones."""
+        prev_start, prev_total, prev_valid = start, end - start + 1, end + 1  # module i - 1's pass and boundary
+        for i in range(1, len(self.heads)):
+            begin = self.valid[i, slots]  # [num_seqs]
+            if ((begin < prev_start - 1) | (begin > prev_start)).any():
+                raise EngineError("MTP module caches out of step (module lags by more than one position)")
+            total = end - begin + 1  # [num_seqs] >= 1
+            seq = np.repeat(np.arange(len(slots)), total)
+            pos = begin[seq] + np.arange(len(seq)) - np.concatenate([[0], np.cumsum(total)[:-1]])[seq]
+            offsets = np.concatenate([[0], np.cumsum(prev_total)[:-1]])  # [num_seqs] rows of `out` per sequence
+            num_out = int(out.shape[0])
+            rows = np.where(pos < prev_start[seq], num_out + seq,  # the carried row
+                            offsets[seq] + pos - prev_start[seq])
+            hidden = paddle.concat([out, paddle.gather(self.carry[i], paddle.to_tensor(slots))])
+            idx = pos + 1 + i  # the input token's position: committed, or a draft of an earlier module
+            lens = seq_lens[seq]
+            ids = tokens[slots[seq], np.minimum(idx, lens - 1)]
+            ids = np.where(idx >= lens, chain[seq, np.clip(idx - lens, 0, chain.shape[1] - 1)], ids)
+            drafting = want & (depth > i)
+            last = i == len(self.heads) - 1
+            d = max(1, depth - i) if last else 1  # the last module chains itself for the drafts past it
+            drafts, new_out = self.heads[i].run(self.caches[i], MtpPass(
+                token_slots=slots[seq], positions=pos - shift[seq], token_ids=ids, rows=rows, hidden=hidden,
+                seq_lens=total, last_rows=(np.cumsum(total) - 1)[drafting], depth=d))
+            chain[drafting, i:i + d] = drafts
+            # module i's new boundary; the row it will start from when module i - 1 starts one later
+            valid = np.minimum(end + 1, seq_lens - 1 - i)
+            take = (valid < np.minimum(end + 1, seq_lens - i)) & (valid >= prev_start)
+            if take.any():
+                src = offsets[take] + valid[take] - prev_start[take]
+                self.carry[i] = paddle.scatter(self.carry[i], paddle.to_tensor(slots[take]),
+                                               paddle.gather(out, paddle.to_tensor(src)))
+            self.valid[i, slots] = valid
+            out, prev_start, prev_total = new_out, begin, total
 
 
 # heads prepared per model in this process: {(directory, its files' mtimes, quantize): head}; later generate()
@@ -165,7 +231,7 @@ def build_mtp_proposer(spec: SpecConfig, model: Model, lib=None) -> MtpProposer:
            spec.mtp.quantize)
     heads = _heads.setdefault(model, {})
     if key not in heads:
-        head = MtpHeadWeights.read(load_mtp_weights(path), str(path), model, load_draft_vocab(path))
-        heads[key] = model.backend.prepare_head(model, head, spec.mtp.quantize)
+        modules = MtpHeadWeights.read_modules(load_mtp_weights(path), str(path), model, load_draft_vocab(path))
+        heads[key] = [model.backend.prepare_head(model, m, spec.mtp.quantize) for m in modules]
     return MtpProposer(model, heads[key], spec.num_speculative_tokens, training_setting(d, "eval_acc"),
                        spec.mtp.copy, prompt_window(d), lib)

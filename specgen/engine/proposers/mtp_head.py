@@ -50,25 +50,44 @@ class MtpHeadWeights:
         return columns if self.draft_vocab is None else self.draft_vocab[columns]
 
     @classmethod
-    def read(cls, weights: dict[str, np.ndarray], source: str, main: Model,
-             draft_vocab: np.ndarray | None = None) -> "MtpHeadWeights":
-        """From the DeepSeek-V3 layout (`model.layers.{N}.eh_proj`, `enorm`, `hnorm`, `shared_head.*`) or the
-        ERNIE-4.5 layout (`model.mtp_linear_proj.0`, `mtp_emb_norm.0`, `mtp_hidden_norm.0`, `mtp_block.0.*`)."""
+    def read_modules(cls, weights: dict[str, np.ndarray], source: str, main: Model,
+                     draft_vocab: np.ndarray | None = None) -> list["MtpHeadWeights"]:
+        """Every MTP module of a checkpoint, in order: the DeepSeek-V3 layout (`model.layers.{L + i}.eh_proj`,
+        `enorm`, `hnorm`, `shared_head.*`, the block under the same prefix) or the ERNIE-4.5 layout
+        (`model.mtp_linear_proj.{i}`, `mtp_emb_norm.{i}`, `mtp_hidden_norm.{i}`, `mtp_block.{i}.*`). Module i
+        takes module i - 1's output hidden state and drafts position i + 1."""
+        ds = sorted({int(m.group(1)) for n in weights if (m := re.match(r"model\.layers\.(\d+)\.eh_proj\.weight$", n))})
+        if ds:
+            if ds != list(range(ds[0], ds[0] + len(ds))):
+                raise CheckpointError(f"{source}: MTP modules at layers {ds} are not consecutive")
+            return [cls.read(weights, source, main, draft_vocab, prefix=f"model.layers.{i}.") for i in ds]
+        ernie = 0
+        while f"model.mtp_linear_proj.{ernie}.weight" in weights:
+            ernie += 1
+        if not ernie:
+            raise CheckpointError(f"{source}: no MTP weights (expected model.layers.N.eh_proj.weight or "
+                                  f"model.mtp_linear_proj.0.weight)")
+        return [cls.read(weights, source, main, draft_vocab, ernie=i) for i in range(ernie)]
+
+    @classmethod
+    def read(cls, weights: dict[str, np.ndarray], source: str, main: Model, draft_vocab: np.ndarray | None = None,
+             prefix: str | None = None, ernie: int | None = None) -> "MtpHeadWeights":
+        """One module: the DeepSeek-V3 one under `prefix` (`model.layers.{N}.`) or ERNIE-4.5's number `ernie`
+        (neither: the first module of whichever layout the weights hold)."""
+        if prefix is None and ernie is None:
+            return cls.read_modules(weights, source, main, draft_vocab)[0]
         cfg = main.config
         h = cfg.hidden_size
-        ds = sorted({int(m.group(1)) for n in weights if (m := re.match(r"model\.layers\.(\d+)\.eh_proj\.weight$", n))})
         r = TensorReader(weights, source, _block_config(cfg, weights), main.dtype)
-        if ds:
-            p = f"model.layers.{ds[0]}."
+        if prefix is not None:
+            p = prefix
             names = (p + "enorm.weight", p + "hnorm.weight", p + "eh_proj.weight")
             block, norm, head, embed = p, p + "shared_head.norm.weight", p + "shared_head.head.weight", \
                 p + "embed_tokens.weight"
-        elif "model.mtp_linear_proj.0.weight" in weights:
-            names = ("model.mtp_emb_norm.0.weight", "model.mtp_hidden_norm.0.weight", "model.mtp_linear_proj.0.weight")
-            block, norm, head, embed = "model.mtp_block.0.", "", "", ""
         else:
-            raise CheckpointError(f"{source}: no MTP weights (expected model.layers.N.eh_proj.weight or "
-                                  f"model.mtp_linear_proj.0.weight)")
+            names = (f"model.mtp_emb_norm.{ernie}.weight", f"model.mtp_hidden_norm.{ernie}.weight",
+                     f"model.mtp_linear_proj.{ernie}.weight")
+            block, norm, head, embed = f"model.mtp_block.{ernie}.", "", "", ""
         ids = None
         if draft_vocab is not None:
             ids = np.asarray(draft_vocab)
@@ -97,11 +116,19 @@ def _block_config(cfg: ModelConfig, weights: dict[str, np.ndarray]) -> ModelConf
     return cfg
 
 
-def random_mtp_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[str, np.ndarray]:
-    """A randomly initialised head in the DeepSeek-V3 layout (tests, and train-mtp's random initialisation)."""
-    rng = np.random.default_rng(seed)
+def random_mtp_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.02,
+                       num_modules: int = 1) -> dict[str, np.ndarray]:
+    """A randomly initialised head of `num_modules` modules in the DeepSeek-V3 layout (tests, and train-mtp's
+    random initialisation); module 0 is the same whatever num_modules."""
+    w: dict[str, np.ndarray] = {}
+    for i in range(num_modules):
+        rng = np.random.default_rng([seed, i] if i else seed)
+        w.update(_random_module(cfg, f"model.layers.{cfg.num_layers + i}.", rng, std))
+    return w
+
+
+def _random_module(cfg: ModelConfig, p: str, rng: np.random.Generator, std: float) -> dict[str, np.ndarray]:
     h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    p = f"model.layers.{cfg.num_layers}."
     shapes = {
         "self_attn.q_proj.weight": (cfg.num_heads * hd, h), "self_attn.k_proj.weight": (cfg.num_kv_heads * hd, h),
         "self_attn.v_proj.weight": (cfg.num_kv_heads * hd, h), "self_attn.o_proj.weight": (h, cfg.num_heads * hd),
@@ -126,13 +153,14 @@ def random_mtp_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> di
 
 
 def save_mtp(directory: str | Path, weights: dict[str, np.ndarray], extra: dict[str, Any] | None = None) -> None:
-    """Write a head as `model.safetensors` + `config.json` (loadable with --mtp-model DIR)."""
+    """Write a head as `model.safetensors` + `config.json` (loadable with --draft-model DIR)."""
     from safetensors.numpy import save_file
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(d / "model.safetensors"))
-    (d / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3MTP"], "num_nextn_predict_layers": 1,
+    modules = len({n for n in weights if n.endswith(".eh_proj.weight")}) or 1
+    (d / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3MTP"], "num_nextn_predict_layers": modules,
                                                **(extra or {})}, indent=2))
 
 
