@@ -16,7 +16,7 @@ from specgen.engine.sampling import sample, uniforms
 from specgen.engine.scheduler import Scheduler
 from specgen.engine.slots import MAX_DRAFT, SlotTable, common_prefix, error_output, rejection
 from specgen.engine.stops import stop_strings
-from specgen.engine.types import DraftTokens, Request, RequestOutput, StepUpdate, build_forward_batch
+from specgen.engine.types import DraftTokens, Request, RequestOutput, SlotSampling, StepUpdate, build_forward_batch
 from specgen.engine.verify import accept_lengths, first_stop
 from specgen.engine.kv_cache import available_memory
 from specgen.errors import ConfigError, MemoryBudgetError
@@ -323,7 +323,8 @@ class Engine:
             slots=slots, block_start=block_start, first_pos=starts, num_valid=num_valid, finished=done,
             tokens=t.tokens, hidden=hidden, prefix_len=catch_up, prefix_hidden=self.prefix_hidden,
             max_draft_next=depth, detached=None if c is None else c.detached(slots), seq_lens=t.seq_len[slots],
-            prompt_lens=t.prompt_len[slots], broken=broken))
+            prompt_lens=t.prompt_len[slots], broken=broken,
+            sampling=SlotSampling(t.temperature[slots], t.top_k[slots], t.top_p[slots], t.rng_key[slots])))
         return time.perf_counter() - start
 
     def share_prefix(self, prefix_ids) -> int:

@@ -110,6 +110,19 @@ class StepUpdate:
     seq_lens: np.ndarray | None = None  # [num_seqs] int64 valid tokens of each slot after the commit
     prompt_lens: np.ndarray | None = None  # [num_seqs] int64 each slot's prompt length
     broken: np.ndarray | None = None  # [num_seqs] bool went non-finite (finished too): a drafter clears its rows
+    sampling: "SlotSampling | None" = None  # each sequence's sampling, for a drafter that samples as the main model
+
+
+@dataclass(frozen=True)
+class SlotSampling:
+    """Each sequence's sampling settings, as the main model samples its tokens (engine/sampling.py): a drafter
+    that samples its drafts with the same uniforms proposes the main model's token whenever its distribution is
+    close enough."""
+
+    temperature: np.ndarray  # [num_seqs] float64, 0 = greedy
+    top_k: np.ndarray  # [num_seqs] int64, 0 = off
+    top_p: np.ndarray  # [num_seqs] float64, 1 = off
+    rng_key: np.ndarray  # [num_seqs] uint64 the request's key
 
 
 @dataclass

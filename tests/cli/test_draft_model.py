@@ -38,7 +38,8 @@ def test_draft_model_outputs_equal_plain_decoding(tiny_model, tiny_model64, cut,
             outs = generate(PROMPTS, model=lm, sampling=sp, engine=EngineConfig(batch_size=batch, dtype=dtype),
                             speculative=spec)
             assert [o.token_ids for o in outs] == ref, (draft, temperature, batch)
-            if draft == "self" and temperature == 0 and not adaptive:  # the model drafting for itself: all right
+            if draft == "self" and not adaptive:  # the model drafting for itself: every draft right, sampled ones
+                # too (drafts are sampled with the uniforms verification uses)
                 assert all(o.stats.num_accepted_tokens == o.stats.num_draft_tokens > 0 for o in outs)
 
 

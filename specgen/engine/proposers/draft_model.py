@@ -1,5 +1,6 @@
-"""Draft-model drafting: a smaller model with the main model's vocabulary proposes k tokens per slot, greedily,
-one forward per draft position over every drafting slot at once; the main model verifies them in its own step.
+"""Draft-model drafting: a smaller model with the main model's vocabulary proposes k tokens per slot (greedy, or
+for sampled requests sampled with the main model's own uniforms), one forward per draft position over every
+drafting slot at once; the main model verifies them in its own step.
 
 Cache invariant: the draft keeps its own KV cache in the main model's slot layout. After each step, for a slot
 it drafted for, positions [0, valid) hold exact entries (valid = the slot's committed length then); the draft
@@ -17,7 +18,8 @@ import numpy as np
 from specgen.config import SpecConfig
 from specgen.engine.kv_cache import KVCache
 from specgen.engine.proposers.base import SlotView
-from specgen.engine.types import DraftTokens, StepUpdate, build_forward_batch
+from specgen.engine.sampling import sample, uniforms
+from specgen.engine.types import DraftTokens, SlotSampling, StepUpdate, build_forward_batch
 from specgen.errors import CheckpointError
 from specgen.models.model import Model
 from specgen.models.tokenizer import TextTokenizer
@@ -65,22 +67,23 @@ class DraftModelProposer:
             live &= ~update.detached
         if not live.any():
             return
-        slots, ends = update.slots[live], seq_lens[live]  # [n]
-        depth = max(1, min(self.k, update.max_draft_next))
-        room = self.draft.max_len - ends  # [n] positions the draft may still write
-        slots, ends = slots[room > 0], ends[room > 0]
-        if not len(slots):
+        sel = np.nonzero(live)[0]
+        sel = sel[seq_lens[sel] < self.draft.max_len]  # [n] sequences drafting: room for the draft to write
+        if not len(sel):
             return
+        slots, ends = update.slots[sel], seq_lens[sel]  # [n]
+        depth = max(1, min(self.k, update.max_draft_next))
+        choose = _DraftChoice(update.sampling, sel, prompt_lens[sel])
         starts = self.valid[slots]
         lens = ends - starts  # [n] >= 1: at least the last committed token
         seq = np.repeat(np.arange(len(slots)), lens)
         pos = starts[seq] + np.arange(len(seq)) - np.concatenate([[0], np.cumsum(lens)[:-1]])[seq]
         tokens = update.tokens[slots[seq], pos]  # [num_tokens] the committed tokens fed
         out = self.draft.forward(build_forward_batch(slots, starts, lens, tokens, np.zeros(len(slots), bool)),
-                                 self.cache, logits=False)
+                                 self.cache, logits=choose.sampled)
         self.valid[slots] = ends
         drafts = np.zeros((len(slots), self.k), np.int64)
-        drafts[:, 0] = out.greedy  # [n] each block's last row: the token after the slot's last one
+        drafts[:, 0] = choose(out, ends)  # [n] each block's last row: the token after the slot's last one
         for j in range(1, depth):  # one forward per draft position, over every drafting slot
             positions = ends + j - 1
             ok = positions < self.draft.max_len - 1
@@ -88,11 +91,29 @@ class DraftModelProposer:
                 break
             batch = build_forward_batch(slots, positions, np.ones(len(slots), np.int64), drafts[:, j - 1],
                                         np.zeros(len(slots), bool))
-            drafts[:, j] = self.draft.forward(batch, self.cache, logits=False).greedy
+            drafts[:, j] = choose(self.draft.forward(batch, self.cache, logits=choose.sampled), ends + j)
         else:
             j = depth
         self.drafts[slots] = drafts
         self.num_drafts[slots] = depth if j == depth else j
+
+
+class _DraftChoice:
+    """How the draft picks each draft: greedy for greedy requests; for sampled ones, the counter-based sample of its
+    own distribution with the uniform the main model will use at that output position (engine/sampling.py), so
+    that where the two distributions are close the draft proposes the very token verification will sample."""
+
+    def __init__(self, sampling: SlotSampling | None, sel: np.ndarray, prompt_lens: np.ndarray):
+        self.sampling, self.sel, self.prompt_lens = sampling, sel, prompt_lens
+        self.sampled = sampling is not None and bool((sampling.temperature[sel] > 0).any())
+
+    def __call__(self, out, token_index: np.ndarray) -> np.ndarray:
+        """[n] the draft for token index `token_index` (the committed tokens' count before it) of each sequence."""
+        if not self.sampled:
+            return out.greedy
+        s, sel = self.sampling, self.sel
+        u = uniforms(s.rng_key[sel], token_index - self.prompt_lens)
+        return sample(out.logits, s.temperature[sel], s.top_k[sel], s.top_p[sel], u, out.greedy)
 
 
 def check_vocabulary(main: TextTokenizer | None, draft: TextTokenizer | None, main_size: int, draft_size: int,
