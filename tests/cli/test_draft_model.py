@@ -120,3 +120,30 @@ def test_make_draft_distills_and_the_draft_stays_exact(tmp_path):
         assert [o.token_ids for o in outs] == ref
         accepted[name] = sum(o.stats.num_accepted_tokens for o in outs) / sum(o.stats.num_draft_tokens for o in outs)
     assert accepted["distilled"] > accepted["cut"] + 0.1, accepted
+
+
+def test_draft_shares_the_shared_prefix(tiny_model64, cut):
+    """With a shared prompt prefix the draft computes its KV once too (its cache's shared prefix): each slot's
+    own draft rows hold only its tail and output, and outputs are those of plain decoding."""
+    import numpy as np
+
+    from specgen.api import make_engine
+    from specgen.engine.types import Request
+
+    rng = np.random.default_rng(2)
+    prefix = rng.integers(3, 250, 80).tolist()
+    prompts = [prefix + rng.integers(3, 250, int(n)).tolist() for n in (3, 9, 17, 5)]
+    reqs = [Request(str(i), i, tuple(p), SamplingParams(max_tokens=12, ignore_eos=True)) for i, p in enumerate(prompts)]
+    spec = SpecConfig(method=Method.DRAFT_MODEL, draft_model=str(cut), adaptive=False, num_speculative_tokens=3)
+    outs = {}
+    for shared in ("auto", "off"):
+        eng = make_engine(tiny_model64, EngineConfig(batch_size=4, dtype="float64", shared_prefix=shared,
+                                                     min_shared_prefix=64), spec)
+        outs[shared] = sorted((o.id, o.token_ids) for o in eng.run(reqs))
+        draft_cache = eng.proposer.cache
+        if shared == "auto":
+            assert draft_cache.prefix is not None and list(eng.proposer.prefix_ids) == prefix
+            assert draft_cache.peak_own <= 17 + 12 + 3 + 1  # the longest tail, its outputs, the draft chain
+        else:
+            assert draft_cache.prefix is None and draft_cache.peak_own >= 80
+    assert outs["auto"] == outs["off"]

@@ -41,10 +41,16 @@ def _sampling(n):
 VARIANTS = [("off", 16), ("off", 64), ("off", 512), ("auto", 0), ("auto", 16), ("auto", 64)]
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "mtp"])
+@pytest.mark.parametrize("method", ["none", "ngram", "mtp", "draft_model"])
 def test_chunked_prefill_and_shared_prefix_are_token_identical(tiny64, shared_prefix_prompts, method, tmp_path):
     spec = SpecConfig()
-    if method == "ngram":
+    if method == "draft_model":  # a 1-layer cut of the model (its drafts often right, often not)
+        from specgen.models import load_checkpoint
+        from specgen.models.export import first_layers, save_hf
+
+        save_hf(first_layers(load_checkpoint(tiny64.source), 1), tmp_path / "draft")
+        spec = SpecConfig(method="draft_model", num_speculative_tokens=3, draft_model=str(tmp_path / "draft"))
+    elif method == "ngram":
         spec = SpecConfig(method="ngram", num_speculative_tokens=3)
     elif method == "mtp":
         # as if trained on 64-position windows: the head sees each prompt's last 128 positions (chunks and the

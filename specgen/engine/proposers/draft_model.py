@@ -7,7 +7,8 @@ it drafted for, positions [0, valid) hold exact entries (valid = the slot's comm
 chain's entries past them are overwritten by the next catch-up, as the main cache's rejected drafts are. A
 slot's catch-up feeds its committed tokens [valid, seq_len): its whole prompt the first time, afterwards the
 tokens the last verification accepted plus the main model's own; a slot the controller detached catches up
-whatever it missed when it drafts again.
+whatever it missed when it drafts again. A prompt prefix the main model shares (cascade attention) is shared by
+the draft too: computed once into its cache's shared prefix, each slot's own rows starting after it.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class DraftModelProposer:
         self.drafts = np.zeros((0, k), np.int64)  # [num_slots, k] drafts ready for each slot's next step
         self.num_drafts = np.zeros(0, np.int64)  # [num_slots]
         self.valid = np.zeros(0, np.int64)  # [num_slots] leading positions whose draft-cache entries are exact
+        self.prefix_lens = np.zeros(0, np.int64)  # [num_slots] positions each slot reads from the shared prefix
 
     def propose(self, view: SlotView) -> DraftTokens:
         if self.cache is None:
@@ -46,6 +48,7 @@ class DraftModelProposer:
         if self.cache is None:
             self.cache = self.draft.new_cache(num_slots, self.draft.max_len)
             self.valid = np.zeros(num_slots, np.int64)
+            self.prefix_lens = np.zeros(num_slots, np.int64)
             self.drafts = np.zeros((num_slots, self.k), np.int64)
             self.num_drafts = np.zeros(num_slots, np.int64)
 
@@ -54,9 +57,10 @@ class DraftModelProposer:
         if update.broken is not None and update.broken.any():
             for slot in update.slots[update.broken]:
                 self.cache.clear_slot(int(slot))
-        pre = update.prefix_len if update.prefix_len is not None else 0
+        pre = update.prefix_len if update.prefix_len is not None else np.zeros(len(update.slots), np.int64)
         fresh = update.first_pos - pre == 0  # [num_seqs] a slot's first block: a new request
-        self.valid[update.slots[fresh]] = 0
+        shared = self._share_prefix(update, fresh, pre)  # [num_seqs] positions read from the shared prefix
+        self.valid[update.slots[fresh]] = self.prefix_lens[update.slots[fresh]] = shared[fresh]
         self.num_drafts[update.slots] = 0
         seq_lens, prompt_lens = update.seq_lens, update.prompt_lens
         if seq_lens is None or prompt_lens is None:
@@ -79,8 +83,9 @@ class DraftModelProposer:
         seq = np.repeat(np.arange(len(slots)), lens)
         pos = starts[seq] + np.arange(len(seq)) - np.concatenate([[0], np.cumsum(lens)[:-1]])[seq]
         tokens = update.tokens[slots[seq], pos]  # [num_tokens] the committed tokens fed
-        out = self.draft.forward(build_forward_batch(slots, starts, lens, tokens, np.zeros(len(slots), bool)),
-                                 self.cache, logits=choose.sampled)
+        plens = self.prefix_lens[slots] if self.cache.prefix is not None else None
+        out = self.draft.forward(build_forward_batch(slots, starts, lens, tokens, np.zeros(len(slots), bool),
+                                                     prefix_lens=plens), self.cache, logits=choose.sampled)
         self.valid[slots] = ends
         drafts = np.zeros((len(slots), self.k), np.int64)
         drafts[:, 0] = choose(out, ends)  # [n] each block's last row: the token after the slot's last one
@@ -90,12 +95,36 @@ class DraftModelProposer:
             if not ok.all():
                 break
             batch = build_forward_batch(slots, positions, np.ones(len(slots), np.int64), drafts[:, j - 1],
-                                        np.zeros(len(slots), bool))
+                                        np.zeros(len(slots), bool), prefix_lens=plens)
             drafts[:, j] = choose(self.draft.forward(batch, self.cache, logits=choose.sampled), ends + j)
         else:
             j = depth
         self.drafts[slots] = drafts
         self.num_drafts[slots] = depth if j == depth else j
+
+
+    def _share_prefix(self, update: StepUpdate, fresh: np.ndarray, pre: np.ndarray) -> np.ndarray:
+        """[num_seqs] positions each new request reads from the draft's shared prefix (0: none). The first new
+        request after the main model shared a prefix makes the draft's: its KV of those tokens computed once into
+        the draft cache's shared prefix, as the main cache's (a request sharing more than that computes its own)."""
+        use = fresh & (pre > 0)
+        if not use.any():
+            return np.zeros(len(pre), np.int64)
+        if self.cache.prefix is None:
+            j = int(np.nonzero(use)[0][0])
+            n = int(pre[j])
+            ids = update.tokens[update.slots[j], :n]
+            prefix = self.draft.new_cache(1, n)
+            self.draft.forward(build_forward_batch(np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([n]), ids,
+                                                   np.zeros(1, bool)), prefix, logits=False)
+            self.cache.prefix, self.prefix_ids = prefix, ids
+        n = len(self.prefix_ids)
+        ok = use & (pre <= n)
+        if ok.any():  # the same tokens (the main model shares one prefix per job; checked all the same)
+            rows = update.tokens[update.slots[ok], :n]  # [m, n]
+            beyond = np.arange(n)[None, :] >= pre[ok][:, None]  # positions past each one's own prefix
+            ok[ok] = ((rows == self.prefix_ids[None, :]) | beyond).all(axis=1)
+        return np.where(ok, pre, 0)
 
 
 class _DraftChoice:
