@@ -109,16 +109,16 @@ def main() -> None:
     print(machine())
     loaded = load_model(None, threads=2)
     one_engine(loaded, requests(loaded, 4, 2), 4)  # warm-up: first-call costs out of the timings
-    rows = []
+    print(f"plain decoding, {args.max_tokens} tokens per request; output tok/s; x: ratio to one engine of 2 threads")
     for batch in args.batch_sizes:
         reqs = requests(loaded, 2 * batch, args.max_tokens)
         base = one_engine(loaded, reqs, batch)
         w1, s1 = workers(loaded, reqs, batch, 1)
         w2, s2 = workers(loaded, reqs, batch, 2)
-        rows.append([batch, len(reqs), base, w1, w2, w1 / base, w2 / base, s1, s2])
-    print(f"plain decoding, {args.max_tokens} tokens per request; output tok/s; x: ratio to one engine of 2 threads")
-    print_table(["batch", "requests", "1 engine x 2 thr", "1 worker x 1 thr", "2 workers x 1 thr", "1 worker x",
-                 "2 workers x", "start 1 (s)", "start 2 (s)"], rows)
+        row = [batch, len(reqs), base, w1, w2, w1 / base, w2 / base, s1, s2]
+        print_table(["batch", "requests", "1 engine x 2 thr", "1 worker x 1 thr", "2 workers x 1 thr", "1 worker x",
+                     "2 workers x", "start 1 (s)", "start 2 (s)"], [row])
+        print(machine(), flush=True)  # the load changes: say it after each row
     if args.ray_records:
         print(f"\nRay Data (local instance, 1 worker of 1 thread, batch 32, 8 tokens per record) against one local "
               f"worker process: job seconds at 32 and {args.ray_records} records, the slope per record, the intercept")
