@@ -57,7 +57,7 @@ class DataParallelEngine:
         self.group = WorkerGroup(serve, EngineJob(model, load, shared, spec), threads, "data-parallel worker")
         self.max_in_flight = 2 * num_workers * engine.batch_size
 
-    def __enter__(self) -> "DataParallelEngine":
+    def __enter__(self) -> DataParallelEngine:
         """Start the workers and wait until each has loaded its model (a load error is raised here)."""
         self.group.start()
         try:

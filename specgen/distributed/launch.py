@@ -73,7 +73,7 @@ def _worker_main(target: Target, spec: WorkerSpec, tasks: Any, results: Any, arg
         done = target(Worker(spec, tasks, results), arg)
     except SpecgenError as exc:
         results.put(Message(spec.rank, FAILED, exc))
-    except Exception as exc:  # a bug: its traceback travels as text (not every exception pickles)
+    except Exception as exc:  # noqa: BLE001 (a bug: its traceback travels as text; not every exception pickles)
         results.put(Message(spec.rank, FAILED, EngineError(
             f"worker {spec.rank} failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")))
     else:
@@ -108,7 +108,7 @@ class WorkerGroup:
         self.finished: dict[int, Any] = {}  # rank -> its DONE payload
         self.num_ready = 0
 
-    def start(self) -> "WorkerGroup":
+    def start(self) -> WorkerGroup:
         for p in self.procs:
             p.start()
         return self
@@ -166,7 +166,7 @@ class WorkerGroup:
             q.cancel_join_thread()  # tasks nobody will take must not hold the parent at exit
             q.close()
 
-    def __enter__(self) -> "WorkerGroup":
+    def __enter__(self) -> WorkerGroup:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
