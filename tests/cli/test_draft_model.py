@@ -147,3 +147,24 @@ def test_draft_shares_the_shared_prefix(tiny_model64, cut):
         else:
             assert draft_cache.prefix is None and draft_cache.peak_own >= 80
     assert outs["auto"] == outs["off"]
+
+
+def test_draft_with_a_shorter_context_stops_drafting_past_it(tiny_model, tmp_path):
+    """A draft whose context is 24 positions drafts for slots below it and none past it (those decode plainly);
+    prompts prefilled in chunks catch the draft up chunk by chunk; outputs equal plain decoding's."""
+    ckpt = load_checkpoint(TINY / "llama")
+    short = first_layers(ckpt, 1)
+    short = type(short)(**{**short.__dict__, "config": type(short.config)(
+        **{**short.config.__dict__, "max_position_embeddings": 24})})
+    save_hf(short, tmp_path / "short")
+    prompts = [list(range(3, 3 + n)) for n in (4, 10, 30)]
+    sp = SamplingParams(max_tokens=30, ignore_eos=True)
+    ref = [o.token_ids for o in generate(prompts, model=tiny_model, sampling=sp)]
+    for chunk in (0, 4):
+        outs = generate(prompts, model=tiny_model, sampling=sp, engine=EngineConfig(batch_size=3, prefill_chunk=chunk),
+                        speculative=SpecConfig(method=Method.DRAFT_MODEL, draft_model=str(tmp_path / "short"),
+                                               adaptive=False, num_speculative_tokens=2))
+        assert [o.token_ids for o in outs] == ref
+        drafted = [o.stats.num_draft_tokens for o in outs]
+        assert drafted[0] > 0 and drafted[2] == 0  # the 30-token prompt is past the draft's context at once
+        assert drafted[0] <= 2 * (24 - 4)  # drafts only while the slot is inside the draft's context

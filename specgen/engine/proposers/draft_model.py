@@ -3,18 +3,21 @@ for sampled requests sampled with the main model's own uniforms), one forward pe
 drafting slot at once; the main model verifies them in its own step.
 
 Cache invariant: the draft keeps its own KV cache in the main model's slot layout. After each step, for a slot
-it drafted for, positions [0, valid) hold exact entries (valid = the slot's committed length then); the draft
-chain's entries past them are overwritten by the next catch-up, as the main cache's rejected drafts are. A
-slot's catch-up feeds its committed tokens [valid, seq_len): its whole prompt the first time, afterwards the
-tokens the last verification accepted plus the main model's own; a slot the controller detached catches up
-whatever it missed when it drafts again. A prompt prefix the main model shares (cascade attention) is shared by
-the draft too: computed once into its cache's shared prefix, each slot's own rows starting after it.
+it caught up, positions [0, valid) hold exact entries (valid = the tokens the main model has processed or
+committed); the draft chain's entries past them are overwritten by the next catch-up, as the main cache's
+rejected drafts are. A prompt is caught up chunk by chunk as the main model prefills it; a decoding slot feeds
+its committed tokens [valid, seq_len): the tokens the last verification accepted plus the main model's own. A slot
+the controller detached catches up whatever it missed when it drafts again. A prompt prefix the main model shares
+(cascade attention) is shared by the draft too: computed once into its cache's shared prefix, each slot's own
+rows starting after it. Past the draft's context (a draft with a shorter one than the main model) a slot gets
+no drafts and decodes plainly.
 """
 from __future__ import annotations
 
 import weakref
 
 import numpy as np
+import paddle
 
 from specgen.config import SpecConfig
 from specgen.engine.kv_cache import KVCache
@@ -65,30 +68,39 @@ class DraftModelProposer:
         seq_lens, prompt_lens = update.seq_lens, update.prompt_lens
         if seq_lens is None or prompt_lens is None:
             return
-        # drafting slots: decoding next step (their prompt done), still running, not detached by the controller
-        live = ~update.finished & (seq_lens > prompt_lens)
+        # slots caught up: every running one not detached by the controller; a prompt chunk's tokens as the main
+        # model prefilled them, a decoding slot's up to its last committed token (it then drafts)
+        decoding = seq_lens > prompt_lens
+        live = ~update.finished
         if update.detached is not None:
             live &= ~update.detached
-        if not live.any():
-            return
+        ends_all = np.where(decoding, seq_lens, update.first_pos + update.num_valid)  # [num_seqs]
         sel = np.nonzero(live)[0]
-        sel = sel[seq_lens[sel] < self.draft.max_len]  # [n] sequences drafting: room for the draft to write
+        # room for the draft to write (past its context the slot goes on without drafts), and something to feed
+        sel = sel[(ends_all[sel] < self.draft.max_len) & (ends_all[sel] > self.valid[update.slots[sel]])]
         if not len(sel):
             return
-        slots, ends = update.slots[sel], seq_lens[sel]  # [n]
-        depth = max(1, min(self.k, update.max_draft_next))
-        choose = _DraftChoice(update.sampling, sel, prompt_lens[sel])
+        slots, ends = update.slots[sel], ends_all[sel]  # [n]
         starts = self.valid[slots]
         lens = ends - starts  # [n] >= 1: at least the last committed token
         seq = np.repeat(np.arange(len(slots)), lens)
         pos = starts[seq] + np.arange(len(seq)) - np.concatenate([[0], np.cumsum(lens)[:-1]])[seq]
         tokens = update.tokens[slots[seq], pos]  # [num_tokens] the committed tokens fed
         plens = self.prefix_lens[slots] if self.cache.prefix is not None else None
+        wants = decoding[sel]  # [n] drafting next step
+        choose = _DraftChoice(update.sampling, sel[wants], prompt_lens[sel[wants]])
         out = self.draft.forward(build_forward_batch(slots, starts, lens, tokens, np.zeros(len(slots), bool),
                                                      prefix_lens=plens), self.cache, logits=choose.sampled)
         self.valid[slots] = ends
+        if not wants.any():
+            return
+        rows = np.nonzero(wants)[0]
+        logits = paddle.gather(out.logits, paddle.to_tensor(rows)) if choose.sampled else None
+        slots, ends = slots[rows], ends[rows]
+        plens = plens[rows] if plens is not None else None
+        depth = max(1, min(self.k, update.max_draft_next))
         drafts = np.zeros((len(slots), self.k), np.int64)
-        drafts[:, 0] = choose(out, ends)  # [n] each block's last row: the token after the slot's last one
+        drafts[:, 0] = choose(logits, out.greedy[rows], ends)  # [n] the token after each slot's last one
         for j in range(1, depth):  # one forward per draft position, over every drafting slot
             positions = ends + j - 1
             ok = positions < self.draft.max_len - 1
@@ -96,12 +108,12 @@ class DraftModelProposer:
                 break
             batch = build_forward_batch(slots, positions, np.ones(len(slots), np.int64), drafts[:, j - 1],
                                         np.zeros(len(slots), bool), prefix_lens=plens)
-            drafts[:, j] = choose(self.draft.forward(batch, self.cache, logits=choose.sampled), ends + j)
+            step = self.draft.forward(batch, self.cache, logits=choose.sampled)
+            drafts[:, j] = choose(step.logits, step.greedy, ends + j)
         else:
             j = depth
         self.drafts[slots] = drafts
         self.num_drafts[slots] = depth if j == depth else j
-
 
     def _share_prefix(self, update: StepUpdate, fresh: np.ndarray, pre: np.ndarray) -> np.ndarray:
         """[num_seqs] positions each new request reads from the draft's shared prefix (0: none). The first new
@@ -136,13 +148,14 @@ class _DraftChoice:
         self.sampling, self.sel, self.prompt_lens = sampling, sel, prompt_lens
         self.sampled = sampling is not None and bool((sampling.temperature[sel] > 0).any())
 
-    def __call__(self, out, token_index: np.ndarray) -> np.ndarray:
-        """[n] the draft for token index `token_index` (the committed tokens' count before it) of each sequence."""
+    def __call__(self, logits, greedy: np.ndarray, token_index: np.ndarray) -> np.ndarray:
+        """[n] the draft for token index `token_index` (the committed tokens' count before it) of each sequence,
+        from the draft's logits [n, vocab] (None when every one is greedy) and their argmax [n]."""
         if not self.sampled:
-            return out.greedy
+            return greedy
         s, sel = self.sampling, self.sel
         u = uniforms(s.rng_key[sel], token_index - self.prompt_lens)
-        return sample(out.logits, s.temperature[sel], s.top_k[sel], s.top_p[sel], u, out.greedy)
+        return sample(logits, s.temperature[sel], s.top_k[sel], s.top_p[sel], u, greedy)
 
 
 def check_vocabulary(main: TextTokenizer | None, draft: TextTokenizer | None, main_size: int, draft_size: int,
