@@ -175,6 +175,8 @@ class FusedBackend:
         return self._indices.tensors((index,))[0]
 
     def forward(self, model: ModelView, batch: ForwardBatch, cache: KVCache, logits: bool = True) -> ForwardOutput:
+        if batch.tree_mask is not None:
+            raise ConfigError("token trees run on the reference backend (--backend reference) for now")
         reserve(batch, cache)
         n = len(batch.token_ids)
         plen = batch.token_prefix_len

@@ -16,6 +16,7 @@ from specgen.engine.sampling import sample, uniforms
 from specgen.engine.scheduler import Scheduler
 from specgen.engine.slots import MAX_DRAFT, SlotTable, common_prefix, error_output, rejection
 from specgen.engine.stops import stop_strings
+from specgen.engine.tree import CAUSAL, MAX_TREE_NODES, node_gains, prune, tree_layout, walk
 from specgen.engine.types import DraftTokens, Request, RequestOutput, SlotSampling, StepUpdate, build_forward_batch
 from specgen.engine.verify import accept_lengths, first_stop
 from specgen.engine.kv_cache import available_memory
@@ -61,8 +62,10 @@ class StepPlan:
     room: np.ndarray  # [num_slots] int64 tokens each slot may still emit (>= 1 while active)
     drafts: DraftTokens  # what the proposer offers the decoding slots
     num_avail: np.ndarray  # [num_dec] int64 drafts offered, capped by room
-    num_draft: np.ndarray  # [num_dec] int64 drafts verified
+    num_draft: np.ndarray  # [num_dec] int64 drafts verified (a tree's nodes)
     draft_seconds: float  # the proposer's propose
+    depth: np.ndarray | None = None  # [num_dec, width + 1] int64 a tree block's depths (tree.tree_layout); None: chains
+    mask: np.ndarray | None = None  # [num_dec, width + 1] int64 a tree block's attention masks
 
 
 class Engine:
@@ -208,11 +211,17 @@ class Engine:
         slots = np.concatenate([dec, new])
         lens = np.concatenate([plan.num_draft + 1, chunk])
         starts = np.concatenate([t.seq_len[dec] - 1, new_start])
+        tree_depth = tree_mask = None
+        if plan.depth is not None:  # prompt chunks: depth = index in the block, causal
+            chunk_index = np.arange(int(chunk.sum())) - np.repeat(np.cumsum(chunk) - chunk, chunk)
+            tree_depth = np.concatenate([plan.depth[dec_mask], chunk_index])
+            tree_mask = np.concatenate([plan.mask[dec_mask], np.full(len(chunk_index), CAUSAL)])
         batch = build_forward_batch(
             slots, starts, lens, np.concatenate([dec_blocks[dec_mask], t.tokens[new][new_mask]]),
             np.concatenate([np.ones(len(dec), bool), np.zeros(len(new), bool)]),
             no_logits=np.concatenate([np.zeros(len(dec), bool), ~plan.final]),
-            prefix_lens=t.prefix_len[slots] if self.prefix_ids is not None else None)
+            prefix_lens=t.prefix_len[slots] if self.prefix_ids is not None else None,
+            tree_depth=tree_depth, tree_mask=tree_mask)
         # A step whose slots are all greedy needs no logits (a screened LM head skips them).
         out = self.model.forward(batch, self.cache, logits=bool(t.temperature[slots].any()))
         targets = self._sample(batch, out)
@@ -227,18 +236,31 @@ class Engine:
         num_dec_rows = int(dec_mask.sum())
         emitted[: len(dec)][dec_mask] = targets[:num_dec_rows]
         emitted[len(dec):, 0][plan.final] = targets[num_dec_rows:]
-        accepted = accept_lengths(plan.drafts.draft_ids, plan.num_draft, emitted[: len(dec)])
+        path = None  # [num_dec, width + 1] a tree's accepted path (block indices)
+        if plan.depth is None:
+            accepted = accept_lengths(plan.drafts.draft_ids, plan.num_draft, emitted[: len(dec)])
+        else:
+            accepted, path = walk(plan.drafts.draft_ids, plan.drafts.parents, plan.num_draft, emitted[: len(dec)])
+            emitted[: len(dec)] = np.take_along_axis(emitted[: len(dec)], path, axis=1)
         num_emitted = np.concatenate([accepted + 1, plan.final.astype(np.int64)])  # a mid-prompt chunk: none
         kept, by_eos = first_stop(emitted, num_emitted, self.eos_ids, plan.room[slots], t.ignore_eos[slots])
         by_stop, texts = stop_strings(self.tokenizer, self.requests, t, slots, emitted, kept)
         position = t.seq_len[slots] - t.prompt_len[slots]  # [num_seqs] output tokens before this step
+        root_rows = t.seq_len[dec] - 1 - t.prefix_len[dec]  # [num_dec] own cache row of each block's root
         produced = self._commit(plan, slots, emitted, kept)
+        if path is not None:
+            self._compact(dec, root_rows, path, kept[: len(dec)])
         done = by_eos | by_stop | (t.seq_len[slots] >= t.max_len[slots]) | broken
 
         observe_seconds = self._observe(plan, slots, lens, starts, produced, kept, done, out.hidden, broken)
         if self.controller is not None:
+            offered, num_offered = plan.drafts.draft_ids, plan.num_avail
+            if plan.depth is not None:  # a tree's acceptance is its main chain's (the first child at each node)
+                num_offered, chain = walk(offered, plan.drafts.parents, plan.num_avail, None)
+                offered = np.take_along_axis(np.concatenate([np.zeros((len(dec), 1), np.int64), offered], axis=1),
+                                             chain, axis=1)[:, 1:]
             self.controller.end_step(StepReport(
-                slots=dec, draft_ids=plan.drafts.draft_ids, num_avail=plan.num_avail, num_draft=plan.num_draft,
+                slots=dec, draft_ids=offered, num_avail=num_offered, num_draft=plan.num_draft,
                 source=plan.drafts.source, emitted=emitted[: len(dec)], kept=kept[: len(dec)],
                 num_tokens=len(batch.token_ids), forward_seconds=forward_seconds,
                 draft_seconds=plan.draft_seconds + observe_seconds))
@@ -263,12 +285,45 @@ class Engine:
         draft_start = time.perf_counter()
         drafts = self.proposer.propose(view)
         draft_seconds = time.perf_counter() - draft_start
+        if drafts.parents is not None:
+            return self._plan_tree(dec, new, chunk, room, view, drafts, draft_seconds)
         num_avail = np.minimum(drafts.num_draft, view.max_draft)  # [num_dec]
         num_draft = num_avail
         if self.controller is not None:
             num_draft = np.minimum(num_avail, self.controller.choose(dec, num_avail, int(chunk.sum()), drafts.source))
         return StepPlan(dec, new, chunk, t.prefill_pos[new] + chunk == t.prompt_len[new], room, drafts, num_avail,
                         num_draft, draft_seconds)
+
+    def _plan_tree(self, dec, new, chunk, room, view: SlotView, drafts: DraftTokens, draft_seconds: float) -> StepPlan:
+        """_plan for token trees: nodes no deeper than a chain's drafts could reach (view.max_draft), no more than
+        MAX_TREE_NODES nor than the rows left before the context's end (node i is written at the root's row + i);
+        the controller's node budget keeps a prefix of each tree."""
+        t = self.table
+        width = min(drafts.draft_ids.shape[1], MAX_TREE_NODES)
+        parents, ids = drafts.parents[:, :width], drafts.draft_ids[:, :width]
+        num_avail = np.minimum(prune(parents, np.minimum(drafts.num_draft, width), view.max_draft),
+                               self.context_len - t.seq_len[dec])  # [num_dec]
+        num_draft = num_avail
+        if self.controller is not None:
+            gains = node_gains(parents, self.controller.acceptance.rate(
+                0 if drafts.source is None else drafts.source, dec))
+            num_draft = np.minimum(num_avail, self.controller.choose(dec, num_avail, int(chunk.sum()), drafts.source,
+                                                                     gains))
+        width = int(num_draft.max(initial=0))  # the step's widest tree
+        drafts = DraftTokens(ids[:, :width], num_draft, drafts.source, parents[:, :width])
+        depth, mask = tree_layout(drafts.parents)
+        return StepPlan(dec, new, chunk, t.prefill_pos[new] + chunk == t.prompt_len[new], room, drafts, num_avail,
+                        num_draft, draft_seconds, depth, mask)
+
+    def _compact(self, dec: np.ndarray, root_rows: np.ndarray, path: np.ndarray, kept: np.ndarray) -> None:
+        """Tree blocks were written at root row + block index; the accepted path's K/V move to root row + depth,
+        the rows its positions own (only where they differ: never for a chain-shaped path). Rows past the new
+        length stay stale, as rejected chain drafts do (kv_cache.py's no-rollback invariant)."""
+        depth = np.arange(path.shape[1])[None, :]  # [1, width + 1]
+        move = (depth < kept[:, None]) & (path != depth)  # [num_dec, width + 1] (depth 0: the root, never moved)
+        if move.any():
+            seq, d = np.nonzero(move)
+            self.cache.move_rows(dec[seq], root_rows[seq] + path[seq, d], root_rows[seq] + d)
 
     def _sample(self, batch, out) -> np.ndarray:
         """The main model's own choice at every logit row ([num_logits] int64): greedy, or the counter-based
@@ -279,7 +334,7 @@ class Engine:
         temperature = t.temperature[row_slot]
         u = None
         if temperature.any():  # sampled rows: their uniforms
-            u = uniforms(t.rng_key[row_slot], batch.positions[row_tok] + 1 - t.prompt_len[row_slot])
+            u = uniforms(t.rng_key[row_slot], batch.model_positions[row_tok] + 1 - t.prompt_len[row_slot])
         return sample(out.logits, temperature, t.top_k[row_slot], t.top_p[row_slot], u, out.greedy)
 
     def _commit(self, plan: StepPlan, slots: np.ndarray, emitted: np.ndarray, kept: np.ndarray) -> np.ndarray:
@@ -298,9 +353,13 @@ class Engine:
         t.num_steps[slots] += produced
         t.num_draft[dec] += plan.num_draft
         t.num_accepted[slots] += kept - produced
+        reach = plan.num_draft  # [num_dec] the deepest draft verified (a tree: its deepest node; depth <= MAX_DRAFT)
+        if plan.depth is not None:
+            reach = np.where(col[:, 1:] <= plan.num_draft[:, None], plan.depth[:, 1:], 0).max(axis=1, initial=0)
+        width = min(width, MAX_DRAFT)
         if width:
             t.accepted_per_pos[slots, :width] += (col[:, :width] < (kept - 1)[:, None])
-            t.drafted_per_pos[dec, :width] += (col[:, :width] < plan.num_draft[:, None])
+            t.drafted_per_pos[dec, :width] += (col[:, :width] < reach[:, None])
         return produced
 
     def _observe(self, plan: StepPlan, slots, lens, starts, produced, kept, done, hidden, broken) -> float:

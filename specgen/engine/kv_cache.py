@@ -97,6 +97,23 @@ class KVCache:
             for t in store:
                 t[slot * rows: (slot + 1) * rows] = 0
 
+    def move_rows(self, slots: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
+        """Own row dst[i] of slot slots[i] takes the K and V of its row src[i], in every layer and KV head (a token
+        tree's accepted path into the positions it now holds; all [m] int64). Every source is read before any
+        destination is written, so the moves may overlap in any order. What is moved from stays behind past the
+        slot's length: stale, as any rejected draft."""
+        KV, cap = self.num_kv_heads, self.capacity
+        base = (slots[:, None] * KV + np.arange(KV)[None, :]) * cap  # [m, KV]
+        s, d = (base + src[:, None]).reshape(-1), (base + dst[:, None]).reshape(-1)  # [m * KV]
+        for store in (self.k, self.v):
+            for t in store:
+                if t.place.is_cpu_place():
+                    rows = np.from_dlpack(t)  # a view: the kernels keep their handle of the same storage
+                    rows[d] = rows[s]
+                else:
+                    si, di = paddle.to_tensor(s), paddle.to_tensor(d)
+                    paddle.scatter_(t, di, paddle.gather(t, si), overwrite=True)
+
     def unbind(self) -> None:
         """Drop the kernels' handle of these tensors (Model binds them again at its next forward)."""
         if self.binding is not None:

@@ -29,6 +29,16 @@ class ForwardBatch:
     block_starts: np.ndarray  # [num_seqs] int64 position of each block's first token
     block_lens: np.ndarray  # [num_seqs] int64 tokens in each block
     token_prefix_len: np.ndarray | None = None  # [num_tokens] int64 shared-prefix positions of each token's slot
+    # Token trees (engine/tree.py): `positions` are then the cache rows the tokens are written to (a tree block's
+    # root row plus the node's index in the block), rope_positions the positions the model sees (root + depth),
+    # and tree_mask which earlier rows of its block each token attends to. None: a row is its position, causal.
+    rope_positions: np.ndarray | None = None  # [num_tokens] int64
+    tree_mask: np.ndarray | None = None  # [num_tokens] int64 bit b: the key b rows back is visible (keys 64 or
+    # more rows back always are); CAUSAL (all bits) for every token outside a tree
+
+    @property
+    def model_positions(self) -> np.ndarray:  # [num_tokens] int64 the positions RoPE and sampling see
+        return self.positions if self.rope_positions is None else self.rope_positions
 
 
 def build_forward_batch(
@@ -39,6 +49,8 @@ def build_forward_batch(
     logits_all: np.ndarray,  # [num_seqs] bool: logits for every row of the block (verify) or only the last
     no_logits: np.ndarray | None = None,  # [num_seqs] bool: no logits at all (a prompt chunk that is not the last)
     prefix_lens: np.ndarray | None = None,  # [num_seqs] int64 positions each slot reads from the shared prefix
+    tree_depth: np.ndarray | None = None,  # [num_tokens] int64 each token's depth in its tree (engine/tree.py)
+    tree_mask: np.ndarray | None = None,  # [num_tokens] int64 ForwardBatch.tree_mask
 ) -> ForwardBatch:
     """Pack blocks one after the other."""
     cu = np.zeros(len(lens) + 1, dtype=np.int64)
@@ -62,6 +74,8 @@ def build_forward_batch(
         block_lens=np.array(lens, np.int64),
         token_prefix_len=None if prefix_lens is None or not prefix_lens.any()
         else prefix_lens[seq_of_token].astype(np.int64),
+        rope_positions=None if tree_depth is None else (starts[seq_of_token] + tree_depth).astype(np.int64),
+        tree_mask=tree_mask,
     )
 
 
@@ -83,6 +97,10 @@ class DraftTokens:
     num_draft: np.ndarray  # [num_seqs] int64
     source: np.ndarray | None = None  # [num_seqs] int64 which of the proposer's ways drafted each slot's tokens
     # (MTP: 0 the head, 1 a copy); the controller keeps an acceptance estimate per source. None: all 0
+    # A token tree (engine/tree.py): node i sits at block index i + 1 (index 0 is the root, the last committed
+    # token) and its parent at parents[:, i] in [0, i]: parents come first, so the first n nodes of a tree are a
+    # tree too (a smaller node budget keeps a prefix). None: a chain (parents[:, i] = i).
+    parents: np.ndarray | None = None  # [num_seqs, max_draft] int64
 
     @classmethod
     def none(cls, num_seqs: int, width: int) -> "DraftTokens":

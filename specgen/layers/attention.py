@@ -82,7 +82,7 @@ class _GroupIndex:
     """
 
     def __init__(self, g: AttnGroup, slots: np.ndarray, prefix_lens: np.ndarray, cache: KVCache, num_heads: int,
-                 dtype: str):
+                 dtype: str, tree_mask: np.ndarray | None = None):
         S, Q = g.pad_token_index.shape
         KV, G, cap = cache.num_kv_heads, num_heads // cache.num_kv_heads, cache.capacity
         shared = bool(prefix_lens.any())
@@ -111,6 +111,11 @@ class _GroupIndex:
                 self.prefix_rows = paddle.to_tensor(np.broadcast_to(pre, (S, KV, L)).reshape(-1))
                 self.from_prefix = paddle.to_tensor(np.broadcast_to(pos < p, (S, KV, L)).reshape(-1, 1))
         allowed = np.arange(L)[None, None, :] <= g.pad_positions[:, :, None]  # [S, Q, L]
+        if tree_mask is not None:  # a token tree's node sees the rows of its ancestors only (bit b: b rows back)
+            masks = np.append(tree_mask, -1).view(np.uint64)[g.pad_token_index]  # [S, Q] (padding: all bits)
+            back = g.pad_positions[:, :, None] - np.arange(L)[None, None, :]  # [S, Q, L]
+            bit = (masks[:, :, None] >> np.clip(back, 0, 63).astype(np.uint64)) & np.uint64(1)
+            allowed &= (back >= 64) | (bit == 1)
         neg = np.finfo(np.float32).min if dtype == "float32" else np.finfo(np.float64).min
         bias = np.where(allowed, 0.0, neg).astype(dtype)[:, None, None]  # [S, 1, 1, Q, L]
         if S * num_heads * Q * L <= (1 << 24):
@@ -151,7 +156,7 @@ class AttentionIndex:
         n = len(batch.token_ids)
         KV = cache.num_kv_heads
         self.num_tokens, self.num_heads, self.dtype = n, num_heads, dtype
-        pos = paddle.to_tensor(batch.positions)  # [num_tokens]
+        pos = paddle.to_tensor(batch.model_positions)  # [num_tokens] (a tree node: its root's + its depth)
         self.cos = paddle.gather(rope.cos, pos).unsqueeze(1)  # [num_tokens, 1, head_dim / 2]
         self.sin = paddle.gather(rope.sin, pos).unsqueeze(1)
         plen = batch.token_prefix_len if batch.token_prefix_len is not None else np.zeros(n, np.int64)
@@ -162,7 +167,7 @@ class AttentionIndex:
         seq_prefix = plen[cu] if n else np.zeros(0, np.int64)  # [num_seqs]
         groups = attention_groups(batch.block_starts, batch.block_lens, GROUP_THRESHOLD, GROUP_BUDGET)
         self.groups = [_GroupIndex(g, batch.block_slots[g.seq_index], seq_prefix[g.seq_index], cache, num_heads,
-                                   dtype) for g in groups]
+                                   dtype, batch.tree_mask) for g in groups]
         self.single = len(groups) == 1 and np.array_equal(groups[0].token_rows, np.arange(n))
         self.prefix = cache.prefix
 

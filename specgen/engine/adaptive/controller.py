@@ -71,14 +71,15 @@ class Controller:
         self.off = bool(self.cost.at(2 * n) >= (1.0 + a) * self.cost.at(n))
 
     def choose(self, slots: np.ndarray, num_avail: np.ndarray, other_tokens: int,
-               source: np.ndarray | None = None) -> np.ndarray:
-        """Drafts to verify per decoding slot ([num_seqs] int64 in [0, num_avail]) this step. A slot's idle count
+               source: np.ndarray | None = None, gains: np.ndarray | None = None) -> np.ndarray:
+        """Drafts to verify per decoding slot ([num_seqs] int64 in [0, num_avail]) this step: a token tree's node
+        budget, with gains [num_seqs, width] its nodes' expected tokens (tree.node_gains). A slot's idle count
         (detach) moves only on steps whose drafts are source 0's: the drafter that costs time per slot."""
         if not len(num_avail) or num_avail.max() == 0 or self.off:
             return np.zeros(len(num_avail), np.int64)
         src = 0 if source is None else source
         k = choose_drafts(self.acceptance.rate(src, slots), num_avail, other_tokens, self.draft_cost or 0.0,
-                          self.cost, self.MIN_GAIN)
+                          self.cost, self.MIN_GAIN, gains)
         idle = np.where(k == 0, self.idle[slots] + 1, 0)
         self.idle[slots] = idle if source is None else np.where(source == 0, idle, self.idle[slots])
         return k

@@ -26,6 +26,8 @@ def choose_drafts(
     draft_seconds: float,  # the drafter's time per speculative step
     cost: CostModel,
     min_gain: float,
+    gains: np.ndarray | None = None,  # [num_seqs, >= max(num_avail)] each draft's expected tokens, non-increasing
+    # along a row (a token tree's nodes: tree.node_gains); None: alpha ** j, a chain's
 ) -> np.ndarray:
     """Drafts to verify per slot, [num_seqs] int64 in [0, num_avail]."""
     n = len(num_avail)
@@ -35,7 +37,8 @@ def choose_drafts(
         return k
     a = np.minimum(np.maximum(alpha, 0.0), ALPHA_MAX)
     j = np.arange(1, width + 1)  # [width]
-    gain = np.where(j[None, :] <= num_avail[:, None], a[:, None] ** j[None, :], -1.0).ravel()  # [n * width]
+    per = a[:, None] ** j[None, :] if gains is None else gains[:, :width]  # [n, width]
+    gain = np.where(j[None, :] <= num_avail[:, None], per, -1.0).ravel()  # [n * width]
     total = int(num_avail.sum())
     order = np.argsort(-gain, kind="stable")[:total]  # the offered drafts, largest gain first
     base = n + other_tokens

@@ -1,0 +1,99 @@
+"""Token trees: the layout of a tree's verify block (each node's depth and what it attends to), the walk that
+accepts a path, and the pruning of a tree to a node budget or depth. Pure array functions, all slots at once.
+
+A slot's tree block is [root, node 1, ..., node n]: the root is its last committed token, node i (block index
+i) has parent parents[i - 1] < i, so parents precede children and the first m nodes of a tree are a tree too. A
+chain is the tree whose node i has parent i - 1. Node i is written at cache row root + i, sees position
+root + depth(i) through RoPE, and attends to the committed context and to its ancestors (itself included) only.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+CAUSAL = np.int64(-1)  # a tree mask with every bit set: every earlier row of the block is visible (not a tree)
+MAX_TREE_NODES = 32  # nodes of one slot's tree at most (a mask bit per row back: a block of at most 64 rows)
+_ONE = np.uint64(1)
+
+
+def tree_layout(
+    parents: np.ndarray,  # [num_seqs, width] int64 block index of each node's parent (DraftTokens.parents)
+) -> tuple[np.ndarray, np.ndarray]:
+    """(depth [num_seqs, width + 1] int64, mask [num_seqs, width + 1] int64) of every block index, the root's
+    included: depth 0 at the root; mask bit b set where the row b back is the token itself or an ancestor (bits
+    past the root: the committed context, visible). Entries of nodes past a slot's count are harmless filler."""
+    num_seqs, width = parents.shape
+    rows = np.arange(num_seqs)
+    depth = np.zeros((num_seqs, width + 1), np.int64)
+    back = np.zeros((num_seqs, width + 1), np.uint64)
+    back[:, 0] = CAUSAL.astype(np.uint64)
+    for i in range(1, width + 1):  # over block indices (<= MAX_TREE_NODES), every slot at once
+        p = np.clip(parents[:, i - 1], 0, i - 1)  # [num_seqs]
+        depth[:, i] = depth[rows, p] + 1
+        # the parent's visible rows, seen from i - p rows further on, and the node itself
+        back[:, i] = (back[rows, p] << (i - p).astype(np.uint64)) | _ONE
+    return depth, back.view(np.int64)
+
+
+def prune(
+    parents: np.ndarray,  # [num_seqs, width] int64
+    num_nodes: np.ndarray,  # [num_seqs] int64 nodes offered
+    max_depth: np.ndarray,  # [num_seqs] int64 deepest node allowed
+) -> np.ndarray:
+    """[num_seqs] int64 nodes kept: the longest prefix of each tree whose nodes are all within max_depth (a prefix
+    keeps a tree; parents precede children)."""
+    depth, _ = tree_layout(parents)
+    deep = (depth[:, 1:] > max_depth[:, None]) | (np.arange(parents.shape[1])[None, :] >= num_nodes[:, None])
+    return np.where(deep.any(axis=1), deep.argmax(axis=1), parents.shape[1]).astype(np.int64)
+
+
+def walk(
+    draft_ids: np.ndarray,  # [num_seqs, width] int64 node tokens
+    parents: np.ndarray,  # [num_seqs, width] int64
+    num_nodes: np.ndarray,  # [num_seqs] int64 nodes verified
+    targets: np.ndarray | None,  # [num_seqs, width + 1] int64 the model's choice at each block index; None: the
+    # first child wherever there is one (the tree's main chain)
+) -> tuple[np.ndarray, np.ndarray]:
+    """Down from the root: at each node take the model's own choice there and move to the first child holding
+    that token, if any. Returns (accepted [num_seqs] int64 nodes on the path, path [num_seqs, width + 1] int64
+    block index of the path's node at each depth: path[:, 0] = 0, entries past accepted 0)."""
+    num_seqs, width = draft_ids.shape
+    rows = np.arange(num_seqs)
+    path = np.zeros((num_seqs, width + 1), np.int64)
+    accepted = np.zeros(num_seqs, np.int64)
+    valid = np.arange(width)[None, :] < num_nodes[:, None]  # [num_seqs, width]
+    cur = np.zeros(num_seqs, np.int64)
+    alive = num_nodes > 0
+    for d in range(1, width + 1):
+        if not alive.any():
+            break
+        child = valid & (parents == cur[:, None])  # [num_seqs, width] children of the current node
+        if targets is not None:
+            child &= draft_ids == targets[rows, cur][:, None]
+        has = child.any(axis=1) & alive
+        nxt = child.argmax(axis=1) + 1  # the first such child's block index
+        cur = np.where(has, nxt, cur)
+        path[:, d] = np.where(has, nxt, 0)
+        accepted += has
+        alive = has
+    return accepted, path
+
+
+def node_gains(
+    parents: np.ndarray,  # [num_seqs, width] int64
+    alpha: np.ndarray,  # [num_seqs] acceptance estimate of a slot's first-choice drafts (its main chain)
+) -> np.ndarray:
+    """[num_seqs, width] expected accepted tokens each node adds: the chance the walk reaches it, with each node
+    taken to be right with chance alpha when the siblings drafted before it were wrong, (1 - alpha)^rank alpha, so
+    a chain's gains are alpha^j as the controller prices chains. Made non-increasing along each row: a node budget
+    keeps a prefix of the tree."""
+    num_seqs, width = parents.shape
+    a = np.clip(alpha, 1e-6, 1 - 1e-6)[:, None]  # [num_seqs, 1]
+    col = np.arange(width)
+    earlier = (parents[:, :, None] == parents[:, None, :]) & (col[None, None, :] < col[None, :, None])
+    rank = earlier.sum(axis=2)  # [num_seqs, width] siblings before each node
+    own = np.log(a) + rank * np.log1p(-a)  # [num_seqs, width] log chance the node is right given its parent
+    logp = np.zeros((num_seqs, width + 1))
+    rows = np.arange(num_seqs)
+    for i in range(1, width + 1):
+        logp[:, i] = logp[rows, np.clip(parents[:, i - 1], 0, i - 1)] + own[:, i - 1]
+    return np.minimum.accumulate(np.exp(logp[:, 1:]), axis=1) if width else np.zeros((num_seqs, 0))

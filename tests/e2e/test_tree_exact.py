@@ -1,0 +1,98 @@
+"""Token trees change nothing: trees of mixed shapes (branches that share tokens, trees deeper than the request's
+room, empty ones) verified in one forward give plain decoding's tokens, greedy and sampled, at batch 1 / 7 / 32,
+with chunked prefill and a shared prefix on and off, on both backends (float64)."""
+import numpy as np
+import pytest
+from conftest import TINY
+
+from specgen import EngineConfig, SamplingParams, load_model
+from specgen.engine.types import DraftTokens, Request
+
+
+class OracleTree:
+    """A test drafter that knows plain decoding's outputs: each step a random tree (up to max_nodes nodes, depth up
+    to the engine's bound) whose nodes hold the right token with chance p_right, else a sibling's token (branches
+    sharing tokens) or a random one. Node budgets of 0 come up too."""
+
+    acceptance_hint = None
+
+    def __init__(self, plain: dict[tuple, list[int]], seed: int, max_nodes: int = 12, p_right: float = 0.6):
+        self.plain, self.rng, self.max_nodes, self.p_right = plain, np.random.default_rng(seed), max_nodes, p_right
+
+    def _full(self, row: np.ndarray) -> list[int]:
+        for prompt, full in self.plain.items():
+            if tuple(row[: len(prompt)]) == prompt:
+                return full
+        raise AssertionError("unknown prompt")
+
+    def propose(self, view):
+        n, w = len(view.slots), self.max_nodes
+        ids, parents = np.zeros((n, w), np.int64), np.zeros((n, w), np.int64)
+        num = np.zeros(n, np.int64)
+        for s in range(n):
+            seq_len = int(view.seq_lens[s])
+            full = self._full(view.tokens[view.slots[s], :seq_len])
+            count = int(self.rng.integers(0, w + 1))
+            depth, right = [0], [True]  # block index 0: the root
+            for i in range(count):
+                p = int(self.rng.integers(0, len(depth)))
+                d = depth[p] + 1
+                if d > view.max_draft[s]:
+                    continue
+                j = len(depth) - 1  # this node's index among the nodes
+                truth = full[seq_len - 1 + d] if seq_len - 1 + d < len(full) else 0
+                r = self.rng.random()
+                if right[p] and r < self.p_right:
+                    tok = truth
+                elif r < 0.8 and j > 0 and (parents[s, :j] == p).any():
+                    tok = int(ids[s, :j][parents[s, :j] == p][0])  # a sibling's token again
+                else:
+                    tok = int(self.rng.integers(0, 250))
+                ids[s, j], parents[s, j] = tok, p
+                depth.append(d)
+                right.append(right[p] and tok == truth)
+            num[s] = len(depth) - 1
+        return DraftTokens(ids, num, None, parents)
+
+    def observe(self, update):
+        return None
+
+
+def _sampling(n, mode):
+    return [SamplingParams(max_tokens=3 + (i * 5) % 14, temperature=0.9 if mode == "sampled" else 0.0, top_p=0.95,
+                           seed=7 + i) for i in range(n)]
+
+
+def _run(model, prompts, sampling, engine, proposer=None, adaptive=False, ids=None):
+    from specgen.engine.engine import Engine
+
+    eng = Engine(model.model, model.tokenizer, engine, proposer, adaptive=adaptive)
+    ids = ids or range(len(prompts))
+    reqs = [Request(str(ids[i]), i, tuple(p), sampling[i]) for i, p in enumerate(prompts)]
+    return sorted(eng.run(reqs), key=lambda o: o.index)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(3, 250, 40).tolist()
+    # a unique first token per prompt (the oracle finds its request by it), a shared stretch, repeats for n-grams
+    return [[3 + i] + prefix + rng.integers(3, 250, int(n)).tolist() * 2 for i, n in enumerate(rng.integers(3, 30, 32))]
+
+
+@pytest.mark.parametrize("backend", ["reference"])
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_trees_equal_plain(backend, mode, prompts):
+    model = load_model(TINY / "llama", dtype="float64", backend=backend)
+    sp = _sampling(len(prompts), mode)
+    plain = _run(model, prompts, sp, EngineConfig(batch_size=32, dtype="float64", shared_prefix="off"))
+    full = {tuple(p): list(p) + o.token_ids for p, o in zip(prompts, plain)}
+    for batch, shared, chunk in [(1, "off", 0), (7, "auto", 16), (32, "off", 16), (32, "auto", 0)]:
+        picked = range(0, len(prompts), 4) if batch == 1 else range(len(prompts))
+        engine = EngineConfig(batch_size=batch, dtype="float64", shared_prefix=shared, prefill_chunk=chunk,
+                              max_prefill_tokens=64)
+        out = _run(model, [prompts[i] for i in picked], [sp[i] for i in picked], engine, OracleTree(full, batch),
+                   ids=list(picked))
+        assert [o.token_ids for o in out] == [plain[i].token_ids for i in picked], (batch, shared, chunk)
+        assert [o.finish_reason for o in out] == [plain[i].finish_reason for i in picked]
+        assert sum(o.stats.num_accepted_tokens for o in out) > 0

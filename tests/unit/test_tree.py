@@ -1,0 +1,91 @@
+"""Token trees on constructed inputs: layouts, the acceptance walk (a chain gives accept_lengths' answer), node
+gains, and tree-masked attention against each branch run as a causal chain, on both backends."""
+import numpy as np
+import pytest
+
+from specgen.engine.tree import CAUSAL, node_gains, prune, tree_layout, walk
+from specgen.engine.types import build_forward_batch
+from specgen.engine.verify import accept_lengths
+from specgen.errors import ConfigError
+
+# root -> 1 (a) -> 3 (c) -> 5 (e); root -> 2 (b) -> 4 (d); 1 -> 6 (a again: a branch sharing a token)
+PARENTS = np.array([[0, 0, 1, 2, 3, 1]])
+IDS = np.array([[10, 11, 12, 13, 14, 10]])
+
+
+def test_layout_depths_and_masks():
+    depth, mask = tree_layout(PARENTS)
+    assert depth.tolist() == [[0, 1, 1, 2, 2, 3, 2]]
+    bits = mask.view(np.uint64)[0]
+    assert bits[0] == CAUSAL.astype(np.uint64)
+    # node 5 (block index 5) sees itself (0 back), node 3 (2 back), node 1 (4 back), the root and all before it
+    visible = [b for b in range(64) if (int(bits[5]) >> b) & 1]
+    assert visible[:4] == [0, 2, 4, 5] and visible[4:] == list(range(6, 64))
+    chain_depth, chain_mask = tree_layout(np.array([[0, 1, 2]]))  # a chain: causal, depth = index
+    assert chain_depth.tolist() == [[0, 1, 2, 3]] and (chain_mask == CAUSAL).all()
+
+
+def test_walk_follows_the_models_choices_and_stops():
+    # the model picks 10 at the root, then 12, then 99: path root -> 1 -> 3, accepted 2
+    targets = np.array([[10, 12, 0, 99, 0, 0, 0]])
+    accepted, path = walk(IDS, PARENTS, np.array([6]), targets)
+    assert accepted.tolist() == [2] and path[0, :3].tolist() == [0, 1, 3]
+    # 11 at the root: the other branch; a budget of 0 accepts nothing; a budget of 2 cuts node 3 off
+    targets = np.array([[11, 0, 13, 0, 7, 0, 0]])
+    assert walk(IDS, PARENTS, np.array([6]), targets)[0].tolist() == [2]
+    assert walk(IDS, PARENTS, np.array([0]), targets)[0].tolist() == [0]
+    assert walk(IDS, PARENTS, np.array([2]), np.array([[10, 12, 0, 0, 0, 0, 0]]))[0].tolist() == [1]
+
+
+def test_walk_of_chains_equals_accept_lengths():
+    rng = np.random.default_rng(0)
+    drafts = rng.integers(0, 3, (50, 5))
+    targets = rng.integers(0, 3, (50, 6))
+    num = rng.integers(0, 6, 50)
+    parents = np.broadcast_to(np.arange(5), (50, 5))
+    accepted, path = walk(drafts, parents, num, targets)
+    assert accepted.tolist() == accept_lengths(drafts, num, targets).tolist()
+    assert (np.where(np.arange(6) <= accepted[:, None], path, 0) == np.where(np.arange(6) <= accepted[:, None],
+                                                                             np.arange(6), 0)).all()
+
+
+def test_prune_and_gains():
+    assert prune(PARENTS, np.array([6]), np.array([2])).tolist() == [4]  # node 5 is at depth 3
+    assert prune(PARENTS, np.array([3]), np.array([5])).tolist() == [3]
+    g = node_gains(np.array([[0, 1, 2]]), np.array([0.5]))
+    assert np.allclose(g, [[0.5, 0.25, 0.125]])  # a chain: alpha^j
+    g = node_gains(PARENTS, np.array([0.5]))
+    assert (np.diff(g[0]) <= 0).all() and g[0, 0] == 0.5 and g[0, 1] == 0.25  # the second child: (1 - a) a
+
+
+@pytest.mark.parametrize("name", ["fused64", "reference64"])
+def test_tree_attention_equals_each_branch_as_a_chain(tiny_models, name):
+    """Every node's hidden state in one tree forward equals the last one of its branch (root .. node) fed as a
+    causal chain after the same context."""
+    model = tiny_models[name].model
+    rng = np.random.default_rng(3)
+    context = rng.integers(3, 250, 20)
+    depth, mask = tree_layout(PARENTS)
+    n = PARENTS.shape[1] + 1
+
+    def prefilled():
+        cache = model.new_cache(1, 64)
+        model.forward(build_forward_batch(np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([19]),
+                                          context[:19], np.zeros(1, bool)), cache)
+        return cache
+
+    block = np.concatenate([[context[19]], IDS[0]])
+    try:
+        out = model.forward(build_forward_batch(np.zeros(1, np.int64), np.array([19]), np.array([n]), block,
+                                                np.ones(1, bool), tree_depth=depth[0], tree_mask=mask[0]), prefilled())
+    except ConfigError as e:  # the fused kernel without trees
+        pytest.skip(str(e))
+    tree_hidden = out.hidden.numpy()
+    for i in range(n):
+        branch, j = [i], i
+        while j:
+            j = int(PARENTS[0, j - 1])
+            branch.insert(0, j)
+        chain = model.forward(build_forward_batch(np.zeros(1, np.int64), np.array([19]), np.array([len(branch)]),
+                                                  block[branch], np.ones(1, bool)), prefilled())
+        assert np.allclose(chain.hidden.numpy()[-1], tree_hidden[i], rtol=0, atol=1e-12), i
