@@ -91,9 +91,11 @@ def iter_generate(loaded: LoadedModel, requests: Iterable, engine: EngineConfig,
     return make_engine(loaded, engine, speculative).run(requests)
 
 
-def make_engine(loaded: LoadedModel, engine: EngineConfig, speculative: SpecConfig):
+def make_engine(loaded: LoadedModel, engine: EngineConfig, speculative: SpecConfig,
+                drafting: LoadedModel | None = None):
     """An engine over the loaded model with `engine`'s batch settings (its load settings are the model's:
-    LoadedModel.engine) and the proposer of `speculative`."""
+    LoadedModel.engine) and the proposer of `speculative`, drafting beside `drafting` (default: `loaded`; a
+    tensor-parallel rank 0 gives the full model, its engine's being a shard)."""
     from specgen import kernels
     from specgen.engine.engine import Engine
     from specgen.engine.proposers import build_proposer
@@ -101,5 +103,6 @@ def make_engine(loaded: LoadedModel, engine: EngineConfig, speculative: SpecConf
     speculating = speculative.method is not Method.NONE
     runtime = loaded.engine
     lib = kernels.host_lib(runtime.cpu_target, runtime.cache_root()) if speculating else None
-    return Engine(loaded.model, loaded.tokenizer, engine, build_proposer(speculative, loaded.model, lib, loaded),
+    drafting = drafting or loaded
+    return Engine(loaded.model, loaded.tokenizer, engine, build_proposer(speculative, drafting.model, lib, drafting),
                   adaptive=speculating and speculative.adaptive, max_draft=speculative.num_speculative_tokens)

@@ -240,19 +240,27 @@ RAY_LOCAL = "local"  # ParallelConfig.ray: start a Ray instance on this machine
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How many engines run a job, and where: local worker processes, or a Ray cluster."""
+    """How many engines run a job, and where: local worker processes, or a Ray cluster; and over how many ranks
+    one engine's model is sharded."""
 
     data_parallel_size: int = opt(1, "Engines, each in its own worker process with its share of --threads, fed "
                                      "from one reader and writing through one writer (with --ray: Ray workers, "
                                      "each with --threads CPUs).")
     ray: str = opt("", "Run the job on Ray Data: a cluster's address (auto, host:port, ray://host:10001), or "
                        f"{RAY_LOCAL} to start an instance here (needs specgen[ray]). Empty: no Ray.")
+    tensor_parallel_size: int = opt(1, "Ranks sharing one model's weights (attention heads, MLP columns, "
+                                       "vocabulary), each a process with its share of --threads; rank 0 schedules "
+                                       "and drafts. Dense models, reference backend.")
 
     def __post_init__(self) -> None:
         if not 1 <= self.data_parallel_size <= 1024:
             raise ConfigError(f"data_parallel_size must be in 1..1024, got {self.data_parallel_size}")
         if self.ray != self.ray.strip() or any(c.isspace() for c in self.ray):
             raise ConfigError(f"ray must be a cluster address or {RAY_LOCAL!r}, got {self.ray!r}")
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ConfigError(f"tensor_parallel_size must be in 1..64, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and (self.data_parallel_size > 1 or self.ray):
+            raise ConfigError("tensor_parallel_size > 1 does not combine with data_parallel_size > 1 or ray yet")
 
 
 # The SpecConfig section holding each method's own settings (a method without one has none).

@@ -1,6 +1,7 @@
 """The pre-norm decoder block (Llama family): its typed weights and its reference forward."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,9 +48,11 @@ class BlockShape:
 
 
 def block_forward(x: paddle.Tensor, w: DecoderBlock, shape: BlockShape, att: AttentionIndex, layer: int,
-                  k_cache: paddle.Tensor, v_cache: paddle.Tensor, counts: np.ndarray | None = None) -> paddle.Tensor:
+                  k_cache: paddle.Tensor, v_cache: paddle.Tensor, counts: np.ndarray | None = None,
+                  reduce: Callable[[paddle.Tensor], paddle.Tensor] | None = None) -> paddle.Tensor:
     """x [num_tokens, hidden] -> the block's output; writes the tokens' K/V into the block's cache. A routed block
-    adds its tokens per expert to counts [num_experts] when given."""
+    adds its tokens per expert to counts [num_experts] when given. `reduce`: a tensor-parallel rank's sum over the
+    ranks of its row-parallel outputs (o and down hold its rows; specgen/distributed/tp_shard.py)."""
     n, H, KV, D, eps = x.shape[0], shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.eps
     qkv = w.qkv(rms_norm(x, w.attn_norm, eps))  # [num_tokens, (H + 2 KV) D]
     q, k, v = paddle.split(qkv, [H * D, KV * D, KV * D], axis=-1)
@@ -57,11 +60,12 @@ def block_forward(x: paddle.Tensor, w: DecoderBlock, shape: BlockShape, att: Att
     if w.q_norm is not None:
         q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
     q, k = rotate(q, att.cos, att.sin), rotate(k, att.cos, att.sin)
-    x = x + w.o(att.attend(q, k, v, layer, k_cache, v_cache))
+    attn = w.o(att.attend(q, k, v, layer, k_cache, v_cache))  # [num_tokens, hidden]
+    x = x + (attn if reduce is None else reduce(attn))
     h = rms_norm(x, w.mlp_norm, eps)
     mlp = moe_forward(h, w.moe, counts) if w.moe is not None else None
     if w.gate_up is not None:
         gate, up = paddle.split(w.gate_up(h), 2, axis=-1)
         dense = w.down(F.silu(gate) * up)
         mlp = dense if mlp is None else mlp + dense
-    return x + mlp
+    return x + (mlp if reduce is None else reduce(mlp))

@@ -1,0 +1,115 @@
+"""--tensor-parallel-size: a model sharded over 2 or 3 ranks writes the one-engine run's tokens (fp64, greedy and
+sampled, every method); the shard plan replicates KV heads where the ranks do not divide them; a killed rank fails
+the job (exit 4) and --resume completes it; what TP does not run is refused before any rank starts."""
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+
+import numpy as np
+import pytest
+from cli_support import by_id, invoke, read_output, write_jsonl
+from conftest import TINY
+from test_data_parallel import assert_complete, drafters, spawn, wait_for_lines, workers_of  # noqa: F401
+
+from specgen.distributed.tp_shard import local_kv_heads, plan_shard
+from specgen.models import load_checkpoint
+
+# Half the records sample (their own temperature), half are greedy.
+RECORDS = [{"id": f"r{i}", "prompt": f"request {i}: " + "abc " * (i % 5), "max_tokens": 6 + i % 7,
+            **({"temperature": 0.9} if i % 2 else {})} for i in range(10)]
+
+
+def test_kv_heads_sharded_or_replicated():
+    # 8 heads, 4 KV heads (G = 2): 2 and 4 ranks shard them; 8 ranks hold each KV head twice
+    assert local_kv_heads(np.arange(4), 8, 4).tolist() == [0, 1]
+    assert local_kv_heads(np.arange(2, 4), 8, 4).tolist() == [1]
+    assert local_kv_heads(np.array([5]), 8, 4).tolist() == [2]
+    # 4 heads, 2 KV heads over 3 ranks: heads {0, 1}, {2}, {3}: whole groups or within one
+    assert local_kv_heads(np.array([0, 1]), 4, 2).tolist() == [0]
+    assert local_kv_heads(np.array([3]), 4, 2).tolist() == [1]
+    # 6 heads, 2 KV heads (G = 3) over 4 ranks: heads {2, 3} straddle two groups: one copy per query head
+    assert local_kv_heads(np.array([2, 3]), 6, 2).tolist() == [0, 1]
+    assert local_kv_heads(np.array([0, 1]), 6, 2).tolist() == [0]
+
+
+def test_shard_plan_covers_the_model_once():
+    cfg = load_checkpoint(TINY / "llama").config
+    plans = [plan_shard(cfg, r, 3) for r in range(3)]
+    assert np.concatenate([p.heads for p in plans]).tolist() == list(range(cfg.num_heads))
+    for lo_hi in ("inter", "vocab"):
+        ranges = [getattr(p, lo_hi) for p in plans]
+        assert ranges[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+    assert plans[-1].vocab[1] == cfg.vocab_size and plans[-1].inter[1] == cfg.intermediate_size
+    assert plans[0].vocab_sizes == (100, 100, 100)
+
+
+def run_records(tmp_path, name: str, *extra: str, arch: str = "llama") -> dict[str, dict]:
+    inp = write_jsonl(tmp_path / "in.jsonl", RECORDS)
+    out = tmp_path / f"{name}.jsonl"
+    res = invoke("run", inp, "-o", out, "--model", TINY / arch, "--dtype", "float64", "--batch-size", "3", "--seed",
+                 "5", "-q", *extra, model=False)
+    assert res.exit_code == 0, res.output
+    return by_id(read_output(out))
+
+
+def assert_same_tokens(one: dict[str, dict], tp: dict[str, dict]) -> None:
+    assert sorted(tp) == sorted(one)
+    for rid, rec in one.items():
+        assert (tp[rid]["token_ids"], tp[rid]["text"]) == (rec["token_ids"], rec["text"]), rid
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "mtp", "draft_model"])
+def test_two_ranks_write_the_one_engine_tokens(tmp_path, drafters, method):  # noqa: F811
+    one = run_records(tmp_path, "one", *drafters[method])
+    assert_same_tokens(one, run_records(tmp_path, "tp", *drafters[method], "--tensor-parallel-size", "2",
+                                        "--threads", "2"))
+
+
+@pytest.mark.parametrize("arch", ["qwen2"])
+def test_three_ranks_uneven_heads_and_vocabulary(tmp_path, arch):
+    """4 heads, 2 KV heads, 300 tokens over 3 ranks: heads 2 / 1 / 1, each KV head on the ranks of its group;
+    qwen2's q/k/v biases go with their columns."""
+    one = run_records(tmp_path, "one", "--method", "ngram", arch=arch)
+    assert_same_tokens(one, run_records(tmp_path, "tp", "--method", "ngram", "--tensor-parallel-size", "3",
+                                        "--threads", "2", arch=arch))
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--model", TINY / "qwen3_moe"], "mixture-of-experts"),
+    (["--tensor-parallel-size", "5"], "more ranks than the model's 4 attention heads"),
+    (["--backend", "fused"], "reference backend"),
+    (["--data-parallel-size", "2"], "does not combine"),
+])
+def test_refused_before_any_rank_starts(tmp_path, extra, fragment):
+    inp = write_jsonl(tmp_path / "in.jsonl", RECORDS[:1])
+    model = [] if "--model" in extra else ["--model", TINY / "llama"]
+    res = invoke("run", inp, "-o", tmp_path / "out.jsonl", "--tensor-parallel-size", "2", *model, *extra, model=False)
+    assert res.exit_code == 2, res.output
+    assert fragment in res.output
+
+
+def test_killed_rank_fails_the_job_and_resume_completes_it(tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"q{i}", "prompt": f"prompt {i}: " + "lorem " * (i % 6)}
+                                               for i in range(60)])
+    res = invoke("run", inp, "-o", tmp_path / "ref.jsonl", "--max-tokens", "16", "--batch-size", "4", "--ignore-eos",
+                 "-q")
+    assert res.exit_code == 0, res.output
+    reference = by_id(read_output(tmp_path / "ref.jsonl"))
+    out = tmp_path / "out.jsonl"
+    proc = spawn(inp, out, "--tensor-parallel-size", "2")
+    victim = workers_of(proc, 2)[1]  # not rank 0: the engine's peer, blocked in a collective when it dies
+    wait_for_lines(proc, out, 5)
+    os.kill(victim, signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 4, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("error: tensor-parallel rank ") and f"(pid {victim}) was killed by SIGKILL" in line, err
+    written = len(read_output(out))
+    assert 0 < written < len(reference)
+    assert line.endswith("--resume")
+    resumed = spawn(inp, out, "--tensor-parallel-size", "2", "--resume")
+    _, err = resumed.communicate(timeout=180)
+    assert resumed.returncode == 0, err
+    assert_complete(out, reference)
