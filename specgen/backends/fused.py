@@ -175,20 +175,20 @@ class FusedBackend:
         return self._indices.tensors((index,))[0]
 
     def forward(self, model: ModelView, batch: ForwardBatch, cache: KVCache, logits: bool = True) -> ForwardOutput:
-        if batch.tree_mask is not None:
-            raise ConfigError("token trees run on the reference backend (--backend reference) for now")
         reserve(batch, cache)
         n = len(batch.token_ids)
         plen = batch.token_prefix_len
+        tree = batch.tree_mask is not None
         index = np.concatenate([batch.token_ids, batch.positions, batch.token_slots,
-                                plen if plen is not None else np.zeros(n, np.int64), batch.logit_rows])
+                                plen if plen is not None else np.zeros(n, np.int64),
+                                *((batch.model_positions, batch.tree_mask) if tree else ()), batch.logit_rows])
         screened = not logits and self.screen is not None
         screen, bound = (self.screen.panels.panels, self.screen.bound) if screened else (self._no_screen,) * 2
         pre = cache.prefix
         out, hidden, greedy = args.forward_bound(self.ops, args.StepArgs(
             index=self._index(index), num_tokens=n, weights=self._weights(model), caches=self._caches(model, cache),
             capacity=cache.capacity, prefix_capacity=pre.capacity if pre is not None else 0, screen=screen,
-            bound=bound, geometry=self._geometry, vocab=model.weights.lm_head.weight.n))
+            bound=bound, geometry=self._geometry, vocab=model.weights.lm_head.weight.n, tree=tree))
         counts = args.take_expert_counts(self.ops, self._counts_handle).numpy() if self._moe_args else None
         return ForwardOutput(None if screened else out, hidden, greedy.numpy(), counts)
 

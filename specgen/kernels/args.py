@@ -125,6 +125,7 @@ class StepArgs:
     """One specgen_forward_bound call: the step's indices and the handles of the weights and caches."""
 
     index: Tensor  # int64 [4 num_tokens + num_logits]: token ids, positions, slots, prefix lengths, logit rows
+    # (with `tree` [6 num_tokens + num_logits]: a token tree's positions and masks before the logit rows)
     num_tokens: int
     weights: int  # bind_weights' handle
     caches: int  # bind_caches' handle
@@ -134,6 +135,7 @@ class StepArgs:
     bound: Tensor  # the screen's error bound [panels, hidden / 32, 32]; empty with an empty screen
     geometry: Geometry
     vocab: int
+    tree: bool = False  # the index holds ForwardBatch.rope_positions and tree_mask
 
 
 def forward_bound(ops: ModuleType, a: StepArgs) -> tuple[Tensor, Tensor, Tensor]:
@@ -141,7 +143,7 @@ def forward_bound(ops: ModuleType, a: StepArgs) -> tuple[Tensor, Tensor, Tensor]
     g = a.geometry
     logits, hidden, greedy = ops.specgen_forward_bound(a.index, a.screen, a.bound, a.num_tokens, a.weights, a.caches,
                                                        g.num_heads, g.num_kv_heads, a.capacity, g.qk_norm, g.eps,
-                                                       a.prefix_capacity, a.vocab)
+                                                       a.prefix_capacity, a.vocab, a.tree)
     return logits, hidden, greedy
 
 

@@ -394,6 +394,20 @@ struct Tile {
   int64_t plen;  // positions [0, plen) come from the shared prefix
   const C* pk;   // shared prefix keys for this KV head: position j < plen at pk + j * D
   const C* pv;
+  // A token tree's masks, one per query of the tile (bit b: the key b rows back is visible; keys 64 or more rows
+  // back always are); nullptr: causal.
+  const uint64_t* back = nullptr;
+  // Whether query a sees key j <= its own row p0 + a.
+  inline bool sees(int64_t a, int64_t j) const {
+    const int64_t b = p0 + a - j;
+    return back == nullptr || b >= 64 || ((back[a] >> b) & 1);
+  }
+  // Bits l < nl of the keys j0 + l query a sees (keys past its row included: the caller cuts those).
+  inline uint32_t seen_bits(int64_t a, int64_t j0, int64_t nl) const {
+    uint32_t bits = 0;
+    for (int64_t l = 0; l < nl; ++l) bits |= (j0 + l > p0 + a || sees(a, j0 + l)) ? (1u << l) : 0u;
+    return bits;
+  }
   inline const C* key(int64_t j, int64_t D) const { return j < plen ? pk + j * D : k + (j - plen) * D; }
   inline const C* value(int64_t j, int64_t D) const { return j < plen ? pv + j * D : v + (j - plen) * D; }
 };
@@ -434,6 +448,18 @@ void chunk_partial_generic(const Tile<T, C>& t, int64_t D, int64_t jb, int64_t j
       const int64_t r = a * t.G + g;
       T* e = sc.data() + r * len;
       if (last <= jb) { m[r] = -std::numeric_limits<T>::max(); l[r] = 0; continue; }
+      if (t.back != nullptr) {  // a tree: keys that are not ancestors weigh nothing (and may leave none here)
+        T mx = -std::numeric_limits<T>::max();
+        for (int64_t j = 0; j < last - jb; ++j) mx = t.sees(a, jb + j) && e[j] > mx ? e[j] : mx;
+        T total = 0;
+        for (int64_t j = 0; j < last - jb; ++j) {
+          e[j] = t.sees(a, jb + j) ? std::exp(e[j] - mx) : T(0);
+          total += e[j];
+        }
+        m[r] = mx;
+        l[r] = total;
+        continue;
+      }
       T mx = e[0];
       for (int64_t j = 1; j < last - jb; ++j) mx = e[j] > mx ? e[j] : mx;
       T total = 0;
@@ -646,18 +672,20 @@ void chunk_partial(const Tile<float, E>& t, int64_t D, int64_t jb, int64_t je, s
         std::fill(r, r + stride, 0.0f);
         continue;
       }
+      // a tree's keys that are not ancestors: out of the max, weight 0
+      auto seen = [&](int64_t j) { return t.back ? __mmask16(t.seen_bits(a, jb + j, 16)) : __mmask16(0xFFFF); };
       __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::max());
       for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 mk = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+        const __mmask16 mk = (n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1)) & seen(j);
         mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, r + j));
       }
       const float mx = _mm512_reduce_max_ps(mv);
       const __m512 mb = _mm512_set1_ps(mx);
       __m512 tot = _mm512_setzero_ps();
       for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 mk = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+        const __mmask16 in = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1), mk = in & seen(j);
         const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, r + j), mb)));
-        _mm512_mask_storeu_ps(r + j, mk, e);
+        _mm512_mask_storeu_ps(r + j, in, e);
         tot = _mm512_add_ps(tot, e);
       }
       m[ri] = mx;
@@ -766,8 +794,15 @@ void chunk_partial(const Tile<float, E>& t, int64_t D, int64_t jb, int64_t je, s
       }
       const __m256 lowest = _mm256_set1_ps(-std::numeric_limits<float>::max());
       __m256 mv = lowest;
+      // a tree's keys that are not ancestors: out of the max, weight 0
+      const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+      auto seen = [&](int64_t j) {
+        if (!t.back) return _mm256_set1_epi32(-1);
+        const __m256i bits = _mm256_and_si256(_mm256_set1_epi32(int(t.seen_bits(a, jb + j, 8))), lane_bit);
+        return _mm256_cmpeq_epi32(bits, lane_bit);
+      };
       for (int64_t j = 0; j < n; j += 8) {
-        const __m256 mk = _mm256_castsi256_ps(lanes_below(n - j));
+        const __m256 mk = _mm256_castsi256_ps(_mm256_and_si256(lanes_below(n - j), seen(j)));
         mv = _mm256_max_ps(mv, _mm256_blendv_ps(lowest, _mm256_loadu_ps(r + j), mk));
       }
       alignas(32) float lanes[8];
@@ -777,7 +812,7 @@ void chunk_partial(const Tile<float, E>& t, int64_t D, int64_t jb, int64_t je, s
       const __m256 mb = _mm256_set1_ps(mx);
       __m256 tot = _mm256_setzero_ps();
       for (int64_t j = 0; j < n; j += 8) {
-        const __m256 mk = _mm256_castsi256_ps(lanes_below(n - j));
+        const __m256 mk = _mm256_castsi256_ps(_mm256_and_si256(lanes_below(n - j), seen(j)));
         const __m256 e = _mm256_and_ps(mk, exp256(_mm256_sub_ps(_mm256_loadu_ps(r + j), mb)));
         _mm256_storeu_ps(r + j, e);  // lanes past n (still within the row's stride) get 0
         tot = _mm256_add_ps(tot, e);
@@ -810,7 +845,11 @@ void chunk_partial(const Tile<float, E>& t, int64_t D, int64_t jb, int64_t je, s
 template <typename T, typename C = T>
 void attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, const int64_t* slot, C* kc, C* vc,
                const T* qn, const T* kn, T* out, int64_t n, int64_t H, int64_t KV, int64_t D, int64_t cap,
-               bool qk_norm, T eps, int64_t tile, const int64_t* plen, const C* pk, const C* pv, int64_t pcap) {
+               bool qk_norm, T eps, int64_t tile, const int64_t* plen, const C* pk, const C* pv, int64_t pcap,
+               const int64_t* rope_pos = nullptr, const uint64_t* tree_mask = nullptr) {
+  // rope_pos: a token tree's positions (its root's + depth), where `pos` are the rows it is written to and
+  // attends from; tree_mask: the rows each token sees (Tile::back). nullptr: the rows are the positions, causal.
+  if (rope_pos == nullptr) rope_pos = pos;
   const int64_t G = H / KV, width = (H + 2 * KV) * D, half = D / 2;
   const T scale = T(1) / std::sqrt(T(D));
   std::vector<T> q(n * H * D);  // [n, H, D] roped, scaled queries
@@ -818,8 +857,8 @@ void attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, con
 #pragma omp parallel for if (n > 4)
   for (int64_t t = 0; t < n; ++t) {
     const T* row = qkv + t * width;
-    const T* c = cos + pos[t] * half;
-    const T* s = sin + pos[t] * half;
+    const T* c = cos + rope_pos[t] * half;
+    const T* s = sin + rope_pos[t] * half;
     std::vector<T> tmp(D), roped(D);
     for (int64_t h = 0; h < H; ++h) {
       const T* x = row + h * D;
@@ -854,7 +893,8 @@ void attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, con
     const int64_t ti = w / KV, kvh = w % KV, t0 = starts[ti], nt = starts[ti + 1] - t0;
     return Tile<T, C>{q.data() + (t0 * H + kvh * G) * D, H * D, G, nt, pos[t0], pos[t0 + nt - 1] + 1,
                    kc + (slot[t0] * KV + kvh) * cap * D, vc + (slot[t0] * KV + kvh) * cap * D,
-                   out + (t0 * H + kvh * G) * D, plen[t0], pk + kvh * pcap * D, pv + kvh * pcap * D};
+                   out + (t0 * H + kvh * G) * D, plen[t0], pk + kvh * pcap * D, pv + kvh * pcap * D,
+                   tree_mask ? tree_mask + t0 : nullptr};
   };
   // Work items are handed out through an atomic counter, not `omp for schedule(dynamic)`: with GCC's OpenMP
   // calls served by Paddle's libiomp5, that schedule was seen to give one iteration to two threads.
@@ -970,6 +1010,8 @@ struct StepInputs {
   bool qk_norm;
   T eps;
   int64_t prefix_capacity;
+  const int64_t* rope_positions = nullptr;  // [n] a token tree's positions (rows: `positions`); nullptr: the rows
+  const uint64_t* tree_mask = nullptr;  // [n] the rows each token sees (Tile::back); nullptr: causal
 };
 
 // The paddle type of activations T, and its name for errors.
@@ -1048,13 +1090,14 @@ void block_attention(const T* qkv, T* att, int64_t n, int64_t D, const BlockTens
       attention<float, uint16_t>(qkv, a.cos, a.sin, a.positions, a.slots, half_data(b.k_cache), half_data(b.v_cache),
                                  b.q_norm.data<float>(), b.k_norm.data<float>(), att, n, H, KV, D, a.capacity,
                                  a.qk_norm, a.eps, 8, a.prefix_len, half_data(b.prefix_k), half_data(b.prefix_v),
-                                 a.prefix_capacity);
+                                 a.prefix_capacity, a.rope_positions, a.tree_mask);
       return;
     }
   }
   attention<T>(qkv, a.cos, a.sin, a.positions, a.slots, b.k_cache.data<T>(), b.v_cache.data<T>(),
                b.q_norm.data<T>(), b.k_norm.data<T>(), att, n, H, KV, D, a.capacity, a.qk_norm, a.eps, 8,
-               a.prefix_len, b.prefix_k.data<T>(), b.prefix_v.data<T>(), a.prefix_capacity);
+               a.prefix_len, b.prefix_k.data<T>(), b.prefix_v.data<T>(), a.prefix_capacity, a.rope_positions,
+               a.tree_mask);
 }
 
 // out [n, hid] = the pre-norm decoder block applied to x [n, hid], writing this block's K/V into its cache. With
@@ -1210,7 +1253,8 @@ std::vector<paddle::Tensor> ForwardImpl(
     const Tensors& prefix_k, const Tensors& prefix_v, const paddle::Tensor& final_norm,
     const paddle::Tensor& logit_rows, const paddle::Tensor& lm_head, const paddle::Tensor& lm_screen,
     const paddle::Tensor& lm_bound, int num_heads, int num_kv_heads, int64_t capacity, bool qk_norm, double eps,
-    int64_t prefix_capacity, int64_t vocab, const std::vector<const specgen::ExpertBlock*>* moe) {
+    int64_t prefix_capacity, int64_t vocab, const std::vector<const specgen::ExpertBlock*>* moe,
+    const int64_t* tree = nullptr) {
   check_cpu(embed, "embed");
   PD_CHECK(embed.shape().size() == 2, "specgen_forward: embedding [vocab, hidden]");
   return with_activations(embed, "specgen_forward", [&](auto type) -> std::vector<paddle::Tensor> {
@@ -1222,8 +1266,12 @@ std::vector<paddle::Tensor> ForwardImpl(
              "specgen_forward: one position, slot and prefix length per token");
     PD_CHECK(final_norm.numel() == hid, "specgen_forward: final_norm must be [hidden]");
     auto hidden = paddle::empty({n, hid}, embed.dtype(), embed.place());
-    const StepInputs<T> a = step_inputs<T>(hidden, cos, sin, positions, slots, prefix_len, num_heads, num_kv_heads,
-                                           capacity, qk_norm, eps, prefix_capacity);
+    StepInputs<T> a = step_inputs<T>(hidden, cos, sin, positions, slots, prefix_len, num_heads, num_kv_heads,
+                                     capacity, qk_norm, eps, prefix_capacity);
+    if (tree != nullptr) {  // [2 n]: positions, then masks
+      a.rope_positions = tree;
+      a.tree_mask = reinterpret_cast<const uint64_t*>(tree + n);
+    }
     Blocks b = collect_blocks(a, hid, attn_norm, w_qkv, b_qkv, w_o, b_o, mlp_norm, w_gu, b_gu, w_down, b_down,
                               k_cache, v_cache, q_norm, k_norm, prefix_k, prefix_v);
     if (moe != nullptr) {
@@ -1437,22 +1485,23 @@ std::vector<paddle::Tensor> Unbind(const paddle::Tensor& handle) {
 }
 
 // index int64 [4 n + m]: the n tokens' ids, positions, slots and prefix lengths, then the m logit rows (one
-// tensor instead of five: each costs ~25 us to make on the Python side); lm_screen / lm_bound as specgen_forward's
-// (empty: the logits).
+// tensor instead of five: each costs ~25 us to make on the Python side); with `tree` [6 n + m]: the tokens' tree
+// positions and masks after the prefix lengths (StepInputs); lm_screen / lm_bound as specgen_forward's (empty: the
+// logits).
 std::vector<paddle::Tensor> ForwardBound(const paddle::Tensor& index, const paddle::Tensor& lm_screen,
                                          const paddle::Tensor& lm_bound, int64_t num_tokens, int64_t weights,
                                          int64_t caches, int num_heads, int num_kv_heads, int64_t capacity,
-                                         bool qk_norm, double eps, int64_t prefix_capacity, int64_t vocab) {
+                                         bool qk_norm, double eps, int64_t prefix_capacity, int64_t vocab, bool tree) {
   check_cpu(index, "index");
-  const int64_t n = num_tokens;
+  const int64_t n = num_tokens, parts = tree ? 6 : 4;
   PD_CHECK(index.dtype() == paddle::DataType::INT64 && index.shape().size() == 1 && n >= 0 &&
-               index.numel() >= 4 * n,
-           "specgen_forward_bound: int64 index [4 num_tokens + num_logit_rows]");
+               index.numel() >= parts * n,
+           "specgen_forward_bound: int64 index [4 (6 with trees) num_tokens + num_logit_rows]");
   auto part = [&](int64_t begin, int64_t end) {  // a view of index[begin, end) (Tensor::slice refuses empty ones)
     return begin < end ? index.slice(begin, end) : paddle::empty({0}, paddle::DataType::INT64, index.place());
   };
   const paddle::Tensor token_ids = part(0, n), positions = part(n, 2 * n), slots = part(2 * n, 3 * n),
-                       prefix_len = part(3 * n, 4 * n), logit_rows = part(4 * n, index.numel());
+                       prefix_len = part(3 * n, 4 * n), logit_rows = part(parts * n, index.numel());
   std::shared_ptr<BoundWeights> w;
   std::shared_ptr<BoundCaches> c;
   {
@@ -1478,7 +1527,8 @@ std::vector<paddle::Tensor> ForwardBound(const paddle::Tensor& index, const padd
                      w->b_gu, w->w_down, w->b_down, w->cos, w->sin, positions, slots, c->k, c->v, w->q_norm, w->k_norm,
                      prefix_len, c->prefix_k, c->prefix_v, w->final_norm, logit_rows, w->lm_head, lm_screen, lm_bound,
                      num_heads, num_kv_heads, capacity, qk_norm, eps, prefix_capacity, vocab,
-                     w->experts ? &w->experts->blocks : nullptr);
+                     w->experts ? &w->experts->blocks : nullptr,
+                     tree && n ? index.data<int64_t>() + 4 * n : nullptr);
 }
 
 // An MTP head's whole pass for a step (see MtpProposer in specgen/engine/proposers/mtp.py, which runs the same
@@ -1673,5 +1723,6 @@ PD_BUILD_OP(specgen_forward_bound)
     .Inputs({"Index", "LmScreen", "LmBound"})
     .Outputs({"Logits", "Hidden", "Greedy"})
     .Attrs({"num_tokens: int64_t", "weights: int64_t", "caches: int64_t", "num_heads: int", "num_kv_heads: int",
-            "capacity: int64_t", "qk_norm: bool", "eps: double", "prefix_capacity: int64_t", "vocab: int64_t"})
+            "capacity: int64_t", "qk_norm: bool", "eps: double", "prefix_capacity: int64_t", "vocab: int64_t",
+            "tree: bool"})
     .SetKernelFn(PD_KERNEL(ForwardBound));

@@ -80,7 +80,7 @@ def prompts():
     return [[3 + i] + prefix + rng.integers(3, 250, int(n)).tolist() * 2 for i, n in enumerate(rng.integers(3, 30, 32))]
 
 
-@pytest.mark.parametrize("backend", ["reference"])
+@pytest.mark.parametrize("backend", ["fused", "reference"])
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])
 def test_trees_equal_plain(backend, mode, prompts):
     model = load_model(TINY / "llama", dtype="float64", backend=backend)

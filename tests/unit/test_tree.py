@@ -6,7 +6,6 @@ import pytest
 from specgen.engine.tree import CAUSAL, node_gains, prune, tree_layout, walk
 from specgen.engine.types import build_forward_batch
 from specgen.engine.verify import accept_lengths
-from specgen.errors import ConfigError
 
 # root -> 1 (a) -> 3 (c) -> 5 (e); root -> 2 (b) -> 4 (d); 1 -> 6 (a again: a branch sharing a token)
 PARENTS = np.array([[0, 0, 1, 2, 3, 1]])
@@ -58,7 +57,7 @@ def test_prune_and_gains():
     assert (np.diff(g[0]) <= 0).all() and g[0, 0] == 0.5 and g[0, 1] == 0.25  # the second child: (1 - a) a
 
 
-@pytest.mark.parametrize("name", ["fused64", "reference64"])
+@pytest.mark.parametrize("name", ["fused32", "fused64", "reference64"])
 def test_tree_attention_equals_each_branch_as_a_chain(tiny_models, name):
     """Every node's hidden state in one tree forward equals the last one of its branch (root .. node) fed as a
     causal chain after the same context."""
@@ -75,11 +74,8 @@ def test_tree_attention_equals_each_branch_as_a_chain(tiny_models, name):
         return cache
 
     block = np.concatenate([[context[19]], IDS[0]])
-    try:
-        out = model.forward(build_forward_batch(np.zeros(1, np.int64), np.array([19]), np.array([n]), block,
-                                                np.ones(1, bool), tree_depth=depth[0], tree_mask=mask[0]), prefilled())
-    except ConfigError as e:  # the fused kernel without trees
-        pytest.skip(str(e))
+    out = model.forward(build_forward_batch(np.zeros(1, np.int64), np.array([19]), np.array([n]), block,
+                                            np.ones(1, bool), tree_depth=depth[0], tree_mask=mask[0]), prefilled())
     tree_hidden = out.hidden.numpy()
     for i in range(n):
         branch, j = [i], i
@@ -88,4 +84,5 @@ def test_tree_attention_equals_each_branch_as_a_chain(tiny_models, name):
             branch.insert(0, j)
         chain = model.forward(build_forward_batch(np.zeros(1, np.int64), np.array([19]), np.array([len(branch)]),
                                                   block[branch], np.ones(1, bool)), prefilled())
-        assert np.allclose(chain.hidden.numpy()[-1], tree_hidden[i], rtol=0, atol=1e-12), i
+        atol = 1e-5 if name == "fused32" else 1e-12  # float32: the same keys summed in another order
+        assert np.allclose(chain.hidden.numpy()[-1], tree_hidden[i], rtol=0, atol=atol), i
