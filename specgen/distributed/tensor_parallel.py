@@ -38,32 +38,38 @@ from specgen.layers.block import block_forward
 from specgen.layers.norm import rms_norm
 from specgen.models.config import ModelConfig
 
-NEW_CACHE, FORWARD, LOGITS, CLEAR, STOP = "new_cache", "forward", "logits", "clear", "stop"
+NEW_CACHE, FORWARD, LOGITS, CACHE_CALL, STOP = "new_cache", "forward", "logits", "cache_call", "stop"
 DEATH_GRACE_SECONDS = 3.0  # after a rank's error, how long to look for a dead peer that caused it
 
 
 class Command(NamedTuple):
     """What rank 0 tells the other ranks to run (broadcast before it runs it itself)."""
 
-    kind: str  # NEW_CACHE | FORWARD | LOGITS | CLEAR | STOP
+    kind: str  # NEW_CACHE | FORWARD | LOGITS | CACHE_CALL | STOP
     cache: int  # the cache's id (-1: none)
     payload: Any  # NEW_CACHE (num_slots, max_capacity, kv_dtype, num_layers); FORWARD (ForwardBatch, logits,
-    # the shared prefix's cache id or -1); LOGITS hidden rows ndarray [rows, hidden]; CLEAR the slot
+    # the shared prefix's cache id or -1); LOGITS hidden rows ndarray [rows, hidden]; CACHE_CALL (a ShardCache
+    # method's name, its arguments)
     freed: tuple[int, ...]  # caches rank 0 has dropped since its last command
 
 
 class ShardCache(KVCache):
-    """A rank's KV cache of its KV heads, known to every rank by one id; rank 0's tells the others to clear a slot
-    when the engine clears it."""
+    """A rank's KV cache of its KV heads, known to every rank by one id. What the engine does to rank 0's cache
+    besides a forward (clear a slot, move a token tree's accepted rows) it tells the others to do to theirs."""
 
-    def __init__(self, cache_id: int, on_clear, *args, **kwargs):
+    def __init__(self, cache_id: int, mirror, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.cache_id, self.on_clear = cache_id, on_clear
+        self.cache_id, self.mirror = cache_id, mirror  # mirror(cache_id, method name, args): rank 0's; else None
 
     def clear_slot(self, slot: int) -> None:
-        if self.on_clear is not None:
-            self.on_clear(self.cache_id, slot)
+        if self.mirror is not None:
+            self.mirror(self.cache_id, "clear_slot", (slot,))
         super().clear_slot(slot)
+
+    def move_rows(self, slots: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
+        if self.mirror is not None:
+            self.mirror(self.cache_id, "move_rows", (slots, src, dst))
+        super().move_rows(slots, src, dst)
 
 
 class TensorParallelBackend:
@@ -131,15 +137,15 @@ class TensorParallelBackend:
             cache_id, self.num_caches = self.num_caches, self.num_caches + 1
             self._send(NEW_CACHE, cache_id, (num_slots, max_capacity, kv_dtype, num_layers))
         cfg = model.config
-        cache = ShardCache(cache_id, self._clear if self.rank == 0 else None,
+        cache = ShardCache(cache_id, self._mirror if self.rank == 0 else None,
                            cfg.num_layers if num_layers is None else num_layers, num_slots, model.shape.num_kv_heads,
                            cfg.head_dim, self.dtype, max_capacity, zeroed=True)
         if self.rank == 0:
             weakref.finalize(cache, self.freed.append, cache_id)
         return cache
 
-    def _clear(self, cache_id: int, slot: int) -> None:
-        self._send(CLEAR, cache_id, slot)
+    def _mirror(self, cache_id: int, method: str, args: tuple) -> None:
+        self._send(CACHE_CALL, cache_id, (method, args))
 
     def forward(self, model: ModelView, batch: ForwardBatch, cache: ShardCache, logits: bool = True) -> ForwardOutput:
         prefix = cache.prefix.cache_id if cache.prefix is not None else -1
@@ -220,8 +226,9 @@ def follow(model: Any, backend: TensorParallelBackend) -> dict[str, int]:
             backend.forward(model, batch, cache, logits)
         elif cmd.kind == LOGITS:
             backend.logits(model, paddle.to_tensor(cmd.payload))
-        elif cmd.kind == CLEAR:
-            caches[cmd.cache].clear_slot(cmd.payload)
+        elif cmd.kind == CACHE_CALL:
+            method, args = cmd.payload
+            getattr(caches[cmd.cache], method)(*args)
     return shard_memory(caches.get(0))
 
 
