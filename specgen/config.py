@@ -181,12 +181,28 @@ class NgramConfig:
     max: int = opt(3, "Longest tail looked up (a longer match wins).")
     pool: int = opt(1 << 20, "Tokens of finished requests' text searched for drafts too (0: each request's own text "
                              "only).")
+    branches: int = opt(1, "Distinct continuations drafted at once as a token tree, verified in one forward (1: a "
+                           "chain; a tree drafts from the slot's own text only).")
+    tree_choices: tuple[str, ...] = opt((), "A static tree shape (Medusa's choices): the paths kept, each the ranks "
+                                            "of its nodes among their siblings, comma-joined (0 0,0 1 0,1); "
+                                            "repeat the option per path. Empty: every branch.")
 
     def __post_init__(self) -> None:
         if not 1 <= self.min <= self.max:
             raise ConfigError(f"ngram needs 1 <= min <= max, got {self.min}, {self.max}")
         if self.pool < 0:
             raise ConfigError(f"ngram pool must be >= 0 tokens (0: no pool), got {self.pool}")
+        if not 1 <= self.branches <= 8:
+            raise ConfigError(f"ngram branches must be in [1, 8] (1: a chain), got {self.branches}")
+        for path in self.tree_choices:
+            ranks = str(path).split(",")
+            if not all(r.strip().isdigit() and int(r) < self.branches for r in ranks) or len(ranks) > 5:
+                raise ConfigError(f"ngram tree_choices: {path!r} is not a path of at most 5 comma-joined sibling "
+                                  f"ranks, each below branches ({self.branches}), e.g. 0,1")
+
+    def tree_paths(self) -> tuple[tuple[int, ...], ...]:
+        """tree_choices as paths of ints."""
+        return tuple(tuple(int(r) for r in str(path).split(",")) for path in self.tree_choices)
 
 
 @dataclass(frozen=True)

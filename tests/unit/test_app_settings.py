@@ -70,7 +70,7 @@ def test_bad_speculative_json(value, fragment):
 
 @pytest.mark.parametrize("text,fragment", [
     ("sampling:\n  max_token: 3\n", "sampling: unknown key(s) max_token (valid: ignore_eos, max_tokens"),
-    ("speculative:\n  ngram:\n    maximum: 3\n", "speculative.ngram: unknown key(s) maximum (valid: max, min, pool)"),
+    ("speculative:\n  ngram:\n    maximum: 3\n", "speculative.ngram: unknown key(s) maximum (valid: branches, max, min, pool, tree_choices)"),
     ("decoding:\n  x: 1\n", "unknown section(s) decoding (valid: sampling, engine, speculative, parallel)"),
     ("max_tokens: 3\n", "unknown section(s) max_tokens"),
     ("sampling: [1, 2]\n", "section 'sampling' must be a mapping"),

@@ -86,3 +86,29 @@ def test_tree_attention_equals_each_branch_as_a_chain(tiny_models, name):
                                                   block[branch], np.ones(1, bool)), prefilled())
         atol = 1e-5 if name == "fused32" else 1e-12  # float32: the same keys summed in another order
         assert np.allclose(chain.hidden.numpy()[-1], tree_hidden[i], rtol=0, atol=atol), i
+
+
+def test_ngram_tree_hand_worked():
+    """Tail "1 2" occurs three times: 3 7 1 (most recent), 5 6 1, 3 4 1; the first and last share their 3."""
+    from specgen.engine.proposers.ngram_tree import ngram_tree, path_keys
+
+    text = np.array([[1, 2, 3, 4, 1, 2, 5, 6, 1, 2, 3, 7, 1, 2, 0, 0]])
+    d = ngram_tree(text, np.array([14]), np.array([5]), 3, 1, 3, 3)
+    assert d.num_draft.tolist() == [8]
+    assert d.draft_ids[0, :8].tolist() == [3, 7, 1, 5, 6, 1, 4, 1]
+    assert d.parents[0, :8].tolist() == [0, 1, 2, 0, 4, 5, 1, 7]
+    assert ngram_tree(text, np.array([14]), np.array([5]), 3, 1, 3, 1).parents[0, :3].tolist() == [0, 1, 2]  # chain
+    d = ngram_tree(text, np.array([14]), np.array([1]), 3, 1, 3, 3)  # depth 1 only: two distinct first tokens
+    assert d.draft_ids[0, : d.num_draft[0]].tolist() == [3, 5]
+    d = ngram_tree(text, np.array([14]), np.array([5]), 3, 1, 3, 3, path_keys(((0, 0), (1,))))
+    assert d.draft_ids[0, :3].tolist() == [3, 7, 5] and d.parents[0, :3].tolist() == [0, 1, 0] and d.num_draft[0] == 3
+
+
+def test_tree_choices_are_checked():
+    from specgen.config import NgramConfig
+    from specgen.errors import ConfigError
+
+    assert NgramConfig(branches=2, tree_choices=("0", "1,0")).tree_paths() == ((0,), (1, 0))
+    for bad in (("2",), ("0,x",), ("0,0,0,0,0,0",)):
+        with pytest.raises(ConfigError, match="tree_choices"):
+            NgramConfig(branches=2, tree_choices=bad)

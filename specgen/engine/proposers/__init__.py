@@ -16,7 +16,7 @@ def _ngram(spec: SpecConfig, model: Model, lib, main) -> Proposer:
     from specgen.engine.proposers.ngram import NgramProposer
 
     c = spec.ngram
-    return NgramProposer(spec.num_speculative_tokens, c.min, c.max, c.pool, lib)
+    return NgramProposer(spec.num_speculative_tokens, c.min, c.max, c.pool, lib, c.branches, c.tree_paths())
 
 
 def _mtp(spec: SpecConfig, model: Model, lib, main) -> Proposer:

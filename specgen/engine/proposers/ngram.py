@@ -18,6 +18,7 @@ import numpy as np
 from specgen.engine.adaptive.estimator import PRIOR_HITS, PRIOR_SEEN, AcceptanceEstimator
 from specgen.engine.proposers.base import SlotView
 from specgen.engine.proposers.ngram_pool import NgramPool
+from specgen.engine.proposers.ngram_tree import ngram_tree, path_keys
 from specgen.engine.types import DraftTokens, StepUpdate
 from specgen.kernels import host
 
@@ -98,9 +99,13 @@ class NgramProposer:
     # most of the time (summarization: 0.1) would lower the slot's acceptance estimate, and with it k for the
     # slot's good own-text drafts
 
-    def __init__(self, k: int, n_min: int, n_max: int, pool_capacity: int = 0, lib=None):
-        """lib: ngram.cc's library (specgen.kernels.host_lib()); None runs the numpy reference."""
+    def __init__(self, k: int, n_min: int, n_max: int, pool_capacity: int = 0, lib=None, branches: int = 1,
+                 tree_paths: tuple[tuple[int, ...], ...] = ()):
+        """lib: ngram.cc's library (specgen.kernels.host_lib()); None runs the numpy reference. branches > 1:
+        token trees of that many continuations (ngram_tree.py), shaped by tree_paths when given."""
         self.k, self.n_min, self.n_max = k, n_min, n_max
+        self.branches = branches
+        self.tree_choices = path_keys(tree_paths) if tree_paths else None
         self.pool = NgramPool(pool_capacity, n_min, n_max) if pool_capacity > 0 else None
         # keyed by match length; its arrays are only ever updated in place: ngram.cc reads them by address
         self.sources = AcceptanceEstimator(2, n_max + 1, self.SOURCE_DECAY)
@@ -119,6 +124,10 @@ class NgramProposer:
         self._pending = None
         if len(view.slots) == 0:
             return DraftTokens(np.zeros((0, self.k), np.int64), np.zeros(0, np.int64))
+        if self.branches > 1:
+            width = int(view.seq_lens.max())
+            return ngram_tree(view.tokens[view.slots, :width], view.seq_lens, view.max_draft, self.k, self.n_min,
+                              self.n_max, self.branches, self.tree_choices)
         if self._lib is None:
             return self.propose_reference(view)
         if self.pool is None or not self.pool.written:
