@@ -9,7 +9,7 @@ from specgen.engine.types import RequestOutput
 FIELDS = (
     "id", "text", "token_ids", "finish_reason", "num_prompt_tokens", "num_output_tokens", "num_steps",
     "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "acceptance_rate",
-    "mean_accepted_length", "accepted_per_position", "num_prefill_chunks", "num_cached_prompt_tokens", "method",
+    "mean_accepted_length", "accepted_per_position", "drafted_per_position", "num_prefill_chunks", "num_cached_prompt_tokens", "method",
     "error",
 )
 
@@ -33,6 +33,7 @@ def arrow_schema():
         ("acceptance_rate", pa.float64()),
         ("mean_accepted_length", pa.float64()),
         ("accepted_per_position", pa.list_(i64)),
+        ("drafted_per_position", pa.list_(i64)),
         ("num_prefill_chunks", i64),
         ("num_cached_prompt_tokens", i64),
         ("method", pa.string()),
@@ -51,6 +52,7 @@ def result_record(out: RequestOutput, spec: SpecConfig, error: str | None = None
     if out.error is not None:
         return error_record(out.id, error or out.error, spec, out.num_prompt_tokens)
     per_pos = list(s.accepted_per_position or [])[: num_positions(spec)]
+    drafted = list(s.drafted_per_position or [])[: num_positions(spec)]
     return {
         "id": out.id,
         "text": out.text,
@@ -65,6 +67,7 @@ def result_record(out: RequestOutput, spec: SpecConfig, error: str | None = None
         "acceptance_rate": s.acceptance_rate,
         "mean_accepted_length": s.mean_accepted_length,
         "accepted_per_position": [int(x) for x in per_pos],
+        "drafted_per_position": [int(x) for x in drafted],
         "num_prefill_chunks": s.num_prefill_chunks,
         "num_cached_prompt_tokens": s.num_cached_prompt_tokens,
         "method": spec.method.value,
@@ -89,6 +92,7 @@ def error_record(record_id: str, message: str, spec: SpecConfig,
         "acceptance_rate": None,
         "mean_accepted_length": None,
         "accepted_per_position": [],
+        "drafted_per_position": [],
         "num_prefill_chunks": 0,
         "num_cached_prompt_tokens": 0,
         "method": spec.method.value,

@@ -37,6 +37,9 @@ class Summary:
     # per routed block the busiest expert's tokens over the mean expert's, averaged over the blocks (1.0: even).
     expert_tokens: list[int] | None = None
     expert_load_max_over_mean: float | None = None
+    # [i]: steps in which draft position i (a token tree's depth i + 1) was accepted / steps that verified a draft
+    # there: each depth's own acceptance (records without drafted_per_position add nothing)
+    per_depth_acceptance: list[float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -58,6 +61,7 @@ class SummaryAccumulator:
     num_prefill_chunks: int = 0
     num_cached_prompt_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
     methods: dict[str, None] = field(default_factory=dict)  # insertion-ordered set
 
     def add(self, record: dict[str, Any]) -> None:
@@ -76,11 +80,8 @@ class SummaryAccumulator:
         self.num_emitted_tokens += record["num_emitted_tokens"]
         self.num_prefill_chunks += record.get("num_prefill_chunks") or 0  # absent in files from before chunking
         self.num_cached_prompt_tokens += record.get("num_cached_prompt_tokens") or 0
-        per_pos = record.get("accepted_per_position") or []
-        if len(per_pos) > len(self.accepted_per_position):
-            self.accepted_per_position.extend([0] * (len(per_pos) - len(self.accepted_per_position)))
-        for i, n in enumerate(per_pos):
-            self.accepted_per_position[i] += n
+        _add_lists(self.accepted_per_position, record.get("accepted_per_position") or [])
+        _add_lists(self.drafted_per_position, record.get("drafted_per_position") or [])  # absent before trees
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -114,7 +115,16 @@ class SummaryAccumulator:
             kv_cache_bytes_unshared=kv_cache_bytes_unshared,
             expert_tokens=expert_tokens.sum(axis=0).tolist() if expert_tokens is not None else None,
             expert_load_max_over_mean=load,
+            per_depth_acceptance=[a / d if d else 0.0 for a, d in zip(self.accepted_per_position,
+                                                                      self.drafted_per_position)] or None,
         )
+
+
+def _add_lists(total: list[int], counts: list[int]) -> None:
+    """total[i] += counts[i], total grown to counts' length."""
+    total.extend([0] * (len(counts) - len(total)))
+    for i, n in enumerate(counts):
+        total[i] += n
 
 
 def summarize(records: Iterable[dict[str, Any]], wall_time_s: float | None = None) -> Summary:

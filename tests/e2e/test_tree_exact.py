@@ -7,6 +7,7 @@ from conftest import TINY
 
 from specgen import EngineConfig, NgramConfig, SamplingParams, SpecConfig, generate, load_model
 from specgen.engine.types import DraftTokens, Request
+from specgen.io.schema import result_record
 
 
 class OracleTree:
@@ -96,6 +97,14 @@ def test_trees_equal_plain(backend, mode, prompts):
         assert [o.token_ids for o in out] == [plain[i].token_ids for i in picked], (batch, shared, chunk)
         assert [o.finish_reason for o in out] == [plain[i].finish_reason for i in picked]
         assert sum(o.stats.num_accepted_tokens for o in out) > 0
+        for o in out:  # statistics: nodes verified, acceptance per depth
+            s = o.stats
+            assert s.num_emitted_tokens == s.num_accepted_tokens + s.num_steps == len(o.token_ids)
+            assert sum(s.accepted_per_position) == s.num_accepted_tokens
+            assert all(a <= d for a, d in zip(s.accepted_per_position, s.drafted_per_position))
+            assert sum(s.drafted_per_position) <= s.num_draft_tokens  # nodes, every branch's
+        record = result_record(out[0], SpecConfig(method="ngram", num_speculative_tokens=5))
+        assert record["drafted_per_position"] == out[0].stats.drafted_per_position
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
