@@ -64,10 +64,12 @@ def _sampling(n, mode):
                            seed=7 + i) for i in range(n)]
 
 
-def _run(model, prompts, sampling, engine, proposer=None, adaptive=False, ids=None):
+def _run(model, prompts, sampling, engine, proposer=None, adaptive=False, ids=None, eos=None):
     from specgen.engine.engine import Engine
 
     eng = Engine(model.model, model.tokenizer, engine, proposer, adaptive=adaptive)
+    if eos is not None:  # a token the model emits often stands for EOS
+        eng.eos_ids = np.array([eos], np.int64)
     ids = ids or range(len(prompts))
     reqs = [Request(str(ids[i]), i, tuple(p), sampling[i]) for i, p in enumerate(prompts)]
     return sorted(eng.run(reqs), key=lambda o: o.index)
@@ -120,3 +122,18 @@ def test_ngram_trees_equal_plain(tiny_model64, prompts, adaptive):
         assert [o.token_ids for o in out] == [o.token_ids for o in plain]
         if not adaptive:  # (the tiny random model seldom repeats itself: acceptance is the oracle test's)
             assert sum(o.stats.num_draft_tokens for o in out) > 0
+
+
+def test_tree_reaching_eos_and_max_tokens(tiny_model64, prompts):
+    """Trees that run on past an EOS inside them (the oracle knows the text as if EOS were not one) and trees as
+    deep as the tokens left: cut where plain decoding stops."""
+    sp = [SamplingParams(max_tokens=8 + i % 9) for i in range(len(prompts))]
+    engine = EngineConfig(batch_size=32, dtype="float64")
+    free = _run(tiny_model64, prompts, sp, engine)
+    eos = int(np.bincount(np.concatenate([o.token_ids[1:] for o in free])).argmax())  # inside many outputs
+    plain = _run(tiny_model64, prompts, sp, engine, eos=eos)
+    assert sum(o.finish_reason == "stop" for o in plain) >= 2
+    full = {tuple(p): list(p) + o.token_ids for p, o in zip(prompts, free)}
+    out = _run(tiny_model64, prompts, sp, engine, OracleTree(full, 5, p_right=0.9), eos=eos)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    assert [o.finish_reason for o in out] == [o.finish_reason for o in plain]
