@@ -1,10 +1,10 @@
 """The learned drafters against plain decoding, n-gram and their oracle bounds: Spec-Bench categories and MBPP
 rewriting, side by side in one run.
 
-    python benchmarks/learned.py --mtp-multi DIR --draft DIR [--sets ...] [--batch-sizes 1 32]
+    python benchmarks/learned.py --mtp-multi DIR --draft DIR [DIR ...] [--sets ...] [--batch-sizes 1 32]
 
 Arms: none, ngram (k = --k), mtp (the shipped head, chained, k = 2), mtp-N (a multi-layer head, `specgen train-mtp
---num-layers N`; k = N), draft (a draft model, `specgen make-draft --data`; k = --k). Greedy, the default model.
+--num-layers N`; k = N), draft NAME (draft models, `specgen make-draft --data`; k = --k). Greedy, the default model.
 Per set and batch size every arm runs --repeats times, alternated with the others after a warm-up; tok/s are
 medians and speedup the median of the per-repeat ratios to `none`; outputs are checked identical to `none`'s.
 
@@ -107,7 +107,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--mtp-multi", type=Path, default=None, help="a multi-layer MTP head (train-mtp --num-layers)")
-    ap.add_argument("--draft", type=Path, default=None, help="a draft model (make-draft)")
+    ap.add_argument("--draft", type=Path, nargs="*", default=[], help="draft models (make-draft)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     from specgen import Method, SamplingParams, SpecConfig, load_model
@@ -121,9 +121,9 @@ def main() -> None:
     if args.mtp_multi:
         n = len({k for k in load_mtp_weights(args.mtp_multi) if k.endswith("eh_proj.weight")})
         arms[f"mtp-{n}"] = SpecConfig(method=Method.MTP, num_speculative_tokens=n, draft_model=str(args.mtp_multi))
-    if args.draft:
-        arms["draft"] = SpecConfig(method=Method.DRAFT_MODEL, num_speculative_tokens=args.k,
-                                   draft_model=str(args.draft))
+    for path in args.draft:
+        arms[f"draft {path.name}"] = SpecConfig(method=Method.DRAFT_MODEL, num_speculative_tokens=args.k,
+                                                draft_model=str(path))
     learned = [a for a in arms if a not in ("none", "ngram")]
     biggest = max(args.per_category, args.prompts_at_batch if max(args.batch_sizes) > 1 else 0)
     sets = load_sets(biggest, biggest)
