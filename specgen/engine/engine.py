@@ -309,7 +309,9 @@ class Engine:
                 0 if drafts.source is None else drafts.source, dec))
             num_draft = np.minimum(num_avail, self.controller.choose(dec, num_avail, int(chunk.sum()), drafts.source,
                                                                      gains))
-        width = int(num_draft.max(initial=0))  # the step's widest tree
+        # every node offered stays in the plan: the controller scores the tree's main chain against what came out
+        # even where it verified fewer nodes (shadow acceptance; with none kept, a budget of 0 would stick)
+        width = int(num_avail.max(initial=0))
         drafts = DraftTokens(ids[:, :width], num_draft, drafts.source, parents[:, :width])
         depth, mask = tree_layout(drafts.parents)
         return StepPlan(dec, new, chunk, t.prefill_pos[new] + chunk == t.prompt_len[new], room, drafts, num_avail,

@@ -22,15 +22,22 @@ def tree_layout(
     included: depth 0 at the root; mask bit b set where the row b back is the token itself or an ancestor (bits
     past the root: the committed context, visible). Entries of nodes past a slot's count are harmless filler."""
     num_seqs, width = parents.shape
-    rows = np.arange(num_seqs)
+    rows = np.arange(num_seqs)[:, None]
+    index = np.arange(1, width + 1)[None, :]
+    p = np.clip(parents, 0, index - 1)  # [num_seqs, width]
+    shift = (index - p).astype(np.uint64)
     depth = np.zeros((num_seqs, width + 1), np.int64)
     back = np.zeros((num_seqs, width + 1), np.uint64)
     back[:, 0] = CAUSAL.astype(np.uint64)
-    for i in range(1, width + 1):  # over block indices (<= MAX_TREE_NODES), every slot at once
-        p = np.clip(parents[:, i - 1], 0, i - 1)  # [num_seqs]
-        depth[:, i] = depth[rows, p] + 1
+    # every node from its parent's values at once; after d rounds the nodes at depth <= d are final, so the
+    # rounds stop one after the deepest (a chain of MAX_DRAFT: 6 rounds, however wide the tree)
+    for _ in range(width):
+        new_depth = depth[rows, p] + 1
         # the parent's visible rows, seen from i - p rows further on, and the node itself
-        back[:, i] = (back[rows, p] << (i - p).astype(np.uint64)) | _ONE
+        new_back = (back[rows, p] << shift) | _ONE
+        if np.array_equal(new_depth, depth[:, 1:]) and np.array_equal(new_back, back[:, 1:]):
+            break
+        depth[:, 1:], back[:, 1:] = new_depth, new_back
     return depth, back.view(np.int64)
 
 

@@ -137,3 +137,38 @@ def test_tree_reaching_eos_and_max_tokens(tiny_model64, prompts):
     out = _run(tiny_model64, prompts, sp, engine, OracleTree(full, 5, p_right=0.9), eos=eos)
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
     assert [o.finish_reason for o in out] == [o.finish_reason for o in plain]
+
+
+def test_budget_zero_keeps_the_tree_for_shadow_acceptance(tiny_model64, prompts):
+    """A node budget of 0 verifies nothing, yet the controller still sees every offered node's main chain (else
+    a slot whose budget fell to 0 would never be measured again)."""
+    from specgen.engine.engine import Engine
+
+    sp = [SamplingParams(max_tokens=6)] * 3
+    plain = _run(tiny_model64, prompts[:3], sp, EngineConfig(batch_size=3, dtype="float64"))
+    full = {tuple(p): list(p) + o.token_ids for p, o in zip(prompts, plain)}
+    eng = Engine(tiny_model64.model, None, EngineConfig(batch_size=3, dtype="float64"), OracleTree(full, 0, 12, 1.0),
+                 adaptive=True)
+    reports = []
+
+    class Zero:  # the controller's interface, choosing 0 nodes everywhere
+        acceptance = type("A", (), {"rate": staticmethod(lambda source, slots: np.full(len(slots), 0.5))})()
+
+        def choose(self, slots, num_avail, other, source=None, gains=None):
+            return np.zeros(len(slots), np.int64)
+
+        def end_step(self, report):
+            reports.append(report)
+
+        def detached(self, slots):
+            return np.zeros(len(slots), bool)
+
+        def reset(self, slot):
+            return None
+
+    eng.controller = Zero()
+    out = sorted(eng.run([Request(str(i), i, tuple(prompts[i]), sp[i]) for i in range(3)]), key=lambda o: o.index)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    assert all(o.stats.num_draft_tokens == 0 for o in out)
+    assert sum(int(r.num_avail.sum()) for r in reports) > 0  # main chains offered and scored
+    assert any((r.draft_ids[:, :1] == r.emitted[:, :1]).any() for r in reports if r.draft_ids.shape[1])
