@@ -104,16 +104,16 @@ def main() -> None:
     from specgen.api import load_model
     from specgen.config import EngineConfig, SpecConfig
     from specgen.distributed.launch import WorkerGroup
-    from specgen.distributed.tensor_parallel import RankJob, free_endpoints
+    from specgen.distributed.tensor_parallel import CommandChannel, RankJob, free_endpoints
 
     print(machine())
     fused = load_model(None, EngineConfig(threads=2, backend="fused")).model
     ref = load_model(None, EngineConfig(threads=2, backend="reference"))
     load = EngineConfig(backend="reference")
-    job = RankJob(ref.source, load, load, SpecConfig(), free_endpoints(2))
+    job = RankJob(ref.source, load, load, SpecConfig(), free_endpoints(2), CommandChannel.make(2))
     tasks = [(b, t, a.steps, a.context) for b in a.batch_sizes for t in a.tokens]
-    lone = lone_allreduce(dataclasses.replace(job, endpoints=free_endpoints(2)), sorted({b * t for b, t, _, _ in tasks}),
-                          ref.config.hidden_size)
+    lone = lone_allreduce(dataclasses.replace(job, endpoints=free_endpoints(2), commands=CommandChannel.make(2)),
+                          sorted({b * t for b, t, _, _ in tasks}), ref.config.hidden_size)
     best: dict[tuple, dict[str, tuple]] = {task: {} for task in tasks}
     with WorkerGroup(rank_main, job, [1, 1], "tensor-parallel rank") as group:
         group.wait_ready()

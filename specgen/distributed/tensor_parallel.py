@@ -3,12 +3,13 @@ summed with paddle.distributed collectives (gloo on the CPU, NCCL on GPUs).
 
 Rank 0 is the engine: it schedules, drafts (n-gram; the MTP head and draft model run there beside the full model,
 replicated rather than sharded), samples, verifies and sends each output to the parent, which writes it. Every
-forward it runs is first broadcast to the other ranks (a Command: the packed batch and which cache), which run
-their shard of it; the all-reduces inside the blocks then meet. Only rank 0 chooses tokens, from logits gathered
+forward it runs is first sent to the other ranks (a Command: the packed batch and which cache), which run their
+shard of it; the all-reduces inside the blocks then meet. Only rank 0 chooses tokens, from logits gathered
 over the vocabulary shards, so no rank can disagree about a token: the next forward's batch carries it."""
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing as mp
 import os
 import socket
 import sys
@@ -43,7 +44,7 @@ DEATH_GRACE_SECONDS = 3.0  # after a rank's error, how long to look for a dead p
 
 
 class Command(NamedTuple):
-    """What rank 0 tells the other ranks to run (broadcast before it runs it itself)."""
+    """What rank 0 tells the other ranks to run (sent before it runs it itself)."""
 
     kind: str  # NEW_CACHE | FORWARD | LOGITS | CACHE_CALL | STOP
     cache: int  # the cache's id (-1: none)
@@ -51,6 +52,28 @@ class Command(NamedTuple):
     # the shared prefix's cache id or -1); LOGITS hidden rows ndarray [rows, hidden]; CACHE_CALL (a ShardCache
     # method's name, its arguments)
     freed: tuple[int, ...]  # caches rank 0 has dropped since its last command
+
+
+class CommandChannel:
+    """Rank 0's Commands to the other ranks, over one multiprocessing queue per rank (not a paddle.distributed
+    broadcast: a rank waiting for its next command waits as long as rank 0 takes, loading a drafter or waiting for
+    input, and gloo ends a collective that waited 30 s)."""
+
+    def __init__(self, queues: tuple[Any, ...], rank: int):
+        self.queues, self.rank = queues, rank  # queues[r]: rank r's (queues[0] is None)
+
+    @classmethod
+    def make(cls, world_size: int) -> tuple[Any, ...]:
+        """The queues for a group of world_size ranks (passed to each rank in its RankJob)."""
+        ctx = mp.get_context("spawn")
+        return (None, *(ctx.Queue() for _ in range(world_size - 1)))
+
+    def send(self, cmd: Command) -> None:
+        for q in self.queues[1:]:
+            q.put(cmd)
+
+    def receive(self) -> Command:
+        return self.queues[self.rank].get()
 
 
 class ShardCache(KVCache):
@@ -75,15 +98,15 @@ class ShardCache(KVCache):
 class TensorParallelBackend:
     """One rank's part of every forward: the reference backend's operators over its shard, with a sum over the
     ranks after each block's o and down products and after the embedding, and logits gathered over the
-    vocabulary. Rank 0's calls broadcast themselves first (Command); the others' come from `follow`."""
+    vocabulary. Rank 0's calls send themselves to the other ranks first (Command); theirs come from `follow`."""
 
     name = "tensor-parallel"
     keeps_blocks = False
     int8_product = False
 
-    def __init__(self, engine: EngineConfig, rank: int, world_size: int):
+    def __init__(self, engine: EngineConfig, rank: int, world_size: int, channel: CommandChannel):
         self.engine, self.dtype = engine, engine.dtype
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.channel = rank, world_size, channel
         self.shard: RankShard | None = None  # set by prepare
         self.num_caches = 0
         self.freed: list[int] = []
@@ -95,12 +118,7 @@ class TensorParallelBackend:
     def _send(self, kind: str, cache: int, payload: Any) -> None:
         if self.rank == 0:
             freed, self.freed = tuple(self.freed), []
-            paddle.distributed.broadcast_object_list([Command(kind, cache, payload, freed)], src=0)
-
-    def receive(self) -> Command:
-        box: list[Any] = [None]
-        paddle.distributed.broadcast_object_list(box, src=0)
-        return box[0]
+            self.channel.send(Command(kind, cache, payload, freed))
 
     def all_reduce(self, x: paddle.Tensor) -> paddle.Tensor:
         start = time.perf_counter()
@@ -211,10 +229,10 @@ class TensorParallelBackend:
 
 
 def follow(model: Any, backend: TensorParallelBackend) -> dict[str, int]:
-    """A rank other than 0: run each Command rank 0 broadcasts until STOP; returns its KV caches' peak (as
+    """A rank other than 0: run each Command rank 0 sends until STOP; returns its KV caches' peak (as
     Engine.memory counts the engine's cache: id 0, the first made)."""
     caches: dict[int, ShardCache] = {}
-    while (cmd := backend.receive()).kind != STOP:
+    while (cmd := backend.channel.receive()).kind != STOP:
         for cache_id in cmd.freed:
             caches.pop(cache_id, None)
         if cmd.kind == NEW_CACHE:
@@ -249,6 +267,7 @@ class RankJob:
     engine: EngineConfig  # the job's batch settings (rank 0's engine)
     spec: SpecConfig
     endpoints: tuple[str, ...]  # [world_size] host:port of each rank
+    commands: tuple[Any, ...]  # [world_size] CommandChannel.make's queues
 
 
 def join_group(rank: int, job: RankJob) -> str:
@@ -299,7 +318,8 @@ def load_rank(job: RankJob, rank: int, world_size: int, threads: int) -> tuple[A
     load = dataclasses.replace(job.load, threads=threads)
     paddle.base.core.set_num_threads(load.num_threads())
     ckpt = load_checkpoint(job.model, load.cache_root(), load.quantization)
-    return Model(ckpt, TensorParallelBackend(load, rank, world_size)), ckpt, load
+    backend = TensorParallelBackend(load, rank, world_size, CommandChannel(job.commands, rank))
+    return Model(ckpt, backend), ckpt, load
 
 
 def serve_rank(worker: Worker, job: RankJob) -> dict[str, int]:
@@ -339,8 +359,13 @@ def free_endpoints(n: int) -> tuple[str, ...]:
             s.close()
 
 
-def check_engine(engine: EngineConfig) -> None:
-    """The ranks run the reference backend's operators over float weights."""
+def check_engine(engine: EngineConfig, num_ranks: int) -> None:
+    """The ranks run the reference backend's operators over float weights, on the CPU or one GPU each."""
+    from specgen.backends import resolve_device
+
+    if resolve_device(engine.device) == "gpu" and paddle.device.cuda.device_count() < num_ranks:
+        raise ConfigError(f"--tensor-parallel-size {num_ranks} on GPUs needs one GPU per rank; "
+                          f"{paddle.device.cuda.device_count()} are visible")
     if engine.backend == "fused":
         raise ConfigError("--tensor-parallel-size runs the reference backend (the fused CPU forward is one operator "
                           "over all layers, with no sum between them); use --backend auto or reference")
@@ -358,12 +383,14 @@ class TensorParallelEngine(DataParallelEngine):
     def __init__(self, model: str, load: EngineConfig, engine: EngineConfig, spec: SpecConfig, num_ranks: int,
                  config: ModelConfig):
         check_tensor_parallel(config, num_ranks)
-        check_engine(load)
+        check_engine(load, num_ranks)
         threads, _ = worker_engines(engine, num_ranks)
         kv = [len(plan_shard(config, r, num_ranks).kv_heads) for r in range(num_ranks)]
         budget = engine.kv_memory_limit() or int(0.9 * available_memory())
         rank0 = dataclasses.replace(engine, max_kv_memory=str(max(budget * kv[0] // sum(kv), 1)))
-        job = RankJob(model, load, rank0, spec, free_endpoints(num_ranks))
+        # held here: a started Process drops its arguments, and a queue the parent drops is gone for the child
+        self.commands = CommandChannel.make(num_ranks)
+        job = RankJob(model, load, rank0, spec, free_endpoints(num_ranks), self.commands)
         self.group = WorkerGroup(serve_rank, job, threads, "tensor-parallel rank")
         self.max_in_flight = 2 * engine.batch_size
 
