@@ -19,6 +19,7 @@ class Method(str, enum.Enum):
     NGRAM = "ngram"
     MTP = "mtp"
     DRAFT_MODEL = "draft_model"
+    MEDUSA = "medusa"
 
     @classmethod
     def parse(cls, value: str | "Method") -> "Method":
@@ -194,15 +195,42 @@ class NgramConfig:
             raise ConfigError(f"ngram pool must be >= 0 tokens (0: no pool), got {self.pool}")
         if not 1 <= self.branches <= 8:
             raise ConfigError(f"ngram branches must be in [1, 8] (1: a chain), got {self.branches}")
-        for path in self.tree_choices:
-            ranks = str(path).split(",")
-            if not all(r.strip().isdigit() and int(r) < self.branches for r in ranks) or len(ranks) > 5:
-                raise ConfigError(f"ngram tree_choices: {path!r} is not a path of at most 5 comma-joined sibling "
-                                  f"ranks, each below branches ({self.branches}), e.g. 0,1")
+        tree_paths(self.tree_choices, self.branches, "ngram tree_choices", "branches")
 
     def tree_paths(self) -> tuple[tuple[int, ...], ...]:
         """tree_choices as paths of ints."""
-        return tuple(tuple(int(r) for r in str(path).split(",")) for path in self.tree_choices)
+        return tree_paths(self.tree_choices, self.branches, "ngram tree_choices", "branches")
+
+
+def tree_paths(choices: tuple[str, ...], max_rank: int, what: str, bound: str) -> tuple[tuple[int, ...], ...]:
+    """A static tree shape's paths (each comma-joined sibling ranks, at most 5, each below max_rank) as ints."""
+    out = []
+    for path in choices:
+        ranks = str(path).split(",")
+        if not all(r.strip().isdigit() and int(r) < max_rank for r in ranks) or len(ranks) > 5:
+            raise ConfigError(f"{what}: {path!r} is not a path of at most 5 comma-joined sibling ranks, each below "
+                              f"{bound} ({max_rank}), e.g. 0,1")
+        out.append(tuple(int(r) for r in ranks))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    """--method medusa: Medusa heads (--draft-model: the public layout) draft a token tree of a static shape."""
+
+    topk: int = opt(3, "Guesses kept per head: the most siblings a node can have.")
+    tree_choices: tuple[str, ...] = opt(("0", "1", "2", "0,0", "0,1", "1,0", "0,0,0", "0,0,1", "0,1,0", "1,0,0",
+                                         "0,0,0,0", "0,0,0,0,0"),
+                                        "The tree's paths (Medusa's choices): each the ranks of its nodes' guesses "
+                                        "at heads 1, 2, ..., comma-joined; repeat the option per path.")
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.topk <= 16:
+            raise ConfigError(f"medusa topk must be in [1, 16], got {self.topk}")
+        tree_paths(self.tree_choices, self.topk, "medusa tree_choices", "topk")
+
+    def tree_paths(self) -> tuple[tuple[int, ...], ...]:
+        return tree_paths(self.tree_choices, self.topk, "medusa tree_choices", "topk")
 
 
 @dataclass(frozen=True)
@@ -229,7 +257,7 @@ class SpecConfig:
     """Speculative decoding: the method, its bound on drafts per step (FastDeploy's 1..5) and each method's
     own section."""
 
-    method: Method = opt(Method.NONE, "Speculative method: none | ngram | mtp | draft_model.")
+    method: Method = opt(Method.NONE, "Speculative method: none | ngram | mtp | draft_model | medusa.")
     num_speculative_tokens: int = opt(3, "Draft tokens per step at most, 1..5.")
     adaptive: bool = opt(True, "Choose each slot's drafts per step (0 included) from measured step costs and "
                                "acceptance; off: verify every draft offered.")
@@ -238,17 +266,21 @@ class SpecConfig:
                                         "one), for mtp an MTP head (as --mtp-model).")
     ngram: NgramConfig = opt(help="n-gram drafting.", factory=NgramConfig)
     mtp: MtpConfig = opt(help="MTP drafting.", factory=MtpConfig)
+    medusa: MedusaConfig = opt(help="Medusa heads' token trees.", factory=MedusaConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Method.parse(self.method))
         if not 1 <= self.num_speculative_tokens <= 5:
             raise ConfigError(f"num_speculative_tokens must be in 1..5, got {self.num_speculative_tokens}")
-        for name, cls in (("ngram", NgramConfig), ("mtp", MtpConfig)):
+        for name, cls in (("ngram", NgramConfig), ("mtp", MtpConfig), ("medusa", MedusaConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"speculative.{name} must be a {cls.__name__}")
         if self.method is Method.DRAFT_MODEL and not self.draft_model:
             raise ConfigError("--method draft_model needs --draft-model PATH (an HF directory or .gguf with the main "
                               "model's vocabulary; `specgen make-draft` builds one from the main model)")
+        if self.method is Method.MEDUSA and not self.draft_model:
+            raise ConfigError("--method medusa needs --draft-model PATH (Medusa heads: a directory with "
+                              "medusa_lm_head.safetensors)")
 
 
 RAY_LOCAL = "local"  # ParallelConfig.ray: start a Ray instance on this machine
@@ -280,7 +312,7 @@ class ParallelConfig:
 
 
 # The SpecConfig section holding each method's own settings (a method without one has none).
-METHOD_SECTIONS: dict[Method, str] = {Method.NGRAM: "ngram", Method.MTP: "mtp"}
+METHOD_SECTIONS: dict[Method, str] = {Method.NGRAM: "ngram", Method.MTP: "mtp", Method.MEDUSA: "medusa"}
 
 
 def _nested_type(cls: type, name: str) -> type | None:
@@ -311,5 +343,5 @@ def from_mapping(cls: type, values: dict[str, Any], where: str) -> Any:
         raise ConfigError(f"{where}: {exc}") from None
 
 
-__all__ = ["Method", "SamplingParams", "EngineConfig", "SpecConfig", "NgramConfig", "MtpConfig", "ParallelConfig", "METHOD_SECTIONS",
+__all__ = ["Method", "SamplingParams", "EngineConfig", "SpecConfig", "NgramConfig", "MtpConfig", "MedusaConfig", "ParallelConfig", "METHOD_SECTIONS",
            "from_mapping", "default_threads", "opt", "DEVICES", "BACKENDS"]

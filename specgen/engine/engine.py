@@ -252,7 +252,7 @@ class Engine:
             self._compact(dec, root_rows, path, kept[: len(dec)])
         done = by_eos | by_stop | (t.seq_len[slots] >= t.max_len[slots]) | broken
 
-        observe_seconds = self._observe(plan, slots, lens, starts, produced, kept, done, out.hidden, broken)
+        observe_seconds = self._observe(plan, slots, lens, starts, produced, kept, done, out.hidden, broken, path)
         if self.controller is not None:
             offered, num_offered = plan.drafts.draft_ids, plan.num_avail
             if plan.depth is not None:  # a tree's acceptance is its main chain's (the first child at each node)
@@ -364,7 +364,7 @@ class Engine:
             t.drafted_per_pos[dec, :width] += (col[:, :width] < reach[:, None])
         return produced
 
-    def _observe(self, plan: StepPlan, slots, lens, starts, produced, kept, done, hidden, broken) -> float:
+    def _observe(self, plan: StepPlan, slots, lens, starts, produced, kept, done, hidden, broken, path=None) -> float:
         """Tell the proposer what the step committed (its drafts for the next step are prepared now); returns
         the seconds it took."""
         t = self.table
@@ -384,7 +384,7 @@ class Engine:
             slots=slots, block_start=block_start, first_pos=starts, num_valid=num_valid, finished=done,
             tokens=t.tokens, hidden=hidden, prefix_len=catch_up, prefix_hidden=self.prefix_hidden,
             max_draft_next=depth, detached=None if c is None else c.detached(slots), seq_lens=t.seq_len[slots],
-            prompt_lens=t.prompt_len[slots], broken=broken,
+            prompt_lens=t.prompt_len[slots], broken=broken, tree_path=path,
             sampling=SlotSampling(t.temperature[slots], t.top_k[slots], t.top_p[slots], t.rng_key[slots])))
         return time.perf_counter() - start
 

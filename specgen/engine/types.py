@@ -129,6 +129,10 @@ class StepUpdate:
     prompt_lens: np.ndarray | None = None  # [num_seqs] int64 each slot's prompt length
     broken: np.ndarray | None = None  # [num_seqs] bool went non-finite (finished too): a drafter clears its rows
     sampling: "SlotSampling | None" = None  # each sequence's sampling, for a drafter that samples as the main model
+    # A token-tree step: block index of the j-th accepted position of each decode block (the first num_dec
+    # sequences), j < num_valid; the hidden state of that position is row block_start + tree_path[i, j]. None:
+    # every block's positions are in block order (row block_start + j).
+    tree_path: np.ndarray | None = None  # [num_dec, width + 1] int64
 
 
 @dataclass(frozen=True)

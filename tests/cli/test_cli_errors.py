@@ -92,7 +92,7 @@ RUN_ERRORS = [
     ("mtp model without mtp", lambda t: ["run", "IN", "-o", t / "o.jsonl", "--method", "ngram",
                                          "--mtp-model", "/x"], 2, "mtp.model needs method 'mtp'"),
     ("unknown method", lambda t: ["run", "IN", "-o", t / "o.jsonl", "--method", "eagle"], 2,
-     "unknown method 'eagle' (valid: none, ngram, mtp, draft_model)"),
+     "unknown method 'eagle' (valid: none, ngram, mtp, draft_model, medusa)"),
     ("batch size", lambda t: ["run", "IN", "-o", t / "o.jsonl", "--batch-size", "0"], 2,
      "batch_size must be in 1..256, got 0"),
     ("k too large", lambda t: ["run", "IN", "-o", t / "o.jsonl", "--method", "ngram",

@@ -31,12 +31,19 @@ def _draft_model(spec: SpecConfig, model: Model, lib, main) -> Proposer:
     return build_draft_model_proposer(spec, model, main)
 
 
+def _medusa(spec: SpecConfig, model: Model, lib, main) -> Proposer:
+    from specgen.engine.proposers.medusa import build_medusa_proposer
+
+    return build_medusa_proposer(spec, model)
+
+
 # method -> factory(spec, model, ngram.cc's library or None, the main LoadedModel or None)
 REGISTRY: dict[Method, Callable[[SpecConfig, Model, object, object], Proposer]] = {
     Method.NONE: _none,
     Method.NGRAM: _ngram,
     Method.MTP: _mtp,
     Method.DRAFT_MODEL: _draft_model,
+    Method.MEDUSA: _medusa,
 }
 assert set(REGISTRY) == set(Method), "every method needs a proposer"
 

@@ -1,0 +1,157 @@
+"""Medusa heads (Cai et al., 2024): K heads on the main model's last hidden state, head i guessing the token i + 1
+places after the next one; their top-k guesses make a token tree of a static shape (Medusa's choices).
+
+A head is `num_layers` residual blocks x + SiLU(x W + b) and its own LM head. Loaded from the public layout
+(FasterDecoding/Medusa): `medusa_lm_head.safetensors` beside a `config.json`, keys `{head}.{layer}.linear.weight`
+/ `.bias` and `{head}.{num_layers}.weight` (torch's [out, in]; an optional `medusa_head.` prefix). After each step
+the heads read the hidden state of every slot's last position whose next token is known (a tree's accepted
+path: StepUpdate.tree_path) and keep their top-k per head; the next step's tree takes, for the node at path
+(r_1, ..., r_d), head d's r_d-th guess. Drafts only: the engine's tree walk keeps the output exact.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+from specgen.engine.proposers.base import SlotView
+from specgen.engine.types import DraftTokens, StepUpdate
+from specgen.errors import CheckpointError
+
+WEIGHTS = "medusa_lm_head.safetensors"
+_KEY = re.compile(r"^(?:medusa_head\.)?(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
+
+
+@dataclass(frozen=True)
+class MedusaHeads:
+    """K heads' weights in Paddle's [in, out] orientation."""
+
+    blocks: list[list[tuple[paddle.Tensor, paddle.Tensor]]]  # [K][num_layers] (W [hidden, hidden], b [hidden])
+    lm_heads: list[paddle.Tensor]  # [K] [hidden, vocab]
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.lm_heads)
+
+
+def load_medusa(path: str | Path, hidden: int, vocab: int, dtype: str) -> MedusaHeads:
+    """The heads of a Medusa checkpoint (a directory holding WEIGHTS, or that file), checked against the main
+    model's hidden size and vocabulary."""
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    file = path / WEIGHTS if path.is_dir() else path
+    if not file.is_file():
+        raise CheckpointError(f"{path}: no Medusa heads ({WEIGHTS}, keys 0.0.linear.weight ...)")
+    found: dict[tuple[int, int, str], np.ndarray] = {}
+    for key, value in load_file(str(file)).items():
+        m = _KEY.match(key)
+        if m is None:
+            raise CheckpointError(f"{file}: {key!r} is not a Medusa head weight ({{head}}.{{layer}}.linear.weight, "
+                                  f"{{head}}.{{layer}}.linear.bias or {{head}}.{{num_layers}}.weight)")
+        found[(int(m[1]), int(m[2]), m[3])] = value
+    heads = sorted({h for h, _, _ in found})
+    if heads != list(range(len(heads))) or not heads:
+        raise CheckpointError(f"{file}: Medusa heads must be numbered 0..K-1, found {heads}")
+    layers = max(i for _, i, kind in found if kind == "weight")
+
+    def tensor(h: int, i: int, kind: str, shape: tuple[int, ...]) -> paddle.Tensor:
+        w = found.get((h, i, kind))
+        if w is None or w.shape != shape:
+            raise CheckpointError(f"{file}: head {h} {i}.{kind} should be {list(shape)} (the main model's hidden "
+                                  f"{hidden}, vocabulary {vocab}), got {None if w is None else list(w.shape)}")
+        return paddle.to_tensor(np.ascontiguousarray(w.T if w.ndim == 2 else w).astype(dtype))
+
+    return MedusaHeads(
+        blocks=[[(tensor(h, i, "linear.weight", (hidden, hidden)), tensor(h, i, "linear.bias", (hidden,)))
+                 for i in range(layers)] for h in heads],
+        lm_heads=[tensor(h, layers, "weight", (vocab, hidden)) for h in heads])
+
+
+def save_medusa(path: str | Path, blocks: list[list[tuple[np.ndarray, np.ndarray]]], lm_heads: list[np.ndarray]):
+    """Heads in the public layout (torch orientation [out, in] given): WEIGHTS and config.json."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for h, (layers, lm) in enumerate(zip(blocks, lm_heads)):
+        for i, (w, b) in enumerate(layers):
+            tensors[f"{h}.{i}.linear.weight"], tensors[f"{h}.{i}.linear.bias"] = w, b
+        tensors[f"{h}.{len(layers)}.weight"] = lm
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path / WEIGHTS))
+    (path / "config.json").write_text(json.dumps({"medusa_num_heads": len(lm_heads),
+                                                  "medusa_num_layers": len(blocks[0])}))
+
+
+def tree_template(paths: tuple[tuple[int, ...], ...], num_heads: int, topk: int):
+    """(head [n] int64, rank [n] int64, parents [n] int64) of the nodes of `paths` (and their prefixes) that the
+    heads can fill (depth <= num_heads, rank < topk), parents first."""
+    keep = {p[:d] for p in paths for d in range(1, len(p) + 1)}
+    nodes = sorted((p for p in keep if len(p) <= num_heads and all(r < topk for r in p)), key=lambda p: (len(p), p))
+    index = {p: i + 1 for i, p in enumerate(nodes)}  # block index (0: the root)
+    head = np.array([len(p) - 1 for p in nodes], np.int64)
+    rank = np.array([p[-1] for p in nodes], np.int64)
+    parents = np.array([index.get(p[:-1], 0) for p in nodes], np.int64)
+    return head, rank, parents
+
+
+class MedusaProposer:
+    """Token trees from Medusa heads' top-k guesses."""
+
+    acceptance_hint = None
+
+    def __init__(self, heads: MedusaHeads, topk: int, paths: tuple[tuple[int, ...], ...]):
+        self.heads, self.topk = heads, topk
+        self.head, self.rank, self.parents = tree_template(paths, heads.num_heads, topk)
+        self.guesses = np.zeros((0, heads.num_heads, topk), np.int64)  # [num_slots, K, topk] for the next step
+        self.ready = np.zeros(0, bool)  # [num_slots] guesses made from the slot's current request
+
+    def _grow(self, num_slots: int) -> None:
+        if len(self.ready) < num_slots:
+            n = num_slots - len(self.ready)
+            self.guesses = np.concatenate([self.guesses, np.zeros((n, *self.guesses.shape[1:]), np.int64)])
+            self.ready = np.concatenate([self.ready, np.zeros(n, bool)])
+
+    def propose(self, view: SlotView) -> DraftTokens:
+        n, width = len(view.slots), len(self.head)
+        self._grow(int(view.slots.max(initial=-1)) + 1)
+        ids = self.guesses[view.slots[:, None], self.head[None, :], self.rank[None, :]]  # [num_seqs, width]
+        num = np.where(self.ready[view.slots], width, 0).astype(np.int64)
+        return DraftTokens(ids, num, None, np.broadcast_to(self.parents, (n, width)).copy())
+
+    def observe(self, update: StepUpdate) -> None:
+        slots = update.slots
+        self._grow(int(slots.max(initial=-1)) + 1)
+        self.ready[slots[update.finished]] = False
+        j = update.num_valid - 1  # [num_seqs] the last position whose next token is known
+        # ... and it is the slot's last but one (not a prompt chunk with more of the prompt to come)
+        live = (j >= 0) & ~update.finished & (update.first_pos + j == update.seq_lens - 2)  # [num_seqs]
+        if not live.any():
+            return
+        index = j.copy()
+        if update.tree_path is not None:
+            d = len(update.tree_path)
+            index[:d] = update.tree_path[np.arange(d), np.maximum(j[:d], 0)]
+        rows = (update.block_start + index)[live]
+        x0 = paddle.gather(update.hidden, paddle.to_tensor(rows))  # [num_live, hidden]
+        for h, (blocks, lm) in enumerate(zip(self.heads.blocks, self.heads.lm_heads)):
+            x = x0
+            for w, b in blocks:
+                x = x + F.silu(paddle.matmul(x, w) + b)
+            _, top = paddle.topk(paddle.matmul(x, lm), self.topk, axis=-1)  # [num_live, topk]
+            self.guesses[slots[live], h] = top.numpy()
+        self.ready[slots[live]] = True
+
+
+def build_medusa_proposer(spec, model) -> MedusaProposer:
+    """--method medusa: the heads at spec.draft_model, trees of spec.medusa's shape."""
+    cfg = model.config
+    heads = load_medusa(spec.draft_model, cfg.hidden_size, cfg.vocab_size, model.dtype)
+    return MedusaProposer(heads, spec.medusa.topk, spec.medusa.tree_paths())

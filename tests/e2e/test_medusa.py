@@ -1,0 +1,65 @@
+"""Medusa heads (issue 44): the public layout loads (and a wrong one is refused), the tree template follows
+Medusa's choices, and trees from random heads give plain decoding's tokens on both backends (float64, greedy and
+sampled, batch 1 and 7, with the controller and without)."""
+import numpy as np
+import pytest
+from conftest import TINY
+
+from specgen import EngineConfig, SamplingParams, SpecConfig, generate, load_model
+from specgen.config import MedusaConfig
+from specgen.engine.proposers.medusa import load_medusa, save_medusa, tree_template
+from specgen.errors import CheckpointError
+
+
+def random_heads(cfg, num_heads: int, seed: int, lm=None):
+    """num_heads one-layer heads in torch's orientation; lm: every head's LM head (default random)."""
+    rng = np.random.default_rng(seed)
+    h, v = cfg.hidden_size, cfg.vocab_size
+    blocks = [[(rng.normal(0, 0.02, (h, h)), rng.normal(0, 0.02, h))] for _ in range(num_heads)]
+    lms = [lm if lm is not None else rng.normal(0, 0.5, (v, h)) for _ in range(num_heads)]
+    return blocks, lms
+
+
+def test_tree_template_follows_the_choices():
+    head, rank, parents = tree_template(((0, 0, 1), (1,), (0, 3), (2, 0)), num_heads=2, topk=3)
+    # nodes: (0,) (1,) (2,) (0,0) (2,0); (0,0,1) is too deep for 2 heads, (0,3) past topk
+    assert head.tolist() == [0, 0, 0, 1, 1] and rank.tolist() == [0, 1, 2, 0, 0]
+    assert parents.tolist() == [0, 0, 0, 1, 3]
+
+
+def test_load_checks_the_layout(tiny_model64, tmp_path):
+    cfg = tiny_model64.config
+    save_medusa(tmp_path / "ok", *random_heads(cfg, 3, 0))
+    heads = load_medusa(tmp_path / "ok", cfg.hidden_size, cfg.vocab_size, "float64")
+    assert heads.num_heads == 3 and heads.lm_heads[0].shape == [cfg.hidden_size, cfg.vocab_size]
+    with pytest.raises(CheckpointError, match="no Medusa heads"):
+        load_medusa(tmp_path, cfg.hidden_size, cfg.vocab_size, "float64")
+    blocks, lms = random_heads(cfg, 2, 0)
+    save_medusa(tmp_path / "bad", blocks, [lm[:, :-1] for lm in lms])
+    with pytest.raises(CheckpointError, match="should be"):
+        load_medusa(tmp_path / "bad", cfg.hidden_size, cfg.vocab_size, "float64")
+
+
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+def test_medusa_equals_plain(backend, tmp_path):
+    model = load_model(TINY / "llama", dtype="float64", backend=backend)
+    cfg = model.config
+    # head 0 reuses the model's own LM head: its guesses are often the model's next-but-one token on this tiny
+    # model's repetitive text, so some trees are accepted
+    lm = model.model.weights.lm_head.dense().numpy().T
+    save_medusa(tmp_path, *random_heads(cfg, 3, 1, lm))
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 250, int(n)).tolist() for n in rng.integers(4, 40, 14)]
+    for mode in ("greedy", "sampled"):
+        sp = [SamplingParams(max_tokens=4 + i % 11, temperature=0.8 if mode == "sampled" else 0.0, seed=i)
+              for i in range(len(prompts))]
+        plain = generate(prompts, model=model, sampling=sp, engine=EngineConfig(batch_size=7, dtype="float64"))
+        for batch, adaptive in ((1, False), (7, False), (7, True)):
+            spec = SpecConfig(method="medusa", draft_model=str(tmp_path), adaptive=adaptive,
+                              medusa=MedusaConfig(topk=2, tree_choices=("0,0,0", "1", "0,1", "1,0")))
+            picked = range(0, len(prompts), 3) if batch == 1 else range(len(prompts))
+            out = generate([prompts[i] for i in picked], model=model, sampling=[sp[i] for i in picked],
+                           ids=list(picked), engine=EngineConfig(batch_size=batch, dtype="float64"), speculative=spec)
+            assert [o.token_ids for o in out] == [plain[i].token_ids for i in picked], (mode, batch, adaptive)
+            if not adaptive:
+                assert sum(o.stats.num_draft_tokens for o in out) > 0
