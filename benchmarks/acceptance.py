@@ -6,8 +6,8 @@ Spec-Bench categories and MBPP rewriting (the evaluation slices, disjoint from t
 
 `--mtp DIR[:N]`: a head (N: only its first N modules; `shipped`: the package's head). `--draft DIR` or
 `cut:L` (the main model's first L layers, untrained). Greedy, the default model, adaptive off (k drafts every
-step), batch --batch-size. Acceptance at position i is accepted / verified there (so position i counts only steps
-whose drafts 1..i-1 were all right); tok/step = emitted tokens per decoding step. Timings are not reported:
+step), batch --batch-size. Acceptance at position i is accepted / verified there: every step verifies all k
+drafts, so it is the share of steps whose drafts 1..i were all right; tok/step = emitted tokens per decoding step. Timings are not reported:
 acceptance does not depend on the machine's load.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ Per set and batch size every arm runs --repeats times, alternated with the other
 medians and speedup the median of the per-repeat ratios to `none`; outputs are checked identical to `none`'s.
 
 For each learned arm a second run with every draft verified (adaptive off) gives:
-- acceptance per draft position (accepted / verified there);
+- acceptance per draft position (accepted / verified there: the share of steps whose drafts 1..i were all right);
 - the drafter's share of the run's time (its propose and observe calls, timed around the proposer);
 - at batch 1, the oracle bound: each step of that run costs c(tokens it emits) at the step costs measured here
   plus the drafter's measured cost per draft for the drafts it accepted only (nothing for rejected drafts or
