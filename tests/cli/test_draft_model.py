@@ -168,3 +168,13 @@ def test_draft_with_a_shorter_context_stops_drafting_past_it(tiny_model, tmp_pat
         drafted = [o.stats.num_draft_tokens for o in outs]
         assert drafted[0] > 0 and drafted[2] == 0  # the 30-token prompt is past the draft's context at once
         assert drafted[0] <= 2 * (24 - 4)  # drafts only while the slot is inside the draft's context
+
+
+def test_draft_quantizes_to_8_bit_blocks_beside_a_block_quantized_main_model(tiny_model, real_model):
+    """Under auto a (float) draft beside the default model's Q4_1 blocks is quantized to Q8_0, not rounded to 4
+    bits; beside a float main model it stays as stored; an explicit mode is the main model's."""
+    from specgen.engine.proposers.draft_model import draft_quantization
+
+    assert draft_quantization(real_model.model, "auto") == "wint8"
+    assert draft_quantization(tiny_model.model, "auto") == "auto"
+    assert draft_quantization(real_model.model, "wint4") == "wint4"
