@@ -218,14 +218,20 @@ class TensorParallelBackend:
         lo, _ = self.shard.vocab
         best = paddle.stack([paddle.max(local, axis=-1).astype("float64"),
                              (paddle.argmax(local, axis=-1) + lo).astype("float64")], axis=-1)  # [rows, 2]
-        pairs = np.stack([p.numpy() for p in self._all_gather(best)])  # [ranks, rows, 2]
-        winner = np.argmax(pairs[:, :, 0], axis=0)  # [rows] the first rank holding the row's maximum
-        return pairs[winner, np.arange(pairs.shape[1]), 1].astype(np.int64)
+        return best_of_ranks(np.stack([p.numpy() for p in self._all_gather(best)]))
 
     def stop(self) -> None:
         """Rank 0: end the other ranks' `follow`."""
         self._send(STOP, -1, None)
 
+
+
+def best_of_ranks(pairs: np.ndarray) -> np.ndarray:
+    """pairs [ranks, rows, 2] float64: each rank's (best logit, its token id) per row (ids below 2^53: exact) ->
+    [rows] int64 the row's token: the highest logit; on a tie the first rank's, whose vocabulary range comes
+    first, so the lowest id, as argmax over the whole row gives."""
+    winner = np.argmax(pairs[:, :, 0], axis=0)  # [rows] the first rank holding the row's maximum
+    return pairs[winner, np.arange(pairs.shape[1]), 1].astype(np.int64)
 
 
 def follow(model: Any, backend: TensorParallelBackend) -> dict[str, int]:

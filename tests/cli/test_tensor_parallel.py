@@ -1,10 +1,12 @@
 """--tensor-parallel-size: a model sharded over 2 or 3 ranks writes the one-engine run's tokens (fp64, greedy and
-sampled, every method); the shard plan replicates KV heads where the ranks do not divide them; a killed rank fails
-the job (exit 4) and --resume completes it; what TP does not run is refused before any rank starts."""
+sampled, every method, with a shared prefix and chunked prefill); the shard plan replicates or pads KV heads where
+the ranks do not divide them; the greedy token over vocabulary shards is argmax's; a killed rank fails the job
+(exit 4) and --resume completes it; what TP does not run is refused before any rank starts."""
 from __future__ import annotations
 
 import functools
 import itertools
+import json
 import os
 import signal
 from pathlib import Path
@@ -15,12 +17,15 @@ from cli_support import by_id, invoke, read_output, write_jsonl
 from conftest import TINY
 from test_data_parallel import assert_complete, drafters, spawn, wait_for_lines, workers_of  # noqa: F401
 
+from specgen.distributed.tensor_parallel import best_of_ranks
 from specgen.distributed.tp_shard import PAD_HEAD, local_heads, plan_shard
 from specgen.models import load_checkpoint
 
-# Half the records sample (their own temperature), half are greedy.
-RECORDS = [{"id": f"r{i}", "prompt": f"request {i}: " + "abc " * (i % 5), "max_tokens": 6 + i % 7,
-            **({"temperature": 0.9} if i % 2 else {})} for i in range(10)]
+# Half the records sample (their own temperature), half are greedy. The first batch's prompts share a long prefix
+# (computed once into its own cache: cascade attention, Engine.share_prefix); prompts are prefilled 16 tokens a step.
+PREFIX = "You are a careful assistant. Answer briefly and exactly, in one line, without a preamble. "
+RECORDS = [{"id": f"r{i}", "prompt": (PREFIX if i < 3 else "") + f"request {i}: " + "abc " * (i % 5),
+            "max_tokens": 6 + i % 7, **({"temperature": 0.9} if i % 2 else {})} for i in range(10)]
 
 
 def test_kv_heads_sharded_replicated_or_padded():
@@ -46,11 +51,23 @@ def test_shard_plan_covers_the_model_once():
     assert plans[0].vocab_sizes == (100, 100, 100)
 
 
+def test_greedy_token_over_vocabulary_shards():
+    # 3 ranks x 2 rows: row 0's best is rank 1's token 150; row 1 ties between ranks 0 (id 7) and 2 (id 230)
+    pairs = np.array([[[1.0, 3], [5.0, 7]], [[4.0, 150], [2.0, 101]], [[0.5, 299], [5.0, 230]]])
+    assert best_of_ranks(pairs).tolist() == [150, 7]
+    logits = np.random.default_rng(0).normal(size=(4, 300)).round(1)  # rounded: ties across shards
+    shards = [logits[:, lo:hi] for lo, hi in ((0, 100), (100, 200), (200, 300))]
+    pairs = np.stack([np.stack([s.max(1), s.argmax(1) + 100 * r], axis=-1) for r, s in enumerate(shards)])
+    assert best_of_ranks(pairs).tolist() == logits.argmax(1).tolist()
+
+
 def run_records(out: Path, *extra: str, arch: str = "llama") -> dict[str, dict]:
     inp = write_jsonl(out.with_suffix(".in.jsonl"), RECORDS)
+    summary = out.with_suffix(".summary.json")
     res = invoke("run", inp, "-o", out, "--model", TINY / arch, "--dtype", "float64", "--batch-size", "3", "--seed",
-                 "5", "-q", *extra, model=False)
+                 "5", "--prefill-chunk", "16", "--summary-json", summary, "-q", *extra, model=False)
     assert res.exit_code == 0, res.output
+    assert json.loads(summary.read_text())["num_cached_prompt_tokens"] > 0  # the shared prefix was used
     return by_id(read_output(out))
 
 
