@@ -185,6 +185,19 @@ def finalize_parquet(path: Path) -> None:
     sidecar_path(path).unlink(missing_ok=True)
 
 
+def _with_new_columns(table, schema):
+    """An output written before a column was added to the record (drafted_per_position) gains it, null; a table
+    without ids is no output and stays as it is (the cast refuses it)."""
+    import pyarrow as pa
+
+    if "id" not in table.column_names:
+        return table
+    for f in schema:
+        if f.name not in table.column_names:
+            table = table.append_column(f, pa.nulls(len(table), f.type))
+    return table.select(schema.names)
+
+
 def _merge_parquet(path: Path, tmp: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -201,7 +214,7 @@ def _merge_parquet(path: Path, tmp: Path) -> None:
         if path.exists():
             for batch in iter_parquet_batches(path):
                 try:
-                    table = pa.Table.from_batches([batch]).cast(schema)
+                    table = _with_new_columns(pa.Table.from_batches([batch]), schema).cast(schema)
                 except (pa.ArrowException, ValueError) as exc:
                     raise InputError(f"{path}: not a specgen output ({exc})") from None
                 seen.update(table.column("id").to_pylist())
