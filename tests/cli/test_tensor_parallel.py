@@ -12,12 +12,13 @@ import signal
 from pathlib import Path
 
 import numpy as np
+import paddle
 import pytest
 from cli_support import by_id, invoke, read_output, write_jsonl
 from conftest import TINY
 from test_data_parallel import assert_complete, drafters, spawn, wait_for_lines, workers_of  # noqa: F401
 
-from specgen.distributed.tensor_parallel import best_of_ranks
+from specgen.distributed.tensor_parallel import ShardCache, best_of_ranks
 from specgen.distributed.tp_shard import PAD_HEAD, local_heads, plan_shard
 from specgen.models import load_checkpoint
 
@@ -59,6 +60,23 @@ def test_greedy_token_over_vocabulary_shards():
     shards = [logits[:, lo:hi] for lo, hi in ((0, 100), (100, 200), (200, 300))]
     pairs = np.stack([np.stack([s.max(1), s.argmax(1) + 100 * r], axis=-1) for r, s in enumerate(shards)])
     assert best_of_ranks(pairs).tolist() == logits.argmax(1).tolist()
+
+
+def test_rank0_cache_changes_reach_the_other_ranks():
+    """What the engine does to rank 0's cache outside a forward (clear a slot, move a tree's accepted rows) is sent
+    as a call the other ranks replay on theirs: both caches end the same."""
+    calls = []
+    caches = [ShardCache(7, (lambda *call: calls.append(call)) if r == 0 else None, 1, 2, 1, 4, "float64", 8)
+              for r in range(2)]
+    for c in caches:
+        c.k[0][:] = paddle.arange(c.k[0].size, dtype="float64").reshape(c.k[0].shape)
+    caches[0].move_rows(np.array([1]), np.array([5]), np.array([2]))
+    caches[0].clear_slot(0)
+    assert [(cid, name) for cid, name, _ in calls] == [(7, "move_rows"), (7, "clear_slot")]
+    for _, name, args in calls:
+        getattr(caches[1], name)(*args)
+    assert np.array_equal(caches[0].k[0].numpy(), caches[1].k[0].numpy())
+    assert not caches[1].k[0].numpy()[:8].any() and caches[1].k[0].numpy()[8 + 2, 0] == (8 + 5) * 4
 
 
 def run_records(out: Path, *extra: str, arch: str = "llama") -> dict[str, dict]:
