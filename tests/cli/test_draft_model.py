@@ -178,3 +178,31 @@ def test_draft_quantizes_to_8_bit_blocks_beside_a_block_quantized_main_model(tin
     assert draft_quantization(real_model.model, "auto") == "wint8"
     assert draft_quantization(tiny_model.model, "auto") == "auto"
     assert draft_quantization(real_model.model, "wint4") == "wint4"
+
+
+def test_prompt_window_bounds_the_drafts_catch_up(tiny_model64, cut):
+    """With a prompt window of 8 the draft reads each prompt's last 8 positions only (its own positions start
+    there): its cache holds those and the outputs, not the prompts; outputs equal plain decoding, with and without
+    chunked prefill and a shared prefix, greedy and sampled."""
+    import numpy as np
+
+    from specgen.api import make_engine
+    from specgen.config import DraftConfig
+    from specgen.engine.types import Request
+
+    rng = np.random.default_rng(5)
+    prefix = rng.integers(3, 250, 70).tolist()
+    prompts = [prefix + rng.integers(3, 250, n).tolist() for n in (2, 11, 30)] + [[5, 6, 7]]
+    reqs = [Request(str(i), i, tuple(p), SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.7 * (i % 2),
+                                                        seed=3)) for i, p in enumerate(prompts)]
+    plain = make_engine(tiny_model64, EngineConfig(batch_size=4, dtype="float64"), SpecConfig())
+    ref = sorted((o.id, o.token_ids) for o in plain.run(reqs))
+    for chunk, shared in ((0, "off"), (4, "auto")):
+        spec = SpecConfig(method=Method.DRAFT_MODEL, draft_model=str(cut), adaptive=False, num_speculative_tokens=3,
+                          draft=DraftConfig(prompt_window=8))
+        eng = make_engine(tiny_model64, EngineConfig(batch_size=4, dtype="float64", prefill_chunk=chunk,
+                                                     shared_prefix=shared, min_shared_prefix=64), spec)
+        outs = list(eng.run(reqs))
+        assert sorted((o.id, o.token_ids) for o in outs) == ref
+        assert all(o.stats.num_draft_tokens > 0 for o in outs)
+        assert eng.proposer.cache.peak_own <= 8 + 16 + 3 + 1  # the window, the outputs, the draft chain

@@ -9,8 +9,9 @@ rejected drafts are. A prompt is caught up chunk by chunk as the main model pref
 its committed tokens [valid, seq_len): the tokens the last verification accepted plus the main model's own. A slot
 the controller detached catches up whatever it missed when it drafts again. A prompt prefix the main model shares
 (cascade attention) is shared by the draft too: computed once into its cache's shared prefix, each slot's own
-rows starting after it. Past the draft's context (a draft with a shorter one than the main model) a slot gets
-no drafts and decodes plainly.
+rows starting after it. With a prompt window the draft reads only a prompt's last positions (its own positions
+start there, as an MTP head's do), so a long prompt does not cost it a prefill of its own per request. Past the
+draft's context (a draft with a shorter one than the main model) a slot gets no drafts and decodes plainly.
 """
 from __future__ import annotations
 
@@ -34,13 +35,15 @@ class DraftModelProposer:
 
     acceptance_hint = None
 
-    def __init__(self, draft: Model, k: int):
-        self.draft, self.k = draft, k
+    def __init__(self, draft: Model, k: int, prompt_window: int = 0):
+        """prompt_window: a prompt's last positions the draft reads (0: all); its own positions start there."""
+        self.draft, self.k, self.prompt_window = draft, k, prompt_window
         self.cache: KVCache | None = None  # made at the first observe, with the main cache's slots
         self.drafts = np.zeros((0, k), np.int64)  # [num_slots, k] drafts ready for each slot's next step
         self.num_drafts = np.zeros(0, np.int64)  # [num_slots]
         self.valid = np.zeros(0, np.int64)  # [num_slots] leading positions whose draft-cache entries are exact
         self.prefix_lens = np.zeros(0, np.int64)  # [num_slots] positions each slot reads from the shared prefix
+        self.shift = np.zeros(0, np.int64)  # [num_slots] main-model position - draft position (prompt window)
 
     def propose(self, view: SlotView) -> DraftTokens:
         if self.cache is None:
@@ -52,6 +55,7 @@ class DraftModelProposer:
             self.cache = self.draft.new_cache(num_slots, self.draft.max_len)
             self.valid = np.zeros(num_slots, np.int64)
             self.prefix_lens = np.zeros(num_slots, np.int64)
+            self.shift = np.zeros(num_slots, np.int64)
             self.drafts = np.zeros((num_slots, self.k), np.int64)
             self.num_drafts = np.zeros(num_slots, np.int64)
 
@@ -62,8 +66,14 @@ class DraftModelProposer:
                 self.cache.clear_slot(int(slot))
         pre = update.prefix_len if update.prefix_len is not None else np.zeros(len(update.slots), np.int64)
         fresh = update.first_pos - pre == 0  # [num_seqs] a slot's first block: a new request
-        shared = self._share_prefix(update, fresh, pre)  # [num_seqs] positions read from the shared prefix
-        self.valid[update.slots[fresh]] = self.prefix_lens[update.slots[fresh]] = shared[fresh]
+        shift = np.zeros(len(pre), np.int64)  # [num_seqs] a new request's prompt positions before its window
+        if self.prompt_window and update.prompt_lens is not None:
+            shift = np.maximum(update.prompt_lens - self.prompt_window, 0)
+        # positions read from the shared prefix (none for a request whose window starts past position 0)
+        shared = self._share_prefix(update, fresh, np.where(shift > 0, 0, pre))
+        new = update.slots[fresh]
+        self.prefix_lens[new], self.shift[new] = shared[fresh], shift[fresh]
+        self.valid[new] = np.maximum(shared[fresh], shift[fresh])
         self.num_drafts[update.slots] = 0
         seq_lens, prompt_lens = update.seq_lens, update.prompt_lens
         if seq_lens is None or prompt_lens is None:
@@ -77,10 +87,12 @@ class DraftModelProposer:
         ends_all = np.where(decoding, seq_lens, update.first_pos + update.num_valid)  # [num_seqs]
         sel = np.nonzero(live)[0]
         # room for the draft to write (past its context the slot goes on without drafts), and something to feed
-        sel = sel[(ends_all[sel] < self.draft.max_len) & (ends_all[sel] > self.valid[update.slots[sel]])]
+        room = ends_all[sel] - self.shift[update.slots[sel]] < self.draft.max_len
+        sel = sel[room & (ends_all[sel] > self.valid[update.slots[sel]])]
         if not len(sel):
             return
-        slots, ends = update.slots[sel], ends_all[sel]  # [n]
+        slots, ends = update.slots[sel], ends_all[sel]  # [n] main-model positions
+        shift = self.shift[slots]  # [n]
         starts = self.valid[slots]
         lens = ends - starts  # [n] >= 1: at least the last committed token
         seq = np.repeat(np.arange(len(slots)), lens)
@@ -89,20 +101,20 @@ class DraftModelProposer:
         plens = self.prefix_lens[slots] if self.cache.prefix is not None else None
         wants = decoding[sel]  # [n] drafting next step
         choose = _DraftChoice(update.sampling, sel[wants], prompt_lens[sel[wants]])
-        out = self.draft.forward(build_forward_batch(slots, starts, lens, tokens, np.zeros(len(slots), bool),
+        out = self.draft.forward(build_forward_batch(slots, starts - shift, lens, tokens, np.zeros(len(slots), bool),
                                                      prefix_lens=plens), self.cache, logits=choose.sampled)
         self.valid[slots] = ends
         if not wants.any():
             return
         rows = np.nonzero(wants)[0]
         logits = paddle.gather(out.logits, paddle.to_tensor(rows)) if choose.sampled else None
-        slots, ends = slots[rows], ends[rows]
+        slots, ends, shift = slots[rows], ends[rows], shift[rows]
         plens = plens[rows] if plens is not None else None
         depth = max(1, min(self.k, update.max_draft_next))
         drafts = np.zeros((len(slots), self.k), np.int64)
         drafts[:, 0] = choose(logits, out.greedy[rows], ends)  # [n] the token after each slot's last one
         for j in range(1, depth):  # one forward per draft position, over every drafting slot
-            positions = ends + j - 1
+            positions = ends + j - 1 - shift  # the draft's own
             ok = positions < self.draft.max_len - 1
             if not ok.all():
                 break
@@ -189,7 +201,7 @@ def build_draft_model_proposer(spec: SpecConfig, model: Model, main) -> DraftMod
         check_vocabulary(main.tokenizer if main is not None else None, loaded.tokenizer, model.config.vocab_size,
                          loaded.config.vocab_size, path)
         drafts[path] = loaded.model
-    return DraftModelProposer(drafts[path], spec.num_speculative_tokens)
+    return DraftModelProposer(drafts[path], spec.num_speculative_tokens, spec.draft.prompt_window)
 
 
 def draft_quantization(model: Model, main_mode: str) -> str:
