@@ -17,10 +17,9 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from specgen.layers.norm import rms_norm
 from specgen.models.model import Model
-from specgen.train.head import TrainableBlock, block_arrays, block_to_hf
-from specgen.train.trainer import Trainer, _tensors, batch_picks
+from specgen.train.head import TrainableBlock, block_arrays, block_to_hf, row_logits
+from specgen.train.trainer import Trainer, batch_picks
 from specgen.train.windows import Batch, make_batch
 
 
@@ -46,9 +45,7 @@ class TrainableDraft(paddle.nn.Layer):
         return x
 
     def logits(self, x: paddle.Tensor, rows: paddle.Tensor, lm_head: paddle.Tensor) -> paddle.Tensor:
-        """[num_rows, vocab'] logits of flat rows `rows` of x; lm_head [hidden, vocab']."""
-        flat = paddle.gather(x.reshape([-1, x.shape[-1]]), rows)
-        return paddle.matmul(rms_norm(flat, self.final_norm, self.eps), lm_head)
+        return row_logits(x, rows, self.final_norm, self.eps, lm_head)
 
     def hf_weights(self) -> dict[str, np.ndarray]:
         """The trained layers and final norm under their HF names (float32)."""

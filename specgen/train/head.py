@@ -168,9 +168,15 @@ class TrainableHead(TrainableBlock):
         return self._finish(x, attn)
 
     def logits(self, x: paddle.Tensor, rows: paddle.Tensor, lm_head: paddle.Tensor) -> paddle.Tensor:
-        """[num_rows, vocab'] logits of flat rows `rows` of x [batch, seq_len, hidden]; lm_head [hidden, vocab']."""
-        flat = paddle.gather(x.reshape([-1, x.shape[-1]]), rows)
-        return paddle.matmul(rms_norm(flat, self.final_norm, self.eps), lm_head)
+        return row_logits(x, rows, self.final_norm, self.eps, lm_head)
+
+
+def row_logits(x: paddle.Tensor, rows: paddle.Tensor, norm: paddle.Tensor, eps: float,
+               lm_head: paddle.Tensor) -> paddle.Tensor:
+    """[num_rows, vocab'] logits of flat rows `rows` of x [batch, seq_len, hidden] through the final norm and
+    lm_head [hidden, vocab']."""
+    flat = paddle.gather(x.reshape([-1, x.shape[-1]]), rows)
+    return paddle.matmul(rms_norm(flat, norm, eps), lm_head)
 
 
 def _rope(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
