@@ -252,16 +252,27 @@ def _train_default(text: str, name: str) -> str:
     return f"{text} [default: {getattr(TrainConfig, name)}]"
 
 
-@app.command("train-mtp", help="Train an MTP head for a model by self-distillation: generate the model's own "
-                  "greedy continuations of the prompts in DATA, cache its hidden states, train the head, and save it "
-                  "into OUTPUT (DeepSeek-V3 layout; use it with --method mtp --mtp-model OUTPUT). Rerunning the same "
-                  "command resumes (generation, then training from the last checkpoint). Defaults: "
+def _kinds_help() -> str:
+    from specgen.train.kinds import KINDS
+
+    return "; ".join(f"{name}: {k.help} (--method {k.method})" for name, k in KINDS.items())
+
+
+@app.command("train-head", help="Train a drafting head for a model by self-distillation: generate the model's own "
+                  "greedy continuations of the prompts in DATA, cache its hidden states, train the head of --kind, and "
+                  "save it into OUTPUT in its public layout (use it with --method KIND --draft-model OUTPUT), with "
+                  "loss.csv / loss.png and the held-out acceptance per draft position. Rerunning the same command "
+                  "resumes (generation, then training from the last checkpoint). Defaults: "
                   "specgen.train.config.TrainConfig.")
-def train_mtp(
+def train_head(
     data: Annotated[Path, typer.Option("--data", help="Prompts: .jsonl / .parquet records as `specgen run` reads "
                                                       "them (only the prompt fields are used).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory for the head, loss.csv/png, the data "
                                                                 "cache and checkpoints.")],
+    kind: Annotated[str, typer.Option(help=f"The head. {_kinds_help()}.")] = "mtp",
+    data_dir: Annotated[Path | None, typer.Option(help="Where the generated data is cached (share one between "
+                                                       "kinds: it depends on the model and --gen-* only) "
+                                                       "[default: OUTPUT/data].")] = None,
     model: Model = None,
     steps: Annotated[int | None, typer.Option(help=_train_default("Optimizer steps.", "steps"))] = None,
     batch_size: Annotated[int | None, typer.Option(help=_train_default("Windows per step.", "batch_size"))] = None,
@@ -288,6 +299,12 @@ def train_mtp(
         "from module i - 1's output; with one, the head is chained with itself.", "num_layers"))] = None,
     module_weight: Annotated[float | None, typer.Option(help=_train_default(
         "Loss weight of modules 1.. relative to module 0.", "module_weight"))] = None,
+    heads: Annotated[int | None, typer.Option(help=_train_default(
+        "Medusa / Hydra heads: head i drafts the token i + 1 places after the next one.", "heads"))] = None,
+    head_layers: Annotated[int | None, typer.Option(help=_train_default(
+        "Medusa / Hydra residual blocks per head.", "head_layers"))] = None,
+    head_decay: Annotated[float | None, typer.Option(help=_train_default(
+        "Medusa / Hydra: loss weight of head i is DECAY ** i.", "head_decay"))] = None,
     chain_weight: Annotated[float | None, typer.Option(
         help=_train_default("Weight of the second-draft loss (the head applied to its own output; one module "
                             "only); 0 trains the first only.", "chain_weight"))] = None,
@@ -301,7 +318,7 @@ def train_mtp(
     checkpoint_every: Annotated[int | None, typer.Option(help=_train_default("Checkpoint every N steps.", "checkpoint_every"))] = None,
     save_dtype: Annotated[str | None, typer.Option(help=_train_default("float16 | float32 on disk (loading upcasts).", "save_dtype"))] = None,
     init: Annotated[str | None, typer.Option(
-        help=_train_default("last-layer (copy of the model's last decoder layer) | random.", "init"))] = None,
+        help=_train_default("MTP: last-layer (copy of the model's last decoder layer) | random.", "init"))] = None,
     seed: Annotated[int | None, typer.Option(
         help=_train_default("Training seed: held-out split, initialisation, batch order.", "seed"))] = None,
     threads: Threads = None, input_format: InputFormat = None, quiet: Quiet = False,
@@ -310,8 +327,10 @@ def train_mtp(
     from specgen.io.readers import check_input
     from specgen.io.readers import input_format as detect_format
     from specgen.train.config import TrainConfig
+    from specgen.train.kinds import head_kind
 
     with exit_codes(f"interrupted: rerun the same command to resume into {output}"):
+        entry = head_kind(kind)
         check_input(data)
         fmt = detect_format(data, input_format)
         flags = {"steps": steps, "batch_size": batch_size, "seq_len": seq_len, "window_anchor": window_anchor,
@@ -320,29 +339,56 @@ def train_mtp(
                  "gen_temperature": gen_temperature, "shortlist": shortlist, "draft_vocab": draft_vocab,
                  "chain_weight": chain_weight, "distill": distill, "hidden_noise": hidden_noise,
                  "num_layers": num_layers, "module_weight": module_weight,
+                 "heads": heads, "head_layers": head_layers, "head_decay": head_decay,
                  "eval_every": eval_every,
                  "checkpoint_every": checkpoint_every,
                  "save_dtype": save_dtype, "init": init, "seed": seed}
-        cfg = from_mapping(TrainConfig, {k: v for k, v in flags.items() if v is not None}, "train-mtp")
+        cfg = from_mapping(TrainConfig, {k: v for k, v in flags.items() if v is not None}, f"train-head --kind {kind}")
         if output.exists() and not output.is_dir():
             raise ConfigError(f"{output}: exists and is not a directory")
         from specgen.api import load_model
         from specgen.train.data import generate_data, read_requests
         from specgen.train.progress import train_progress
-        from specgen.train.trainer import Trainer
+        from specgen.train.trainer import held_out_acceptance
 
         loaded = load_model(model, threads=threads or 0)
         output.mkdir(parents=True, exist_ok=True)
         requests = read_requests(data, fmt, loaded, cfg)
+        cache = data_dir or output / "data"
         with train_progress(quiet) as progress:
-            generate_data(loaded, requests, output / "data", cfg, progress.generating)
-            meta = Trainer(loaded, output, cfg).run(progress.training)
+            generate_data(loaded, requests, cache, cfg, progress.generating)
+            trainer = entry.trainer(loaded, output, cfg, cache)
+            trainer.run(progress.training)
         if not quiet:
-            t = meta["specgen_training"]
-            acc = "-" if t["eval_acc"] is None else f"{t['eval_acc']:.3f}"
-            acc2 = "-" if t["eval_acc2"] is None else f"{t['eval_acc2']:.3f}"
-            typer.echo(f"saved {output}/model.safetensors ({cfg.save_dtype}); held-out top-1 {acc}, both drafts "
-                       f"{acc2}; loss curve {output}/loss.png; use: --method mtp --draft-model {output}")
+            acc = held_out_acceptance(trainer.rows)
+            per = ", ".join(f"{a:.3f}" for a in acc) or "-"
+            typer.echo(f"saved {output}/{entry.saves} ({cfg.save_dtype}); held-out acceptance per draft position "
+                       f"{per}; loss curve {output}/loss.png; use: --method {entry.method} --draft-model {output}")
+
+
+def _without(func: Any, *names: str) -> Any:
+    """A command calling `func` whose options are func's but `names` (left at their defaults)."""
+    import functools
+    import inspect
+
+    sig = inspect.signature(func, eval_str=True)
+
+    @functools.wraps(func)
+    def command(**kwargs: Any) -> None:
+        func(**kwargs)
+
+    del command.__wrapped__  # typer reads __signature__, not the wrapped function's
+    command.__signature__ = sig.replace(parameters=[p for n, p in sig.parameters.items() if n not in names])
+    command.__annotations__ = {}
+    return command
+
+
+app.command("train-mtp", help="Train an MTP head (train-head --kind mtp): generate the model's own greedy "
+                              "continuations of the prompts in DATA, cache its hidden states, train the head, and "
+                              "save it into OUTPUT (DeepSeek-V3 layout; use it with --method mtp --mtp-model "
+                              "OUTPUT). Rerunning the same command resumes (generation, then training from the last "
+                              "checkpoint). Defaults: specgen.train.config.TrainConfig.")(
+    _without(train_head, "kind", "heads", "head_layers", "head_decay"))
 
 
 @app.command("make-draft", help="Build a draft model for --method draft_model from the main model itself: its "

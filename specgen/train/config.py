@@ -1,4 +1,5 @@
-"""Settings of `specgen train-mtp`: one frozen dataclass, the single source of defaults."""
+"""Settings of `specgen train-head` (and its alias `train-mtp`): one frozen dataclass, the single source of
+defaults."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,6 +50,10 @@ class TrainConfig:
     module_weight: float = 0.5  # loss weight of modules 1.. relative to module 0 (with num_layers > 1)
     chain_weight: float = 0.5  # weight of the second-draft loss (the head applied to its own output); 0 halves a step
     init: str = "last-layer"  # block initialised from the main model's last layer, or random
+    # Medusa and Hydra heads (train-head --kind medusa | hydra; the other kinds ignore these)
+    heads: int = 4  # heads: head i drafts the token i + 1 places after the next one
+    head_layers: int = 1  # residual blocks per head (Medusa's medusa_num_layers, Hydra's hydra_num_layers)
+    head_decay: float = 0.8  # loss weight of head i is head_decay ** i (Medusa's lambda_k = 0.8^k)
     seed: int = 0
     # bookkeeping
     log_every: int = 10
@@ -76,6 +81,12 @@ class TrainConfig:
             raise ConfigError(f"gen-temperature must be > 0, got {self.gen_temperature}")
         if self.chain_weight < 0 or self.hidden_noise < 0 or self.module_weight < 0:
             raise ConfigError("chain-weight, module-weight and hidden-noise must be >= 0")
+        if not 1 <= self.heads <= 5:
+            raise ConfigError(f"heads must be in 1..5 (the deepest draft), got {self.heads}")
+        if not 1 <= self.head_layers <= 4:
+            raise ConfigError(f"head-layers must be in 1..4, got {self.head_layers}")
+        if not 0 < self.head_decay <= 1:
+            raise ConfigError(f"head-decay must be in (0, 1], got {self.head_decay}")
         if not 1 <= self.num_layers <= 8:
             raise ConfigError(f"num-layers must be in 1..8, got {self.num_layers}")
         if not 0 <= self.distill <= 1:

@@ -35,10 +35,15 @@ from specgen.train.windows import (
     split_sequences,
 )
 
-COLUMNS = ("step", "lr", "loss", "acc", "acc2", "eval_loss", "eval_acc", "eval_acc2", "eval_acc3", "seconds")
+MAX_EVAL_POSITIONS = 5  # held-out acceptance is logged for draft positions 1..5 (eval_acc, eval_acc2, ...)
+EVAL_COLUMNS = ("eval_acc",) + tuple(f"eval_acc{i}" for i in range(2, MAX_EVAL_POSITIONS + 1))
+COLUMNS = ("step", "lr", "loss", "acc", "acc2", "eval_loss", *EVAL_COLUMNS, "seconds")
 # Settings that only change what is logged or written: a checkpoint made with others can be resumed.
 NOT_FINGERPRINTED = ("log_every", "eval_every", "checkpoint_every", "save_dtype", "max_eval_windows",
                      "gen_batch_size", "draft_vocab")
+# Settings of some kinds only: a kind's trainer fingerprints those it uses (KIND_FIELDS), so that checkpoints of
+# the others stay resumable whatever they are.
+KIND_ONLY = ("heads", "head_layers", "head_decay")
 OnStep = Callable[[int, int, "dict[str, Any] | None"], None]
 
 
@@ -82,6 +87,18 @@ def training_set(data_dir: Path, vocab_size: int, cfg: TrainConfig) -> TrainingS
                        float(counts[draft].sum() / total))
 
 
+def held_out_acceptance(rows: list[dict[str, Any]]) -> list[float]:
+    """The last evaluation's held-out acceptance at draft positions 1, 2, ... (every draft up to it right), as
+    far as the head was evaluated."""
+    last = next((r for r in reversed(rows) if r.get("eval_acc") is not None), {})
+    out = []
+    for k in EVAL_COLUMNS:
+        if last.get(k) is None:
+            break
+        out.append(float(last[k]))
+    return out
+
+
 def batch_picks(step: int, num_windows: int, batch_size: int, seed: int) -> np.ndarray:
     """Windows of step `step`: items [step * B, (step + 1) * B) of the epochs' seeded permutations, end to end."""
     flat = np.arange(step * batch_size, (step + 1) * batch_size)
@@ -104,12 +121,16 @@ def noisy_hidden(hidden: np.ndarray, scale: float, seed: int, step: int) -> np.n
 
 
 class Trainer:
-    """Trains a head for `loaded.model` on MTP_DIR/data and writes MTP_DIR/{model.safetensors, config.json, ...}."""
+    """Trains a head for `loaded.model` on the generated data (data_dir, by default OUT_DIR/data) and writes
+    OUT_DIR/{model.safetensors, config.json, ...}. Other kinds of head subclass it (train/kinds.py)."""
 
-    def __init__(self, loaded: Any, out_dir: Path, cfg: TrainConfig):
+    KIND = "mtp"  # train-head --kind, fingerprinted with KIND_FIELDS
+    KIND_FIELDS: tuple[str, ...] = ()  # the KIND_ONLY settings this kind uses
+
+    def __init__(self, loaded: Any, out_dir: Path, cfg: TrainConfig, data_dir: Path | None = None):
         self.loaded, self.out_dir, self.cfg = loaded, out_dir, cfg
         model = loaded.model
-        self.set = training_set(out_dir / "data", loaded.config.vocab_size, cfg)
+        self.set = training_set(data_dir or out_dir / "data", loaded.config.vocab_size, cfg)
         paddle.seed(cfg.seed)
         self.params = self.make_student(model)
         self.opt = AdamW(self.params, cfg)
@@ -236,7 +257,10 @@ class Trainer:
     # ---- checkpoints ----
 
     def fingerprint(self) -> dict[str, Any]:
-        d = {k: v for k, v in dataclasses.asdict(self.cfg).items() if k not in NOT_FINGERPRINTED}
+        skip = set(NOT_FINGERPRINTED) | set(KIND_ONLY) - set(self.KIND_FIELDS)
+        d = {k: v for k, v in dataclasses.asdict(self.cfg).items() if k not in skip}
+        if self.KIND != "mtp":  # an MTP checkpoint's fingerprint is what it was before there were kinds
+            d["kind"] = self.KIND
         return {**d, "num_sequences": len(self.set.data.ids)}
 
     def save_checkpoint(self, state: dict[str, Any]) -> None:
@@ -273,7 +297,8 @@ class Trainer:
     # ---- the loop ----
 
     def run(self, on_step: OnStep | None = None) -> dict[str, Any]:
-        """Train to cfg.steps (resuming from the last checkpoint), then save the head; returns its metadata."""
+        """Train to cfg.steps (resuming from the last checkpoint), then save the head; returns its metadata.
+        self.rows: loss.csv's rows."""
         cfg = self.cfg
         state = self.load_checkpoint() or {"step": 0, "rows": [], "acc": [0.0, 0.0, 0.0, 0], "seconds": 0.0}
         step, rows = state["step"], state["rows"]
@@ -284,6 +309,7 @@ class Trainer:
         self._write_csv(rows)
         if on_step is not None:
             on_step(step, cfg.steps, rows[-1])
+        self.rows = rows
         while step < cfg.steps:
             loss, acc, acc2 = self.train_step(step)
             sums = [sums[0] + loss, sums[1] + acc, sums[2] + (acc2 or 0.0), sums[3] + 1]
@@ -307,7 +333,7 @@ class Trainer:
         row: dict[str, Any] = {"step": step, "lr": lr_at(max(step - 1, 0), self.cfg) if step else 0.0,
                                "loss": sums[0] / n if n else None, "acc": sums[1] / n if n else None,
                                "acc2": sums[2] / n if n and self.cfg.chain_weight > 0 else None}
-        row.update({k: ev.get(k) for k in ("eval_loss", "eval_acc", "eval_acc2", "eval_acc3")})
+        row.update({k: ev.get(k) for k in ("eval_loss", *EVAL_COLUMNS)})
         row["seconds"] = round(seconds, 2)
         return row
 

@@ -1,0 +1,41 @@
+"""The heads `specgen train-head --kind` trains: one entry per kind, naming its trainer and the method that runs
+what it saves. A new kind is one entry in KINDS (its trainer subclasses train.trainer.Trainer, so it shares the
+data pipeline, windows, loop, checkpoints and loss curve)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specgen.errors import ConfigError
+from specgen.train.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class HeadKind:
+    """How to train one kind of head and how to use the result."""
+
+    trainer: Callable[..., Any]  # (loaded model, output dir, TrainConfig, data_dir) -> a Trainer
+    method: str  # the --method that drafts with the saved head (--draft-model OUTPUT)
+    saves: str  # the file the head is saved in, inside OUTPUT
+    help: str  # one line for --help
+
+
+def _mtp(loaded: Any, out_dir: Path, cfg: TrainConfig, data_dir: Path | None = None):
+    from specgen.train.trainer import Trainer
+
+    return Trainer(loaded, out_dir, cfg, data_dir)
+
+
+KINDS: dict[str, HeadKind] = {
+    "mtp": HeadKind(_mtp, "mtp", "model.safetensors",
+                    "a DeepSeek-V3 MTP head: one decoder block over [embedding of the next token; hidden state]"),
+}
+
+
+def head_kind(name: str) -> HeadKind:
+    """The entry of `name`, or a ConfigError listing the kinds."""
+    if name not in KINDS:
+        raise ConfigError(f"unknown head kind {name!r} (valid: {', '.join(KINDS)})")
+    return KINDS[name]
