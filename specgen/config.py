@@ -314,6 +314,10 @@ class ParallelConfig:
     tensor_parallel_size: int = opt(1, "Ranks sharing one model's weights (attention heads, MLP columns, "
                                        "vocabulary), each a process with its share of --threads; rank 0 schedules "
                                        "and drafts. Dense models, reference backend.")
+    expert_parallel_size: int = opt(1, "Ranks sharing a mixture-of-experts model: its experts split over them "
+                                       "(whole experts per rank), attention, shared experts and vocabulary sharded "
+                                       "as --tensor-parallel-size does; rank 0 schedules and drafts. Reference "
+                                       "backend.")
 
     def __post_init__(self) -> None:
         if not 1 <= self.data_parallel_size <= 1024:
@@ -324,6 +328,13 @@ class ParallelConfig:
             raise ConfigError(f"tensor_parallel_size must be in 1..64, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and (self.data_parallel_size > 1 or self.ray):
             raise ConfigError("tensor_parallel_size > 1 does not combine with data_parallel_size > 1 or ray yet")
+        if not 1 <= self.expert_parallel_size <= 64:
+            raise ConfigError(f"expert_parallel_size must be in 1..64, got {self.expert_parallel_size}")
+        if self.expert_parallel_size > 1 and (self.data_parallel_size > 1 or self.ray):
+            raise ConfigError("expert_parallel_size > 1 does not combine with data_parallel_size > 1 or ray yet")
+        if self.expert_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ConfigError("expert_parallel_size shards attention over its own ranks (as tensor parallelism "
+                              "does): give expert_parallel_size alone")
 
 
 # The SpecConfig section holding each method's own settings (a method without one has none).

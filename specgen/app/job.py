@@ -259,13 +259,16 @@ def _run(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress, inte
 
 @contextmanager
 def job_engine(loaded: Any, cfg: RunConfig, progress: RunProgress) -> Iterator[Any]:
-    """The job's engine: one here, or --data-parallel-size workers, or --tensor-parallel-size ranks, behind the
-    same run/memory contract (their processes end with the block)."""
-    if cfg.parallel.tensor_parallel_size > 1:
+    """The job's engine: one here, or --data-parallel-size workers, or --tensor- / --expert-parallel-size ranks,
+    behind the same run/memory contract (their processes end with the block)."""
+    par = cfg.parallel
+    if par.tensor_parallel_size > 1 or par.expert_parallel_size > 1:
         from specgen.distributed.tensor_parallel import TensorParallelEngine
 
+        ep = par.expert_parallel_size > 1
         with TensorParallelEngine(loaded.source, loaded.engine, cfg.engine, cfg.spec,
-                                  cfg.parallel.tensor_parallel_size, loaded.config) as engine:
+                                  par.expert_parallel_size if ep else par.tensor_parallel_size, loaded.config,
+                                  expert_parallel=ep) as engine:
             yield engine
         return
     if cfg.parallel.data_parallel_size > 1:

@@ -7,7 +7,7 @@ settings nested under `speculative`:
     engine:       {batch_size, dtype, threads, device, backend, ..., kv_cache_dtype, matmul}  -> EngineConfig
     speculative:  {method, num_speculative_tokens, adaptive, draft_model, ngram: {min, max, pool},
                    mtp: {model, copy, quantize}}                                              -> SpecConfig
-    parallel:     {data_parallel_size, ray, tensor_parallel_size}                             -> ParallelConfig
+    parallel:     {data_parallel_size, ray, tensor_parallel_size, expert_parallel_size}       -> ParallelConfig
 
 Every field is also a flag of `specgen run` and `specgen bench`: a top-level field by its name (--batch-size), a
 method's field with the method as prefix (--ngram-pool, --mtp-model).

@@ -87,6 +87,7 @@ class DataParallelEngine:
                 yield msg.payload
 
     def memory(self) -> dict[str, int]:
-        """The workers' KV cache peaks, summed."""
+        """The workers' KV cache peaks (and an MoE model's tokens per expert), summed over those that report each."""
         peaks = list(self.group.finished.values())
-        return {k: sum(p[k] for p in peaks) for k in (peaks[0] if peaks else {})}
+        keys = dict.fromkeys(k for p in peaks for k in p)  # every key any worker reports, in order
+        return {k: sum(p[k] for p in peaks if k in p) for k in keys}

@@ -5,7 +5,13 @@ Rank 0 is the engine: it schedules, drafts (n-gram; the MTP head and draft model
 replicated rather than sharded), samples, verifies and sends each output to the parent, which writes it. Every
 forward it runs is first sent to the other ranks (a Command: the packed batch and which cache), which run their
 shard of it; the all-reduces inside the blocks then meet. Only rank 0 chooses tokens, from logits gathered
-over the vocabulary shards, so no rank can disagree about a token: the next forward's batch carries it."""
+over the vocabulary shards, so no rank can disagree about a token: the next forward's batch carries it.
+
+--expert-parallel-size N runs the same ranks over a mixture-of-experts model, its experts split over them
+(tp_shard.py): attention stays sharded by heads, as here, rather than replicated with the batch split over the
+ranks (DP attention). One engine keeps one scheduler and one drafter, every rank sees every token of every forward
+(so all route alike, and no rank ever runs an empty forward to meet another's collective), and the KV cache is
+split by heads; the price is the attention's all-reduce per block, which DP attention would not pay."""
 from __future__ import annotations
 
 import dataclasses
@@ -95,6 +101,16 @@ class ShardCache(KVCache):
         super().move_rows(slots, src, dst)
 
 
+@dataclass
+class Traffic:
+    """A rank's collectives of one kind (the benchmark reads them): how many, the bytes it sent into them (its
+    tensor's), and the seconds in them (waiting for the other ranks included)."""
+
+    count: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
 class TensorParallelBackend:
     """One rank's part of every forward: the reference backend's operators over its shard, with a sum over the
     ranks after each block's o and down products and after the embedding, and logits gathered over the
@@ -110,8 +126,8 @@ class TensorParallelBackend:
         self.shard: RankShard | None = None  # set by prepare
         self.num_caches = 0
         self.freed: list[int] = []
-        self.comm_seconds = 0.0  # time in collectives (the benchmark reads it)
-        self.num_collectives = 0
+        # kind ("embedding", "attention", "mlp": a block's sums; "vocab": the logits' gathers) -> its collectives
+        self.traffic: dict[str, Traffic] = {}
 
     # ---- the collectives ----
 
@@ -120,19 +136,30 @@ class TensorParallelBackend:
             freed, self.freed = tuple(self.freed), []
             self.channel.send(Command(kind, cache, payload, freed))
 
-    def all_reduce(self, x: paddle.Tensor) -> paddle.Tensor:
+    @property
+    def comm_seconds(self) -> float:
+        return sum(t.seconds for t in self.traffic.values())
+
+    @property
+    def num_collectives(self) -> int:
+        return sum(t.count for t in self.traffic.values())
+
+    def _count(self, kind: str, x: paddle.Tensor, start: float) -> None:
+        t = self.traffic.setdefault(kind, Traffic())
+        t.count, t.nbytes = t.count + 1, t.nbytes + x.size * x.element_size()
+        t.seconds += time.perf_counter() - start
+
+    def all_reduce(self, x: paddle.Tensor, kind: str = "embedding") -> paddle.Tensor:
         start = time.perf_counter()
         paddle.distributed.all_reduce(x)
-        self.comm_seconds += time.perf_counter() - start
-        self.num_collectives += 1
+        self._count(kind, x, start)
         return x
 
     def _all_gather(self, x: paddle.Tensor) -> list[paddle.Tensor]:
         start = time.perf_counter()
         parts: list[paddle.Tensor] = []
         paddle.distributed.all_gather(parts, x)
-        self.comm_seconds += time.perf_counter() - start
-        self.num_collectives += 1
+        self._count("vocab", x, start)
         return parts
 
     # ---- the Backend protocol ----
@@ -172,16 +199,20 @@ class TensorParallelBackend:
         reserve(batch, cache)
         att = AttentionIndex(batch, cache, model.rope, shape.num_heads, self.dtype)
         x = self._embed(batch.token_ids, w.embed)  # [num_tokens, hidden]
+        moe = model.config.moe  # every rank routes every token: rank 0 counts them all
+        counts = np.zeros((len(moe.layers), moe.num_experts), np.int64) if moe is not None else None
         for i, block in enumerate(w.blocks):
-            x = block_forward(x, block, shape, att, i, cache.k[i], cache.v[i], reduce=self.all_reduce)
+            routed = counts[moe.layers.index(i)] if block.moe is not None else None
+            x = block_forward(x, block, shape, att, i, cache.k[i], cache.v[i], routed, reduce=self.all_reduce)
         hidden = rms_norm(x, w.final_norm, shape.eps)  # [num_tokens, hidden]
         if not len(batch.logit_rows):
-            return ForwardOutput(paddle.zeros([0, model.config.vocab_size], self.dtype), hidden, np.zeros(0, np.int64))
+            return ForwardOutput(paddle.zeros([0, model.config.vocab_size], self.dtype), hidden, np.zeros(0, np.int64),
+                                 counts)
         local = w.lm_head(paddle.gather(hidden, paddle.to_tensor(batch.logit_rows)))  # [num_logits, local_vocab]
         if logits:
             full = self._gather_vocab(local)  # [num_logits, vocab]
-            return ForwardOutput(full, hidden, paddle.argmax(full, axis=-1).numpy())
-        return ForwardOutput(None, hidden, self._argmax(local))
+            return ForwardOutput(full, hidden, paddle.argmax(full, axis=-1).numpy(), counts)
+        return ForwardOutput(None, hidden, self._argmax(local), counts)
 
     def logits(self, model: ModelView, hidden: paddle.Tensor) -> paddle.Tensor:
         self._send(LOGITS, -1, hidden.numpy())
@@ -365,31 +396,32 @@ def free_endpoints(n: int) -> tuple[str, ...]:
             s.close()
 
 
-def check_engine(engine: EngineConfig, num_ranks: int) -> None:
+def check_engine(engine: EngineConfig, num_ranks: int, flag: str = "--tensor-parallel-size") -> None:
     """The ranks run the reference backend's operators over float weights, on the CPU or one GPU each."""
     from specgen.backends import resolve_device
 
     if resolve_device(engine.device) == "gpu" and paddle.device.cuda.device_count() < num_ranks:
-        raise ConfigError(f"--tensor-parallel-size {num_ranks} on GPUs needs one GPU per rank; "
+        raise ConfigError(f"{flag} {num_ranks} on GPUs needs one GPU per rank; "
                           f"{paddle.device.cuda.device_count()} are visible")
     if engine.backend == "fused":
-        raise ConfigError("--tensor-parallel-size runs the reference backend (the fused CPU forward is one operator "
-                          "over all layers, with no sum between them); use --backend auto or reference")
+        raise ConfigError(f"{flag} runs the reference backend (the fused CPU forward is one operator over all "
+                          "layers, with no sum between them); use --backend auto or reference")
     if engine.matmul != "float32" or engine.quantization in ("wint8", "wint4"):
-        raise ConfigError("--tensor-parallel-size shards float weights: leave --matmul float32 and --quantization "
-                          "auto or none")
+        raise ConfigError(f"{flag} shards float weights: leave --matmul float32 and --quantization auto or none")
     if engine.kv_cache_dtype != "auto":
-        raise ConfigError("--tensor-parallel-size keeps the KV cache in the model's dtype: leave --kv-cache-dtype auto")
+        raise ConfigError(f"{flag} keeps the KV cache in the model's dtype: leave --kv-cache-dtype auto")
 
 
 class TensorParallelEngine(DataParallelEngine):
     """Engine.run's contract over N tensor-parallel ranks: requests go to rank 0 only (the others never take a
-    task), outputs come back from it; the KV budget is rank 0's share of it (its KV heads over all ranks')."""
+    task), outputs come back from it; the KV budget is rank 0's share of it (its KV heads over all ranks').
+    expert_parallel: a mixture-of-experts model, its experts split over the ranks too (--expert-parallel-size)."""
 
     def __init__(self, model: str, load: EngineConfig, engine: EngineConfig, spec: SpecConfig, num_ranks: int,
-                 config: ModelConfig):
-        check_tensor_parallel(config, num_ranks)
-        check_engine(load, num_ranks)
+                 config: ModelConfig, expert_parallel: bool = False):
+        check_tensor_parallel(config, num_ranks, expert_parallel)
+        kind = "expert" if expert_parallel else "tensor"
+        check_engine(load, num_ranks, f"--{kind}-parallel-size")
         threads, _ = worker_engines(engine, num_ranks)
         kv = [len(plan_shard(config, r, num_ranks).kv_heads) for r in range(num_ranks)]
         budget = engine.kv_memory_limit() or int(0.9 * available_memory())
@@ -397,7 +429,7 @@ class TensorParallelEngine(DataParallelEngine):
         # held here: a started Process drops its arguments, and a queue the parent drops is gone for the child
         self.commands = CommandChannel.make(num_ranks)
         job = RankJob(model, load, rank0, spec, free_endpoints(num_ranks), self.commands)
-        self.group = WorkerGroup(serve_rank, job, threads, "tensor-parallel rank")
+        self.group = WorkerGroup(serve_rank, job, threads, f"{kind}-parallel rank")
         self.max_in_flight = 2 * engine.batch_size
 
     def run(self, requests):

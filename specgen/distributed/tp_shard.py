@@ -1,7 +1,13 @@
 """Tensor-parallel shards of a decoder's weights, cut by hand (Megatron-LM's layout, Shoeybi et al. 2019): each
 rank holds some attention heads (q/k/v columns, o rows) and some MLP columns (gate/up columns, down rows), so a
 block needs one sum over the ranks after o and one after down; the embedding and the LM head hold a contiguous
-range of the vocabulary each. Splits are as even as they go (numpy.array_split): the first ranks take one more."""
+range of the vocabulary each. Splits are as even as they go (numpy.array_split): the first ranks take one more.
+
+With expert parallelism (a mixture-of-experts model) the same ranks also split the routed experts: each holds a
+contiguous range of expert ids whole, and the router and shared experts as above (router replicated, shared
+experts by columns). Every rank has every token's hidden row after the attention's sum, so each routes all of
+them alike and runs its own experts over the tokens routed there (the gather is the sum already made); the one
+sum after the MLP then adds every expert's output to its token's row (the scatter back)."""
 from __future__ import annotations
 
 import dataclasses
@@ -27,9 +33,10 @@ class RankShard:
     world_size: int
     heads: np.ndarray  # [local_heads] int64 the global query head of each local head (PAD_HEAD: padding)
     kv_heads: np.ndarray  # [local_kv_heads] int64 the global KV head of each local KV head
-    inter: tuple[int, int]  # MLP columns [lo, hi)
+    inter: tuple[int, int]  # MLP columns [lo, hi) (a dense block's; a routed block's shared experts: mlp_columns)
     vocab: tuple[int, int]  # vocabulary rows [lo, hi) of the embedding and the LM head
     vocab_sizes: tuple[int, ...]  # [world_size] every rank's hi - lo (gathered logits are padded to the largest)
+    experts: tuple[int, int] = (0, 0)  # routed expert ids [lo, hi) held whole (expert parallelism; else none)
 
     def shape(self, full: BlockShape) -> BlockShape:
         return dataclasses.replace(full, num_heads=len(self.heads), num_kv_heads=len(self.kv_heads))
@@ -64,19 +71,29 @@ def local_heads(heads: np.ndarray, num_heads: int, num_kv_heads: int) -> tuple[n
 def plan_shard(cfg: ModelConfig, rank: int, world_size: int) -> RankShard:
     heads, kv_heads = local_heads(np.arange(*_range(cfg.num_heads, rank, world_size), dtype=np.int64),
                                   cfg.num_heads, cfg.num_kv_heads)
+    experts = _range(cfg.moe.num_experts, rank, world_size) if cfg.moe is not None else (0, 0)
     return RankShard(rank, world_size, heads, kv_heads,
                      _range(cfg.intermediate_size, rank, world_size), _range(cfg.vocab_size, rank, world_size),
-                     tuple(hi - lo for lo, hi in (_range(cfg.vocab_size, r, world_size) for r in range(world_size))))
+                     tuple(hi - lo for lo, hi in (_range(cfg.vocab_size, r, world_size) for r in range(world_size))),
+                     experts)
 
 
-def check_tensor_parallel(cfg: ModelConfig, world_size: int) -> None:
-    """What tensor parallelism runs: a dense model with at least one query head per rank."""
-    if cfg.moe is not None:
-        raise ConfigError("--tensor-parallel-size does not run mixture-of-experts models yet (their experts are not "
-                          "sharded); use --data-parallel-size")
+def check_tensor_parallel(cfg: ModelConfig, world_size: int, expert_parallel: bool = False) -> None:
+    """What a sharded run takes: tensor parallelism a dense model, expert parallelism a mixture-of-experts one
+    (at least one expert per rank); both at least one query head per rank."""
+    flag = f"--{'expert' if expert_parallel else 'tensor'}-parallel-size {world_size}"
+    if cfg.moe is not None and not expert_parallel:
+        raise ConfigError("--tensor-parallel-size does not shard a mixture-of-experts model's experts; use "
+                          "--expert-parallel-size N (experts split over N ranks, attention sharded over them as here)")
+    if cfg.moe is None and expert_parallel:
+        raise ConfigError("--expert-parallel-size shards a mixture-of-experts model's experts; this model is dense: "
+                          "use --tensor-parallel-size")
     if world_size > cfg.num_heads:
-        raise ConfigError(f"--tensor-parallel-size {world_size} is more ranks than the model's {cfg.num_heads} "
-                          "attention heads; use at most that many")
+        raise ConfigError(f"{flag} is more ranks than the model's {cfg.num_heads} attention heads; use at most "
+                          "that many")
+    if expert_parallel and world_size > cfg.moe.num_experts:
+        raise ConfigError(f"{flag} is more ranks than the model's {cfg.moe.num_experts} experts; use at most that "
+                          "many")
 
 
 def _take(w: paddle.Tensor, idx: np.ndarray, axis: int) -> paddle.Tensor:
@@ -106,15 +123,22 @@ def _head_columns(heads: np.ndarray, head_dim: int, offset: int = 0) -> np.ndarr
 
 
 def shard_block(b: DecoderBlock, s: RankShard, full: BlockShape, inter_size: int) -> DecoderBlock:
+    """A dense block's MLP is cut into inter_size's columns s.inter; a routed block keeps its experts s.experts
+    whole and cuts its shared experts' columns (if any) as evenly."""
     D, H, KV = full.head_dim, full.num_heads, full.num_kv_heads
     q = _head_columns(s.heads, D)
     k = _head_columns(s.kv_heads, D, H * D)
     v = _head_columns(s.kv_heads, D, (H + KV) * D)
-    cols = np.arange(*s.inter, dtype=np.int64)
-    return dataclasses.replace(
-        b, qkv=_columns(b.qkv, np.concatenate([q, k, v])), o=_rows(b.o, q, s.rank == 0),
-        gate_up=_columns(b.gate_up, np.concatenate([cols, inter_size + cols])),
-        down=_rows(b.down, cols, s.rank == 0))
+    b = dataclasses.replace(b, qkv=_columns(b.qkv, np.concatenate([q, k, v])), o=_rows(b.o, q, s.rank == 0))
+    if b.moe is not None:
+        lo, hi = s.experts
+        b = dataclasses.replace(b, moe=dataclasses.replace(b.moe, experts=b.moe.experts[lo:hi], first_expert=lo))
+        if b.down is None:  # no shared experts
+            return b
+        inter_size = b.down.weight.shape[0]
+    cols = np.arange(*_range(inter_size, s.rank, s.world_size), dtype=np.int64)
+    return dataclasses.replace(b, gate_up=_columns(b.gate_up, np.concatenate([cols, inter_size + cols])),
+                               down=_rows(b.down, cols, s.rank == 0))
 
 
 def shard_weights(w: DecoderWeights, s: RankShard, full: BlockShape, inter_size: int) -> DecoderWeights:

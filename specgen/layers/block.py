@@ -49,10 +49,11 @@ class BlockShape:
 
 def block_forward(x: paddle.Tensor, w: DecoderBlock, shape: BlockShape, att: AttentionIndex, layer: int,
                   k_cache: paddle.Tensor, v_cache: paddle.Tensor, counts: np.ndarray | None = None,
-                  reduce: Callable[[paddle.Tensor], paddle.Tensor] | None = None) -> paddle.Tensor:
+                  reduce: Callable[[paddle.Tensor, str], paddle.Tensor] | None = None) -> paddle.Tensor:
     """x [num_tokens, hidden] -> the block's output; writes the tokens' K/V into the block's cache. A routed block
     adds its tokens per expert to counts [num_experts] when given. `reduce`: a tensor-parallel rank's sum over the
-    ranks of its row-parallel outputs (o and down hold its rows; specgen/distributed/tp_shard.py)."""
+    ranks of its row-parallel outputs (o and down hold its rows; specgen/distributed/tp_shard.py), told which
+("attention" or "mlp": an expert-parallel rank's experts and shared-expert columns are summed in the latter)."""
     n, H, KV, D, eps = x.shape[0], shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.eps
     qkv = w.qkv(rms_norm(x, w.attn_norm, eps))  # [num_tokens, (H + 2 KV) D]
     q, k, v = paddle.split(qkv, [H * D, KV * D, KV * D], axis=-1)
@@ -61,11 +62,11 @@ def block_forward(x: paddle.Tensor, w: DecoderBlock, shape: BlockShape, att: Att
         q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
     q, k = rotate(q, att.cos, att.sin), rotate(k, att.cos, att.sin)
     attn = w.o(att.attend(q, k, v, layer, k_cache, v_cache))  # [num_tokens, hidden]
-    x = x + (attn if reduce is None else reduce(attn))
+    x = x + (attn if reduce is None else reduce(attn, "attention"))
     h = rms_norm(x, w.mlp_norm, eps)
     mlp = moe_forward(h, w.moe, counts) if w.moe is not None else None
     if w.gate_up is not None:
         gate, up = paddle.split(w.gate_up(h), 2, axis=-1)
         dense = w.down(F.silu(gate) * up)
         mlp = dense if mlp is None else mlp + dense
-    return x + (mlp if reduce is None else reduce(mlp))
+    return x + (mlp if reduce is None else reduce(mlp, "mlp"))

@@ -5,8 +5,8 @@ Tokens are grouped by expert and each expert multiplies only its own tokens (one
 output is then the sum of its chosen experts' outputs in the order of their rank, so a row's result is made from
 its own inputs alone. The fused kernels (specgen/kernels/moe.cc) do the same in a fixed order, which keeps a row's
 bits independent of the batch. The layer holds the experts of a contiguous range of expert ids [first_expert,
-first_expert + len(experts)): all of them today; with expert parallelism a rank would hold its own range, and
-tokens routed elsewhere contribute nothing here (another rank adds them).
+first_expert + len(experts)): all of them, or under expert parallelism a rank's own range
+(specgen/distributed/tp_shard.py), where tokens routed elsewhere contribute nothing here (another rank adds them).
 """
 from __future__ import annotations
 

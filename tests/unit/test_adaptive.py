@@ -67,17 +67,25 @@ def test_each_source_of_drafts_has_its_own_acceptance_and_only_source_0_detaches
 
 def test_drafter_time_is_charged_and_idle_slots_detach():
     """A slot at acceptance 0.3: verifying one draft pays when drafting is free, not when the drafter (an MTP
-    head's pass) takes 30% of a step; the slot then counts idle steps and detaches from the drafter."""
+    head's pass) takes 30% of a step. The drafter's time is spent this step whatever is chosen, so the slot still
+    verifies a draft (1.3 / 1.35 beats 1 / 1.3), but it counts the steps that do not pay for the drafter and
+    detaches from it: a choice flipping between 0 and 1 draft does not keep the drafter running."""
     cost = CostModel(np.array([1, 2, 6]), np.array([1.0, 1.05, 1.25]))
     ctl = Controller(cost, max_draft=2, num_slots=1)
     slot = np.array([0])
     _set(ctl, 30.0, 100.0)
     assert ctl.choose(slot, np.array([2]), 0)[0] >= 1  # E = 1.3 per 1.05 or better: pays
+    assert ctl.idle[0] == 0
     ctl._drafting(0.3)
-    ctl.idle[:] = 0
-    for _ in range(Controller.DETACH_AFTER):
-        assert ctl.choose(slot, np.array([2]), 0)[0] == 0  # 1.3 / (1.05 + 0.3) < 1
+    for step in range(Controller.DETACH_AFTER):
+        assert not ctl.detached(slot)[0]
+        assert ctl.choose(slot, np.array([2]), 0)[0] >= 1  # 1.3 / (1.05 + 0.3) > 1 / (1 + 0.3), < 1 / 1
+        assert ctl.idle[0] == step + 1
     assert ctl.detached(slot).tolist() == [True]
+    ctl.reset(0)
+    ctl.idle[0] = Controller.DETACH_AFTER - 1
+    _set(ctl, 90.0, 100.0)  # drafts that pay for the drafter: the count starts over
+    assert ctl.choose(slot, np.array([2]), 0)[0] == 2 and ctl.idle[0] == 0
 
 
 def test_rule_out_turns_a_drafter_off_where_one_draft_cannot_pay():
@@ -277,7 +285,8 @@ def test_speculation_needs_a_predicted_gain_of_min_gain():
 
 def test_one_slot_takes_the_best_draft_count_of_the_objective():
     """With one decoding slot the choice maximises E(k) / (c(1 + k) + d) over k >= 1 (brute force here), and is
-    verified only when that beats plain decoding by MIN_GAIN."""
+    verified only when that beats k = 0, at 1 / (c(1) + d), by MIN_GAIN; the slot's idle count grows unless it
+    also beats plain decoding without the drafter, 1 / c(1)."""
     cost = CostModel(np.array([1, 2, 4, 8, 16]), np.array([1.0, 1.06, 1.3, 1.9, 3.5]))
     for acc in (0.05, 0.3, 0.6, 0.8, 0.95):
         for avail in (1, 3, 5):
@@ -290,9 +299,10 @@ def test_one_slot_takes_the_best_draft_count_of_the_objective():
                 rates = {k: expected_emitted(a, k) / (cost.at(1 + k) + d)
                          for k in range(1, avail + 1)}
                 k_best = max(rates, key=rates.get)
-                want = k_best if rates[k_best] > (1 + Controller.MIN_GAIN) / cost.at(1) else 0
+                want = k_best if rates[k_best] > (1 + Controller.MIN_GAIN) / (cost.at(1) + d) else 0
+                pays = rates[k_best] > (1 + Controller.MIN_GAIN) / cost.at(1)
                 assert got == want, (acc, avail, d)
-                assert ctl.idle[0] == (1 if want == 0 else 0)
+                assert ctl.idle[0] == (1 if want == 0 or not pays else 0)
 
 
 def _stale_and_true():
@@ -363,8 +373,34 @@ def test_many_slots_get_the_best_split_of_the_drafts():
     cost = CostModel(np.array([3, 6, 12]), np.array([1.0, 1.25, 1.9]))
     alpha = np.array([0.9, 0.5, 0.05])
     avail = np.array([3, 3, 3])
-    k = choose_drafts(alpha, avail, 0, 0.0, cost, 0.05)
+    k, pays = choose_drafts(alpha, avail, 0, 0.0, cost, 0.05)
+    assert pays
     best = max(itertools.product(range(4), repeat=3),
                key=lambda ks: sum(expected_emitted(a, j) for a, j in zip(alpha, ks)) / cost.at(3 + sum(ks)))
     assert tuple(k.tolist()) == best
     assert k[0] >= k[1] >= k[2]
+
+
+def test_new_requests_start_detached_while_the_jobs_drafts_cannot_pay():
+    """32 slots where a second token per slot costs 1.7x: while the job's drafts are accepted 0.1 of the time, a
+    new request starts detached from the drafter, but for one in EXPLORE_EVERY; once the job's drafts are
+    accepted 0.95 of the time, new requests draft again. Only source 0's drafts count toward the job's rate."""
+    n = 32
+    ctl = Controller(CostModel(np.array([32, 64, 128]), np.array([1.0, 1.7, 3.0])), max_draft=3, num_slots=n)
+    slots = np.arange(n)
+    drafts, avail, kept = np.tile([7, 8, 9], (n, 1)), np.full(n, 3), np.full(n, 4)
+    miss, hit = np.tile([1, 2, 3, 4], (n, 1)), np.tile([7, 8, 9, 4], (n, 1))
+    for _ in range(30):
+        ctl.end_step(_report(slots, drafts, avail, miss, kept))
+        ctl.end_step(_report(slots, drafts, avail, hit, kept, source=np.ones(n, np.int64)))  # copies: not counted
+    assert ctl.job.rate(0, 0) < 0.1
+    for slot in range(n):
+        ctl.reset(slot)
+    detached = ctl.detached(slots)
+    assert detached.sum() == n - n // Controller.EXPLORE_EVERY
+    assert not detached[:: Controller.EXPLORE_EVERY].any()
+    for _ in range(60):
+        ctl.end_step(_report(slots, drafts, avail, hit, kept))
+    for slot in range(n):
+        ctl.reset(slot)
+    assert not ctl.detached(slots).any()

@@ -4,8 +4,11 @@ and each slot's running acceptance; and what it learns from each step.
 Acceptance is tracked per (slot, draft source) from every draft the proposer offered whose fate is known,
 verified or not: a draft not sent to verification is still compared with the token that came out (shadow
 acceptance), so a slot whose text turns predictable is noticed.
-Beside the choice (decide.py): a slot whose drafts have not paid for DETACH_AFTER steps is detached (a drafter
-that costs time per slot, the MTP head, stops drafting for it), and a drafter whose own measured acceptance
+Beside the choice (decide.py): a slot whose drafts have not paid for DETACH_AFTER steps in a row, the drafter's
+own time counted, is detached (a drafter that costs time per slot, an MTP head or a draft model, stops drafting
+for it); a new request starts detached when the drafter's acceptance over the job so far (with HINT_HEADROOM)
+could not pay for it at the batch's size, but for one request in EXPLORE_EVERY, which keeps that figure current;
+and a drafter whose own measured acceptance
 could not pay for one draft per slot at this batch size is ruled out before the first step.
 """
 from __future__ import annotations
@@ -37,7 +40,10 @@ class StepReport:
 
 class Controller:
     DECAY = 0.9  # per step of a slot: its acceptance counts follow changes within a request
-    DETACH_AFTER = 8  # steps in a row in which drafts did not pay for a slot before its drafter stops for it
+    # steps in a row in which a slot's drafts did not pay, the drafter's time counted, before its drafter stops for
+    # it (a draft model at acceptance ~0.4, choosing 1 draft one step and 0 the next, ran 0.83x of plain decoding
+    # when only steps choosing 0 counted: the draft kept running beside plain decoding)
+    DETACH_AFTER = 8
     DRAFT_EMA = 0.2  # weight of one step in the drafter's time
     # The drafter's time per step really changes up to ~5x from one step to the next (an MTP head's pass: 0.14-0.18
     # ms catching up alone, 0.61-0.71 ms with three chained drafts); a stall (~100 ms) multiplies it by 100 or more.
@@ -48,6 +54,11 @@ class Controller:
     # verifying drafts measured slower than plain decoding (32 slots of code rewriting: 0.87x and 0.97x).
     MIN_GAIN = 0.05
     NUM_SOURCES = 2  # acceptance estimates per slot: one per kind of draft (DraftTokens.source)
+    # Per step, over every slot: the job's acceptance of source 0's drafts follows ~30 steps. At 32 slots of short
+    # requests each new one drafted for its first DETACH_AFTER steps (and its prompt window) though no slot's
+    # drafts had paid: the draft model ran 0.95x and the MTP head 0.92x of plain decoding (math, 64 tokens each).
+    JOB_DECAY = 0.97
+    EXPLORE_EVERY = 8  # one new request in this many drafts whatever the job's acceptance says
 
     def __init__(self, cost: CostModel, max_draft: int, num_slots: int):
         self.cost, self.max_draft, self.num_slots = cost, max_draft, num_slots
@@ -55,6 +66,9 @@ class Controller:
         self.acceptance = AcceptanceEstimator(self.NUM_SOURCES, num_slots, self.DECAY)
         self.idle = np.zeros(num_slots, np.int64)  # [num_slots] steps in a row the choice was k = 0
         self.draft_cost: float | None = None  # seconds per step the proposer takes (propose + observe), EMA
+        self.job = AcceptanceEstimator(1, 1, self.JOB_DECAY)  # source 0's drafts over every slot
+        self.active = num_slots  # decoding slots at the last choice
+        self.requests = 0  # requests placed (reset)
 
     # ---- before a step ----
 
@@ -74,13 +88,15 @@ class Controller:
                source: np.ndarray | None = None, gains: np.ndarray | None = None) -> np.ndarray:
         """Drafts to verify per decoding slot ([num_seqs] int64 in [0, num_avail]) this step: a token tree's node
         budget, with gains [num_seqs, width] its nodes' expected tokens (tree.node_gains). A slot's idle count
-        (detach) moves only on steps whose drafts are source 0's: the drafter that costs time per slot."""
+        (detach) moves only on steps whose drafts are source 0's: the drafter that costs time per slot; it grows
+        where the slot verifies nothing or the step's drafts do not pay for the drafter's time."""
         if not len(num_avail) or num_avail.max() == 0 or self.off:
             return np.zeros(len(num_avail), np.int64)
+        self.active = len(slots)
         src = 0 if source is None else source
-        k = choose_drafts(self.acceptance.rate(src, slots), num_avail, other_tokens, self.draft_cost or 0.0,
-                          self.cost, self.MIN_GAIN, gains)
-        idle = np.where(k == 0, self.idle[slots] + 1, 0)
+        k, pays = choose_drafts(self.acceptance.rate(src, slots), num_avail, other_tokens, self.draft_cost or 0.0,
+                                self.cost, self.MIN_GAIN, gains)
+        idle = np.where((k == 0) | (not pays), self.idle[slots] + 1, 0)
         self.idle[slots] = idle if source is None else np.where(source == 0, idle, self.idle[slots])
         return k
 
@@ -91,9 +107,19 @@ class Controller:
         return (self.idle[slots] >= self.DETACH_AFTER) | self.off
 
     def reset(self, slot: int) -> None:
-        """A new request in `slot`."""
+        """A new request in `slot`: attached to the drafter unless the job's drafts so far could not pay for it."""
         self.acceptance.reset(slot)
-        self.idle[slot] = 0
+        self.requests += 1
+        explore = self.requests % self.EXPLORE_EVERY == 1
+        self.idle[slot] = 0 if explore or self._job_pays() else self.DETACH_AFTER
+
+    def _job_pays(self) -> bool:
+        """Whether drafts accepted at the job's rate so far (with HINT_HEADROOM), up to max_draft per slot at the
+        last step's batch size, would pay for verifying them and the drafter's time."""
+        n = max(self.active, 1)
+        a = min(1.0, self.HINT_HEADROOM * float(self.job.rate(0, 0)))
+        return choose_drafts(np.full(n, a), np.full(n, self.max_draft, np.int64), 0, self.draft_cost or 0.0,
+                             self.cost, self.MIN_GAIN)[1]
 
     # ---- after a step ----
 
@@ -113,7 +139,11 @@ class Controller:
         col = np.arange(width)[None, :]
         match = (r.draft_ids == r.emitted[:, :width]) & (col < known[:, None])
         hits = np.cumprod(match, axis=1).sum(axis=1)
-        self.acceptance.update(0 if r.source is None else r.source, r.slots, hits, hits + (hits < known))
+        seen = hits + (hits < known)
+        self.acceptance.update(0 if r.source is None else r.source, r.slots, hits, seen)
+        mine = np.ones(len(hits), bool) if r.source is None else r.source == 0  # the costly drafter's
+        if seen[mine].any():
+            self.job.update(0, np.zeros(1, np.int64), hits[mine].sum(keepdims=True), seen[mine].sum(keepdims=True))
 
     def _drafting(self, seconds: float) -> None:
         """The proposer's time in one step (drafting for the next step included), counted at most DRAFT_OUTLIER x

@@ -7,8 +7,12 @@ tokens per second, sum_s E_s(k_s) / (c(n + other + sum_s k_s) + d). For a total 
 them to the K largest marginal gains a_s^j (each slot's gains decrease with j, so that is a prefix per slot);
 every K from 0 to all the drafts offered is priced, and the best kept. That is the exact optimum for any number
 of slots, one slot included.
-k = 0 everywhere is plain decoding, at n / c(n + other): speculation is chosen only when the model predicts it
-min_gain faster (gains smaller than that are within the cost model's error).
+The drafter's time d is spent this step whatever is chosen (it drafted at the end of the last step, and catches
+up on this one's tokens), so the choice compares against k = 0 at n / (c(n + other) + d): speculation is chosen
+only when the model predicts it min_gain faster (gains smaller than that are within the cost model's error).
+Whether drafting pays for itself is a second answer: the chosen rate against plain decoding without the drafter,
+n / c(n + other), by the same margin. The controller detaches slots from a drafter that keeps not paying (a
+choice that flips between 0 and 1 draft would otherwise keep a draft model running beside plain decoding).
 """
 from __future__ import annotations
 
@@ -28,13 +32,14 @@ def choose_drafts(
     min_gain: float,
     gains: np.ndarray | None = None,  # [num_seqs, >= max(num_avail)] each draft's expected tokens, non-increasing
     # along a row (a token tree's nodes: tree.node_gains); None: alpha ** j, a chain's
-) -> np.ndarray:
-    """Drafts to verify per slot, [num_seqs] int64 in [0, num_avail]."""
+) -> tuple[np.ndarray, bool]:
+    """Drafts to verify per slot ([num_seqs] int64 in [0, num_avail]), and whether that choice beats plain
+    decoding without the drafter's time by min_gain."""
     n = len(num_avail)
     k = np.zeros(n, np.int64)
     width = int(num_avail.max(initial=0))
     if width == 0:
-        return k
+        return k, False
     a = np.minimum(np.maximum(alpha, 0.0), ALPHA_MAX)
     j = np.arange(1, width + 1)  # [width]
     per = a[:, None] ** j[None, :] if gains is None else gains[:, :width]  # [n, width]
@@ -45,6 +50,7 @@ def choose_drafts(
     emitted = n + np.cumsum(gain[order])  # [total] tokens of the best split of K = 1..total drafts
     rate = emitted / (cost(base + np.arange(1, total + 1)) + draft_seconds)
     best = int(np.argmax(rate))
-    if rate[best] <= (1.0 + min_gain) * n / cost.at(base):
-        return k
-    return np.bincount(order[:best + 1] // width, minlength=n).astype(np.int64)
+    if rate[best] <= (1.0 + min_gain) * n / (cost.at(base) + draft_seconds):
+        return k, False
+    pays = bool(rate[best] > (1.0 + min_gain) * n / cost.at(base))
+    return np.bincount(order[:best + 1] // width, minlength=n).astype(np.int64), pays
