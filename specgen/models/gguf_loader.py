@@ -13,11 +13,11 @@ from tokenizers.models import BPE
 
 from specgen.errors import CheckpointError
 from specgen.models.checkpoint import QUANT_BLOCK_BYTES, QUANT_BLOCK_WEIGHTS, Checkpoint, QuantRows
-from specgen.models.config import ModelConfig
+from specgen.models.config import ModelConfig, MoeConfig
 from specgen.models.tokenizer import TextTokenizer
 
 # general.architecture -> ModelConfig.architecture. Mistral models are written by llama.cpp as "llama".
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 # llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel.permute) reorders the q/k rows of these
 # architectures from HF's rotate-half order into interleaved-pair order; the Qwen converters do not.
 _PERMUTED_QK = {"llama"}
@@ -43,8 +43,13 @@ _LAYER_TENSORS = {  # blk.N.<key> -> model.layers.N.<value>
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # a routed block's router [num_experts, hidden] (qwen3moe)
 }
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
+# A mixture-of-experts block (llama.cpp's qwen3moe): each projection of every expert stacked in one tensor
+# [num_experts, out, in] (GGUF ne: in, out, experts), split here into HF's experts.{e}.* tensors.
+_STACKED_EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+                    "ffn_down_exps.weight": "down_proj"}
 
 # tokenizer.ggml.pre -> pre-tokenizer. The regexes are those of llama.cpp's llama-vocab.cpp for the same
 # pre type, written the way each model's HF tokenizer.json spells them.
@@ -115,6 +120,9 @@ class _Metadata:
         self._fields = reader.fields
         self.path = path
 
+    def __contains__(self, key: str) -> bool:
+        return key in self._fields
+
     def get(self, key: str, default: Any = None) -> Any:
         field = self._fields.get(key)
         return default if field is None else field.contents()
@@ -143,6 +151,10 @@ def _read_weights(reader: gguf.GGUFReader, path: Path) -> tuple[dict[str, np.nda
     quantized: dict[str, QuantRows] = {}
     for tensor in reader.tensors:
         hf_name = _hf_name(tensor.name)
+        stacked = _stacked(tensor.name)
+        if stacked is not None:
+            _split_experts(tensor, stacked, weights, quantized, path)
+            continue
         if hf_name is None:
             if tensor.name == "rope_freqs.weight":
                 raise CheckpointError(
@@ -164,6 +176,51 @@ def _read_weights(reader: gguf.GGUFReader, path: Path) -> tuple[dict[str, np.nda
                                                                    QUANT_BLOCK_BYTES[kind])
             quantized[hf_name] = QuantRows(kind, blocks)
     return weights, quantized
+
+
+def _stacked(name: str) -> tuple[int, str] | None:
+    """(layer, HF projection name) of a stacked-experts tensor's name, else None."""
+    match = _LAYER_NAME.fullmatch(name)
+    if match is None or match.group(2) not in _STACKED_EXPERTS:
+        return None
+    return int(match.group(1)), _STACKED_EXPERTS[match.group(2)]
+
+
+def _split_experts(tensor: Any, stacked: tuple[int, str], weights: dict[str, np.ndarray],
+                   quantized: dict[str, QuantRows], path: Path) -> None:
+    """A stacked [num_experts, out, in] tensor -> model.layers.{i}.mlp.experts.{e}.{proj}.weight [out, in] each
+    (dequantized; and its raw rows per expert when stored as Q4_0 / Q4_1 / Q8_0)."""
+    layer, proj = stacked
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # [num_experts, out, in]
+    if len(shape) != 3:
+        raise CheckpointError(f"{path}: tensor {tensor.name!r} has shape {list(shape)}, expected [experts, out, in]")
+    kind = tensor.tensor_type.name
+    try:
+        values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+    except NotImplementedError as e:
+        raise CheckpointError(f"{path}: tensor {tensor.name!r} has unsupported type {kind}") from e
+    blocks = None
+    if kind in QUANT_BLOCK_BYTES and shape[2] % QUANT_BLOCK_WEIGHTS[kind] == 0:
+        blocks = np.array(tensor.data, dtype=np.uint8).reshape(*shape[:2], shape[2] // QUANT_BLOCK_WEIGHTS[kind],
+                                                               QUANT_BLOCK_BYTES[kind])
+    for e in range(shape[0]):
+        name = f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
+        weights[name] = np.array(values[e], dtype=np.float32)  # its own copy (F32 data is the file's mapping)
+        if blocks is not None:
+            quantized[name] = QuantRows(kind, np.ascontiguousarray(blocks[e]))
+
+
+def _moe_config(meta: _Metadata, arch_name: str, weights: dict[str, np.ndarray],
+                num_layers: int) -> MoeConfig | None:
+    """The routed experts of a qwen3moe file: every block with a router (ffn_gate_inp) is routed, the others
+    dense. llama.cpp renormalises the top-k weights of qwen3moe unless {arch}.expert_weights_norm says not."""
+    if f"{arch_name}.expert_count" not in meta:
+        return None
+    routed = tuple(i for i in range(num_layers) if f"model.layers.{i}.mlp.gate.weight" in weights)
+    return MoeConfig(num_experts=meta.integer(f"{arch_name}.expert_count"),
+                     top_k=meta.integer(f"{arch_name}.expert_used_count"),
+                     intermediate_size=meta.integer(f"{arch_name}.expert_feed_forward_length"),
+                     layers=routed, norm_topk_prob=bool(meta.get(f"{arch_name}.expert_weights_norm", True)))
 
 
 def _hf_name(name: str) -> str | None:
@@ -194,12 +251,13 @@ def _build_config(
     vocab_size = weights["model.embed_tokens.weight"].shape[0]
     if tokens is not None and len(tokens) > vocab_size:
         raise CheckpointError(f"{path}: {len(tokens)} tokens but token_embd.weight has {vocab_size} rows")
+    num_layers = meta.integer(f"{arch_name}.block_count")
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch_name],
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=meta.integer(f"{arch_name}.feed_forward_length"),
-        num_layers=meta.integer(f"{arch_name}.block_count"),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=meta.integer(f"{arch_name}.attention.head_count_kv", num_heads),
         head_dim=head_dim,
@@ -209,9 +267,10 @@ def _build_config(
         tie_word_embeddings="lm_head.weight" not in weights,
         qkv_bias="model.layers.0.self_attn.q_proj.bias" in weights,
         o_bias="model.layers.0.self_attn.o_proj.bias" in weights,
-        qk_norm=arch_name == "qwen3",
+        qk_norm=arch_name in ("qwen3", "qwen3moe"),
         eos_token_ids=_eos_token_ids(meta, tokens),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        moe=_moe_config(meta, arch_name, weights, num_layers),
     )
 
 
@@ -251,8 +310,17 @@ def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         layer["self_attn.o_proj.bias"] = (hidden,)
     if config.qk_norm:
         layer |= {"self_attn.q_norm.weight": (dim,), "self_attn.k_norm.weight": (dim,)}
+    moe = config.moe
+    dense = {k: v for k, v in layer.items() if not k.startswith("mlp.")}
+    if moe is not None:  # a routed block: its router and experts instead of the dense MLP
+        dense["mlp.gate.weight"] = (moe.num_experts, hidden)
+        for e in range(moe.num_experts):
+            dense |= {f"mlp.experts.{e}.{p}_proj.weight": s for p, s in (
+                ("gate", (moe.intermediate_size, hidden)), ("up", (moe.intermediate_size, hidden)),
+                ("down", (hidden, moe.intermediate_size)))}
     for i in range(config.num_layers):
-        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+        routed = moe is not None and i in moe.layers
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in (dense if routed else layer).items()}
     return shapes
 
 
@@ -261,6 +329,9 @@ def _gguf_name(hf_name: str) -> str:
         if name == hf_name:
             return gguf_name
     _, _, i, rest = hf_name.split(".", 3)
+    if rest.startswith("mlp.experts."):  # one expert's part of a stacked tensor
+        proj = rest.rsplit(".", 2)[1]
+        return f"blk.{i}." + next(key for key, value in _STACKED_EXPERTS.items() if value == proj)
     return f"blk.{i}." + next(key for key, value in _LAYER_TENSORS.items() if value == rest)
 
 
