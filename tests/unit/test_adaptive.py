@@ -149,6 +149,7 @@ def _stub_model(monkeypatch, seconds_of):
     class Stub:
         key = "model A"
         backend = types.SimpleNamespace(engine=EngineConfig())  # the settings it was loaded with
+        config = types.SimpleNamespace(vocab_size=300)
 
         def cost_key(self):
             return self.key
@@ -192,6 +193,30 @@ def test_calibration_anchors_steps_of_few_slots(monkeypatch):
     assert tokens.tolist() == [1, 8, 16, 48]
     np.testing.assert_allclose(seconds, [0.010, 0.010, 0.026, 0.090])
     assert controller.cost.at(2) == pytest.approx(0.010)  # extrapolated from 8 tokens: 0.010 - 6 * 0.0023 < 0
+
+
+def test_calibration_times_blocks_of_distinct_tokens(monkeypatch):
+    """A mixture-of-experts step costs more the more experts its tokens touch: a block of one repeated id routes
+    every token alike (one token's experts), a verify block's tokens spread. The table's blocks hold distinct
+    ids, so its 4-token point is a real verify block's cost, not one token's."""
+    clock = {"t": 0.0}
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock["t"])
+
+    class Moe:  # 1 ms a step plus 1 ms per distinct token id in the step (an expert's weights read)
+        backend = types.SimpleNamespace(engine=EngineConfig())
+        config = types.SimpleNamespace(vocab_size=50_000)
+
+        def cost_key(self):
+            return "moe"
+
+        def forward(self, batch, cache, logits=True):
+            clock["t"] += 0.001 * (1 + len(np.unique(batch.token_ids)))
+
+    moe = Moe()
+    calibration.controller_for(moe, _Cache(1), 3, NO_DISK)
+    tokens, seconds = calibration.measured(moe)[(1, 3)]
+    assert tokens.tolist() == [1, 2, 4]
+    np.testing.assert_allclose(seconds, [0.002, 0.003, 0.005])  # one id per block would give 0.002 throughout
 
 
 def test_costs_are_measured_with_the_slots_the_job_fills(tiny_dir):

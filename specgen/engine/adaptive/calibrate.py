@@ -14,6 +14,11 @@ from specgen.engine.types import build_forward_batch
 REPEATS = 5  # timings per point of the table (round robin over the points), at most
 BUDGET = 0.15  # seconds of timed forwards after which fewer repeats are taken (large batches)
 ANCHOR_SLOTS = 8  # from this many slots on, the table also times one slot's single token
+# What the timed blocks hold, part of a stored table's key: distinct random token ids. A block of one repeated id
+# routes every token of a mixture-of-experts block to the same experts, while a real verify block's tokens spread
+# over several (6 tokens: 21.6 experts of 64 per block instead of 6), so such a table priced an MoE model's 6-token
+# block at 1.7x one token where it cost 2.5x, and the controller verified drafts that could not pay.
+TIMED_TOKENS = "random-ids"
 
 # tables measured in this process, per model: {(num_slots, max_draft): (tokens, seconds)}; a later engine on the
 # same model (e.g. `specgen bench`) reuses them
@@ -42,7 +47,8 @@ def controller_for(model, cache, max_draft: int, engine: EngineConfig, num_slots
 
         loaded = model.backend.engine  # the threads and kernels the model runs with
         path = costs.table_path(engine.cache_root(), [model.cost_key(), cache.dtype, str(num_slots), str(max_draft),
-                                                      str(loaded.num_threads()), build_key(loaded.cpu_target)])
+                                                      str(loaded.num_threads()), build_key(loaded.cpu_target),
+                                                      TIMED_TOKENS])
         table = costs.load(path)
     if table is None:
         table = _time_table(model, cache, max_draft, num_slots)
@@ -54,8 +60,10 @@ def controller_for(model, cache, max_draft: int, engine: EngineConfig, num_slots
 def _time_table(model, cache, max_draft: int, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
     slots = np.arange(num_slots, dtype=np.int64)
     counts = sorted({1, 2, max_draft + 1})
+    rng = np.random.default_rng(0)  # TIMED_TOKENS: each block's tokens distinct, as a verify block's are
+    vocab = model.config.vocab_size
     batches = [build_forward_batch(slots, np.zeros(num_slots, np.int64), np.full(num_slots, q, np.int64),
-                                   np.zeros(num_slots * q, np.int64), np.ones(num_slots, bool)) for q in counts]
+                                   rng.integers(0, vocab, num_slots * q), np.ones(num_slots, bool)) for q in counts]
     tokens = [q * num_slots for q in counts]
     if num_slots >= ANCHOR_SLOTS:
         batches.insert(0, build_forward_batch(slots[:1], np.zeros(1, np.int64), np.ones(1, np.int64),
