@@ -13,7 +13,10 @@ For each learned arm a second run with every draft verified (adaptive off) gives
 - the drafter's share of the run's time (its propose and observe calls, timed around the proposer);
 - at batch 1, the oracle bound: each step of that run costs c(tokens it emits) at the step costs measured here
   plus the drafter's measured cost per draft for the drafts it accepted only (nothing for rejected drafts or
-  catch-up passes), the job's prefill share added back (specgen/app/bounds.py); "of oracle" = speedup / oracle.
+  catch-up passes), the job's prefill share added back (specgen/app/bounds.py); "of oracle" = speedup / oracle;
+- at batch 1, the best fixed k: what verifying j drafts every step reaches for the best j, at the acceptance per
+  position measured and the same step and drafter costs (the drafter charged for the j drafts it makes): what a
+  controller knowing the job's acceptance, but not which step's drafts will be right, gets without adapting.
 """
 from __future__ import annotations
 
@@ -95,6 +98,21 @@ def oracle_bound(lm, prompts, outs, accepted, draft_seconds, share):
     return bounds.job_bound(decode, share)
 
 
+def fixed_k_bound(lm, prompts, outs, accepted, draft_seconds, share):
+    """The batch-1 speedup of the best fixed draft count j (see the module's docstring)."""
+    from specgen.app import bounds
+
+    steps = len(emitted_per_step(outs, accepted))
+    drafts = sum(o.stats.num_draft_tokens for o in outs)
+    per_draft = draft_seconds / max(drafts, 1)
+    position = int(np.median([len(p) for p in prompts]))
+    k = len(accepted)
+    costs = bounds.step_costs(lm.model, position, list(range(1, k + 2)))
+    emitted = 1 + np.concatenate([[0.0], np.cumsum(np.asarray(accepted, np.float64) / max(steps, 1))])  # [k + 1]
+    decode = max(emitted[j] * costs[1] / (costs[1 + j] + j * per_draft) for j in range(k + 1))
+    return bounds.job_bound(decode, share)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sets", nargs="+", default=["summarization", "rag", "translation", "math_reasoning", "qa",
@@ -155,7 +173,7 @@ def main() -> None:
                 steps = sum(o.stats.num_steps for o in outs)
                 row = {"set": name, "batch": bs, "arm": a, "tok_s": float(np.median(tok_s)), "speedup": speedup,
                        "tok_per_step": tokens / steps, "identical": same, "per_position": None,
-                       "draft_share": None, "oracle": None, "of_oracle": None}
+                       "draft_share": None, "oracle": None, "of_oracle": None, "fixed_k": None}
                 if a in learned:
                     off, wall, drafter = run_job(lm, prompts, sp, bs, dataclasses.replace(spec, adaptive=False), True)
                     k = spec.num_speculative_tokens
@@ -164,12 +182,13 @@ def main() -> None:
                     if bs == 1:
                         row["oracle"] = oracle_bound(lm, prompts, off, accepted, drafter, share)
                         row["of_oracle"] = speedup / row["oracle"]
+                        row["fixed_k"] = fixed_k_bound(lm, prompts, off, accepted, drafter, share)
                 out.append(row)
                 acc = " / ".join("-" if p is None else f"{p:.2f}" for p in row["per_position"] or [])
                 rows.append([name, bs, a, row["tok_s"], speedup, row["tok_per_step"], acc or "-", row["draft_share"],
-                             row["oracle"], row["of_oracle"], "yes" if same else "NO"])
+                             row["oracle"], row["of_oracle"], row["fixed_k"], "yes" if same else "NO"])
             print_table(["set", "batch", "arm", "tok/s", "speedup", "tok/step", "accepted per position (all drafts)",
-                         "draft share", "oracle", "of oracle", "identical"], rows)
+                         "draft share", "oracle", "of oracle", "best fixed k", "identical"], rows)
             print(flush=True)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
