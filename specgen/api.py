@@ -92,10 +92,11 @@ def iter_generate(loaded: LoadedModel, requests: Iterable, engine: EngineConfig,
 
 
 def make_engine(loaded: LoadedModel, engine: EngineConfig, speculative: SpecConfig,
-                drafting: LoadedModel | None = None):
+                drafting: LoadedModel | None = None, engine_class: type | None = None, **extra: Any):
     """An engine over the loaded model with `engine`'s batch settings (its load settings are the model's:
     LoadedModel.engine) and the proposer of `speculative`, drafting beside `drafting` (default: `loaded`; a
-    tensor-parallel rank 0 gives the full model, its engine's being a shard)."""
+    tensor-parallel rank 0 gives the full model, its engine's being a shard). engine_class: an Engine subclass
+    (a prefill or decode worker's), given `extra` too."""
     from specgen import kernels
     from specgen.engine.engine import Engine
     from specgen.engine.proposers import build_proposer
@@ -104,5 +105,6 @@ def make_engine(loaded: LoadedModel, engine: EngineConfig, speculative: SpecConf
     runtime = loaded.engine
     lib = kernels.host_lib(runtime.cpu_target, runtime.cache_root()) if speculating else None
     drafting = drafting or loaded
-    return Engine(loaded.model, loaded.tokenizer, engine, build_proposer(speculative, drafting.model, lib, drafting),
-                  adaptive=speculating and speculative.adaptive, max_draft=speculative.num_speculative_tokens)
+    return (engine_class or Engine)(
+        loaded.model, loaded.tokenizer, engine, build_proposer(speculative, drafting.model, lib, drafting),
+        adaptive=speculating and speculative.adaptive, max_draft=speculative.num_speculative_tokens, **extra)

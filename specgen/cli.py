@@ -183,7 +183,7 @@ def stats(
 @app.command(help="Run INPUT once per method (and batch size) on one loaded model and compare them side by side: "
                   "tok/s, speedup, what speculation could reach (the n-gram ceiling, the oracle bound), and advice: "
                   "the fastest choice, with its YAML for --config. " + PRECEDENCE)
-@with_settings(exclude=("method", "data_parallel_size", "ray", "tensor_parallel_size", "expert_parallel_size"))
+@with_settings(exclude=("method", "data_parallel_size", "ray", "tensor_parallel_size", "pd", "expert_parallel_size"))
 def bench(
     input: Annotated[Path, typer.Argument(help="Prompts: .jsonl / .json lines, or .parquet.")],
     flags: dict[str, Any],

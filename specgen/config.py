@@ -314,6 +314,10 @@ class ParallelConfig:
     tensor_parallel_size: int = opt(1, "Ranks sharing one model's weights (attention heads, MLP columns, "
                                        "vocabulary), each a process with its share of --threads; rank 0 schedules "
                                        "and drafts. Dense models, reference backend.")
+    pd: str = opt("", "Prefill/decode disaggregation, P:D (1:1 is 1P1D): P prefill workers compute each prompt's "
+                      "KV cache, drafter state and first token and hand the request over shared memory to one of D "
+                      "decode workers, which run the speculative decode loop; each worker a process with its share "
+                      "of --threads. Empty: one engine does both.")
     expert_parallel_size: int = opt(1, "Ranks sharing a mixture-of-experts model: its experts split over them "
                                        "(whole experts per rank), attention, shared experts and vocabulary sharded "
                                        "as --tensor-parallel-size does; rank 0 schedules and drafts. Reference "
@@ -328,6 +332,10 @@ class ParallelConfig:
             raise ConfigError(f"tensor_parallel_size must be in 1..64, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and (self.data_parallel_size > 1 or self.ray):
             raise ConfigError("tensor_parallel_size > 1 does not combine with data_parallel_size > 1 or ray yet")
+        if self.pd:
+            parse_pd(self.pd)
+            if self.tensor_parallel_size > 1 or self.data_parallel_size > 1 or self.ray:
+                raise ConfigError("pd does not combine with tensor_parallel_size, data_parallel_size or ray yet")
         if not 1 <= self.expert_parallel_size <= 64:
             raise ConfigError(f"expert_parallel_size must be in 1..64, got {self.expert_parallel_size}")
         if self.expert_parallel_size > 1 and (self.data_parallel_size > 1 or self.ray):
@@ -335,6 +343,22 @@ class ParallelConfig:
         if self.expert_parallel_size > 1 and self.tensor_parallel_size > 1:
             raise ConfigError("expert_parallel_size shards attention over its own ranks (as tensor parallelism "
                               "does): give expert_parallel_size alone")
+
+    @property
+    def pd_workers(self) -> tuple[int, int] | None:
+        """(prefill, decode) workers of --pd, or None."""
+        return parse_pd(self.pd) if self.pd else None
+
+
+def parse_pd(text: str) -> tuple[int, int]:
+    """'P:D' -> (P, D), prefill and decode workers, each 1..64."""
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise ConfigError(f"pd must be P:D, the prefill and decode workers (1:1, 2:1), got {text!r}")
+    p, d = (int(x) for x in parts)
+    if not (1 <= p <= 64 and 1 <= d <= 64):
+        raise ConfigError(f"pd: 1..64 prefill and decode workers each, got {text!r}")
+    return p, d
 
 
 # The SpecConfig section holding each method's own settings (a method without one has none).

@@ -271,6 +271,13 @@ def job_engine(loaded: Any, cfg: RunConfig, progress: RunProgress) -> Iterator[A
                                   expert_parallel=ep) as engine:
             yield engine
         return
+    if cfg.parallel.pd:
+        from specgen.distributed.disaggregated import DisaggregatedEngine
+
+        with DisaggregatedEngine(loaded.source, loaded.engine, cfg.engine, cfg.spec,
+                                 *cfg.parallel.pd_workers) as engine:
+            yield engine
+        return
     if cfg.parallel.data_parallel_size > 1:
         from specgen.distributed.data_parallel import DataParallelEngine
 

@@ -25,6 +25,9 @@ class WorkerSpec:
     rank: int  # 0 .. world_size - 1
     world_size: int
     threads: int  # its share of the CPU threads (EngineConfig.threads of the engine it runs)
+    pool: int = 0  # which of the group's pools it serves (each pool has its own task queue; one unless told)
+    pool_rank: int = 0  # its place in its pool
+    pool_size: int = 1  # workers in its pool
 
 
 class Message(NamedTuple):
@@ -49,6 +52,10 @@ class Worker:
         """Tasks until the group's end marker (None)."""
         while (task := self._tasks.get()) is not None:
             yield task
+
+    def has_task(self) -> bool:
+        """Whether a task (or the end marker) is waiting: the next one comes without blocking."""
+        return not self._tasks.empty()
 
     def send(self, payload: Any) -> None:
         self._results.put(Message(self.spec.rank, OUTPUT, payload))
@@ -93,37 +100,61 @@ def _death(exitcode: int) -> str:
 
 class WorkerGroup:
     """N processes running `target(worker, arg)`, started with spawn (Paddle's threads and OpenMP pools do not
-    survive a fork). Tasks go to one shared queue (a worker with room takes the next); messages come back on
-    one queue. `receive` raises the error a worker sent, or WorkerError for a worker that died."""
+    survive a fork). Tasks go to one shared queue per pool (a worker with room takes the next); messages come
+    back on one queue. `receive` raises the error a worker sent, or WorkerError for a worker that died.
 
-    def __init__(self, target: Target, arg: Any, threads: list[int], what: str = "worker"):
+    pools: (name, count) of each kind of worker, the ranks in that order (prefill workers, then decode workers);
+    by default one pool of every worker, called `what`."""
+
+    def __init__(self, target: Target, arg: Any, threads: list[int], what: str = "worker",
+                 pools: list[tuple[str, int]] | None = None):
         ctx = mp.get_context("spawn")
-        self.what = what
-        self.tasks, self.results = ctx.Queue(), ctx.Queue()
         n = len(threads)
-        self.specs = [WorkerSpec(rank, n, t) for rank, t in enumerate(threads)]
-        self.procs = [ctx.Process(target=_worker_main, args=(target, s, self.tasks, self.results, arg),
-                                  name=f"specgen-{what.replace(' ', '-')}-{s.rank}", daemon=True)
+        self.pools = pools or [(what, n)]
+        assert sum(count for _, count in self.pools) == n, "every worker in one pool"
+        self.queues = [ctx.Queue() for _ in self.pools]  # each pool's tasks
+        self.results = ctx.Queue()
+        self.specs = [WorkerSpec(rank, n, t, pool, rank - first, count) for rank, t, (pool, first, count)
+                      in zip(range(n), threads, self._ranks())]
+        self.procs = [ctx.Process(target=_worker_main, args=(target, s, self.queues[s.pool], self.results, arg),
+                                  name=f"specgen-{self.pools[s.pool][0].replace(' ', '-')}-{s.pool_rank}", daemon=True)
                       for s in self.specs]
         self.finished: dict[int, Any] = {}  # rank -> its DONE payload
         self.num_ready = 0
+
+    def _ranks(self) -> list[tuple[int, int, int]]:
+        """(pool, its first rank, its size) of each rank."""
+        out, first = [], 0
+        for pool, (_, count) in enumerate(self.pools):
+            out += [(pool, first, count)] * count
+            first += count
+        return out
+
+    @property
+    def tasks(self) -> Any:
+        """The first pool's task queue."""
+        return self.queues[0]
 
     def start(self) -> WorkerGroup:
         for p in self.procs:
             p.start()
         return self
 
-    def submit(self, task: Any) -> None:
-        self.tasks.put(task)
+    def submit(self, task: Any, pool: int = 0) -> None:
+        self.queues[pool].put(task)
 
-    def end_tasks(self) -> None:
-        """No more tasks: each worker's task iterator ends."""
-        for _ in self.procs:
-            self.tasks.put(None)
+    def end_tasks(self, pool: int = 0) -> None:
+        """No more tasks for the pool: each of its workers' task iterators ends."""
+        for _ in range(self.pools[pool][1]):
+            self.queues[pool].put(None)
 
     @property
     def all_done(self) -> bool:
         return len(self.finished) == len(self.procs)
+
+    def pool_done(self, pool: int) -> bool:
+        """Every worker of the pool has returned (its messages all received)."""
+        return all(s.rank in self.finished for s in self.specs if s.pool == pool)
 
     def receive(self, timeout: float) -> Message | None:
         """The next OUTPUT message (None after `timeout` s without one); records DONE ones."""
@@ -152,7 +183,8 @@ class WorkerGroup:
         """A worker that exited 0 has sent its last message (the queue is flushed before it exits)."""
         for spec, p in zip(self.specs, self.procs):
             if spec.rank not in self.finished and p.exitcode:
-                raise WorkerError(f"{self.what} {spec.rank} of {spec.world_size} (pid {p.pid}) {_death(p.exitcode)}")
+                raise WorkerError(f"{self.pools[spec.pool][0]} {spec.pool_rank} of {spec.pool_size} (pid {p.pid}) "
+                                  f"{_death(p.exitcode)}")
 
     def close(self) -> None:
         """End every worker still running (SIGKILL: a worker holds nothing that must be saved) and reap it."""
@@ -162,7 +194,7 @@ class WorkerGroup:
         for p in self.procs:
             if p.pid is not None:
                 p.join()
-        for q in (self.tasks, self.results):
+        for q in (*self.queues, self.results):
             q.cancel_join_thread()  # tasks nobody will take must not hold the parent at exit
             q.close()
 

@@ -71,6 +71,10 @@ class StepPlan:
 class Engine:
     """Generates completions for a stream of requests with a static batch of slots."""
 
+    # Whether the request source yields its next item without waiting (Scheduler's `ready`); None: it always does
+    # (a file being read). A worker fed by a queue sets it, so running slots never wait for the next request.
+    ready = None
+
     def __init__(self, model: Model, tokenizer: TextTokenizer | None, config: EngineConfig,
                  proposer: Proposer | None = None, adaptive: bool = False, max_draft: int = MAX_DRAFT):
         self.model = model
@@ -174,25 +178,34 @@ class Engine:
 
     def run(self, requests: Iterable[Request]) -> Iterator[RequestOutput]:
         """Yields outputs as requests finish (completion order)."""
-        sched = Scheduler(requests, self.config.batch_size, self.config.max_prefill_tokens, self.config.prefill_chunk)
+        sched = self._scheduler(requests)
         if self.config.shared_prefix == "auto" and self.prefix_ids is None:
             self.share_prefix(common_prefix([r.prompt_ids for r in sched.peek(self.config.batch_size)]))
         if self.adaptive and self.controller is None:
             self._start(len(sched.peek(self.config.batch_size)))
-        vocab = self.model.config.vocab_size
         while sched.has_work(int(self.table.active.sum())):
             for slot, req in sched.admit():
-                why = rejection(req, self.context_len, vocab)
-                if why is not None:
+                rejected = self._admit(slot, req)
+                if rejected is not None:
                     sched.retire(slot)
-                    yield error_output(req, why)
-                else:
-                    self._place(slot, req)
+                    yield rejected
             if not self.table.active.any():
                 continue
             for out, slot in self.step():
                 sched.retire(slot)
                 yield out
+
+    def _scheduler(self, requests: Iterable[Request]) -> Scheduler:
+        return Scheduler(requests, self.config.batch_size, self.config.max_prefill_tokens, self.config.prefill_chunk,
+                         ready=self.ready)
+
+    def _admit(self, slot: int, req: Request) -> RequestOutput | None:
+        """Place `req` in `slot`, or return its error record (a prompt the engine cannot run)."""
+        why = rejection(req, self.context_len, self.model.config.vocab_size)
+        if why is not None:
+            return error_output(req, why)
+        self._place(slot, req)
+        return None
 
     def step(self) -> list[tuple[RequestOutput, int]]:
         """One forward for every active slot: prefill blocks (or prompt chunks) of new slots, [last + drafts] of

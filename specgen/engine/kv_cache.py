@@ -115,6 +115,39 @@ class KVCache:
         for t in self.k + self.v:
             paddle.scatter_(t, di, paddle.gather(t, si), overwrite=True)
 
+    def export_slot(self, slot: int, n: int, prefix_len: int = 0) -> list[list[np.ndarray]]:
+        """K and V of `slot`'s positions [0, n), for a hand-off to another engine's cache (import_slot): per tensor
+        (every layer's K, then every layer's V) the pieces [num_kv_heads, m, head_dim] that make them, in order: the
+        shared prefix's first `prefix_len` positions (cascade attention reads them from there), then the slot's own
+        rows. On the CPU, views of the storage: copy them before the cache changes."""
+        own = self._slot_rows(slot, n - prefix_len)
+        if not prefix_len:
+            return [[x] for x in own]
+        return [[p, x] for p, x in zip(self.prefix._slot_rows(0, prefix_len), own)]
+
+    def _slot_rows(self, slot: int, n: int) -> list[np.ndarray]:
+        """[num_kv_heads, n, head_dim] rows [0, n) of `slot`, per tensor (K layers, then V layers)."""
+        KV, cap, D = self.num_kv_heads, self.capacity, self.head_dim
+        if self.k[0].place.is_cpu_place():
+            return [v.reshape(self.num_slots, KV, cap, D)[slot, :, :n] for v in self._host_views()]
+        rows = paddle.to_tensor(((slot * KV + np.arange(KV))[:, None] * cap + np.arange(n)[None, :]).reshape(-1))
+        return [paddle.gather(t, rows).numpy().reshape(KV, n, D) for t in self.k + self.v]
+
+    def import_slot(self, slot: int, tensors: list[np.ndarray]) -> None:
+        """`slot`'s own rows [0, n) take export_slot's K and V ([num_kv_heads, n, head_dim] per tensor, in its
+        order; a list of pieces is joined); the slot reads no shared prefix afterwards."""
+        tensors = [np.concatenate(x, axis=1) if isinstance(x, (list, tuple)) else x for x in tensors]
+        n = tensors[0].shape[1]
+        self.reserve(n)
+        KV, cap, D = self.num_kv_heads, self.capacity, self.head_dim
+        if self.k[0].place.is_cpu_place():
+            for view, x in zip(self._host_views(), tensors):
+                view.reshape(self.num_slots, KV, cap, D)[slot, :, :n] = x
+            return
+        rows = paddle.to_tensor(((slot * KV + np.arange(KV))[:, None] * cap + np.arange(n)[None, :]).reshape(-1))
+        for t, x in zip(self.k + self.v, tensors):
+            paddle.scatter_(t, rows, paddle.to_tensor(np.ascontiguousarray(x).reshape(KV * n, D)), overwrite=True)
+
     def _host_views(self) -> list[np.ndarray]:
         """numpy views of every layer's K and V on the CPU (the same storage the kernels hold by handle), made once
         per set of tensors (a view costs ~13 us: 60 of them were most of a move's 0.8 ms)."""

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from specgen.engine.types import Request
 
@@ -10,16 +10,22 @@ from specgen.engine.types import Request
 class Scheduler:
     """Pulls requests lazily from an iterator (bounded memory) and hands them to free slots in input order."""
 
-    def __init__(self, requests: Iterable[Request], num_slots: int, max_prefill_tokens: int, prefill_chunk: int = 0):
+    def __init__(self, requests: Iterable[Request], num_slots: int, max_prefill_tokens: int, prefill_chunk: int = 0,
+                 ready: Callable[[], bool] | None = None, cost: Callable[[Request], int] | None = None):
+        """ready: whether the source yields its next item without waiting (a queue fed by another process); with
+        it, free slots take only what is there while slots are running, and wait for more only when none is.
+        cost: an item's prompt tokens to prefill (default: its prompt's, or a chunk of it)."""
         self._source: Iterator[Request] = iter(requests)
+        self.ready, self.cost = ready, cost
         self._pending: deque[Request] = deque()
         self._exhausted = False
         self.free = deque(range(num_slots))
+        self.num_slots = num_slots
         self.max_prefill_tokens = max_prefill_tokens
         self.prefill_chunk = prefill_chunk  # with chunked prefill a prompt costs at most one chunk per step
 
-    def _peek(self) -> Request | None:
-        if not self._pending and not self._exhausted:
+    def _peek(self, wait: bool = True) -> Request | None:
+        if not self._pending and not self._exhausted and (wait or self.ready is None or self.ready()):
             try:
                 self._pending.append(next(self._source))
             except StopIteration:
@@ -43,10 +49,15 @@ class Scheduler:
         admitted: list[tuple[int, Request]] = []
         budget = self.max_prefill_tokens
         while self.free:
-            req = self._peek()
+            req = self._peek(wait=len(self.free) == self.num_slots and not admitted)
             if req is None:
                 break
-            cost = min(len(req.prompt_ids), self.prefill_chunk) if self.prefill_chunk else len(req.prompt_ids)
+            if self.cost is not None:
+                cost = self.cost(req)
+            elif self.prefill_chunk:
+                cost = min(len(req.prompt_ids), self.prefill_chunk)
+            else:
+                cost = len(req.prompt_ids)
             if admitted and cost > budget:
                 break
             self._pending.popleft()

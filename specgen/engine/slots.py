@@ -38,6 +38,8 @@ class SlotTable:
     accepted_per_pos: np.ndarray  # [num_slots, MAX_DRAFT] int64
     drafted_per_pos: np.ndarray  # [num_slots, MAX_DRAFT] int64 steps that verified a draft at that position
     num_chunks: np.ndarray  # [num_slots] int64 prefill forwards
+    num_cached: np.ndarray  # [num_slots] int64 prompt tokens read from a shared prefix (its statistic: prefix_len is
+    # where the slot's own cache rows start, 0 once a hand-off gave it the prefix's rows as its own)
 
     @classmethod
     def empty(cls, num_slots: int, capacity: int) -> "SlotTable":
@@ -61,7 +63,7 @@ class SlotTable:
         self.seq_len[slot] = self.prompt_len[slot] = n
         self.max_len[slot] = end
         self.active[slot], self.prefilled[slot] = True, False
-        self.prefill_pos[slot] = self.prefix_len[slot] = shared
+        self.prefill_pos[slot] = self.prefix_len[slot] = self.num_cached[slot] = shared
         self.temperature[slot], self.top_p[slot], self.top_k[slot] = p.temperature, p.top_p, p.top_k
         self.rng_key[slot] = request_key(p.seed, req.id)
         self.ignore_eos[slot] = p.ignore_eos
@@ -81,8 +83,24 @@ class SlotTable:
             accepted_per_position=self.accepted_per_pos[slot].tolist(),
             drafted_per_position=self.drafted_per_pos[slot].tolist(),
             num_prefill_chunks=int(self.num_chunks[slot]),
-            num_cached_prompt_tokens=int(self.prefix_len[slot]),
+            num_cached_prompt_tokens=int(self.num_cached[slot]),
         )
+
+    def export_row(self, slot: int) -> dict[str, np.ndarray]:
+        """Every field's entry for `slot` (copies; the token row up to its length): what another engine's table
+        needs to carry the request on (import_row)."""
+        row = {f.name: np.array(getattr(self, f.name)[slot]) for f in dataclasses.fields(self)}
+        row["tokens"] = row["tokens"][: int(self.seq_len[slot])]
+        return row
+
+    def import_row(self, slot: int, row: dict[str, np.ndarray]) -> None:
+        """`slot` takes export_row's fields."""
+        self.grow(int(row["max_len"]) + MAX_DRAFT + 1)
+        for name, value in row.items():
+            if name == "tokens":
+                self.tokens[slot, : len(value)] = value
+            else:
+                getattr(self, name)[slot] = value
 
 
 def rejection(req: Request, context_len: int, vocab_size: int) -> str | None:

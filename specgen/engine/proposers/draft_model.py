@@ -59,6 +59,29 @@ class DraftModelProposer:
             self.drafts = np.zeros((num_slots, self.k), np.int64)
             self.num_drafts = np.zeros(num_slots, np.int64)
 
+    def export_slot(self, slot: int, seq_len: int) -> dict:
+        """`slot`'s drafting state, for a hand-off to another engine (import_slot): the draft cache's rows up to the
+        last one its chain may have written (its positions [0, seq_len - shift + k)), a shared prefix's rows
+        first, and its boundary, window shift and the drafts ready for the next step."""
+        if self.cache is None:
+            return {}
+        shift = int(self.shift[slot])
+        pre = int(self.prefix_lens[slot]) if self.cache.prefix is not None else 0
+        n = min(seq_len - shift + self.k, pre + self.cache.capacity)
+        state = {name: np.array(getattr(self, name)[slot]) for name in ("valid", "shift", "drafts", "num_drafts")}
+        state.update({f"cache.{j}": pieces for j, pieces in enumerate(self.cache.export_slot(slot, n, pre))})
+        return state
+
+    def import_slot(self, slot: int, state: dict, num_slots: int) -> None:
+        """`slot` takes export_slot's state (an engine of num_slots slots); a shared prefix's rows are its own now."""
+        self._ensure(num_slots)
+        if not state:
+            return
+        for name in ("valid", "shift", "drafts", "num_drafts"):
+            getattr(self, name)[slot] = state[name]
+        self.prefix_lens[slot] = 0
+        self.cache.import_slot(slot, [state[f"cache.{j}"] for j in range(2 * self.cache.num_layers)])
+
     def observe(self, update: StepUpdate) -> None:
         self._ensure(update.tokens.shape[0])
         if update.broken is not None and update.broken.any():

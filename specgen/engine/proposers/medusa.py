@@ -126,6 +126,15 @@ class MedusaProposer:
         num = np.where(self.ready[view.slots], width, 0).astype(np.int64)
         return DraftTokens(ids, num, None, np.broadcast_to(self.parents, (n, width)).copy())
 
+    def export_slot(self, slot: int, seq_len: int) -> dict:
+        """`slot`'s guesses for its next step, for a hand-off to another engine (import_slot)."""
+        self._grow(slot + 1)
+        return {"guesses": self.guesses[slot].copy(), "ready": np.array(self.ready[slot])}
+
+    def import_slot(self, slot: int, state: dict, num_slots: int) -> None:
+        self._grow(num_slots)
+        self.guesses[slot], self.ready[slot] = state["guesses"], state["ready"]
+
     def observe(self, update: StepUpdate) -> None:
         slots = update.slots
         self._grow(int(slots.max(initial=-1)) + 1)

@@ -110,6 +110,33 @@ class MtpProposer:
             self.copy_at = np.full(num_slots, -1, np.int64)
             self.shift = np.zeros(num_slots, np.int64)  # [num_slots] main position - head position
 
+    def export_slot(self, slot: int, seq_len: int) -> dict:
+        """`slot`'s drafting state, for a hand-off to another engine (import_slot): each module's cache rows up to
+        the last one its chained drafts may have written (head positions [0, seq_len - shift + k)), its boundaries,
+        carried rows, the drafts ready for the next step and the copies found."""
+        if self.cache is None:
+            return {}
+        shift = int(self.shift[slot])
+        n = min(seq_len - shift + self.k, self.cache.capacity)
+        state = {name: np.array(getattr(self, name)[slot]) for name in _SLOT_ARRAYS}
+        state["valid"] = self.valid[:, slot].copy()
+        for i, cache in enumerate(self.caches):
+            state.update({f"cache{i}.{j}": pieces for j, pieces in enumerate(cache.export_slot(slot, n))})
+            state[f"carry{i}"] = self.carry[i][slot].numpy()
+        return state
+
+    def import_slot(self, slot: int, state: dict, num_slots: int) -> None:
+        """`slot` takes export_slot's state (an engine of num_slots slots)."""
+        self._ensure(num_slots)
+        if not state:
+            return
+        for name in _SLOT_ARRAYS:
+            getattr(self, name)[slot] = state[name]
+        self.valid[:, slot] = state["valid"]
+        for i, cache in enumerate(self.caches):
+            cache.import_slot(slot, [state[f"cache{i}.{j}"] for j in range(2 * cache.num_layers)])
+            self.carry[i][slot] = paddle.to_tensor(state[f"carry{i}"])
+
     def observe(self, update: StepUpdate) -> None:
         self._ensure(update.tokens.shape[0])
         if update.broken is not None and update.broken.any():
@@ -213,6 +240,9 @@ class MtpProposer:
             self.valid[i, slots] = valid
             out, prev_start, prev_total = new_out, begin, total
 
+
+# per-slot arrays of MtpProposer a hand-off carries as they are (export_slot)
+_SLOT_ARRAYS = ("shift", "drafts", "num_drafts", "copy_ids", "copy_num", "copy_at")
 
 # heads prepared per model in this process: {(directory, its files' mtimes, quantize): head}; later generate()
 # calls on the same model reuse them
