@@ -20,6 +20,7 @@ class Method(str, enum.Enum):
     MTP = "mtp"
     DRAFT_MODEL = "draft_model"
     MEDUSA = "medusa"
+    HYDRA = "hydra"
 
     @classmethod
     def parse(cls, value: str | "Method") -> "Method":
@@ -216,7 +217,8 @@ def tree_paths(choices: tuple[str, ...], max_rank: int, what: str, bound: str) -
 
 @dataclass(frozen=True)
 class MedusaConfig:
-    """--method medusa: Medusa heads (--draft-model: the public layout) draft a token tree of a static shape."""
+    """--method medusa and hydra: Medusa or Hydra heads (--draft-model: the public layout; the package's heads for
+    the default model) draft a token tree of a static shape."""
 
     topk: int = opt(3, "Guesses kept per head: the most siblings a node can have.")
     tree_choices: tuple[str, ...] = opt(("0", "1", "2", "0,0", "0,1", "1,0", "0,0,0", "0,0,1", "0,1,0", "1,0,0",
@@ -271,7 +273,7 @@ class SpecConfig:
     """Speculative decoding: the method, its bound on drafts per step (FastDeploy's 1..5) and each method's
     own section."""
 
-    method: Method = opt(Method.NONE, "Speculative method: none | ngram | mtp | draft_model | medusa.")
+    method: Method = opt(Method.NONE, "Speculative method: none | ngram | mtp | draft_model | medusa | hydra.")
     num_speculative_tokens: int = opt(3, "Draft tokens per step at most, 1..5.")
     adaptive: bool = opt(True, "Choose each slot's drafts per step (0 included) from measured step costs and "
                                "acceptance; off: verify every draft offered.")
@@ -281,7 +283,7 @@ class SpecConfig:
     ngram: NgramConfig = opt(help="n-gram drafting.", factory=NgramConfig)
     mtp: MtpConfig = opt(help="MTP drafting.", factory=MtpConfig)
     draft: DraftConfig = opt(help="Draft-model drafting.", factory=DraftConfig)
-    medusa: MedusaConfig = opt(help="Medusa heads' token trees.", factory=MedusaConfig)
+    medusa: MedusaConfig = opt(help="Medusa and Hydra heads' token trees.", factory=MedusaConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Method.parse(self.method))
@@ -293,9 +295,6 @@ class SpecConfig:
         if self.method is Method.DRAFT_MODEL and not self.draft_model:
             raise ConfigError("--method draft_model needs --draft-model PATH (an HF directory or .gguf with the main "
                               "model's vocabulary; `specgen make-draft` builds one from the main model)")
-        if self.method is Method.MEDUSA and not self.draft_model:
-            raise ConfigError("--method medusa needs --draft-model PATH (Medusa heads: a directory with "
-                              "medusa_lm_head.safetensors)")
 
 
 RAY_LOCAL = "local"  # ParallelConfig.ray: start a Ray instance on this machine
@@ -362,7 +361,8 @@ def parse_pd(text: str) -> tuple[int, int]:
 
 
 # The SpecConfig section holding each method's own settings (a method without one has none).
-METHOD_SECTIONS: dict[Method, str] = {Method.NGRAM: "ngram", Method.MTP: "mtp", Method.MEDUSA: "medusa"}
+METHOD_SECTIONS: dict[Method, str] = {Method.NGRAM: "ngram", Method.MTP: "mtp", Method.MEDUSA: "medusa",
+                                      Method.HYDRA: "medusa"}
 
 
 def _nested_type(cls: type, name: str) -> type | None:

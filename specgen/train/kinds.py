@@ -28,9 +28,25 @@ def _mtp(loaded: Any, out_dir: Path, cfg: TrainConfig, data_dir: Path | None = N
     return Trainer(loaded, out_dir, cfg, data_dir)
 
 
+def _medusa(loaded: Any, out_dir: Path, cfg: TrainConfig, data_dir: Path | None = None):
+    from specgen.train.tree_heads import TreeHeadTrainer
+
+    return TreeHeadTrainer(loaded, out_dir, cfg, data_dir)
+
+
+def _hydra(loaded: Any, out_dir: Path, cfg: TrainConfig, data_dir: Path | None = None):
+    from specgen.train.tree_heads import HydraTrainer
+
+    return HydraTrainer(loaded, out_dir, cfg, data_dir)
+
+
 KINDS: dict[str, HeadKind] = {
     "mtp": HeadKind(_mtp, "mtp", "model.safetensors",
                     "a DeepSeek-V3 MTP head: one decoder block over [embedding of the next token; hidden state]"),
+    "medusa": HeadKind(_medusa, "medusa", "medusa_lm_head.safetensors",
+                       "--heads Medusa heads, residual blocks on the last hidden state, sharing the LM head"),
+    "hydra": HeadKind(_hydra, "hydra", "hydra_lm_head.safetensors",
+                      "--heads Hydra heads: Medusa's, head i also reading the embeddings of the path's i + 1 tokens"),
 }
 
 

@@ -37,6 +37,12 @@ def _medusa(spec: SpecConfig, model: Model, lib, main) -> Proposer:
     return build_medusa_proposer(spec, model)
 
 
+def _hydra(spec: SpecConfig, model: Model, lib, main) -> Proposer:
+    from specgen.engine.proposers.hydra import build_hydra_proposer
+
+    return build_hydra_proposer(spec, model)
+
+
 # method -> factory(spec, model, ngram.cc's library or None, the main LoadedModel or None)
 REGISTRY: dict[Method, Callable[[SpecConfig, Model, object, object], Proposer]] = {
     Method.NONE: _none,
@@ -44,6 +50,7 @@ REGISTRY: dict[Method, Callable[[SpecConfig, Model, object, object], Proposer]] 
     Method.MTP: _mtp,
     Method.DRAFT_MODEL: _draft_model,
     Method.MEDUSA: _medusa,
+    Method.HYDRA: _hydra,
 }
 assert set(REGISTRY) == set(Method), "every method needs a proposer"
 

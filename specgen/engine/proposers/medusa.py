@@ -3,7 +3,10 @@ places after the next one; their top-k guesses make a token tree of a static sha
 
 A head is `num_layers` residual blocks x + SiLU(x W + b) and its own LM head. Loaded from the public layout
 (FasterDecoding/Medusa): `medusa_lm_head.safetensors` beside a `config.json`, keys `{head}.{layer}.linear.weight`
-/ `.bias` and `{head}.{num_layers}.weight` (torch's [out, in]; an optional `medusa_head.` prefix). After each step
+/ `.bias` and `{head}.{num_layers}.weight` (torch's [out, in]; an optional `medusa_head.` prefix). Heads without
+`{head}.{num_layers}.weight` share the main model's LM head (`specgen train-head --kind medusa` saves them so: a
+few MB instead of one vocabulary-sized matrix per head), and a `draft_vocab.npy` beside them restricts their
+guesses to those tokens (a cheaper top-k). After each step
 the heads read the hidden state of every slot's last position whose next token is known (a tree's accepted
 path: StepUpdate.tree_path) and keep their top-k per head; the next step's tree takes, for the node at path
 (r_1, ..., r_d), head d's r_d-th guess. Drafts only: the engine's tree walk keeps the output exact.
@@ -31,17 +34,20 @@ class MedusaHeads:
     """K heads' weights in Paddle's [in, out] orientation."""
 
     blocks: list[list[tuple[paddle.Tensor, paddle.Tensor]]]  # [K][num_layers] (W [hidden, hidden], b [hidden])
-    lm_heads: list[paddle.Tensor]  # [K] [hidden, vocab]
+    lm_heads: list[paddle.Tensor] | None  # [K] [hidden, vocab]; None: the main model's LM head, shared
+    draft_vocab: np.ndarray | None = None  # [draft_vocab] int64 the tokens guesses are drawn from (None: all)
 
     @property
     def num_heads(self) -> int:
-        return len(self.lm_heads)
+        return len(self.blocks)
 
 
 def load_medusa(path: str | Path, hidden: int, vocab: int, dtype: str) -> MedusaHeads:
     """The heads of a Medusa checkpoint (a directory holding WEIGHTS, or that file), checked against the main
     model's hidden size and vocabulary."""
     from safetensors.numpy import load_file
+
+    from specgen.engine.proposers.mtp_head import load_draft_vocab
 
     path = Path(path)
     file = path / WEIGHTS if path.is_dir() else path
@@ -57,7 +63,9 @@ def load_medusa(path: str | Path, hidden: int, vocab: int, dtype: str) -> Medusa
     heads = sorted({h for h, _, _ in found})
     if heads != list(range(len(heads))) or not heads:
         raise CheckpointError(f"{file}: Medusa heads must be numbered 0..K-1, found {heads}")
-    layers = max(i for _, i, kind in found if kind == "weight")
+    linear = [i for _, i, kind in found if kind != "weight"]
+    layers = max(linear) + 1 if linear else 0
+    shared = not any(kind == "weight" for _, _, kind in found)  # no LM heads: the main model's is shared
 
     def tensor(h: int, i: int, kind: str, shape: tuple[int, ...]) -> paddle.Tensor:
         w = found.get((h, i, kind))
@@ -69,11 +77,24 @@ def load_medusa(path: str | Path, hidden: int, vocab: int, dtype: str) -> Medusa
     return MedusaHeads(
         blocks=[[(tensor(h, i, "linear.weight", (hidden, hidden)), tensor(h, i, "linear.bias", (hidden,)))
                  for i in range(layers)] for h in heads],
-        lm_heads=[tensor(h, layers, "weight", (vocab, hidden)) for h in heads])
+        lm_heads=None if shared else [tensor(h, layers, "weight", (vocab, hidden)) for h in heads],
+        draft_vocab=checked_vocab(load_draft_vocab(path) if path.is_dir() else None, vocab, file))
 
 
-def save_medusa(path: str | Path, blocks: list[list[tuple[np.ndarray, np.ndarray]]], lm_heads: list[np.ndarray]):
-    """Heads in the public layout (torch orientation [out, in] given): WEIGHTS and config.json."""
+def checked_vocab(ids: np.ndarray | None, vocab: int, source: Path) -> np.ndarray | None:
+    """A draft vocabulary's token ids, refused unless they are ids of the main model's vocabulary."""
+    if ids is None:
+        return None
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or not len(ids) or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab:
+        raise CheckpointError(f"{source}: the draft vocabulary must be token ids in [0, {vocab})")
+    return ids.astype(np.int64)
+
+
+def save_medusa(path: str | Path, blocks: list[list[tuple[np.ndarray, np.ndarray]]],
+                lm_heads: list[np.ndarray] | None, extra: dict | None = None):
+    """Heads in the public layout (torch orientation [out, in] given): WEIGHTS and config.json (with `extra`'s
+    keys). lm_heads None: the heads share the main model's LM head (no `{head}.{num_layers}.weight`)."""
     import json
 
     from safetensors.numpy import save_file
@@ -81,13 +102,14 @@ def save_medusa(path: str | Path, blocks: list[list[tuple[np.ndarray, np.ndarray
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    for h, (layers, lm) in enumerate(zip(blocks, lm_heads)):
+    for h, layers in enumerate(blocks):
         for i, (w, b) in enumerate(layers):
             tensors[f"{h}.{i}.linear.weight"], tensors[f"{h}.{i}.linear.bias"] = w, b
-        tensors[f"{h}.{len(layers)}.weight"] = lm
+        if lm_heads is not None:
+            tensors[f"{h}.{len(layers)}.weight"] = lm_heads[h]
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path / WEIGHTS))
-    (path / "config.json").write_text(json.dumps({"medusa_num_heads": len(lm_heads),
-                                                  "medusa_num_layers": len(blocks[0])}))
+    (path / "config.json").write_text(json.dumps({"medusa_num_heads": len(blocks),
+                                                  "medusa_num_layers": len(blocks[0]), **(extra or {})}, indent=2))
 
 
 def tree_template(paths: tuple[tuple[int, ...], ...], num_heads: int, topk: int):
@@ -107,10 +129,18 @@ class MedusaProposer:
 
     acceptance_hint = None
 
-    def __init__(self, heads: MedusaHeads, topk: int, paths: tuple[tuple[int, ...], ...]):
+    def __init__(self, heads: MedusaHeads, topk: int, paths: tuple[tuple[int, ...], ...],
+                 lm_head: paddle.Tensor | None = None):
+        """lm_head: the main model's [hidden, vocab], for heads that share it."""
         self.heads, self.topk = heads, topk
         self.head, self.rank, self.parents = tree_template(paths, heads.num_heads, topk)
-        self.guesses = np.zeros((0, heads.num_heads, topk), np.int64)  # [num_slots, K, topk] for the next step
+        self.topk = int(self.rank.max(initial=0)) + 1  # guesses the template uses per head
+        vocab = None if heads.draft_vocab is None else paddle.to_tensor(heads.draft_vocab)
+        # [K] [hidden, vocab'] each head's LM head over the draft vocabulary (vocab' = vocab without one)
+        lms = heads.lm_heads or [lm_head] * heads.num_heads
+        self.lm = [lm if vocab is None else paddle.gather(lm, vocab, axis=1) for lm in lms]
+        self.lm_bias: list[paddle.Tensor | None] = [None] * heads.num_heads  # [K] [vocab'] (Hydra's LM heads)
+        self.guesses = np.zeros((0, len(self.head)), np.int64)  # [num_slots, width] node tokens of the next step
         self.ready = np.zeros(0, bool)  # [num_slots] guesses made from the slot's current request
 
     def _grow(self, num_slots: int) -> None:
@@ -122,7 +152,7 @@ class MedusaProposer:
     def propose(self, view: SlotView) -> DraftTokens:
         n, width = len(view.slots), len(self.head)
         self._grow(int(view.slots.max(initial=-1)) + 1)
-        ids = self.guesses[view.slots[:, None], self.head[None, :], self.rank[None, :]]  # [num_seqs, width]
+        ids = self.guesses[view.slots]  # [num_seqs, width]
         num = np.where(self.ready[view.slots], width, 0).astype(np.int64)
         return DraftTokens(ids, num, None, np.broadcast_to(self.parents, (n, width)).copy())
 
@@ -150,17 +180,53 @@ class MedusaProposer:
             index[:d] = update.tree_path[np.arange(d), np.maximum(j[:d], 0)]
         rows = (update.block_start + index)[live]
         x0 = paddle.gather(update.hidden, paddle.to_tensor(rows))  # [num_live, hidden]
-        for h, (blocks, lm) in enumerate(zip(self.heads.blocks, self.heads.lm_heads)):
+        root = update.tokens[slots[live], update.seq_lens[live] - 1]  # [num_live] the next step's root token
+        self.guesses[slots[live]] = self.draft(x0, root)
+        self.ready[slots[live]] = True
+
+    def top(self, h: int, x: paddle.Tensor) -> np.ndarray:
+        """[rows, topk] token ids: head h's LM head over its output x [rows, hidden], best first."""
+        logits = paddle.matmul(x, self.lm[h])  # [rows, vocab']
+        _, top = paddle.topk(logits if self.lm_bias[h] is None else logits + self.lm_bias[h], self.topk, axis=-1)
+        top = top.numpy()
+        return top if self.heads.draft_vocab is None else self.heads.draft_vocab[top]
+
+    def draft(self, x0: paddle.Tensor, root: np.ndarray) -> np.ndarray:
+        """[num_live, width] the tree's node tokens from the hidden states x0 [num_live, hidden] (Medusa heads
+        do not read the root token [num_live])."""
+        top = np.zeros((x0.shape[0], self.heads.num_heads, self.topk), np.int64)
+        for h, blocks in enumerate(self.heads.blocks):
             x = x0
             for w, b in blocks:
                 x = x + F.silu(paddle.matmul(x, w) + b)
-            _, top = paddle.topk(paddle.matmul(x, lm), self.topk, axis=-1)  # [num_live, topk]
-            self.guesses[slots[live], h] = top.numpy()
-        self.ready[slots[live]] = True
+            top[:, h] = self.top(h, x)  # [num_live, topk]
+        return top[:, self.head, self.rank]
 
 
 def build_medusa_proposer(spec, model) -> MedusaProposer:
     """--method medusa: the heads at spec.draft_model, trees of spec.medusa's shape."""
     cfg = model.config
-    heads = load_medusa(spec.draft_model, cfg.hidden_size, cfg.vocab_size, model.dtype)
-    return MedusaProposer(heads, spec.medusa.topk, spec.medusa.tree_paths())
+    path = spec.draft_model or shipped_heads("medusa", str(model.source))
+    if path is None:
+        raise CheckpointError("--method medusa needs --draft-model PATH (Medusa heads: a directory with "
+                              f"{WEIGHTS}; `specgen train-head --kind medusa` trains them); heads ship for the "
+                              "default model only")
+    heads = load_medusa(path, cfg.hidden_size, cfg.vocab_size, model.dtype)
+    return MedusaProposer(heads, spec.medusa.topk, spec.medusa.tree_paths(), shared_lm_head(model, heads.lm_heads))
+
+
+def shared_lm_head(model, lm_heads) -> paddle.Tensor | None:
+    """The main model's LM head [hidden, vocab] in its dtype, for heads that share it (lm_heads None)."""
+    return model.weights.lm_head.dense().astype(model.dtype) if lm_heads is None else None
+
+
+# Heads shipped with the package for the default model, trained by `specgen train-head --kind KIND`.
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
+
+
+def shipped_heads(kind: str, source: str) -> Path | None:
+    """The package's heads of `kind` (medusa, hydra) when the main model is the default one and they are there."""
+    from specgen.models.default_model import DEFAULT_GGUF
+
+    path = ASSETS / kind / "smollm2-135m-instruct"
+    return path if Path(source).name == DEFAULT_GGUF and (path / "config.json").is_file() else None
