@@ -1,14 +1,15 @@
 """Data parallelism on one machine, and Ray's cost per record: the default model, plain decoding.
 
-    python benchmarks/data_parallel.py --batch-sizes 32 256 --max-tokens 32
+    python benchmarks/data_parallel.py --batch-sizes 32 256 --max-tokens 32 --rounds 2
 
 Throughput (output tok/s, every request generating exactly --max-tokens tokens) of one engine with 2 threads
 (in this process) against 1 and 2 worker processes of 1 thread each (--data-parallel-size), each engine with
---batch-size slots; a job is 2 x batch-size Spec-Bench prompts (cut to 400 characters), the same for every
-configuration. Workers are timed from the first request handed out (their model loads before it, and is reported
-apart). Ray: `specgen run --ray local` jobs of --ray-records and 32 records (1 worker, 1 thread, batch 32, 8 tokens
-each), against the same jobs run by one local worker process: the difference of their per-record slopes is Ray's
-overhead per record (reading, shipping rows to the worker and records back, writing), the intercepts its start-up.
+--batch-size slots; a job is --batches x batch-size Spec-Bench prompts (cut to --prompt-chars characters), the
+same for every configuration; with --rounds the three arms alternate. Workers are timed from the first request
+handed out (their model loads before it, and is reported apart). Ray: `specgen run --ray local` jobs of
+--ray-records and 32 records (1 worker, 1 thread, batch 32, 8 tokens each), against the same jobs run by one local
+worker process: the difference of their per-record slopes is Ray's overhead per record (reading, shipping rows to
+the worker and records back, writing), the intercepts its start-up.
 """
 from __future__ import annotations
 
@@ -21,19 +22,20 @@ from pathlib import Path
 from common import DATA, machine, print_table
 
 
-def prompts(n: int) -> list[dict]:
+def prompts(n: int, chars: int = 400) -> list[dict]:
     lines = [json.loads(x) for x in (DATA / "spec_bench" / "question.jsonl").read_text().splitlines() if x.strip()]
-    return [{"id": f"q{i}", "messages": [{"role": "user", "content": lines[(i * 37) % len(lines)]["turns"][0][:400]}]}
+    return [{"id": f"q{i}", "messages": [{"role": "user",
+                                          "content": lines[(i * 37) % len(lines)]["turns"][0][:chars]}]}
             for i in range(n)]
 
 
-def requests(loaded, n: int, max_tokens: int):
+def requests(loaded, n: int, max_tokens: int, chars: int = 400):
     from specgen.api import encode_prompt
     from specgen.config import SamplingParams
     from specgen.engine.types import Request
 
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    return [Request(p["id"], i, encode_prompt(loaded, p["messages"]), sp) for i, p in enumerate(prompts(n))]
+    return [Request(p["id"], i, encode_prompt(loaded, p["messages"]), sp) for i, p in enumerate(prompts(n, chars))]
 
 
 def one_engine(loaded, reqs, batch: int) -> float:
@@ -102,6 +104,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[32, 256])
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=1, help="times each batch size's three arms run, alternated")
+    ap.add_argument("--batches", type=int, default=2, help="a job is this many x batch-size requests")
+    ap.add_argument("--prompt-chars", type=int, default=400, help="each prompt cut to this many characters")
     ap.add_argument("--ray-records", type=int, default=288, help="records of the larger Ray job (0: no Ray)")
     args = ap.parse_args()
     from specgen import load_model
@@ -111,14 +116,15 @@ def main() -> None:
     one_engine(loaded, requests(loaded, 4, 2), 4)  # warm-up: first-call costs out of the timings
     print(f"plain decoding, {args.max_tokens} tokens per request; output tok/s; x: ratio to one engine of 2 threads")
     for batch in args.batch_sizes:
-        reqs = requests(loaded, 2 * batch, args.max_tokens)
-        base = one_engine(loaded, reqs, batch)
-        w1, s1 = workers(loaded, reqs, batch, 1)
-        w2, s2 = workers(loaded, reqs, batch, 2)
-        row = [batch, len(reqs), base, w1, w2, w1 / base, w2 / base, s1, s2]
-        print_table(["batch", "requests", "1 engine x 2 thr", "1 worker x 1 thr", "2 workers x 1 thr", "1 worker x",
-                     "2 workers x", "start 1 (s)", "start 2 (s)"], [row])
-        print(machine(), flush=True)  # the load changes: say it after each row
+        reqs = requests(loaded, args.batches * batch, args.max_tokens, args.prompt_chars)
+        for r in range(args.rounds):  # the arms alternate round by round (a shared machine's load drifts)
+            base = one_engine(loaded, reqs, batch)
+            w1, s1 = workers(loaded, reqs, batch, 1)
+            w2, s2 = workers(loaded, reqs, batch, 2)
+            row = [batch, r + 1, len(reqs), base, w1, w2, w1 / base, w2 / base, s1, s2]
+            print_table(["batch", "round", "requests", "1 engine x 2 thr", "1 worker x 1 thr", "2 workers x 1 thr",
+                         "1 worker x", "2 workers x", "start 1 (s)", "start 2 (s)"], [row])
+            print(machine(), flush=True)  # the load changes: say it after each row
     if args.ray_records:
         print(f"\nRay Data (local instance, 1 worker of 1 thread, batch 32, 8 tokens per record) against one local "
               f"worker process: job seconds at 32 and {args.ray_records} records, the slope per record, the intercept")

@@ -54,6 +54,8 @@ class Handoff:
 class HandoffTiming:
     """What one hand-off cost, as the decode worker saw it."""
 
+    request_id: str
+    sent: float  # time.time() the prefill worker packed it: the request's first token was known then
     kv_bytes: int
     parcel_bytes: int  # KV and drafter state
     export_seconds: float
@@ -103,6 +105,13 @@ class DecodeEngine(Engine):
         super().__init__(*args, **kwargs)
         self.ready = ready
         self.timings: list[HandoffTiming] = []
+        self.steps: list[tuple[float, int]] = []  # (seconds, decoding slots) of every step (the benchmark's)
+
+    def step(self) -> list[tuple[RequestOutput, int]]:
+        start, active = time.perf_counter(), int(self.table.active.sum())
+        finished = super().step()
+        self.steps.append((time.perf_counter() - start, active))
+        return finished
 
     def _scheduler(self, requests: Iterable[Handoff]) -> Scheduler:
         return Scheduler(requests, self.config.batch_size, self.config.max_prefill_tokens, ready=self.ready,
@@ -124,7 +133,7 @@ class DecodeEngine(Engine):
         self.requests[slot] = req
         if self.controller is not None:
             self.controller.reset(slot)
-        self.timings.append(HandoffTiming(h.kv_bytes, h.parcel.nbytes, h.export_seconds,
+        self.timings.append(HandoffTiming(req.id, h.sent, h.kv_bytes, h.parcel.nbytes, h.export_seconds,
                                           time.perf_counter() - start, time.time() - h.sent))
         return None
 
@@ -171,7 +180,8 @@ def serve(worker: Worker, job: PDJob) -> dict[str, Any]:
     worker.ready()
     for item in engine.run(worker.tasks()):
         worker.send(item)
-    return {"pool": worker.spec.pool, "memory": engine.memory(), "timings": getattr(engine, "timings", [])}
+    return {"pool": worker.spec.pool, "memory": engine.memory(), "timings": getattr(engine, "timings", []),
+            "steps": getattr(engine, "steps", [])}
 
 
 class DisaggregatedEngine:
@@ -237,3 +247,7 @@ class DisaggregatedEngine:
     def timings(self) -> list[HandoffTiming]:
         """Every hand-off's cost, from the decode workers (once they are done)."""
         return [t for done in self.group.finished.values() for t in done["timings"]]
+
+    def decode_steps(self) -> list[tuple[float, int]]:
+        """(seconds, decoding slots) of every decode worker's steps (once they are done)."""
+        return [s for done in self.group.finished.values() for s in done["steps"]]
