@@ -4,7 +4,8 @@ Spec-Bench categories and MBPP rewriting (the evaluation slices, disjoint from t
 
     python benchmarks/acceptance.py --mtp shipped runs/mtp1 runs/mtp3:2 runs/mtp3 --draft cut:2 runs/draft2 --k 3
 
-`--mtp DIR[:N]`: a head (N: only its first N modules; `shipped`: the package's head). `--draft DIR` or
+`--mtp DIR[:N]`: a head (N: only its first N modules; `shipped`: the package's head); `--mtp-copy 0`: the head's
+own drafts only (no n-gram copies: "head alone"). `--draft DIR` or
 `cut:L` (the main model's first L layers, untrained). Greedy, the default model, adaptive off (k drafts every
 step), batch --batch-size. Acceptance at position i is accepted / verified there: every step verifies all k
 drafts, so it is the share of steps whose drafts 1..i were all right; tok/step = emitted tokens per decoding step. Timings are not reported:
@@ -51,10 +52,11 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--mtp-copy", type=int, default=None, help="MtpConfig.copy (0: the head alone) [default: 2]")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    from specgen import EngineConfig, Method, SamplingParams, SpecConfig, generate, load_model
+    from specgen import EngineConfig, Method, MtpConfig, SamplingParams, SpecConfig, generate, load_model
     from specgen.engine.proposers.mtp_head import SHIPPED_HEAD
     from specgen.models import load_checkpoint
     from specgen.models.export import first_layers, save_hf
@@ -68,8 +70,9 @@ def main() -> None:
         head = SHIPPED_HEAD if path == "shipped" else Path(path)
         if n:
             head = truncated_head(head, int(n), work)
+        mtp = MtpConfig() if args.mtp_copy is None else MtpConfig(copy=args.mtp_copy)
         arms[f"mtp {spec}"] = SpecConfig(method=Method.MTP, draft_model=str(head), num_speculative_tokens=args.k,
-                                         adaptive=False)
+                                         adaptive=False, mtp=mtp)
     for spec in args.draft:
         path = Path(spec)
         if spec.startswith("cut:"):
