@@ -7,11 +7,13 @@ One job, the same for every arm, in three groups, read in this order:
             arrives);
   long      --long prompts of --long-tokens tokens (Spec-Bench questions repeated), --short-tokens tokens each;
   short     --short short prompts queued behind the long ones, --short-tokens tokens each.
-Every request generates exactly its tokens (ignore_eos), greedy; --batch-size slots hold the whole job at once.
+Every request generates exactly its tokens (ignore_eos), greedy; --batch-size slots hold the whole job at once,
+and a step admits prompts while --max-prefill-tokens lasts (every arm), so the long prompts arrive one or two a
+step while the decoders decode.
 
 Arms (each with 2 threads in all), alternated round by round:
-  colo        one engine, 2 threads, whole prompts prefilled in a step (up to 4096 prompt tokens a step);
-  colo-chunk  the same with --prefill-chunk (prompt chunks mixed into decode steps, at most 4096 tokens a step);
+  colo        one engine, 2 threads, whole prompts prefilled in a step, beside the decoding slots;
+  colo-chunk  the same with --prefill-chunk (prompt chunks mixed into decode steps);
   pd          --pd 1:1: a prefill worker and a decode worker of 1 thread each (workers timed from the first
               request handed out; their start-up apart).
 Reported per arm: the job's wall time and output tok/s; decode-side step time (median and p90, ms) of steps with
@@ -19,8 +21,9 @@ prompt tokens mixed in and of steps without (pd: the decode worker's steps, all 
 (median, s from the job's start) of the long prompts and of the short ones queued behind them; for pd each
 hand-off's bytes (the main KV cache; with the drafter's state) and its export (prefill side, into shared memory),
 import (decode side, into its cache) and wait (from export to import: the queues, a free decode slot).
-Last, what moving the same bytes with paddle.distributed send/recv over gloo (two processes, loopback TCP) costs:
-the transport a hand-off between machines would use.
+Last, the transports alone on --transport-mib sizes: shared memory's two copies (what a hand-off does) and
+paddle.distributed send/recv over gloo (two processes, loopback TCP: the transport a hand-off between machines
+would use).
 """
 from __future__ import annotations
 
@@ -65,12 +68,13 @@ def job(loaded, args) -> list:
     return reqs
 
 
-def colocated(loaded, reqs, batch: int, chunk: int) -> dict:
+def colocated(loaded, reqs, batch: int, chunk: int, budget: int = 4096) -> dict:
     """One engine of 2 threads in this process: wall, tok/s, step times by kind, first-token times."""
     from specgen.api import make_engine
     from specgen.config import EngineConfig, SpecConfig
 
-    engine = make_engine(loaded, EngineConfig(batch_size=batch, threads=2, prefill_chunk=chunk), SpecConfig())
+    engine = make_engine(loaded, EngineConfig(batch_size=batch, threads=2, prefill_chunk=chunk,
+                                              max_prefill_tokens=budget), SpecConfig())
     steps, first = [], {}
     step, t = engine.step, engine.table
 
@@ -97,13 +101,13 @@ def colocated(loaded, reqs, batch: int, chunk: int) -> dict:
             "pure": [s for s, p in steps if not p], "first": {k: v - start for k, v in first.items()}}
 
 
-def disaggregated(loaded, reqs, batch: int, chunk: int) -> dict:
+def disaggregated(loaded, reqs, batch: int, chunk: int, budget: int) -> dict:
     from specgen.config import EngineConfig, SpecConfig
     from specgen.distributed.disaggregated import DisaggregatedEngine
 
     s0 = time.perf_counter()
-    with DisaggregatedEngine(loaded.source, loaded.engine, EngineConfig(batch_size=batch, threads=2,
-                                                                        prefill_chunk=chunk), SpecConfig(), 1, 1) as pd:
+    cfg = EngineConfig(batch_size=batch, threads=2, prefill_chunk=chunk, max_prefill_tokens=budget)
+    with DisaggregatedEngine(loaded.source, loaded.engine, cfg, SpecConfig(), 1, 1) as pd:
         ready = time.perf_counter()
         wall0 = time.time()
         tokens = sum(len(o.token_ids) for o in pd.run(reqs))
@@ -151,6 +155,27 @@ def _gloo_rank(rank: int, endpoints: list[str], sizes: list[int], repeats: int, 
         out.put(result)
 
 
+def shm_hand_off(sizes: list[int], repeats: int = 5) -> list[tuple[float, float]]:
+    """Median seconds of a hand-off's two copies through shared memory, in this process: pack (a new segment,
+    the array copied in) and unpack (the segment's view copied into an array allocated once, as a decode worker's
+    cache is), for `sizes` bytes of float32."""
+    from specgen.distributed.parcel import pack, unpack
+
+    result = []
+    for size in sizes:
+        src, dst = np.ones(size // 4, np.float32), np.zeros(size // 4, np.float32)
+        times = []
+        for _ in range(repeats):
+            s0 = time.perf_counter()
+            parcel = pack({"kv": src}, "specgen-bench")
+            s1 = time.perf_counter()
+            with unpack(parcel) as arrays:
+                dst[:] = arrays["kv"]
+            times.append((s1 - s0, time.perf_counter() - s1))
+        result.append(tuple(np.median(np.array(times), axis=0).tolist()))
+    return result
+
+
 def gloo_send_recv(sizes: list[int], repeats: int = 5) -> list[float]:
     """Median seconds to move `sizes` bytes from one process to another with paddle.distributed send/recv (gloo,
     loopback), each send bracketed by barriers."""
@@ -181,8 +206,10 @@ def main() -> None:
     ap.add_argument("--short-tokens", type=int, default=8)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--max-prefill-tokens", type=int, default=1024, help="prompt tokens admitted per step (every arm)")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--arms", default="colo,colo-chunk,pd")
+    ap.add_argument("--arms", default="colo,colo-chunk,pd", help="comma-separated; empty: only the transports")
+    ap.add_argument("--transport-mib", default="0.7,1,33", help="sizes the transports move (empty: none)")
     args = ap.parse_args()
     from specgen import load_model
 
@@ -192,12 +219,13 @@ def main() -> None:
     colocated(loaded, reqs[:4], 4, 0)  # warm-up: first-call costs out of the timings
     print(f"{len(reqs)} requests: {args.decoders} decoders x {args.decode_tokens} tokens, {args.long} prompts of "
           f"{args.long_tokens} tokens, {args.short} short prompts behind them; batch {args.batch_size}")
-    arms = {"colo": lambda: colocated(loaded, reqs, args.batch_size, 0),
-            "colo-chunk": lambda: colocated(loaded, reqs, args.batch_size, args.chunk),
-            "pd": lambda: disaggregated(loaded, reqs, args.batch_size, 0)}
+    budget = args.max_prefill_tokens
+    arms = {"colo": lambda: colocated(loaded, reqs, args.batch_size, 0, budget),
+            "colo-chunk": lambda: colocated(loaded, reqs, args.batch_size, args.chunk, budget),
+            "pd": lambda: disaggregated(loaded, reqs, args.batch_size, 0, budget)}
     rows, handoffs = [], []
     for r in range(args.rounds):
-        for name in args.arms.split(","):
+        for name in filter(None, args.arms.split(",")):
             res = arms[name]()
             first = res["first"]
             rows.append([name, r + 1, res["wall"], res["tok_s"], ms(res["pure"], 0.5), ms(res["pure"], 0.9),
@@ -220,10 +248,15 @@ def main() -> None:
                               med(h.parcel_bytes for h in hs) / 2**20, med(h.export_seconds * 1e3 for h in hs),
                               med(h.import_seconds * 1e3 for h in hs), med(h.wait_seconds * 1e3 for h in hs)])
         print_table(["group", "n", "KV MiB", "KiB/token", "parcel MiB", "export ms", "import ms", "wait ms"], table)
-        sizes = [int(row[2] * 2**20) for row in table]
-        print("\npaddle.distributed send/recv over gloo (2 processes, loopback), the same bytes: median ms")
+    sizes = [int(float(x) * 2**20) for x in args.transport_mib.split(",")] if args.transport_mib else []
+    if sizes:
+        print("\nthe same bytes moved between processes, median ms: shared memory's two copies (pack into a new "
+              "segment, unpack into an array), in one process alone; paddle.distributed send/recv over gloo (2 "
+              "processes, loopback TCP, barriers around each)")
+        copies = shm_hand_off(sizes)
         moved = gloo_send_recv(sizes)
-        print_table(["bytes (MiB)", "send/recv ms"], [[s / 2**20, t * 1e3] for s, t in zip(sizes, moved)])
+        print_table(["MiB", "shm pack", "shm unpack", "gloo send/recv"],
+                    [[n / 2**20, a * 1e3, b * 1e3, t * 1e3] for n, (a, b), t in zip(sizes, copies, moved)])
         print(machine())
 
 

@@ -185,10 +185,10 @@ def test_medusa_guesses_travel(tmp_path):
 @pytest.mark.realmodel
 @pytest.mark.parametrize("method", ["ngram", "mtp"])
 def test_default_model_hand_off(real_model64, method):
-    """SmolLM2 in float64, its shipped MTP head: hand-offs give the colocated engine's tokens (in this process;
-    the worker processes are the tiny model's tests above)."""
+    """SmolLM2 in float64, its shipped MTP head: hand-offs give the colocated engine's tokens (in this
+    process; the worker processes are the tiny model's tests above)."""
     texts = ["The capital of France is", "def fib(n):", "Once upon a time", "List three colors:"]
     requests = requests_of(real_model64, texts, 10)
     spec = SpecConfig(method=method, adaptive=False, ngram=NgramConfig(pool=0))
     drafts = assert_colocated(real_model64, EngineConfig(batch_size=2, dtype="float64"), spec, requests)
-    assert drafts > 0 or method == "ngram"  # the head drafted (these prompts give n-gram lookup nothing to copy)
+    assert drafts > 0 or method == "ngram"  # the head drafted (these prompts give n-gram lookup nothing)
