@@ -205,3 +205,21 @@ def test_method_alone_finds_the_shipped_heads(tiny_model64, monkeypatch, trained
         assert medusa.shipped_heads(kind, "/x/other.gguf") is None
         with pytest.raises(CheckpointError, match=f"--method {kind} needs --draft-model"):
             generate([[5, 6, 7]], model=tiny_model64, speculative=SpecConfig(method=kind))
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_shipped_heads_run_alone_on_the_default_model(kind, real_model):
+    """`--method medusa` / `--method hydra` alone: the package's trained heads draft for the default model, and the
+    output is plain decoding's."""
+    from specgen.engine.proposers.medusa import shipped_heads
+
+    path = shipped_heads(kind, str(real_model.model.source))
+    assert path is not None, f"no {kind} heads shipped for the default model"
+    prompts = [real_model.tokenizer.encode_chat([{"role": "user", "content": q}])
+               for q in ("What is 12 times 7? Explain step by step.", "Write a haiku about the sea.")]
+    sp = SamplingParams(max_tokens=24)
+    plain = generate(prompts, model=real_model, sampling=sp)
+    out = generate(prompts, model=real_model, sampling=sp, speculative=SpecConfig(method=kind, adaptive=False))
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    steps = sum(o.stats.num_steps for o in out)
+    assert sum(len(o.token_ids) for o in out) / steps > 1.2  # trained heads: drafts are accepted
