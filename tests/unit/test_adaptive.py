@@ -429,3 +429,23 @@ def test_new_requests_start_detached_while_the_jobs_drafts_cannot_pay():
     for slot in range(n):
         ctl.reset(slot)
     assert not ctl.detached(slots).any()
+
+
+def test_a_new_slots_acceptance_starts_from_the_jobs():
+    """One slot, a 2-token step at 1.34x one (an MoE verify block at batch 1). A new request with no drafts of its
+    own yet is estimated at the job's acceptance so far: after requests whose drafts all missed it verifies
+    nothing (from a fixed 1 in 2 it would draft: 1.5 tokens for 1.34x); after drafts that hit, it drafts. Copies
+    (source 1) keep the fixed prior."""
+    ctl = Controller(CostModel(np.array([1, 2, 4]), np.array([1.0, 1.34, 1.96])), max_draft=3, num_slots=1)
+    slot, avail = np.array([0]), np.array([3])
+    assert int(ctl.choose(slot, avail, 0)[0]) >= 1  # no history anywhere: 1 in 2
+    for _ in range(40):  # every draft misses
+        ctl.end_step(_report(slot, np.array([[7, 8, 9]]), avail, np.array([[1, 2, 3, 4]]), np.array([4])))
+    ctl.reset(0)  # a new request
+    assert ctl.rates(0, slot)[0] < 0.15 and int(ctl.choose(slot, avail, 0)[0]) == 0
+    assert ctl.rates(np.array([1]), slot)[0] == 0.5
+    for _ in range(40):  # every draft hits
+        ctl.end_step(_report(slot, np.array([[7, 8, 9]]), avail, np.array([[7, 8, 9, 4]]), np.array([4])))
+    ctl.reset(0)
+    assert ctl.rates(0, slot)[0] > 0.8 and int(ctl.choose(slot, avail, 0)[0]) == 3
+

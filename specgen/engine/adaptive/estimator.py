@@ -18,9 +18,11 @@ class AcceptanceEstimator:
         self.hits = np.zeros((num_sources, num_keys))  # [num_sources, num_keys]
         self.seen = np.zeros((num_sources, num_keys))
 
-    def rate(self, source, keys) -> np.ndarray:
-        """Estimated acceptance of drafts of `source` (scalar or [n]) at `keys` ([n])."""
-        return (self.hits[source, keys] + PRIOR_HITS) / (self.seen[source, keys] + PRIOR_SEEN)
+    def rate(self, source, keys, prior=None) -> np.ndarray:
+        """Estimated acceptance of drafts of `source` (scalar or [n]) at `keys` ([n]): their counts with PRIOR_SEEN
+        drafts' worth of `prior` (scalar or [n]; None: PRIOR_HITS of PRIOR_SEEN)."""
+        prior_hits = PRIOR_HITS if prior is None else PRIOR_SEEN * prior
+        return (self.hits[source, keys] + prior_hits) / (self.seen[source, keys] + PRIOR_SEEN)
 
     def update(self, source, keys: np.ndarray, hits: np.ndarray, seen: np.ndarray) -> None:
         """One step's counts at distinct `keys` ([n]; source scalar or [n]): those rows decay, then add them."""
