@@ -20,6 +20,7 @@ class Method(str, enum.Enum):
     MTP = "mtp"
     DRAFT_MODEL = "draft_model"
     MEDUSA = "medusa"
+    EAGLE = "eagle"
     HYDRA = "hydra"
 
     @classmethod
@@ -236,6 +237,32 @@ class MedusaConfig:
 
 
 @dataclass(frozen=True)
+class EagleConfig:
+    """--method eagle: an EAGLE layer (--draft-model: the public layout; one ships for the default model) grows a
+    token tree per slot, dynamic (EAGLE-2) or of a static shape."""
+
+    topk: int = opt(4, "Children drafted per expanded node; a dynamic tree expands this many nodes per depth.")
+    nodes: int = opt(16, "Nodes offered per tree (the most probable ones; the controller verifies a prefix), at "
+                         "most 32.")
+    tree_choices: tuple[str, ...] = opt((), "A static tree shape instead of a dynamic one: its paths (Medusa's "
+                                            "choices), each the ranks of its nodes among their siblings, "
+                                            "comma-joined; repeat the option per path. Empty: EAGLE-2's dynamic "
+                                            "tree.")
+    quantize: bool = opt(True, "Beside a main model kept in GGUF blocks, pack the layer's projections as Q8_0 "
+                               "blocks (as --mtp-quantize).")
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.topk <= 8:
+            raise ConfigError(f"eagle topk must be in [1, 8], got {self.topk}")
+        if not 1 <= self.nodes <= 32:
+            raise ConfigError(f"eagle nodes must be in [1, 32], got {self.nodes}")
+        tree_paths(self.tree_choices, self.topk, "eagle tree_choices", "topk")
+
+    def tree_paths(self) -> tuple[tuple[int, ...], ...]:
+        return tree_paths(self.tree_choices, self.topk, "eagle tree_choices", "topk")
+
+
+@dataclass(frozen=True)
 class MtpConfig:
     """--method mtp: a DeepSeek-V3 / ERNIE-4.5 style MTP head drafts the tokens after next."""
 
@@ -273,7 +300,8 @@ class SpecConfig:
     """Speculative decoding: the method, its bound on drafts per step (FastDeploy's 1..5) and each method's
     own section."""
 
-    method: Method = opt(Method.NONE, "Speculative method: none | ngram | mtp | draft_model | medusa | hydra.")
+    method: Method = opt(Method.NONE, "Speculative method: none | ngram | mtp | draft_model | medusa | hydra | "
+                                        "eagle.")
     num_speculative_tokens: int = opt(3, "Draft tokens per step at most, 1..5.")
     adaptive: bool = opt(True, "Choose each slot's drafts per step (0 included) from measured step costs and "
                                "acceptance; off: verify every draft offered.")
@@ -284,12 +312,14 @@ class SpecConfig:
     mtp: MtpConfig = opt(help="MTP drafting.", factory=MtpConfig)
     draft: DraftConfig = opt(help="Draft-model drafting.", factory=DraftConfig)
     medusa: MedusaConfig = opt(help="Medusa and Hydra heads' token trees.", factory=MedusaConfig)
+    eagle: EagleConfig = opt(help="EAGLE layers' token trees.", factory=EagleConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Method.parse(self.method))
         if not 1 <= self.num_speculative_tokens <= 5:
             raise ConfigError(f"num_speculative_tokens must be in 1..5, got {self.num_speculative_tokens}")
-        for name, cls in (("ngram", NgramConfig), ("mtp", MtpConfig), ("draft", DraftConfig), ("medusa", MedusaConfig)):
+        for name, cls in (("ngram", NgramConfig), ("mtp", MtpConfig), ("draft", DraftConfig), ("medusa", MedusaConfig),
+                          ("eagle", EagleConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"speculative.{name} must be a {cls.__name__}")
         if self.method is Method.DRAFT_MODEL and not self.draft_model:
@@ -362,7 +392,7 @@ def parse_pd(text: str) -> tuple[int, int]:
 
 # The SpecConfig section holding each method's own settings (a method without one has none).
 METHOD_SECTIONS: dict[Method, str] = {Method.NGRAM: "ngram", Method.MTP: "mtp", Method.MEDUSA: "medusa",
-                                      Method.HYDRA: "medusa"}
+                                      Method.HYDRA: "medusa", Method.EAGLE: "eagle"}
 
 
 def _nested_type(cls: type, name: str) -> type | None:
@@ -393,5 +423,5 @@ def from_mapping(cls: type, values: dict[str, Any], where: str) -> Any:
         raise ConfigError(f"{where}: {exc}") from None
 
 
-__all__ = ["Method", "SamplingParams", "EngineConfig", "SpecConfig", "NgramConfig", "MtpConfig", "MedusaConfig", "ParallelConfig", "METHOD_SECTIONS",
+__all__ = ["Method", "SamplingParams", "EngineConfig", "SpecConfig", "NgramConfig", "MtpConfig", "MedusaConfig", "EagleConfig", "ParallelConfig", "METHOD_SECTIONS",
            "from_mapping", "default_threads", "opt", "DEVICES", "BACKENDS"]

@@ -135,14 +135,14 @@ def parse_speculative_config(value: str) -> dict[str, Any]:
 
 
 # Methods that draft with a checkpoint (SpecConfig.draft_model; mtp also reads its own mtp.model).
-CHECKPOINT_METHODS = (Method.MTP, Method.DRAFT_MODEL, Method.MEDUSA, Method.HYDRA)
+CHECKPOINT_METHODS = (Method.MTP, Method.DRAFT_MODEL, Method.MEDUSA, Method.HYDRA, Method.EAGLE)
 
 
 def _with_model(model: str, method: Method) -> None:
     """Check that the method takes a checkpoint (FastDeploy JSON's "model")."""
     if method not in CHECKPOINT_METHODS:
         raise ConfigError(f"--speculative-config: \"model\" ({model}) needs a method that drafts with a "
-                          f"checkpoint (mtp, draft_model, medusa, hydra), the method is {method.value!r}")
+                          f"checkpoint (mtp, draft_model, medusa, hydra, eagle), the method is {method.value!r}")
 
 
 def resolve(yaml_sections: Mapping[str, Mapping[str, Any]] | None, flags: Mapping[str, Any],

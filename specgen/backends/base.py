@@ -90,5 +90,8 @@ class Backend(Protocol):
     def prepare_head(self, model: ModelView, head: Any, quantize: bool) -> PreparedHead:
         """An MTP head's weights (MtpHeadWeights) ready to run beside `model`."""
 
+    def prepare_eagle(self, model: ModelView, weights: Any, quantize: bool) -> Any:
+        """An EAGLE layer's weights (EagleWeights) ready to run beside `model` (EaglePass.run's interface)."""
+
     def describe(self) -> list:
         """What a step's cost depends on besides the model's shape (cost tables are kept per description)."""

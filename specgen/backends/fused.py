@@ -128,7 +128,7 @@ class FusedBackend:
             return lin.weight.panels if lin is not None else none
 
         return args.BlockArgs(
-            attn_norm=[b.attn_norm for b in blocks], w_qkv=[b.qkv.weight.panels for b in blocks],
+            attn_norm=[b.attn_norm if b.attn_norm is not None else none for b in blocks], w_qkv=[b.qkv.weight.panels for b in blocks],
             b_qkv=[bias(b.qkv) for b in blocks], w_o=[b.o.weight.panels for b in blocks],
             b_o=[bias(b.o) for b in blocks], mlp_norm=[b.mlp_norm for b in blocks],
             w_gate_up=[panels(b.gate_up) for b in blocks], b_gate_up=[bias(b.gate_up) for b in blocks],
@@ -209,6 +209,9 @@ class FusedBackend:
     def prepare_head(self, model: ModelView, head: Any, quantize: bool) -> "FusedHead":
         return FusedHead(self, model, head, quantize)
 
+    def prepare_eagle(self, model: ModelView, weights: Any, quantize: bool) -> "FusedEagle":
+        return FusedEagle(self, model, weights, quantize)
+
     def describe(self) -> list:
         return [self.name, self.int8_product, self.screen is not None, self._kinds]
 
@@ -238,6 +241,21 @@ def q8_0(lin: Linear) -> QuantRows | None:
     return QuantRows("Q8_0", blocks.reshape(rows.shape[0], rows.shape[1] // 32, -1))
 
 
+def draft_lm_head(backend: FusedBackend, main_lm: Linear, own: Linear | None, draft_vocab: np.ndarray | None,
+                  int8_product: bool) -> Linear:
+    """A drafter's packed LM head [hidden] -> [draft vocabulary]: its own or the main model's, restricted to the
+    draft vocabulary's columns where it has one (from the main model's blocks where they are kept)."""
+    if draft_vocab is None:  # its own LM head, or the main model's
+        return backend.pack(own) if own is not None else main_lm
+    if own is None and main_lm.blocks is not None and backend.keeps_blocks:
+        # the draft vocabulary's rows of the main model's blocks
+        return Linear(pack_quantized(main_lm.blocks.kind, main_lm.blocks.blocks[draft_vocab],
+                                     backend.int8_product or int8_product, backend.ops))
+    src = own if own is not None else main_lm  # the draft vocabulary's columns
+    cols = paddle.gather(src.dense(), paddle.to_tensor(draft_vocab), axis=1)  # [hidden, V']
+    return Linear(pack_linear(cols, dtype=backend.dtype))
+
+
 class FusedHead:
     """An MTP head packed for specgen_mtp_draft. Beside a main model kept in GGUF blocks (and with `quantize`),
     its projections are packed as Q8_0 blocks too: its pass reads ~4.5 instead of ~17 MB for the default model;
@@ -253,17 +271,7 @@ class FusedHead:
             if q8:
                 lin.blocks = q8_0(lin)
             backend.pack(lin, self.int8_product)
-        main_lm = model.weights.lm_head
-        if head.draft_vocab is None:  # its own LM head, or the main model's
-            lm = backend.pack(head.lm_head) if head.lm_head is not None else main_lm
-        elif head.lm_head is None and main_lm.blocks is not None and backend.keeps_blocks:
-            # the draft vocabulary's rows of the main model's blocks
-            lm = Linear(pack_quantized(main_lm.blocks.kind, main_lm.blocks.blocks[head.draft_vocab],
-                                       backend.int8_product or self.int8_product, backend.ops))
-        else:  # the draft vocabulary's columns
-            src = head.lm_head if head.lm_head is not None else main_lm
-            cols = paddle.gather(src.dense(), paddle.to_tensor(head.draft_vocab), axis=1)  # [hidden, V']
-            lm = Linear(pack_linear(cols, dtype=backend.dtype))
+        lm = draft_lm_head(backend, model.weights.lm_head, head.lm_head, head.draft_vocab, self.int8_product)
         self.lm_head = lm  # [hidden] -> [draft vocabulary]
         cfg = model.config
         vocab = head.draft_vocab if head.draft_vocab is not None else np.zeros(0, np.int64)
@@ -283,3 +291,44 @@ class FusedHead:
             token_ids=tok, hidden=p.hidden, rows=row, positions=pos, slots=slot, prefix_len=pre, last_rows=last,
             k_cache=cache.k[0], v_cache=cache.v[0], capacity=cache.capacity, depth=p.depth))
         return drafts.numpy(), rows
+
+
+class FusedEagle:
+    """An EAGLE layer packed for specgen_eagle_pass; beside a main model kept in GGUF blocks (and with `quantize`)
+    its projections are Q8_0 blocks, as an MTP head's (FusedHead). Only the drafts can change, never the outputs."""
+
+    def __init__(self, backend: FusedBackend, model: ModelView, w: Any, quantize: bool):
+        self.backend, self.model = backend, model
+        q8 = quantize and backend.keeps_blocks and model.weights.lm_head.blocks is not None
+        int8 = q8 and backend.vnni
+        for lin in [w.fc, *w.block.linears()]:
+            if q8:
+                lin.blocks = q8_0(lin)
+            backend.pack(lin, int8)
+        lm = draft_lm_head(backend, model.weights.lm_head, None, w.draft_vocab, int8)
+        cfg = model.config
+        self.args = args.EagleArgs(
+            embed=w.embed, fc=w.fc.weight.panels, fc_bias=w.fc.bias if w.fc.bias is not None else backend.none,
+            blocks=backend.block_args([w.block]), cos=model.rope.cos, sin=model.rope.sin,
+            final_norm=w.norm if w.norm is not None else backend.none, lm_head=lm.weight.panels, vocab=lm.weight.n,
+            geometry=args.Geometry(cfg.num_heads, cfg.num_kv_heads, cfg.qk_norm, cfg.rms_norm_eps), ones=backend.ones)
+        self.token_ids = w.token_ids
+        self._indices = KeptIndex(256)
+
+    def new_cache(self, num_slots: int) -> KVCache:
+        return self.backend.new_cache(self.model, num_slots, self.model.max_len, "auto", num_layers=1)
+
+    def run(self, cache: KVCache, slots: np.ndarray, starts: np.ndarray, lens: np.ndarray, token_ids: np.ndarray,
+            hidden: paddle.Tensor, rows: np.ndarray, logit_rows: np.ndarray, topk: int,
+            rope: np.ndarray | None = None, mask: np.ndarray | None = None):
+        """EaglePass.run's pass in one operator."""
+        n = len(token_ids)
+        seq = np.repeat(np.arange(len(lens)), lens)
+        positions = starts[seq] + np.arange(n) - (np.cumsum(lens) - lens)[seq]  # [num_tokens] cache rows
+        cache.reserve(int(positions.max()) + 1)
+        index = self._indices.tensors((np.concatenate([
+            token_ids, rows, positions, slots[seq], np.zeros(n, np.int64), positions if rope is None else rope,
+            np.full(n, -1, np.int64) if mask is None else mask, logit_rows]),))[0]
+        feat, vals, cols = args.eagle_pass(self.backend.ops, self.args, index, n, hidden, cache.k[0], cache.v[0],
+                                           cache.capacity, topk)
+        return feat, vals.numpy().astype(np.float64), self.token_ids(cols.numpy())

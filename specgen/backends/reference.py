@@ -64,6 +64,12 @@ class ReferenceBackend:
     def prepare_head(self, model: ModelView, head: Any, quantize: bool) -> "ReferenceHead":
         return ReferenceHead(model, head)
 
+    def prepare_eagle(self, model: ModelView, weights: Any, quantize: bool):
+        """An EAGLE layer's pass in Paddle's operators (engine/proposers/eagle.py)."""
+        from specgen.engine.proposers.eagle import EaglePass
+
+        return EaglePass(model, weights)
+
     def describe(self) -> list:
         return [self.name]
 

@@ -195,6 +195,36 @@ def mtp_draft(ops: ModuleType, h: MtpHeadArgs, a: MtpStepArgs) -> tuple[Tensor, 
     return drafts, rows
 
 
+@dataclass(frozen=True)
+class EagleArgs:
+    """An EAGLE layer's weights for specgen_eagle_pass (built once per layer)."""
+
+    embed: Tensor  # [vocab, hidden]
+    fc: Tensor  # packed [2 hidden] -> [hidden]
+    fc_bias: Tensor  # [hidden], or empty
+    blocks: BlockArgs  # its one decoder layer (an empty attn_norm: no input norm)
+    cos: Tensor
+    sin: Tensor
+    final_norm: Tensor  # [hidden], or empty: none
+    lm_head: Tensor  # packed [hidden] -> [draft vocabulary]
+    vocab: int  # the LM head's columns
+    geometry: Geometry
+    ones: Tensor  # stand-in prefix caches (the layer keeps no shared prefix)
+
+
+def eagle_pass(ops: ModuleType, e: EagleArgs, index: Tensor, num_tokens: int, hidden: Tensor, k_cache: Tensor,
+               v_cache: Tensor, capacity: int, topk: int) -> tuple[Tensor, Tensor, Tensor]:
+    """index int64 [7 num_tokens + num_logits] (token ids, hidden rows, cache rows, slots, zeros, RoPE positions,
+    tree masks, logit rows) -> (features [num_tokens, hidden], top-k log-probabilities [num_logits, topk], their
+    LM-head columns int64 [num_logits, topk])."""
+    g, b = e.geometry, e.blocks
+    feat, vals, cols = ops.specgen_eagle_pass(
+        index, hidden, e.embed, e.fc, e.fc_bias, *b.projections(), e.cos, e.sin, [k_cache], [v_cache], b.q_norm,
+        b.k_norm, [e.ones], [e.ones], e.final_norm, e.lm_head, num_tokens, g.num_heads, g.num_kv_heads, capacity,
+        g.qk_norm, g.eps, e.vocab, topk)[:3]
+    return feat, vals, cols
+
+
 def linear(ops: ModuleType, x: Tensor, panels: Tensor, n: int) -> Tensor:
     """x [rows, k] @ a packed weight [k, n]."""
     return _first(ops.specgen_linear(x, panels, n))

@@ -33,6 +33,8 @@
 //   specgen_bind_experts  a mixture-of-experts model's routers and experts (moe.cc), held with its bound weights:
 //                         the routed blocks' MLP in specgen_forward_bound (beside their shared experts, if any)
 //   specgen_take_expert_counts  the tokens each expert took since the last call, per routed block
+//   specgen_eagle_pass    an EAGLE layer's pass: fc over [embedding; feature], its block, its output features, and
+//                         the top-k of the LM head's log-softmax at the rows asked for (a token tree's depth)
 //   specgen_mtp_draft     an MTP head's pass for a step: input norms and eh_proj, its block(s) (specgen_stack's code),
 //                         final norm, LM head and argmax at each sequence's last token, then depth - 1 chained
 //                         passes on its own drafts; also the catch-up tokens' block outputs (the next MTP module's
@@ -1115,7 +1117,10 @@ void block_forward(const T* x, T* out, int64_t n, int64_t hid, const BlockTensor
   s.gu.resize(n * 2 * inter);
   s.act.resize(n * inter);
   s.m.resize(n * hid);
-  rms_norm_rows<T>(x, b.attn_norm.data<T>(), s.h.data(), n, hid, a.eps);
+  if (b.attn_norm.numel() == 0)  // no input norm (an EAGLE-1 draft layer)
+    std::copy(x, x + n * hid, s.h.data());
+  else
+    rms_norm_rows<T>(x, b.attn_norm.data<T>(), s.h.data(), n, hid, a.eps);
   specgen::packed_linear(s.h.data(), n, hid, w.qkv, s.qkv.data(), wq);
   add_bias(s.qkv.data(), b.b_qkv, n, wq);
   block_attention(s.qkv.data(), s.att.data(), n, D, b, a);
@@ -1633,6 +1638,103 @@ std::vector<paddle::Tensor> MtpDraft(
   });
 }
 
+// An EAGLE layer's pass (see EaglePass in specgen/engine/proposers/eagle.py, the same functions one op at a
+// time): for each token t, x = [embed[token_ids[t]]; hidden[rows[t]]] @ fc (+ fc_bias), the layer's block (an
+// empty attn_norm: none), then its output feature (final_norm applied unless empty) for every token, and at each
+// logit row the LM head, log-softmax and the top-k columns (largest first, the lower column on a tie).
+// index int64 [7 n + m]: token ids, rows of `hidden`, cache rows, slots, prefix lengths (zeros), RoPE positions,
+// tree masks (Tile::back), then the m logit rows.
+// -> (features [n, hidden], top-k log-probabilities [m, topk], their LM-head columns int64 [m, topk])
+std::vector<paddle::Tensor> EaglePass(
+    const paddle::Tensor& index, const paddle::Tensor& hidden, const paddle::Tensor& embed, const paddle::Tensor& fc,
+    const paddle::Tensor& fc_bias, const Tensors& attn_norm, const Tensors& w_qkv, const Tensors& b_qkv,
+    const Tensors& w_o, const Tensors& b_o, const Tensors& mlp_norm, const Tensors& w_gu, const Tensors& b_gu,
+    const Tensors& w_down, const Tensors& b_down, const paddle::Tensor& cos, const paddle::Tensor& sin,
+    Tensors& k_cache, Tensors& v_cache, const Tensors& q_norm, const Tensors& k_norm, const Tensors& prefix_k,
+    const Tensors& prefix_v, const paddle::Tensor& final_norm, const paddle::Tensor& lm_head, int64_t num_tokens,
+    int num_heads, int num_kv_heads, int64_t capacity, bool qk_norm, double eps, int64_t vocab, int topk) {
+  check_cpu(hidden, "hidden");
+  check_cpu(index, "index");
+  return with_activations(embed, "specgen_eagle_pass", [&](auto type) -> std::vector<paddle::Tensor> {
+    using T = decltype(type);
+    const int64_t n = num_tokens, hid = hidden.shape()[1], V = embed.shape()[0];
+    PD_CHECK(index.dtype() == paddle::DataType::INT64 && index.numel() >= 7 * n && n >= 0,
+             "specgen_eagle_pass: int64 index [7 num_tokens + num_logit_rows]");
+    PD_CHECK(hidden.dtype() == embed.dtype() && embed.shape()[1] == hid,
+             "specgen_eagle_pass: hidden states [rows, hidden] of the embedding's type and width");
+    PD_CHECK(final_norm.numel() == 0 || final_norm.numel() == hid, "specgen_eagle_pass: final_norm [hidden] or empty");
+    PD_CHECK(topk >= 1 && topk <= vocab, "specgen_eagle_pass: 1 <= topk <= vocab");
+    const int64_t m = index.numel() - 7 * n;
+    auto part = [&](int64_t begin, int64_t end) {
+      return begin < end ? index.slice(begin, end) : paddle::empty({0}, paddle::DataType::INT64, index.place());
+    };
+    const paddle::Tensor positions = part(2 * n, 3 * n), slots = part(3 * n, 4 * n), prefix_len = part(4 * n, 5 * n);
+    StepInputs<T> a = step_inputs<T>(hidden, cos, sin, positions, slots, prefix_len, num_heads, num_kv_heads,
+                                     capacity, qk_norm, eps, 0);
+    const int64_t* ix = index.data<int64_t>();
+    a.rope_positions = ix + 5 * n;
+    a.tree_mask = reinterpret_cast<const uint64_t*>(ix + 6 * n);
+    const Blocks b = collect_blocks(a, hid, attn_norm, w_qkv, b_qkv, w_o, b_o, mlp_norm, w_gu, b_gu, w_down, b_down,
+                                    k_cache, v_cache, q_norm, k_norm, prefix_k, prefix_v);
+    const specgen::PackedWeight f = packed_for<T>(fc, 2 * hid, hid, "fc");
+    const specgen::PackedWeight lm = packed_for<T>(lm_head, hid, vocab, "lm_head");
+    PD_CHECK(fc_bias.numel() == 0 || (fc_bias.numel() == hid && fc_bias.dtype() == embed.dtype()),
+             "specgen_eagle_pass: fc_bias [hidden] of the activations' type, or empty");
+    auto feat = paddle::empty({n, hid}, hidden.dtype(), hidden.place());
+    auto top_vals = paddle::empty({m, topk}, hidden.dtype(), hidden.place());
+    auto top_cols = paddle::empty({m, topk}, paddle::DataType::INT64, hidden.place());
+    if (n == 0) return {feat, top_vals, top_cols};
+    const int64_t *tok = ix, *row = ix + n, *lr = ix + 7 * n;
+    const int64_t num_hidden = hidden.shape()[0];
+    const T *emb = embed.data<T>(), *hs = hidden.data<T>();
+    static thread_local std::vector<T> in, x, y, sel, logits;
+    in.resize(n * 2 * hid);
+    for (int64_t t = 0; t < n; ++t) {
+      PD_CHECK(tok[t] >= 0 && tok[t] < V, "specgen_eagle_pass: token id out of range");
+      PD_CHECK(row[t] >= 0 && row[t] < num_hidden, "specgen_eagle_pass: hidden row out of range");
+      std::copy(emb + tok[t] * hid, emb + (tok[t] + 1) * hid, in.data() + t * 2 * hid);
+      std::copy(hs + row[t] * hid, hs + (row[t] + 1) * hid, in.data() + t * 2 * hid + hid);
+    }
+    x.resize(n * hid);
+    y.resize(n * hid);
+    specgen::packed_linear(in.data(), n, 2 * hid, f, x.data(), hid);
+    add_bias(x.data(), fc_bias, n, hid);
+    run_blocks(x.data(), y.data(), n, hid, b, a);
+    T* out = feat.data<T>();
+    if (final_norm.numel())
+      rms_norm_rows<T>(y.data(), final_norm.data<T>(), out, n, hid, static_cast<T>(eps));
+    else
+      std::copy(y.data(), y.data() + n * hid, out);
+    if (m == 0) return {feat, top_vals, top_cols};
+    sel.resize(m * hid);
+    for (int64_t r = 0; r < m; ++r) {
+      PD_CHECK(lr[r] >= 0 && lr[r] < n, "specgen_eagle_pass: logit row out of range");
+      std::copy(out + lr[r] * hid, out + (lr[r] + 1) * hid, sel.data() + r * hid);
+    }
+    logits.resize(m * vocab);
+    specgen::packed_linear(sel.data(), m, hid, lm, logits.data(), vocab);
+    T* tv = top_vals.data<T>();
+    int64_t* tc = top_cols.data<int64_t>();
+    std::vector<int64_t> order(vocab);
+    for (int64_t r = 0; r < m; ++r) {
+      const T* z = logits.data() + r * vocab;
+      T mx = z[0];
+      for (int64_t j = 1; j < vocab; ++j) mx = std::max(mx, z[j]);
+      T sum = 0;
+      for (int64_t j = 0; j < vocab; ++j) sum += std::exp(z[j] - mx);
+      const T lse = mx + std::log(sum);
+      for (int64_t j = 0; j < vocab; ++j) order[j] = j;
+      std::partial_sort(order.begin(), order.begin() + topk, order.end(),
+                        [z](int64_t i, int64_t j) { return z[i] > z[j] || (z[i] == z[j] && i < j); });
+      for (int k = 0; k < topk; ++k) {
+        tc[r * topk + k] = order[k];
+        tv[r * topk + k] = z[order[k]] - lse;
+      }
+    }
+    return {feat, top_vals, top_cols};
+  });
+}
+
 PD_BUILD_OP(specgen_rms_norm).Inputs({"X", "W"}).Outputs({"Out"}).Attrs({"eps: double"}).SetKernelFn(PD_KERNEL(RmsNorm));
 
 PD_BUILD_OP(specgen_add_rms_norm)
@@ -1679,6 +1781,18 @@ PD_BUILD_OP(specgen_mtp_draft)
     .Attrs({"num_heads: int", "num_kv_heads: int", "capacity: int64_t", "qk_norm: bool", "eps: double",
             "prefix_capacity: int64_t", "depth: int", "vocab: int64_t"})
     .SetKernelFn(PD_KERNEL(MtpDraft));
+
+PD_BUILD_OP(specgen_eagle_pass)
+    .Inputs({"Index", "Hidden", "Embed", "Fc", "FcBias", paddle::Vec("AttnNorm"), paddle::Vec("WQkv"),
+             paddle::Vec("BQkv"), paddle::Vec("WO"), paddle::Vec("BO"), paddle::Vec("MlpNorm"), paddle::Vec("WGateUp"),
+             paddle::Vec("BGateUp"), paddle::Vec("WDown"), paddle::Vec("BDown"), "Cos", "Sin", paddle::Vec("KCache"),
+             paddle::Vec("VCache"), paddle::Vec("QNorm"), paddle::Vec("KNorm"), paddle::Vec("PrefixK"),
+             paddle::Vec("PrefixV"), "FinalNorm", "LmHead"})
+    .Outputs({"Feat", "TopVals", "TopCols", paddle::Vec("KCacheOut"), paddle::Vec("VCacheOut")})
+    .SetInplaceMap({{paddle::Vec("KCache"), paddle::Vec("KCacheOut")}, {paddle::Vec("VCache"), paddle::Vec("VCacheOut")}})
+    .Attrs({"num_tokens: int64_t", "num_heads: int", "num_kv_heads: int", "capacity: int64_t", "qk_norm: bool",
+            "eps: double", "vocab: int64_t", "topk: int"})
+    .SetKernelFn(PD_KERNEL(EaglePass));
 
 PD_BUILD_OP(specgen_forward)
     .Inputs({"TokenIds", "Embed", paddle::Vec("AttnNorm"), paddle::Vec("WQkv"), paddle::Vec("BQkv"), paddle::Vec("WO"),

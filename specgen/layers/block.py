@@ -22,7 +22,7 @@ class DecoderBlock:
     """One block's weights: QKV and gate/up fused at load, projections in Paddle's [in, out]. A routed block
     (mixture of experts) has `moe`, and gate_up / down only for its shared experts (None without)."""
 
-    attn_norm: paddle.Tensor  # [hidden]
+    attn_norm: paddle.Tensor | None  # [hidden]; None: no input norm (an EAGLE-1 draft layer)
     qkv: Linear  # [hidden] -> [(H + 2 KV) D], q and k rows in rotate-half order
     o: Linear  # [H D] -> [hidden]
     mlp_norm: paddle.Tensor  # [hidden]
@@ -55,7 +55,7 @@ def block_forward(x: paddle.Tensor, w: DecoderBlock, shape: BlockShape, att: Att
     ranks of its row-parallel outputs (o and down hold its rows; specgen/distributed/tp_shard.py), told which
 ("attention" or "mlp": an expert-parallel rank's experts and shared-expert columns are summed in the latter)."""
     n, H, KV, D, eps = x.shape[0], shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.eps
-    qkv = w.qkv(rms_norm(x, w.attn_norm, eps))  # [num_tokens, (H + 2 KV) D]
+    qkv = w.qkv(rms_norm(x, w.attn_norm, eps) if w.attn_norm is not None else x)  # [num_tokens, (H + 2 KV) D]
     q, k, v = paddle.split(qkv, [H * D, KV * D, KV * D], axis=-1)
     q, k, v = q.reshape([n, H, D]), k.reshape([n, KV, D]), v.reshape([n, KV, D])
     if w.q_norm is not None:

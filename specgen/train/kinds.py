@@ -40,9 +40,18 @@ def _hydra(loaded: Any, out_dir: Path, cfg: TrainConfig, data_dir: Path | None =
     return HydraTrainer(loaded, out_dir, cfg, data_dir)
 
 
+def _eagle(loaded: Any, out_dir: Path, cfg: TrainConfig, data_dir: Path | None = None):
+    from specgen.train.eagle import EagleTrainer
+
+    return EagleTrainer(loaded, out_dir, cfg, data_dir)
+
+
 KINDS: dict[str, HeadKind] = {
     "mtp": HeadKind(_mtp, "mtp", "model.safetensors",
                     "a DeepSeek-V3 MTP head: one decoder block over [embedding of the next token; hidden state]"),
+    "eagle": HeadKind(_eagle, "eagle", "model.safetensors",
+                      "an EAGLE layer: fc over [embedding of the next token; feature], one decoder layer, its output "
+                      "the next feature (dynamic token trees)"),
     "medusa": HeadKind(_medusa, "medusa", "medusa_lm_head.safetensors",
                        "--heads Medusa heads, residual blocks on the last hidden state, sharing the LM head"),
     "hydra": HeadKind(_hydra, "hydra", "hydra_lm_head.safetensors",

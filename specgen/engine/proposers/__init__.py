@@ -43,6 +43,12 @@ def _hydra(spec: SpecConfig, model: Model, lib, main) -> Proposer:
     return build_hydra_proposer(spec, model)
 
 
+def _eagle(spec: SpecConfig, model: Model, lib, main) -> Proposer:
+    from specgen.engine.proposers.eagle import build_eagle_proposer
+
+    return build_eagle_proposer(spec, model)
+
+
 # method -> factory(spec, model, ngram.cc's library or None, the main LoadedModel or None)
 REGISTRY: dict[Method, Callable[[SpecConfig, Model, object, object], Proposer]] = {
     Method.NONE: _none,
@@ -50,6 +56,7 @@ REGISTRY: dict[Method, Callable[[SpecConfig, Model, object, object], Proposer]] 
     Method.MTP: _mtp,
     Method.DRAFT_MODEL: _draft_model,
     Method.MEDUSA: _medusa,
+    Method.EAGLE: _eagle,
     Method.HYDRA: _hydra,
 }
 assert set(REGISTRY) == set(Method), "every method needs a proposer"

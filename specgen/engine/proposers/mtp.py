@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,26 @@ from specgen.engine.types import DraftTokens, StepUpdate
 from specgen.errors import CheckpointError, EngineError
 from specgen.kernels import host
 from specgen.models.model import Model
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """One step's catch-up of a head's cache: the tokens it runs (grouped by sequence, in order) and the drafts
+    wanted."""
+
+    tokens: np.ndarray  # [num_slots, capacity] int64 every slot's committed tokens
+    slots: np.ndarray  # [num_seqs] int64 slots catching up
+    seq: np.ndarray  # [num_tokens] int64 sequence of each catch-up token
+    pos: np.ndarray  # [num_tokens] int64 main-model position of each catch-up token
+    rows: np.ndarray  # [num_tokens] int64 row of `hidden` with the main model's hidden state there
+    next_ids: np.ndarray  # [num_tokens] int64 token pos + 1
+    hidden: paddle.Tensor  # [num_rows, hidden] the step's hidden states (and the shared prefix's, appended)
+    start: np.ndarray  # [num_seqs] int64 first catch-up position of each sequence
+    total: np.ndarray  # [num_seqs] int64 catch-up tokens of each sequence (>= 1)
+    shift: np.ndarray  # [num_seqs] int64 main position - head position
+    seq_lens: np.ndarray  # [num_seqs] int64 committed tokens
+    want: np.ndarray  # [num_seqs] bool the sequence wants drafts (not copies)
+    depth: int  # drafts worth preparing per sequence
 
 
 class MtpProposer:
@@ -139,6 +160,14 @@ class MtpProposer:
 
     def observe(self, update: StepUpdate) -> None:
         self._ensure(update.tokens.shape[0])
+        c = self._catch_up(update)
+        if c is not None:
+            self._draft(c)
+
+    def _catch_up(self, update: StepUpdate) -> CatchUp | None:
+        """The head's catch-up this step (None: no slot takes part): every position of each live slot whose main
+        hidden state and next token became known, from its window on; slots whose next drafts are copies only
+        catch up (CatchUp.want False)."""
         if update.broken is not None and update.broken.any():
             for slot in update.slots[update.broken]:
                 for cache in self.caches:
@@ -153,7 +182,7 @@ class MtpProposer:
             self.num_drafts[update.slots[update.detached]] = 0
             live &= ~update.detached
         if not live.any():
-            return
+            return None
         slots, first, nv = update.slots[live], update.first_pos[live], update.num_valid[live]
         copying = copying[live]
         # A slot's first block after a shared prefix also catches up the prefix positions (the head's own cache
@@ -176,7 +205,7 @@ class MtpProposer:
             self.num_drafts[slots[total == 0]] = 0
             keep = total > 0
             if not keep.any():
-                return
+                return None
             slots, first, nv, copying, shift, start, total, block_start, seq_lens = (
                 x[keep] for x in (slots, first, nv, copying, shift, start, total, block_start, seq_lens))
         seq = np.repeat(np.arange(len(slots)), total)  # [num_tokens] block of each catch-up token
@@ -190,17 +219,24 @@ class MtpProposer:
         depth = max(1, min(self.k, update.max_draft_next))  # chained drafts worth computing for the next step
         want = ~copying
         self.num_drafts[slots] = np.where(want, depth, 0)
+        return CatchUp(update.tokens, slots, seq, pos, rows, next_ids, hidden, start, total, shift, seq_lens, want,
+                       depth)
+
+    def _draft(self, c: CatchUp) -> None:
+        """The head's pass over the catch-up, and its drafts for the slots that want them."""
         single = len(self.heads) == 1
         drafts, out = self.heads[0].run(self.cache, MtpPass(
-            token_slots=slots[seq], positions=pos - shift[seq], token_ids=next_ids, rows=rows, hidden=hidden,
-            seq_lens=total, last_rows=(np.cumsum(total) - 1)[want], depth=depth if single else 1))
+            token_slots=c.slots[c.seq], positions=c.pos - c.shift[c.seq], token_ids=c.next_ids, rows=c.rows,
+            hidden=c.hidden, seq_lens=c.total, last_rows=(np.cumsum(c.total) - 1)[c.want],
+            depth=c.depth if single else 1))
         if single:
-            self.drafts[slots[want], :depth] = drafts
+            self.drafts[c.slots[c.want], :c.depth] = drafts
             return
-        chain = np.zeros((len(slots), len(self.heads) + depth), np.int64)  # [num_seqs, ..] drafts so far
-        chain[want, :1] = drafts
-        self._later_modules(update.tokens, slots, start, start + total - 1, seq_lens, shift, want, depth, out, chain)
-        self.drafts[slots[want], :depth] = chain[want, :depth]
+        chain = np.zeros((len(c.slots), len(self.heads) + c.depth), np.int64)  # [num_seqs, ..] drafts so far
+        chain[c.want, :1] = drafts
+        self._later_modules(c.tokens, c.slots, c.start, c.start + c.total - 1, c.seq_lens, c.shift, c.want, c.depth,
+                            out, chain)
+        self.drafts[c.slots[c.want], :c.depth] = chain[c.want, :c.depth]
 
     def _later_modules(self, tokens: np.ndarray, slots: np.ndarray, start: np.ndarray, end: np.ndarray,
                        seq_lens: np.ndarray, shift: np.ndarray, want: np.ndarray, depth: int, out, chain) -> None:

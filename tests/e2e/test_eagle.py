@@ -1,0 +1,185 @@
+"""EAGLE layers (issue 44): the public layout loads (a wrong one is refused); a dynamic tree's nodes are the layer's
+own top-k choices along their paths, scored as a chain recomputed from scratch (the draft cache's tree masks and
+positions); trees from random layers give plain decoding's tokens on both backends (float64, greedy and sampled,
+batch 1 / 7 / 32, chunked prefill and shared prefix on and off, dynamic and static trees, the controller on and
+off); the shipped layer loads for the default model."""
+import numpy as np
+import pytest
+from conftest import TINY
+
+from specgen import EngineConfig, SamplingParams, SpecConfig, generate, load_model
+from specgen.config import EagleConfig
+from specgen.engine.proposers.eagle import (EaglePass, EagleProposer, TreeShape, load_eagle, read_eagle, save_eagle,
+                                            shipped_eagle)
+from specgen.errors import CheckpointError
+
+
+def random_eagle(cfg, seed: int, input_norm: bool = False, norm: bool = False, std: float = 0.05) -> dict:
+    """An EAGLE layer in the public layout (HF [out, in]) whose fc passes the feature through, plus noise."""
+    rng = np.random.default_rng(seed)
+    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    shapes = {"self_attn.q_proj.weight": (cfg.num_heads * hd, h), "self_attn.k_proj.weight": (cfg.num_kv_heads * hd, h),
+              "self_attn.v_proj.weight": (cfg.num_kv_heads * hd, h), "self_attn.o_proj.weight": (h, cfg.num_heads * hd),
+              "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter)}
+    w = {"layers.0." + n: rng.normal(0, std, s) for n, s in shapes.items()}
+    w["layers.0.post_attention_layernorm.weight"] = np.ones(h)
+    if input_norm:
+        w["layers.0.input_layernorm.weight"] = 1 + rng.normal(0, 0.1, h)
+    if norm:
+        w["norm.weight"] = 1 + rng.normal(0, 0.1, h)
+    w["fc.weight"] = np.concatenate([rng.normal(0, std, (h, h)), np.eye(h) + rng.normal(0, std, (h, h))], axis=1)
+    w["fc.bias"] = rng.normal(0, std, h)
+    return {k: v.astype(np.float32) for k, v in w.items()}
+
+
+@pytest.fixture(scope="module")
+def model64():
+    return load_model(TINY / "llama", dtype="float64", backend="reference")
+
+
+def test_load_checks_the_layout(model64, tmp_path):
+    cfg = model64.config
+    save_eagle(tmp_path / "ok", random_eagle(cfg, 0), cfg)
+    w = load_eagle(tmp_path / "ok", model64.model)
+    assert w.block.attn_norm is None and w.norm is None and w.fc.bias is not None
+    assert w.lm_head.weight.shape == [cfg.hidden_size, cfg.vocab_size]
+    np.save(tmp_path / "ok" / "draft_vocab.npy", np.arange(10, 60))
+    w = load_eagle(tmp_path / "ok", model64.model)  # a draft vocabulary: its LM-head columns only
+    assert w.token_ids(np.array([0, 49])).tolist() == [10, 59]
+    assert EaglePass(model64.model, w).lm_head.weight.shape == [cfg.hidden_size, 50]
+    good = random_eagle(cfg, 0, input_norm=True, norm=True)
+    assert read_eagle(good, "x", model64.model).block.attn_norm is not None
+    with pytest.raises(CheckpointError, match="not an EAGLE layer"):
+        read_eagle({k: v for k, v in good.items() if k != "fc.weight"}, "x", model64.model)
+    with pytest.raises(CheckpointError, match="past the first"):
+        read_eagle({**good, "layers.1.mlp.up_proj.weight": good["layers.0.mlp.up_proj.weight"]}, "x", model64.model)
+    with pytest.raises(CheckpointError, match="own LM head"):
+        read_eagle({**good, "lm_head.weight": np.zeros((cfg.vocab_size, cfg.hidden_size))}, "x", model64.model)
+    with pytest.raises(CheckpointError, match="shape"):
+        read_eagle({**good, "fc.weight": good["fc.weight"][:, :-1]}, "x", model64.model)
+    with pytest.raises(CheckpointError, match="no EAGLE checkpoint"):
+        load_eagle(tmp_path / "missing", model64.model)
+
+
+def _chain_scores(proposer: EagleProposer, tokens: list[int], features, paths: list[list[int]]) -> list[float]:
+    """Each path's cumulative log-probability with the layer run as a plain causal chain from scratch: the
+    context's features at positions 0..n - 2 (token i + 1 each), then the path's tokens on the layer's own
+    output features."""
+    runner = proposer.runner
+    out = []
+    for path in paths:
+        cache = runner.new_cache(1)
+        n = len(tokens)
+        feat, vals, ids = runner.run(cache, np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([n - 1]),
+                                     np.array(tokens[1:]), features, np.arange(n - 1), np.array([n - 2]), 20)
+        score, last, row = 0.0, feat, n - 2
+        for d, tok in enumerate(path):
+            score += float(vals[0][list(ids[0]).index(tok)])
+            last, vals, ids = runner.run(cache, np.zeros(1, np.int64), np.array([n - 1 + d]), np.ones(1, np.int64),
+                                         np.array([tok]), last, np.array([row]), np.zeros(1, np.int64), 20)
+            row = 0
+        out.append(score)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+def test_dynamic_tree_is_the_layers_own_top_k(model64, backend, tmp_path):
+    """Every node of a grown tree (3 slots at once, scratch rows past different lengths) is one of the top-k
+    children of its parent, and its score, summed along its path, equals a from-scratch chain's: the tree masks
+    hide siblings and other branches, positions follow depth."""
+    import paddle
+
+    cfg = model64.config
+    save_eagle(tmp_path, random_eagle(cfg, 3, norm=True), cfg)
+    m = load_model(TINY / "llama", dtype="float64", backend=backend).model
+    k, depth = 3, 4
+    prop = EagleProposer(m, load_eagle(tmp_path, m), depth, TreeShape(topk=k, nodes=32))
+    ref = EagleProposer(model64.model, load_eagle(tmp_path, model64.model), depth, TreeShape(topk=k, nodes=32))
+    prop._ensure(3)
+    rng = np.random.default_rng(0)
+    lens = [7, 12, 9]
+    toks = [rng.integers(3, 250, n).tolist() for n in lens]
+    feats = [paddle.to_tensor(rng.normal(0, 1, (n, cfg.hidden_size))) for n in lens]
+    slots, roots, tops, vals, ids = np.array([2, 0, 1]), np.array(lens) - 2, [], [], []
+    for s, t, f in zip(slots, toks, feats):  # catch up each slot
+        n = len(t)
+        feat, v, i = prop.runner.run(prop.cache, np.array([s]), np.zeros(1, np.int64), np.array([n - 1]),
+                                     np.array(t[1:]), f, np.arange(n - 1), np.array([n - 2]), k)
+        tops.append(feat[n - 2: n - 1])
+        vals.append(v[0])
+        ids.append(i[0])
+    tree_ids, parents, num, scores = prop._grow(slots, roots, paddle.concat(tops), np.arange(3), np.array(vals),
+                                        np.array(ids), depth)
+    assert (num == min(32, k + (depth - 1) * k * k)).all()
+    for s in range(3):
+        paths = []
+        for j in range(int(num[s])):
+            path, p = [int(tree_ids[s, j])], int(parents[s, j])
+            assert p <= j  # parents first
+            while p:
+                path.insert(0, int(tree_ids[s, p - 1]))
+                p = int(parents[s, p - 1])
+            paths.append(path)
+        chain = _chain_scores(ref, toks[s], feats[s], paths)  # the reference layer's, from scratch
+        np.testing.assert_allclose(scores[s, :num[s]], chain, rtol=1e-9, atol=1e-9)
+        assert np.all(np.diff(chain) <= 1e-9) and len(set(map(tuple, paths))) == len(paths)  # best first, distinct
+
+
+def test_static_tree_keeps_its_shape(model64, tmp_path):
+    cfg = model64.config
+    save_eagle(tmp_path, random_eagle(cfg, 4), cfg)
+    m = model64.model
+    shape = TreeShape(topk=2, nodes=32, paths=((0, 0, 0), (1,), (0, 1), (1, 0)))
+    prop = EagleProposer(m, load_eagle(tmp_path, m), 3, shape)
+    assert prop.width == 6  # (0) (1) (0,0) (0,1) (1,0) (0,0,0)
+    prompts = [[5, 9, 13, 5, 9, 13, 5, 9]]
+    spec = SpecConfig(method="eagle", draft_model=str(tmp_path), adaptive=False, num_speculative_tokens=3,
+                      eagle=EagleConfig(topk=2, tree_choices=("0,0,0", "1", "0,1", "1,0")))
+    out = generate(prompts, model=model64, sampling=SamplingParams(max_tokens=10), speculative=spec,
+                   engine=EngineConfig(batch_size=1, dtype="float64"))
+    plain = generate(prompts, model=model64, sampling=SamplingParams(max_tokens=10),
+                     engine=EngineConfig(batch_size=1, dtype="float64"))
+    assert out[0].token_ids == plain[0].token_ids
+    # (nothing accepted:) 6 whole trees while 3+ tokens are left, then the 5 nodes of depth <= 2, then the 2 of depth 1
+    assert out[0].stats.num_accepted_tokens == 0 and out[0].stats.num_draft_tokens == 6 * 6 + 5 + 2
+
+
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+def test_eagle_equals_plain(backend, tmp_path):
+    model = load_model(TINY / "llama", dtype="float64", backend=backend)
+    cfg = model.config
+    save_eagle(tmp_path, random_eagle(cfg, 1), cfg)
+    rng = np.random.default_rng(2)
+    prefix = rng.integers(3, 250, 40).tolist()
+    prompts = [prefix + rng.integers(3, 250, int(n)).tolist() for n in rng.integers(2, 30, 32)]
+    for mode in ("greedy", "sampled"):
+        sp = [SamplingParams(max_tokens=3 + (i * 5) % 14, temperature=0.8 if mode == "sampled" else 0.0, seed=i)
+              for i in range(len(prompts))]
+        plain = generate(prompts, model=model, sampling=sp, engine=EngineConfig(batch_size=32, dtype="float64",
+                                                                                shared_prefix="off"))
+        runs = [(1, "off", 0, False, ()), (7, "auto", 16, False, ("0,0", "1", "0,1")), (32, "off", 16, True, ()),
+                (32, "auto", 0, False, ())]
+        for batch, shared, chunk, adaptive, choices in runs:
+            picked = range(0, len(prompts), 5) if batch == 1 else range(len(prompts))
+            spec = SpecConfig(method="eagle", draft_model=str(tmp_path), adaptive=adaptive, num_speculative_tokens=4,
+                              eagle=EagleConfig(topk=3, nodes=10, tree_choices=choices))
+            engine = EngineConfig(batch_size=batch, dtype="float64", shared_prefix=shared, prefill_chunk=chunk,
+                                  max_prefill_tokens=64)
+            out = generate([prompts[i] for i in picked], model=model, sampling=[sp[i] for i in picked],
+                           ids=list(picked), engine=engine, speculative=spec)
+            assert [o.token_ids for o in out] == [plain[i].token_ids for i in picked], (mode, batch, shared, chunk)
+            if not adaptive:
+                assert sum(o.stats.num_draft_tokens for o in out) > 0
+
+
+def test_shipped_layer_loads_for_the_default_model():
+    from specgen.models.default_model import DEFAULT_GGUF
+
+    path = shipped_eagle(DEFAULT_GGUF)
+    if path is None:
+        pytest.skip("no EAGLE layer ships")
+    from safetensors.numpy import load_file
+
+    w = load_file(str(path / "model.safetensors"))
+    assert "fc.weight" in w and w["fc.weight"].shape == (576, 1152)
+    assert (path / "model.safetensors").stat().st_size < 12 << 20
