@@ -1,6 +1,6 @@
 """--pd P:D: prefill workers hand each prompt's KV cache, drafter state and first token to decode workers through
 shared memory; the job writes the colocated engine's tokens (fp64, greedy and sampled, every method, a shared prefix
-and chunked prefill, 1P1D and 2P1D); with the adaptive controller off the drafting statistics are the colocated
+and chunked prefill, 1P1D, 2P1D and 1P2D); with the adaptive controller off the drafting statistics are the colocated
 engine's too (the drafter state arrived whole); a killed worker fails the job (exit 4) and --resume completes it;
 bad records still become error records naming their line."""
 from __future__ import annotations
@@ -80,7 +80,7 @@ def colocated(tmp_path_factory, drafters):  # noqa: F811
 
 
 @pytest.mark.parametrize("method, adaptive, pd", [
-    ("none", True, "1:1"), ("ngram", True, "2:1"), ("mtp", False, "1:1"), ("draft_model", False, "1:1")])
+    ("none", True, "1:1"), ("ngram", True, "2:1"), ("mtp", False, "1:2"), ("draft_model", False, "1:1")])
 def test_workers_write_the_colocated_tokens(tmp_path, drafters, colocated, method, adaptive, pd):  # noqa: F811
     """Tokens, texts and error records as the colocated engine's; with the controller off (the same drafts
     offered, all verified) the drafting statistics too: the MTP head's and the draft model's caches came whole."""
