@@ -94,7 +94,9 @@ def test_workers_write_the_colocated_tokens(tmp_path, drafters, colocated, metho
         if not adaptive:
             assert [got[rid][k] for k in STATS] == [rec[k] for k in STATS], rid
     assert one["5"]["error"].startswith("line 5: malformed JSON")
-    assert s2["num_cached_prompt_tokens"] == s1["num_cached_prompt_tokens"] > 0  # the prefill side shared a prefix
+    if pd.startswith("1:"):  # one prefill worker finds the prefix as one engine does (with several, each finds
+        # the one its own first batch shares: which requests it took first varies)
+        assert s2["num_cached_prompt_tokens"] == s1["num_cached_prompt_tokens"] > 0
     assert s2["kv_cache_bytes"] > 0
     assert not list(SHM_DIR.glob("specgen-pd-*"))  # every hand-off freed
 
@@ -120,7 +122,7 @@ def test_killed_worker_fails_the_job_and_resume_completes_it(tmp_path, victim):
     reference = by_id(read_output(tmp_path / "ref.jsonl"))
     out = tmp_path / "out.jsonl"
     proc = spawn(inp, out, "--pd", "1:1")
-    pid = workers_of(proc, 2)[0 if victim == "prefill" else 1]  # ranks: prefill workers first (spawned first)
+    pid = sorted(workers_of(proc, 2))[0 if victim == "prefill" else 1]  # the prefill worker is started first
     wait_for_lines(proc, out, 5)
     os.kill(pid, signal.SIGKILL)
     _, err = proc.communicate(timeout=120)
