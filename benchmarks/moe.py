@@ -6,10 +6,17 @@ layer's MLP as wide as the 6 routed + 2 shared experts together), side by side i
     OMP_NUM_THREADS=2 python benchmarks/moe.py --repeats 2
 
 1. The verify cost c(T) / c(1): one forward of T tokens per slot (T = 1 + drafts) at batch 1 and 32, after a
-   64-token prefill, median of --timings, the two models alternated; and how many distinct experts a routed block
-   touches (a verify block routes each token on its own, so it reads more experts than one token does).
+   64-token prefill, the fastest of --timings (other processes on a shared machine only add time), the arms
+   alternated; and how many distinct experts a routed block
+   touches (a verify block routes each token on its own, so it reads more experts than one token does). Beside
+   it, the same MoE forward with every token of the block one id ("one id"), as the adaptive controller's cost
+   table used to be timed: such a block routes all its tokens alike and reads as few experts as one token.
 2. Output tokens/s of none / ngram / mtp (a random head over the MoE model, with its copies) at batch 1 and 32,
    adaptive (the default), medians of --repeats with the arms alternated; outputs checked identical to none's.
+   "vs none (CPU s)": the same ratio per second of this process's CPU time, steadier than wall time where other
+   processes share the cores (run it with OMP_NUM_THREADS=1: spinning OpenMP threads count as CPU time too).
+   The head's block is dense, --head-width wide: "active" (default) the MoE block's active MLP width (6 routed +
+   2 shared experts, 1,536), "dense" the model's intermediate_size (its dense first layer's, 6,144: 4x that).
    Random weights predict nothing, so drafts are rarely accepted: this measures what failed speculation costs.
    A second MoE model ("repeating": the blocks' output projections scaled by 0.02, so the embedding dominates and
    the model repeats its last token) accepts nearly every draft: the other end, the most speculation can gain at
@@ -97,19 +104,22 @@ def verify_costs(models: dict, batches: list[int], max_t: int, timings: int) -> 
                                           rng.integers(0, SHAPE["vocab_size"], 64 * B), np.zeros(B, bool)),
                       caches[name])
         cost: dict[tuple[str, int], list[float]] = {}
-        touched: dict[int, float] = {}
+        touched: dict[tuple[str, int], float] = {}
         for _ in range(timings):
             for T in range(1, max_t + 1):
                 toks = rng.integers(0, SHAPE["vocab_size"], T * B)
-                batch = build_forward_batch(np.arange(B), np.full(B, 64), np.full(B, T), toks, np.ones(B, bool))
-                for name, m in models.items():
-                    out, wall = timed(lambda: m.forward(batch, caches[name]))
+                one_id = np.repeat(toks[::T], T)  # each slot's block: its first token T times
+                for name, ids in (("moe", toks), ("one id", one_id), ("dense", toks)):
+                    m = models["dense" if name == "dense" else "moe"]
+                    batch = build_forward_batch(np.arange(B), np.full(B, 64), np.full(B, T), ids, np.ones(B, bool))
+                    out, wall = timed(lambda: m.forward(batch, caches["dense" if name == "dense" else "moe"]))
                     cost.setdefault((name, T), []).append(wall)
                     if out.expert_counts is not None:
-                        touched[T] = float((out.expert_counts > 0).sum(axis=1).mean())
-        med = {key: statistics.median(v) for key, v in cost.items()}
+                        touched[name, T] = float((out.expert_counts > 0).sum(axis=1).mean())
+        med = {key: min(v) for key, v in cost.items()}  # the fastest: other processes only ever add time
         for T in range(1, max_t + 1):
-            rows.append([B, T, touched[T], med["moe", T] * 1e3, med["moe", T] / med["moe", 1],
+            rows.append([B, T, touched["moe", T], med["moe", T] * 1e3, med["moe", T] / med["moe", 1],
+                         touched["one id", T], med["one id", T] / med["one id", 1],
                          med["dense", T] * 1e3, med["dense", T] / med["dense", 1]])
     return rows
 
@@ -127,21 +137,25 @@ def speeds(lm, head_dir: str, batches: list[int], k: int, max_tokens: int, repea
         prompts = [np.tile(rng.integers(0, SHAPE["vocab_size"], 12), 4).tolist() for _ in range(max(B, 4))]
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         tok_s: dict[str, list[float]] = {a: [] for a in arms}
+        cpu_s: dict[str, list[float]] = {a: [] for a in arms}  # per CPU-second of this process (load-robust)
         outs: dict[str, list] = {}
         for rep in range(repeats + 1):
             for arm, spec in arms.items():
+                cpu = time.process_time()
                 got, wall = timed(lambda: generate(prompts, model=lm, sampling=sp, speculative=spec,
                                                    engine=EngineConfig(batch_size=B)))
+                cpu = time.process_time() - cpu
                 outs[arm] = got
                 if rep:  # the first round warms each arm up (its cost table, the head's load)
                     tok_s[arm].append(sum(len(o.token_ids) for o in got) / wall)
-        base = statistics.median(tok_s["none"])
+                    cpu_s[arm].append(sum(len(o.token_ids) for o in got) / cpu)
+        base, cpu_base = statistics.median(tok_s["none"]), statistics.median(cpu_s["none"])
         for arm in arms:
             o = outs[arm]
             drafted = sum(x.stats.num_draft_tokens for x in o)
             accepted = sum(x.stats.num_accepted_tokens for x in o)
             rows.append([B, arm, statistics.median(tok_s[arm]), statistics.median(tok_s[arm]) / base,
-                         accepted / drafted if drafted else None,
+                         statistics.median(cpu_s[arm]) / cpu_base, accepted / drafted if drafted else None, drafted / sum(len(x.token_ids) for x in o),
                          "yes" if [x.token_ids for x in o] == [x.token_ids for x in outs["none"]] else "NO"])
     return rows
 
@@ -154,7 +168,13 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--head-width", choices=["active", "dense"], default="active")
+    ap.add_argument("--skip-costs", action="store_true", help="tok/s only")
+    ap.add_argument("--models", nargs="*", default=["moe", "repeating"], choices=["moe", "repeating"],
+                    help="whose tok/s to measure (none: verify costs only)")
     args = ap.parse_args()
+    import dataclasses
+
     from specgen import load_model
     from specgen.engine.proposers.mtp_head import random_mtp_weights, save_mtp
 
@@ -170,16 +190,23 @@ def main() -> None:
           f"{cfg.moe.num_shared_experts} shared, {total / 1e6:.1f}M block weights; dense: MLP width {DENSE_INTER}; "
           f"{models['moe'].backend.name} backend, {models['moe'].dtype}; built and loaded in "
           f"{time.perf_counter() - start:.1f} s")
-    print("\nverify cost: one forward of T tokens per slot (ms, median), c(T) / c(1)")
-    print_table(["batch", "T", "experts/block", "MoE ms", "MoE c(T)/c(1)", "dense ms", "dense c(T)/c(1)"],
-                verify_costs(models, args.batches, args.max_t, args.timings))
-    save_mtp(work / "head", random_mtp_weights(cfg, seed=0, std=0.02))
-    lms["repeating"] = load_model(write_model(work / "repeating", True, out_scale=0.02))
-    for name in ("moe", "repeating"):
+    if not args.skip_costs:
+        print("\nverify cost: one forward of T tokens per slot (ms, fastest), c(T) / c(1); one id: the block's tokens "
+              "all one id")
+        print_table(["batch", "T", "experts/block", "MoE ms", "MoE c(T)/c(1)", "one id: experts", "one id: c(T)/c(1)",
+                     "dense ms", "dense c(T)/c(1)"], verify_costs(models, args.batches, args.max_t, args.timings))
+    head_cfg = dataclasses.replace(cfg, intermediate_size=DENSE_INTER) if args.head_width == "active" else cfg
+    save_mtp(work / "head", random_mtp_weights(head_cfg, seed=0, std=0.02))
+    print(f"\nMTP head: one dense block of MLP width {head_cfg.intermediate_size} ({args.head_width})")
+    if "repeating" in args.models:
+        lms["repeating"] = load_model(write_model(work / "repeating", True, out_scale=0.02))
+    for name in args.models:
         print(f"\n{'random' if name == 'moe' else 'repeating'} MoE model: output tokens/s, k = {args.k}, adaptive, "
               f"{args.max_tokens} tokens per request")
-        print_table(["batch", "method", "tok/s", "vs none", "acceptance", "identical"],
+        print_table(["batch", "method", "tok/s", "vs none", "vs none (CPU s)", "acceptance", "verified/token",
+                     "identical"],
                     speeds(lms[name], str(work / "head"), args.batches, args.k, args.max_tokens, args.repeats))
+    print(machine())
 
 
 if __name__ == "__main__":
