@@ -1,6 +1,7 @@
 """GGUF qwen3moe (llama.cpp's layout: ffn_gate_inp routers, ffn_{gate,up,down}_exps stacked experts) written here
 from the tiny Qwen3-MoE HF fixture: the same config and, in float64, the same logits and greedy tokens as the HF
-load of the same weights; stacked Q8_0 experts split into each expert's raw rows."""
+load of the same weights; stacked Q8_0 experts split into each expert's raw rows, which the fused backend
+multiplies as blocks."""
 from __future__ import annotations
 
 import json
@@ -120,6 +121,18 @@ def test_stacked_q8_0_experts_split_into_each_experts_rows(tmp_path):
     assert rows.kind == "Q8_0" and rows.blocks.shape == (64, 1, 34)  # [out, blocks, bytes]: 32 inputs, one block
     assert np.array_equal(dequantize(rows.blocks.reshape(64, 34), T.Q8_0), ckpt.weights[name])
     assert np.abs(ckpt.weights[name] - hf[name]).max() <= np.abs(hf[name]).max() / 100
+    # the fused backend multiplies each expert's Q8_0 blocks; the reference their dequantized values: one result
+    rng = np.random.default_rng(4)
+    lens = np.array([11, 4, 7])
+    batch = build_forward_batch(np.arange(3), np.zeros(3, np.int64), lens, rng.integers(3, 297, lens.sum()),
+                                np.ones(3, bool))
+    logits = {}
+    for backend in ("fused", "reference"):
+        m = load_model(tmp_path / "q8.gguf", backend=backend).model
+        logits[backend] = m.forward(batch, m.new_cache(3, 32)).logits.numpy()
+        if backend == "fused":
+            assert m.weights.blocks[2].moe.experts[5].down.blocks.kind == "Q8_0"
+    assert np.abs(logits["fused"] - logits["reference"]).max() < 1e-4
 
 
 def test_a_missing_expert_tensor_is_named(tmp_path):
