@@ -33,7 +33,7 @@ class RankShard:
     world_size: int
     heads: np.ndarray  # [local_heads] int64 the global query head of each local head (PAD_HEAD: padding)
     kv_heads: np.ndarray  # [local_kv_heads] int64 the global KV head of each local KV head
-    inter: tuple[int, int]  # MLP columns [lo, hi) (a dense block's; a routed block's shared experts: mlp_columns)
+    inter: tuple[int, int]  # a dense MLP's columns [lo, hi) (shard_block cuts shared experts' alike)
     vocab: tuple[int, int]  # vocabulary rows [lo, hi) of the embedding and the LM head
     vocab_sizes: tuple[int, ...]  # [world_size] every rank's hi - lo (gathered logits are padded to the largest)
     experts: tuple[int, int] = (0, 0)  # routed expert ids [lo, hi) held whole (expert parallelism; else none)
