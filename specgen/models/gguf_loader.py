@@ -17,7 +17,10 @@ from specgen.models.config import ModelConfig, MoeConfig
 from specgen.models.tokenizer import TextTokenizer
 
 # general.architecture -> ModelConfig.architecture. Mistral models are written by llama.cpp as "llama".
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+                      "ernie4_5": "ernie4_5", "ernie4_5-moe": "ernie4_5_moe"}
+# ERNIE-4.5 rotates interleaved pairs in HF too, and llama.cpp's converter writes its q/k rows as they are.
+_ERNIE = {"ernie4_5", "ernie4_5-moe"}
 # llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel.permute) reorders the q/k rows of these
 # architectures from HF's rotate-half order into interleaved-pair order; the Qwen converters do not.
 _PERMUTED_QK = {"llama"}
@@ -43,8 +46,18 @@ _LAYER_TENSORS = {  # blk.N.<key> -> model.layers.N.<value>
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
-    "ffn_gate_inp.weight": "mlp.gate.weight",  # a routed block's router [num_experts, hidden] (qwen3moe)
+    "ffn_gate.bias": "mlp.gate_proj.bias",  # ernie4_5 with use_bias
+    "ffn_up.bias": "mlp.up_proj.bias",
+    "ffn_down.bias": "mlp.down_proj.bias",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # a routed block's router [num_experts, hidden]
+    # ernie4_5-moe: the shared experts (one dense MLP of expert_shared_count experts' width), and the bias that
+    # picks experts without weighting them (HF [1, num_experts]; llama.cpp's exp_probs_b, [num_experts])
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    "exp_probs_b.bias": "mlp.moe_statics.e_score_correction_bias",
 }
+_SELECTION_BIAS = "mlp.moe_statics.e_score_correction_bias"
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 # A mixture-of-experts block (llama.cpp's qwen3moe): each projection of every expert stacked in one tensor
 # [num_experts, out, in] (GGUF ne: in, out, experts), split here into HF's experts.{e}.* tensors.
@@ -169,7 +182,7 @@ def _read_weights(reader: gguf.GGUFReader, path: Path) -> tuple[dict[str, np.nda
             raise CheckpointError(f"{path}: tensor {tensor.name!r} has unsupported type {kind}") from e
         # F32 data is a read-only view of the memory-mapped file: copy it so the checkpoint owns its memory.
         values = np.array(values, dtype=np.float32, copy=tensor.tensor_type == gguf.GGMLQuantizationType.F32)
-        weights[hf_name] = values.reshape(shape)
+        weights[hf_name] = values.reshape((1, -1) if hf_name.endswith(_SELECTION_BIAS) else shape)
         kind = tensor.tensor_type.name
         if kind in QUANT_BLOCK_BYTES and len(shape) == 2 and shape[1] % QUANT_BLOCK_WEIGHTS[kind] == 0:
             blocks = np.array(tensor.data, dtype=np.uint8).reshape(shape[0], shape[1] // QUANT_BLOCK_WEIGHTS[kind],
@@ -212,15 +225,21 @@ def _split_experts(tensor: Any, stacked: tuple[int, str], weights: dict[str, np.
 
 def _moe_config(meta: _Metadata, arch_name: str, weights: dict[str, np.ndarray],
                 num_layers: int) -> MoeConfig | None:
-    """The routed experts of a qwen3moe file: every block with a router (ffn_gate_inp) is routed, the others
-    dense. llama.cpp renormalises the top-k weights of qwen3moe unless {arch}.expert_weights_norm says not."""
+    """The routed experts of a qwen3moe or ernie4_5-moe file: every block with a router (ffn_gate_inp) is routed,
+    the others dense. llama.cpp renormalises the top-k weights of qwen3moe unless {arch}.expert_weights_norm says
+    not, and always those of ernie4_5-moe (as transformers does, dividing by at least moe_norm_min's default);
+    ERNIE's shared experts ({arch}.expert_shared_count) and selection bias (exp_probs_b) where the file has them."""
     if f"{arch_name}.expert_count" not in meta:
         return None
     routed = tuple(i for i in range(num_layers) if f"model.layers.{i}.mlp.gate.weight" in weights)
+    ernie = arch_name in _ERNIE
     return MoeConfig(num_experts=meta.integer(f"{arch_name}.expert_count"),
                      top_k=meta.integer(f"{arch_name}.expert_used_count"),
                      intermediate_size=meta.integer(f"{arch_name}.expert_feed_forward_length"),
-                     layers=routed, norm_topk_prob=bool(meta.get(f"{arch_name}.expert_weights_norm", True)))
+                     layers=routed, norm_topk_prob=ernie or bool(meta.get(f"{arch_name}.expert_weights_norm", True)),
+                     norm_min=1e-12 if ernie else 0.0,
+                     num_shared_experts=meta.integer(f"{arch_name}.expert_shared_count", 0),
+                     selection_bias=any(f"model.layers.{i}.{_SELECTION_BIAS}" in weights for i in routed))
 
 
 def _hf_name(name: str) -> str | None:
@@ -267,7 +286,9 @@ def _build_config(
         tie_word_embeddings="lm_head.weight" not in weights,
         qkv_bias="model.layers.0.self_attn.q_proj.bias" in weights,
         o_bias="model.layers.0.self_attn.o_proj.bias" in weights,
+        mlp_bias=any(name.endswith("mlp.down_proj.bias") for name in weights),
         qk_norm=arch_name in ("qwen3", "qwen3moe"),
+        rope_interleaved=arch_name in _ERNIE,
         eos_token_ids=_eos_token_ids(meta, tokens),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         moe=_moe_config(meta, arch_name, weights, num_layers),
@@ -308,12 +329,21 @@ def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         }
     if config.o_bias:
         layer["self_attn.o_proj.bias"] = (hidden,)
+    if config.mlp_bias:
+        layer |= {"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,), "mlp.down_proj.bias": (hidden,)}
     if config.qk_norm:
         layer |= {"self_attn.q_norm.weight": (dim,), "self_attn.k_norm.weight": (dim,)}
     moe = config.moe
     dense = {k: v for k, v in layer.items() if not k.startswith("mlp.")}
-    if moe is not None:  # a routed block: its router and experts instead of the dense MLP
+    if moe is not None:  # a routed block: its router and experts (and shared experts) instead of the dense MLP
         dense["mlp.gate.weight"] = (moe.num_experts, hidden)
+        if moe.selection_bias:
+            dense[_SELECTION_BIAS] = (1, moe.num_experts)
+        if moe.num_shared_experts:
+            shared = moe.num_shared_experts * moe.intermediate_size
+            dense |= {"mlp.shared_experts.gate_proj.weight": (shared, hidden),
+                      "mlp.shared_experts.up_proj.weight": (shared, hidden),
+                      "mlp.shared_experts.down_proj.weight": (hidden, shared)}
         for e in range(moe.num_experts):
             dense |= {f"mlp.experts.{e}.{p}_proj.weight": s for p, s in (
                 ("gate", (moe.intermediate_size, hidden)), ("up", (moe.intermediate_size, hidden)),

@@ -33,16 +33,7 @@ def write_qwen3moe_gguf(path, expert_type=T.F32, drop_norm_key=False) -> None:
     cfg = json.loads((TINY / "qwen3_moe" / "config.json").read_text())
     hf = load_file(str(TINY / "qwen3_moe" / "model.safetensors"))
     w = gguf.GGUFWriter(str(path), "qwen3moe")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
-    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_context_length(cfg["max_position_embeddings"])
+    add_shape(w, cfg, cfg["rope_parameters"]["rope_theta"])
     w.add_expert_count(cfg["num_local_experts"])
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
@@ -76,6 +67,20 @@ def write_qwen3moe_gguf(path, expert_type=T.F32, drop_norm_key=False) -> None:
     w.close()
 
 
+def add_shape(w: gguf.GGUFWriter, cfg: dict, rope_theta: float) -> None:
+    """The model-shape keys of an HF config.json, as llama.cpp's converter writes them."""
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_freq_base(rope_theta)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_context_length(cfg["max_position_embeddings"])
+
+
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3moe") / "tiny-qwen3moe.gguf"
@@ -90,10 +95,14 @@ def test_config_is_the_hf_config(tiny_gguf):
 
 
 def test_logits_and_tokens_match_the_hf_load(tiny_gguf):
+    assert_same_model(TINY / "qwen3_moe", tiny_gguf)
+
+
+def assert_same_model(hf_dir, gguf_path, seed: int = 4) -> None:
     """float64, reference backend: the same weights give the same logits (to rounding) and greedy tokens."""
     models = {name: load_model(path, dtype="float64", backend="reference")
-              for name, path in (("hf", TINY / "qwen3_moe"), ("gguf", tiny_gguf))}
-    rng = np.random.default_rng(4)
+              for name, path in (("hf", hf_dir), ("gguf", gguf_path))}
+    rng = np.random.default_rng(seed)
     lens = np.array([11, 4, 7])
     batch = build_forward_batch(np.arange(3), np.zeros(3, np.int64), lens, rng.integers(3, 297, lens.sum()),
                                 np.ones(3, bool))
