@@ -78,6 +78,7 @@ SUPPORTED_PRE = sorted(_GPT2_DIGITS_PRE | _GPT2_PRE | set(_SPLIT_PRE))
 # Chat end-of-turn markers: added to eos_token_ids when the chat template writes them.
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>")
 _CONTROL, _USER_DEFINED = int(gguf.TokenType.CONTROL), int(gguf.TokenType.USER_DEFINED)
+_NORMAL, _UNKNOWN, _BYTE = int(gguf.TokenType.NORMAL), int(gguf.TokenType.UNKNOWN), int(gguf.TokenType.BYTE)
 
 
 def load_gguf(path: str | Path) -> Checkpoint:
@@ -381,28 +382,19 @@ def _check_tensors(weights: dict[str, np.ndarray], config: ModelConfig, path: Pa
 
 
 def _build_tokenizer(meta: _Metadata, path: Path) -> TextTokenizer | None:
-    """A `tokenizers` byte-level BPE equal to the model's HF tokenizer.json (no tokenizer metadata: None)."""
+    """A `tokenizers` tokenizer equal to the model's own (no tokenizer metadata: None): byte-level BPE ("gpt2", as
+    the HF tokenizer.json) or SentencePiece BPE ("llama", as llama.cpp tokenizes it)."""
     model = meta.get("tokenizer.ggml.model")
     if model is None:
         return None
-    if model != "gpt2":
+    if model not in ("gpt2", "llama"):
         raise CheckpointError(
-            f"{path}: tokenizer model {model!r} is not supported (only 'gpt2', byte-level BPE); "
-            "give 'input_ids' with a model whose tokenizer is supported"
+            f"{path}: tokenizer model {model!r} is not supported (only 'gpt2', byte-level BPE, and 'llama', "
+            "SentencePiece BPE); give 'input_ids' with a model whose tokenizer is supported"
         )
     tokens: list[str] = meta.require("tokenizer.ggml.tokens")
-    merges = []
-    for merge in meta.require("tokenizer.ggml.merges"):
-        pair = merge.split(" ")
-        if len(pair) != 2:
-            raise CheckpointError(f"{path}: malformed BPE merge {merge!r} in tokenizer.ggml.merges")
-        merges.append((pair[0], pair[1]))
-    # As in HF's byte-level tokenizer.json files: no unk token and no byte fallback (bytes missing from the
-    # alphabet are dropped, exactly as `tokenizers` does for the original tokenizer).
-    tokenizer = Tokenizer(BPE({token: i for i, token in enumerate(tokens)}, merges))
-    _set_pre_tokenizer(tokenizer, meta.get("tokenizer.ggml.pre"), path)
-    tokenizer.decoder = decoders.ByteLevel()
     types = meta.get("tokenizer.ggml.token_type") or []
+    tokenizer = _byte_level_bpe(meta, tokens, path) if model == "gpt2" else _sentencepiece_bpe(meta, tokens, types)
     # CONTROL tokens are HF's special added tokens (<|im_start|>: one id, skipped when decoding);
     # USER_DEFINED ones are plain added tokens, also matched whole before BPE.
     control = [tokens[i] for i, t in enumerate(types) if t == _CONTROL]
@@ -417,6 +409,49 @@ def _build_tokenizer(meta: _Metadata, path: Path) -> TextTokenizer | None:
         eos_token=tokens[eos_id] if eos_id is not None and eos_id < len(tokens) else None,
         add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
     )
+
+
+def _byte_level_bpe(meta: _Metadata, tokens: list[str], path: Path) -> Tokenizer:
+    merges = []
+    for merge in meta.require("tokenizer.ggml.merges"):
+        pair = merge.split(" ")
+        if len(pair) != 2:
+            raise CheckpointError(f"{path}: malformed BPE merge {merge!r} in tokenizer.ggml.merges")
+        merges.append((pair[0], pair[1]))
+    # As in HF's byte-level tokenizer.json files: no unk token and no byte fallback (bytes missing from the
+    # alphabet are dropped, exactly as `tokenizers` does for the original tokenizer).
+    tokenizer = Tokenizer(BPE({token: i for i, token in enumerate(tokens)}, merges))
+    _set_pre_tokenizer(tokenizer, meta.get("tokenizer.ggml.pre"), path)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _sentencepiece_bpe(meta: _Metadata, tokens: list[str], types: list[int]) -> Tokenizer:
+    """A SentencePiece BPE vocabulary (Llama 2, Mistral, ERNIE-4.5: pieces with scores, "\u2581" for spaces, <0xNN>
+    byte pieces) as a `tokenizers` BPE: SentencePiece merges the adjacent pair whose merged piece scores highest,
+    so the merges are every split of a normal piece into two pieces, ranked by the merged piece's score. Spaces
+    become "\u2581"; with tokenizer.ggml.add_space_prefix (the default) one is put before the text and, as
+    llama.cpp does, after each special token. Pieces not in the vocabulary fall back to their bytes' pieces."""
+    scores = meta.require("tokenizer.ggml.scores")
+    kinds = list(types) or [_NORMAL] * len(tokens)
+    vocab = {token: i for i, token in enumerate(tokens)}
+    ranked = []  # (-score of the merged piece, its split in id order)
+    for i, token in enumerate(tokens):
+        if kinds[i] != _NORMAL:
+            continue
+        splits = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
+        splits.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        ranked += [(-float(scores[i]), pair) for pair in splits]
+    ranked.sort(key=lambda entry: entry[0])  # stable: equal scores keep the vocabulary's order
+    unk = meta.get("tokenizer.ggml.unknown_token_id", kinds.index(_UNKNOWN) if _UNKNOWN in kinds else None)
+    tokenizer = Tokenizer(BPE(vocab, [pair for _, pair in ranked], unk_token=None if unk is None else tokens[unk],
+                              fuse_unk=True, byte_fallback=_BYTE in kinds))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    space = [normalizers.Replace(" ", "\u2581")]
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581")] * prefix + space)
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                          + [decoders.Strip(" ", 1, 0)] * prefix)
+    return tokenizer
 
 
 def _set_pre_tokenizer(tokenizer: Tokenizer, pre: str | None, path: Path) -> None:

@@ -26,9 +26,10 @@ LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "mlp.shared_experts.down_proj": "ffn_down_shexp"}
 
 
-def write_ernie_gguf(path, fixture: str, skip: tuple[str, ...] = ()) -> None:
-    """llama.cpp's convert_hf_to_gguf layout of tests/fixtures/tiny/<fixture> (no tokenizer); tensors whose
-    GGUF names contain one of `skip` are left out."""
+def write_ernie_gguf(path, fixture: str, skip: tuple[str, ...] = (), vocabulary=None) -> None:
+    """llama.cpp's convert_hf_to_gguf layout of tests/fixtures/tiny/<fixture>; tensors whose GGUF names contain
+    one of `skip` are left out; vocabulary(writer) writes the tokenizer's keys (None: no tokenizer, the
+    fixture's bos and eos ids)."""
     cfg = json.loads((TINY / fixture / "config.json").read_text())
     hf = load_file(str(TINY / fixture / "model.safetensors"))
     moe = "moe_num_experts" in cfg
@@ -42,8 +43,11 @@ def write_ernie_gguf(path, fixture: str, skip: tuple[str, ...] = ()) -> None:
         w.add_expert_shared_count(cfg["moe_num_shared_experts"])
         w.add_leading_dense_block_count(cfg["moe_layer_start_index"])
         w.add_interleave_moe_layer_step(cfg["moe_layer_interval"])
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
+    if vocabulary is None:
+        w.add_bos_token_id(cfg["bos_token_id"])
+        w.add_eos_token_id(cfg["eos_token_id"])
+    else:
+        vocabulary(w)
     tensors = {}
     for name, x in hf.items():
         if name in GLOBAL:
