@@ -37,12 +37,20 @@ EVAL_POSITIONS = 3  # held-out acceptance reported for draft positions 1..3 (eva
 
 class TrainableEagle(TrainableHead):
     """The EAGLE layer over padded windows; parameters fc [2 hidden, hidden], fc_bias [hidden], the block's and
-    final_norm."""
+    final_norm. fc is trained on its inputs divided by their typical RMS (in_rms: the embedding's, the feature's),
+    the constant form of the MTP head's input norms: the default model's embeddings are ~14x smaller than its
+    features, and Adam's steps, of one size per weight, would leave the token's half of fc learning that much
+    slower. The layout's fc.weight is fc / in_rms (export_eagle)."""
+
+    def __init__(self, model: Model, weights: dict[str, np.ndarray], in_rms: np.ndarray):
+        super().__init__(model, weights)
+        self.in_rms = in_rms  # [2 hidden] float32
 
     def block_input(self, hidden: paddle.Tensor, token_ids: paddle.Tensor) -> paddle.Tensor:
         """[batch, seq_len, hidden]: fc([emb(token i + 1); feature at i]) + bias (no input norms)."""
         emb = F.embedding(token_ids, self.embed)  # [batch, seq_len, hidden]
-        return paddle.matmul(paddle.concat([emb, hidden], axis=-1), self.fc) + self.fc_bias
+        both = paddle.concat([emb, hidden], axis=-1) / paddle.to_tensor(self.in_rms)
+        return paddle.matmul(both, self.fc) + self.fc_bias
 
     def feature(self, x: paddle.Tensor) -> paddle.Tensor:
         """The output feature of block outputs x [..., hidden]: what the LM head reads and the next draft takes."""
@@ -82,11 +90,11 @@ class TrainableEagle(TrainableHead):
         return outs
 
 
-def initial_eagle_weights(model: Model, feature_rms: float, scale: float) -> dict[str, np.ndarray]:
-    """The main model's last layer and final norm; fc passes the feature through at the residual stream's RMS
-    `scale` (the feature's own RMS: feature_rms) and starts the embedding half at zero."""
+def initial_eagle_weights(model: Model, scale: float) -> dict[str, np.ndarray]:
+    """The main model's last layer and final norm; fc (on inputs of RMS 1) passes the feature through at the
+    residual stream's RMS `scale` and starts the embedding half at zero."""
     h = model.config.hidden_size
-    fc = np.concatenate([np.zeros((h, h), np.float32), np.eye(h, dtype=np.float32) * (scale / feature_rms)])
+    fc = np.concatenate([np.zeros((h, h), np.float32), np.eye(h, dtype=np.float32) * scale])
     return {"fc": fc, "fc_bias": np.zeros(h, np.float32), **block_arrays(model.weights.blocks[-1]),
             "final_norm": model.weights.final_norm.numpy().astype(np.float32)}
 
@@ -94,7 +102,7 @@ def initial_eagle_weights(model: Model, feature_rms: float, scale: float) -> dic
 def export_eagle(head: TrainableEagle, dtype: str) -> dict[str, np.ndarray]:
     """The layer in EAGLE's layout (HF [out, in] weights): fc.weight, fc.bias, layers.0.*, norm.weight."""
     w = {name: p.numpy() for name, p in head.named_parameters()}
-    out = {"fc.weight": w["fc"].T, "fc.bias": w["fc_bias"], "norm.weight": w["final_norm"],
+    out = {"fc.weight": (w["fc"] / head.in_rms[:, None]).T, "fc.bias": w["fc_bias"], "norm.weight": w["final_norm"],
            **{"layers.0." + n: a for n, a in block_to_hf(w, head.cfg).items()}}
     return {n: np.ascontiguousarray(a.astype(dtype)) for n, a in out.items()}
 
@@ -110,9 +118,11 @@ class EagleTrainer(Trainer):
     def make_student(self, model: Model) -> dict[str, paddle.Tensor]:
         data = self.set.data
         sample = data.tokens[data.tok_start[0]: data.tok_start[0] + min(256, data.num_rows[0] + 1)]
-        rows = np.asarray(data.hidden[:4096], np.float32)
-        feature_rms = float(np.median(np.sqrt((rows ** 2).mean(-1))))
-        self.head = TrainableEagle(model, initial_eagle_weights(model, feature_rms, residual_rms(model, sample)))
+        h = model.config.hidden_size
+        rms = [float(np.median(np.sqrt((np.asarray(x, np.float32) ** 2).mean(-1))))
+               for x in (model.weights.embed.numpy(), data.hidden[:4096])]  # the embedding's, the feature's
+        in_rms = np.repeat(np.array(rms, np.float32), h)
+        self.head = TrainableEagle(model, initial_eagle_weights(model, residual_rms(model, sample)), in_rms)
         self.modules = [self.head]
         return dict(self.head.named_parameters())
 

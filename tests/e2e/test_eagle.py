@@ -172,14 +172,20 @@ def test_eagle_equals_plain(backend, tmp_path):
                 assert sum(o.stats.num_draft_tokens for o in out) > 0
 
 
-def test_shipped_layer_loads_for_the_default_model():
-    from specgen.models.default_model import DEFAULT_GGUF
-
-    path = shipped_eagle(DEFAULT_GGUF)
-    if path is None:
-        pytest.skip("no EAGLE layer ships")
-    from safetensors.numpy import load_file
-
-    w = load_file(str(path / "model.safetensors"))
-    assert "fc.weight" in w and w["fc.weight"].shape == (576, 1152)
-    assert (path / "model.safetensors").stat().st_size < 12 << 20
+def test_shipped_layer_runs_alone_on_the_default_model(real_model):
+    """`--method eagle` alone: the package's trained layer grows dynamic trees for the default model (greedy and
+    sampled, batch 1 and 2), plain decoding's tokens, and its drafts are accepted."""
+    path = shipped_eagle(str(real_model.model.source))
+    assert path is not None and (path / "model.safetensors").stat().st_size < 12 << 20
+    prompts = [real_model.tokenizer.encode_chat([{"role": "user", "content": q}])
+               for q in ("What is 12 times 7? Explain step by step.", "Write a haiku about the sea.")]
+    for temperature in (0.0, 0.8):
+        sp = SamplingParams(max_tokens=24, temperature=temperature, seed=3)
+        plain = generate(prompts, model=real_model, sampling=sp)
+        for batch in (1, 2):
+            out = generate(prompts, model=real_model, sampling=sp, engine=EngineConfig(batch_size=batch),
+                           speculative=SpecConfig(method="eagle", adaptive=False))
+            assert [o.token_ids for o in out] == [o.token_ids for o in plain], (temperature, batch)
+            if temperature == 0.0:
+                steps = sum(o.stats.num_steps for o in out)
+                assert sum(len(o.token_ids) for o in out) / steps > 1.2  # a trained layer: trees are accepted
