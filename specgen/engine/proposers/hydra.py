@@ -154,9 +154,12 @@ class HydraProposer(MedusaProposer):
                  lm_head: paddle.Tensor | None = None):
         super().__init__(heads, topk, paths, lm_head)
         self.embed = embed  # [vocab, hidden] the main model's
+        vocab = None if heads.draft_vocab is None else paddle.to_tensor(heads.draft_vocab)
         if heads.lm_bias is not None:
-            vocab = None if heads.draft_vocab is None else paddle.to_tensor(heads.draft_vocab)
             self.lm_bias = [b if vocab is None else paddle.gather(b, vocab) for b in heads.lm_bias]
+        # drafts are columns of the draft vocabulary: their embeddings [vocab', hidden], so that the tree is built
+        # on the device and copied to the host once
+        self.vocab_emb = embed if vocab is None else F.embedding(vocab, embed)
         depth = self.head + 1  # [width] each node's depth
         self.levels = []
         for d in range(1, int(depth.max(initial=0)) + 1):
@@ -165,25 +168,37 @@ class HydraProposer(MedusaProposer):
             above = np.unique(parents)
             nxt = np.isin(nodes + 1, self.parents[depth == d + 1])
             self.levels.append(_Level(nodes, np.searchsorted(above, parents), self.rank[nodes], np.nonzero(nxt)[0]))
+        # per depth, as device index tensors: the nodes' (parent, rank) among the depth's top-k, the nodes with
+        # children, and those nodes' parents
+        self.picks = [tuple(paddle.to_tensor(a) for a in (lv.parent * self.topk + lv.rank, lv.expand,
+                                                          lv.parent[lv.expand])) for lv in self.levels]
+
+    def _prepare_blocks(self) -> None:
+        """Each first block's two products as one: [rw | w] [in, 2 hidden] and [rb | b] (Hydra's heads differ
+        in width: one product per depth)."""
+        self.stacked = None
+        self.fused = [(paddle.concat([k[0].rw, k[0].w], axis=1), paddle.concat([k[0].rb, k[0].b]))
+                      for k in self.heads.blocks]
 
     def draft(self, x0: paddle.Tensor, root: np.ndarray) -> np.ndarray:
         n = x0.shape[0]
-        out = np.zeros((n, len(self.head)), np.int64)
-        # [n, parents at this depth, (d + 1) hidden]: the inputs of the nodes the next depth hangs under
+        # [n, parents at this depth, (d + 2) hidden]: the inputs of the nodes the next depth hangs under
         inputs = paddle.concat([x0, F.embedding(paddle.to_tensor(root), self.embed)], axis=-1).unsqueeze(1)
-        for d, level in enumerate(self.levels):
+        columns = []  # [n, n_d] draft-vocabulary columns of each depth's nodes, on the device
+        for d, (level, (pick, expand, expand_parent)) in enumerate(zip(self.levels, self.picks)):
             p = inputs.shape[1]
-            x = inputs.reshape([n * p, inputs.shape[2]])
-            for block in self.heads.blocks[d]:
+            w, b = self.fused[d]
+            res, lin = paddle.split(paddle.matmul(inputs.reshape([n * p, inputs.shape[2]]), w) + b, 2, axis=-1)
+            x = res + F.silu(lin)  # the first block
+            for block in self.heads.blocks[d][1:]:
                 x = block(x)
-            top = self.top(d, x).reshape(n, p, self.topk)  # [n, parents, topk]
-            tokens = top[:, level.parent, level.rank]  # [n, n_d]
-            out[:, level.nodes] = tokens
+            top = self.top(d, x).reshape([n, p * self.topk])  # [n, parents x topk]
+            cols = paddle.index_select(top, pick, axis=1)
+            columns.append(cols)
             if len(level.expand):
-                idx = paddle.to_tensor(level.parent[level.expand])
-                emb = F.embedding(paddle.to_tensor(tokens[:, level.expand]), self.embed)  # [n, p', hidden]
-                inputs = paddle.concat([paddle.index_select(inputs, idx, axis=1), emb], axis=-1)
-        return out
+                emb = F.embedding(paddle.index_select(cols, expand, axis=1), self.vocab_emb)
+                inputs = paddle.concat([paddle.index_select(inputs, expand_parent, axis=1), emb], axis=-1)
+        return self.ids(paddle.concat(columns, axis=1).numpy())  # one host copy; nodes are depth-ordered
 
 
 def build_hydra_proposer(spec, model) -> HydraProposer:
