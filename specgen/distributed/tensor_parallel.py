@@ -359,6 +359,9 @@ def load_rank(job: RankJob, rank: int, world_size: int, threads: int) -> tuple[A
     return Model(ckpt, backend), ckpt, load
 
 
+HEADS_ON_MAIN = (Method.MTP, Method.EAGLE, Method.MEDUSA, Method.HYDRA)  # drafters reading the main model's weights
+
+
 def serve_rank(worker: Worker, job: RankJob) -> dict[str, int]:
     """A rank: rank 0 runs the engine over the requests it takes, sending each output as it finishes; the others
     follow it. Returns the rank's KV cache peak."""
@@ -371,9 +374,10 @@ def serve_rank(worker: Worker, job: RankJob) -> dict[str, int]:
         worker.ready()
         return follow(model, model.backend)
     loaded = LoadedModel(model, ckpt.tokenizer, ckpt.config, ckpt.source, load)
-    # An MTP head reads the main model's full embedding and LM head: rank 0 keeps a full copy for it (replicated,
-    # run here only). n-gram needs no model; a draft model loads its own checkpoint whole.
-    drafting = load_model(job.model, load) if job.spec.method is Method.MTP else loaded
+    # MTP, EAGLE, Medusa and Hydra heads read the main model's full embedding or LM head (a rank holds a slice of
+    # the vocabulary): rank 0 keeps a full copy for them (replicated, run here only). n-gram needs no model; a
+    # draft model loads its own checkpoint whole.
+    drafting = load_model(job.model, load) if job.spec.method in HEADS_ON_MAIN else loaded
     engine = make_engine(loaded, job.engine, job.spec, drafting=drafting)
     worker.ready()
     try:

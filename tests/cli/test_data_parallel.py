@@ -14,8 +14,12 @@ from pathlib import Path
 import pytest
 from cli_support import TINY_LLAMA, by_id, invoke, read_output, write_jsonl
 from conftest import TINY
+from heads import random_eagle, random_hydra, random_medusa
 
 from specgen.distributed.launch import thread_shares
+from specgen.engine.proposers.eagle import save_eagle
+from specgen.engine.proposers.hydra import save_hydra
+from specgen.engine.proposers.medusa import save_medusa
 from specgen.engine.proposers.mtp_head import random_mtp_weights, save_mtp
 from specgen.models import load_checkpoint
 from specgen.models.export import first_layers, save_hf
@@ -34,8 +38,12 @@ def drafters(tmp_path_factory) -> dict[str, list[str]]:
     ckpt = load_checkpoint(TINY / "llama")
     save_mtp(d / "mtp", random_mtp_weights(ckpt.config, seed=0, std=0.02))
     save_hf(first_layers(ckpt, 1), d / "cut")
+    save_medusa(d / "medusa", *random_medusa(ckpt.config, 3, 0))
+    save_hydra(d / "hydra", *random_hydra(ckpt.config, 3, 0))  # the model's own LM head, shared
+    save_eagle(d / "eagle", random_eagle(ckpt.config, 0), ckpt.config)
     return {"none": [], "ngram": ["--method", "ngram"], "mtp": ["--method", "mtp", "--mtp-model", str(d / "mtp")],
-            "draft_model": ["--method", "draft_model", "--draft-model", str(d / "cut")]}
+            "draft_model": ["--method", "draft_model", "--draft-model", str(d / "cut")],
+            **{m: ["--method", m, "--draft-model", str(d / m)] for m in ("medusa", "hydra", "eagle")}}
 
 
 def test_thread_shares():
@@ -44,7 +52,7 @@ def test_thread_shares():
     assert thread_shares(1, 3) == [1, 1, 1]  # never none
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "mtp", "draft_model"])
+@pytest.mark.parametrize("method", ["none", "ngram", "mtp", "draft_model", "eagle"])
 def test_workers_write_the_one_engine_records(tmp_path, drafters, method):
     inp = write_jsonl(tmp_path / "in.jsonl", RECORDS)
     common = ["--dtype", "float64", "--batch-size", "3", "--seed", "5", "-q", *drafters[method]]

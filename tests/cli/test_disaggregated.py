@@ -80,7 +80,8 @@ def colocated(tmp_path_factory, drafters):  # noqa: F811
 
 
 @pytest.mark.parametrize("method, adaptive, pd", [
-    ("none", True, "1:1"), ("ngram", True, "2:1"), ("mtp", False, "1:2"), ("draft_model", False, "1:1")])
+    ("none", True, "1:1"), ("ngram", True, "2:1"), ("mtp", False, "1:2"), ("draft_model", False, "1:1"),
+    ("eagle", True, "1:1"), ("hydra", True, "1:1")])
 def test_workers_write_the_colocated_tokens(tmp_path, drafters, colocated, method, adaptive, pd):  # noqa: F811
     """Tokens, texts and error records as the colocated engine's; with the controller off (the same drafts
     offered, all verified) the drafting statistics too: the MTP head's and the draft model's caches came whole."""
