@@ -4,10 +4,11 @@ decoding; and what moving a tree's accepted path costs.
 
     python benchmarks/trees.py --sets summarization rag code_rewrite --batch-sizes 1 8 --repeats 2
     python benchmarks/trees.py --sets summarization rag translation math_reasoning qa writing --batch-sizes 1 \
-        --arms none ngram mtp medusa hydra --fixed medusa hydra
+        --arms none ngram mtp medusa hydra --fixed medusa hydra --fixed-nodes 3
 
 --fixed KIND...: the same heads at one verify budget, chain against tree, every node verified (no controller):
-a chain of FIXED_NODES first guesses (0,0,0,0) against a tree of as many nodes (FIXED_TREE); tokens per step only.
+a chain of --fixed-nodes N first guesses (0,0,...) against a tree of as many nodes (the chain one shorter, and the
+first head's second guess); tokens per step only. N at most the heads' count (a deeper node is cut).
 `--medusa DIR` / `--hydra DIR`: other heads than the package's.
 
 Greedy, the default model, float32, the fused backend, the adaptive controller on (it picks each slot's k or node
@@ -34,9 +35,11 @@ ARMS = {  # label -> (method, k, branches, static shape)
     "medusa": ("medusa", 5, 1, ()),  # the default static tree (MedusaConfig)
     "hydra": ("hydra", 5, 1, ()),
 }
-FIXED_NODES = 4
-FIXED_CHAIN = ("0,0,0,0",)
-FIXED_TREE = ("0,0,0", "1")  # nodes (0) (1) (0,0) (0,0,0): as many as the chain
+
+def fixed_shapes(nodes: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(chain, tree) of `nodes` nodes each: 0,0,..,0 against 0,..,0 one shorter plus 1."""
+    return (",".join("0" * nodes),), (",".join("0" * (nodes - 1)), "1")
+
 HEADS: dict[str, str | None] = {"medusa": None, "hydra": None}  # --medusa / --hydra (None: the package's)
 
 
@@ -51,19 +54,19 @@ def spec_of(arm: str, shape: tuple[str, ...] | None = None, adaptive: bool = Tru
                       ngram=NgramConfig(branches=branches, tree_choices=ngram_shape), **heads)
 
 
-def fixed_budget(model, sets: dict, names: list[str], kinds: list[str], max_tokens: int) -> None:
-    """Chain against tree of the same head at FIXED_NODES verified nodes per step, batch 1, greedy."""
+def fixed_budget(model, sets: dict, names: list[str], kinds: list[str], max_tokens: int, nodes: int) -> None:
+    """Chain against tree of the same head at `nodes` verified nodes per step, batch 1, greedy."""
     from specgen import EngineConfig, SamplingParams, generate
 
     rows = []
     for name in names:
         for kind in kinds:
             per_step = []
-            for shape in (FIXED_CHAIN, FIXED_TREE):
+            for shape in fixed_shapes(nodes):
                 out = generate(sets[name], model=model, sampling=SamplingParams(max_tokens=max_tokens),
                                speculative=spec_of(kind, shape, adaptive=False), engine=EngineConfig(batch_size=1))
                 per_step.append(sum(len(o.token_ids) for o in out) / sum(o.stats.num_steps for o in out))
-            rows.append([name, kind, FIXED_NODES, per_step[0], per_step[1], per_step[1] / per_step[0]])
+            rows.append([name, kind, nodes, per_step[0], per_step[1], per_step[1] / per_step[0]])
     print_table(["set", "heads", "nodes", "chain tok/step", "tree tok/step", "tree / chain"], rows)
 
 
@@ -86,8 +89,9 @@ def main() -> None:
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8])
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--arms", nargs="+", default=list(ARMS)[:5])
+    p.add_argument("--arms", nargs="*", default=list(ARMS)[:5])
     p.add_argument("--fixed", nargs="*", default=[], choices=list(HEADS))
+    p.add_argument("--fixed-nodes", type=int, default=3)
     p.add_argument("--medusa", default=None)
     p.add_argument("--hydra", default=None)
     p.add_argument("--no-move-cost", action="store_true")
@@ -101,7 +105,7 @@ def main() -> None:
     sets = load_sets(args.per_set, args.per_set)
     sampling = SamplingParams(max_tokens=args.max_tokens)
     rows = []
-    for name in args.sets:
+    for name in args.sets if args.arms else []:
         prompts = sets[name]
         for batch in args.batch_sizes:
             best: dict[str, float] = {}
@@ -125,7 +129,7 @@ def main() -> None:
             print(machine())
     if args.fixed:
         print()
-        fixed_budget(model, sets, args.sets, args.fixed, args.max_tokens)
+        fixed_budget(model, sets, args.sets, args.fixed, args.max_tokens, args.fixed_nodes)
         print(machine())
     if args.no_move_cost:
         return
