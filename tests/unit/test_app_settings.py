@@ -89,8 +89,8 @@ def test_bad_yaml(tmp_path, text, fragment):
 def test_bad_values_are_config_errors():
     with pytest.raises(ConfigError, match="batch_size must be in 1..256"):
         resolve(None, {"batch_size": 0})
-    with pytest.raises(ConfigError, match="unknown method 'eagle'"):
-        resolve(None, {"method": "eagle"})
+    with pytest.raises(ConfigError, match="unknown method 'lookahead'"):
+        resolve(None, {"method": "lookahead"})
     with pytest.raises(ConfigError, match="engine"):
         resolve({"engine": {"batch_size": "four"}}, {})
     with pytest.raises(ConfigError, match="ngram pool must be >= 0"):

@@ -196,7 +196,7 @@ def test_parse_methods_with_k():
     assert [c.label for c in parse_methods("none,ngram:2")] == ["none", "ngram:2"]
     for bad, fragment in (("none,none", "twice"), ("ngram:2,ngram:2", "twice"), ("none:2", "takes no k"),
                           ("ngram:x", "k must be an integer"), ("ngram:9", "num_speculative_tokens must be in 1..5"),
-                          ("", "at least one"), ("eagle", "unknown method")):
+                          ("", "at least one"), ("lookahead", "unknown method")):
         with pytest.raises(ConfigError, match=fragment):
             parse_methods(bad)
 
