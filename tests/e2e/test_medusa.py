@@ -63,3 +63,30 @@ def test_medusa_equals_plain(backend, tmp_path):
             assert [o.token_ids for o in out] == [plain[i].token_ids for i in picked], (mode, batch, adaptive)
             if not adaptive:
                 assert sum(o.stats.num_draft_tokens for o in out) > 0
+
+
+@pytest.mark.parametrize("method", ["medusa", "hydra"])
+def test_slots_whose_trees_do_not_pay_stop_drafting(method, tmp_path, monkeypatch):
+    """Heads whose guesses are rarely right (random LM heads; Hydra's own heads on a random tiny model): after the
+    controller detaches the slot, its heads stop running for it (rows drafted fall from one a step to the steps
+    before the detach), and the tokens stay plain decoding's."""
+    from heads import random_hydra
+
+    from specgen.engine.proposers.hydra import HydraProposer, save_hydra
+    from specgen.engine.proposers.medusa import MedusaProposer
+
+    model = load_model(TINY / "llama", dtype="float64")
+    if method == "medusa":
+        save_medusa(tmp_path, *random_heads(model.config, 3, 5))
+    else:
+        save_hydra(tmp_path, *random_hydra(model.config, 3, 5))
+    rows = []
+    kind = MedusaProposer if method == "medusa" else HydraProposer
+    draft = kind.draft
+    monkeypatch.setattr(kind, "draft", lambda self, x0, root: rows.append(x0.shape[0]) or draft(self, x0, root))
+    sp = SamplingParams(max_tokens=60, ignore_eos=True)
+    prompt = [[5, 17, 33, 8, 91, 12, 40]]
+    plain = generate(prompt, model=model, sampling=sp)[0].token_ids
+    out = generate(prompt, model=model, sampling=sp, speculative=SpecConfig(method=method, draft_model=str(tmp_path)))
+    assert out[0].token_ids == plain
+    assert 0 < sum(rows) < 20, rows  # (60 without detaching)

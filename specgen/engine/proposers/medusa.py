@@ -186,6 +186,9 @@ class MedusaProposer:
         j = update.num_valid - 1  # [num_seqs] the last position whose next token is known
         # ... and it is the slot's last but one (not a prompt chunk with more of the prompt to come)
         live = (j >= 0) & ~update.finished & (update.first_pos + j == update.seq_lens - 2)  # [num_seqs]
+        if update.detached is not None:  # drafts stopped paying for these slots: no more head passes for them
+            self.ready[slots[update.detached]] = False
+            live &= ~update.detached
         if not live.any():
             return
         index = j.copy()
