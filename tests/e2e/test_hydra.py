@@ -8,6 +8,7 @@ import numpy as np
 import paddle
 import pytest
 from conftest import TINY
+from heads import random_hydra
 from typer.testing import CliRunner
 
 from specgen import EngineConfig, SamplingParams, SpecConfig, generate, load_model
@@ -25,20 +26,6 @@ def write_prompts(path, n):
 
 
 CHOICES = ("0,0,0", "1", "0,1", "1,0", "2", "0,0,1")
-
-
-def random_hydra(cfg, num_heads: int, seed: int, layers: int = 1, lm=None):
-    """Hydra mlp heads in torch's orientation; lm: every head's LM head [vocab, hidden] (None: shared)."""
-    rng = np.random.default_rng(seed)
-    h = cfg.hidden_size
-    blocks = []
-    for d in range(num_heads):
-        w = (d + 2) * h
-        first = {"w": rng.normal(0, 0.05, (h, w)), "b": rng.normal(0, 0.05, h),
-                 "rw": np.eye(h, w) + rng.normal(0, 0.05, (h, w)), "rb": rng.normal(0, 0.05, h)}
-        blocks.append([first] + [{"w": rng.normal(0, 0.05, (h, h)), "b": rng.normal(0, 0.05, h)}
-                                 for _ in range(layers - 1)])
-    return blocks, None if lm is None else [lm] * num_heads
 
 
 def test_load_checks_the_layout(tiny_model64, tmp_path):

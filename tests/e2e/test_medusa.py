@@ -4,20 +4,12 @@ sampled, batch 1 and 7, with the controller and without)."""
 import numpy as np
 import pytest
 from conftest import TINY
+from heads import random_hydra, random_medusa
 
 from specgen import EngineConfig, SamplingParams, SpecConfig, generate, load_model
 from specgen.config import MedusaConfig
 from specgen.engine.proposers.medusa import load_medusa, save_medusa, tree_template
 from specgen.errors import CheckpointError
-
-
-def random_heads(cfg, num_heads: int, seed: int, lm=None):
-    """num_heads one-layer heads in torch's orientation; lm: every head's LM head (default random)."""
-    rng = np.random.default_rng(seed)
-    h, v = cfg.hidden_size, cfg.vocab_size
-    blocks = [[(rng.normal(0, 0.02, (h, h)), rng.normal(0, 0.02, h))] for _ in range(num_heads)]
-    lms = [lm if lm is not None else rng.normal(0, 0.5, (v, h)) for _ in range(num_heads)]
-    return blocks, lms
 
 
 def test_tree_template_follows_the_choices():
@@ -29,12 +21,12 @@ def test_tree_template_follows_the_choices():
 
 def test_load_checks_the_layout(tiny_model64, tmp_path):
     cfg = tiny_model64.config
-    save_medusa(tmp_path / "ok", *random_heads(cfg, 3, 0))
+    save_medusa(tmp_path / "ok", *random_medusa(cfg, 3, 0))
     heads = load_medusa(tmp_path / "ok", cfg.hidden_size, cfg.vocab_size, "float64")
     assert heads.num_heads == 3 and heads.lm_heads[0].shape == [cfg.hidden_size, cfg.vocab_size]
     with pytest.raises(CheckpointError, match="no Medusa heads"):
         load_medusa(tmp_path, cfg.hidden_size, cfg.vocab_size, "float64")
-    blocks, lms = random_heads(cfg, 2, 0)
+    blocks, lms = random_medusa(cfg, 2, 0)
     save_medusa(tmp_path / "bad", blocks, [lm[:, :-1] for lm in lms])
     with pytest.raises(CheckpointError, match="should be"):
         load_medusa(tmp_path / "bad", cfg.hidden_size, cfg.vocab_size, "float64")
@@ -47,7 +39,7 @@ def test_medusa_equals_plain(backend, tmp_path):
     # head 0 reuses the model's own LM head: its guesses are often the model's next-but-one token on this tiny
     # model's repetitive text, so some trees are accepted
     lm = model.model.weights.lm_head.dense().numpy().T
-    save_medusa(tmp_path, *random_heads(cfg, 3, 1, lm))
+    save_medusa(tmp_path, *random_medusa(cfg, 3, 1, lm))
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, 250, int(n)).tolist() for n in rng.integers(4, 40, 14)]
     for mode in ("greedy", "sampled"):
@@ -70,14 +62,12 @@ def test_slots_whose_trees_do_not_pay_stop_drafting(method, tmp_path, monkeypatc
     """Heads whose guesses are rarely right (random LM heads; Hydra's own heads on a random tiny model): after the
     controller detaches the slot, its heads stop running for it (rows drafted fall from one a step to the steps
     before the detach), and the tokens stay plain decoding's."""
-    from heads import random_hydra
-
     from specgen.engine.proposers.hydra import HydraProposer, save_hydra
     from specgen.engine.proposers.medusa import MedusaProposer
 
     model = load_model(TINY / "llama", dtype="float64")
     if method == "medusa":
-        save_medusa(tmp_path, *random_heads(model.config, 3, 5))
+        save_medusa(tmp_path, *random_medusa(model.config, 3, 5))
     else:
         save_hydra(tmp_path, *random_hydra(model.config, 3, 5))
     rows = []
