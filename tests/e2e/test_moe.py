@@ -5,9 +5,13 @@ agreement run in tests/unit/test_parity.py and tests/e2e/test_backends.py (both 
 import numpy as np
 import paddle
 import pytest
-
 from conftest import TINY
+from heads import random_eagle, random_hydra, random_medusa
+
 from specgen import EngineConfig, MtpConfig, SamplingParams, SpecConfig, generate, load_model
+from specgen.engine.proposers.eagle import save_eagle
+from specgen.engine.proposers.hydra import save_hydra
+from specgen.engine.proposers.medusa import save_medusa
 from specgen.engine.proposers.mtp_head import random_mtp_weights, save_mtp
 from specgen.engine.types import build_forward_batch
 from specgen.layers.linear import Linear
@@ -123,8 +127,8 @@ SAMPLING = {
 
 @pytest.mark.parametrize("mode", list(SAMPLING))
 def test_every_method_gives_plain_tokens_at_every_batch_size(main64, mode, tmp_path):
-    """ngram, mtp (a random head over the MoE model) and draft_model (the Qwen3-MoE fixture as drafter, same
-    vocabulary) at batch 1, 7 and 32: plain decoding's tokens."""
+    """ngram, mtp (a random head over the MoE model), draft_model (the Qwen3-MoE fixture as drafter, same
+    vocabulary) and random Medusa, Hydra and EAGLE heads at batch 1, 7 and 32: plain decoding's tokens."""
     rng = np.random.default_rng(11)
     prompts = [rng.integers(3, 297, int(n)).tolist() for n in rng.integers(3, 30, 30)]
     prompts += [p[:10] + p + p[:10] for p in prompts[:4]]  # repeated text: n-gram and the head's copies draft
@@ -135,7 +139,13 @@ def test_every_method_gives_plain_tokens_at_every_batch_size(main64, mode, tmp_p
         "mtp": SpecConfig(method="mtp", num_speculative_tokens=2, adaptive=False, mtp=MtpConfig(model=str(tmp_path))),
         "draft_model": SpecConfig(method="draft_model", num_speculative_tokens=3, adaptive=False,
                                   draft_model=str(TINY / "qwen3_moe")),
+        # token trees: each node routed on its own inside the verify block
+        **{m: SpecConfig(method=m, adaptive=False, draft_model=str(tmp_path / m)) for m in ("medusa", "hydra", "eagle")},
     }
+    cfg = main64.config
+    save_medusa(tmp_path / "medusa", *random_medusa(cfg, 3, 1, main64.model.weights.lm_head.dense().numpy().T))
+    save_hydra(tmp_path / "hydra", *random_hydra(cfg, 3, 1))
+    save_eagle(tmp_path / "eagle", random_eagle(cfg, 1), cfg)
     ids = [str(i) for i in range(len(prompts))]  # a sampled token's random number depends on its request's id
     plain = [o.token_ids for o in generate(prompts, model=main64, sampling=sp, ids=ids,
                                            engine=EngineConfig(batch_size=32, dtype="float64"))]
