@@ -1,6 +1,8 @@
 """Medusa heads (issue 44): the public layout loads (and a wrong one is refused), the tree template follows
 Medusa's choices, and trees from random heads give plain decoding's tokens on both backends (float64, greedy and
 sampled, batch 1 and 7, with the controller and without)."""
+import dataclasses
+
 import numpy as np
 import pytest
 from conftest import TINY
@@ -58,10 +60,11 @@ def test_medusa_equals_plain(backend, tmp_path):
 
 
 @pytest.mark.parametrize("method", ["medusa", "hydra"])
-def test_slots_whose_trees_do_not_pay_stop_drafting(method, tmp_path, monkeypatch):
-    """Heads whose guesses are rarely right (random LM heads; Hydra's own heads on a random tiny model): after the
-    controller detaches the slot, its heads stop running for it (rows drafted fall from one a step to the steps
-    before the detach), and the tokens stay plain decoding's."""
+def test_detached_slots_stop_drafting(method, tmp_path, monkeypatch):
+    """A slot the controller detached (its drafts stopped paying for the heads' time) gets no more head passes:
+    with every slot detached from the start the heads draft no row (without a controller, one a step), and the
+    tokens stay plain decoding's."""
+    from specgen.engine.adaptive import Controller
     from specgen.engine.proposers.hydra import HydraProposer, save_hydra
     from specgen.engine.proposers.medusa import MedusaProposer
 
@@ -70,13 +73,17 @@ def test_slots_whose_trees_do_not_pay_stop_drafting(method, tmp_path, monkeypatc
         save_medusa(tmp_path, *random_medusa(model.config, 3, 5))
     else:
         save_hydra(tmp_path, *random_hydra(model.config, 3, 5))
-    rows = []
     kind = MedusaProposer if method == "medusa" else HydraProposer
-    draft = kind.draft
+    draft, rows = kind.draft, []
     monkeypatch.setattr(kind, "draft", lambda self, x0, root: rows.append(x0.shape[0]) or draft(self, x0, root))
     sp = SamplingParams(max_tokens=60, ignore_eos=True)
     prompt = [[5, 17, 33, 8, 91, 12, 40]]
+    spec = SpecConfig(method=method, draft_model=str(tmp_path))
     plain = generate(prompt, model=model, sampling=sp)[0].token_ids
-    out = generate(prompt, model=model, sampling=sp, speculative=SpecConfig(method=method, draft_model=str(tmp_path)))
-    assert out[0].token_ids == plain
-    assert 0 < sum(rows) < 20, rows  # (60 without detaching)
+    always = dataclasses.replace(spec, adaptive=False)  # no controller: never detached
+    assert generate(prompt, model=model, sampling=sp, speculative=always)[0].token_ids == plain
+    assert sum(rows) >= 50  # a row a step
+    rows.clear()
+    monkeypatch.setattr(Controller, "detached", lambda self, slots: np.ones(len(slots), bool))
+    out = generate(prompt, model=model, sampling=sp, speculative=spec)[0]
+    assert out.token_ids == plain and sum(rows) == 0 and out.stats.num_draft_tokens == 0
