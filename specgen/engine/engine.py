@@ -276,7 +276,7 @@ class Engine:
                 slots=dec, draft_ids=offered, num_avail=num_offered, num_draft=plan.num_draft,
                 source=plan.drafts.source, emitted=emitted[: len(dec)], kept=kept[: len(dec)],
                 num_tokens=len(batch.token_ids), forward_seconds=forward_seconds,
-                draft_seconds=plan.draft_seconds + observe_seconds))
+                draft_seconds=plan.draft_seconds + observe_seconds, rated=self._rated(plan, accepted)))
         finished = []
         for i in np.nonzero(done)[0]:
             s = int(slots[i])
@@ -307,6 +307,15 @@ class Engine:
         return StepPlan(dec, new, chunk, t.prefill_pos[new] + chunk == t.prompt_len[new], room, drafts, num_avail,
                         num_draft, draft_seconds)
 
+    @staticmethod
+    def _rated(plan: StepPlan, accepted: np.ndarray) -> tuple[float, float] | None:
+        """(drafts accepted, the drafter's expected count) over the verified nodes that carry its probabilities."""
+        scores = plan.drafts.scores
+        if scores is None or not len(plan.dec):
+            return None
+        verified = np.arange(scores.shape[1])[None, :] < plan.num_draft[:, None]  # [num_dec, width]
+        return float(accepted[: len(plan.dec)].sum()), float(np.where(verified, scores, 0.0).sum())
+
     def _plan_tree(self, dec, new, chunk, room, view: SlotView, drafts: DraftTokens, draft_seconds: float) -> StepPlan:
         """_plan for token trees: nodes no deeper than a chain's drafts could reach (view.max_draft), no more than
         MAX_TREE_NODES nor than the rows left before the context's end (node i is written at the root's row + i);
@@ -317,15 +326,18 @@ class Engine:
         num_avail = np.minimum(prune(parents, np.minimum(drafts.num_draft, width), view.max_draft),
                                self.context_len - t.seq_len[dec])  # [num_dec]
         num_draft = num_avail
+        scores = None if drafts.scores is None else drafts.scores[:, :width]
         if self.controller is not None:
             gains = node_gains(parents, self.controller.acceptance.rate(
-                0 if drafts.source is None else drafts.source, dec))
+                0 if drafts.source is None else drafts.source, dec)) if scores is None \
+                else self.controller.calibrated(scores)
             num_draft = np.minimum(num_avail, self.controller.choose(dec, num_avail, int(chunk.sum()), drafts.source,
                                                                      gains))
         # every node offered stays in the plan: the controller scores the tree's main chain against what came out
         # even where it verified fewer nodes (shadow acceptance; with none kept, a budget of 0 would stick)
         width = int(num_avail.max(initial=0))
-        drafts = DraftTokens(ids[:, :width], num_draft, drafts.source, parents[:, :width])
+        drafts = DraftTokens(ids[:, :width], num_draft, drafts.source, parents[:, :width],
+                             None if scores is None else scores[:, :width])
         depth, mask = tree_layout(drafts.parents)
         return StepPlan(dec, new, chunk, t.prefill_pos[new] + chunk == t.prompt_len[new], room, drafts, num_avail,
                         num_draft, draft_seconds, depth, mask)

@@ -101,6 +101,11 @@ class DraftTokens:
     # token) and its parent at parents[:, i] in [0, i]: parents come first, so the first n nodes of a tree are a
     # tree too (a smaller node budget keeps a prefix). None: a chain (parents[:, i] = i).
     parents: np.ndarray | None = None  # [num_seqs, max_draft] int64
+    # A tree's nodes as the drafter rates them: its probability that each node is on the accepted path (the
+    # product of its own probabilities along the node's path; EAGLE's), non-increasing along a row. The
+    # controller prices nodes from them, calibrated by how many such drafts were accepted. None: it prices them
+    # from the slot's acceptance so far (tree.node_gains).
+    scores: np.ndarray | None = None  # [num_seqs, max_draft] float64
 
     @classmethod
     def none(cls, num_seqs: int, width: int) -> "DraftTokens":

@@ -1,4 +1,5 @@
 """The adaptive controller's per-slot choices: drafts that stop paying detach the slot from its drafter."""
+import dataclasses
 import types
 
 import numpy as np
@@ -84,8 +85,24 @@ def test_drafter_time_is_charged_and_idle_slots_detach():
     assert ctl.detached(slot).tolist() == [True]
     ctl.reset(0)
     ctl.idle[0] = Controller.DETACH_AFTER - 1
-    _set(ctl, 90.0, 100.0)  # drafts that pay for the drafter: the count starts over
-    assert ctl.choose(slot, np.array([2]), 0)[0] == 2 and ctl.idle[0] == 0
+    _set(ctl, 90.0, 100.0)  # drafts that pay for the drafter: the count goes down one a step
+    assert ctl.choose(slot, np.array([2]), 0)[0] == 2 and ctl.idle[0] == Controller.DETACH_AFTER - 2
+    for _ in range(Controller.DETACH_AFTER):
+        ctl.choose(slot, np.array([2]), 0)
+    assert ctl.idle[0] == 0
+
+
+def test_drafts_that_pay_now_and_then_still_detach():
+    """A slot whose drafts pay on one step in three (a draft right a third of the time) and not on the others
+    detaches: the count is not reset by each paying step."""
+    cost = CostModel(np.array([1, 2, 6]), np.array([1.0, 1.05, 1.25]))
+    ctl = Controller(cost, max_draft=2, num_slots=1)
+    ctl._drafting(0.3)
+    slot = np.array([0])
+    for step in range(3 * Controller.DETACH_AFTER):
+        _set(ctl, 95.0 if step % 3 == 0 else 5.0, 100.0)
+        ctl.choose(slot, np.array([2]), 0)
+    assert ctl.detached(slot).tolist() == [True]
 
 
 def test_rule_out_turns_a_drafter_off_where_one_draft_cannot_pay():
@@ -449,3 +466,24 @@ def test_a_new_slots_acceptance_starts_from_the_jobs():
     ctl.reset(0)
     assert ctl.rates(0, slot)[0] > 0.8 and int(ctl.choose(slot, avail, 0)[0]) == 3
 
+
+
+def test_rated_drafts_are_priced_by_their_probabilities_calibrated_by_the_job():
+    """A drafter that rates its tree nodes (EAGLE: the probability of each node's path): before any step the
+    controller takes the probabilities as they are; once its drafts were accepted half as often as it expected,
+    every node is worth half; gains stay at most 1 and non-increasing along a row."""
+    ctl = Controller(CostModel(np.array([1, 2, 6]), np.array([1.0, 1.1, 1.5])), max_draft=5, num_slots=2)
+    scores = np.array([[0.9, 0.6, 0.3, 0.0], [0.5, 0.5, 0.2, 0.1]])
+    assert np.allclose(ctl.calibrated(scores), scores, atol=1e-12)
+    for _ in range(200):
+        ctl.end_step(dataclasses.replace(_report(np.array([0]), np.zeros((1, 0), np.int64), np.array([0]),
+                                                 np.zeros((1, 1), np.int64), np.array([1])), rated=(1.0, 2.0)))
+    assert np.allclose(ctl.calibrated(scores), scores / 2, atol=0.02)
+    for _ in range(200):  # accepted 3x what it expected: capped at 1
+        ctl.end_step(dataclasses.replace(_report(np.array([0]), np.zeros((1, 0), np.int64), np.array([0]),
+                                                 np.zeros((1, 1), np.int64), np.array([1])), rated=(3.0, 1.0)))
+    got = ctl.calibrated(scores)
+    assert got.max() == 1.0 and (np.diff(got, axis=1) <= 0).all()
+    # a budget from the calibrated gains: the most probable nodes first, none where nothing is expected
+    k = ctl.choose(np.array([0, 1]), np.array([4, 4]), 0, None, ctl.calibrated(np.array([[0.0] * 4, [0.9] * 4])))
+    assert k[0] == 0 and k[1] >= 1

@@ -36,13 +36,14 @@ class StepReport:
     num_tokens: int  # tokens the forward fed
     forward_seconds: float  # from the step's start through sampling (the forward, and the planning before it)
     draft_seconds: float  # the proposer's time (propose and observe)
+    rated: tuple[float, float] | None = None  # (drafts accepted, expected) of drafts the drafter rated (scores)
 
 
 class Controller:
     DECAY = 0.9  # per step of a slot: its acceptance counts follow changes within a request
-    # steps in a row in which a slot's drafts did not pay, the drafter's time counted, before its drafter stops for
-    # it (a draft model at acceptance ~0.4, choosing 1 draft one step and 0 the next, ran 0.83x of plain decoding
-    # when only steps choosing 0 counted: the draft kept running beside plain decoding)
+    # steps in which a slot's drafts did not pay, the drafter's time counted, less those in which they did, before its
+    # drafter stops for it (a draft model at acceptance ~0.4, choosing 1 draft one step and 0 the next, ran 0.83x of
+    # plain decoding when only steps choosing 0 counted: the draft kept running beside plain decoding)
     DETACH_AFTER = 8
     DRAFT_EMA = 0.2  # weight of one step in the drafter's time
     # The drafter's time per step really changes up to ~5x from one step to the next (an MTP head's pass: 0.14-0.18
@@ -67,6 +68,8 @@ class Controller:
         self.idle = np.zeros(num_slots, np.int64)  # [num_slots] steps in a row the choice was k = 0
         self.draft_cost: float | None = None  # seconds per step the proposer takes (propose + observe), EMA
         self.job = AcceptanceEstimator(1, 1, self.JOB_DECAY)  # source 0's drafts over every slot
+        # drafts accepted per draft the drafter's own probabilities expected (DraftTokens.scores), over the job
+        self.calibration = AcceptanceEstimator(1, 1, self.JOB_DECAY)
         self.active = num_slots  # decoding slots at the last choice
         self.requests = 0  # requests placed (reset)
 
@@ -89,14 +92,17 @@ class Controller:
         """Drafts to verify per decoding slot ([num_seqs] int64 in [0, num_avail]) this step: a token tree's node
         budget, with gains [num_seqs, width] its nodes' expected tokens (tree.node_gains). A slot's idle count
         (detach) moves only on steps whose drafts are source 0's: the drafter that costs time per slot; it grows
-        where the slot verifies nothing or the step's drafts do not pay for the drafter's time."""
+        where the slot verifies nothing or the step's drafts do not pay for the drafter's time, and shrinks by one
+        where they do."""
         if not len(num_avail) or num_avail.max() == 0 or self.off:
             return np.zeros(len(num_avail), np.int64)
         self.active = len(slots)
         src = 0 if source is None else source
         k, pays = choose_drafts(self.rates(src, slots), num_avail, other_tokens, self.draft_cost or 0.0,
                                 self.cost, self.MIN_GAIN, gains)
-        idle = np.where((k == 0) | (not pays), self.idle[slots] + 1, 0)
+        # a step that pays takes one off the count, not all of it: drafts right a third of the time pay now and then
+        # (a draft model at batch 1, reset on each such step, never detached: 0.85x of plain decoding on math)
+        idle = np.where((k == 0) | (not pays), self.idle[slots] + 1, np.maximum(self.idle[slots] - 1, 0))
         self.idle[slots] = idle if source is None else np.where(source == 0, idle, self.idle[slots])
         return k
 
@@ -108,6 +114,13 @@ class Controller:
         2-token step costs 1.34x one), verifying drafts that did not pay. Other sources keep 1 in 2."""
         job = float(self.job.rate(0, 0))
         return self.acceptance.rate(source, slots, np.where(np.asarray(source) == 0, job, 0.5))
+
+    def calibrated(self, scores: np.ndarray) -> np.ndarray:
+        """[num_seqs, width] each node's expected tokens from the drafter's probabilities (DraftTokens.scores),
+        times how many of its drafts were accepted per one it expected over the job so far (1 before any:
+        PRIOR_SEEN drafts' worth), at most 1 and non-increasing along a row."""
+        ratio = float(self.calibration.rate(0, 0, 1.0))
+        return np.minimum.accumulate(np.clip(scores * ratio, 0.0, 1.0), axis=1)
 
     def detached(self, slots: np.ndarray) -> np.ndarray:
         """[num_seqs] bool: slots whose drafts have not paid for DETACH_AFTER steps in a row (or speculation is
@@ -136,6 +149,8 @@ class Controller:
         """What the step taught: acceptance per (slot, source), the step's cost, the drafter's time."""
         self.cost.observe(r.num_tokens, r.forward_seconds)
         self._count(r)
+        if r.rated is not None and r.rated[1] > 0:
+            self.calibration.update(0, np.zeros(1, np.int64), np.array([r.rated[0]]), np.array([r.rated[1]]))
         if len(r.slots) and (not self.detached(r.slots).all() or r.num_avail.any()):
             self._drafting(r.draft_seconds)  # (detached slots that still draft: MTP's copies)
 

@@ -204,6 +204,7 @@ class EagleProposer(MtpProposer):
                                   "rows of tree mask")
         self.tree_ids = np.zeros((0, self.width), np.int64)  # [num_slots, width] each slot's tree for its next step
         self.tree_parents = np.zeros((0, self.width), np.int64)  # [num_slots, width] block index of each parent
+        self.tree_probs = np.zeros((0, self.width))  # [num_slots, width] the layer's probability of each node's path
 
     def _ensure(self, num_slots: int) -> None:
         if self.cache is None:
@@ -212,6 +213,7 @@ class EagleProposer(MtpProposer):
             self.cache = self.caches[0]
             self.tree_ids = np.zeros((num_slots, self.width), np.int64)
             self.tree_parents = np.zeros((num_slots, self.width), np.int64)
+            self.tree_probs = np.zeros((num_slots, self.width))
 
     def propose(self, view: SlotView) -> DraftTokens:
         n = len(view.slots)
@@ -219,12 +221,11 @@ class EagleProposer(MtpProposer):
             return DraftTokens(np.zeros((n, self.width), np.int64), np.zeros(n, np.int64), None,
                                np.zeros((n, self.width), np.int64))
         s = view.slots
-        return DraftTokens(self.tree_ids[s], self.num_drafts[s], None, self.tree_parents[s])
+        return DraftTokens(self.tree_ids[s], self.num_drafts[s], None, self.tree_parents[s], self.tree_probs[s])
 
     def _draft(self, c: CatchUp) -> None:
         """The catch-up pass, then each wanting slot's tree (a slot whose last caught-up position is not the one
         before its last token, a prompt chunk with more to come, gets none)."""
-        shift = c.shift[c.seq]
         first = np.concatenate([[0], np.cumsum(c.total)[:-1]])  # [num_seqs] first catch-up token of each
         last = c.start + c.total - 1  # [num_seqs] last caught-up main position
         want = c.want & (last == c.seq_lens - 2)
@@ -236,8 +237,9 @@ class EagleProposer(MtpProposer):
             return
         slots = c.slots[want]
         root = last[want] - c.shift[want]  # [num_seqs] head position of the last caught-up token
-        tree_ids, parents, num, _ = self._grow(slots, root, feat, (first + c.total - 1)[want], vals, ids, c.depth)
+        tree_ids, parents, num, score = self._grow(slots, root, feat, (first + c.total - 1)[want], vals, ids, c.depth)
         self.tree_ids[slots], self.tree_parents[slots], self.num_drafts[slots] = tree_ids, parents, num
+        self.tree_probs[slots] = np.exp(score)  # (-inf past the nodes kept: 0)
 
     def _grow(self, slots: np.ndarray, root: np.ndarray, feats: paddle.Tensor, root_rows: np.ndarray,
               vals: np.ndarray, ids: np.ndarray, depth: int) -> tuple[np.ndarray, ...]:
