@@ -258,8 +258,8 @@ def test_costs_are_measured_with_the_slots_the_job_fills(tiny_dir):
 
 def test_cost_tables_are_kept_on_disk_between_runs(monkeypatch, tmp_path):
     """A table timed once is stored under <cache_dir>/costs and found by the next model of the same key on this
-    machine (a later run), which times nothing; another key, an entry past MAX_AGE_S, a malformed file or
-    cost_cache off times the table again."""
+    machine (a later run), which times only the check of its first point; another key, an entry past MAX_AGE_S, a
+    malformed file or cost_cache off times the table again."""
     import json
 
     disk = EngineConfig(cache_dir=str(tmp_path))
@@ -279,7 +279,7 @@ def test_cost_tables_are_kept_on_disk_between_runs(monkeypatch, tmp_path):
     assert len(files) == 1
     again, clock = fresh()
     controller = calibration.controller_for(again, _Cache(2), 3, disk)
-    assert clock["calls"] == 0  # nothing timed
+    assert clock["calls"] == 1 + calibration.CHECKS  # only the check of its first point
     for a, b in zip(calibration.measured(again)[(2, 3)], calibration.measured(first)[(2, 3)]):
         np.testing.assert_array_equal(a, b)
     assert controller.cost.at(8) == calibration.measured(first)[(2, 3)][1][-1]
@@ -487,3 +487,31 @@ def test_rated_drafts_are_priced_by_their_probabilities_calibrated_by_the_job():
     # a budget from the calibrated gains: the most probable nodes first, none where nothing is expected
     k = ctl.choose(np.array([0, 1]), np.array([4, 4]), 0, None, ctl.calibrated(np.array([[0.0] * 4, [0.9] * 4])))
     assert k[0] == 0 and k[1] >= 1
+
+
+def test_a_stall_while_timing_does_not_become_the_table(monkeypatch):
+    """Large steps (past the timing budget in one round) are still timed MIN_REPEATS times: the first round's
+    stalled forward (1.2 s where steps take 0.1-0.2 s) is outvoted by the median."""
+    stub, _ = _stub_model(monkeypatch, lambda call, tokens: 0.1 + 0.02 * tokens + 1.2 * (call == 2))
+    calibration.controller_for(stub, _Cache(1), 3, NO_DISK)
+    tokens, seconds = calibration.measured(stub)[(1, 3)]
+    np.testing.assert_allclose(seconds, [0.12, 0.14, 0.18])
+
+
+def test_a_stored_table_that_no_longer_fits_is_timed_again(monkeypatch, tmp_path):
+    """A table on disk whose first point is 100x what its step takes now (timed while the machine stalled) is
+    timed again and replaced; one within 2x is kept."""
+    import json
+
+    disk = EngineConfig(cache_dir=str(tmp_path))
+    stub, clock = _stub_model(monkeypatch, lambda call, tokens: 0.010 + 0.002 * (tokens - 1))
+    calibration.controller_for(stub, _Cache(1), 3, disk)
+    (path,) = (tmp_path / "costs").glob("*.json")
+    entry = json.loads(path.read_text())
+    for scale, timed in ((1.5, False), (100.0, True)):
+        path.write_text(json.dumps({**entry, "seconds": [x * scale for x in entry["seconds"]]}))
+        again, clock = _stub_model(monkeypatch, lambda call, tokens: 0.010 + 0.002 * (tokens - 1))
+        controller = calibration.controller_for(again, _Cache(1), 3, disk)
+        assert (clock["calls"] > 1 + calibration.CHECKS) == timed
+        assert controller.cost.at(1) == pytest.approx(0.010 * (1.0 if timed else scale))
+    assert json.loads(path.read_text())["seconds"][0] == pytest.approx(0.010)

@@ -13,6 +13,10 @@ from specgen.engine.types import build_forward_batch
 
 REPEATS = 5  # timings per point of the table (round robin over the points), at most
 BUDGET = 0.15  # seconds of timed forwards after which fewer repeats are taken (large batches)
+# ... but never fewer than this: with one round, one stalled forward (1.2 s where a step took 5 ms, the machine
+# busy) became the whole table, stored for a week
+MIN_REPEATS = 3
+CHECKS = 3  # timings of a stored table's first point that check it against the machine as it is now
 ANCHOR_SLOTS = 8  # from this many slots on, the table also times one slot's single token
 # What the timed blocks hold, part of a stored table's key: distinct random token ids. A block of one repeated id
 # routes every token of a mixture-of-experts block to the same experts, while a real verify block's tokens spread
@@ -50,6 +54,8 @@ def controller_for(model, cache, max_draft: int, engine: EngineConfig, num_slots
                                                       str(loaded.num_threads()), build_key(loaded.cpu_target),
                                                       TIMED_TOKENS])
         table = costs.load(path)
+        if table is not None and not _still_fits(model, cache, max_draft, num_slots, table):
+            table = None
     if table is None:
         table = _time_table(model, cache, max_draft, num_slots)
         costs.store(path, *table)
@@ -57,7 +63,21 @@ def controller_for(model, cache, max_draft: int, engine: EngineConfig, num_slots
     return Controller(costs.CostModel(*table), max_draft, cache.num_slots)
 
 
-def _time_table(model, cache, max_draft: int, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+def _still_fits(model, cache, max_draft: int, num_slots: int, table: tuple[np.ndarray, np.ndarray]) -> bool:
+    """Whether a stored table's first point is within 2x of the median of CHECKS timings of its step now (after a
+    warm-up forward): a table timed on a stalled or differently loaded machine is timed again."""
+    first = _blocks(model, max_draft, num_slots)[1][0]
+    model.forward(first, cache, logits=False)  # warm-up
+    times = []
+    for _ in range(CHECKS):
+        start = time.perf_counter()
+        model.forward(first, cache, logits=False)
+        times.append(time.perf_counter() - start)
+    return 0.5 <= float(np.median(times)) / float(table[1][0]) <= 2.0
+
+
+def _blocks(model, max_draft: int, num_slots: int) -> tuple[list[int], list]:
+    """The table's points: (tokens each step feeds, its ForwardBatch), fewest tokens first."""
     slots = np.arange(num_slots, dtype=np.int64)
     counts = sorted({1, 2, max_draft + 1})
     rng = np.random.default_rng(0)  # TIMED_TOKENS: each block's tokens distinct, as a verify block's are
@@ -69,6 +89,11 @@ def _time_table(model, cache, max_draft: int, num_slots: int) -> tuple[np.ndarra
         batches.insert(0, build_forward_batch(slots[:1], np.zeros(1, np.int64), np.ones(1, np.int64),
                                               np.zeros(1, np.int64), np.ones(1, bool)))
         tokens.insert(0, 1)
+    return tokens, batches
+
+
+def _time_table(model, cache, max_draft: int, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    tokens, batches = _blocks(model, max_draft, num_slots)
     model.forward(batches[0], cache, logits=False)  # warm-up
     timings: list[list[float]] = [[] for _ in batches]
     spent = 0.0
@@ -78,7 +103,7 @@ def _time_table(model, cache, max_draft: int, num_slots: int) -> tuple[np.ndarra
             model.forward(batch, cache, logits=False)
             times.append(time.perf_counter() - start)
         spent += sum(times[-1] for times in timings)
-        if spent > BUDGET:
+        if spent > BUDGET and len(timings[0]) >= MIN_REPEATS:
             break
     seconds = np.array([np.median(times) for times in timings])
     return np.array(tokens), np.maximum.accumulate(seconds)
