@@ -5,9 +5,9 @@ settings nested under `speculative`:
 
     sampling:     {max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos}              -> SamplingParams
     engine:       {batch_size, dtype, threads, device, backend, ..., kv_cache_dtype, matmul}  -> EngineConfig
-    speculative:  {method, num_speculative_tokens, adaptive, draft_model, ngram: {min, max, pool},
-                   mtp: {model, copy, quantize}}                                              -> SpecConfig
-    parallel:     {data_parallel_size, ray, tensor_parallel_size, expert_parallel_size}       -> ParallelConfig
+    speculative:  {method, num_speculative_tokens, adaptive, draft_model, ngram: {min, max, pool, ...},
+                   mtp: {...}, draft: {...}, medusa: {...}, eagle: {...}}                    -> SpecConfig
+    parallel:     {data_parallel_size, ray, tensor_parallel_size, expert_parallel_size, pd}   -> ParallelConfig
 
 Every field is also a flag of `specgen run` and `specgen bench`: a top-level field by its name (--batch-size), a
 method's field with the method as prefix (--ngram-pool, --mtp-model).
