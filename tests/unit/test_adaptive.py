@@ -515,3 +515,18 @@ def test_a_stored_table_that_no_longer_fits_is_timed_again(monkeypatch, tmp_path
         assert (clock["calls"] > 1 + calibration.CHECKS) == timed
         assert controller.cost.at(1) == pytest.approx(0.010 * (1.0 if timed else scale))
     assert json.loads(path.read_text())["seconds"][0] == pytest.approx(0.010)
+
+
+def test_a_job_whose_drafts_are_right_a_third_of_the_time_starts_requests_detached():
+    """Batch 1, a drafter costing 0.3 of a step (a draft model), a 2-token step at 1.1x one: drafts right 0.36 of
+    the time over the job do not pay (1.36 tokens for 1.4x), so new requests start detached, but for one in
+    EXPLORE_EVERY; the job's own rate is taken as measured (with the 1.5x of a head's held-out hint, 0.54 would
+    have looked worth drafting)."""
+    ctl = Controller(CostModel(np.array([1, 2, 4]), np.array([1.0, 1.1, 1.3])), max_draft=3, num_slots=1)
+    ctl._drafting(0.3)
+    ctl.job.hits[0, 0], ctl.job.seen[0, 0] = 36.0, 100.0
+    attached = []
+    for _ in range(2 * Controller.EXPLORE_EVERY):
+        ctl.reset(0)
+        attached.append(not ctl.detached(np.array([0]))[0])
+    assert sum(attached) == 2
