@@ -66,6 +66,9 @@ class StepPlan:
     draft_seconds: float  # the proposer's propose
     depth: np.ndarray | None = None  # [num_dec, width + 1] int64 a tree block's depths (tree.tree_layout); None: chains
     mask: np.ndarray | None = None  # [num_dec, width + 1] int64 a tree block's attention masks
+    # every slot detached from a drafter idle for detached slots (Proposer.idle_when_detached): a plain step, the
+    # proposer and the controller not called
+    idle: bool = False
 
 
 class Engine:
@@ -265,8 +268,9 @@ class Engine:
             self._compact(dec, root_rows, path, kept[: len(dec)])
         done = by_eos | by_stop | (t.seq_len[slots] >= t.max_len[slots]) | broken
 
-        observe_seconds = self._observe(plan, slots, lens, starts, produced, kept, done, out.hidden, broken, path)
-        if self.controller is not None:
+        observe_seconds = 0.0 if plan.idle else \
+            self._observe(plan, slots, lens, starts, produced, kept, done, out.hidden, broken, path)
+        if self.controller is not None and not plan.idle:
             offered, num_offered = plan.drafts.draft_ids, plan.num_avail
             if plan.depth is not None:  # a tree's acceptance is its main chain's (the first child at each node)
                 num_offered, chain = walk(offered, plan.drafts.parents, plan.num_avail, None)
@@ -294,6 +298,11 @@ class Engine:
         dec = np.nonzero(t.active & t.prefilled)[0]  # [num_dec]
         new, chunk = self._prefill_chunks()  # [num_new] slots prefilling this step and their chunk lengths
         room = t.max_len - t.seq_len  # [num_slots]
+        final = t.prefill_pos[new] + chunk == t.prompt_len[new]
+        c = self.controller
+        if c is not None and getattr(self.proposer, "idle_when_detached", False) and c.detached(np.concatenate([dec, new])).all():
+            none = np.zeros(len(dec), np.int64)
+            return StepPlan(dec, new, chunk, final, room, DraftTokens.none(len(dec), 0), none, none, 0.0, idle=True)
         view = SlotView(dec, t.tokens, t.seq_len[dec], np.minimum(room[dec] - 1, MAX_DRAFT))
         draft_start = time.perf_counter()
         drafts = self.proposer.propose(view)

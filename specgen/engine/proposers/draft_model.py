@@ -34,6 +34,7 @@ class DraftModelProposer:
     """Drafts k tokens per slot with a separate draft model; drafts for the next step are made in observe."""
 
     acceptance_hint = None
+    idle_when_detached = True  # a detached slot's draft neither catches up nor drafts
 
     def __init__(self, draft: Model, k: int, prompt_window: int = 0):
         """prompt_window: a prompt's last positions the draft reads (0: all); its own positions start there."""

@@ -128,6 +128,7 @@ class MedusaProposer:
     """Token trees from Medusa heads' top-k guesses."""
 
     acceptance_hint = None
+    idle_when_detached = True  # no head passes for detached slots
 
     def __init__(self, heads: MedusaHeads, topk: int, paths: tuple[tuple[int, ...], ...],
                  lm_head: paddle.Tensor | None = None):

@@ -81,6 +81,7 @@ class MtpProposer:
         # learned, and a long prompt's catch-up is no longer every position.
         self.prompt_window = prompt_window
         self.acceptance_hint = acceptance_hint  # the head's held-out position-1 accuracy, when training recorded it
+        self.idle_when_detached = copy_min == 0  # with copies, detached slots still copy
         self.copy_min = copy_min
         self._lib = lib if copy_min and max(k, self.COPY_MAX, copy_min) <= host.NATIVE_MAX else None
         self.cache: KVCache | None = None
