@@ -530,3 +530,20 @@ def test_a_job_whose_drafts_are_right_a_third_of_the_time_starts_requests_detach
         ctl.reset(0)
         attached.append(not ctl.detached(np.array([0]))[0])
     assert sum(attached) == 2
+
+
+def test_a_distilled_drafts_recorded_acceptance_is_its_hint(tmp_path):
+    """make-draft records the draft's held-out first-draft acceptance; the proposer hands it to the controller,
+    which rules the draft out where even 1.5x of it could not pay (32 slots, a second token per slot at 1.7x)."""
+    import json
+
+    from specgen.engine.proposers.draft_model import recorded_acceptance
+
+    (tmp_path / "config.json").write_text(json.dumps({"specgen_draft": {"training": {"eval_acc": 0.287}}}))
+    assert recorded_acceptance(tmp_path) == 0.287
+    assert recorded_acceptance(tmp_path / "absent") is None
+    wide = Controller(CostModel(np.array([32, 64, 128]), np.array([1.0, 1.7, 3.0])), max_draft=3, num_slots=32)
+    wide.rule_out(recorded_acceptance(tmp_path))
+    narrow = Controller(CostModel(np.array([1, 2, 4]), np.array([1.0, 1.1, 1.3])), max_draft=3, num_slots=1)
+    narrow.rule_out(recorded_acceptance(tmp_path))
+    assert wide.off and not narrow.off

@@ -15,7 +15,9 @@ draft's context (a draft with a shorter one than the main model) a slot gets no 
 """
 from __future__ import annotations
 
+import json
 import weakref
+from pathlib import Path
 
 import numpy as np
 import paddle
@@ -225,7 +227,20 @@ def build_draft_model_proposer(spec: SpecConfig, model: Model, main) -> DraftMod
         check_vocabulary(main.tokenizer if main is not None else None, loaded.tokenizer, model.config.vocab_size,
                          loaded.config.vocab_size, path)
         drafts[path] = loaded.model
-    return DraftModelProposer(drafts[path], spec.num_speculative_tokens, spec.draft.prompt_window)
+    proposer = DraftModelProposer(drafts[path], spec.num_speculative_tokens, spec.draft.prompt_window)
+    proposer.acceptance_hint = recorded_acceptance(Path(path))
+    return proposer
+
+
+def recorded_acceptance(directory: Path) -> float | None:
+    """The held-out first-draft acceptance `specgen make-draft --data` recorded in the draft's config.json, if any:
+    the controller rules the draft out before the first step where even that could not pay (32 slots of short
+    requests otherwise each drafted until they detached: 0.95x of plain decoding on math)."""
+    try:
+        value = json.loads((directory / "config.json").read_text())["specgen_draft"]["training"]["eval_acc"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def draft_quantization(model: Model, main_mode: str) -> str:
