@@ -67,7 +67,10 @@ def heads(tmp_path_factory) -> dict[str, Path]:
 
 
 def method_flags(method: str, head: Path) -> list[str]:
-    return {"none": [], "ngram": ["--method", "ngram"], "mtp": ["--method", "mtp", "--mtp-model", str(head)]}[method]
+    """Drafting methods verify every draft offered (--no-adaptive): whether the controller verifies any of the
+    random model's drafts depends on step costs timed on a shared machine."""
+    return {"none": [], "ngram": ["--method", "ngram", "--no-adaptive"],
+            "mtp": ["--method", "mtp", "--mtp-model", str(head), "--no-adaptive"]}[method]
 
 
 def run_records(out: Path, arch: str, *extra: str) -> tuple[dict[str, dict], dict]:
