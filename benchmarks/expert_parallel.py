@@ -61,20 +61,9 @@ def time_steps(model, batch: int, tokens: int, steps: int, context: int) -> tupl
 
 def rank_main(worker, job) -> None:
     """A rank: rank 0 times the steps it is asked for (its forwards sent to the other rank, which follows)."""
-    from specgen.distributed.tensor_parallel import follow, join_group, load_rank
+    from tensor_parallel import serve_timings
 
-    spec = worker.spec
-    join_group(spec.rank, job)
-    model, _, _ = load_rank(job, spec.rank, spec.world_size, spec.threads)
-    worker.ready()
-    if spec.rank:
-        follow(model, model.backend)
-        return
-    try:
-        for task in worker.tasks():
-            worker.send(time_steps(model, *task))
-    finally:
-        model.backend.stop()
+    serve_timings(worker, job, time_steps)
 
 
 def main() -> None:

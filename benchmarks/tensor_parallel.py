@@ -46,6 +46,12 @@ def time_steps(model, batch: int, tokens: int, steps: int, context: int) -> tupl
 
 def rank_main(worker, job) -> None:
     """A rank: rank 0 times the steps it is asked for (its forwards broadcast to the other rank, which follows)."""
+    serve_timings(worker, job, time_steps)
+
+
+def serve_timings(worker, job, timer) -> None:
+    """A rank of a timing job: rank 0 sends timer(model, *task) for each task; the other ranks follow its forwards
+    (benchmarks/expert_parallel.py's ranks too)."""
     from specgen.distributed.tensor_parallel import follow, join_group, load_rank
 
     spec = worker.spec
@@ -57,7 +63,7 @@ def rank_main(worker, job) -> None:
         return
     try:
         for task in worker.tasks():
-            worker.send(time_steps(model, *task))
+            worker.send(timer(model, *task))
     finally:
         model.backend.stop()
 

@@ -6,30 +6,20 @@ off); the shipped layer loads for the default model."""
 import numpy as np
 import pytest
 from conftest import TINY
+from heads import random_eagle
 
 from specgen import EngineConfig, SamplingParams, SpecConfig, generate, load_model
 from specgen.config import EagleConfig
-from specgen.engine.proposers.eagle import (EaglePass, EagleProposer, TreeShape, load_eagle, read_eagle, save_eagle,
-                                            shipped_eagle)
+from specgen.engine.proposers.eagle import (
+    EaglePass,
+    EagleProposer,
+    TreeShape,
+    load_eagle,
+    read_eagle,
+    save_eagle,
+    shipped_eagle,
+)
 from specgen.errors import CheckpointError
-
-
-def random_eagle(cfg, seed: int, input_norm: bool = False, norm: bool = False, std: float = 0.05) -> dict:
-    """An EAGLE layer in the public layout (HF [out, in]) whose fc passes the feature through, plus noise."""
-    rng = np.random.default_rng(seed)
-    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    shapes = {"self_attn.q_proj.weight": (cfg.num_heads * hd, h), "self_attn.k_proj.weight": (cfg.num_kv_heads * hd, h),
-              "self_attn.v_proj.weight": (cfg.num_kv_heads * hd, h), "self_attn.o_proj.weight": (h, cfg.num_heads * hd),
-              "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter)}
-    w = {"layers.0." + n: rng.normal(0, std, s) for n, s in shapes.items()}
-    w["layers.0.post_attention_layernorm.weight"] = np.ones(h)
-    if input_norm:
-        w["layers.0.input_layernorm.weight"] = 1 + rng.normal(0, 0.1, h)
-    if norm:
-        w["norm.weight"] = 1 + rng.normal(0, 0.1, h)
-    w["fc.weight"] = np.concatenate([rng.normal(0, std, (h, h)), np.eye(h) + rng.normal(0, std, (h, h))], axis=1)
-    w["fc.bias"] = rng.normal(0, std, h)
-    return {k: v.astype(np.float32) for k, v in w.items()}
 
 
 @pytest.fixture(scope="module")
