@@ -547,3 +547,55 @@ def test_a_distilled_drafts_recorded_acceptance_is_its_hint(tmp_path):
     narrow = Controller(CostModel(np.array([1, 2, 4]), np.array([1.0, 1.1, 1.3])), max_draft=3, num_slots=1)
     narrow.rule_out(recorded_acceptance(tmp_path))
     assert wide.off and not narrow.off
+
+
+def _thirty_two_slots() -> tuple[Controller, np.ndarray]:
+    """32 slots where a second token per slot costs 1.3x (a verify block of 64 tokens against 32)."""
+    ctl = Controller(CostModel(np.array([32, 64, 128]), np.array([1.0, 1.3, 2.2])), max_draft=3, num_slots=32)
+    return ctl, np.arange(32)
+
+
+def test_a_first_generation_whose_drafts_do_not_pay_detaches_at_once():
+    """32 requests placed together before any draft is known all draft (1 in 2 would pay at 1.3x). Once one step
+    shows the job's drafts missing, the next step detaches every slot but the explorers (one request in
+    EXPLORE_EVERY), instead of each drafting DETACH_AFTER steps (0.95x of plain decoding at 32 slots)."""
+    ctl, slots = _thirty_two_slots()
+    for slot in slots:
+        ctl.reset(slot)
+    assert not ctl.detached(slots).any()
+    avail = np.full(32, 3)
+    assert ctl.choose(slots, avail, 0).sum() > 0
+    ctl.end_step(_report(slots, np.tile([7, 8, 9], (32, 1)), avail, np.tile([1, 2, 3, 4], (32, 1)), np.full(32, 4)))
+    assert ctl.choose(slots, avail, 0).sum() == 0
+    explorers = slots % Controller.EXPLORE_EVERY == 0
+    assert ctl.detached(slots).tolist() == (~explorers).tolist()
+
+
+def test_a_slot_whose_own_drafts_pay_stays_attached_when_the_job_does_not():
+    """The job's drafts miss, but one slot's own drafts have been right 0.95 of the time: it keeps verifying and
+    stays attached while the slots verifying nothing detach."""
+    ctl, slots = _thirty_two_slots()
+    for slot in slots:
+        ctl.reset(slot)
+    ctl.job.hits[0, 0], ctl.job.seen[0, 0] = 2.0, 100.0
+    ctl.acceptance.hits[0, 5], ctl.acceptance.seen[0, 5] = 95.0, 100.0
+    k = ctl.choose(slots, np.full(32, 3), 0)
+    assert k[5] > 0 and ctl.detached(slots).sum() == 32 - 32 // Controller.EXPLORE_EVERY - 1
+    assert not ctl.detached(slots)[5]
+
+
+def test_the_drafters_hint_is_the_jobs_prior_before_any_draft():
+    """A draft whose held-out acceptance is 0.287 is not ruled out at 1.3x (1.5x headroom: 0.43), but 1.287
+    tokens for 1.3x do not pay: its first 32 requests start detached, explorers aside. Without a hint (1 in 2)
+    they start attached."""
+    ctl, slots = _thirty_two_slots()
+    ctl.rule_out(0.287)
+    assert not ctl.off
+    for slot in slots:
+        ctl.reset(slot)
+    assert ctl.detached(slots).sum() == 32 - 32 // Controller.EXPLORE_EVERY
+    plain, _ = _thirty_two_slots()
+    plain.rule_out(None)
+    for slot in slots:
+        plain.reset(slot)
+    assert not plain.detached(slots).any()

@@ -7,7 +7,8 @@ acceptance), so a slot whose text turns predictable is noticed.
 Beside the choice (decide.py): a slot whose drafts have not paid for DETACH_AFTER steps in a row, the drafter's
 own time counted, is detached (a drafter that costs time per slot, an MTP head or a draft model, stops drafting
 for it); a new request starts detached when the drafter's acceptance over the job so far could not pay for it
-at the batch's size, but for one request in EXPLORE_EVERY, which keeps that figure current;
+at the batch's size, but for one request in EXPLORE_EVERY, which keeps that figure current (and once the job's
+drafts are known not to pay, a slot that verifies nothing detaches at once, explorers aside);
 and a drafter whose own measured acceptance
 could not pay for one draft per slot at this batch size is ruled out before the first step.
 """
@@ -60,6 +61,11 @@ class Controller:
     # drafts had paid: the draft model ran 0.95x and the MTP head 0.92x of plain decoding (math, 64 tokens each).
     JOB_DECAY = 0.97
     EXPLORE_EVERY = 8  # one new request in this many drafts whatever the job's acceptance says
+    # Drafts (decayed) of the job's evidence past which, while drafts at the job-wide rate could not pay, a slot that
+    # verifies nothing detaches at once, explorers aside. 32 requests started together
+    # each drafted DETACH_AFTER steps before detaching: the draft model and a 3-module head ran 0.95x of plain
+    # decoding at 32 slots (math, 48 tokens each).
+    JOB_EVIDENCE = 16.0
 
     def __init__(self, cost: CostModel, max_draft: int, num_slots: int):
         self.cost, self.max_draft, self.num_slots = cost, max_draft, num_slots
@@ -72,6 +78,8 @@ class Controller:
         self.calibration = AcceptanceEstimator(1, 1, self.JOB_DECAY)
         self.active = num_slots  # decoding slots at the last choice
         self.requests = 0  # requests placed (reset)
+        self.explorer = np.zeros(num_slots, bool)  # [num_slots] the slot's request drafts whatever the job says
+        self.hint: float | None = None  # the drafter's held-out acceptance: the job's prior before its own drafts
 
     # ---- before a step ----
 
@@ -81,6 +89,7 @@ class Controller:
         size: E = 1 + a tokens against c(2 n) / c(n). Where verifying is compute-bound (32 slots on this CPU:
         1.7x) an MTP head with held-out acceptance 0.41 never runs, instead of costing its passes until every
         slot detaches."""
+        self.hint = acceptance_hint
         if acceptance_hint is None:
             return
         n = active or self.num_slots  # slots the job fills
@@ -103,6 +112,8 @@ class Controller:
         # a step that pays takes one off the count, not all of it: drafts right a third of the time pay now and then
         # (a draft model at batch 1, reset on each such step, never detached: 0.85x of plain decoding on math)
         idle = np.where((k == 0) | (not pays), self.idle[slots] + 1, np.maximum(self.idle[slots] - 1, 0))
+        if self.job.seen[0, 0] >= self.JOB_EVIDENCE and not self._job_pays():
+            idle = np.where((k == 0) & ~self.explorer[slots], np.maximum(idle, self.DETACH_AFTER), idle)
         self.idle[slots] = idle if source is None else np.where(source == 0, idle, self.idle[slots])
         return k
 
@@ -112,7 +123,7 @@ class Controller:
         2: at batch 1 drafts are offered on a few steps of each request, and from 1 in 2 the estimate of drafts
         accepted 0.09 of the time fell through 0.2-0.45 over a whole request (n-gram on a random MoE, where a
         2-token step costs 1.34x one), verifying drafts that did not pay. Other sources keep 1 in 2."""
-        job = float(self.job.rate(0, 0))
+        job = self._job_rate()
         return self.acceptance.rate(source, slots, np.where(np.asarray(source) == 0, job, 0.5))
 
     def calibrated(self, scores: np.ndarray) -> np.ndarray:
@@ -133,7 +144,13 @@ class Controller:
         self.acceptance.reset(slot)
         self.requests += 1
         explore = self.requests % self.EXPLORE_EVERY == 1
+        self.explorer[slot] = explore
         self.idle[slot] = 0 if explore or self._job_pays() else self.DETACH_AFTER
+
+    def _job_rate(self) -> float:
+        """Source 0's acceptance over the job so far, from PRIOR_SEEN drafts' worth of the drafter's held-out
+        hint when it has one (1 in 2 otherwise): 32 requests placed before any draft is known start from it."""
+        return float(self.job.rate(0, 0, self.hint))
 
     def _job_pays(self) -> bool:
         """Whether drafts accepted at the job's rate so far, up to max_draft per slot at the last step's batch size,
@@ -141,7 +158,7 @@ class Controller:
         held-out hint: with HINT_HEADROOM a draft model right 0.36 of the time looked worth 0.54, and each request
         of a batch-1 job caught its prompt up and drafted until it detached: 0.93x of plain decoding on math.)"""
         n = max(self.active, 1)
-        a = float(self.job.rate(0, 0))
+        a = self._job_rate()
         return choose_drafts(np.full(n, a), np.full(n, self.max_draft, np.int64), 0, self.draft_cost or 0.0,
                              self.cost, self.MIN_GAIN)[1]
 
