@@ -15,6 +15,7 @@ from specgen.engine.proposers.eagle import (
     EagleProposer,
     TreeShape,
     load_eagle,
+    prepare_eagle,
     read_eagle,
     save_eagle,
     shipped_eagle,
@@ -83,8 +84,8 @@ def test_dynamic_tree_is_the_layers_own_top_k(model64, backend, tmp_path):
     save_eagle(tmp_path, random_eagle(cfg, 3, norm=True), cfg)
     m = load_model(TINY / "llama", dtype="float64", backend=backend).model
     k, depth = 3, 4
-    prop = EagleProposer(m, load_eagle(tmp_path, m), depth, TreeShape(topk=k, nodes=32))
-    ref = EagleProposer(model64.model, load_eagle(tmp_path, model64.model), depth, TreeShape(topk=k, nodes=32))
+    prop = EagleProposer(m, prepare_eagle(m, tmp_path), depth, TreeShape(topk=k, nodes=32))
+    ref = EagleProposer(model64.model, prepare_eagle(model64.model, tmp_path), depth, TreeShape(topk=k, nodes=32))
     prop._ensure(3)
     rng = np.random.default_rng(0)
     lens = [7, 12, 9]
@@ -120,7 +121,7 @@ def test_static_tree_keeps_its_shape(model64, tmp_path):
     save_eagle(tmp_path, random_eagle(cfg, 4), cfg)
     m = model64.model
     shape = TreeShape(topk=2, nodes=32, paths=((0, 0, 0), (1,), (0, 1), (1, 0)))
-    prop = EagleProposer(m, load_eagle(tmp_path, m), 3, shape)
+    prop = EagleProposer(m, prepare_eagle(m, tmp_path), 3, shape)
     assert prop.width == 6  # (0) (1) (0,0) (0,1) (1,0) (0,0,0)
     prompts = [[5, 9, 13, 5, 9, 13, 5, 9]]
     spec = SpecConfig(method="eagle", draft_model=str(tmp_path), adaptive=False, num_speculative_tokens=3,

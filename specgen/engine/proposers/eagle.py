@@ -36,7 +36,7 @@ import paddle.nn.functional as F
 from specgen.backends.reference import reserve
 from specgen.config import SpecConfig
 from specgen.engine.kv_cache import KVCache
-from specgen.engine.proposers.base import SlotView
+from specgen.engine.proposers.base import SlotView, checkpoint_key, prepared_once
 from specgen.engine.proposers.medusa import tree_template
 from specgen.engine.proposers.mtp import CatchUp, MtpProposer
 from specgen.engine.proposers.mtp_head import _block_config, load_draft_vocab, prompt_window, training_setting
@@ -190,9 +190,10 @@ class TreeShape:
 class EagleProposer(MtpProposer):
     """Token trees from an EAGLE layer; the catch-up of its cache is MtpProposer's."""
 
-    def __init__(self, model: Model, weights: EagleWeights, k: int, shape: TreeShape,
-                 acceptance_hint: float | None = None, prompt_window: int = 0, quantize: bool = True):
-        self.runner = model.backend.prepare_eagle(model, weights, quantize)  # EaglePass.run's interface
+    def __init__(self, model: Model, runner, k: int, shape: TreeShape,
+                 acceptance_hint: float | None = None, prompt_window: int = 0):
+        """runner: the layer prepared for the model's backend (prepare_eagle; EaglePass.run's interface)."""
+        self.runner = runner
         super().__init__(model, [self.runner], k, acceptance_hint, copy_min=0, prompt_window=prompt_window)
         self.shape = shape
         self.width = min(shape.nodes, MAX_TREE_NODES)
@@ -327,11 +328,16 @@ def build_eagle_proposer(spec: SpecConfig, model: Model) -> EagleProposer:
     if path is None:
         raise CheckpointError("--method eagle needs --draft-model PATH (an EAGLE layer: fc.weight, layers.0.*; "
                               "`specgen train-head --kind eagle` trains one); none ships for this model")
-    weights = load_eagle(path, model)
     d = Path(path) if Path(path).is_dir() else Path(path).parent
     e = spec.eagle
-    return EagleProposer(model, weights, spec.num_speculative_tokens, TreeShape(e.topk, e.nodes, e.tree_paths()),
-                         training_setting(d, "eval_acc"), prompt_window(d), e.quantize)
+    return EagleProposer(model, prepare_eagle(model, path, e.quantize), spec.num_speculative_tokens,
+                         TreeShape(e.topk, e.nodes, e.tree_paths()), training_setting(d, "eval_acc"), prompt_window(d))
+
+
+def prepare_eagle(model: Model, path: str | Path, quantize: bool = True):
+    """The EAGLE layer at `path` loaded and prepared for the model's backend, once per model in this process."""
+    return prepared_once(model, checkpoint_key(path, "eagle", quantize),
+                         lambda: model.backend.prepare_eagle(model, load_eagle(path, model), quantize))
 
 
 SHIPPED = Path(__file__).resolve().parents[2] / "assets" / "eagle" / "smollm2-135m-instruct"

@@ -21,6 +21,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from specgen.engine.proposers.base import checkpoint_key, prepared_once
 from specgen.engine.proposers.medusa import (
     MedusaHeads,
     MedusaProposer,
@@ -209,7 +210,11 @@ def build_hydra_proposer(spec, model) -> HydraProposer:
     if path is None:
         raise CheckpointError(f"--method hydra needs --draft-model PATH (Hydra heads: a directory with {WEIGHTS}; "
                               "`specgen train-head --kind hydra` trains them); heads ship for the default model only")
-    heads = load_hydra(path, cfg.hidden_size, cfg.vocab_size, model.dtype)
-    embed = model.weights.embed.astype(model.dtype)
-    return HydraProposer(heads, spec.medusa.topk, spec.medusa.tree_paths(), embed,
-                         shared_lm_head(model, heads.lm_heads))
+    paths = spec.medusa.tree_paths()
+
+    def make() -> HydraProposer:
+        heads = load_hydra(path, cfg.hidden_size, cfg.vocab_size, model.dtype)
+        return HydraProposer(heads, spec.medusa.topk, paths, model.weights.embed.astype(model.dtype),
+                             shared_lm_head(model, heads.lm_heads))
+
+    return prepared_once(model, checkpoint_key(path, "hydra", spec.medusa.topk, paths), make).fresh()

@@ -17,7 +17,6 @@ for drafts past the number of modules.
 """
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ import paddle
 from specgen.backends.base import MtpPass, PreparedHead
 from specgen.config import SpecConfig
 from specgen.engine.kv_cache import KVCache
-from specgen.engine.proposers.base import SlotView
+from specgen.engine.proposers.base import SlotView, checkpoint_key, prepared_once
 from specgen.engine.proposers.mtp_head import (MtpHeadWeights, load_draft_vocab, load_mtp_weights, prompt_window,
                                                shipped_head, training_setting)
 from specgen.engine.proposers.ngram import ngram_match, ngram_match_native
@@ -281,10 +280,6 @@ class MtpProposer:
 # per-slot arrays of MtpProposer a hand-off carries as they are (export_slot)
 _SLOT_ARRAYS = ("shift", "drafts", "num_drafts", "copy_ids", "copy_num", "copy_at")
 
-# heads prepared per model in this process: {(directory, its files' mtimes, quantize): head}; later generate()
-# calls on the same model reuse them
-_heads: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
 
 def build_mtp_proposer(spec: SpecConfig, model: Model, lib=None) -> MtpProposer:
     """The head comes from speculative.mtp.model (--mtp-model) or speculative.draft_model (--draft-model), else
@@ -294,11 +289,8 @@ def build_mtp_proposer(spec: SpecConfig, model: Model, lib=None) -> MtpProposer:
         raise CheckpointError("--method mtp needs an MTP head: give --mtp-model DIR (DeepSeek-V3 or ERNIE-4.5 "
                               "layout; `specgen train-mtp` trains one); the main checkpoint has none")
     d = Path(path).resolve()
-    key = (str(d), tuple(sorted((f.name, f.stat().st_mtime_ns) for f in d.iterdir())) if d.is_dir() else (),
-           spec.mtp.quantize)
-    heads = _heads.setdefault(model, {})
-    if key not in heads:
-        modules = MtpHeadWeights.read_modules(load_mtp_weights(path), str(path), model, load_draft_vocab(path))
-        heads[key] = [model.backend.prepare_head(model, m, spec.mtp.quantize) for m in modules]
-    return MtpProposer(model, heads[key], spec.num_speculative_tokens, training_setting(d, "eval_acc"),
+    heads = prepared_once(model, checkpoint_key(d, "mtp", spec.mtp.quantize), lambda: [
+        model.backend.prepare_head(model, m, spec.mtp.quantize)
+        for m in MtpHeadWeights.read_modules(load_mtp_weights(path), str(path), model, load_draft_vocab(path))])
+    return MtpProposer(model, heads, spec.num_speculative_tokens, training_setting(d, "eval_acc"),
                        spec.mtp.copy, prompt_window(d), lib)
