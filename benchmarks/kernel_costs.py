@@ -9,6 +9,9 @@ packed as float32 panels, and specgen_linear over the GGUF file's own Q4_1 / Q8_
 With --int8 (AVX-512 VNNI) a fourth: the blocks with the inputs quantized to int8 (matmul int8).
 Forward: c(T), a greedy forward feeding T tokens to one slot at position --position, median of --repeats, and
 c(T) / c(1): what verifying T - 1 drafts costs against a plain step.
+With --tree: the same blocks of T = 1 + nodes rows also as token trees (up to MAX_TREE_NODES nodes; each node's
+parent the (i - 1) // 4-th, as EAGLE-2's top-4 expansion shapes them), ancestor-masked, timed in turn with the
+causal ones (each first every other round): c(T) by tree nodes, and tree / causal.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ def main() -> None:
     ap.add_argument("--int8", action="store_true", help="also time the integer products (matmul int8)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tree", action="store_true", help="also time tree-masked blocks (c(T) by tree nodes)")
     args = ap.parse_args()
     import paddle
 
@@ -74,6 +78,43 @@ def main() -> None:
     costs = step_costs(m, args.position, args.tokens, repeats=args.repeats)
     print(f"\nforward at position {args.position}, one slot:")
     print_table(["tokens fed", "ms", "c(T) / c(1)"], [[t, costs[t] * 1e3, costs[t] / costs[1]] for t in args.tokens])
+    if args.tree:
+        from specgen.engine.tree import MAX_TREE_NODES
+
+        tree = tree_costs(m, args.position, [t for t in args.tokens if t <= MAX_TREE_NODES + 1], args.repeats)
+        print(f"\ntree-masked blocks at position {args.position}, one slot (T = root + nodes):")
+        print_table(["T", "causal ms", "tree ms", "tree / causal", "tree c(T) / c(1)"],
+                    [[t, c * 1e3, tr * 1e3, tr / c, tr / tree[1][0]] for t, (tr, c) in tree.items()])
+
+
+def tree_costs(m, position: int, tokens: list[int], repeats: int) -> dict[int, tuple[float, float]]:
+    """{T: (tree, causal)} median seconds of a greedy verify forward of T rows (a root and T - 1 nodes) to one
+    slot at `position`, as a token tree and as a causal block, timed in turn."""
+    from specgen.engine.tree import tree_layout
+    from specgen.engine.types import build_forward_batch
+
+    rng = np.random.default_rng(0)
+    one, zero = np.zeros(1, np.int64), np.zeros(1, bool)
+    cache = m.new_cache(1, position + max(tokens) + 1)
+    m.forward(build_forward_batch(one, one, np.array([position]), rng.integers(0, 1000, position), zero), cache,
+              logits=False)
+    batches = {}
+    for t in tokens:
+        ids = rng.integers(0, 1000, t)
+        parents = (np.arange(t - 1) // 4)[None, :]  # node i + 1's parent: block index i // 4 (0: the root)
+        depth, mask = tree_layout(parents)
+        tree = build_forward_batch(one, np.array([position]), np.array([t]), ids, ~zero, tree_depth=depth[0],
+                                   tree_mask=mask[0])
+        causal = build_forward_batch(one, np.array([position]), np.array([t]), ids, ~zero)
+        batches[t] = (tree, causal)
+    times = {t: ([], []) for t in tokens}
+    for r in range(2 * repeats + 1):  # the two kinds in turn, each first every other round (first runs slower)
+        for t, pair in batches.items():
+            for b, out in list(zip(pair, times[t]))[::1 if r % 2 else -1]:
+                start = time.perf_counter()
+                m.forward(b, cache, logits=False)
+                out.append(time.perf_counter() - start)
+    return {t: (float(np.median(a[1:])), float(np.median(c[1:]))) for t, (a, c) in times.items()}
 
 
 if __name__ == "__main__":

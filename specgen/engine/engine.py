@@ -228,7 +228,9 @@ class Engine:
         lens = np.concatenate([plan.num_draft + 1, chunk])
         starts = np.concatenate([t.seq_len[dec] - 1, new_start])
         tree_depth = tree_mask = None
-        if plan.depth is not None:  # prompt chunks: depth = index in the block, causal
+        # Tree rows only where some slot verifies a node: a block of roots alone is causal, and runs the causal path
+        # (the tree-masked one cost +0.6% for 1 token, +4-7% for 3-5, one slot at position 256).
+        if plan.depth is not None and plan.num_draft.any():  # prompt chunks: depth = index in the block, causal
             chunk_index = np.arange(int(chunk.sum())) - np.repeat(np.cumsum(chunk) - chunk, chunk)
             tree_depth = np.concatenate([plan.depth[dec_mask], chunk_index])
             tree_mask = np.concatenate([plan.mask[dec_mask], np.full(len(chunk_index), CAUSAL)])
