@@ -1,12 +1,13 @@
 """EAGLE (issue 44): the EAGLE layer's chain, static tree and dynamic tree against plain decoding, n-gram and the
-MTP head at batch 1 on Spec-Bench's categories; and the tree against the chain of the same layer at the same
+MTP head on Spec-Bench's categories and MBPP rewriting; and the tree against the chain of the same layer at the same
 verify budget (every node verified).
 
     python benchmarks/eagle.py [--eagle DIR] [--sets ...] [--per-set 3] [--max-tokens 64] [--repeats 2]
+                               [--batch-size 1]
 
-Greedy, the default model, float32, the fused backend. Speed arms run with the adaptive controller (it picks each
-slot's k or node budget); they alternate within each repeat, tok/s are the best of the repeats and "x none" its
-ratio to plain decoding's. tok/step = tokens emitted per step (accepted + 1), nodes/step = drafts verified per
+Greedy, the default model, float32, the fused backend, batch --batch-size (1). Speed arms run with the adaptive
+controller (it picks each slot's k or node budget); they alternate within each repeat, tok/s are the best of the
+repeats and "x none" its ratio to plain decoding's. tok/step = tokens emitted per step (accepted + 1), nodes/step = drafts verified per
 step. Budget arms verify every node offered: a chain of B drafts against a tree of B nodes (EAGLE-2's most
 probable B) of the same layer. Outputs are checked identical to `none`'s.
 """
@@ -61,6 +62,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--budgets", nargs="+", type=int, default=[3, 5])
     p.add_argument("--arms", nargs="+", default=None)
+    p.add_argument("--batch-size", type=int, default=1, help="engine slots (use --per-set >= it)")
     args = p.parse_args()
     from specgen import EngineConfig, SamplingParams, generate, load_model
 
@@ -81,7 +83,7 @@ def main() -> None:
                 if not speed and repeat:  # budget arms: counts only
                     continue
                 out, wall = timed(lambda: generate(prompts, model=model, sampling=sampling, speculative=spec,
-                                                   engine=EngineConfig(batch_size=1)))
+                                                   engine=EngineConfig(batch_size=args.batch_size)))
                 best[arm] = max(best.get(arm, 0.0), sum(len(o.token_ids) for o in out) / wall)
                 outs[arm] = out
         for arm in names:
