@@ -185,6 +185,23 @@ def test_medusa_guesses_travel(tmp_path):
     assert assert_colocated(loaded, EngineConfig(batch_size=3, dtype="float64"), spec, requests) > 0
 
 
+def test_eagle_trees_travel(tmp_path):
+    """The EAGLE tree grown at the prompt's last position (its tokens, parents and probabilities) goes with the
+    request, beside the layer's cache (fused fp64, controller off: the same trees verified and accepted as in
+    the colocated engine; without the tree arrays the decode side verified an empty tree on its first step)."""
+    from heads import random_eagle
+
+    from specgen.config import EagleConfig
+    from specgen.engine.proposers.eagle import save_eagle
+
+    loaded = load_model(TINY / "llama", dtype="float64")
+    save_eagle(tmp_path, random_eagle(loaded.config, 3, norm=True), loaded.config)
+    spec = SpecConfig(method="eagle", draft_model=str(tmp_path), adaptive=False, num_speculative_tokens=3,
+                      eagle=EagleConfig(topk=2, nodes=6))
+    requests = requests_of(loaded, [f"item {i}: " + "x y " * i for i in range(8)])
+    assert assert_colocated(loaded, EngineConfig(batch_size=3, dtype="float64"), spec, requests) > 0
+
+
 @pytest.mark.realmodel
 @pytest.mark.parametrize("method", ["ngram", "mtp"])
 def test_default_model_hand_off(real_model64, method):

@@ -190,6 +190,9 @@ class TreeShape:
 class EagleProposer(MtpProposer):
     """Token trees from an EAGLE layer; the catch-up of its cache is MtpProposer's."""
 
+    # a hand-off carries the tree grown at the prompt's last position too (else the first decode step's is empty)
+    SLOT_ARRAYS = MtpProposer.SLOT_ARRAYS + ("tree_ids", "tree_parents", "tree_probs")
+
     def __init__(self, model: Model, runner, k: int, shape: TreeShape,
                  acceptance_hint: float | None = None, prompt_window: int = 0):
         """runner: the layer prepared for the model's backend (prepare_eagle; EaglePass.run's interface)."""

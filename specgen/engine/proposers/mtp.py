@@ -68,6 +68,8 @@ class MtpProposer:
     # the alternative, the better source pays more (batch 8, k = 2, every draft verified: tokens per step
     # 1.69 -> 1.71 on summarization, 2.02 -> 2.06 on code rewriting, RAG unchanged).
     COPY_MAX = 8
+    # per-slot arrays a hand-off carries as they are (export_slot)
+    SLOT_ARRAYS = ("shift", "drafts", "num_drafts", "copy_ids", "copy_num", "copy_at")
 
     def __init__(self, model: Model, heads: Sequence[PreparedHead], k: int, acceptance_hint: float | None = None,
                  copy_min: int = 0, prompt_window: int = 0, lib=None):
@@ -139,7 +141,7 @@ class MtpProposer:
             return {}
         shift = int(self.shift[slot])
         n = min(seq_len - shift + self.k, self.cache.capacity)
-        state = {name: np.array(getattr(self, name)[slot]) for name in _SLOT_ARRAYS}
+        state = {name: np.array(getattr(self, name)[slot]) for name in self.SLOT_ARRAYS}
         state["valid"] = self.valid[:, slot].copy()
         for i, cache in enumerate(self.caches):
             state.update({f"cache{i}.{j}": pieces for j, pieces in enumerate(cache.export_slot(slot, n))})
@@ -151,7 +153,7 @@ class MtpProposer:
         self._ensure(num_slots)
         if not state:
             return
-        for name in _SLOT_ARRAYS:
+        for name in self.SLOT_ARRAYS:
             getattr(self, name)[slot] = state[name]
         self.valid[:, slot] = state["valid"]
         for i, cache in enumerate(self.caches):
@@ -276,9 +278,6 @@ class MtpProposer:
             self.valid[i, slots] = valid
             out, prev_start, prev_total = new_out, begin, total
 
-
-# per-slot arrays of MtpProposer a hand-off carries as they are (export_slot)
-_SLOT_ARRAYS = ("shift", "drafts", "num_drafts", "copy_ids", "copy_num", "copy_at")
 
 
 def build_mtp_proposer(spec: SpecConfig, model: Model, lib=None) -> MtpProposer:
