@@ -62,9 +62,9 @@ class Controller:
     JOB_DECAY = 0.97
     EXPLORE_EVERY = 8  # one new request in this many drafts whatever the job's acceptance says
     # Drafts (decayed) of the job's evidence past which, while drafts at the job-wide rate could not pay, a slot that
-    # verifies nothing detaches at once, explorers aside. 32 requests started together
-    # each drafted DETACH_AFTER steps before detaching: the draft model and a 3-module head ran 0.95x of plain
-    # decoding at 32 slots (math, 48 tokens each).
+    # verifies nothing detaches at once, explorers aside. 32 requests started together each drafted DETACH_AFTER
+    # steps before detaching: the draft model and a 3-module head ran 0.95x of plain decoding at 32 slots (math,
+    # 48 tokens each).
     JOB_EVIDENCE = 16.0
 
     def __init__(self, cost: CostModel, max_draft: int, num_slots: int):
