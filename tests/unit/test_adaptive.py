@@ -556,16 +556,22 @@ def _thirty_two_slots() -> tuple[Controller, np.ndarray]:
 
 
 def test_a_first_generation_whose_drafts_do_not_pay_detaches_at_once():
-    """32 requests placed together before any draft is known all draft (1 in 2 would pay at 1.3x). Once one step
-    shows the job's drafts missing, the next step detaches every slot but the explorers (one request in
-    EXPLORE_EVERY), instead of each drafting DETACH_AFTER steps (0.95x of plain decoding at 32 slots)."""
+    """32 requests placed together before any draft is known all draft (1 in 2 would pay at 1.3x). Once two steps
+    (JOB_EVIDENCE_PER_SLOT) show the job's drafts missing, the next step detaches every slot but the explorers (one
+    request in EXPLORE_EVERY), instead of each drafting DETACH_AFTER steps (0.95x of plain decoding at 32 slots);
+    after one step's evidence none is detached yet. A token tree's slots keep the DETACH_AFTER rule."""
     ctl, slots = _thirty_two_slots()
     for slot in slots:
         ctl.reset(slot)
     assert not ctl.detached(slots).any()
     avail = np.full(32, 3)
     assert ctl.choose(slots, avail, 0).sum() > 0
-    ctl.end_step(_report(slots, np.tile([7, 8, 9], (32, 1)), avail, np.tile([1, 2, 3, 4], (32, 1)), np.full(32, 4)))
+    miss = _report(slots, np.tile([7, 8, 9], (32, 1)), avail, np.tile([1, 2, 3, 4], (32, 1)), np.full(32, 4))
+    ctl.end_step(miss)
+    assert ctl.choose(slots, avail, 0).sum() == 0 and not ctl.detached(slots).any()
+    ctl.end_step(miss)
+    tree = ctl.choose(slots, avail, 0, gains=np.full((32, 3), 0.01))  # a tree's nodes: the count grows by one
+    assert tree.sum() == 0 and not ctl.detached(slots).any()
     assert ctl.choose(slots, avail, 0).sum() == 0
     explorers = slots % Controller.EXPLORE_EVERY == 0
     assert ctl.detached(slots).tolist() == (~explorers).tolist()
@@ -599,3 +605,16 @@ def test_the_drafters_hint_is_the_jobs_prior_before_any_draft():
     for slot in slots:
         plain.reset(slot)
     assert not plain.detached(slots).any()
+
+
+def test_a_job_smaller_than_the_batch_is_judged_at_its_own_size():
+    """3 requests in 32 slots, a draft right 0.3 of the time: a second token per slot costs 1.05x at 3 slots and
+    1.5x at 32. Before the first step its requests are judged at 3 slots (they pay, and start attached), not at
+    the 32 the engine could hold."""
+    ctl = Controller(CostModel(np.array([3, 6, 32, 64]), np.array([1.0, 1.05, 3.0, 4.5])), max_draft=1,
+                     num_slots=32)
+    ctl.rule_out(0.3, active=3)
+    assert not ctl.off and ctl.active == 3
+    for slot in range(3):
+        ctl.reset(slot)
+    assert not ctl.detached(np.arange(3)).any()

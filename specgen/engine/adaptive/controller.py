@@ -61,11 +61,14 @@ class Controller:
     # drafts had paid: the draft model ran 0.95x and the MTP head 0.92x of plain decoding (math, 64 tokens each).
     JOB_DECAY = 0.97
     EXPLORE_EVERY = 8  # one new request in this many drafts whatever the job's acceptance says
-    # Drafts (decayed) of the job's evidence past which, while drafts at the job-wide rate could not pay, a slot that
-    # verifies nothing detaches at once, explorers aside. 32 requests started together each drafted DETACH_AFTER
-    # steps before detaching: the draft model and a 3-module head ran 0.95x of plain decoding at 32 slots (math,
-    # 48 tokens each).
+    # Drafts (decayed) of the job's evidence, and at least JOB_EVIDENCE_PER_SLOT per decoding slot (more than one
+    # step's first drafts: one noisy step does not decide), past which, while drafts at the job-wide rate could
+    # not pay, a slot that verifies nothing of a chain detaches at once, explorers aside. 32 requests started
+    # together each drafted DETACH_AFTER steps before detaching: the draft model and a 3-module head ran 0.95x of
+    # plain decoding at 32 slots (math, 48 tokens each). Token trees keep the DETACH_AFTER rule: the job's rate
+    # prices a chain, and a tree that declines one step's nodes may pay on the next.
     JOB_EVIDENCE = 16.0
+    JOB_EVIDENCE_PER_SLOT = 1.5
 
     def __init__(self, cost: CostModel, max_draft: int, num_slots: int):
         self.cost, self.max_draft, self.num_slots = cost, max_draft, num_slots
@@ -90,9 +93,10 @@ class Controller:
         1.7x) an MTP head with held-out acceptance 0.41 never runs, instead of costing its passes until every
         slot detaches."""
         self.hint = acceptance_hint
+        n = active or self.num_slots  # slots the job fills
+        self.active = n  # (new requests placed before the first step are judged at this size)
         if acceptance_hint is None:
             return
-        n = active or self.num_slots  # slots the job fills
         a = min(1.0, self.HINT_HEADROOM * acceptance_hint)
         self.off = bool(self.cost.at(2 * n) >= (1.0 + a) * self.cost.at(n))
 
@@ -112,7 +116,8 @@ class Controller:
         # a step that pays takes one off the count, not all of it: drafts right a third of the time pay now and then
         # (a draft model at batch 1, reset on each such step, never detached: 0.85x of plain decoding on math)
         idle = np.where((k == 0) | (not pays), self.idle[slots] + 1, np.maximum(self.idle[slots] - 1, 0))
-        if self.job.seen[0, 0] >= self.JOB_EVIDENCE and not self._job_pays():
+        evidence = max(self.JOB_EVIDENCE, self.JOB_EVIDENCE_PER_SLOT * len(slots))
+        if gains is None and self.job.seen[0, 0] >= evidence and not self._job_pays():
             idle = np.where((k == 0) & ~self.explorer[slots], np.maximum(idle, self.DETACH_AFTER), idle)
         self.idle[slots] = idle if source is None else np.where(source == 0, idle, self.idle[slots])
         return k
