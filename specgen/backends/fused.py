@@ -298,7 +298,8 @@ class FusedEagle:
     its projections are Q8_0 blocks, as an MTP head's (FusedHead). Only the drafts can change, never the outputs."""
 
     def __init__(self, backend: FusedBackend, model: ModelView, w: Any, quantize: bool):
-        self.backend, self.model = backend, model
+        # weakly: the prepared layer is cached per model (proposers/base.py prepared_once, weak on the model)
+        self.backend, self._model = backend, weakref.ref(model)
         q8 = quantize and backend.keeps_blocks and model.weights.lm_head.blocks is not None
         int8 = q8 and backend.vnni
         for lin in [w.fc, *w.block.linears()]:
@@ -316,7 +317,8 @@ class FusedEagle:
         self._indices = KeptIndex(256)
 
     def new_cache(self, num_slots: int) -> KVCache:
-        return self.backend.new_cache(self.model, num_slots, self.model.max_len, "auto", num_layers=1)
+        model = self._model()
+        return self.backend.new_cache(model, num_slots, model.max_len, "auto", num_layers=1)
 
     def run(self, cache: KVCache, slots: np.ndarray, starts: np.ndarray, lens: np.ndarray, token_ids: np.ndarray,
             hidden: paddle.Tensor, rows: np.ndarray, logit_rows: np.ndarray, topk: int,

@@ -180,3 +180,23 @@ def test_shipped_layer_runs_alone_on_the_default_model(real_model):
             if temperature == 0.0:
                 steps = sum(o.stats.num_steps for o in out)
                 assert sum(len(o.token_ids) for o in out) / steps > 1.2  # a trained layer: trees are accepted
+
+
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+def test_a_prepared_layer_is_reused_and_does_not_keep_its_model_alive(backend, tmp_path):
+    """The layer is prepared once per model (a second proposer gets the same runner), and the per-model cache
+    holds the model weakly: once the model is dropped it is freed."""
+    import gc
+    import weakref
+
+    m = load_model(TINY / "llama", dtype="float64", backend=backend).model
+    save_eagle(tmp_path, random_eagle(m.config, 5), m.config)
+    spec = SpecConfig(method="eagle", draft_model=str(tmp_path), num_speculative_tokens=2)
+    from specgen.engine.proposers.eagle import build_eagle_proposer
+
+    first, second = build_eagle_proposer(spec, m), build_eagle_proposer(spec, m)
+    assert first.runner is second.runner and first is not second
+    alive = weakref.ref(m)
+    del m, first, second
+    gc.collect()
+    assert alive() is None

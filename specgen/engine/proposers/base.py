@@ -58,12 +58,13 @@ _prepared: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def checkpoint_key(path: str | Path, *settings) -> tuple:
-    """A drafter checkpoint as its files stand (directory, file names and mtimes), with the settings it is
-    prepared under: a retrained head in the same directory is read again."""
-    d = Path(path).resolve()
-    files = tuple(sorted((f.name, f.stat().st_mtime_ns) for f in d.iterdir())) if d.is_dir() else \
-        ((d.name, d.stat().st_mtime_ns),) if d.is_file() else ()
-    return (str(d), files, *settings)
+    """A drafter checkpoint as its files stand (its directory's file names and mtimes; a checkpoint file's
+    directory, where its draft_vocab.npy lies), with the settings it is prepared under: a retrained head in the
+    same directory is read again."""
+    p = Path(path).resolve()
+    d = p if p.is_dir() else p.parent
+    files = tuple(sorted((f.name, f.stat().st_mtime_ns) for f in d.iterdir())) if d.is_dir() else ()
+    return (str(p), files, *settings)
 
 
 def prepared_once(model: Any, key: tuple, make: Callable[[], Any]) -> Any:
