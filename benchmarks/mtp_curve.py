@@ -9,7 +9,7 @@ states, e.g. of `scripts/make_distill_prompts.py --t0 3200 --gsm8k 800`); its fi
 OUT/dataN with the prompts of exactly those ids, so that no sequence is generated again. Each head trains
 --steps-per-sequence x N steps of 8 windows (0.3: ~1.1 passes over the text) with the recipe of the shipped
 head's retraining (`--shortlist 4096 --warmup-steps 20`); its held-out acceptance (the data's own distribution)
-is printed beside the Spec-Bench figures.
+is printed beside the Spec-Bench figures. Heads already in OUT/mtpN-STEPS are reused.
 """
 from __future__ import annotations
 
@@ -54,12 +54,13 @@ def main() -> None:
     meta = json.loads((args.data_dir / "meta.json").read_text())
     heads = []
     for n in args.sizes:
-        head = args.out / f"mtp{n}"
+        steps = max(1, round(args.steps_per_sequence * n))
+        head = args.out / f"mtp{n}-{steps}"
         if not (head / "model.safetensors").is_file():
             d, p = subset(args.data_dir, args.data, n, args.out)
             subprocess.run([sys.executable, "-m", "specgen", "train-head", "--kind", "mtp", "--data", str(p),
                             "--data-dir", str(d), "-o", str(head), "--gen-max-tokens", str(meta["gen_max_tokens"]),
-                            "--steps", str(max(1, round(args.steps_per_sequence * n))), "--batch-size", "8",
+                            "--gen-temperature", str(meta["gen_temperature"]), "--steps", str(steps), "--batch-size", "8",
                             "--shortlist", "4096", "--warmup-steps", "20", "--eval-every", "100000", "--quiet"],
                            check=True)
             shutil.rmtree(d)
