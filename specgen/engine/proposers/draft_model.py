@@ -16,7 +16,6 @@ draft's context (a draft with a shorter one than the main model) a slot gets no 
 from __future__ import annotations
 
 import json
-import weakref
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +23,7 @@ import paddle
 
 from specgen.config import SpecConfig
 from specgen.engine.kv_cache import KVCache
-from specgen.engine.proposers.base import SlotView
+from specgen.engine.proposers.base import SlotView, checkpoint_key, prepared_once
 from specgen.engine.sampling import sample, uniforms
 from specgen.engine.types import DraftTokens, SlotSampling, StepUpdate, build_forward_batch
 from specgen.errors import CheckpointError
@@ -220,14 +219,16 @@ def build_draft_model_proposer(spec: SpecConfig, model: Model, main) -> DraftMod
     from specgen.config import EngineConfig
 
     path = str(spec.draft_model)
-    drafts = _drafts.setdefault(model, {})
-    if path not in drafts:
+
+    def make() -> Model:
         settings = main.engine if main is not None else EngineConfig(dtype=model.dtype)
         loaded = load_model(path, settings, quantization=draft_quantization(model, settings.quantization))
         check_vocabulary(main.tokenizer if main is not None else None, loaded.tokenizer, model.config.vocab_size,
                          loaded.config.vocab_size, path)
-        drafts[path] = loaded.model
-    proposer = DraftModelProposer(drafts[path], spec.num_speculative_tokens, spec.draft.prompt_window)
+        return loaded.model
+
+    draft = prepared_once(model, checkpoint_key(path, "draft_model"), make)
+    proposer = DraftModelProposer(draft, spec.num_speculative_tokens, spec.draft.prompt_window)
     proposer.acceptance_hint = recorded_acceptance(Path(path))
     return proposer
 
@@ -252,6 +253,3 @@ def draft_quantization(model: Model, main_mode: str) -> str:
         return main_mode
     return "wint8" if any(lin.blocks is not None for lin in model.weights.linears()) else "auto"
 
-
-# draft models loaded per main model in this process: {path: Model}
-_drafts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
