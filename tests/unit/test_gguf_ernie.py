@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 
 import gguf
-import numpy as np
 import pytest
 from conftest import TINY
 from safetensors.numpy import load_file
-from test_gguf_moe import add_shape, assert_same_model
+from test_gguf_moe import add_shape, assert_same_model, finish, stacked_experts
 
 from specgen.errors import CheckpointError
 from specgen.models import load_checkpoint
@@ -61,19 +60,11 @@ def write_ernie_gguf(path, fixture: str, skip: tuple[str, ...] = (), vocabulary=
             continue
         module, kind = rest.rsplit(".", 1)
         tensors[f"blk.{i}.{LAYER[module]}.{kind}"] = x
-    for i in range(cfg["num_hidden_layers"]):
-        for proj in ("gate", "up", "down"):
-            parts = [hf.get(f"model.layers.{i}.mlp.experts.{e}.{proj}_proj.weight")
-                     for e in range(cfg.get("moe_num_experts", 0))]
-            if parts and parts[0] is not None:
-                tensors[f"blk.{i}.ffn_{proj}_exps.weight"] = np.stack(parts)  # [num_experts, out, in]
+    tensors.update(stacked_experts(hf, cfg["num_hidden_layers"], cfg.get("moe_num_experts", 0)))
     for name, x in tensors.items():
         if not any(s in name for s in skip):
             w.add_tensor(name, x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
 
 
 @pytest.fixture(scope="module", params=["ernie4_5", "ernie4_5_moe"])

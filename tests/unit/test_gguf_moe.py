@@ -50,17 +50,28 @@ def write_qwen3moe_gguf(path, expert_type=T.F32, drop_norm_key=False) -> None:
             continue  # written stacked below
         module, kind = rest.rsplit(".", 1)
         w.add_tensor(f"blk.{i}.{LAYER[module]}.{kind}", x)
-    for i in range(cfg["num_hidden_layers"]):
+    for name, stacked in stacked_experts(hf, cfg["num_hidden_layers"], cfg["num_local_experts"]).items():
+        if expert_type == T.F32:
+            w.add_tensor(name, stacked)
+        else:
+            w.add_tensor(name, quantize(stacked, expert_type), raw_dtype=expert_type)
+    finish(w)
+
+
+def stacked_experts(hf: dict, num_layers: int, num_experts: int) -> dict[str, np.ndarray]:
+    """llama.cpp's blk.{i}.ffn_{gate,up,down}_exps.weight [num_experts, out, in] of every block with routed experts,
+    from HF's per-expert tensors (dense blocks have none)."""
+    out = {}
+    for i in range(num_layers):
         for proj in ("gate", "up", "down"):
-            parts = [hf.get(f"model.layers.{i}.mlp.experts.{e}.{proj}_proj.weight")
-                     for e in range(cfg["num_local_experts"])]
-            if parts[0] is None:  # a dense block (mlp_only_layers)
-                continue
-            stacked = np.stack(parts)  # [num_experts, out, in]
-            if expert_type == T.F32:
-                w.add_tensor(f"blk.{i}.ffn_{proj}_exps.weight", stacked)
-            else:
-                w.add_tensor(f"blk.{i}.ffn_{proj}_exps.weight", quantize(stacked, expert_type), raw_dtype=expert_type)
+            parts = [hf.get(f"model.layers.{i}.mlp.experts.{e}.{proj}_proj.weight") for e in range(num_experts)]
+            if parts and parts[0] is not None:
+                out[f"blk.{i}.ffn_{proj}_exps.weight"] = np.stack(parts)
+    return out
+
+
+def finish(w: gguf.GGUFWriter) -> None:
+    """Header, metadata and tensors to the file."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -157,9 +168,6 @@ def test_a_missing_expert_tensor_is_named(tmp_path):
     for t in reader.tensors:
         if t.name != "blk.2.ffn_up_exps.weight":
             w.add_tensor(t.name, np.array(t.data).reshape([int(d) for d in reversed(t.shape)]))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     with pytest.raises(CheckpointError, match="blk.2.ffn_up_exps.weight"):
         load_gguf(tmp_path / "cut.gguf")
