@@ -9,7 +9,8 @@ Greedy, the default model, float32, the fused backend, batch --batch-size (1). S
 controller (it picks each slot's k or node budget); they alternate within each repeat, tok/s are the best of the
 repeats and "x none" its ratio to plain decoding's. tok/step = tokens emitted per step (accepted + 1), nodes/step = drafts verified per
 step. Budget arms verify every node offered: a chain of B drafts against a tree of B nodes (EAGLE-2's most
-probable B) of the same layer. Outputs are checked identical to `none`'s.
+probable B) of the same layer, without copies. The EAGLE speed arms copy where the text repeats (--eagle-copy 2, the
+default) but for `eagle dynamic no copy`. Outputs are checked identical to `none`'s.
 """
 from __future__ import annotations
 
@@ -34,10 +35,11 @@ def arms(eagle: str | None, budgets: list[int]) -> dict:
     out = {"none": (SpecConfig(), True), "ngram k3": (SpecConfig(method="ngram"), True),
            "mtp k2": (SpecConfig(method="mtp", num_speculative_tokens=2), True),
            "eagle chain k4": (e(4, topk=1), True), "eagle static 9": (e(4, topk=3, tree_choices=STATIC), True),
-           "eagle dynamic 4x4": (e(4, topk=4, nodes=16), True)}
-    for b in budgets:
-        out[f"chain B={b}"] = (e(b, adaptive=False, topk=1), False)
-        out[f"tree B={b}"] = (e(min(b, 5), adaptive=False, topk=4, nodes=b), False)
+           "eagle dynamic 4x4": (e(4, topk=4, nodes=16), True),
+           "eagle dynamic no copy": (e(4, topk=4, nodes=16, copy=0), True)}
+    for b in budgets:  # the layer alone (no copies)
+        out[f"chain B={b}"] = (e(b, adaptive=False, topk=1, copy=0), False)
+        out[f"tree B={b}"] = (e(min(b, 5), adaptive=False, topk=4, nodes=b, copy=0), False)
     return out
 
 

@@ -250,8 +250,13 @@ class EagleConfig:
                                             "tree.")
     quantize: bool = opt(True, "Beside a main model kept in GGUF blocks, pack the layer's projections as Q8_0 "
                                "blocks (as --mtp-quantize).")
+    # As MtpConfig.copy: the layer trains on 128-position windows and hardly copies from far back.
+    copy: int = opt(2, "Where the last N+ tokens occurred earlier in the slot's text, draft what followed there "
+                       "(a chain) instead of the layer's tree (0: the layer only).")
 
     def __post_init__(self) -> None:
+        if not 0 <= self.copy <= 8:
+            raise ConfigError(f"eagle copy must be in 0..8 tokens (0: the layer's trees only), got {self.copy}")
         if not 1 <= self.topk <= 8:
             raise ConfigError(f"eagle topk must be in [1, 8], got {self.topk}")
         if not 1 <= self.nodes <= 32:

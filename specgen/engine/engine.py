@@ -325,7 +325,8 @@ class Engine:
         if scores is None or not len(plan.dec):
             return None
         verified = np.arange(scores.shape[1])[None, :] < plan.num_draft[:, None]  # [num_dec, width]
-        return float(accepted[: len(plan.dec)].sum()), float(np.where(verified, scores, 0.0).sum())
+        own = np.ones(len(plan.dec), bool) if plan.drafts.source is None else plan.drafts.source == 0  # not copies
+        return float(accepted[: len(plan.dec)][own].sum()), float(np.where(verified & own[:, None], scores, 0.0).sum())
 
     def _plan_tree(self, dec, new, chunk, room, view: SlotView, drafts: DraftTokens, draft_seconds: float) -> StepPlan:
         """_plan for token trees: nodes no deeper than a chain's drafts could reach (view.max_draft), no more than
@@ -339,9 +340,15 @@ class Engine:
         num_draft = num_avail
         scores = None if drafts.scores is None else drafts.scores[:, :width]
         if self.controller is not None:
-            gains = node_gains(parents, self.controller.acceptance.rate(
-                0 if drafts.source is None else drafts.source, dec)) if scores is None \
-                else self.controller.calibrated(scores)
+            source = np.zeros(len(dec), np.int64) if drafts.source is None else drafts.source
+            if scores is None:
+                gains = node_gains(parents, self.controller.acceptance.rate(source, dec))
+            else:  # the drafter's own probabilities, where the drafts are its own (source 0; not copies)
+                gains = self.controller.calibrated(scores)
+                copied = source != 0
+                if copied.any():
+                    gains[copied] = node_gains(parents[copied],
+                                               self.controller.acceptance.rate(source[copied], dec[copied]))
             num_draft = np.minimum(num_avail, self.controller.choose(dec, num_avail, int(chunk.sum()), drafts.source,
                                                                      gains))
         # every node offered stays in the plan: the controller scores the tree's main chain against what came out

@@ -3,6 +3,8 @@ own top-k choices along their paths, scored as a chain recomputed from scratch (
 positions); trees from random layers give plain decoding's tokens on both backends (float64, greedy and sampled,
 batch 1 / 7 / 32, chunked prefill and shared prefix on and off, dynamic and static trees, the controller on and
 off); the shipped layer loads for the default model."""
+import dataclasses
+
 import numpy as np
 import pytest
 from conftest import TINY
@@ -148,12 +150,12 @@ def test_eagle_equals_plain(backend, tmp_path):
               for i in range(len(prompts))]
         plain = generate(prompts, model=model, sampling=sp, engine=EngineConfig(batch_size=32, dtype="float64",
                                                                                 shared_prefix="off"))
-        runs = [(1, "off", 0, False, ()), (7, "auto", 16, False, ("0,0", "1", "0,1")), (32, "off", 16, True, ()),
-                (32, "auto", 0, False, ())]
-        for batch, shared, chunk, adaptive, choices in runs:
+        runs = [(1, "off", 0, False, (), 2), (7, "auto", 16, False, ("0,0", "1", "0,1"), 0),
+                (32, "off", 16, True, (), 2), (32, "auto", 0, False, (), 0), (32, "auto", 0, True, (), 1)]
+        for batch, shared, chunk, adaptive, choices, copy in runs:
             picked = range(0, len(prompts), 5) if batch == 1 else range(len(prompts))
             spec = SpecConfig(method="eagle", draft_model=str(tmp_path), adaptive=adaptive, num_speculative_tokens=4,
-                              eagle=EagleConfig(topk=3, nodes=10, tree_choices=choices))
+                              eagle=EagleConfig(topk=3, nodes=10, tree_choices=choices, copy=copy))
             engine = EngineConfig(batch_size=batch, dtype="float64", shared_prefix=shared, prefill_chunk=chunk,
                                   max_prefill_tokens=64)
             out = generate([prompts[i] for i in picked], model=model, sampling=[sp[i] for i in picked],
@@ -161,6 +163,32 @@ def test_eagle_equals_plain(backend, tmp_path):
             assert [o.token_ids for o in out] == [plain[i].token_ids for i in picked], (mode, batch, shared, chunk)
             if not adaptive:
                 assert sum(o.stats.num_draft_tokens for o in out) > 0
+
+
+def test_copies_replace_the_tree_where_the_text_repeats(model64, tmp_path):
+    """With --eagle-copy N a slot whose last N+ tokens occurred before drafts what followed there, as a chain of
+    source 1 (priced from the slot's acceptance of copies, not the layer's probabilities); another slot keeps its
+    tree."""
+    from specgen.engine.proposers.base import SlotView
+    from specgen.engine.proposers.eagle import build_eagle_proposer
+
+    cfg = model64.config
+    save_eagle(tmp_path, random_eagle(cfg, 3), cfg)
+    spec = SpecConfig(method="eagle", draft_model=str(tmp_path), num_speculative_tokens=3,
+                      eagle=EagleConfig(topk=2, nodes=6, copy=2))
+    p = build_eagle_proposer(spec, model64.model)
+    p._ensure(2)
+    p.tree_ids[1, :3], p.tree_parents[1, :3], p.num_drafts[1], p.tree_probs[1, :3] = [40, 41, 42], [0, 0, 1], 3, .5
+    tokens = np.zeros((2, 16), np.int64)
+    tokens[0, :6], tokens[1, :6] = [5, 6, 7, 8, 5, 6], [9, 10, 11, 12, 13, 14]
+    d = p.propose(SlotView(np.array([0, 1]), tokens, np.array([6, 6]), np.array([3, 3])))
+    assert d.source.tolist() == [1, 0]
+    assert d.draft_ids[0, :3].tolist() == [7, 8, 5] and d.num_draft.tolist() == [3, 3]
+    assert d.parents[0].tolist() == list(range(6)) and not d.scores[0].any()
+    assert d.draft_ids[1, :3].tolist() == [40, 41, 42] and d.parents[1, :3].tolist() == [0, 0, 1]
+    off = build_eagle_proposer(dataclasses.replace(spec, eagle=EagleConfig(topk=2, nodes=6, copy=0)), model64.model)
+    off._ensure(2)
+    assert off.propose(SlotView(np.array([0]), tokens, np.array([6]), np.array([3]))).source is None
 
 
 def test_shipped_layer_runs_alone_on_the_default_model(real_model):

@@ -46,7 +46,7 @@ def _hydra(spec: SpecConfig, model: Model, lib, main) -> Proposer:
 def _eagle(spec: SpecConfig, model: Model, lib, main) -> Proposer:
     from specgen.engine.proposers.eagle import build_eagle_proposer
 
-    return build_eagle_proposer(spec, model)
+    return build_eagle_proposer(spec, model, lib)
 
 
 # method -> factory(spec, model, ngram.cc's library or None, the main LoadedModel or None)

@@ -194,10 +194,12 @@ class EagleProposer(MtpProposer):
     SLOT_ARRAYS = MtpProposer.SLOT_ARRAYS + ("tree_ids", "tree_parents", "tree_probs")
 
     def __init__(self, model: Model, runner, k: int, shape: TreeShape,
-                 acceptance_hint: float | None = None, prompt_window: int = 0):
-        """runner: the layer prepared for the model's backend (prepare_eagle; EaglePass.run's interface)."""
+                 acceptance_hint: float | None = None, prompt_window: int = 0, copy_min: int = 0, lib=None):
+        """runner: the layer prepared for the model's backend (prepare_eagle; EaglePass.run's interface);
+        copy_min > 0: MtpProposer's copies, offered as a chain in place of the slot's tree (DraftTokens.source 1)."""
         self.runner = runner
-        super().__init__(model, [self.runner], k, acceptance_hint, copy_min=0, prompt_window=prompt_window)
+        super().__init__(model, [self.runner], k, acceptance_hint, copy_min=copy_min, prompt_window=prompt_window,
+                         lib=lib)
         self.shape = shape
         self.width = min(shape.nodes, MAX_TREE_NODES)
         if shape.paths:
@@ -225,7 +227,19 @@ class EagleProposer(MtpProposer):
             return DraftTokens(np.zeros((n, self.width), np.int64), np.zeros(n, np.int64), None,
                                np.zeros((n, self.width), np.int64))
         s = view.slots
-        return DraftTokens(self.tree_ids[s], self.num_drafts[s], None, self.tree_parents[s], self.tree_probs[s])
+        ids, num, parents, probs = self.tree_ids[s], self.num_drafts[s], self.tree_parents[s], self.tree_probs[s]
+        if not self.copy_min or not n:
+            return DraftTokens(ids, num, None, parents, probs)
+        use = self._copying(view)  # [num_seqs] these slots' drafts are a copied chain instead of their tree
+        if use.any():
+            w = min(self.k, self.width)
+            ids, num, parents, probs = ids.copy(), num.copy(), parents.copy(), probs.copy()
+            ids[use] = 0
+            ids[use, :w] = self.copy_ids[s[use], :w]
+            num[use] = np.minimum(self.copy_num[s[use]], w)
+            parents[use] = np.arange(self.width)  # a chain: node i's parent is the node before it
+            probs[use] = 0.0  # priced from the slot's acceptance of copies, not the layer's probabilities
+        return DraftTokens(ids, num, use.astype(np.int64), parents, probs)
 
     def _draft(self, c: CatchUp) -> None:
         """The catch-up pass, then each wanting slot's tree (a slot whose last caught-up position is not the one
@@ -325,7 +339,7 @@ class EagleProposer(MtpProposer):
         return out_ids, out_parents, np.isfinite(kept).sum(axis=1).astype(np.int64), out_score
 
 
-def build_eagle_proposer(spec: SpecConfig, model: Model) -> EagleProposer:
+def build_eagle_proposer(spec: SpecConfig, model: Model, lib=None) -> EagleProposer:
     """--method eagle: the layer at --draft-model (default: the one shipped for the default model)."""
     path = spec.draft_model or shipped_eagle(str(model.source))
     if path is None:
@@ -334,7 +348,8 @@ def build_eagle_proposer(spec: SpecConfig, model: Model) -> EagleProposer:
     d = Path(path) if Path(path).is_dir() else Path(path).parent
     e = spec.eagle
     return EagleProposer(model, prepare_eagle(model, path, e.quantize), spec.num_speculative_tokens,
-                         TreeShape(e.topk, e.nodes, e.tree_paths()), training_setting(d, "eval_acc"), prompt_window(d))
+                         TreeShape(e.topk, e.nodes, e.tree_paths()), training_setting(d, "eval_acc"), prompt_window(d),
+                         e.copy, lib)
 
 
 def prepare_eagle(model: Model, path: str | Path, quantize: bool = True):

@@ -96,14 +96,18 @@ class MtpProposer:
         drafts, num = self.drafts[slots], self.num_drafts[slots]  # [num_seqs, k], [num_seqs]
         if not self.copy_min or not len(slots):
             return DraftTokens(drafts, np.minimum(num, view.max_draft))
-        stale = self.copy_at[slots] != view.seq_lens  # copies observe found for another length (or none)
-        if stale.any():
-            self._find_copies(view.tokens, slots[stale], view.seq_lens[stale])
-        copy_num = self.copy_num[slots]
-        use = copy_num > 0  # [num_seqs] a tail of >= copy_min tokens occurred before
+        use = self._copying(view)
         drafts = np.where(use[:, None], self.copy_ids[slots], drafts)
-        num = np.where(use, copy_num, num)
+        num = np.where(use, self.copy_num[slots], num)
         return DraftTokens(drafts, np.minimum(num, view.max_draft), use.astype(np.int64))
+
+    def _copying(self, view: SlotView) -> np.ndarray:
+        """[num_seqs] bool: slots whose next drafts are copies (a tail of >= copy_min tokens occurred before; their
+        copy_ids / copy_num current for the committed text)."""
+        stale = self.copy_at[view.slots] != view.seq_lens  # copies observe found for another length (or none)
+        if stale.any():
+            self._find_copies(view.tokens, view.slots[stale], view.seq_lens[stale])
+        return self.copy_num[view.slots] > 0
 
     def _find_copies(self, tokens: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
         """n-gram drafts of tails of copy_min..COPY_MAX tokens of these slots (none where no such tail occurred
