@@ -186,6 +186,10 @@ def test_copies_replace_the_tree_where_the_text_repeats(model64, tmp_path):
     assert d.draft_ids[0, :3].tolist() == [7, 8, 5] and d.num_draft.tolist() == [3, 3]
     assert d.parents[0].tolist() == list(range(6)) and not d.scores[0].any()
     assert d.draft_ids[1, :3].tolist() == [40, 41, 42] and d.parents[1, :3].tolist() == [0, 0, 1]
+    p.num_drafts[1] = 0  # no tree this step (slot 1 detached): the copies alone, as a plain chain
+    d = p.propose(SlotView(np.array([0, 1]), tokens, np.array([6, 6]), np.array([3, 3])))
+    assert d.parents is None and d.source.tolist() == [1, 0] and d.num_draft.tolist() == [3, 0]
+    assert d.draft_ids[0].tolist() == [7, 8, 5]
     off = build_eagle_proposer(dataclasses.replace(spec, eagle=EagleConfig(topk=2, nodes=6, copy=0)), model64.model)
     off._ensure(2)
     assert off.propose(SlotView(np.array([0]), tokens, np.array([6]), np.array([3]))).source is None
