@@ -419,9 +419,16 @@ class Engine:
         catch_up = np.concatenate([np.zeros(len(plan.dec), np.int64), np.where(first_block, t.prefix_len[plan.new],
                                                                                0)])
         # With the controller, a proposer whose drafts cost time (MTP) prepares one more than this step verified at
-        # most (one while speculation is off: enough for shadow acceptance), not always k.
+        # most (one while speculation is off: enough for shadow acceptance), not always k; for a tree, one deeper
+        # than its deepest verified node (a pass of the layer per depth).
         c = self.controller
-        depth = MAX_DRAFT if c is None else int(plan.num_draft.max(initial=0)) + 1
+        if c is None:
+            depth = MAX_DRAFT
+        elif plan.depth is None:
+            depth = int(plan.num_draft.max(initial=0)) + 1
+        else:
+            verified = np.arange(plan.depth.shape[1])[None, :] <= plan.num_draft[:, None]  # root and verified nodes
+            depth = int(np.where(verified, plan.depth, 0).max(initial=0)) + 1
         start = time.perf_counter()
         self.proposer.observe(StepUpdate(
             slots=slots, block_start=block_start, first_pos=starts, num_valid=num_valid, finished=done,
