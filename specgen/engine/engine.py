@@ -16,7 +16,7 @@ from specgen.engine.sampling import sample, uniforms
 from specgen.engine.scheduler import Scheduler
 from specgen.engine.slots import MAX_DRAFT, SlotTable, common_prefix, error_output, rejection
 from specgen.engine.stops import stop_strings
-from specgen.engine.tree import CAUSAL, MAX_TREE_NODES, node_gains, prune, tree_layout, walk
+from specgen.engine.tree import CAUSAL, MAX_TREE_NODES, deepest, node_gains, prune, tree_layout, walk
 from specgen.engine.types import DraftTokens, Request, RequestOutput, SlotSampling, StepUpdate, build_forward_batch
 from specgen.engine.verify import accept_lengths, first_stop
 from specgen.engine.kv_cache import available_memory
@@ -427,8 +427,7 @@ class Engine:
         elif plan.depth is None:
             depth = int(plan.num_draft.max(initial=0)) + 1
         else:
-            verified = np.arange(plan.depth.shape[1])[None, :] <= plan.num_draft[:, None]  # root and verified nodes
-            depth = int(np.where(verified, plan.depth, 0).max(initial=0)) + 1
+            depth = deepest(plan.depth, plan.num_draft) + 1
         start = time.perf_counter()
         self.proposer.observe(StepUpdate(
             slots=slots, block_start=block_start, first_pos=starts, num_valid=num_valid, finished=done,

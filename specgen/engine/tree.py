@@ -41,6 +41,16 @@ def tree_layout(
     return depth, back.view(np.int64)
 
 
+def deepest(
+    depth: np.ndarray,  # [num_seqs, width + 1] int64 block depths (tree_layout)
+    num_nodes: np.ndarray,  # [num_seqs] int64 nodes verified
+) -> int:
+    """The depth of the deepest verified node over all slots (0: none verified): a drafter that grows trees a
+    pass per depth prepares one deeper for the next step."""
+    verified = np.arange(depth.shape[1])[None, :] <= num_nodes[:, None]  # the root and the verified nodes
+    return int(np.where(verified, depth, 0).max(initial=0))
+
+
 def prune(
     parents: np.ndarray,  # [num_seqs, width] int64
     num_nodes: np.ndarray,  # [num_seqs] int64 nodes offered

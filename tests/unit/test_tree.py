@@ -3,7 +3,7 @@ gains, and tree-masked attention against each branch run as a causal chain, on b
 import numpy as np
 import pytest
 
-from specgen.engine.tree import CAUSAL, node_gains, prune, tree_layout, walk
+from specgen.engine.tree import CAUSAL, deepest, node_gains, prune, tree_layout, walk
 from specgen.engine.types import build_forward_batch
 from specgen.engine.verify import accept_lengths
 
@@ -46,6 +46,17 @@ def test_walk_of_chains_equals_accept_lengths():
     assert accepted.tolist() == accept_lengths(drafts, num, targets).tolist()
     assert (np.where(np.arange(6) <= accepted[:, None], path, 0) == np.where(np.arange(6) <= accepted[:, None],
                                                                              np.arange(6), 0)).all()
+
+
+def test_deepest_verified_node():
+    """What the engine asks a tree drafter to prepare after a step: the deepest verified node's depth (+1), not the
+    node count: three siblings verified reach depth 1, a chain of two depth 2."""
+    siblings, chain = np.array([[0, 0, 0]]), np.array([[0, 1, 2]])
+    assert deepest(tree_layout(siblings)[0], np.array([3])) == 1
+    assert deepest(tree_layout(chain)[0], np.array([2])) == 2
+    both = np.concatenate([siblings, chain])
+    assert deepest(tree_layout(both)[0], np.array([3, 1])) == 1
+    assert deepest(tree_layout(both)[0], np.array([0, 0])) == 0
 
 
 def test_prune_and_gains():
