@@ -302,7 +302,10 @@ class Engine:
         room = t.max_len - t.seq_len  # [num_slots]
         final = t.prefill_pos[new] + chunk == t.prompt_len[new]
         c = self.controller
-        if c is not None and getattr(self.proposer, "idle_when_detached", False) and c.detached(np.concatenate([dec, new])).all():
+        # Nothing to draft: speculation is ruled out for good (copies included), or every slot is detached from a
+        # drafter that then offers nothing (with copies, detached slots still copy).
+        if c is not None and (c.off or getattr(self.proposer, "idle_when_detached", False)
+                              and c.detached(np.concatenate([dec, new])).all()):
             none = np.zeros(len(dec), np.int64)
             return StepPlan(dec, new, chunk, final, room, DraftTokens.none(len(dec), 0), none, none, 0.0, idle=True)
         view = SlotView(dec, t.tokens, t.seq_len[dec], np.minimum(room[dec] - 1, MAX_DRAFT))

@@ -172,3 +172,27 @@ def test_budget_zero_keeps_the_tree_for_shadow_acceptance(tiny_model64, prompts)
     assert all(o.stats.num_draft_tokens == 0 for o in out)
     assert sum(int(r.num_avail.sum()) for r in reports) > 0  # main chains offered and scored
     assert any((r.draft_ids[:, :1] == r.emitted[:, :1]).any() for r in reports if r.draft_ids.shape[1])
+
+
+def test_a_drafter_ruled_out_is_not_asked_for_drafts(tiny_model64, prompts):
+    """Speculation ruled out before the first step (a held-out acceptance of 0 cannot pay): the engine steps as
+    plain decoding and never asks the drafter, even one whose detached slots would still copy."""
+    from specgen.engine.engine import Engine
+
+    class Counting(OracleTree):
+        acceptance_hint = 0.0
+        idle_when_detached = False  # as MTP and EAGLE with copies
+        calls = 0
+
+        def propose(self, view):
+            Counting.calls += 1
+            return super().propose(view)
+
+    sp = [SamplingParams(max_tokens=6) for _ in prompts]
+    engine = EngineConfig(batch_size=8, dtype="float64")
+    plain = _run(tiny_model64, prompts, sp, engine)
+    full = {tuple(p): list(p) + o.token_ids for p, o in zip(prompts, plain)}
+    eng = Engine(tiny_model64.model, tiny_model64.tokenizer, engine, Counting(full, 0), adaptive=True)
+    out = sorted(eng.run([Request(str(i), i, tuple(p), sp[i]) for i, p in enumerate(prompts)]), key=lambda o: o.index)
+    assert eng.controller.off and Counting.calls == 0
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
