@@ -16,7 +16,7 @@ from specgen.engine.sampling import sample, uniforms
 from specgen.engine.scheduler import Scheduler
 from specgen.engine.slots import MAX_DRAFT, SlotTable, common_prefix, error_output, rejection
 from specgen.engine.stops import stop_strings
-from specgen.engine.tree import CAUSAL, MAX_TREE_NODES, deepest, node_gains, prune, tree_layout, walk
+from specgen.engine.tree import CAUSAL, MAX_TREE_NODES, node_gains, prune, reach, tree_layout, walk
 from specgen.engine.types import DraftTokens, Request, RequestOutput, SlotSampling, StepUpdate, build_forward_batch
 from specgen.engine.verify import accept_lengths, first_stop
 from specgen.engine.kv_cache import available_memory
@@ -66,8 +66,8 @@ class StepPlan:
     draft_seconds: float  # the proposer's propose
     depth: np.ndarray | None = None  # [num_dec, width + 1] int64 a tree block's depths (tree.tree_layout); None: chains
     mask: np.ndarray | None = None  # [num_dec, width + 1] int64 a tree block's attention masks
-    # every slot detached from a drafter idle for detached slots (Proposer.idle_when_detached): a plain step, the
-    # proposer and the controller not called
+    # a plain step, the proposer and the controller not called: speculation ruled out for good (Controller.off), or
+    # every slot detached from a drafter idle for detached slots (Proposer.idle_when_detached)
     idle: bool = False
 
 
@@ -401,14 +401,24 @@ class Engine:
         t.num_steps[slots] += produced
         t.num_draft[dec] += plan.num_draft
         t.num_accepted[slots] += kept - produced
-        reach = plan.num_draft  # [num_dec] the deepest draft verified (a tree: its deepest node; depth <= MAX_DRAFT)
-        if plan.depth is not None:
-            reach = np.where(col[:, 1:] <= plan.num_draft[:, None], plan.depth[:, 1:], 0).max(axis=1, initial=0)
+        # [num_dec] the deepest draft verified (a tree: its deepest node; depth <= MAX_DRAFT)
+        deepest = plan.num_draft if plan.depth is None else reach(plan.depth, plan.num_draft)
         width = min(width, MAX_DRAFT)
         if width:
             t.accepted_per_pos[slots, :width] += (col[:, :width] < (kept - 1)[:, None])
-            t.drafted_per_pos[dec, :width] += (col[:, :width] < reach[:, None])
+            t.drafted_per_pos[dec, :width] += (col[:, :width] < deepest[:, None])
         return produced
+
+    @staticmethod
+    def _next_depth(plan: StepPlan) -> int:
+        """Drafts worth preparing for the next step, under the controller: one more than this step verified at most
+        (one after a budget of 0: enough for shadow acceptance), not always k. For a tree, one deeper than the
+        deepest node verified from the drafter's own trees (a pass of the EAGLE layer per depth; copied chains,
+        source 1, do not deepen them)."""
+        if plan.depth is None:
+            return int(plan.num_draft.max(initial=0)) + 1
+        own = slice(None) if plan.drafts.source is None else plan.drafts.source == 0
+        return int(reach(plan.depth, plan.num_draft)[own].max(initial=0)) + 1
 
     def _observe(self, plan: StepPlan, slots, lens, starts, produced, kept, done, hidden, broken, path=None) -> float:
         """Tell the proposer what the step committed (its drafts for the next step are prepared now); returns
@@ -421,16 +431,8 @@ class Engine:
         first_block = t.prefill_pos[plan.new] - plan.chunk == t.prefix_len[plan.new]  # after any shared prefix
         catch_up = np.concatenate([np.zeros(len(plan.dec), np.int64), np.where(first_block, t.prefix_len[plan.new],
                                                                                0)])
-        # With the controller, a proposer whose drafts cost time (MTP) prepares one more than this step verified at
-        # most (one while speculation is off: enough for shadow acceptance), not always k; for a tree, one deeper
-        # than its deepest verified node (a pass of the layer per depth).
         c = self.controller
-        if c is None:
-            depth = MAX_DRAFT
-        elif plan.depth is None:
-            depth = int(plan.num_draft.max(initial=0)) + 1
-        else:
-            depth = deepest(plan.depth, plan.num_draft) + 1
+        depth = MAX_DRAFT if c is None else self._next_depth(plan)
         start = time.perf_counter()
         self.proposer.observe(StepUpdate(
             slots=slots, block_start=block_start, first_pos=starts, num_valid=num_valid, finished=done,

@@ -41,14 +41,13 @@ def tree_layout(
     return depth, back.view(np.int64)
 
 
-def deepest(
+def reach(
     depth: np.ndarray,  # [num_seqs, width + 1] int64 block depths (tree_layout)
     num_nodes: np.ndarray,  # [num_seqs] int64 nodes verified
-) -> int:
-    """The depth of the deepest verified node over all slots (0: none verified): a drafter that grows trees a
-    pass per depth prepares one deeper for the next step."""
-    verified = np.arange(depth.shape[1])[None, :] <= num_nodes[:, None]  # the root and the verified nodes
-    return int(np.where(verified, depth, 0).max(initial=0))
+) -> np.ndarray:
+    """[num_seqs] int64 each slot's deepest verified node's depth (0: none verified)."""
+    verified = np.arange(1, depth.shape[1])[None, :] <= num_nodes[:, None]  # [num_seqs, width] the verified nodes
+    return np.where(verified, depth[:, 1:], 0).max(axis=1, initial=0)
 
 
 def prune(

@@ -96,7 +96,8 @@ class DraftTokens:
     draft_ids: np.ndarray  # [num_seqs, max_draft] int64 (entries past num_draft are ignored)
     num_draft: np.ndarray  # [num_seqs] int64
     source: np.ndarray | None = None  # [num_seqs] int64 which of the proposer's ways drafted each slot's tokens
-    # (MTP: 0 the head, 1 a copy); the controller keeps an acceptance estimate per source. None: all 0
+    # (MTP and EAGLE: 0 the head or layer, 1 a copy; EAGLE's copied rows are chains with scores 0); the controller
+    # keeps an acceptance estimate per source. None: all 0
     # A token tree (engine/tree.py): node i sits at block index i + 1 (index 0 is the root, the last committed
     # token) and its parent at parents[:, i] in [0, i]: parents come first, so the first n nodes of a tree are a
     # tree too (a smaller node budget keeps a prefix). None: a chain (parents[:, i] = i).

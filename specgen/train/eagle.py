@@ -119,6 +119,10 @@ class EagleTrainer(Trainer):
     def __init__(self, loaded: Any, out_dir: Path, cfg: Any, data_dir: Path | None = None):
         super().__init__(loaded, out_dir, dataclasses.replace(cfg, num_layers=1), data_dir)
 
+    def fingerprint(self) -> dict[str, Any]:
+        # checkpoints from before fc trained at order 1 (in_gain) hold another parametrisation: not resumed
+        return {**super().fingerprint(), "fc": "order 1, input gains"}
+
     def make_student(self, model: Model) -> dict[str, paddle.Tensor]:
         data = self.set.data
         sample = data.tokens[data.tok_start[0]: data.tok_start[0] + min(256, data.num_rows[0] + 1)]

@@ -196,10 +196,11 @@ def test_eagle_trees_travel(tmp_path):
 
     loaded = load_model(TINY / "llama", dtype="float64")
     save_eagle(tmp_path, random_eagle(loaded.config, 3, norm=True), loaded.config)
-    spec = SpecConfig(method="eagle", draft_model=str(tmp_path), adaptive=False, num_speculative_tokens=3,
-                      eagle=EagleConfig(topk=2, nodes=6))
     requests = requests_of(loaded, [f"item {i}: " + "x y " * i for i in range(8)])
-    assert assert_colocated(loaded, EngineConfig(batch_size=3, dtype="float64"), spec, requests) > 0
+    for copy in (0, 2):  # the trees alone (these prompts repeat: with copies most slots copy), and with copies
+        spec = SpecConfig(method="eagle", draft_model=str(tmp_path), adaptive=False, num_speculative_tokens=3,
+                          eagle=EagleConfig(topk=2, nodes=6, copy=copy))
+        assert assert_colocated(loaded, EngineConfig(batch_size=3, dtype="float64"), spec, requests) > 0, copy
 
 
 @pytest.mark.realmodel

@@ -2,7 +2,8 @@
 own top-k choices along their paths, scored as a chain recomputed from scratch (the draft cache's tree masks and
 positions); trees from random layers give plain decoding's tokens on both backends (float64, greedy and sampled,
 batch 1 / 7 / 32, chunked prefill and shared prefix on and off, dynamic and static trees, the controller on and
-off); the shipped layer loads for the default model."""
+off, copies on and off); copies replace a slot's tree where its text repeats; the shipped layer loads for the
+default model."""
 import dataclasses
 
 import numpy as np
@@ -190,6 +191,7 @@ def test_copies_replace_the_tree_where_the_text_repeats(model64, tmp_path):
     d = p.propose(SlotView(np.array([0, 1]), tokens, np.array([6, 6]), np.array([3, 3])))
     assert d.parents is None and d.source.tolist() == [1, 0] and d.num_draft.tolist() == [3, 0]
     assert d.draft_ids[0].tolist() == [7, 8, 5]
+    assert p.tree_ids[1, :3].tolist() == [40, 41, 42] and p.tree_parents[0].tolist() == [0] * 6  # state untouched
     off = build_eagle_proposer(dataclasses.replace(spec, eagle=EagleConfig(topk=2, nodes=6, copy=0)), model64.model)
     off._ensure(2)
     assert off.propose(SlotView(np.array([0]), tokens, np.array([6]), np.array([3]))).source is None

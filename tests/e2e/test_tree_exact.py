@@ -153,6 +153,7 @@ def test_budget_zero_keeps_the_tree_for_shadow_acceptance(tiny_model64, prompts)
 
     class Zero:  # the controller's interface, choosing 0 nodes everywhere
         acceptance = type("A", (), {"rate": staticmethod(lambda source, slots: np.full(len(slots), 0.5))})()
+        off = False  # speculation not ruled out
 
         def choose(self, slots, num_avail, other, source=None, gains=None):
             return np.zeros(len(slots), np.int64)

@@ -3,7 +3,7 @@ gains, and tree-masked attention against each branch run as a causal chain, on b
 import numpy as np
 import pytest
 
-from specgen.engine.tree import CAUSAL, deepest, node_gains, prune, tree_layout, walk
+from specgen.engine.tree import CAUSAL, node_gains, prune, reach, tree_layout, walk
 from specgen.engine.types import build_forward_batch
 from specgen.engine.verify import accept_lengths
 
@@ -48,15 +48,29 @@ def test_walk_of_chains_equals_accept_lengths():
                                                                              np.arange(6), 0)).all()
 
 
-def test_deepest_verified_node():
-    """What the engine asks a tree drafter to prepare after a step: the deepest verified node's depth (+1), not the
-    node count: three siblings verified reach depth 1, a chain of two depth 2."""
+def test_next_depth_is_one_past_the_deepest_verified_node_of_the_drafters_own_trees():
+    """What the engine asks a tree drafter to prepare after a step: one past the deepest verified node (three
+    siblings verified reach depth 1, a chain of two depth 2), not the node count; a copied chain (source 1) does
+    not count; chains: one past the most drafts verified."""
+    import types
+
+    from specgen.engine.engine import Engine
+    from specgen.engine.types import DraftTokens
+
     siblings, chain = np.array([[0, 0, 0]]), np.array([[0, 1, 2]])
-    assert deepest(tree_layout(siblings)[0], np.array([3])) == 1
-    assert deepest(tree_layout(chain)[0], np.array([2])) == 2
     both = np.concatenate([siblings, chain])
-    assert deepest(tree_layout(both)[0], np.array([3, 1])) == 1
-    assert deepest(tree_layout(both)[0], np.array([0, 0])) == 0
+    depth = tree_layout(both)[0]
+    assert reach(depth, np.array([3, 2])).tolist() == [1, 2]
+    assert reach(depth, np.array([0, 0])).tolist() == [0, 0]
+
+    def plan(num, source, tree=True):
+        drafts = DraftTokens(np.zeros((2, 3), np.int64), np.array(num), source, both if tree else None)
+        return types.SimpleNamespace(depth=depth if tree else None, num_draft=np.array(num), drafts=drafts)
+
+    assert Engine._next_depth(plan([3, 2], None)) == 3
+    assert Engine._next_depth(plan([3, 0], None)) == 2  # before: node count + 1 = 4
+    assert Engine._next_depth(plan([3, 2], np.array([0, 1]))) == 2  # the copied chain of 2 is left out
+    assert Engine._next_depth(plan([3, 2], np.array([0, 1]), tree=False)) == 4
 
 
 def test_prune_and_gains():
@@ -123,3 +137,21 @@ def test_tree_choices_are_checked():
     for bad in (("2",), ("0,x",), ("0,0,0,0,0,0",)):
         with pytest.raises(ConfigError, match="tree_choices"):
             NgramConfig(branches=2, tree_choices=bad)
+
+
+def test_the_drafters_calibration_counts_its_own_rows_only():
+    """Engine._rated: drafts accepted against the drafter's expected count over its own verified nodes; a copied
+    chain (source 1, scores 0) adds neither (its accepted tokens would overrate the layer's probabilities)."""
+    import types
+
+    from specgen.engine.engine import Engine
+    from specgen.engine.types import DraftTokens
+
+    scores = np.array([[0.5, 0.25, 0.1], [0.0, 0.0, 0.0]])
+    drafts = DraftTokens(np.zeros((2, 3), np.int64), np.array([2, 3]), np.array([0, 1]), np.zeros((2, 3), np.int64),
+                         scores)
+    plan = types.SimpleNamespace(drafts=drafts, dec=np.array([4, 5]), num_draft=np.array([2, 3]))
+    assert Engine._rated(plan, np.array([1, 3])) == (1.0, 0.75)
+    plan.drafts = DraftTokens(drafts.draft_ids, drafts.num_draft, None, drafts.parents, scores)
+    assert Engine._rated(plan, np.array([1, 3])) == (4.0, 0.75)
+

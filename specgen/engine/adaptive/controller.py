@@ -72,7 +72,9 @@ class Controller:
 
     def __init__(self, cost: CostModel, max_draft: int, num_slots: int):
         self.cost, self.max_draft, self.num_slots = cost, max_draft, num_slots
-        self.off = False  # speculation ruled out for this engine (see rule_out): every slot stays detached
+        # speculation ruled out for this engine (see rule_out): every slot stays detached. Never cleared: the engine
+        # then stops calling the proposer, whose caches would be out of step if drafting resumed
+        self.off = False
         self.acceptance = AcceptanceEstimator(self.NUM_SOURCES, num_slots, self.DECAY)
         self.idle = np.zeros(num_slots, np.int64)  # [num_slots] steps in a row the choice was k = 0
         self.draft_cost: float | None = None  # seconds per step the proposer takes (propose + observe), EMA

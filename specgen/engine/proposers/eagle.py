@@ -21,6 +21,9 @@ before, EAGLE-2; static: the shape's nodes that have children) and takes the top
 offered is the `nodes` candidates of highest cumulative log-probability, in that order (a parent never scores
 below its child, so parents come first and every prefix is a tree): the node budget the controller chooses keeps
 a prefix, i.e. the budget's most probable nodes. Drafts only: the engine's tree walk keeps outputs exact.
+
+Copies (EagleConfig.copy, MtpProposer's): a slot whose last copy tokens occurred earlier in its text drafts what
+followed there, as a chain in place of its tree (DraftTokens.source 1); its tree is not grown that step.
 """
 from __future__ import annotations
 
@@ -226,18 +229,20 @@ class EagleProposer(MtpProposer):
         slot has a tree of the layer's offers the copies alone as plain chains: the engine's chain path costs less
         per step than a tree's planning and walk (writing at batch 1, the layer detached: 0.93x of plain decoding
         with every step on the tree path)."""
-        n = len(view.slots)
-        s = view.slots
-        w = min(self.k, self.width)
-        use = self._copying(view) if self.copy_min and n and self.cache is not None else np.zeros(n, bool)
-        num = self.num_drafts[s] if self.cache is not None else np.zeros(n, np.int64)  # [num_seqs] tree nodes
+        n, s = len(view.slots), view.slots
+        if self.cache is None:
+            return DraftTokens.none(n, self.k)
+        use = self._copying(view) if self.copy_min and n else np.zeros(n, bool)  # [num_seqs] a copy, not a tree
         source = use.astype(np.int64) if self.copy_min else None  # [num_seqs] 1: a copied chain
+        num = self.num_drafts[s]  # [num_seqs] tree nodes
         if not (num[~use] > 0).any():
-            return DraftTokens(np.where(use[:, None], self.copy_ids[s, :w], 0) if use.any() else
-                               np.zeros((n, w), np.int64), np.where(use, np.minimum(self.copy_num[s], w), 0)
-                               if use.any() else np.zeros(n, np.int64), source)
-        ids, parents, probs = self.tree_ids[s], self.tree_parents[s], self.tree_probs[s]  # (copies of rows)
+            copies = np.where(use[:, None], self.copy_ids[s], 0) if use.any() else np.zeros((n, self.k), np.int64)
+            return DraftTokens(copies, np.where(use, self.copy_num[s], 0) if use.any() else np.zeros(n, np.int64),
+                               source)  # [num_seqs, k] chains
+        # [num_seqs, width] each (fancy indexing: copies, not the proposer's rows)
+        ids, parents, probs = self.tree_ids[s], self.tree_parents[s], self.tree_probs[s]
         if use.any():
+            w = min(self.k, self.width)  # a copied chain within the tree's width
             ids[use] = 0
             ids[use, :w] = self.copy_ids[s[use], :w]
             num = np.where(use, np.minimum(self.copy_num[s], w), num)
