@@ -5,7 +5,7 @@ verify budget (every node verified).
     python benchmarks/eagle.py [--eagle DIR] [--sets ...] [--per-set 3] [--max-tokens 64] [--repeats 2]
                                [--batch-size 1]
 
-Greedy, the default model, float32, the fused backend, batch --batch-size (1). Speed arms run with the adaptive
+Greedy (or --temperature T, seed 0), the default model, float32, the fused backend, batch --batch-size (1). Speed arms run with the adaptive
 controller (it picks each slot's k or node budget); they alternate within each repeat, tok/s are the best of the
 repeats and "x none" its ratio to plain decoding's. tok/step = tokens emitted per step (accepted + 1), nodes/step = drafts verified per
 step. Budget arms verify every node offered: a chain of B drafts against a tree of B nodes (EAGLE-2's most
@@ -65,6 +65,7 @@ def main() -> None:
     p.add_argument("--budgets", nargs="+", type=int, default=[3, 5])
     p.add_argument("--arms", nargs="+", default=None)
     p.add_argument("--batch-size", type=int, default=1, help="engine slots (use --per-set >= it)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy); seed 0")
     args = p.parse_args()
     from specgen import EngineConfig, SamplingParams, generate, load_model
 
@@ -73,7 +74,7 @@ def main() -> None:
     sets = load_sets(args.per_set, args.per_set)
     all_arms = arms(args.eagle, args.budgets)
     names = args.arms or list(all_arms)
-    sampling = SamplingParams(max_tokens=args.max_tokens)
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
     rows = []
     for name in args.sets:
         prompts = sets[name]
