@@ -235,10 +235,8 @@ class EagleProposer(MtpProposer):
         use = self._copying(view) if self.copy_min and n else np.zeros(n, bool)  # [num_seqs] a copy, not a tree
         source = use.astype(np.int64) if self.copy_min else None  # [num_seqs] 1: a copied chain
         num = self.num_drafts[s]  # [num_seqs] tree nodes
-        if not (num[~use] > 0).any():
-            copies = np.where(use[:, None], self.copy_ids[s], 0) if use.any() else np.zeros((n, self.k), np.int64)
-            return DraftTokens(copies, np.where(use, self.copy_num[s], 0) if use.any() else np.zeros(n, np.int64),
-                               source)  # [num_seqs, k] chains
+        if not (num[~use] > 0).any():  # [num_seqs, k] chains: the copies, none elsewhere
+            return DraftTokens(np.where(use[:, None], self.copy_ids[s], 0), np.where(use, self.copy_num[s], 0), source)
         # [num_seqs, width] each (fancy indexing: copies, not the proposer's rows)
         ids, parents, probs = self.tree_ids[s], self.tree_parents[s], self.tree_probs[s]
         if use.any():
