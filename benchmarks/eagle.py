@@ -5,12 +5,13 @@ verify budget (every node verified).
     python benchmarks/eagle.py [--eagle DIR] [--sets ...] [--per-set 3] [--max-tokens 64] [--repeats 2]
                                [--batch-size 1]
 
-Greedy (or --temperature T, seed 0), the default model, float32, the fused backend, batch --batch-size (1). Speed arms run with the adaptive
-controller (it picks each slot's k or node budget); they alternate within each repeat, tok/s are the best of the
-repeats and "x none" its ratio to plain decoding's. tok/step = tokens emitted per step (accepted + 1), nodes/step = drafts verified per
-step. Budget arms verify every node offered: a chain of B drafts against a tree of B nodes (EAGLE-2's most
-probable B) of the same layer, without copies. The EAGLE speed arms copy where the text repeats (--eagle-copy 2, the
-default) but for `eagle dynamic no copy`. Outputs are checked identical to `none`'s.
+Greedy (or --temperature T, seed 0), the default model, float32, the fused backend, batch --batch-size (1). Speed
+arms run with the adaptive controller (it picks each slot's k or node budget); they alternate within each repeat,
+tok/s are the best of the repeats and "x none" its ratio to plain decoding's. tok/step = tokens emitted per step
+(accepted + 1), nodes/step = drafts verified per step. Budget arms verify every node offered: a chain of B drafts
+against a tree of B nodes (EAGLE-2's most probable B) of the same layer, without copies. The EAGLE speed arms copy
+where the text repeats (--eagle-copy 2, the default) but for `eagle dynamic no copy`. Outputs are checked identical
+to `none`'s.
 """
 from __future__ import annotations
 
