@@ -58,6 +58,23 @@ def test_cache_rows_travel_whole_with_a_shared_prefix(tmp_path):
     assert sweep("specgen-test") == 1 and not (SHM_DIR / left.name).exists()
 
 
+def test_parcels_stay_out_of_the_resource_tracker(monkeypatch):
+    """Segments are packed, read, discarded and swept without multiprocessing's resource tracker, which would
+    print leak warnings after the job's last line when a killed worker's hand-off is swept while read."""
+    from multiprocessing import resource_tracker
+
+    calls = []
+    monkeypatch.setattr(resource_tracker, "register", lambda *a: calls.append(("register", a)))
+    monkeypatch.setattr(resource_tracker, "unregister", lambda *a: calls.append(("unregister", a)))
+    parcel = pack({"x": np.arange(5.0), "y": [np.ones((2, 1)), np.zeros((2, 2))]}, "specgen-test")
+    with unpack(parcel) as arrays:
+        assert arrays["x"].tolist() == [0, 1, 2, 3, 4] and arrays["y"].tolist() == [[1, 0, 0], [1, 0, 0]]
+    assert not (SHM_DIR / parcel.name).exists()
+    pack({"x": np.zeros(3)}, "specgen-test")
+    assert sweep("specgen-test") == 1
+    assert calls == []
+
+
 def run_records(out: Path, *extra: str) -> tuple[dict[str, dict], dict]:
     inp = write_jsonl(out.with_suffix(".in.jsonl"), RECORDS)
     summary = out.with_suffix(".summary.json")
