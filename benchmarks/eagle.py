@@ -8,10 +8,11 @@ verify budget (every node verified).
 Greedy (or --temperature T, seed 0), the default model, float32, the fused backend, batch --batch-size (1). Speed
 arms run with the adaptive controller (it picks each slot's k or node budget); they alternate within each repeat,
 tok/s are the best of the repeats and "x none" its ratio to plain decoding's. tok/step = tokens emitted per step
-(accepted + 1), nodes/step = drafts verified per step. Budget arms verify every node offered: a chain of B drafts
-against a tree of B nodes (EAGLE-2's most probable B) of the same layer, without copies. The EAGLE speed arms copy
-where the text repeats (--eagle-copy 2, the default) but for `eagle dynamic no copy`. Outputs are checked identical
-to `none`'s.
+(accepted + 1), nodes/step = drafts verified per step. Budget arms (--budgets B...) verify every node offered: a
+chain of B drafts against a tree of B nodes of the same layer (EAGLE-2's most probable B, at most 32, with
+--budget-topk children per expanded node), without copies; past 5 drafts, the longest chain, the chain's figure is
+a bound (tree_against_chain). The EAGLE speed arms copy where the text repeats (--eagle-copy 2, the default) but
+for `eagle dynamic no copy`. Outputs are checked identical to `none`'s.
 """
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ import numpy as np
 from common import CATEGORIES, load_sets, machine, print_table, timed
 
 STATIC = ("0", "1", "2", "0,0", "0,1", "1,0", "0,0,0", "0,0,1", "0,0,0,0")  # 9 nodes, depth 4
+MAX_CHAIN = 5  # SpecConfig.num_speculative_tokens at most
 
 
-def arms(eagle: str | None, budgets: list[int]) -> dict:
+def arms(eagle: str | None, budgets: list[int], budget_topk: int = 8) -> dict:
     """label -> (SpecConfig, speed arm?)"""
     from specgen import SpecConfig
     from specgen.config import EagleConfig
@@ -38,10 +40,28 @@ def arms(eagle: str | None, budgets: list[int]) -> dict:
            "eagle chain k4": (e(4, topk=1), True), "eagle static 9": (e(4, topk=3, tree_choices=STATIC), True),
            "eagle dynamic 4x4": (e(4, topk=4, nodes=16), True),
            "eagle dynamic no copy": (e(4, topk=4, nodes=16, copy=0), True)}
-    for b in budgets:  # the layer alone (no copies)
-        out[f"chain B={b}"] = (e(b, adaptive=False, topk=1, copy=0), False)
-        out[f"tree B={b}"] = (e(min(b, 5), adaptive=False, topk=4, nodes=b, copy=0), False)
+    for b in budgets:  # the layer alone (no copies); a chain is at most MAX_CHAIN long
+        out[f"chain B={min(b, MAX_CHAIN)}"] = (e(min(b, MAX_CHAIN), adaptive=False, topk=1, copy=0), False)
+        out[f"tree B={b}"] = (e(min(b, MAX_CHAIN), adaptive=False, topk=budget_topk, nodes=b, copy=0), False)
     return out
+
+
+def tree_against_chain(outs: dict, budgets: list[int]) -> list[list]:
+    """Per budget B: tokens per step of the tree of B nodes over the chain of B drafts. Past MAX_CHAIN drafts
+    (the longest chain specgen drafts) the chain's figure is an upper bound: the chain of MAX_CHAIN plus, for each
+    further draft, the share of steps that accepted all MAX_CHAIN (a draft past them adds at most that)."""
+    rows = []
+    for b in budgets:
+        c, t = outs.get(f"chain B={min(b, MAX_CHAIN)}"), outs.get(f"tree B={b}")
+        if c is None or t is None:
+            continue
+        steps = sum(o.stats.num_steps for o in c)
+        chain = sum(len(o.token_ids) for o in c) / steps
+        full = sum(o.stats.accepted_per_position[MAX_CHAIN - 1] for o in c if o.stats.accepted_per_position) / steps
+        chain_b = chain + max(0, b - MAX_CHAIN) * full
+        tree = sum(len(o.token_ids) for o in t) / sum(o.stats.num_steps for o in t)
+        rows.append([b, chain_b, "yes" if b > MAX_CHAIN else "no", tree, tree / chain_b])
+    return rows
 
 
 def per_depth(outs) -> str:
@@ -64,6 +84,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--budgets", nargs="+", type=int, default=[3, 5])
+    p.add_argument("--budget-topk", type=int, default=8, help="children per expanded node in the budget arms' trees")
     p.add_argument("--arms", nargs="+", default=None)
     p.add_argument("--batch-size", type=int, default=1, help="engine slots (use --per-set >= it)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy); seed 0")
@@ -73,7 +94,7 @@ def main() -> None:
     print(machine())
     model = load_model(None)
     sets = load_sets(args.per_set, args.per_set)
-    all_arms = arms(args.eagle, args.budgets)
+    all_arms = arms(args.eagle, args.budgets, args.budget_topk)
     names = args.arms or list(all_arms)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
     rows = []
@@ -101,6 +122,9 @@ def main() -> None:
                          per_depth(out), [o.token_ids for o in out] == [o.token_ids for o in outs[names[0]]]])
         print_table(["set", "arm", "tok/s", "x none", "tok/step", "nodes/step", "accepted per depth", "identical"],
                     rows[-len(names):])
+        budget_rows = tree_against_chain(outs, args.budgets)
+        if budget_rows:
+            print_table(["B", "chain tok/step", "chain bound", "tree tok/step", "tree / chain"], budget_rows)
         print(machine(), flush=True)
 
 
