@@ -410,9 +410,37 @@ struct Tile {
     for (int64_t l = 0; l < nl; ++l) bits |= (j0 + l > p0 + a || sees(a, j0 + l)) ? (1u << l) : 0u;
     return bits;
   }
-  inline const C* key(int64_t j, int64_t D) const { return j < plen ? pk + j * D : k + (j - plen) * D; }
-  inline const C* value(int64_t j, int64_t D) const { return j < plen ? pv + j * D : v + (j - plen) * D; }
+  // A tree token written off its position (a node that is not on its tree's first branch) is a tile of its own
+  // whose keys are indexed by position: key j < tail is row j, key j >= tail is row tail_rows[j - tail] (its
+  // ancestors, then itself). Its chunks, lanes and sums are then those of plain decoding at its position, so a
+  // token accepted from any branch has plain decoding's bits (keys by row summed its softmax in other lanes).
+  int64_t tail = std::numeric_limits<int64_t>::max();
+  const int64_t* tail_rows = nullptr;
+  inline int64_t row(int64_t j) const { return j >= tail ? tail_rows[j - tail] : j; }
+  inline const C* key(int64_t j, int64_t D) const {
+    const int64_t r = row(j);
+    return r < plen ? pk + r * D : k + (r - plen) * D;
+  }
+  inline const C* value(int64_t j, int64_t D) const {
+    const int64_t r = row(j);
+    return r < plen ? pv + r * D : v + (r - plen) * D;
+  }
 };
+
+// A tree token at row p and position P < p with visibility mask m (Tile::back): its keys in position order are
+// rows [0, L) (L: the lowest row it does not see) and then the rows in (L, p] it sees, P + 1 - L of them.
+// Writes those rows to tail_rows and returns L, or -1 when the mask does not fit that (the token keeps its mask).
+inline int64_t tree_tail(int64_t p, int64_t P, uint64_t m, int64_t* tail_rows) {
+  int64_t top = -1;  // the highest bit clear: the lowest row not seen
+  for (int64_t b = 63; b >= 0 && top < 0; --b)
+    if (!((m >> b) & 1)) top = b;
+  if (top < 0 || top > p) return -1;
+  int64_t count = 0;
+  for (int64_t b = top - 1; b >= 0; --b)
+    if ((m >> b) & 1) tail_rows[count++] = p - b;
+  const int64_t L = p - top;
+  return count == P + 1 - L ? L : -1;
+}
 
 // Keys per chunk. A row's softmax is assembled from partial results over the fixed key ranges [c kChunk,
 // (c + 1) kChunk) of its positions, merged in chunk order (merge_partials), so the arithmetic depends only on
@@ -878,25 +906,46 @@ void attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, con
       convert_row(row + (H + KV + h) * D, vc + dst, D);
     }
   }
+  // Tree tokens written off their positions: their keys in position order (Tile::tail), each its own tile.
+  std::vector<int64_t> tail, tail_rows;
+  if (tree_mask != nullptr) {
+    tail.assign(n, -1);
+    tail_rows.resize(n * 64);
+    for (int64_t t = 0; t < n; ++t)
+      if (pos[t] > rope_pos[t]) tail[t] = tree_tail(pos[t], rope_pos[t], tree_mask[t], tail_rows.data() + t * 64);
+  }
+  auto alone = [&](int64_t t) { return tree_mask != nullptr && tail[t] >= 0; };
   // Tiles: runs of up to `tile` tokens of one slot at consecutive positions (a decode/verify block, or a piece
   // of a prompt); each tile and KV head is one work item that reads its keys and values once.
   std::vector<int64_t> starts;
   for (int64_t t = 0; t < n; ++t) {
-    if (t == 0 || slot[t] != slot[t - 1] || pos[t] != pos[t - 1] + 1 || t - starts.back() >= tile)
+    if (t == 0 || slot[t] != slot[t - 1] || pos[t] != pos[t - 1] + 1 || t - starts.back() >= tile || alone(t) ||
+        alone(t - 1))
       starts.push_back(t);
   }
   const int64_t num_tiles = starts.size();
   starts.push_back(n);
+  // keys [0, len) of tile ti: through its last token's row, or position for a tree token alone
+  auto tile_len = [&](int64_t ti) {
+    const int64_t last = starts[ti + 1] - 1;
+    return (alone(last) ? rope_pos[last] : pos[last]) + 1;
+  };
   // Phase 2: attention of each query over keys [0, pos] of its slot, as partial softmaxes over fixed chunks of
   // keys merged in order. With many (tile, KV head) items each is one work item (its chunks in turn); with few
   // (one slot decoding: 3 items for 2 threads) every chunk is its own item, which balances the threads. Both
   // compute the same partials and merge them alike, so the results are the same bits.
   auto tile_of = [&](int64_t w) {
     const int64_t ti = w / KV, kvh = w % KV, t0 = starts[ti], nt = starts[ti + 1] - t0;
-    return Tile<T, C>{q.data() + (t0 * H + kvh * G) * D, H * D, G, nt, pos[t0], pos[t0 + nt - 1] + 1,
-                   kc + (slot[t0] * KV + kvh) * cap * D, vc + (slot[t0] * KV + kvh) * cap * D,
-                   out + (t0 * H + kvh * G) * D, plen[t0], pk + kvh * pcap * D, pv + kvh * pcap * D,
-                   tree_mask ? tree_mask + t0 : nullptr};
+    const bool own = alone(t0);
+    Tile<T, C> tl{q.data() + (t0 * H + kvh * G) * D, H * D, G, nt, own ? rope_pos[t0] : pos[t0], tile_len(ti),
+                  kc + (slot[t0] * KV + kvh) * cap * D, vc + (slot[t0] * KV + kvh) * cap * D,
+                  out + (t0 * H + kvh * G) * D, plen[t0], pk + kvh * pcap * D, pv + kvh * pcap * D,
+                  tree_mask && !own ? tree_mask + t0 : nullptr};
+    if (own) {
+      tl.tail = tail[t0];
+      tl.tail_rows = tail_rows.data() + t0 * 64;
+    }
+    return tl;
   };
   // Work items are handed out through an atomic counter, not `omp for schedule(dynamic)`: with GCC's OpenMP
   // calls served by Paddle's libiomp5, that schedule was seen to give one iteration to two threads.
@@ -919,7 +968,7 @@ void attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, con
   }
   std::vector<int64_t> first(items + 1, 0), offset(items + 1, 0);  // each item's first chunk and partials
   for (int64_t w = 0; w < items; ++w) {
-    const int64_t ti = w / KV, nt = starts[ti + 1] - starts[ti], len = pos[starts[ti + 1] - 1] + 1;
+    const int64_t ti = w / KV, nt = starts[ti + 1] - starts[ti], len = tile_len(ti);
     const int64_t nch = (len + kChunk - 1) / kChunk;
     first[w + 1] = first[w] + nch;
     offset[w + 1] = offset[w] + nch * partial_size(nt * G, D);
