@@ -396,24 +396,11 @@ struct Tile {
   int64_t plen;  // positions [0, plen) come from the shared prefix
   const C* pk;   // shared prefix keys for this KV head: position j < plen at pk + j * D
   const C* pv;
-  // A token tree's masks, one per query of the tile (bit b: the key b rows back is visible; keys 64 or more rows
-  // back always are); nullptr: causal.
-  const uint64_t* back = nullptr;
-  // Whether query a sees key j <= its own row p0 + a.
-  inline bool sees(int64_t a, int64_t j) const {
-    const int64_t b = p0 + a - j;
-    return back == nullptr || b >= 64 || ((back[a] >> b) & 1);
-  }
-  // Bits l < nl of the keys j0 + l query a sees (keys past its row included: the caller cuts those).
-  inline uint32_t seen_bits(int64_t a, int64_t j0, int64_t nl) const {
-    uint32_t bits = 0;
-    for (int64_t l = 0; l < nl; ++l) bits |= (j0 + l > p0 + a || sees(a, j0 + l)) ? (1u << l) : 0u;
-    return bits;
-  }
-  // A tree token written off its position (a node that is not on its tree's first branch) is a tile of its own
-  // whose keys are indexed by position: key j < tail is row j, key j >= tail is row tail_rows[j - tail] (its
-  // ancestors, then itself). Its chunks, lanes and sums are then those of plain decoding at its position, so a
-  // token accepted from any branch has plain decoding's bits (keys by row summed its softmax in other lanes).
+  // Every tile is causal in its keys' index j. A token tree's node on its tree's first branch sits at its position
+  // (its ancestors fill the rows before it). A node written off its position is a tile of its own whose keys are
+  // indexed by position: key j < tail is row j, key j >= tail is row tail_rows[j - tail] (its ancestors, then
+  // itself). Its chunks, lanes and sums are then those of plain decoding at its position, so a token accepted from
+  // any branch has plain decoding's bits (a mask over keys by row had summed its softmax in other lanes).
   int64_t tail = std::numeric_limits<int64_t>::max();
   const int64_t* tail_rows = nullptr;
   inline int64_t row(int64_t j) const { return j >= tail ? tail_rows[j - tail] : j; }
@@ -427,9 +414,10 @@ struct Tile {
   }
 };
 
-// A tree token at row p and position P < p with visibility mask m (Tile::back): its keys in position order are
-// rows [0, L) (L: the lowest row it does not see) and then the rows in (L, p] it sees, P + 1 - L of them.
-// Writes those rows to tail_rows and returns L, or -1 when the mask does not fit that (the token keeps its mask).
+// A tree token at row p and position P < p with visibility mask m (bit b: the row b back is itself or an
+// ancestor; rows 64 or more back, the committed context, always visible): its keys in position order are rows
+// [0, L) (L: the lowest row it does not see) and then the rows in (L, p] it sees, P + 1 - L of them. Writes those
+// rows to tail_rows and returns L, or -1 when the mask does not fit that (not a tree's).
 inline int64_t tree_tail(int64_t p, int64_t P, uint64_t m, int64_t* tail_rows) {
   int64_t top = -1;  // the highest bit clear: the lowest row not seen
   for (int64_t b = 63; b >= 0 && top < 0; --b)
@@ -478,18 +466,6 @@ void chunk_partial_generic(const Tile<T, C>& t, int64_t D, int64_t jb, int64_t j
       const int64_t r = a * t.G + g;
       T* e = sc.data() + r * len;
       if (last <= jb) { m[r] = -std::numeric_limits<T>::max(); l[r] = 0; continue; }
-      if (t.back != nullptr) {  // a tree: keys that are not ancestors weigh nothing (and may leave none here)
-        T mx = -std::numeric_limits<T>::max();
-        for (int64_t j = 0; j < last - jb; ++j) mx = t.sees(a, jb + j) && e[j] > mx ? e[j] : mx;
-        T total = 0;
-        for (int64_t j = 0; j < last - jb; ++j) {
-          e[j] = t.sees(a, jb + j) ? std::exp(e[j] - mx) : T(0);
-          total += e[j];
-        }
-        m[r] = mx;
-        l[r] = total;
-        continue;
-      }
       T mx = e[0];
       for (int64_t j = 1; j < last - jb; ++j) mx = e[j] > mx ? e[j] : mx;
       T total = 0;
@@ -702,18 +678,16 @@ void chunk_partial(const Tile<float, E>& t, int64_t D, int64_t jb, int64_t je, s
         std::fill(r, r + stride, 0.0f);
         continue;
       }
-      // a tree's keys that are not ancestors: out of the max, weight 0
-      auto seen = [&](int64_t j) { return t.back ? __mmask16(t.seen_bits(a, jb + j, 16)) : __mmask16(0xFFFF); };
       __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::max());
       for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 mk = (n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1)) & seen(j);
+        const __mmask16 mk = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
         mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, r + j));
       }
       const float mx = _mm512_reduce_max_ps(mv);
       const __m512 mb = _mm512_set1_ps(mx);
       __m512 tot = _mm512_setzero_ps();
       for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 in = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1), mk = in & seen(j);
+        const __mmask16 in = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1), mk = in;
         const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, r + j), mb)));
         _mm512_mask_storeu_ps(r + j, in, e);
         tot = _mm512_add_ps(tot, e);
@@ -824,15 +798,8 @@ void chunk_partial(const Tile<float, E>& t, int64_t D, int64_t jb, int64_t je, s
       }
       const __m256 lowest = _mm256_set1_ps(-std::numeric_limits<float>::max());
       __m256 mv = lowest;
-      // a tree's keys that are not ancestors: out of the max, weight 0
-      const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-      auto seen = [&](int64_t j) {
-        if (!t.back) return _mm256_set1_epi32(-1);
-        const __m256i bits = _mm256_and_si256(_mm256_set1_epi32(int(t.seen_bits(a, jb + j, 8))), lane_bit);
-        return _mm256_cmpeq_epi32(bits, lane_bit);
-      };
       for (int64_t j = 0; j < n; j += 8) {
-        const __m256 mk = _mm256_castsi256_ps(_mm256_and_si256(lanes_below(n - j), seen(j)));
+        const __m256 mk = _mm256_castsi256_ps(lanes_below(n - j));
         mv = _mm256_max_ps(mv, _mm256_blendv_ps(lowest, _mm256_loadu_ps(r + j), mk));
       }
       alignas(32) float lanes[8];
@@ -842,7 +809,7 @@ void chunk_partial(const Tile<float, E>& t, int64_t D, int64_t jb, int64_t je, s
       const __m256 mb = _mm256_set1_ps(mx);
       __m256 tot = _mm256_setzero_ps();
       for (int64_t j = 0; j < n; j += 8) {
-        const __m256 mk = _mm256_castsi256_ps(_mm256_and_si256(lanes_below(n - j), seen(j)));
+        const __m256 mk = _mm256_castsi256_ps(lanes_below(n - j));
         const __m256 e = _mm256_and_ps(mk, exp256(_mm256_sub_ps(_mm256_loadu_ps(r + j), mb)));
         _mm256_storeu_ps(r + j, e);  // lanes past n (still within the row's stride) get 0
         tot = _mm256_add_ps(tot, e);
@@ -878,7 +845,7 @@ void attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, con
                bool qk_norm, T eps, int64_t tile, const int64_t* plen, const C* pk, const C* pv, int64_t pcap,
                const int64_t* rope_pos = nullptr, const uint64_t* tree_mask = nullptr) {
   // rope_pos: a token tree's positions (its root's + depth), where `pos` are the rows it is written to and
-  // attends from; tree_mask: the rows each token sees (Tile::back). nullptr: the rows are the positions, causal.
+  // attends from; tree_mask: the rows each token sees (tree_tail). nullptr: the rows are the positions, causal.
   if (rope_pos == nullptr) rope_pos = pos;
   const int64_t G = H / KV, width = (H + 2 * KV) * D, half = D / 2;
   const T scale = T(1) / std::sqrt(T(D));
@@ -911,8 +878,11 @@ void attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, con
   if (tree_mask != nullptr) {
     tail.assign(n, -1);
     tail_rows.resize(n * 64);
-    for (int64_t t = 0; t < n; ++t)
-      if (pos[t] > rope_pos[t]) tail[t] = tree_tail(pos[t], rope_pos[t], tree_mask[t], tail_rows.data() + t * 64);
+    for (int64_t t = 0; t < n; ++t) {
+      if (pos[t] == rope_pos[t]) continue;  // at its position: causal
+      tail[t] = tree_tail(pos[t], rope_pos[t], tree_mask[t], tail_rows.data() + t * 64);
+      PD_CHECK(tail[t] >= 0, "attention: a token's tree mask does not fit its row and position");
+    }
   }
   auto alone = [&](int64_t t) { return tree_mask != nullptr && tail[t] >= 0; };
   // Tiles: runs of up to `tile` tokens of one slot at consecutive positions (a decode/verify block, or a piece
@@ -939,8 +909,7 @@ void attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, con
     const bool own = alone(t0);
     Tile<T, C> tl{q.data() + (t0 * H + kvh * G) * D, H * D, G, nt, own ? rope_pos[t0] : pos[t0], tile_len(ti),
                   kc + (slot[t0] * KV + kvh) * cap * D, vc + (slot[t0] * KV + kvh) * cap * D,
-                  out + (t0 * H + kvh * G) * D, plen[t0], pk + kvh * pcap * D, pv + kvh * pcap * D,
-                  tree_mask && !own ? tree_mask + t0 : nullptr};
+                  out + (t0 * H + kvh * G) * D, plen[t0], pk + kvh * pcap * D, pv + kvh * pcap * D};
     if (own) {
       tl.tail = tail[t0];
       tl.tail_rows = tail_rows.data() + t0 * 64;
@@ -1062,7 +1031,7 @@ struct StepInputs {
   T eps;
   int64_t prefix_capacity;
   const int64_t* rope_positions = nullptr;  // [n] a token tree's positions (rows: `positions`); nullptr: the rows
-  const uint64_t* tree_mask = nullptr;  // [n] the rows each token sees (Tile::back); nullptr: causal
+  const uint64_t* tree_mask = nullptr;  // [n] the rows each token sees (tree_tail); nullptr: causal
 };
 
 // The paddle type of activations T, and its name for errors.
@@ -1692,7 +1661,7 @@ std::vector<paddle::Tensor> MtpDraft(
 // empty attn_norm: none), then its output feature (final_norm applied unless empty) for every token, and at each
 // logit row the LM head, log-softmax and the top-k columns (largest first, the lower column on a tie).
 // index int64 [7 n + m]: token ids, rows of `hidden`, cache rows, slots, prefix lengths (zeros), RoPE positions,
-// tree masks (Tile::back), then the m logit rows.
+// tree masks (tree_tail), then the m logit rows.
 // -> (features [n, hidden], top-k log-probabilities [m, topk], their LM-head columns int64 [m, topk])
 std::vector<paddle::Tensor> EaglePass(
     const paddle::Tensor& index, const paddle::Tensor& hidden, const paddle::Tensor& embed, const paddle::Tensor& fc,
