@@ -2,13 +2,14 @@
 or a multi-layer head's first N modules) and draft models (cut from the main model, or distilled), on the
 Spec-Bench categories and MBPP rewriting (the evaluation slices, disjoint from the training prompts).
 
-    python benchmarks/acceptance.py --mtp shipped runs/mtp1 runs/mtp3:2 runs/mtp3 --draft cut:2 runs/draft2 --k 3
+    python benchmarks/acceptance.py --mtp shipped runs/mtp1 runs/mtp3:2 runs/mtp3 --draft cut:2 runs/draft2 \
+        --k 3
 
-`--mtp DIR[:N]`: a head (N: only its first N modules; `shipped`: the package's head); `--mtp-copy 0`: the head's
-own drafts only (no n-gram copies: "head alone"). `--draft DIR` or
-`cut:L` (the main model's first L layers, untrained). Greedy, the default model, adaptive off (k drafts every
-step), batch --batch-size. Acceptance at position i is accepted / verified there: every step verifies all k
-drafts, so it is the share of steps whose drafts 1..i were all right; tok/step = emitted tokens per decoding step. Timings are not reported:
+`--mtp DIR[:N]`: a head (N: only its first N modules; `shipped`: the package's head); `--mtp-copy 0`: the
+head's own drafts only (no n-gram copies: "head alone"). `--draft DIR` or `cut:L` (the main model's first L
+layers, untrained). Greedy, the default model, adaptive off (k drafts every step), batch --batch-size.
+Acceptance at position i is accepted / verified there: every step verifies all k drafts, so it is the share of
+steps whose drafts 1..i were all right; tok/step = emitted tokens per decoding step. Timings are not reported:
 acceptance does not depend on the machine's load.
 """
 from __future__ import annotations
@@ -20,7 +21,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-
 from common import load_sets, machine, print_table
 
 
@@ -47,12 +47,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mtp", nargs="*", default=["shipped"])
     ap.add_argument("--draft", nargs="*", default=[])
-    ap.add_argument("--sets", nargs="+", default=["summarization", "rag", "translation", "math_reasoning", "qa",
-                                                  "writing", "code_rewrite"])
+    ap.add_argument("--sets", nargs="+", default=["summarization", "rag", "translation", "math_reasoning",
+                                                  "qa", "writing", "code_rewrite"])
     ap.add_argument("--per-category", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--mtp-copy", type=int, default=None, help="MtpConfig.copy (0: the head alone) [default: 2]")
+    ap.add_argument("--mtp-copy", type=int, default=None,
+                    help="MtpConfig.copy (0: the head alone) [default: 2]")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -71,8 +72,8 @@ def main() -> None:
         if n:
             head = truncated_head(head, int(n), work)
         mtp = MtpConfig() if args.mtp_copy is None else MtpConfig(copy=args.mtp_copy)
-        arms[f"mtp {spec}"] = SpecConfig(method=Method.MTP, draft_model=str(head), num_speculative_tokens=args.k,
-                                         adaptive=False, mtp=mtp)
+        arms[f"mtp {spec}"] = SpecConfig(method=Method.MTP, draft_model=str(head),
+                                         num_speculative_tokens=args.k, adaptive=False, mtp=mtp)
     for spec in args.draft:
         path = Path(spec)
         if spec.startswith("cut:"):
@@ -95,12 +96,14 @@ def main() -> None:
             per_step = (tokens - len(outs)) / max(1, sum(o.stats.num_steps for o in outs) - len(outs))
             out.append({"set": name, "arm": arm, "per_position": pos, "tok_per_step": per_step})
             rows.append([name, arm] + pos + [per_step])
-        print_table(["set", "drafter"] + [f"pos {i + 1}" for i in range(args.k)] + ["tok/step"], rows[-len(arms):])
+        print_table(["set", "drafter"] + [f"pos {i + 1}" for i in range(args.k)] + ["tok/step"],
+                    rows[-len(arms):])
         print(flush=True)
     mean = {arm: np.mean([[p or 0.0 for p in r["per_position"]] for r in out if r["arm"] == arm], axis=0)
             for arm in arms}
     print("mean over the sets")
-    print_table(["drafter"] + [f"pos {i + 1}" for i in range(args.k)], [[a] + list(m) for a, m in mean.items()])
+    print_table(["drafter"] + [f"pos {i + 1}" for i in range(args.k)],
+                [[a] + list(m) for a, m in mean.items()])
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
 

@@ -1,15 +1,15 @@
-"""This checkout against another (before / after a change): whole jobs, each in a fresh process of each checkout
-in turn, --repeats times, so that both are timed under the same load.
+"""This checkout against another (before / after a change): whole jobs, each in a fresh process of each
+checkout in turn, --repeats times, so that both are timed under the same load.
 
     git worktree add /tmp/before <commit>
     python benchmarks/compare.py --other /tmp/before --jobs none:1 none:32 ngram:1 --set code_rewrite
 
 A job is method:batch_size over the first --prompts prompts of --set (common.load_sets), greedy. Each process
-loads the default model and runs a short warm-up job at that batch size and method first (kernel builds and the
-job's start-up are not timed), then the job. Only the public API is used (load_model, generate, EngineConfig,
-SpecConfig(method, num_speculative_tokens), SamplingParams), so any checkout of specgen can be compared. Printed
-per job: each checkout's median tok/s, the median of the per-repeat ratios (this / other), and whether all runs
-gave the same tokens.
+loads the default model and runs a short warm-up job at that batch size and method first (kernel builds and
+the job's start-up are not timed), then the job. Only the public API is used (load_model, generate,
+EngineConfig, SpecConfig(method, num_speculative_tokens), SamplingParams), so any checkout of specgen can be
+compared. Printed per job: each checkout's median tok/s, the median of the per-repeat ratios (this / other),
+and whether all runs gave the same tokens.
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-
 from common import load_sets, machine, print_table, timed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +39,8 @@ def child(args) -> None:
     spec = SpecConfig(method=method, num_speculative_tokens=args.k) if method != "none" else SpecConfig()
     engine = EngineConfig(batch_size=int(bs))
     generate(prompts[:2], model=model, sampling=SamplingParams(max_tokens=4), engine=engine, speculative=spec)
-    outs, wall = timed(lambda: generate(prompts, model=model, sampling=SamplingParams(max_tokens=args.max_tokens),
+    outs, wall = timed(lambda: generate(prompts, model=model,
+                                        sampling=SamplingParams(max_tokens=args.max_tokens),
                                         engine=engine, speculative=spec))
     tokens = [o.token_ids for o in outs]
     digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()
@@ -49,8 +49,8 @@ def child(args) -> None:
 
 
 def run_child(tree: Path, prompts_file: str, job: str, args) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", prompts_file, "--job", job, "--k", str(args.k),
-           "--max-tokens", str(args.max_tokens), "--threads", str(args.threads)]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", prompts_file, "--job", job,
+           "--k", str(args.k), "--max-tokens", str(args.max_tokens), "--threads", str(args.threads)]
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(args.threads)}
     out = subprocess.run(cmd, env=env, cwd=str(tree), capture_output=True, text=True, check=False)
     lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
@@ -98,7 +98,8 @@ def main() -> None:
             same = len({r["digest"] for v in runs.values() for r in v}) == 1
             rows.append([args.set, job, med["this"], med["other"], float(np.median(ratios)),
                          " ".join(f"{x:.2f}" for x in ratios), "yes" if same else "NO"])
-            print_table(["set", "job", "this tok/s", "other tok/s", "this/other", "per repeat", "same tokens"], rows)
+            print_table(["set", "job", "this tok/s", "other tok/s", "this/other", "per repeat",
+                         "same tokens"], rows)
             print(flush=True)
 
 

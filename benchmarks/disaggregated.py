@@ -1,29 +1,31 @@
-"""Prefill/decode disaggregation (--pd 1:1) against one engine with chunked prefill: the default model, plain decoding.
+"""Prefill/decode disaggregation (--pd 1:1) against one engine with chunked prefill: the default model, plain
+decoding.
 
     OMP_NUM_THREADS=2 python benchmarks/disaggregated.py --rounds 2
 
 One job, the same for every arm, in three groups, read in this order:
-  decoders  --decoders short prompts that generate --decode-tokens tokens each (they are decoding when the rest
-            arrives);
-  long      --long prompts of --long-tokens tokens (Spec-Bench questions repeated), --short-tokens tokens each;
+  decoders  --decoders short prompts that generate --decode-tokens tokens each (they are decoding when the
+            rest arrives);
+  long      --long prompts of --long-tokens tokens (Spec-Bench questions repeated), --short-tokens
+            tokens each;
   short     --short short prompts queued behind the long ones, --short-tokens tokens each.
-Every request generates exactly its tokens (ignore_eos), greedy; --batch-size slots hold the whole job at once,
-and a step admits prompts while --max-prefill-tokens lasts (every arm), so the long prompts arrive one or two a
-step while the decoders decode.
+Every request generates exactly its tokens (ignore_eos), greedy; --batch-size slots hold the whole job at
+once, and a step admits prompts while --max-prefill-tokens lasts (every arm), so the long prompts arrive one
+or two a step while the decoders decode.
 
 Arms (each with 2 threads in all), alternated round by round:
   colo        one engine, 2 threads, whole prompts prefilled in a step, beside the decoding slots;
   colo-chunk  the same with --prefill-chunk (prompt chunks mixed into decode steps);
   pd          --pd 1:1: a prefill worker and a decode worker of 1 thread each (workers timed from the first
               request handed out; their start-up apart).
-Reported per arm: the job's wall time and output tok/s; decode-side step time (median and p90, ms) of steps with
-prompt tokens mixed in and of steps without (pd: the decode worker's steps, all without); time to first token
-(median, s from the job's start) of the long prompts and of the short ones queued behind them; for pd each
-hand-off's bytes (the main KV cache; with the drafter's state) and its export (prefill side, into shared memory),
-import (decode side, into its cache) and wait (from export to import: the queues, a free decode slot).
-Last, the transports alone on --transport-mib sizes: shared memory's two copies (what a hand-off does) and
-paddle.distributed send/recv over gloo (two processes, loopback TCP: the transport a hand-off between machines
-would use).
+Reported per arm: the job's wall time and output tok/s; decode-side step time (median and p90, ms) of steps
+with prompt tokens mixed in and of steps without (pd: the decode worker's steps, all without); time to first
+token (median, s from the job's start) of the long prompts and of the short ones queued behind them; for pd
+each hand-off's bytes (the main KV cache; with the drafter's state) and its export (prefill side, into shared
+memory), import (decode side, into its cache) and wait (from export to import: the queues, a free decode
+slot). Last, the transports alone on --transport-mib sizes: shared memory's two copies (what a hand-off does)
+and paddle.distributed send/recv over gloo (two processes, loopback TCP: the transport a hand-off between
+machines would use).
 """
 from __future__ import annotations
 
@@ -35,12 +37,12 @@ import socket
 import time
 
 import numpy as np
-
 from common import DATA, machine, print_table
 
 
 def texts(n: int, tokens_min: int, offset: int) -> list[str]:
-    lines = [json.loads(x) for x in (DATA / "spec_bench" / "question.jsonl").read_text().splitlines() if x.strip()]
+    lines = [json.loads(x) for x in (DATA / "spec_bench" / "question.jsonl").read_text().splitlines()
+             if x.strip()]
     out = []
     for i in range(n):
         text = ""
@@ -64,7 +66,8 @@ def job(loaded, args) -> list:
     for name, n, prompt_tokens, max_tokens in groups:
         for i, text in enumerate(texts(n, prompt_tokens, len(reqs))):
             ids = encode_prompt(loaded, text)[:prompt_tokens]
-            reqs.append(Request(f"{name}{i}", len(reqs), ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+            reqs.append(Request(f"{name}{i}", len(reqs), ids,
+                                SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
     return reqs
 
 
@@ -114,7 +117,8 @@ def disaggregated(loaded, reqs, batch: int, chunk: int, budget: int) -> dict:
         wall = time.perf_counter() - ready
         timings, steps = pd.timings(), pd.decode_steps()
     return {"wall": wall, "tok_s": tokens / wall, "mixed": [], "pure": [s for s, _ in steps],
-            "first": {h.request_id: h.sent - wall0 for h in timings}, "handoffs": timings, "start": ready - s0}
+            "first": {h.request_id: h.sent - wall0 for h in timings}, "handoffs": timings,
+            "start": ready - s0}
 
 
 def ms(xs: list[float], q: float) -> float | None:
@@ -157,8 +161,8 @@ def _gloo_rank(rank: int, endpoints: list[str], sizes: list[int], repeats: int, 
 
 def shm_hand_off(sizes: list[int], repeats: int = 5) -> list[tuple[float, float]]:
     """Median seconds of a hand-off's two copies through shared memory, in this process: pack (a new segment,
-    the array copied in) and unpack (the segment's view copied into an array allocated once, as a decode worker's
-    cache is), for `sizes` bytes of float32."""
+    the array copied in) and unpack (the segment's view copied into an array allocated once, as a decode
+    worker's cache is), for `sizes` bytes of float32."""
     from specgen.distributed.parcel import pack, unpack
 
     result = []
@@ -177,8 +181,8 @@ def shm_hand_off(sizes: list[int], repeats: int = 5) -> list[tuple[float, float]
 
 
 def gloo_send_recv(sizes: list[int], repeats: int = 5) -> list[float]:
-    """Median seconds to move `sizes` bytes from one process to another with paddle.distributed send/recv (gloo,
-    loopback), each send bracketed by barriers."""
+    """Median seconds to move `sizes` bytes from one process to another with paddle.distributed send/recv
+    (gloo, loopback), each send bracketed by barriers."""
     socks = [socket.socket() for _ in range(2)]
     for s in socks:
         s.bind(("127.0.0.1", 0))
@@ -206,9 +210,11 @@ def main() -> None:
     ap.add_argument("--short-tokens", type=int, default=8)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=256)
-    ap.add_argument("--max-prefill-tokens", type=int, default=1024, help="prompt tokens admitted per step (every arm)")
+    ap.add_argument("--max-prefill-tokens", type=int, default=1024,
+                    help="prompt tokens admitted per step (every arm)")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--arms", default="colo,colo-chunk,pd", help="comma-separated; empty: only the transports")
+    ap.add_argument("--arms", default="colo,colo-chunk,pd",
+                    help="comma-separated; empty: only the transports")
     ap.add_argument("--transport-mib", default="0.7,1,33", help="sizes the transports move (empty: none)")
     args = ap.parse_args()
     from specgen import load_model
@@ -217,8 +223,9 @@ def main() -> None:
     loaded = load_model(None, threads=2)
     reqs = job(loaded, args)
     colocated(loaded, reqs[:4], 4, 0)  # warm-up: first-call costs out of the timings
-    print(f"{len(reqs)} requests: {args.decoders} decoders x {args.decode_tokens} tokens, {args.long} prompts of "
-          f"{args.long_tokens} tokens, {args.short} short prompts behind them; batch {args.batch_size}")
+    print(f"{len(reqs)} requests: {args.decoders} decoders x {args.decode_tokens} tokens, {args.long} "
+          f"prompts of {args.long_tokens} tokens, {args.short} short prompts behind them; "
+          f"batch {args.batch_size}")
     budget = args.max_prefill_tokens
     arms = {"colo": lambda: colocated(loaded, reqs, args.batch_size, 0, budget),
             "colo-chunk": lambda: colocated(loaded, reqs, args.batch_size, args.chunk, budget),
@@ -233,8 +240,8 @@ def main() -> None:
                          med(v for k, v in first.items() if k.startswith("long")),
                          med(v for k, v in first.items() if k.startswith("short"))])
             handoffs += res.get("handoffs", [])
-            print_table(["arm", "round", "wall (s)", "tok/s", "pure p50", "pure p90", "n", "mixed p50", "mixed p90",
-                         "n", "TTFT long", "TTFT short"], rows[-1:])
+            print_table(["arm", "round", "wall (s)", "tok/s", "pure p50", "pure p90", "n", "mixed p50",
+                         "mixed p90", "n", "TTFT long", "TTFT short"], rows[-1:])
             print(machine(), flush=True)
     if handoffs:
         print("\nhand-offs (pd arm, all rounds): per prompt group, medians")
@@ -245,14 +252,16 @@ def main() -> None:
                 kv = med(h.kv_bytes for h in hs)
                 table.append([group, len(hs), kv / 2**20, kv / med(len(r.prompt_ids) for r in reqs
                                                                     if r.id.startswith(group)) / 1024,
-                              med(h.parcel_bytes for h in hs) / 2**20, med(h.export_seconds * 1e3 for h in hs),
+                              med(h.parcel_bytes for h in hs) / 2**20,
+                              med(h.export_seconds * 1e3 for h in hs),
                               med(h.import_seconds * 1e3 for h in hs), med(h.wait_seconds * 1e3 for h in hs)])
-        print_table(["group", "n", "KV MiB", "KiB/token", "parcel MiB", "export ms", "import ms", "wait ms"], table)
+        print_table(["group", "n", "KV MiB", "KiB/token", "parcel MiB", "export ms", "import ms", "wait ms"],
+                    table)
     sizes = [int(float(x) * 2**20) for x in args.transport_mib.split(",")] if args.transport_mib else []
     if sizes:
-        print("\nthe same bytes moved between processes, median ms: shared memory's two copies (pack into a new "
-              "segment, unpack into an array), in one process alone; paddle.distributed send/recv over gloo (2 "
-              "processes, loopback TCP, barriers around each)")
+        print("\nthe same bytes moved between processes, median ms: shared memory's two copies (pack into a "
+              "new segment, unpack into an array), in one process alone; paddle.distributed send/recv over "
+              "gloo (2 processes, loopback TCP, barriers around each)")
         copies = shm_hand_off(sizes)
         moved = gloo_send_recv(sizes)
         print_table(["MiB", "shm pack", "shm unpack", "gloo send/recv"],

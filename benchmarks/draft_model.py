@@ -1,11 +1,11 @@
-"""--method draft_model with drafts cut from the default model (`specgen make-draft --layers L`), against plain
-decoding and n-gram speculation, at batch 1, side by side in one run.
+"""--method draft_model with drafts cut from the default model (`specgen make-draft --layers L`), against
+plain decoding and n-gram speculation, at batch 1, side by side in one run.
 
     python benchmarks/draft_model.py --layers 2 4 6 --sets code_rewrite qa summarization --prompts 6
 
-Per set and drafter: output tok/s (median of --repeats, arms alternated in each repeat), the speedup over plain
-decoding, tokens per step, and how often each verified draft position was accepted. Outputs are checked to be
-identical to plain decoding's. The drafts are untrained (no self-distillation): what a cut alone gives.
+Per set and drafter: output tok/s (median of --repeats, arms alternated in each repeat), the speedup over
+plain decoding, tokens per step, and how often each verified draft position was accepted. Outputs are checked
+to be identical to plain decoding's. The drafts are untrained (no self-distillation): what a cut alone gives.
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-
 from common import load_sets, machine, print_table, timed
 
 
@@ -50,7 +49,8 @@ def main() -> None:
         outs: dict[str, list] = {}
         for rep in range(args.repeats + 1):
             for arm, spec in arms.items():
-                got, wall = timed(lambda: generate(ids, model=lm, sampling=sp, engine=engine, speculative=spec))
+                got, wall = timed(lambda: generate(ids, model=lm, sampling=sp, engine=engine,
+                                                   speculative=spec))
                 outs[arm] = got
                 if rep:  # the first round warms each arm up (kernels, the draft's load, the cost table)
                     tok_s[arm].append(sum(len(o.token_ids) for o in got) / wall)

@@ -1,25 +1,24 @@
-"""EAGLE (issue 44): the EAGLE layer's chain, static tree and dynamic tree against plain decoding, n-gram and the
-MTP head on Spec-Bench's categories and MBPP rewriting; and the tree against the chain of the same layer at the same
-verify budget (every node verified).
+"""EAGLE (issue 44): the EAGLE layer's chain, static tree and dynamic tree against plain decoding, n-gram and
+the MTP head on Spec-Bench's categories and MBPP rewriting; and the tree against the chain of the same layer
+at the same verify budget (every node verified).
 
     python benchmarks/eagle.py [--eagle DIR] [--sets ...] [--per-set 3] [--max-tokens 64] [--repeats 2]
                                [--batch-size 1]
 
-Greedy (or --temperature T, seed 0), the default model, float32, the fused backend, batch --batch-size (1). Speed
-arms run with the adaptive controller (it picks each slot's k or node budget); they alternate within each repeat,
-tok/s are the best of the repeats and "x none" its ratio to plain decoding's. tok/step = tokens emitted per step
-(accepted + 1), nodes/step = drafts verified per step. Budget arms (--budgets B...) verify every node offered: a
-chain of B drafts against a tree of B nodes of the same layer (EAGLE-2's most probable B, at most 32, with
---budget-topk children per expanded node), without copies; past 5 drafts, the longest chain, the chain's figure is
-a bound (tree_against_chain). The EAGLE speed arms copy where the text repeats (--eagle-copy 2, the default) but
-for `eagle dynamic no copy`. Outputs are checked identical to `none`'s.
+Greedy (or --temperature T, seed 0), the default model, float32, the fused backend, batch --batch-size (1).
+Speed arms run with the adaptive controller (it picks each slot's k or node budget); they alternate within
+each repeat, tok/s are the best of the repeats and "x none" its ratio to plain decoding's. tok/step = tokens
+emitted per step (accepted + 1), nodes/step = drafts verified per step. Budget arms (--budgets B...) verify
+every node offered: a chain of B drafts against a tree of B nodes of the same layer (EAGLE-2's most probable
+B, at most 32, with --budget-topk children per expanded node), without copies; past 5 drafts, the longest
+chain, the chain's figure is a bound (tree_against_chain). The EAGLE speed arms copy where the text repeats
+(--eagle-copy 2, the default) but for `eagle dynamic no copy`. Outputs are checked identical to `none`'s.
 """
 from __future__ import annotations
 
 import argparse
 
 import numpy as np
-
 from common import CATEGORIES, load_sets, machine, print_table, timed
 
 STATIC = ("0", "1", "2", "0,0", "0,1", "1,0", "0,0,0", "0,0,1", "0,0,0,0")  # 9 nodes, depth 4
@@ -37,7 +36,8 @@ def arms(eagle: str | None, budgets: list[int], budget_topk: int = 8) -> dict:
 
     out = {"none": (SpecConfig(), True), "ngram k3": (SpecConfig(method="ngram"), True),
            "mtp k2": (SpecConfig(method="mtp", num_speculative_tokens=2), True),
-           "eagle chain k4": (e(4, topk=1), True), "eagle static 9": (e(4, topk=3, tree_choices=STATIC), True),
+           "eagle chain k4": (e(4, topk=1), True),
+           "eagle static 9": (e(4, topk=3, tree_choices=STATIC), True),
            "eagle dynamic 4x4": (e(4, topk=4, nodes=16), True),
            "eagle dynamic no copy": (e(4, topk=4, nodes=16, copy=0), True)}
     for b in budgets:  # the layer alone (no copies); a chain is at most MAX_CHAIN long
@@ -48,8 +48,9 @@ def arms(eagle: str | None, budgets: list[int], budget_topk: int = 8) -> dict:
 
 def tree_against_chain(outs: dict, budgets: list[int]) -> list[list]:
     """Per budget B: tokens per step of the tree of B nodes over the chain of B drafts. Past MAX_CHAIN drafts
-    (the longest chain specgen drafts) the chain's figure is an upper bound: the chain of MAX_CHAIN plus, for each
-    further draft, the share of steps that accepted all MAX_CHAIN (a draft past them adds at most that)."""
+    (the longest chain specgen drafts) the chain's figure is an upper bound: the chain of MAX_CHAIN plus, for
+    each further draft, the share of steps that accepted all MAX_CHAIN (a draft past them adds at most
+    that)."""
     rows = []
     for b in budgets:
         c, t = outs.get(f"chain B={min(b, MAX_CHAIN)}"), outs.get(f"tree B={b}")
@@ -57,7 +58,8 @@ def tree_against_chain(outs: dict, budgets: list[int]) -> list[list]:
             continue
         steps = sum(o.stats.num_steps for o in c)
         chain = sum(len(o.token_ids) for o in c) / steps
-        full = sum(o.stats.accepted_per_position[MAX_CHAIN - 1] for o in c if o.stats.accepted_per_position) / steps
+        full = sum(o.stats.accepted_per_position[MAX_CHAIN - 1] for o in c
+                   if o.stats.accepted_per_position) / steps
         chain_b = chain + max(0, b - MAX_CHAIN) * full
         tree = sum(len(o.token_ids) for o in t) / sum(o.stats.num_steps for o in t)
         rows.append([b, chain_b, "yes" if b > MAX_CHAIN else "no", tree, tree / chain_b])
@@ -84,7 +86,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--budgets", nargs="+", type=int, default=[3, 5])
-    p.add_argument("--budget-topk", type=int, default=8, help="children per expanded node in the budget arms' trees")
+    p.add_argument("--budget-topk", type=int, default=8,
+                   help="children per expanded node in the budget arms' trees")
     p.add_argument("--arms", nargs="+", default=None)
     p.add_argument("--batch-size", type=int, default=1, help="engine slots (use --per-set >= it)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy); seed 0")
@@ -120,8 +123,8 @@ def main() -> None:
                          sum(len(o.token_ids) for o in out) / steps,
                          sum(o.stats.num_draft_tokens for o in out) / steps,
                          per_depth(out), [o.token_ids for o in out] == [o.token_ids for o in outs[names[0]]]])
-        print_table(["set", "arm", "tok/s", "x none", "tok/step", "nodes/step", "accepted per depth", "identical"],
-                    rows[-len(names):])
+        print_table(["set", "arm", "tok/s", "x none", "tok/step", "nodes/step", "accepted per depth",
+                     "identical"], rows[-len(names):])
         budget_rows = tree_against_chain(outs, args.budgets)
         if budget_rows:
             print_table(["B", "chain tok/step", "chain bound", "tree tok/step", "tree / chain"], budget_rows)

@@ -1,16 +1,18 @@
 """Expert parallelism's communication per step: benchmarks/moe.py's random ERNIE-4.5-21B-A3B-shaped MoE (64
-experts top-6, 2 shared, hidden 320, 6 layers) over 2 ranks of 1 thread (--expert-parallel-size 2: experts 0-31
-and 32-63 whole, attention heads, shared experts and vocabulary sharded), against one process of 2 threads on
-the same (reference) backend.
+experts top-6, 2 shared, hidden 320, 6 layers) over 2 ranks of 1 thread (--expert-parallel-size 2: experts
+0-31 and 32-63 whole, attention heads, shared experts and vocabulary sharded), against one process of 2
+threads on the same (reference) backend.
 
-    OMP_NUM_THREADS=2 python benchmarks/expert_parallel.py --batch-sizes 1 32 --tokens 1 4 --steps 10 --rounds 3
+    OMP_NUM_THREADS=2 python benchmarks/expert_parallel.py --batch-sizes 1 32 --tokens 1 4 --steps 10 \
+        --rounds 3
 
 Each step is one forward of batch x tokens at position --context, greedy (each rank's best token, one small
 all-gather). Per step, rank 0's collectives by kind: `embedding` (the vocabulary-parallel lookup's sum),
-`attention` (after each block's o rows), `mlp` (after each block's MLP: for a routed block the experts' outputs
-scattered back to their tokens, with the shared experts' columns), `vocab` (the greedy pick's gather); bytes are
-what rank 0 puts into them (its tensor's size; an all-reduce of 2 ranks moves about that much each way), ms the
-time in them, waiting for the other rank included. Arms alternate within each round; each keeps its fastest.
+`attention` (after each block's o rows), `mlp` (after each block's MLP: for a routed block the experts'
+outputs scattered back to their tokens, with the shared experts' columns), `vocab` (the greedy pick's gather);
+bytes are what rank 0 puts into them (its tensor's size; an all-reduce of 2 ranks moves about that much each
+way), ms the time in them, waiting for the other rank included. Arms alternate within each round; each keeps
+its fastest.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ KINDS = ("embedding", "attention", "mlp", "vocab")
 
 
 def step_batch(batch: int, tokens: int, context: int, vocab: int):
-    from specgen.engine.types import build_forward_batch
+    from specgen.runtime.batch import build_forward_batch
 
     rng = np.random.default_rng(0)
     return build_forward_batch(np.arange(batch, dtype=np.int64), np.full(batch, context, np.int64),
@@ -37,8 +39,9 @@ def step_batch(batch: int, tokens: int, context: int, vocab: int):
 
 
 def time_steps(model, batch: int, tokens: int, steps: int, context: int) -> tuple[float, dict]:
-    """(seconds per step, {kind: (collectives, bytes, seconds) per step}) of `steps` forwards after a prefill."""
-    from specgen.engine.types import build_forward_batch
+    """(seconds per step, {kind: (collectives, bytes, seconds) per step}) of `steps` forwards after a
+    prefill."""
+    from specgen.runtime.batch import build_forward_batch
 
     cache = model.new_cache(batch, context + tokens + 1)
     rng = np.random.default_rng(1)

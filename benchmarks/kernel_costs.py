@@ -4,14 +4,15 @@
 
 Products: for each row count M, one pass multiplies [M, k] inputs by every projection of the model (30 decoder
 blocks' QKV, O, gate/up, down) and the LM head, as one step does; ms per pass is the best of --repeats, three
-ways over the same weights: Paddle's matmul (MKL) over the dequantized float32 weights, specgen_linear over them
-packed as float32 panels, and specgen_linear over the GGUF file's own Q4_1 / Q8_0 blocks (what the model runs).
+ways over the same weights: Paddle's matmul (MKL) over the dequantized float32 weights, specgen_linear over
+them packed as float32 panels, and specgen_linear over the GGUF file's own Q4_1 / Q8_0 blocks (what the model
+runs).
 With --int8 (AVX-512 VNNI) a fourth: the blocks with the inputs quantized to int8 (matmul int8).
 Forward: c(T), a greedy forward feeding T tokens to one slot at position --position, median of --repeats, and
 c(T) / c(1): what verifying T - 1 drafts costs against a plain step.
-With --tree: the same blocks of T = 1 + nodes rows also as token trees (up to MAX_TREE_NODES nodes; each node's
-parent the (i - 1) // 4-th, as EAGLE-2's top-4 expansion shapes them), ancestor-masked, timed in turn with the
-causal ones (each first every other round): c(T) by tree nodes, and tree / causal.
+With --tree: the same blocks of T = 1 + nodes rows also as token trees (up to MAX_TREE_NODES nodes; each
+node's parent the (i - 1) // 4-th, as EAGLE-2's top-4 expansion shapes them), ancestor-masked, timed in turn
+with the causal ones (each first every other round): c(T) by tree nodes, and tree / causal.
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ import argparse
 import time
 
 import numpy as np
-
 from common import machine, print_table
 
 
@@ -60,7 +60,8 @@ def main() -> None:
     ways["float32 panels"] = [pack_linear(d) for d in dense]
     if args.int8:
         m8 = load_model(None, threads=args.threads, backend="fused", matmul="int8").model
-        ways["int8"] = [lin.weight for b in m8.weights.blocks for lin in b.linears()] + [m8.weights.lm_head.weight]
+        ways["int8"] = ([lin.weight for b in m8.weights.blocks for lin in b.linears()]
+                        + [m8.weights.lm_head.weight])
     mb = {"MKL": sum(w.k * w.n * 4 for w in ways["blocks"]) / 2 ** 20}
     mb.update({k: sum(int(np.prod(w.panels.shape)) * w.panels.element_size() for w in v) / 2 ** 20
                for k, v in ways.items()})
@@ -71,13 +72,15 @@ def main() -> None:
               for k in sorted({w.k for w in ways["blocks"]})}
         ms = {"MKL": best(lambda: [paddle.matmul(xs[d.shape[0]], d) for d in dense], args.repeats) * 1e3}
         for name, ws in ways.items():
-            ms[name] = best(lambda ws=ws: [ops_args.linear(ops, xs[w.k], w.panels, w.n) for w in ws], args.repeats) * 1e3
+            ms[name] = best(lambda ws=ws: [ops_args.linear(ops, xs[w.k], w.panels, w.n) for w in ws],
+                            args.repeats) * 1e3
         rows.append([m_rows] + [ms[k] for k in ms] + [ms["MKL"] / ms["blocks"]])
-    print(f"weights read per pass: " + ", ".join(f"{k} {v:.0f} MiB" for k, v in mb.items()))
+    print("weights read per pass: " + ", ".join(f"{k} {v:.0f} MiB" for k, v in mb.items()))
     print_table(["rows"] + [f"{k} ms" for k in ["MKL", *ways]] + ["MKL / blocks"], rows)
     costs = step_costs(m, args.position, args.tokens, repeats=args.repeats)
     print(f"\nforward at position {args.position}, one slot:")
-    print_table(["tokens fed", "ms", "c(T) / c(1)"], [[t, costs[t] * 1e3, costs[t] / costs[1]] for t in args.tokens])
+    print_table(["tokens fed", "ms", "c(T) / c(1)"],
+                [[t, costs[t] * 1e3, costs[t] / costs[1]] for t in args.tokens])
     if args.tree:
         from specgen.engine.tree import MAX_TREE_NODES
 
@@ -93,14 +96,14 @@ def tree_costs(m, position: int, tokens: list[int], repeats: int) -> dict[int, t
     """{T: (tree, causal)} median seconds of a greedy verify forward of T rows (a root and T - 1 nodes) to one
     slot at `position`, as a token tree and as a causal block, timed in turn."""
     from specgen.engine.tree import tree_layout
-    from specgen.engine.types import build_forward_batch
+    from specgen.runtime.batch import build_forward_batch
 
     rng = np.random.default_rng(0)
     one, zero = np.zeros(1, np.int64), np.zeros(1, bool)
     cache = m.new_cache(1, position + max(tokens) + 1)
     if position:
-        m.forward(build_forward_batch(one, one, np.array([position]), rng.integers(0, 1000, position), zero), cache,
-                  logits=False)
+        m.forward(build_forward_batch(one, one, np.array([position]), rng.integers(0, 1000, position), zero),
+                  cache, logits=False)
     batches = {}
     for t in tokens:
         ids = rng.integers(0, 1000, t)
@@ -111,7 +114,8 @@ def tree_costs(m, position: int, tokens: list[int], repeats: int) -> dict[int, t
         causal = build_forward_batch(one, np.array([position]), np.array([t]), ids, ~zero)
         batches[t] = (tree, causal)
     times = {t: ([], []) for t in tokens}
-    for r in range(2 * repeats + 1):  # the two kinds in turn, each first every other round (first runs slower)
+    # the two kinds in turn, each first every other round (first runs slower)
+    for r in range(2 * repeats + 1):
         for t, pair in batches.items():
             for b, out in list(zip(pair, times[t]))[::1 if r % 2 else -1]:
                 start = time.perf_counter()

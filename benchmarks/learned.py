@@ -3,20 +3,24 @@ rewriting, side by side in one run.
 
     python benchmarks/learned.py --mtp-multi DIR --draft DIR [DIR ...] [--sets ...] [--batch-sizes 1 32]
 
-Arms: none, ngram (k = --k), mtp (the shipped head, chained, k = 2), mtp-N (a multi-layer head, `specgen train-mtp
---num-layers N`; k = N), draft NAME (draft models, `specgen make-draft --data`; k = --k). Greedy, the default model.
-Per set and batch size every arm runs --repeats times, alternated with the others after a warm-up; tok/s are
-medians and speedup the median of the per-repeat ratios to `none`; outputs are checked identical to `none`'s.
+Arms: none, ngram (k = --k), mtp (the shipped head, chained, k = 2), mtp-N (a multi-layer head, `specgen
+train-mtp --num-layers N`; k = N), draft NAME (draft models, `specgen make-draft --data`; k = --k). Greedy,
+the default model. Per set and batch size every arm runs --repeats times, alternated with the others after a
+warm-up; tok/s are medians and speedup the median of the per-repeat ratios to `none`; outputs are checked
+identical to `none`'s.
 
 For each learned arm a second run with every draft verified (adaptive off) gives:
-- acceptance per draft position (accepted / verified there: the share of steps whose drafts 1..i were all right);
+- acceptance per draft position (accepted / verified there: the share of steps whose drafts 1..i were all
+  right);
 - the drafter's share of the run's time (its propose and observe calls, timed around the proposer);
 - at batch 1, the oracle bound: each step of that run costs c(tokens it emits) at the step costs measured here
   plus the drafter's measured cost per draft for the drafts it accepted only (nothing for rejected drafts or
-  catch-up passes), the job's prefill share added back (specgen/app/bounds.py); "of oracle" = speedup / oracle;
-- at batch 1, the best fixed k: what verifying j drafts every step reaches for the best j, at the acceptance per
-  position measured and the same step and drafter costs (the drafter charged for the j drafts it makes): what a
-  controller knowing the job's acceptance, but not which step's drafts will be right, gets without adapting.
+  catch-up passes), the job's prefill share added back (specgen/app/bounds.py); "of oracle" = speedup /
+  oracle;
+- at batch 1, the best fixed k: what verifying j drafts every step reaches for the best j, at the acceptance
+  per position measured and the same step and drafter costs (the drafter charged for the j drafts it makes):
+  what a controller knowing the job's acceptance, but not which step's drafts will be right, gets without
+  adapting.
 """
 from __future__ import annotations
 
@@ -27,7 +31,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from common import load_sets, machine, print_table, timed
 
 
@@ -77,9 +80,10 @@ def per_position(outs, k):
 
 
 def emitted_per_step(outs, accepted):
-    """Tokens each decoding step emitted, from the counts of a run that verified k drafts every step (acceptance
-    stops at the first wrong draft: accepted[i] steps accepted at least i + 1 drafts)."""
-    steps = sum(o.stats.num_steps for o in outs) - len(outs)  # decoding steps (each request's prefill step apart)
+    """Tokens each decoding step emitted, from the counts of a run that verified k drafts every step
+    (acceptance stops at the first wrong draft: accepted[i] steps accepted at least i + 1 drafts)."""
+    # decoding steps (each request's prefill step apart)
+    steps = sum(o.stats.num_steps for o in outs) - len(outs)
     at_least = [steps] + [int(a) for a in accepted]
     return sum(([i + 1] * (at_least[i] - (at_least[i + 1] if i + 1 < len(at_least) else 0))
                 for i in range(len(at_least))), [])
@@ -108,23 +112,26 @@ def fixed_k_bound(lm, prompts, outs, accepted, draft_seconds, share):
     position = int(np.median([len(p) for p in prompts]))
     k = len(accepted)
     costs = bounds.step_costs(lm.model, position, list(range(1, k + 2)))
-    emitted = 1 + np.concatenate([[0.0], np.cumsum(np.asarray(accepted, np.float64) / max(steps, 1))])  # [k + 1]
+    # [k + 1]
+    emitted = 1 + np.concatenate([[0.0], np.cumsum(np.asarray(accepted, np.float64) / max(steps, 1))])
     decode = max(emitted[j] * costs[1] / (costs[1 + j] + j * per_draft) for j in range(k + 1))
     return bounds.job_bound(decode, share)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sets", nargs="+", default=["summarization", "rag", "translation", "math_reasoning", "qa",
-                                                  "writing", "code_rewrite"])
-    ap.add_argument("--per-category", type=int, default=4, help="Spec-Bench prompts per category (MBPP: as many)")
+    ap.add_argument("--sets", nargs="+", default=["summarization", "rag", "translation", "math_reasoning",
+                                                  "qa", "writing", "code_rewrite"])
+    ap.add_argument("--per-category", type=int, default=4,
+                    help="Spec-Bench prompts per category (MBPP: as many)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--prompts-at-batch", type=int, default=32, help="prompts per set at batch sizes above 1")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-tokens-at-batch", type=int, default=64)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--mtp-multi", type=Path, default=None, help="a multi-layer MTP head (train-mtp --num-layers)")
+    ap.add_argument("--mtp-multi", type=Path, default=None,
+                    help="a multi-layer MTP head (train-mtp --num-layers)")
     ap.add_argument("--draft", type=Path, nargs="*", default=[], help="draft models (make-draft)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -138,7 +145,8 @@ def main() -> None:
             "mtp": SpecConfig(method=Method.MTP, num_speculative_tokens=2)}
     if args.mtp_multi:
         n = len({k for k in load_mtp_weights(args.mtp_multi) if k.endswith("eh_proj.weight")})
-        arms[f"mtp-{n}"] = SpecConfig(method=Method.MTP, num_speculative_tokens=n, draft_model=str(args.mtp_multi))
+        arms[f"mtp-{n}"] = SpecConfig(method=Method.MTP, num_speculative_tokens=n,
+                                      draft_model=str(args.mtp_multi))
     for path in args.draft:
         arms[f"draft {path.name}"] = SpecConfig(method=Method.DRAFT_MODEL, num_speculative_tokens=args.k,
                                                 draft_model=str(path))
@@ -171,11 +179,13 @@ def main() -> None:
                 same = all([o.token_ids for o in r[0]] == ref for r in runs[a])
                 outs = runs[a][0][0]
                 steps = sum(o.stats.num_steps for o in outs)
-                row = {"set": name, "batch": bs, "arm": a, "tok_s": float(np.median(tok_s)), "speedup": speedup,
-                       "tok_per_step": tokens / steps, "identical": same, "per_position": None,
-                       "draft_share": None, "oracle": None, "of_oracle": None, "fixed_k": None}
+                row = {"set": name, "batch": bs, "arm": a, "tok_s": float(np.median(tok_s)),
+                       "speedup": speedup, "tok_per_step": tokens / steps, "identical": same,
+                       "per_position": None, "draft_share": None, "oracle": None, "of_oracle": None,
+                       "fixed_k": None}
                 if a in learned:
-                    off, wall, drafter = run_job(lm, prompts, sp, bs, dataclasses.replace(spec, adaptive=False), True)
+                    off, wall, drafter = run_job(lm, prompts, sp, bs,
+                                                 dataclasses.replace(spec, adaptive=False), True)
                     k = spec.num_speculative_tokens
                     pos, accepted, _ = per_position(off, k)
                     row.update(per_position=pos, draft_share=drafter / wall)
@@ -185,10 +195,12 @@ def main() -> None:
                         row["fixed_k"] = fixed_k_bound(lm, prompts, off, accepted, drafter, share)
                 out.append(row)
                 acc = " / ".join("-" if p is None else f"{p:.2f}" for p in row["per_position"] or [])
-                rows.append([name, bs, a, row["tok_s"], speedup, row["tok_per_step"], acc or "-", row["draft_share"],
-                             row["oracle"], row["of_oracle"], row["fixed_k"], "yes" if same else "NO"])
-            print_table(["set", "batch", "arm", "tok/s", "speedup", "tok/step", "accepted per position (all drafts)",
-                         "draft share", "oracle", "of oracle", "best fixed k", "identical"], rows)
+                rows.append([name, bs, a, row["tok_s"], speedup, row["tok_per_step"], acc or "-",
+                             row["draft_share"], row["oracle"], row["of_oracle"], row["fixed_k"],
+                             "yes" if same else "NO"])
+            print_table(["set", "batch", "arm", "tok/s", "speedup", "tok/step",
+                         "accepted per position (all drafts)", "draft share", "oracle", "of oracle",
+                         "best fixed k", "identical"], rows)
             print(flush=True)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))

@@ -1,26 +1,29 @@
-"""Speculation on a mixture-of-experts model: a random ERNIE-4.5-MoE shaped like ERNIE-4.5-21B-A3B (its ratios:
-64 experts, top-6, 2 shared experts, the first layer dense, 5 query heads per KV head, expert width 0.6 x hidden,
-vocabulary 40 x hidden), scaled to hidden 320 and 6 layers, against a dense model of the same active size (each
-layer's MLP as wide as the 6 routed + 2 shared experts together), side by side in one run.
+"""Speculation on a mixture-of-experts model: a random ERNIE-4.5-MoE shaped like ERNIE-4.5-21B-A3B (its
+ratios: 64 experts, top-6, 2 shared experts, the first layer dense, 5 query heads per KV head, expert width
+0.6 x hidden, vocabulary 40 x hidden), scaled to hidden 320 and 6 layers, against a dense model of the same
+active size (each layer's MLP as wide as the 6 routed + 2 shared experts together), side by side in one run.
 
     OMP_NUM_THREADS=2 python benchmarks/moe.py --repeats 2
 
 1. The verify cost c(T) / c(1): one forward of T tokens per slot (T = 1 + drafts) at batch 1 and 32, after a
    64-token prefill, the fastest of --timings (other processes on a shared machine only add time), the arms
-   alternated; and how many distinct experts a routed block
-   touches (a verify block routes each token on its own, so it reads more experts than one token does). Beside
-   it, the same MoE forward with every token of the block one id ("one id"), as the adaptive controller's cost
-   table used to be timed: such a block routes all its tokens alike and reads as few experts as one token.
-2. Output tokens/s of none / ngram / mtp (a random head over the MoE model, with its copies) at batch 1 and 32,
-   adaptive (the default), medians of --repeats with the arms alternated; outputs checked identical to none's.
-   "vs none (CPU s)": the same ratio per second of this process's CPU time, steadier than wall time where other
-   processes share the cores (run it with OMP_NUM_THREADS=1: spinning OpenMP threads count as CPU time too).
-   The head's block is dense, --head-width wide: "active" (default) the MoE block's active MLP width (6 routed +
-   2 shared experts, 1,536), "dense" the model's intermediate_size (its dense first layer's, 6,144: 4x that).
+   alternated; and how many distinct experts a routed block touches (a verify block routes each token on its
+   own, so it reads more experts than one token does). Beside it, the same MoE forward with every token of the
+   block one id ("one id"), as the adaptive controller's cost table used to be timed: such a block routes all
+   its tokens alike and reads as few experts as one token.
+2. Output tokens/s of none / ngram / mtp (a random head over the MoE model, with its copies) at batch 1 and
+   32, adaptive (the default), medians of --repeats with the arms alternated; outputs checked identical to
+   none's.
+   "vs none (CPU s)": the same ratio per second of this process's CPU time, steadier than wall time where
+   other processes share the cores (run it with OMP_NUM_THREADS=1: spinning OpenMP threads count as CPU time
+   too).
+   The head's block is dense, --head-width wide: "active" (default) the MoE block's active MLP width
+   (6 routed + 2 shared experts, 1,536), "dense" the model's intermediate_size (its dense first layer's,
+   6,144: 4x that).
    Random weights predict nothing, so drafts are rarely accepted: this measures what failed speculation costs.
-   A second MoE model ("repeating": the blocks' output projections scaled by 0.02, so the embedding dominates and
-   the model repeats its last token) accepts nearly every draft: the other end, the most speculation can gain at
-   this verify cost.
+   A second MoE model ("repeating": the blocks' output projections scaled by 0.02, so the embedding dominates
+   and the model repeats its last token) accepts nearly every draft: the other end, the most speculation can
+   gain at this verify cost.
 Weights are random, rounded to bfloat16 (the fused backend packs them as 16-bit panels, as a bf16 checkpoint).
 """
 from __future__ import annotations
@@ -33,7 +36,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from common import machine, print_table, timed
 
 SHAPE = dict(hidden_size=320, num_attention_heads=5, num_key_value_heads=1, head_dim=64, num_hidden_layers=6,
@@ -41,7 +43,8 @@ SHAPE = dict(hidden_size=320, num_attention_heads=5, num_key_value_heads=1, head
              tie_word_embeddings=True, use_bias=False)
 MOE = dict(moe_num_experts=64, moe_k=6, moe_intermediate_size=192, moe_num_shared_experts=2,
            moe_layer_start_index=1, moe_layer_interval=1, moe_norm_min=1e-12)
-DENSE_INTER = (MOE["moe_k"] + MOE["moe_num_shared_experts"]) * MOE["moe_intermediate_size"]  # the active width
+# the active width
+DENSE_INTER = (MOE["moe_k"] + MOE["moe_num_shared_experts"]) * MOE["moe_intermediate_size"]
 
 
 def bf16(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> np.ndarray:
@@ -51,7 +54,8 @@ def bf16(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> np.nda
 
 
 def write_model(out: Path, moe: bool, seed: int = 0, out_scale: float = 1.0) -> Path:
-    """A random ERNIE-4.5 checkpoint (MoE or dense) in HF layout; o_proj and down_proj weights times out_scale."""
+    """A random ERNIE-4.5 checkpoint (MoE or dense) in HF layout; o_proj and down_proj weights times
+    out_scale."""
     from safetensors.numpy import save_file
 
     rng = np.random.default_rng(seed)
@@ -68,7 +72,8 @@ def write_model(out: Path, moe: bool, seed: int = 0, out_scale: float = 1.0) -> 
     for i in range(SHAPE["num_hidden_layers"]):
         p = f"model.layers.{i}."
         for name, shape in (("q", (q, h)), ("k", (kv, h)), ("v", (kv, h)), ("o", (h, q))):
-            w[f"{p}self_attn.{name}_proj.weight"] = bf16(rng, shape, (out_scale if name == "o" else 1.0) * h ** -0.5)
+            w[f"{p}self_attn.{name}_proj.weight"] = bf16(rng, shape,
+                                                         (out_scale if name == "o" else 1.0) * h ** -0.5)
         w[p + "input_layernorm.weight"] = w[p + "post_attention_layernorm.weight"] = np.ones(h, np.float32)
         if moe and i >= MOE["moe_layer_start_index"]:
             E, inter = MOE["moe_num_experts"], MOE["moe_intermediate_size"]
@@ -92,7 +97,7 @@ SHAPE["intermediate_size"] = 4 * DENSE_INTER  # the dense first layer (21B-A3B: 
 
 def verify_costs(models: dict, batches: list[int], max_t: int, timings: int) -> list[list]:
     """Per batch and T: each model's c(T) / c(1), and the MoE model's distinct experts per routed block."""
-    from specgen.engine.types import build_forward_batch
+    from specgen.runtime.batch import build_forward_batch
 
     rng = np.random.default_rng(1)
     rows = []
@@ -111,7 +116,8 @@ def verify_costs(models: dict, batches: list[int], max_t: int, timings: int) -> 
                 one_id = np.repeat(toks[::T], T)  # each slot's block: its first token T times
                 for name, ids in (("moe", toks), ("one id", one_id), ("dense", toks)):
                     m = models["dense" if name == "dense" else "moe"]
-                    batch = build_forward_batch(np.arange(B), np.full(B, 64), np.full(B, T), ids, np.ones(B, bool))
+                    batch = build_forward_batch(np.arange(B), np.full(B, 64), np.full(B, T), ids,
+                                                np.ones(B, bool))
                     out, wall = timed(lambda: m.forward(batch, caches["dense" if name == "dense" else "moe"]))
                     cost.setdefault((name, T), []).append(wall)
                     if out.expert_counts is not None:
@@ -155,7 +161,8 @@ def speeds(lm, head_dir: str, batches: list[int], k: int, max_tokens: int, repea
             drafted = sum(x.stats.num_draft_tokens for x in o)
             accepted = sum(x.stats.num_accepted_tokens for x in o)
             rows.append([B, arm, statistics.median(tok_s[arm]), statistics.median(tok_s[arm]) / base,
-                         statistics.median(cpu_s[arm]) / cpu_base, accepted / drafted if drafted else None, drafted / sum(len(x.token_ids) for x in o),
+                         statistics.median(cpu_s[arm]) / cpu_base, accepted / drafted if drafted else None,
+                         drafted / sum(len(x.token_ids) for x in o),
                          "yes" if [x.token_ids for x in o] == [x.token_ids for x in outs["none"]] else "NO"])
     return rows
 
@@ -184,28 +191,32 @@ def main() -> None:
     lms = {name: load_model(write_model(work / name, name == "moe")) for name in ("moe", "dense")}
     models = {name: lm.model for name, lm in lms.items()}
     cfg = models["moe"].config
-    total = sum(np.prod(lin.weight.dense().shape) for b in models["moe"].weights.blocks for lin in b.linears())
+    total = sum(np.prod(lin.weight.dense().shape) for b in models["moe"].weights.blocks
+                for lin in b.linears())
     print(f"MoE: {cfg.num_layers} layers ({len(cfg.moe.layers)} routed), hidden {cfg.hidden_size}, "
           f"{cfg.moe.num_experts} experts top-{cfg.moe.top_k} of width {cfg.moe.intermediate_size} + "
-          f"{cfg.moe.num_shared_experts} shared, {total / 1e6:.1f}M block weights; dense: MLP width {DENSE_INTER}; "
+          f"{cfg.moe.num_shared_experts} shared, {total / 1e6:.1f}M block weights; "
+          f"dense: MLP width {DENSE_INTER}; "
           f"{models['moe'].backend.name} backend, {models['moe'].dtype}; built and loaded in "
           f"{time.perf_counter() - start:.1f} s")
     if not args.skip_costs:
-        print("\nverify cost: one forward of T tokens per slot (ms, fastest), c(T) / c(1); one id: the block's tokens "
-              "all one id")
-        print_table(["batch", "T", "experts/block", "MoE ms", "MoE c(T)/c(1)", "one id: experts", "one id: c(T)/c(1)",
-                     "dense ms", "dense c(T)/c(1)"], verify_costs(models, args.batches, args.max_t, args.timings))
+        print("\nverify cost: one forward of T tokens per slot (ms, fastest), c(T) / c(1); one id: the "
+              "block's tokens all one id")
+        print_table(["batch", "T", "experts/block", "MoE ms", "MoE c(T)/c(1)", "one id: experts",
+                     "one id: c(T)/c(1)", "dense ms", "dense c(T)/c(1)"],
+                    verify_costs(models, args.batches, args.max_t, args.timings))
     head_cfg = dataclasses.replace(cfg, intermediate_size=DENSE_INTER) if args.head_width == "active" else cfg
     save_mtp(work / "head", random_mtp_weights(head_cfg, seed=0, std=0.02))
     print(f"\nMTP head: one dense block of MLP width {head_cfg.intermediate_size} ({args.head_width})")
     if "repeating" in args.models:
         lms["repeating"] = load_model(write_model(work / "repeating", True, out_scale=0.02))
     for name in args.models:
-        print(f"\n{'random' if name == 'moe' else 'repeating'} MoE model: output tokens/s, k = {args.k}, adaptive, "
-              f"{args.max_tokens} tokens per request")
+        print(f"\n{'random' if name == 'moe' else 'repeating'} MoE model: output tokens/s, k = {args.k}, "
+              f"adaptive, {args.max_tokens} tokens per request")
         print_table(["batch", "method", "tok/s", "vs none", "vs none (CPU s)", "acceptance", "verified/token",
                      "identical"],
-                    speeds(lms[name], str(work / "head"), args.batches, args.k, args.max_tokens, args.repeats))
+                    speeds(lms[name], str(work / "head"), args.batches, args.k, args.max_tokens,
+                           args.repeats))
     print(machine())
 
 

@@ -1,15 +1,16 @@
-"""The MTP head's learning curve against training text (issue 44): heads trained on the first N sequences of one
-self-distillation data directory, the steps in proportion to N (the same passes over the text), then their
+"""The MTP head's learning curve against training text (issue 44): heads trained on the first N sequences of
+one self-distillation data directory, the steps in proportion to N (the same passes over the text), then their
 first-draft acceptance alone on Spec-Bench's categories and MBPP rewriting (benchmarks/acceptance.py).
 
-    python benchmarks/mtp_curve.py --data PROMPTS.jsonl --data-dir DATA --sizes 250 500 1000 2000 --out runs/curve
+    python benchmarks/mtp_curve.py --data PROMPTS.jsonl --data-dir DATA --sizes 250 500 1000 2000 \
+        --out runs/curve
 
 DATA is a `specgen train-head` data directory made from PROMPTS (the model's own continuations and hidden
-states, e.g. of `scripts/make_distill_prompts.py --t0 3200 --gsm8k 800`); its first N sequences are copied into
-OUT/dataN with the prompts of exactly those ids, so that no sequence is generated again. Each head trains
+states, e.g. of `scripts/make_distill_prompts.py --t0 3200 --gsm8k 800`); its first N sequences are copied
+into OUT/dataN with the prompts of exactly those ids, so that no sequence is generated again. Each head trains
 --steps-per-sequence x N steps of 8 windows (0.3: ~1.1 passes over the text) with the recipe of the shipped
-head's retraining (`--shortlist 4096 --warmup-steps 20`); its held-out acceptance (the data's own distribution)
-is printed beside the Spec-Bench figures. Heads already in OUT/mtpN-STEPS are reused.
+head's retraining (`--shortlist 4096 --warmup-steps 20`); its held-out acceptance (the data's own
+distribution) is printed beside the Spec-Bench figures. Heads already in OUT/mtpN-STEPS are reused.
 """
 from __future__ import annotations
 
@@ -59,18 +60,20 @@ def main() -> None:
         if not (head / "model.safetensors").is_file():
             d, p = subset(args.data_dir, args.data, n, args.out)
             subprocess.run([sys.executable, "-m", "specgen", "train-head", "--kind", "mtp", "--data", str(p),
-                            "--data-dir", str(d), "-o", str(head), "--gen-max-tokens", str(meta["gen_max_tokens"]),
-                            "--gen-temperature", str(meta["gen_temperature"]), "--steps", str(steps), "--batch-size", "8",
-                            "--shortlist", "4096", "--warmup-steps", "20", "--eval-every", "100000", "--quiet"],
+                            "--data-dir", str(d), "-o", str(head),
+                            "--gen-max-tokens", str(meta["gen_max_tokens"]),
+                            "--gen-temperature", str(meta["gen_temperature"]), "--steps", str(steps),
+                            "--batch-size", "8", "--shortlist", "4096", "--warmup-steps", "20",
+                            "--eval-every", "100000", "--quiet"],
                            check=True)
             shutil.rmtree(d)
         t = json.loads((head / "config.json").read_text())["specgen_training"]
         print(f"{n} sequences ({t['num_generated_tokens']} generated tokens), {t['steps']} steps: held-out "
               f"acceptance {t['eval_acc']:.3f} / {t['eval_acc2']:.3f} (positions 1 / 2)", flush=True)
         heads.append(str(head))
-    subprocess.run([sys.executable, str(Path(__file__).with_name("acceptance.py")), "--mtp", "shipped", *heads,
-                    "--mtp-copy", "0", "--k", "1", "--per-category", str(args.per_category), "--max-tokens", "96",
-                    "--batch-size", "8"], check=True)
+    subprocess.run([sys.executable, str(Path(__file__).with_name("acceptance.py")), "--mtp", "shipped",
+                    *heads, "--mtp-copy", "0", "--k", "1", "--per-category", str(args.per_category),
+                    "--max-tokens", "96", "--batch-size", "8"], check=True)
 
 
 if __name__ == "__main__":

@@ -1,30 +1,34 @@
-"""How close can a chain of MTP drafts get to its oracle bound at batch 1, with or without per-token confidence?
+"""How close can a chain of MTP drafts get to its oracle bound at batch 1, with or without per-token
+confidence?
 
     python benchmarks/oracle_gap.py [SETS (comma-separated)] [PROMPTS PER SET]
 
 The shipped head drafts k = 2 every step (no adaptation, no copies) on the reference backend, which here also
-records each draft's softmax probability (the head's pass is wrapped: the same operators, one more softmax). Each
-step's fate (first draft right, both right) comes from the run's own outputs. The steps are then priced at the
-fused backend's step costs c(1..3) measured at the prompts' median length, and the head's time per draft d
-(0.03 and 0.06 of c(1): what the shipped head measured) for:
-- the oracle: each step verifies exactly the drafts that will be accepted (the drafter charged for those only);
+records each draft's softmax probability (the head's pass is wrapped: the same operators, one more softmax).
+Each step's fate (first draft right, both right) comes from the run's own outputs. The steps are then priced
+at the fused backend's step costs c(1..3) measured at the prompts' median length, and the head's time per
+draft d (0.03 and 0.06 of c(1): what the shipped head measured) for:
+- the oracle: each step verifies exactly the drafts that will be accepted (the drafter charged for those
+  only);
 - the best fixed k: k drafts every step, the best k in 0..2;
-- a confidence gate: the first draft verified when its probability is >= tau, the second when the product of the
-  two is; tau is the best of a grid, chosen on the same steps (optimistic).
+- a confidence gate: the first draft verified when its probability is >= tau, the second when the product of
+  the two is; tau is the best of a grid, chosen on the same steps (optimistic).
 Decoding steps only (no prefill, no host time per step): speedups over plain decoding and their ratio to the
 oracle's. Slow (reference backend): minutes per set.
 """
 import sys
+
 import numpy as np
 import paddle
 import paddle.nn.functional as F
 from common import load_sets, machine
+
 from specgen import EngineConfig, Method, SamplingParams, SpecConfig, load_model
 from specgen.api import make_engine
 from specgen.app import bounds
 from specgen.backends import reference as R
-from specgen.engine.types import Request
 from specgen.config import MtpConfig
+from specgen.engine.types import Request
 
 REC = []
 orig_pass = R.ReferenceHead._pass
@@ -84,7 +88,8 @@ for name in sets:
     position = int(np.median([len(p) for p in prompts]))
     costs = bounds.step_costs(fused.model, position, [1, 2, 3])
     allrows[name] = (np.array(rows, dtype=float), costs)
-    print(name, len(rows), "steps; c(2)/c(1) %.3f c(3)/c(1) %.3f" % (costs[2] / costs[1], costs[3] / costs[1]), flush=True)
+    print(name, len(rows),
+          "steps; c(2)/c(1) %.3f c(3)/c(1) %.3f" % (costs[2] / costs[1], costs[3] / costs[1]), flush=True)
 
 for name, (r, costs) in allrows.items():
     c = np.array([costs[1], costs[2], costs[3]]) / costs[1]
@@ -92,7 +97,8 @@ for name, (r, costs) in allrows.items():
     acc = a1 + a2  # drafts accepted (k = 2)
     for dd in (0.03, 0.06):
         oracle = (1 + acc).sum() / np.sum(c[acc.astype(int)] + acc * dd)
-        fixed = {k: (1 + np.minimum(acc, k)).sum() / np.sum(np.full(len(acc), c[k] + k * dd)) for k in range(3)}
+        fixed = {k: (1 + np.minimum(acc, k)).sum() / np.sum(np.full(len(acc), c[k] + k * dd))
+                 for k in range(3)}
         best = (0, 0)
         for tau in np.linspace(0.05, 0.95, 19):
             k = (p1 >= tau).astype(int) + (p1 * p2 >= tau).astype(int)

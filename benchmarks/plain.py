@@ -4,8 +4,8 @@
 
 Prompts are Spec-Bench questions (the chat template applied, cut to 400 characters); every request generates
 exactly --max-tokens tokens (ignore_eos), so every run does the same work. Per batch size and backend: the
-median tok/s of --repeats runs (the backends alternated within each repeat) and the ratio to the first backend.
-The first run of each (batch size, backend) is a warm-up and is not counted.
+median tok/s of --repeats runs (the backends alternated within each repeat) and the ratio to the first
+backend. The first run of each (batch size, backend) is a warm-up and is not counted.
 """
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import argparse
 import json
 
 import numpy as np
-
 from common import DATA, machine, print_table, timed
 
 
 def prompts(n: int) -> list[list[dict]]:
-    lines = [json.loads(x) for x in (DATA / "spec_bench" / "question.jsonl").read_text().splitlines() if x.strip()]
+    lines = [json.loads(x) for x in (DATA / "spec_bench" / "question.jsonl").read_text().splitlines()
+             if x.strip()]
     picked = [lines[(i * 37) % len(lines)] for i in range(n)]
     return [[{"role": "user", "content": q["turns"][0][:400]}] for q in picked]
 
@@ -26,7 +26,8 @@ def prompts(n: int) -> list[list[dict]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 256])
-    ap.add_argument("--prompts", type=int, default=0, help="requests per job [default: 2 at batch 1, else the batch]")
+    ap.add_argument("--prompts", type=int, default=0,
+                    help="requests per job [default: 2 at batch 1, else the batch]")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--backends", nargs="+", default=["fused"], help="fused, reference")
     ap.add_argument("--repeats", type=int, default=2)

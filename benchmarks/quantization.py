@@ -9,8 +9,9 @@ blocks as stored, which is also what `auto` runs (its tied head / embedding is Q
 
 - memory: per mode, a fresh process loads the model (VmRSS after load minus before: the resident weights) and
   runs 2 requests (VmHWM: peak RSS); after a first process has filled the cache, as a rerun loads.
-- speed: plain decoding tok/s at each batch size (Spec-Bench prompts, --max-tokens each, ignore_eos), and n-gram
-  speculation at batch 1 on MBPP code rewriting; the modes alternated in each repeat, medians, ratio to none.
+- speed: plain decoding tok/s at each batch size (Spec-Bench prompts, --max-tokens each, ignore_eos), and
+  n-gram speculation at batch 1 on MBPP code rewriting; the modes alternated in each repeat, medians, ratio to
+  none.
 - quality: greedy agreement with none (per prompt, the share of the first --agreement-tokens tokens before the
   first difference, over --agreement-prompts Spec-Bench prompts) and the perplexity of each mode on held-out
   text the model did not generate (../shared/data: TinyStories, then GSM8K problems with their answers; the
@@ -24,7 +25,6 @@ import subprocess
 import sys
 
 import numpy as np
-
 from common import DATA, load_sets, machine, print_table, timed
 
 MODES = ["none", "wint8", "wint4"]
@@ -54,7 +54,8 @@ def memory(threads: int) -> list[list]:
     rows = []
     for mode in MODES:
         for _ in range(2):  # the first may quantize and fill the cache: the second loads as a rerun does
-            out = subprocess.run([sys.executable, __file__, "--child-memory", mode, "--threads", str(threads)],
+            out = subprocess.run([sys.executable, __file__, "--child-memory", mode,
+                                  "--threads", str(threads)],
                                  capture_output=True, text=True, check=True).stdout
         m = json.loads(out.strip().splitlines()[-1])
         rows.append([mode, m["weights_mib"], m["peak_mib"]])
@@ -62,7 +63,8 @@ def memory(threads: int) -> list[list]:
 
 
 def spec_prompts(n: int) -> list[list[dict]]:
-    lines = [json.loads(x) for x in (DATA / "spec_bench" / "question.jsonl").read_text().splitlines() if x.strip()]
+    lines = [json.loads(x) for x in (DATA / "spec_bench" / "question.jsonl").read_text().splitlines()
+             if x.strip()]
     picked = [lines[(i * 37) % len(lines)] for i in range(n)]
     return [[{"role": "user", "content": q["turns"][0][:400]}] for q in picked]
 
@@ -75,7 +77,8 @@ def speed(models: dict, batch_sizes: list[int], max_tokens: int, repeats: int) -
     jobs = []  # (label, batch, ids, sampling, spec)
     for bs in batch_sizes:
         n = 2 if bs == 1 else bs
-        jobs.append((f"plain b{bs}", bs, [list(tok.encode_chat(m)) for m in spec_prompts(n)], sp, SpecConfig()))
+        jobs.append((f"plain b{bs}", bs, [list(tok.encode_chat(m)) for m in spec_prompts(n)], sp,
+                     SpecConfig()))
     code = [list(tok.encode_chat(m)) for m in load_sets(0, 6)["code_rewrite"]]
     jobs.append(("ngram b1 (code)", 1, code, SamplingParams(max_tokens=max_tokens),
                  SpecConfig(method=Method.NGRAM)))
@@ -86,7 +89,8 @@ def speed(models: dict, batch_sizes: list[int], max_tokens: int, repeats: int) -
         for rep in range(repeats + 1):
             for mode, lm in models.items():
                 engine = EngineConfig(batch_size=bs, max_prefill_tokens=8192)
-                outs, wall = timed(lambda: generate(ids, model=lm, sampling=sampling, engine=engine, speculative=spec))
+                outs, wall = timed(lambda: generate(ids, model=lm, sampling=sampling, engine=engine,
+                                                    speculative=spec))
                 outputs[mode] = [o.token_ids for o in outs]
                 if rep:
                     tok_s[mode].append(sum(len(o.token_ids) for o in outs) / wall)
@@ -117,10 +121,11 @@ def agreement(models: dict, n: int, max_tokens: int) -> dict[str, float]:
 
 
 def perplexity(lm, ids: list[int], window: int) -> float:
-    """exp(mean NLL) of each token given the ones before it in its window (teacher-forced, one forward each)."""
+    """exp(mean NLL) of each token given the ones before it in its window (teacher-forced, one forward
+    each)."""
     import paddle
 
-    from specgen.engine.types import build_forward_batch
+    from specgen.runtime.batch import build_forward_batch
 
     nll, count = 0.0, 0
     for start in range(0, len(ids) - 1, window):
@@ -153,8 +158,8 @@ def quality(models: dict, prompts: int, tokens: int, window: int, max_ppl_tokens
     ids = list(models["none"].tokenizer.encode(held_out_text()))[:max_ppl_tokens]
     agree = agreement(models, prompts, tokens)
     ppl = {m: perplexity(lm, ids, window) for m, lm in models.items()}
-    return [[m, agree[m], ppl[m], ppl[m] / ppl["none"] - 1] for m in MODES] + [[f"({len(ids)} tokens)", None, None,
-                                                                                 None]]
+    return ([[m, agree[m], ppl[m], ppl[m] / ppl["none"] - 1] for m in MODES]
+            + [[f"({len(ids)} tokens)", None, None, None]])
 
 
 def main() -> None:
@@ -183,7 +188,8 @@ def main() -> None:
 
         models = {m: load_model(None, quantization=m, threads=args.threads) for m in MODES}
         if "quality" in args.only:
-            rows = quality(models, args.agreement_prompts, args.agreement_tokens, args.ppl_window, args.ppl_tokens)
+            rows = quality(models, args.agreement_prompts, args.agreement_tokens, args.ppl_window,
+                           args.ppl_tokens)
             print_table(["mode", "greedy agreement", "perplexity", "vs none"], rows, digits=4)
             print(flush=True)
         if "speed" in args.only:

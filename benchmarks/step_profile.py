@@ -3,9 +3,10 @@
     python benchmarks/step_profile.py --batch-sizes 1 32 256 --methods none ngram --max-tokens 48
 
 Fills every slot with a Spec-Bench summarization or RAG prompt and runs the job; the engine's step phases are
-timed (wrapped, the same calls): planning (the proposer's drafts and the controller's choice), the forward (one
-operator on the fused backend), sampling and verification, committing and the proposer's observe, and the rest
-of the step (batch layout, stops). Steps that prefill are left out: ms per decoding step, and each phase's share.
+timed (wrapped, the same calls): planning (the proposer's drafts and the controller's choice), the forward
+(one operator on the fused backend), sampling and verification, committing and the proposer's observe, and the
+rest of the step (batch layout, stops). Steps that prefill are left out: ms per decoding step, and each
+phase's share.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def main() -> None:
 
     print(machine())
     lm = load_model(None, threads=args.threads)
-    questions = [json.loads(x) for x in (DATA / "spec_bench" / "question.jsonl").read_text().splitlines() if x.strip()]
+    questions = [json.loads(x) for x in (DATA / "spec_bench" / "question.jsonl").read_text().splitlines()
+                 if x.strip()]
     texts = [q["turns"][0] for q in questions if q["category"] in ("summarization", "rag")]
     seconds: dict[str, float] = defaultdict(float)
     prefilling = [True]  # or outside a step

@@ -1,16 +1,17 @@
-"""Tensor parallelism on this machine: the default model's step time over 2 ranks of 1 thread against 1 process
-of 2 threads, and what the all-reduces take.
+"""Tensor parallelism on this machine: the default model's step time over 2 ranks of 1 thread against 1
+process of 2 threads, and what the all-reduces take.
 
     python benchmarks/tensor_parallel.py --batch-sizes 1 8 32 --tokens 1 4 --steps 20 --rounds 3
 
 Each step is one forward of --batch-sizes slots x --tokens tokens (1: decode, 4: a verify block of 3 drafts)
 at position --context, greedy (no logits gathered: each rank's best token, then one small all-gather). Arms:
-`fused 1x2` (specgen's fused CPU forward, the default backend, 2 threads), `ref 1x2` (the reference backend, the
-one tensor parallelism runs, 2 threads), `tp 2x1` (--tensor-parallel-size 2: two rank processes of 1 thread each,
-the reference backend on each shard). Arms alternate within each round; each keeps its fastest round (a shared
-machine). `comm ms` is the time rank 0 spends in collectives per step (the all-reduces after the embedding and
-after each block's o and down products, and the greedy all-gather: `colls`), waiting for the other rank included;
-`1 all-reduce ms` one all-reduce of the step's [tokens, hidden] rows alone (two processes doing nothing else).
+`fused 1x2` (specgen's fused CPU forward, the default backend, 2 threads), `ref 1x2` (the reference backend,
+the one tensor parallelism runs, 2 threads), `tp 2x1` (--tensor-parallel-size 2: two rank processes of 1
+thread each, the reference backend on each shard). Arms alternate within each round; each keeps its fastest
+round (a shared machine). `comm ms` is the time rank 0 spends in collectives per step (the all-reduces after
+the embedding and after each block's o and down products, and the greedy all-gather: `colls`), waiting for the
+other rank included; `1 all-reduce ms` one all-reduce of the step's [tokens, hidden] rows alone (two processes
+doing nothing else).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from common import machine, print_table
 
 def time_steps(model, batch: int, tokens: int, steps: int, context: int) -> tuple[float, float, int]:
     """(seconds per step, seconds in collectives per step, collectives per step) of `steps` forwards."""
-    from specgen.engine.types import build_forward_batch
+    from specgen.runtime.batch import build_forward_batch
 
     cache = model.new_cache(batch, context + tokens + 1)
     rng = np.random.default_rng(0)
@@ -45,13 +46,14 @@ def time_steps(model, batch: int, tokens: int, steps: int, context: int) -> tupl
 
 
 def rank_main(worker, job) -> None:
-    """A rank: rank 0 times the steps it is asked for (its forwards broadcast to the other rank, which follows)."""
+    """A rank: rank 0 times the steps it is asked for (its forwards broadcast to the other rank, which
+    follows)."""
     serve_timings(worker, job, time_steps)
 
 
 def serve_timings(worker, job, timer) -> None:
-    """A rank of a timing job: rank 0 sends timer(model, *task) for each task; the other ranks follow its forwards
-    (benchmarks/expert_parallel.py's ranks too)."""
+    """A rank of a timing job: rank 0 sends timer(model, *task) for each task; the other ranks follow its
+    forwards (benchmarks/expert_parallel.py's ranks too)."""
     from specgen.distributed.tensor_parallel import follow, join_group, load_rank
 
     spec = worker.spec
@@ -69,7 +71,8 @@ def serve_timings(worker, job, timer) -> None:
 
 
 def allreduce_main(worker, arg) -> dict[int, float]:
-    """Both ranks: all-reduces alone, in lockstep: {rows: seconds per all-reduce of [rows, hidden] float32}."""
+    """Both ranks: all-reduces alone, in lockstep: {rows: seconds per all-reduce of [rows, hidden]
+    float32}."""
     import paddle
 
     from specgen.distributed.tensor_parallel import join_group
@@ -118,7 +121,8 @@ def main() -> None:
     load = EngineConfig(backend="reference")
     job = RankJob(ref.source, load, load, SpecConfig(), free_endpoints(2), CommandChannel.make(2))
     tasks = [(b, t, a.steps, a.context) for b in a.batch_sizes for t in a.tokens]
-    lone = lone_allreduce(dataclasses.replace(job, endpoints=free_endpoints(2), commands=CommandChannel.make(2)),
+    lone = lone_allreduce(dataclasses.replace(job, endpoints=free_endpoints(2),
+                                              commands=CommandChannel.make(2)),
                           sorted({b * t for b, t, _, _ in tasks}), ref.config.hidden_size)
     best: dict[tuple, dict[str, tuple]] = {task: {} for task in tasks}
     with WorkerGroup(rank_main, job, [1, 1], "tensor-parallel rank") as group:
@@ -144,8 +148,8 @@ def main() -> None:
         f, r, tp = arms["fused"][0], arms["ref"][0], arms["tp"]
         rows.append([b, t, 1e3 * f, 1e3 * r, 1e3 * tp[0], tp[0] / r, tp[0] / f, 1e3 * tp[1], tp[2],
                      1e3 * (tp[0] - tp[1]), 1e3 * lone[b * t]])
-    print_table(["batch", "tokens", "fused 1x2 ms", "ref 1x2 ms", "tp 2x1 ms", "tp/ref", "tp/fused", "comm ms",
-                 "colls", "tp - comm ms", "1 all-reduce ms"], rows)
+    print_table(["batch", "tokens", "fused 1x2 ms", "ref 1x2 ms", "tp 2x1 ms", "tp/ref", "tp/fused",
+                 "comm ms", "colls", "tp - comm ms", "1 all-reduce ms"], rows)
     print(machine())
 
 

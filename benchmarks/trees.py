@@ -3,17 +3,17 @@ continuations, and the learned heads (the MTP head's chain, Medusa's and Hydra's
 decoding; and what moving a tree's accepted path costs.
 
     python benchmarks/trees.py --sets summarization rag code_rewrite --batch-sizes 1 8 --repeats 2
-    python benchmarks/trees.py --sets summarization rag translation math_reasoning qa writing --batch-sizes 1 \
-        --arms none ngram mtp medusa hydra --fixed medusa hydra --fixed-nodes 3
+    python benchmarks/trees.py --sets summarization rag translation math_reasoning qa writing \
+        --batch-sizes 1 --arms none ngram mtp medusa hydra --fixed medusa hydra --fixed-nodes 3
 
 --fixed KIND...: the same heads at one verify budget, chain against tree, every node verified (no controller):
-a chain of --fixed-nodes N first guesses (0,0,...) against a tree of as many nodes (the chain one shorter, and the
-first head's second guess); tokens per step only. N at most the heads' count (a deeper node is cut).
+a chain of --fixed-nodes N first guesses (0,0,...) against a tree of as many nodes (the chain one shorter, and
+the first head's second guess); tokens per step only. N at most the heads' count (a deeper node is cut).
 `--medusa DIR` / `--hydra DIR`: other heads than the package's.
 
-Greedy, the default model, float32, the fused backend, the adaptive controller on (it picks each slot's k or node
-budget). Arms alternate within each repeat; tok/s are the best of the repeats. Per row: tokens per step (accepted
-path + 1), nodes (drafts) verified per step, whether outputs equal `none`'s.
+Greedy, the default model, float32, the fused backend, the adaptive controller on (it picks each slot's k or
+node budget). Arms alternate within each repeat; tok/s are the best of the repeats. Per row: tokens per step
+(accepted path + 1), nodes (drafts) verified per step, whether outputs equal `none`'s.
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ import argparse
 import time
 
 import numpy as np
-
 from common import load_sets, machine, print_table, timed
 
 ARMS = {  # label -> (method, k, branches, static shape)
@@ -64,7 +63,8 @@ def fixed_budget(model, sets: dict, names: list[str], kinds: list[str], max_toke
             per_step = []
             for shape in fixed_shapes(nodes):
                 out = generate(sets[name], model=model, sampling=SamplingParams(max_tokens=max_tokens),
-                               speculative=spec_of(kind, shape, adaptive=False), engine=EngineConfig(batch_size=1))
+                               speculative=spec_of(kind, shape, adaptive=False),
+                               engine=EngineConfig(batch_size=1))
                 per_step.append(sum(len(o.token_ids) for o in out) / sum(o.stats.num_steps for o in out))
             rows.append([name, kind, nodes, per_step[0], per_step[1], per_step[1] / per_step[0]])
     print_table(["set", "heads", "nodes", "chain tok/step", "tree tok/step", "tree / chain"], rows)
@@ -112,7 +112,8 @@ def main() -> None:
             outs = {}
             for _ in range(args.repeats):
                 for arm in args.arms:
-                    out, wall = timed(lambda: generate(prompts, model=model, sampling=sampling, speculative=spec_of(arm),
+                    out, wall = timed(lambda: generate(prompts, model=model, sampling=sampling,
+                                                       speculative=spec_of(arm),
                                                        engine=EngineConfig(batch_size=batch)))
                     tokens = sum(len(o.token_ids) for o in out)
                     best[arm] = max(best.get(arm, 0.0), tokens / wall)
@@ -120,12 +121,13 @@ def main() -> None:
             for arm in args.arms:
                 out = outs[arm]
                 steps = sum(o.stats.num_steps for o in out)
-                rows.append([name, batch, arm, best[arm], best[arm] / best["none"] if "none" in best else None,
+                rows.append([name, batch, arm, best[arm],
+                             best[arm] / best["none"] if "none" in best else None,
                              sum(len(o.token_ids) for o in out) / steps,
                              sum(o.stats.num_draft_tokens for o in out) / steps,
                              [o.token_ids for o in out] == [o.token_ids for o in outs[args.arms[0]]]])
-            print_table(["set", "batch", "arm", "tok/s", "x none", "tok/step", "nodes/step", "identical"], rows[-len(
-                args.arms):])
+            print_table(["set", "batch", "arm", "tok/s", "x none", "tok/step", "nodes/step", "identical"],
+                        rows[-len(args.arms):])
             print(machine())
     if args.fixed:
         print()

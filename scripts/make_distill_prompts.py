@@ -1,12 +1,13 @@
 """Write self-distillation prompts for draft models and heads from the shared T0 and GSM8K training sets.
 
-    python scripts/make_distill_prompts.py -o distill_prompts.jsonl [--t0 N] [--gsm8k N] [--max-chars C] [--seed S]
+    python scripts/make_distill_prompts.py -o distill_prompts.jsonl [--t0 N] [--gsm8k N] [--max-chars C]
+        [--seed S]
 
 T0 (../shared/data/t0_prompts/): N prompts spread evenly over its templates (one template's prompts are picked
-before any template gets a second, templates and prompts in a seeded order), at most C characters each, so that
-news articles to summarize, passages with questions, closed-book questions and dialogue all appear. GSM8K
-(../shared/data/gsm8k/train.jsonl, the training split; Spec-Bench's math prompts come from its test split): the
-first N problems. Each line is a chat record `{"id", "messages": [{"role": "user", "content": ...}]}`, as
+before any template gets a second, templates and prompts in a seeded order), at most C characters each, so
+that news articles to summarize, passages with questions, closed-book questions and dialogue all appear. GSM8K
+(../shared/data/gsm8k/train.jsonl, the training split; Spec-Bench's math prompts come from its test split):
+the first N problems. Each line is a chat record `{"id", "messages": [{"role": "user", "content": ...}]}`, as
 `specgen run` and `specgen train-mtp` read it. The model writes the answers; the data sets' own answers are
 not used. The same data and arguments give the same file.
 """
@@ -38,7 +39,8 @@ def t0_prompts(path: Path, count: int, max_chars: int, seed: int) -> list[dict]:
     while len(out) < count and any(len(by_source[s]) > depth for s in sources):
         for s in sources:
             if len(out) < count and len(by_source[s]) > depth:
-                out.append({"id": f"t0-{s}-{depth}", "messages": [{"role": "user", "content": by_source[s][depth]}]})
+                out.append({"id": f"t0-{s}-{depth}",
+                            "messages": [{"role": "user", "content": by_source[s][depth]}]})
         depth += 1
     return out
 

@@ -3,10 +3,10 @@
     python scripts/make_mtp_train_prompts.py -o mtp_train_prompts.jsonl [--tinystories] [--stdlib-code N]
         [--stdlib-prose N] [--variants N]
 
-Evaluation (benchmarks/speculation.py, through benchmarks/common.py) uses the first EVAL_PER_CATEGORY Spec-Bench
-prompts of each category and the first EVAL_MBPP MBPP items; training uses Spec-Bench items at index
->= EVAL_PER_CATEGORY within their category (first turn), MBPP items from TRAIN_MBPP_FROM on, with the same
-code-rewriting prompt, and optionally the TinyStories sample (each story's first sentences, to continue).
+Evaluation (benchmarks/speculation.py, through benchmarks/common.py) uses the first EVAL_PER_CATEGORY
+Spec-Bench prompts of each category and the first EVAL_MBPP MBPP items; training uses Spec-Bench items at
+index >= EVAL_PER_CATEGORY within their category (first turn), MBPP items from TRAIN_MBPP_FROM on, with the
+same code-rewriting prompt, and optionally the TinyStories sample (each story's first sentences, to continue).
 
 The shared data holds only 400 prompts outside the evaluation slices. `--stdlib-code N` adds N code-rewriting
 prompts (the same wording as the MBPP ones) built from functions of Python's own standard library, and
@@ -14,8 +14,8 @@ prompts (the same wording as the MBPP ones) built from functions of Python's own
 documentation (`pydoc_data.topics`) and module docstrings. Both are on every machine that runs Python,
 disjoint from the evaluation prompts, and chosen deterministically (sorted files, evenly spaced picks).
 
-`--variants N` adds N prompts per training Spec-Bench item, derived from that item so that the model writes new
-text of the same kind: a summarization article's sentences cut to a different span, a RAG item's passages
+`--variants N` adds N prompts per training Spec-Bench item, derived from that item so that the model writes
+new text of the same kind: a summarization article's sentences cut to a different span, a RAG item's passages
 rotated and one left out, a math problem's numbers changed, two translation sentences joined, a QA question
 asked with another instruction (the first variant of each QA item asks a RAG training item's question alone;
 both sets come from Natural Questions). Variants use training items only, so they stay disjoint from the
@@ -64,11 +64,14 @@ def _training_items(path: Path) -> dict[str, list[dict]]:
     return {c: qs[EVAL_PER_CATEGORY:] for c, qs in out.items() if len(qs) > EVAL_PER_CATEGORY}
 
 
-QA_ASKS = ("Answer in one sentence: {q}", "Explain in detail: {q}", "{q} Give the answer and the reason for it.")
+QA_ASKS = ("Answer in one sentence: {q}", "Explain in detail: {q}",
+           "{q} Give the answer and the reason for it.")
 
 
-def _variant(category: str, text: str, j: int, n: int, items: list[dict], i: int, rng: random.Random) -> str | None:
-    """Variant j (1..n) of training item i of `category` (its first turn `text`), or None where it has none."""
+def _variant(category: str, text: str, j: int, n: int, items: list[dict], i: int,
+             rng: random.Random) -> str | None:
+    """Variant j (1..n) of training item i of `category` (its first turn `text`), or None where it has
+    none."""
     if category == "summarization":
         body = text.removeprefix("Summarize: ")
         sentences = re.split(r"(?<=[.!?]) ", body)
@@ -106,7 +109,8 @@ def spec_bench_variants(path: Path, n: int) -> list[dict]:
         for i, q in enumerate(qs):
             rng, text = random.Random(f"{q['question_id']}"), q["turns"][0]
             for j in range(1, n + 1):
-                if category == "qa":  # first a RAG training item's question alone, then this one asked other ways
+                # first a RAG training item's question alone, then this one asked other ways
+                if category == "qa":
                     new = rag_questions[i] if j == 1 and i < len(rag_questions) else \
                         QA_ASKS[(j - 2) % len(QA_ASKS)].format(q=text)
                 else:
@@ -235,7 +239,8 @@ def main() -> None:
                     help="add N prompts per training Spec-Bench item, derived from it (see above)")
     args = ap.parse_args()
     records = spec_bench_prompts(args.data / "spec_bench" / "question.jsonl")
-    records += spec_bench_variants(args.data / "spec_bench" / "question.jsonl", args.variants) if args.variants else []
+    records += (spec_bench_variants(args.data / "spec_bench" / "question.jsonl", args.variants)
+                if args.variants else [])
     records += mbpp_prompts(args.data / "mbpp" / "sanitized-mbpp.json")
     if args.tinystories:
         records += tinystories_prompts(args.data / "tinystories" / "tinystories_sample.txt")

@@ -51,10 +51,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    Ernie4_5Config,
-    Ernie4_5ForCausalLM,
     Ernie4_5_MoeConfig,
     Ernie4_5_MoeForCausalLM,
+    Ernie4_5Config,
+    Ernie4_5ForCausalLM,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
@@ -228,8 +228,8 @@ def tiny_specs(ids: dict[str, int]) -> dict:
             ids["<|im_end|>"],
             True,
         ),
-        # Qwen3-MoE: 8 experts, top-2 softmax gating NOT renormalised (norm_topk_prob False, transformers' default);
-        # three layers, the middle one dense (mlp_only_layers).
+        # Qwen3-MoE: 8 experts, top-2 softmax gating NOT renormalised (norm_topk_prob False, transformers'
+        # default); three layers, the middle one dense (mlp_only_layers).
         "qwen3_moe": (
             Qwen3MoeConfig,
             Qwen3MoeForCausalLM,
@@ -249,9 +249,9 @@ def tiny_specs(ids: dict[str, int]) -> dict:
             ids["<|im_end|>"],
             False,
         ),
-        # ERNIE-4.5-MoE: layer 0 dense (moe_layer_start_index 1), 8 experts top-3 renormalised, 2 shared experts,
-        # a random e_score_correction_bias (it picks the experts, not their weights); no biases, as the released
-        # checkpoints (with use_bias its LM head has one, which specgen does not read).
+        # ERNIE-4.5-MoE: layer 0 dense (moe_layer_start_index 1), 8 experts top-3 renormalised, 2 shared
+        # experts, a random e_score_correction_bias (it picks the experts, not their weights); no biases, as
+        # the released checkpoints (with use_bias its LM head has one, which specgen does not read).
         "ernie4_5_moe": (
             Ernie4_5_MoeConfig,
             Ernie4_5_MoeForCausalLM,

@@ -25,8 +25,16 @@ finally:
         _signal.pthread_sigmask(_signal.SIG_SETMASK, _held)
 
 from specgen.api import LoadedModel, generate, load_model  # noqa: E402
-from specgen.config import DraftConfig, EngineConfig, Method, MtpConfig, NgramConfig, SamplingParams, SpecConfig  # noqa: E402,E501
+from specgen.config import (  # noqa: E402
+    DraftConfig,
+    EngineConfig,
+    Method,
+    MtpConfig,
+    NgramConfig,
+    SamplingParams,
+    SpecConfig,
+)
 
 __version__ = "0.1.0"
-__all__ = ["generate", "load_model", "LoadedModel", "SamplingParams", "EngineConfig", "SpecConfig", "NgramConfig",
-           "MtpConfig", "Method", "__version__"]
+__all__ = ["generate", "load_model", "LoadedModel", "SamplingParams", "EngineConfig", "SpecConfig",
+           "NgramConfig", "MtpConfig", "DraftConfig", "Method", "__version__"]

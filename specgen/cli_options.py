@@ -1,5 +1,6 @@
-"""The run settings as command-line options, made from the config dataclasses (their fields' help and defaults):
-every field of SamplingParams, EngineConfig and SpecConfig is a flag of `specgen run` and `specgen bench`."""
+"""The run settings as command-line options, made from the config dataclasses (their fields' help and
+defaults): every field of SamplingParams, EngineConfig and SpecConfig is a flag of `specgen run` and
+`specgen bench`."""
 from __future__ import annotations
 
 import enum
@@ -14,7 +15,8 @@ from specgen.app.settings import Setting, all_settings
 
 
 def _annotation(s: Setting) -> Any:
-    """Annotated[<type> | None, typer.Option(...)]: None means "not given" (the dataclasses hold the defaults)."""
+    """Annotated[<type> | None, typer.Option(...)]: None means "not given" (the dataclasses hold the
+    defaults)."""
     name = "--" + s.flag.replace("_", "-")
     default = s.default.value if isinstance(s.default, enum.Enum) else s.default
     shown = f" [default: {default}]" if default not in (None, "", ()) else ""
@@ -23,7 +25,8 @@ def _annotation(s: Setting) -> Any:
         return Annotated[bool | None, typer.Option(f"{name}/--no-{name[2:]}", help=s.help + shown)]
     if typing.get_origin(t) is tuple:
         return Annotated[list[str] | None, typer.Option(name, help=s.help)]
-    if isinstance(t, type) and issubclass(t, enum.Enum) or typing.get_origin(t) in (typing.Union, type(str | None)):
+    if (isinstance(t, type) and issubclass(t, enum.Enum)
+            or typing.get_origin(t) in (typing.Union, type(str | None))):
         t = str  # methods by name; an optional path
     return Annotated[t | None, typer.Option(name, help=s.help + shown)]
 
@@ -38,7 +41,8 @@ def with_settings(exclude: tuple[str, ...] = ()) -> Callable:
         hints = typing.get_type_hints(command, include_extras=True)  # the command's own options, resolved
         own = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()
                if p.name != "flags"]
-        extra = [inspect.Parameter(s.flag, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=_annotation(s))
+        extra = [inspect.Parameter(s.flag, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                   annotation=_annotation(s))
                  for s in settings]
 
         @functools.wraps(command)

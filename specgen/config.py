@@ -1,4 +1,5 @@
-"""Frozen configuration dataclasses, one per concern; the single source of defaults and of every runtime choice."""
+"""Frozen configuration dataclasses, one per concern; the single source of defaults and of every runtime
+choice."""
 from __future__ import annotations
 
 import dataclasses
@@ -39,8 +40,9 @@ def opt(default: Any = dataclasses.MISSING, help: str = "", factory: Any = datac
     return field(default=default, metadata={"help": help})
 
 
-SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
-              "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
+SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
+              "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4,
+              "tib": 1 << 40}
 
 
 def parse_size(text: str, name: str) -> int:
@@ -97,7 +99,8 @@ def default_threads() -> int:
 
 DEVICES = ("auto", "cpu", "gpu")
 # fused: specgen's CPU kernels (specgen/kernels), the whole forward as one operator; reference: Paddle's own
-# operators, on any device Paddle runs on; auto: fused on a CPU where the kernels build and pay, else reference.
+# operators, on any device Paddle runs on; auto: fused on a CPU where the kernels build and pay, else
+# reference.
 BACKENDS = ("auto", "fused", "reference")
 
 
@@ -108,33 +111,37 @@ class EngineConfig:
     batch_size: int = opt(32, "Static batch slots, 1..256.")
     dtype: str = opt("float32", "float32 | float64 (exactness checks; ~1.5-2x slower).")
     threads: int = opt(0, "CPU threads; 0 uses every core available to the process.")
-    device: str = opt("auto", "auto | cpu | gpu. auto: the GPU when Paddle is built with CUDA and one is visible.")
-    backend: str = opt("auto", "auto | fused | reference. fused: specgen's CPU kernels (the whole forward as one "
-                               "operator); reference: Paddle's operators, any device; auto: fused where the kernels "
-                               "build and pay (AVX2 or AVX-512).")
-    cpu_target: str = opt("native", "The fused kernels' build target (-march): native, or e.g. x86-64-v3 for an "
-                                    "AVX2 machine.")
+    device: str = opt("auto", "auto | cpu | gpu. auto: the GPU when Paddle is built with CUDA and one is "
+                              "visible.")
+    backend: str = opt("auto", "auto | fused | reference. fused: specgen's CPU kernels (the whole forward as "
+                               "one operator); reference: Paddle's operators, any device; auto: fused where "
+                               "the kernels build and pay (AVX2 or AVX-512).")
+    cpu_target: str = opt("native", "The fused kernels' build target (-march): native, or e.g. x86-64-v3 for "
+                                    "an AVX2 machine.")
     cache_dir: str = opt("", "Where converted models, kernel builds and step-cost tables are kept "
                              "[default: $XDG_CACHE_HOME/specgen or ~/.cache/specgen].")
-    cost_cache: bool = opt(True, "Keep measured step-cost tables in the cache for a week (a rerun times nothing).")
+    cost_cache: bool = opt(True, "Keep measured step-cost tables in the cache for a week (a rerun times "
+                                 "nothing).")
     max_model_len: int = opt(0, "Cap on the context length; 0 keeps the model's.")
-    max_kv_memory: str = opt("", "Cap on the KV cache's memory (e.g. 8GiB, 512MiB); a request that would take the "
-                                 "cache past it (or past 90% of the memory available at start) stops the run "
-                                 "with advice, instead of the kernel killing it. Empty: the memory available.")
+    max_kv_memory: str = opt("", "Cap on the KV cache's memory (e.g. 8GiB, 512MiB); a request that would "
+                                 "take the cache past it (or past 90% of the memory available at start) "
+                                 "stops the run with advice, instead of the kernel killing it. Empty: the "
+                                 "memory available.")
     max_prefill_tokens: int = opt(4096, "Prompt tokens admitted (and prefilled) per step.")
-    prefill_chunk: int = opt(0, "Prefill prompts longer than this many tokens in chunks, mixed into decode steps "
-                                "(0: whole prompts).")
-    shared_prefix: str = opt("auto", "auto: compute the prompt prefix the first batch shares once, for every slot; "
-                                     "off.")
+    prefill_chunk: int = opt(0, "Prefill prompts longer than this many tokens in chunks, mixed into decode "
+                                "steps (0: whole prompts).")
+    shared_prefix: str = opt("auto", "auto: compute the prompt prefix the first batch shares once, for every "
+                                     "slot; off.")
     min_shared_prefix: int = opt(64, "Shorter common prefixes are not shared.")
-    kv_cache_dtype: str = opt("auto", "auto: the KV cache in the compute dtype; float16: half its memory and reads "
-                                      "(float32 models on the fused backend).")
-    quantization: str = opt("auto", "auto | none | wint8 | wint4: the projections' and LM head's weights. auto: as "
-                                     "stored (GGUF blocks, or float); none: float (GGUF blocks dequantized); wint8 / "
-                                     "wint4: quantized at load in blocks of 32 inputs (Q8_0 / Q4_1), cached.")
+    kv_cache_dtype: str = opt("auto", "auto: the KV cache in the compute dtype; float16: half its memory and "
+                                      "reads (float32 models on the fused backend).")
+    quantization: str = opt("auto", "auto | none | wint8 | wint4: the projections' and LM head's weights. "
+                                     "auto: as stored (GGUF blocks, or float); none: float (GGUF blocks "
+                                     "dequantized); wint8 / wint4: quantized at load in blocks of 32 inputs "
+                                     "(Q8_0 / Q4_1), cached.")
     matmul: str = opt("float32", "float32 | int8. int8: inputs quantized to int8 per block of 32 for integer "
-                                 "products with block weights (GGUF Q4_0/Q4_1/Q8_0, --quantization wint8 / wint4; "
-                                 "AVX-512 VNNI), as llama.cpp does.")
+                                 "products with block weights (GGUF Q4_0/Q4_1/Q8_0, --quantization wint8 / "
+                                 "wint4; AVX-512 VNNI), as llama.cpp does.")
 
     def __post_init__(self) -> None:
         if not 1 <= self.batch_size <= 256:
@@ -178,17 +185,19 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class NgramConfig:
-    """--method ngram: drafts copied from where the text's tail occurred before (its own text, the job's pool)."""
+    """--method ngram: drafts copied from where the text's tail occurred before (its own text, the job's
+    pool)."""
 
     min: int = opt(1, "Shortest tail looked up, in tokens.")
     max: int = opt(3, "Longest tail looked up (a longer match wins).")
-    pool: int = opt(1 << 20, "Tokens of finished requests' text searched for drafts too (0: each request's own text "
-                             "only).")
-    branches: int = opt(1, "Distinct continuations drafted at once as a token tree, verified in one forward (1: a "
-                           "chain; a tree drafts from the slot's own text only).")
-    tree_choices: tuple[str, ...] = opt((), "A static tree shape (Medusa's choices): the paths kept, each the ranks "
-                                            "of its nodes among their siblings, comma-joined (0 0,0 1 0,1); "
-                                            "repeat the option per path. Empty: every branch.")
+    pool: int = opt(1 << 20, "Tokens of finished requests' text searched for drafts too (0: each request's "
+                             "own text only).")
+    branches: int = opt(1, "Distinct continuations drafted at once as a token tree, verified in one forward "
+                           "(1: a chain; a tree drafts from the slot's own text only).")
+    tree_choices: tuple[str, ...] = opt((), "A static tree shape (Medusa's choices): the paths kept, each "
+                                            "the ranks of its nodes among their siblings, "
+                                            "comma-joined (0 0,0 1 0,1); repeat the option per path. "
+                                            "Empty: every branch.")
 
     def __post_init__(self) -> None:
         if not 1 <= self.min <= self.max:
@@ -205,27 +214,29 @@ class NgramConfig:
 
 
 def tree_paths(choices: tuple[str, ...], max_rank: int, what: str, bound: str) -> tuple[tuple[int, ...], ...]:
-    """A static tree shape's paths (each comma-joined sibling ranks, at most 5, each below max_rank) as ints."""
+    """A static tree shape's paths (each comma-joined sibling ranks, at most 5, each below max_rank) as
+    ints."""
     out = []
     for path in choices:
         ranks = str(path).split(",")
         if not all(r.strip().isdigit() and int(r) < max_rank for r in ranks) or len(ranks) > 5:
-            raise ConfigError(f"{what}: {path!r} is not a path of at most 5 comma-joined sibling ranks, each below "
-                              f"{bound} ({max_rank}), e.g. 0,1")
+            raise ConfigError(f"{what}: {path!r} is not a path of at most 5 comma-joined sibling ranks, each "
+                              f"below {bound} ({max_rank}), e.g. 0,1")
         out.append(tuple(int(r) for r in ranks))
     return tuple(out)
 
 
 @dataclass(frozen=True)
 class MedusaConfig:
-    """--method medusa and hydra: Medusa or Hydra heads (--draft-model: the public layout; the package's heads for
-    the default model) draft a token tree of a static shape."""
+    """--method medusa and hydra: Medusa or Hydra heads (--draft-model: the public layout; the package's heads
+    for the default model) draft a token tree of a static shape."""
 
     topk: int = opt(3, "Guesses kept per head: the most siblings a node can have.")
-    tree_choices: tuple[str, ...] = opt(("0", "1", "2", "0,0", "0,1", "1,0", "0,0,0", "0,0,1", "0,1,0", "1,0,0",
-                                         "0,0,0,0", "0,0,0,0,0"),
-                                        "The tree's paths (Medusa's choices): each the ranks of its nodes' guesses "
-                                        "at heads 1, 2, ..., comma-joined; repeat the option per path.")
+    tree_choices: tuple[str, ...] = opt(("0", "1", "2", "0,0", "0,1", "1,0", "0,0,0", "0,0,1", "0,1,0",
+                                         "1,0,0", "0,0,0,0", "0,0,0,0,0"),
+                                        "The tree's paths (Medusa's choices): each the ranks of its nodes' "
+                                        "guesses at heads 1, 2, ..., comma-joined; "
+                                        "repeat the option per path.")
 
     def __post_init__(self) -> None:
         if not 1 <= self.topk <= 16:
@@ -238,25 +249,27 @@ class MedusaConfig:
 
 @dataclass(frozen=True)
 class EagleConfig:
-    """--method eagle: an EAGLE layer (--draft-model: the public layout; one ships for the default model) grows a
-    token tree per slot, dynamic (EAGLE-2) or of a static shape."""
+    """--method eagle: an EAGLE layer (--draft-model: the public layout; one ships for the default model)
+    grows a token tree per slot, dynamic (EAGLE-2) or of a static shape."""
 
-    topk: int = opt(4, "Children drafted per expanded node; a dynamic tree expands this many nodes per depth.")
-    nodes: int = opt(16, "Nodes offered per tree (the most probable ones; the controller verifies a prefix), at "
-                         "most 32.")
-    tree_choices: tuple[str, ...] = opt((), "A static tree shape instead of a dynamic one: its paths (Medusa's "
-                                            "choices), each the ranks of its nodes among their siblings, "
-                                            "comma-joined; repeat the option per path. Empty: EAGLE-2's dynamic "
-                                            "tree.")
-    quantize: bool = opt(True, "Beside a main model kept in GGUF blocks, pack the layer's projections as Q8_0 "
-                               "blocks (as --mtp-quantize).")
+    topk: int = opt(4, "Children drafted per expanded node; a dynamic tree expands this many nodes per "
+                       "depth.")
+    nodes: int = opt(16, "Nodes offered per tree (the most probable ones; the controller verifies a prefix), "
+                         "at most 32.")
+    tree_choices: tuple[str, ...] = opt((), "A static tree shape instead of a dynamic one: its paths "
+                                            "(Medusa's choices), each the ranks of its nodes among their "
+                                            "siblings, comma-joined; repeat the option per path. Empty: "
+                                            "EAGLE-2's dynamic tree.")
+    quantize: bool = opt(True, "Beside a main model kept in GGUF blocks, pack the layer's projections as "
+                               "Q8_0 blocks (as --mtp-quantize).")
     # As MtpConfig.copy: the layer trains on 128-position windows and hardly copies from far back.
-    copy: int = opt(2, "Where the last N+ tokens occurred earlier in the slot's text, draft what followed there "
-                       "(a chain) instead of the layer's tree (0: the layer only).")
+    copy: int = opt(2, "Where the last N+ tokens occurred earlier in the slot's text, draft what followed "
+                       "there (a chain) instead of the layer's tree (0: the layer only).")
 
     def __post_init__(self) -> None:
         if not 0 <= self.copy <= 8:
-            raise ConfigError(f"eagle copy must be in 0..8 tokens (0: the layer's trees only), got {self.copy}")
+            raise ConfigError(f"eagle copy must be in 0..8 tokens (0: the layer's trees only), "
+                              f"got {self.copy}")
         if not 1 <= self.topk <= 8:
             raise ConfigError(f"eagle topk must be in [1, 8], got {self.topk}")
         if not 1 <= self.nodes <= 32:
@@ -271,15 +284,15 @@ class EagleConfig:
 class MtpConfig:
     """--method mtp: a DeepSeek-V3 / ERNIE-4.5 style MTP head drafts the tokens after next."""
 
-    model: str | None = opt(None, "The MTP head's directory (DeepSeek-V3 or ERNIE-4.5 layout) [default: the head "
-                                  "shipped for the default model].")
-    # The shipped head hardly copies from far back (it trains on 128-position windows), where summarization and
-    # RAG answers come from.
-    copy: int = opt(2, "Where the last N+ tokens occurred earlier in the slot's text, draft what followed there "
-                       "instead of the head's guess (0: the head only).")
+    model: str | None = opt(None, "The MTP head's directory (DeepSeek-V3 or ERNIE-4.5 layout) [default: the "
+                                  "head shipped for the default model].")
+    # The shipped head hardly copies from far back (it trains on 128-position windows), where summarization
+    # and RAG answers come from.
+    copy: int = opt(2, "Where the last N+ tokens occurred earlier in the slot's text, draft what followed "
+                       "there instead of the head's guess (0: the head only).")
     # Its pass then reads a quarter of the bytes. Only drafts can change, never outputs.
-    quantize: bool = opt(True, "Beside a main model kept in GGUF blocks, pack the head's projections as Q8_0 blocks "
-                               "(integer products with AVX-512 VNNI).")
+    quantize: bool = opt(True, "Beside a main model kept in GGUF blocks, pack the head's projections as Q8_0 "
+                               "blocks (integer products with AVX-512 VNNI).")
 
     def __post_init__(self) -> None:
         if not 0 <= self.copy <= 8:
@@ -292,8 +305,8 @@ class DraftConfig:
 
     # A long prompt's catch-up would cost the draft a prefill of its own per request whether or not its drafts
     # pay (summarization at batch 1: 0.79x of plain decoding with the whole prompt).
-    prompt_window: int = opt(256, "Prompt positions the draft reads: a prompt's last N (the draft's own positions "
-                                  "start there); 0: the whole prompt.")
+    prompt_window: int = opt(256, "Prompt positions the draft reads: a prompt's last N (the draft's own "
+                                  "positions start there); 0: the whole prompt.")
 
     def __post_init__(self) -> None:
         if self.prompt_window < 0:
@@ -305,14 +318,15 @@ class SpecConfig:
     """Speculative decoding: the method, its bound on drafts per step (FastDeploy's 1..5) and each method's
     own section."""
 
-    method: Method = opt(Method.NONE, "Speculative method: none | ngram | mtp | draft_model | medusa | hydra | "
-                                        "eagle.")
+    method: Method = opt(Method.NONE, "Speculative method: none | ngram | mtp | draft_model | medusa | "
+                                        "hydra | eagle.")
     num_speculative_tokens: int = opt(3, "Draft tokens per step at most, 1..5.")
     adaptive: bool = opt(True, "Choose each slot's drafts per step (0 included) from measured step costs and "
                                "acceptance; off: verify every draft offered.")
-    draft_model: str | None = opt(None, "The drafter's checkpoint: for draft_model a smaller model with the main "
-                                        "model's vocabulary (HF directory or .gguf; `specgen make-draft` builds "
-                                        "one), for mtp an MTP head (as --mtp-model).")
+    draft_model: str | None = opt(None, "The drafter's checkpoint: for draft_model a smaller model with the "
+                                        "main model's vocabulary (HF directory or .gguf; "
+                                        "`specgen make-draft` builds one), for mtp an MTP head (as "
+                                        "--mtp-model).")
     ngram: NgramConfig = opt(help="n-gram drafting.", factory=NgramConfig)
     mtp: MtpConfig = opt(help="MTP drafting.", factory=MtpConfig)
     draft: DraftConfig = opt(help="Draft-model drafting.", factory=DraftConfig)
@@ -323,13 +337,14 @@ class SpecConfig:
         object.__setattr__(self, "method", Method.parse(self.method))
         if not 1 <= self.num_speculative_tokens <= 5:
             raise ConfigError(f"num_speculative_tokens must be in 1..5, got {self.num_speculative_tokens}")
-        for name, cls in (("ngram", NgramConfig), ("mtp", MtpConfig), ("draft", DraftConfig), ("medusa", MedusaConfig),
-                          ("eagle", EagleConfig)):
+        for name, cls in (("ngram", NgramConfig), ("mtp", MtpConfig), ("draft", DraftConfig),
+                          ("medusa", MedusaConfig), ("eagle", EagleConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"speculative.{name} must be a {cls.__name__}")
         if self.method is Method.DRAFT_MODEL and not self.draft_model:
-            raise ConfigError("--method draft_model needs --draft-model PATH (an HF directory or .gguf with the main "
-                              "model's vocabulary; `specgen make-draft` builds one from the main model)")
+            raise ConfigError("--method draft_model needs --draft-model PATH (an HF directory or .gguf with "
+                              "the main model's vocabulary; `specgen make-draft` builds one from the main "
+                              "model)")
 
 
 RAY_LOCAL = "local"  # ParallelConfig.ray: start a Ray instance on this machine
@@ -337,25 +352,25 @@ RAY_LOCAL = "local"  # ParallelConfig.ray: start a Ray instance on this machine
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How many engines run a job, and where: local worker processes, or a Ray cluster; and over how many ranks
-    one engine's model is sharded."""
+    """How many engines run a job, and where: local worker processes, or a Ray cluster; and over how many
+    ranks one engine's model is sharded."""
 
-    data_parallel_size: int = opt(1, "Engines, each in its own worker process with its share of --threads, fed "
-                                     "from one reader and writing through one writer (with --ray: Ray workers, "
-                                     "each with --threads CPUs).")
+    data_parallel_size: int = opt(1, "Engines, each in its own worker process with its share of --threads, "
+                                     "fed from one reader and writing through one writer (with --ray: Ray "
+                                     "workers, each with --threads CPUs).")
     ray: str = opt("", "Run the job on Ray Data: a cluster's address (auto, host:port, ray://host:10001), or "
                        f"{RAY_LOCAL} to start an instance here (needs specgen[ray]). Empty: no Ray.")
     tensor_parallel_size: int = opt(1, "Ranks sharing one model's weights (attention heads, MLP columns, "
-                                       "vocabulary), each a process with its share of --threads; rank 0 schedules "
-                                       "and drafts. Dense models, reference backend.")
-    pd: str = opt("", "Prefill/decode disaggregation, P:D (1:1 is 1P1D): P prefill workers compute each prompt's "
-                      "KV cache, drafter state and first token and hand the request over shared memory to one of D "
-                      "decode workers, which run the speculative decode loop; each worker a process with its share "
-                      "of --threads. Empty: one engine does both.")
-    expert_parallel_size: int = opt(1, "Ranks sharing a mixture-of-experts model: its experts split over them "
-                                       "(whole experts per rank), attention, shared experts and vocabulary sharded "
-                                       "as --tensor-parallel-size does; rank 0 schedules and drafts. Reference "
-                                       "backend.")
+                                       "vocabulary), each a process with its share of --threads; rank 0 "
+                                       "schedules and drafts. Dense models, reference backend.")
+    pd: str = opt("", "Prefill/decode disaggregation, P:D (1:1 is 1P1D): P prefill workers compute each "
+                      "prompt's KV cache, drafter state and first token and hand the request over shared "
+                      "memory to one of D decode workers, which run the speculative decode loop; each worker "
+                      "a process with its share of --threads. Empty: one engine does both.")
+    expert_parallel_size: int = opt(1, "Ranks sharing a mixture-of-experts model: its experts split over "
+                                       "them (whole experts per rank), attention, shared experts and "
+                                       "vocabulary sharded as --tensor-parallel-size does; rank 0 schedules "
+                                       "and drafts. Reference backend.")
 
     def __post_init__(self) -> None:
         if not 1 <= self.data_parallel_size <= 1024:
@@ -365,18 +380,26 @@ class ParallelConfig:
         if not 1 <= self.tensor_parallel_size <= 64:
             raise ConfigError(f"tensor_parallel_size must be in 1..64, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and (self.data_parallel_size > 1 or self.ray):
-            raise ConfigError("tensor_parallel_size > 1 does not combine with data_parallel_size > 1 or ray yet")
+            raise ConfigError("tensor_parallel_size > 1 does not combine with "
+                              "data_parallel_size > 1 or ray yet")
         if self.pd:
             parse_pd(self.pd)
             if self.tensor_parallel_size > 1 or self.data_parallel_size > 1 or self.ray:
-                raise ConfigError("pd does not combine with tensor_parallel_size, data_parallel_size or ray yet")
+                raise ConfigError("pd does not combine with "
+                                  "tensor_parallel_size, data_parallel_size or ray yet")
         if not 1 <= self.expert_parallel_size <= 64:
             raise ConfigError(f"expert_parallel_size must be in 1..64, got {self.expert_parallel_size}")
         if self.expert_parallel_size > 1 and (self.data_parallel_size > 1 or self.ray):
-            raise ConfigError("expert_parallel_size > 1 does not combine with data_parallel_size > 1 or ray yet")
+            raise ConfigError("expert_parallel_size > 1 does not combine with "
+                              "data_parallel_size > 1 or ray yet")
         if self.expert_parallel_size > 1 and self.tensor_parallel_size > 1:
-            raise ConfigError("expert_parallel_size shards attention over its own ranks (as tensor parallelism "
-                              "does): give expert_parallel_size alone")
+            raise ConfigError("expert_parallel_size shards attention over its own ranks (as tensor "
+                              "parallelism does): give expert_parallel_size alone")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one sharded engine: --expert-parallel-size or --tensor-parallel-size (1: not sharded)."""
+        return max(self.tensor_parallel_size, self.expert_parallel_size)
 
     @property
     def pd_workers(self) -> tuple[int, int] | None:
@@ -407,8 +430,8 @@ def _nested_type(cls: type, name: str) -> type | None:
 
 
 def from_mapping(cls: type, values: dict[str, Any], where: str) -> Any:
-    """Build a config dataclass from a mapping, nested sections from nested mappings; unknown keys are an error
-    naming the valid ones."""
+    """Build a config dataclass from a mapping, nested sections from nested mappings; unknown keys are an
+    error naming the valid ones."""
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(map(str, set(values) - names))
     if unknown:
@@ -428,5 +451,16 @@ def from_mapping(cls: type, values: dict[str, Any], where: str) -> Any:
         raise ConfigError(f"{where}: {exc}") from None
 
 
-__all__ = ["Method", "SamplingParams", "EngineConfig", "SpecConfig", "NgramConfig", "MtpConfig", "MedusaConfig", "EagleConfig", "ParallelConfig", "METHOD_SECTIONS",
-           "from_mapping", "default_threads", "opt", "DEVICES", "BACKENDS"]
+@dataclass(frozen=True)
+class RunConfig:
+    """The resolved configs of a run; each component receives only its own part."""
+
+    sampling: SamplingParams
+    engine: EngineConfig
+    spec: SpecConfig
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+
+
+__all__ = ["Method", "SamplingParams", "EngineConfig", "SpecConfig", "NgramConfig", "MtpConfig",
+           "MedusaConfig", "EagleConfig", "ParallelConfig", "RunConfig", "METHOD_SECTIONS", "from_mapping",
+           "default_threads", "opt", "DEVICES", "BACKENDS"]

@@ -13,7 +13,8 @@ class SpecgenError(Exception):
 
 
 class ConfigError(SpecgenError):
-    """A bad option, YAML key or contradictory setting (or a resume whose settings differ from the output's)."""
+    """A bad option, YAML key or contradictory setting (or a resume whose settings differ from the
+    output's)."""
 
     exit_code = 2
 
@@ -37,8 +38,8 @@ class EngineError(SpecgenError):
 
 
 class WorkerError(EngineError):
-    """A worker process of a parallel job died (killed, out of memory) or stopped answering; the records finished
-    before are in the output and --resume completes it."""
+    """A worker process of a parallel job died (killed, out of memory) or stopped answering; the records
+    finished before are in the output and --resume completes it."""
 
 
 class OutputError(SpecgenError):
@@ -62,7 +63,8 @@ class MemoryBudgetError(SpecgenError):
 
 class Stopped(BaseException):
     """SIGTERM or SIGINT asked the run to stop; finished records are written. A BaseException, as
-    KeyboardInterrupt is: no `except Exception` on the way (a loader's, a kernel build's) may swallow the stop."""
+    KeyboardInterrupt is: no `except Exception` on the way (a loader's, a kernel build's) may swallow the
+    stop."""
 
     def __init__(self, signum: int, detail: str | None = None):
         import signal

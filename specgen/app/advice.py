@@ -1,4 +1,5 @@
-"""What to run, from a bench: the fastest method, k and batch size on the sample, its YAML for --config, and why."""
+"""What to run, from a bench: the fastest method, k and batch size on the sample, its YAML for --config,
+and why."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,9 +9,8 @@ from typing import Any
 
 import yaml
 
-from specgen.app.bench import BenchRow
-from specgen.app.settings import RunConfig
-from specgen.config import METHOD_SECTIONS, Method
+from specgen.config import METHOD_SECTIONS, Method, RunConfig
+from specgen.io.bench_rows import BenchRow
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,8 @@ def advise(rows: Sequence[BenchRow], cfg: RunConfig) -> Advice | None:
     sizes = sorted({r.batch_size for r in rows})
     k = "" if best.k is None else f", k {best.k}"
     tried = f" (batch sizes tried: {', '.join(map(str, sizes))})" if len(sizes) > 1 else ""
-    headline = f"fastest on the sample: {best.method}{k}, batch {best.batch_size}, {best.tok_s:.1f} tok/s{tried}"
+    headline = (f"fastest on the sample: {best.method}{k}, batch {best.batch_size}, "
+                f"{best.tok_s:.1f} tok/s{tried}")
     why = _why(best, [r for r in rows if r.batch_size == best.batch_size]) + _elsewhere(best, candidates)
     return Advice(best.method, best.k, best.batch_size, best.tok_s, headline, why,
                   config_yaml(cfg, Method(best.method), best.k, best.batch_size))
@@ -53,7 +54,8 @@ def _elsewhere(best: BenchRow, rows: Sequence[BenchRow]) -> str:
                  and (r.speedup_over_plain or 0) > 1]
         if gains:
             top = max(gains, key=lambda r: r.speedup_over_plain)
-            parts.append(f"at batch {size} {top.label} gains {top.speedup_over_plain:.2f}x" + _of_possible(top))
+            parts.append(f"at batch {size} {top.label} gains {top.speedup_over_plain:.2f}x"
+                         + _of_possible(top))
     return "".join(f"; {p}" for p in parts)
 
 
@@ -103,14 +105,16 @@ def config_yaml(cfg: RunConfig, method: Method, k: int | None, batch_size: int) 
         section = METHOD_SECTIONS.get(method)
         if section and _changed(getattr(cfg.spec, section)):
             speculative[section] = _changed(getattr(cfg.spec, section))
-    return yaml.safe_dump({"sampling": sampling, "engine": engine, "speculative": speculative}, sort_keys=False)
+    return yaml.safe_dump({"sampling": sampling, "engine": engine, "speculative": speculative},
+                          sort_keys=False)
 
 
 def _changed(obj: Any) -> dict[str, Any]:
     """A config dataclass's fields that differ from its defaults, as YAML values."""
     default = type(obj)()
     return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)
-            if getattr(obj, f.name) != getattr(default, f.name) and not dataclasses.is_dataclass(getattr(obj, f.name))}
+            if getattr(obj, f.name) != getattr(default, f.name)
+            and not dataclasses.is_dataclass(getattr(obj, f.name))}
 
 
 def _plain(value: Any) -> Any:

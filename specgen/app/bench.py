@@ -1,5 +1,5 @@
-"""Side-by-side runs of the same prompts with several methods on one loaded model, at one or more batch sizes, each
-beside what it could reach on them (the ceiling and the oracle bound of bounds.py)."""
+"""Side-by-side runs of the same prompts with several methods on one loaded model, at one or more batch sizes,
+each beside what it could reach on them (the ceiling and the oracle bound of bounds.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,17 +14,18 @@ from typing import Any
 from specgen.api import iter_generate
 from specgen.app import bounds
 from specgen.app.job import request_source
-from specgen.app.settings import RunConfig
-from specgen.config import EngineConfig, Method, SamplingParams, SpecConfig
+from specgen.config import EngineConfig, Method, RunConfig, SamplingParams, SpecConfig
 from specgen.engine.proposers import build_proposer
 from specgen.engine.types import Request
 from specgen.errors import ConfigError
+from specgen.io.bench_rows import BenchRow
 from specgen.io.readers import RawRecord
 from specgen.io.schema import error_record, result_record
 from specgen.io.summary import Summary, SummaryAccumulator
 
 WARMUP_TOKENS = 4
-# Drafting rules a model-free replay can run (bounds.replay_steps): their ceiling and oracle bound are computed.
+# Drafting rules a model-free replay can run (bounds.replay_steps): their ceiling and oracle bound are
+# computed.
 REPLAYABLE = (Method.NGRAM,)
 
 
@@ -35,49 +36,6 @@ class BenchInput:
     path: Path
     fmt: str  # jsonl | parquet
     sample: list[RawRecord] | None = None  # None: every record of the file
-
-
-@dataclass(frozen=True)
-class BenchRow:
-    """One method at one batch size."""
-
-    method: str
-    label: str  # as --methods named it: the method, or method:k
-    k: int | None  # drafts per step at most (num_speculative_tokens); None for none
-    batch_size: int
-    summary: Summary  # of its timed pass
-    identical: bool  # token-identical to the first method's outputs at this batch size
-    speedup: float | None  # output tok/s over the first method's at this batch size
-    speedup_over_plain: float | None  # output tok/s over none's at this batch size (when none was benched)
-    possible: bounds.Possible | None  # a replayable rule (ngram) with none benched: its ceiling and oracle bound
-    prefill_wall_s: float | None = None  # the job to its first token only (none; the prefill share's numerator)
-
-    @property
-    def tok_s(self) -> float | None:
-        return self.summary.output_tokens_per_s
-
-    @property
-    def of_oracle(self) -> float | None:
-        """The speedup over plain decoding as a share of the oracle bound."""
-        if self.possible is None or self.speedup_over_plain is None:
-            return None
-        return self.speedup_over_plain / self.possible.oracle
-
-    def to_dict(self) -> dict[str, Any]:
-        p = self.possible
-        return {
-            "method": self.method, "label": self.label, "k": self.k, "batch_size": self.batch_size,
-            "identical": self.identical,
-            "tok_s": self.tok_s, "speedup": self.speedup, "speedup_over_plain": self.speedup_over_plain,
-            "tokens_per_step": self.summary.mean_accepted_length, "acceptance": self.summary.acceptance_rate,
-            "per_position_acceptance": self.summary.per_position_acceptance,
-            "ceiling": None if p is None else p.ceiling, "decode_bound": None if p is None else p.decode_bound,
-            "oracle": None if p is None else p.oracle, "of_oracle": self.of_oracle,
-            "prefill_share": None if p is None else p.prefill_share, "prefill_wall_s": self.prefill_wall_s,
-            "step_costs": None if p is None else {str(t): c for t, c in p.costs.items()},
-            "cost_slots": None if p is None else p.slots,
-            "summary": self.summary.to_dict(),
-        }
 
 
 @dataclass
@@ -134,7 +92,8 @@ def parse_batch_sizes(value: str) -> list[int]:
     try:
         sizes = [int(v) for v in value.split(",") if v.strip()]
     except ValueError:
-        raise ConfigError(f"--batch-sizes must be comma-separated integers (e.g. 1,32,256), got {value!r}") from None
+        raise ConfigError("--batch-sizes must be comma-separated integers (e.g. 1,32,256), "
+                          f"got {value!r}") from None
     if not sizes or len(set(sizes)) != len(sizes):
         raise ConfigError(f"--batch-sizes needs distinct sizes (e.g. 1,32,256), got {value!r}")
     for size in sizes:
@@ -193,7 +152,8 @@ def _bench_batch(inp: BenchInput, loaded: Any, cfg: RunConfig, methods: Sequence
         rows.append(BenchRow(
             method=m.value, label=c.label, k=None if m is Method.NONE else spec.num_speculative_tokens,
             batch_size=cfg.engine.batch_size, summary=s, identical=identical[c],
-            speedup=_ratio(s, base.summary), speedup_over_plain=None if plain is None else _ratio(s, plain.summary),
+            speedup=_ratio(s, base.summary),
+            speedup_over_plain=None if plain is None else _ratio(s, plain.summary),
             possible=possible, prefill_wall_s=prefill_wall if m is Method.NONE else None))
     return rows
 
@@ -246,11 +206,12 @@ def _prefill_wall(inp: BenchInput, loaded: Any, cfg: RunConfig) -> float:
 
 
 def _warmup(inp: BenchInput, loaded: Any, cfg: RunConfig) -> None:
-    """The first batch of requests, WARMUP_TOKENS each, before a method is measured: its one-time start-up (the
-    runtime's warm-up, the step-cost table at the job's batch size, a head's load) is then not in its figures,
-    as it is a negligible part of a real job's."""
+    """The first batch of requests, WARMUP_TOKENS each, before a method is measured: its one-time start-up
+    (the runtime's warm-up, the step-cost table at the job's batch size, a head's load) is then not in its
+    figures, as it is a negligible part of a real job's."""
     short = dataclasses.replace(cfg, sampling=SamplingParams(max_tokens=WARMUP_TOKENS))
     source = _source(inp, loaded, short, None)
-    first = [dataclasses.replace(r, params=short.sampling) for r in itertools.islice(source, cfg.engine.batch_size)]
+    first = [dataclasses.replace(r, params=short.sampling)
+             for r in itertools.islice(source, cfg.engine.batch_size)]
     for _ in iter_generate(loaded, first, cfg.engine, cfg.spec):
         pass

@@ -3,14 +3,14 @@
 YAML shape: up to four sections, each mapping onto one config dataclass (specgen/config.py), methods' own
 settings nested under `speculative`:
 
-    sampling:     {max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos}              -> SamplingParams
-    engine:       {batch_size, dtype, threads, device, backend, ..., kv_cache_dtype, matmul}  -> EngineConfig
-    speculative:  {method, num_speculative_tokens, adaptive, draft_model, ngram: {min, max, pool, ...},
-                   mtp: {...}, draft: {...}, medusa: {...}, eagle: {...}}                    -> SpecConfig
-    parallel:     {data_parallel_size, ray, tensor_parallel_size, expert_parallel_size, pd}   -> ParallelConfig
+    sampling:    {max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos}             -> SamplingParams
+    engine:      {batch_size, dtype, threads, device, backend, ..., kv_cache_dtype, matmul} -> EngineConfig
+    speculative: {method, num_speculative_tokens, adaptive, draft_model, ngram: {min, max, pool, ...},
+                  mtp: {...}, draft: {...}, medusa: {...}, eagle: {...}}                   -> SpecConfig
+    parallel:    {data_parallel_size, ray, tensor_parallel_size, expert_parallel_size, pd}  -> ParallelConfig
 
-Every field is also a flag of `specgen run` and `specgen bench`: a top-level field by its name (--batch-size), a
-method's field with the method as prefix (--ngram-pool, --mtp-model).
+Every field is also a flag of `specgen run` and `specgen bench`: a top-level field by its name (--batch-size),
+a method's field with the method as prefix (--ngram-pool, --mtp-model).
 """
 from __future__ import annotations
 
@@ -24,22 +24,20 @@ from typing import Any
 
 import yaml
 
-from specgen.config import (METHOD_SECTIONS, EngineConfig, Method, ParallelConfig, SamplingParams, SpecConfig,
-                            from_mapping)
+from specgen.config import (
+    METHOD_SECTIONS,
+    EngineConfig,
+    Method,
+    ParallelConfig,
+    RunConfig,
+    SamplingParams,
+    SpecConfig,
+    from_mapping,
+)
 from specgen.errors import ConfigError
 
 SECTIONS: dict[str, type] = {"sampling": SamplingParams, "engine": EngineConfig, "speculative": SpecConfig,
                              "parallel": ParallelConfig}
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """The resolved configs of a run; each component receives only its own part."""
-
-    sampling: SamplingParams
-    engine: EngineConfig
-    spec: SpecConfig
-    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
 
 
 @dataclass(frozen=True)
@@ -64,7 +62,8 @@ def all_settings() -> list[Setting]:
                 walk(hints[f.name], path + (f.name,), f"{f.name}_")
                 continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            out.append(Setting(prefix + f.name, path + (f.name,), hints[f.name], default, f.metadata.get("help", "")))
+            out.append(Setting(prefix + f.name, path + (f.name,), hints[f.name], default,
+                               f.metadata.get("help", "")))
 
     for section, cls in SECTIONS.items():
         walk(cls, (section,), "")
@@ -107,16 +106,18 @@ def check_sections(data: Any, where: str) -> dict[str, dict[str, Any]]:
 
 
 def parse_speculative_config(value: str) -> dict[str, Any]:
-    """FastDeploy-style JSON, inline or in a file: {"method": "mtp", "num_speculative_tokens": 1, "model": path}
-    ("model" is the drafter's checkpoint: resolve() makes it the resolved method's own `model` setting);
-    otherwise the speculative section's keys, methods' settings nested ({"method": "ngram", "ngram": {"pool": 0}})."""
+    """FastDeploy-style JSON, inline or in a file:
+    {"method": "mtp", "num_speculative_tokens": 1, "model": path} ("model" is the drafter's checkpoint:
+    resolve() makes it the resolved method's own `model` setting); otherwise the speculative section's keys,
+    methods' settings nested ({"method": "ngram", "ngram": {"pool": 0}})."""
     text, where = value, "--speculative-config"
     if not value.lstrip().startswith("{"):
         p = Path(value)
         try:
             text, where = p.read_text(encoding="utf-8"), str(p)
         except OSError as exc:
-            raise ConfigError(f"--speculative-config: neither a JSON object nor a readable file ({exc})") from None
+            raise ConfigError("--speculative-config: neither a JSON object nor a readable file "
+                              f"({exc})") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -142,11 +143,13 @@ def _with_model(model: str, method: Method) -> None:
     """Check that the method takes a checkpoint (FastDeploy JSON's "model")."""
     if method not in CHECKPOINT_METHODS:
         raise ConfigError(f"--speculative-config: \"model\" ({model}) needs a method that drafts with a "
-                          f"checkpoint (mtp, draft_model, medusa, hydra, eagle), the method is {method.value!r}")
+                          "checkpoint (mtp, draft_model, medusa, hydra, eagle), "
+                          f"the method is {method.value!r}")
 
 
 def resolve(yaml_sections: Mapping[str, Mapping[str, Any]] | None, flags: Mapping[str, Any],
-            speculative_json: Mapping[str, Any] | None = None, methods: set[Method] | None = None) -> RunConfig:
+            speculative_json: Mapping[str, Any] | None = None,
+            methods: set[Method] | None = None) -> RunConfig:
     """Merge the layers (a flag of None means "not given") and build the dataclasses. `flags` are keyed by
     Setting.flag; a key that is no setting is a programming error. `methods`: the methods the settings serve
     (`specgen bench` runs several; default: the resolved one), for the check that none is ignored."""
@@ -197,9 +200,10 @@ def _paths(prefix: tuple[str, ...], d: Mapping[str, Any]) -> set[tuple[str, ...]
     return out
 
 
-def _check_contradictions(spec: SpecConfig, explicit: set[tuple[str, ...]], methods: set[Method] | None) -> None:
-    """Speculative settings given on the command line that the methods run would silently ignore (`adaptive` is
-    harmless anywhere)."""
+def _check_contradictions(spec: SpecConfig, explicit: set[tuple[str, ...]],
+                          methods: set[Method] | None) -> None:
+    """Speculative settings given on the command line that the methods run would silently ignore (`adaptive`
+    is harmless anywhere)."""
     methods = methods or {spec.method}
     sections = {METHOD_SECTIONS.get(m) for m in methods}
     named = ", ".join(sorted(m.value for m in methods))
@@ -209,7 +213,8 @@ def _check_contradictions(spec: SpecConfig, explicit: set[tuple[str, ...]], meth
         name = ".".join(path[1:])
         if methods == {Method.NONE}:
             raise ConfigError(f"{name} has no effect with method 'none'; choose a method "
-                              f"({', '.join(m.value for m in Method if m is not Method.NONE)}) or drop the option")
+                              f"({', '.join(m.value for m in Method if m is not Method.NONE)})"
+                              " or drop the option")
         if len(path) > 2 and path[1] not in sections:
             raise ConfigError(f"{name} needs method {path[1]!r} (the method is {named!r})")
         if path[1] == "draft_model" and not methods & set(CHECKPOINT_METHODS):

@@ -19,8 +19,9 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "gpu" if has_gpu else "cpu"
     if device == "gpu" and not has_gpu:
-        raise ConfigError("device gpu needs paddlepaddle-gpu and a visible CUDA GPU (this Paddle: "
-                          f"{'built with CUDA, no GPU visible' if paddle.is_compiled_with_cuda() else 'CPU build'})")
+        raise ConfigError(
+            "device gpu needs paddlepaddle-gpu and a visible CUDA GPU (this Paddle: "
+            f"{'built with CUDA, no GPU visible' if paddle.is_compiled_with_cuda() else 'CPU build'})")
     return device
 
 
@@ -40,13 +41,14 @@ def select_backend(engine: EngineConfig) -> Backend:
     if want == "reference" or device != "cpu":
         return _reference(engine, ReferenceBackend)
     if want == "auto" and not kernels.packs(engine.cpu_target):
-        # the kernels' products pay with AVX-512 or AVX2 + FMA + F16C; elsewhere MKL's (the reference) are faster
+        # the kernels' products pay with AVX-512 or AVX2 + FMA + F16C; elsewhere MKL's (the reference) are
+        # faster
         return _reference(engine, ReferenceBackend)
     ops = kernels.ops(engine.cpu_target, engine.cache_root())
     if ops is None:
         if want == "fused":
-            raise ConfigError("backend fused needs specgen's CPU kernels, which could not be built here (a C++ "
-                              "compiler is needed; see the log); use backend reference or auto")
+            raise ConfigError("backend fused needs specgen's CPU kernels, which could not be built here "
+                              "(a C++ compiler is needed; see the log); use backend reference or auto")
         return _reference(engine, ReferenceBackend)
     from specgen.backends.fused import FusedBackend
 
@@ -55,8 +57,8 @@ def select_backend(engine: EngineConfig) -> Backend:
 
 def _reference(engine: EngineConfig, cls) -> Backend:
     if engine.matmul != "float32":
-        raise ConfigError(f"matmul {engine.matmul} needs the fused backend (specgen's CPU kernels on a CPU with "
-                          "AVX-512 VNNI)")
+        raise ConfigError(f"matmul {engine.matmul} needs the fused backend (specgen's CPU kernels "
+                          "on a CPU with AVX-512 VNNI)")
     return cls(engine)
 
 

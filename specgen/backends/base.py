@@ -1,5 +1,5 @@
-"""What a backend does for the engine: prepare a decoder's weights, run a packed forward, make KV caches, run an
-MTP head's pass. Two implement it: the Paddle reference (any device) and the fused CPU kernels."""
+"""What a backend does for the engine: prepare a decoder's weights, run a packed forward, make KV caches,
+run an MTP head's pass. Two implement it: the Paddle reference (any device) and the fused CPU kernels."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,12 +9,12 @@ import numpy as np
 import paddle
 
 from specgen.config import EngineConfig
-from specgen.engine.kv_cache import KVCache
-from specgen.engine.types import ForwardBatch
 from specgen.layers.block import BlockShape
 from specgen.layers.rotary import RopeTables
 from specgen.models.config import ModelConfig
 from specgen.models.weights import DecoderWeights
+from specgen.runtime.batch import ForwardBatch
+from specgen.runtime.kv_cache import KVCache
 
 
 class ModelView(Protocol):
@@ -35,14 +35,15 @@ class ForwardOutput:
     logits: paddle.Tensor | None  # [num_logits, vocab]; None when not asked for and the backend skipped them
     hidden: paddle.Tensor  # [num_tokens, hidden] final normed hidden states
     greedy: np.ndarray  # [num_logits] int64 each logit row's argmax (the lowest id on a tie)
-    expert_counts: np.ndarray | None = None  # [num_routed_blocks, num_experts] int64 tokens each expert took (MoE)
+    expert_counts: np.ndarray | None = None  # [num_routed_blocks, num_experts] int64 tokens each expert took
+    # ... (MoE)
 
 
 @dataclass(frozen=True)
 class MtpPass:
     """One step's pass of an MTP head: its cache caught up over the catch-up tokens (grouped by sequence, in
-    order), then depth drafts for each sequence that wants them, each applying the head again to its own output
-    row and draft one position further on."""
+    order), then depth drafts for each sequence that wants them, each applying the head again to its own
+    output row and draft one position further on."""
 
     token_slots: np.ndarray  # [num_tokens] int64 head cache slot of each catch-up token
     positions: np.ndarray  # [num_tokens] int64 head position

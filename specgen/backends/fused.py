@@ -1,14 +1,16 @@
-"""The fused CPU backend: specgen's kernels run the whole forward as one operator (specgen_forward_bound: embedding,
-every block, final norm, LM head and the greedy tokens), over weights packed at load and handed to the kernels
-once, by handle, as are the KV cache's tensors; a step passes only its token indices. An MTP head's pass for a
-step is one operator too (specgen_mtp_draft). Rows are computed independently, in a fixed order, so results do
-not depend on what else is in the batch: the same bits at any batch size, with speculation on or off.
+"""The fused CPU backend: specgen's kernels run the whole forward as one operator (specgen_forward_bound:
+embedding, every block, final norm, LM head and the greedy tokens), over weights packed at load and handed to
+the kernels once, by handle, as are the KV cache's tensors; a step passes only its token indices. An MTP
+head's pass for a step is one operator too (specgen_mtp_draft). Rows are computed independently, in a fixed
+order, so results do not depend on what else is in the batch: the same bits at any batch size, with
+speculation on or off.
 
 Weights are packed for the kernels' products (specgen/kernels/packing.py): projections a GGUF file stores as
-blocks stay in them (rebuilt exactly in registers: the dequantized weights' bits, a fraction of the bytes read);
-float32 weights that are all exactly bfloat16 / float16 as 16-bit panels; with matmul int8 the blocks' integer
-products (inputs quantized per block of 32, AVX-512 VNNI). A greedy step over a Q8_0 / Q4_0 LM head skips the
-logits: integer products screen every column with an error bound, float32 products settle the few left.
+blocks stay in them (rebuilt exactly in registers: the dequantized weights' bits, a fraction of the bytes
+read); float32 weights that are all exactly bfloat16 / float16 as 16-bit panels; with matmul int8 the blocks'
+integer products (inputs quantized per block of 32, AVX-512 VNNI). A greedy step over a Q8_0 / Q4_0 LM head
+skips the logits: integer products screen every column with an error bound, float32 products settle the few
+left.
 """
 from __future__ import annotations
 
@@ -23,23 +25,23 @@ from specgen import kernels
 from specgen.backends.base import ForwardOutput, ModelView, MtpPass
 from specgen.backends.reference import reserve
 from specgen.config import EngineConfig
-from specgen.engine.kv_cache import KVCache
-from specgen.engine.types import ForwardBatch
 from specgen.errors import ConfigError
 from specgen.kernels import args
 from specgen.kernels.packing import INT8_KINDS, SCREENED_KINDS, pack_linear, pack_quantized, pack_screen
 from specgen.layers.block import DecoderBlock
 from specgen.layers.linear import Linear
 from specgen.models.checkpoint import QuantRows
+from specgen.runtime.batch import ForwardBatch
+from specgen.runtime.kv_cache import KVCache
 
 
 class KeptIndex:
     """int64 index tensors for a kernel call, kept per shape (the lengths of its parts) and overwritten by the
-    next call of that shape. Making a tensor right after a forward costs ~90 us here, and a view of one ~10 us more
-    (paddle's allocation path runs cold once the weights have streamed through the caches), so each shape's
-    tensors are made once over views of one kept numpy buffer (zero copy) and a call only copies its integers
-    in. The kernels read the indices during the call and keep no reference. Past max_shapes shapes the kept ones
-    are dropped and made again."""
+    next call of that shape. Making a tensor right after a forward costs ~90 us here, and a view of one ~10 us
+    more (paddle's allocation path runs cold once the weights have streamed through the caches), so each
+    shape's tensors are made once over views of one kept numpy buffer (zero copy) and a call only copies its
+    integers in. The kernels read the indices during the call and keep no reference. Past max_shapes shapes
+    the kept ones are dropped and made again."""
 
     def __init__(self, max_shapes: int):
         self.max_shapes = max_shapes
@@ -54,8 +56,9 @@ class KeptIndex:
                 self._kept.clear()
             buf = np.empty(sum(lengths), np.int64)
             ends = np.cumsum(lengths)
-            kept = (buf, [paddle.base.core.eager.Tensor(buf[e - n:e], paddle.CPUPlace(), False, True, "specgen_index",
-                                                        True) for n, e in zip(lengths, ends.tolist())])
+            kept = (buf, [paddle.base.core.eager.Tensor(buf[e - n:e], paddle.CPUPlace(), False, True,
+                                                        "specgen_index", True)
+                          for n, e in zip(lengths, ends.tolist())])
             self._kept[lengths] = kept
         np.concatenate(parts, out=kept[0])
         return kept[1]
@@ -63,7 +66,8 @@ class KeptIndex:
 
 class FusedBackend:
     name = "fused"
-    INDEX_REUSE_MAX = 1 << 14  # the longest index kept for reuse (decode and verify steps; prefills make their own)
+    # the longest index kept for reuse (decode and verify steps; prefills make their own)
+    INDEX_REUSE_MAX = 1 << 14
     INDEX_REUSE_SIZES = 512  # index lengths kept at most
 
     def __init__(self, ops: ModuleType, engine: EngineConfig):
@@ -98,11 +102,12 @@ class FusedBackend:
     def prepare(self, model: ModelView) -> None:
         weights = model.weights
         if self.int8_product:
-            has_blocks = any(lin.blocks is not None and lin.blocks.kind in INT8_KINDS for lin in weights.linears())
+            has_blocks = any(lin.blocks is not None and lin.blocks.kind in INT8_KINDS
+                             for lin in weights.linears())
             if not (has_blocks and self.vnni and self.dtype == "float32"):
-                raise ConfigError("matmul int8 needs block weights (GGUF Q4_0 / Q4_1 / Q8_0, or --quantization "
-                                  "wint8 | wint4), a float32 model and a CPU with AVX-512 VNNI (here: blocks "
-                                  f"{'yes' if has_blocks else 'no'}, {self.dtype}, VNNI "
+                raise ConfigError("matmul int8 needs block weights (GGUF Q4_0 / Q4_1 / Q8_0, or "
+                                  "--quantization wint8 | wint4), a float32 model and a CPU with AVX-512 "
+                                  f"VNNI (here: blocks {'yes' if has_blocks else 'no'}, {self.dtype}, VNNI "
                                   f"{'yes' if self.vnni else 'no'})")
         q = weights.lm_head.blocks
         if (self.keeps_blocks and not self.int8_product and q is not None and q.kind in SCREENED_KINDS
@@ -128,7 +133,8 @@ class FusedBackend:
             return lin.weight.panels if lin is not None else none
 
         return args.BlockArgs(
-            attn_norm=[b.attn_norm if b.attn_norm is not None else none for b in blocks], w_qkv=[b.qkv.weight.panels for b in blocks],
+            attn_norm=[b.attn_norm if b.attn_norm is not None else none for b in blocks],
+            w_qkv=[b.qkv.weight.panels for b in blocks],
             b_qkv=[bias(b.qkv) for b in blocks], w_o=[b.o.weight.panels for b in blocks],
             b_o=[bias(b.o) for b in blocks], mlp_norm=[b.mlp_norm for b in blocks],
             w_gate_up=[panels(b.gate_up) for b in blocks], b_gate_up=[bias(b.gate_up) for b in blocks],
@@ -141,7 +147,8 @@ class FusedBackend:
         if self._weights_handle is None:
             w = model.weights
             self._model_args = args.ModelArgs(w.embed, self.block_args(w.blocks),
-                                              model.rope.cos, model.rope.sin, w.final_norm, w.lm_head.weight.panels)
+                                              model.rope.cos, model.rope.sin, w.final_norm,
+                                              w.lm_head.weight.panels)
             handle = args.bind_weights(self.ops, self._model_args)
             if model.config.moe is not None:
                 self._moe_args = moe_args(model)
@@ -161,7 +168,8 @@ class FusedBackend:
         cache.unbind()  # the tensors that were replaced, if any
         n = len(cache.k)
         stand_in = [self.ones] * n
-        handle = args.bind_caches(self.ops, args.CacheArgs(cache.k, cache.v, pre.k if pre is not None else stand_in,
+        handle = args.bind_caches(self.ops, args.CacheArgs(cache.k, cache.v,
+                                                           pre.k if pre is not None else stand_in,
                                                            pre.v if pre is not None else stand_in))
         release = weakref.finalize(cache, args.unbind, self.ops, handle)
         release.atexit = False
@@ -169,24 +177,28 @@ class FusedBackend:
         return cache.binding[1]
 
     def _index(self, index: np.ndarray) -> paddle.Tensor:
-        """`index` as a CPU tensor: kept per length (KeptIndex), or, past INDEX_REUSE_MAX (prefills), its own."""
+        """`index` as a CPU tensor: kept per length (KeptIndex), or, past INDEX_REUSE_MAX (prefills), its
+        own."""
         if len(index) > self.INDEX_REUSE_MAX:
             return paddle.to_tensor(index.astype(np.int64, copy=False))
         return self._indices.tensors((index,))[0]
 
-    def forward(self, model: ModelView, batch: ForwardBatch, cache: KVCache, logits: bool = True) -> ForwardOutput:
+    def forward(self, model: ModelView, batch: ForwardBatch, cache: KVCache,
+                logits: bool = True) -> ForwardOutput:
         reserve(batch, cache)
         n = len(batch.token_ids)
         plen = batch.token_prefix_len
         tree = batch.tree_mask is not None
         index = np.concatenate([batch.token_ids, batch.positions, batch.token_slots,
                                 plen if plen is not None else np.zeros(n, np.int64),
-                                *((batch.model_positions, batch.tree_mask) if tree else ()), batch.logit_rows])
+                                *((batch.model_positions, batch.tree_mask) if tree else ()),
+                                batch.logit_rows])
         screened = not logits and self.screen is not None
         screen, bound = (self.screen.panels.panels, self.screen.bound) if screened else (self._no_screen,) * 2
         pre = cache.prefix
         out, hidden, greedy = args.forward_bound(self.ops, args.StepArgs(
-            index=self._index(index), num_tokens=n, weights=self._weights(model), caches=self._caches(model, cache),
+            index=self._index(index), num_tokens=n, weights=self._weights(model),
+            caches=self._caches(model, cache),
             capacity=cache.capacity, prefix_capacity=pre.capacity if pre is not None else 0, screen=screen,
             bound=bound, geometry=self._geometry, vocab=model.weights.lm_head.weight.n, tree=tree))
         counts = args.take_expert_counts(self.ops, self._counts_handle).numpy() if self._moe_args else None
@@ -223,15 +235,18 @@ def moe_args(model: ModelView) -> args.MoeArgs:
     none = paddle.zeros([0], dtype="float32")
     return args.MoeArgs(
         blocks=[i for i, _ in routed], routers=[m.router.weight.panels for _, m in routed],
-        bias=[m.selection_bias.astype("float32") if m.selection_bias is not None else none for _, m in routed],
+        bias=[m.selection_bias.astype("float32") if m.selection_bias is not None else none
+              for _, m in routed],
         w_gate_up=[e.gate_up.weight.panels for _, m in routed for e in m.experts],
         w_down=[e.down.weight.panels for _, m in routed for e in m.experts],
-        hidden=model.config.hidden_size, inter=model.config.moe.intermediate_size, num_experts=first.num_experts,
-        top_k=first.top_k, first_expert=first.first_expert, norm=first.norm_topk_prob, norm_min=first.norm_min)
+        hidden=model.config.hidden_size, inter=model.config.moe.intermediate_size,
+        num_experts=first.num_experts, top_k=first.top_k, first_expert=first.first_expert,
+        norm=first.norm_topk_prob, norm_min=first.norm_min)
 
 
 def q8_0(lin: Linear) -> QuantRows | None:
-    """A dense weight [in, out] as GGUF Q8_0 blocks of its rows (gguf.quants), when `in` is a multiple of 32."""
+    """A dense weight [in, out] as GGUF Q8_0 blocks of its rows (gguf.quants), when `in` is a multiple
+    of 32."""
     from gguf import GGMLQuantizationType, quants
 
     rows = np.ascontiguousarray(lin.weight.numpy().T)  # [out, in]
@@ -243,8 +258,8 @@ def q8_0(lin: Linear) -> QuantRows | None:
 
 def draft_lm_head(backend: FusedBackend, main_lm: Linear, own: Linear | None, draft_vocab: np.ndarray | None,
                   int8_product: bool) -> Linear:
-    """A drafter's packed LM head [hidden] -> [draft vocabulary]: its own or the main model's, restricted to the
-    draft vocabulary's columns where it has one (from the main model's blocks where they are kept)."""
+    """A drafter's packed LM head [hidden] -> [draft vocabulary]: its own or the main model's, restricted to
+    the draft vocabulary's columns where it has one (from the main model's blocks where they are kept)."""
     if draft_vocab is None:  # its own LM head, or the main model's
         return backend.pack(own) if own is not None else main_lm
     if own is None and main_lm.blocks is not None and backend.keeps_blocks:
@@ -257,10 +272,10 @@ def draft_lm_head(backend: FusedBackend, main_lm: Linear, own: Linear | None, dr
 
 
 class FusedHead:
-    """An MTP head packed for specgen_mtp_draft. Beside a main model kept in GGUF blocks (and with `quantize`),
-    its projections are packed as Q8_0 blocks too: its pass reads ~4.5 instead of ~17 MB for the default model;
-    on a CPU with AVX-512 VNNI with integer products (drafts need not be float32's, only cheap). Only the drafts
-    can change, never the outputs."""
+    """An MTP head packed for specgen_mtp_draft. Beside a main model kept in GGUF blocks (and with
+    `quantize`), its projections are packed as Q8_0 blocks too: its pass reads ~4.5 instead of ~17 MB for the
+    default model; on a CPU with AVX-512 VNNI with integer products (drafts need not be float32's, only
+    cheap). Only the drafts can change, never the outputs."""
 
     def __init__(self, backend: FusedBackend, model: ModelView, head: Any, quantize: bool):
         self.backend = backend
@@ -279,23 +294,26 @@ class FusedHead:
             embed=head.embed, enorm=head.enorm, hnorm=head.hnorm, eh_proj=head.eh_proj.weight.panels,
             blocks=backend.block_args([head.block]), cos=model.rope.cos, sin=model.rope.sin,
             final_norm=head.final_norm, lm_head=lm.weight.panels, draft_vocab=paddle.to_tensor(vocab),
-            vocab=lm.weight.n, geometry=args.Geometry(cfg.num_heads, cfg.num_kv_heads, cfg.qk_norm, cfg.rms_norm_eps),
+            vocab=lm.weight.n,
+            geometry=args.Geometry(cfg.num_heads, cfg.num_kv_heads, cfg.qk_norm, cfg.rms_norm_eps),
             ones=backend.ones)
         self._indices = KeptIndex(256)  # the pass's index tensors, kept per (tokens, sequences) shape
 
     def run(self, cache: KVCache, p: MtpPass) -> tuple[np.ndarray, paddle.Tensor]:
         cache.reserve(int(p.positions.max()) + p.depth)
         tok, row, pos, slot, pre, last = self._indices.tensors(
-            (p.token_ids, p.rows, p.positions, p.token_slots, np.zeros(len(p.token_ids), np.int64), p.last_rows))
+            (p.token_ids, p.rows, p.positions, p.token_slots, np.zeros(len(p.token_ids), np.int64),
+             p.last_rows))
         drafts, rows = args.mtp_draft(self.backend.ops, self.args, args.MtpStepArgs(
-            token_ids=tok, hidden=p.hidden, rows=row, positions=pos, slots=slot, prefix_len=pre, last_rows=last,
-            k_cache=cache.k[0], v_cache=cache.v[0], capacity=cache.capacity, depth=p.depth))
+            token_ids=tok, hidden=p.hidden, rows=row, positions=pos, slots=slot, prefix_len=pre,
+            last_rows=last, k_cache=cache.k[0], v_cache=cache.v[0], capacity=cache.capacity, depth=p.depth))
         return drafts.numpy(), rows
 
 
 class FusedEagle:
-    """An EAGLE layer packed for specgen_eagle_pass; beside a main model kept in GGUF blocks (and with `quantize`)
-    its projections are Q8_0 blocks, as an MTP head's (FusedHead). Only the drafts can change, never the outputs."""
+    """An EAGLE layer packed for specgen_eagle_pass; beside a main model kept in GGUF blocks (and with
+    `quantize`) its projections are Q8_0 blocks, as an MTP head's (FusedHead). Only the drafts can change,
+    never the outputs."""
 
     def __init__(self, backend: FusedBackend, model: ModelView, w: Any, quantize: bool):
         # weakly: the prepared layer is cached per model (proposers/base.py prepared_once, weak on the model)
@@ -309,10 +327,13 @@ class FusedEagle:
         lm = draft_lm_head(backend, model.weights.lm_head, None, w.draft_vocab, int8)
         cfg = model.config
         self.args = args.EagleArgs(
-            embed=w.embed, fc=w.fc.weight.panels, fc_bias=w.fc.bias if w.fc.bias is not None else backend.none,
+            embed=w.embed, fc=w.fc.weight.panels,
+            fc_bias=w.fc.bias if w.fc.bias is not None else backend.none,
             blocks=backend.block_args([w.block]), cos=model.rope.cos, sin=model.rope.sin,
-            final_norm=w.norm if w.norm is not None else backend.none, lm_head=lm.weight.panels, vocab=lm.weight.n,
-            geometry=args.Geometry(cfg.num_heads, cfg.num_kv_heads, cfg.qk_norm, cfg.rms_norm_eps), ones=backend.ones)
+            final_norm=w.norm if w.norm is not None else backend.none, lm_head=lm.weight.panels,
+            vocab=lm.weight.n,
+            geometry=args.Geometry(cfg.num_heads, cfg.num_kv_heads, cfg.qk_norm, cfg.rms_norm_eps),
+            ones=backend.ones)
         self.token_ids = w.token_ids
         self._indices = KeptIndex(256)
 
@@ -320,17 +341,18 @@ class FusedEagle:
         model = self._model()
         return self.backend.new_cache(model, num_slots, model.max_len, "auto", num_layers=1)
 
-    def run(self, cache: KVCache, slots: np.ndarray, starts: np.ndarray, lens: np.ndarray, token_ids: np.ndarray,
-            hidden: paddle.Tensor, rows: np.ndarray, logit_rows: np.ndarray, topk: int,
-            rope: np.ndarray | None = None, mask: np.ndarray | None = None):
+    def run(self, cache: KVCache, slots: np.ndarray, starts: np.ndarray, lens: np.ndarray,
+            token_ids: np.ndarray, hidden: paddle.Tensor, rows: np.ndarray, logit_rows: np.ndarray,
+            topk: int, rope: np.ndarray | None = None, mask: np.ndarray | None = None):
         """EaglePass.run's pass in one operator."""
         n = len(token_ids)
         seq = np.repeat(np.arange(len(lens)), lens)
         positions = starts[seq] + np.arange(n) - (np.cumsum(lens) - lens)[seq]  # [num_tokens] cache rows
         cache.reserve(int(positions.max()) + 1)
         index = self._indices.tensors((np.concatenate([
-            token_ids, rows, positions, slots[seq], np.zeros(n, np.int64), positions if rope is None else rope,
-            np.full(n, -1, np.int64) if mask is None else mask, logit_rows]),))[0]
-        feat, vals, cols = args.eagle_pass(self.backend.ops, self.args, index, n, hidden, cache.k[0], cache.v[0],
-                                           cache.capacity, topk)
+            token_ids, rows, positions, slots[seq], np.zeros(n, np.int64),
+            positions if rope is None else rope, np.full(n, -1, np.int64) if mask is None else mask,
+            logit_rows]),))[0]
+        feat, vals, cols = args.eagle_pass(self.backend.ops, self.args, index, n, hidden, cache.k[0],
+                                           cache.v[0], cache.capacity, topk)
         return feat, vals.numpy().astype(np.float64), self.token_ids(cols.numpy())

@@ -1,7 +1,9 @@
-"""The reference backend: the forward in Paddle's own operators, composed of the layers in specgen/layers. It runs
-on any device Paddle runs on (a paddlepaddle-gpu user's path) and is what the fused kernels are tested against."""
+"""The reference backend: the forward in Paddle's own operators, composed of the layers in specgen/layers. It
+runs on any device Paddle runs on (a paddlepaddle-gpu user's path) and is what the fused kernels are tested
+against."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -10,13 +12,13 @@ import paddle.nn.functional as F
 
 from specgen.backends.base import ForwardOutput, ModelView, MtpPass
 from specgen.config import EngineConfig
-from specgen.engine.kv_cache import KVCache
-from specgen.engine.types import ForwardBatch, build_forward_batch
 from specgen.errors import CheckpointError, ConfigError
 from specgen.layers.attention import AttentionIndex
 from specgen.layers.block import block_forward
 from specgen.layers.linear import Linear
 from specgen.layers.norm import rms_norm
+from specgen.runtime.batch import ForwardBatch, build_forward_batch
+from specgen.runtime.kv_cache import KVCache
 
 
 class ReferenceBackend:
@@ -31,22 +33,43 @@ class ReferenceBackend:
     def prepare(self, model: ModelView) -> None:
         for lin in model.weights.linears():
             if lin.weight is None:
-                raise CheckpointError("the reference backend needs every weight as floats (none was converted)")
+                raise CheckpointError("the reference backend needs every weight as floats "
+                                      "(none was converted)")
             lin.blocks = None  # products read the dense weight; the blocks' memory goes
 
-    def forward(self, model: ModelView, batch: ForwardBatch, cache: KVCache, logits: bool = True) -> ForwardOutput:
+    def forward(self, model: ModelView, batch: ForwardBatch, cache: KVCache,
+                logits: bool = True) -> ForwardOutput:
         w = model.weights
         reserve(batch, cache)
         att = AttentionIndex(batch, cache, model.rope, model.shape.num_heads, self.dtype)
-        x = F.embedding(paddle.to_tensor(batch.token_ids), w.embed)  # [num_tokens, hidden]
+        x = self.embed(batch.token_ids, w.embed)  # [num_tokens, hidden]
         moe = model.config.moe
         counts = np.zeros((len(moe.layers), moe.num_experts), np.int64) if moe is not None else None
         for i, block in enumerate(w.blocks):
             routed = counts[moe.layers.index(i)] if block.moe is not None else None
-            x = block_forward(x, block, model.shape, att, i, cache.k[i], cache.v[i], routed)
+            x = block_forward(x, block, model.shape, att, i, cache.k[i], cache.v[i], routed,
+                              reduce=self.reduce)
         hidden = rms_norm(x, w.final_norm, model.shape.eps)  # [num_tokens, hidden]
-        out = w.lm_head(paddle.gather(hidden, paddle.to_tensor(batch.logit_rows)))  # [num_logits, vocab]
-        return ForwardOutput(out, hidden, paddle.argmax(out, axis=-1).numpy(), counts)
+        out, greedy = self.head(model, hidden, batch.logit_rows, logits)
+        return ForwardOutput(out, hidden, greedy, counts)
+
+    # ---- the forward's hooks ----
+    # a tensor-parallel rank (distributed/tensor_parallel.py) sums and gathers in them
+
+    # block_forward's sum of a block's row-parallel outputs over the ranks (None: one process holds them
+    # whole)
+    reduce: Callable[[paddle.Tensor, str], paddle.Tensor] | None = None
+
+    def embed(self, token_ids: np.ndarray, embed: paddle.Tensor) -> paddle.Tensor:
+        """token_ids [num_tokens] -> their embedding rows [num_tokens, hidden]."""
+        return F.embedding(paddle.to_tensor(token_ids), embed)
+
+    def head(self, model: ModelView, hidden: paddle.Tensor, rows: np.ndarray,
+             logits: bool) -> tuple[paddle.Tensor | None, np.ndarray]:
+        """The LM head over hidden [num_tokens, hidden] at rows [num_logits]: (logits [num_logits, vocab], or
+        None where not asked for and skipped; greedy [num_logits] int64 each row's argmax)."""
+        out = model.weights.lm_head(paddle.gather(hidden, paddle.to_tensor(rows)))  # [num_logits, vocab]
+        return out, paddle.argmax(out, axis=-1).numpy()
 
     def logits(self, model: ModelView, hidden: paddle.Tensor) -> paddle.Tensor:
         return model.weights.lm_head(hidden)
@@ -54,10 +77,12 @@ class ReferenceBackend:
     def new_cache(self, model: ModelView, num_slots: int, max_capacity: int, kv_dtype: str = "auto",
                   num_layers: int | None = None) -> KVCache:
         if kv_dtype not in ("auto", self.dtype):
-            raise ConfigError(f"a {kv_dtype} KV cache needs a float32 model on the fused backend (specgen's CPU "
-                              f"kernels); this model runs {self.dtype} on the reference backend")
+            raise ConfigError(f"a {kv_dtype} KV cache needs a float32 model on the fused backend "
+                              "(specgen's CPU kernels); "
+                              f"this model runs {self.dtype} on the reference backend")
         cfg = model.config
-        # attention reads whole cache rows and masks the positions past each query: they must hold finite numbers
+        # attention reads whole cache rows and masks the positions past each query: they must hold finite
+        # numbers
         return KVCache(cfg.num_layers if num_layers is None else num_layers, num_slots, cfg.num_kv_heads,
                        cfg.head_dim, self.dtype, max_capacity, zeroed=True)
 
@@ -65,9 +90,7 @@ class ReferenceBackend:
         return ReferenceHead(model, head)
 
     def prepare_eagle(self, model: ModelView, weights: Any, quantize: bool):
-        """An EAGLE layer's pass in Paddle's operators (engine/proposers/eagle.py)."""
-        from specgen.engine.proposers.eagle import EaglePass
-
+        """An EAGLE layer's pass in Paddle's operators."""
         return EaglePass(model, weights)
 
     def describe(self) -> list:
@@ -94,13 +117,15 @@ class ReferenceHead:
 
     def _pass(self, cache: KVCache, slots, starts, lens, token_ids, prev_hidden):
         """One packed pass of the head over blocks (slots, starts, lens): (block output at each block's end
-        [num_seqs, hidden], argmax token there [num_seqs], the block output of every token [num_tokens, hidden])."""
+        [num_seqs, hidden], argmax token there [num_seqs], the block output of every token
+        [num_tokens, hidden])."""
         hd = self.head
         batch = build_forward_batch(slots, starts, lens, token_ids, np.zeros(len(slots), bool))
         reserve(batch, cache)
         eps = self.shape.eps
         emb = F.embedding(paddle.to_tensor(batch.token_ids), hd.embed)  # [num_tokens, hidden]
-        x = hd.eh_proj(paddle.concat([rms_norm(emb, hd.enorm, eps), rms_norm(prev_hidden, hd.hnorm, eps)], axis=-1))
+        x = hd.eh_proj(paddle.concat([rms_norm(emb, hd.enorm, eps), rms_norm(prev_hidden, hd.hnorm, eps)],
+                                     axis=-1))
         att = AttentionIndex(batch, cache, self.rope, self.shape.num_heads, self.dtype)
         x = block_forward(x, hd.block, self.shape, att, 0, cache.k[0], cache.v[0])
         last = paddle.gather(x, paddle.to_tensor(batch.logit_rows))  # [num_seqs, hidden]
@@ -110,7 +135,8 @@ class ReferenceHead:
     def run(self, cache: KVCache, p: MtpPass) -> tuple[np.ndarray, paddle.Tensor]:
         first = np.concatenate([[0], np.cumsum(p.seq_lens)[:-1]]).astype(np.int64)  # [num_seqs]
         h_main = paddle.gather(p.hidden, paddle.to_tensor(p.rows))  # [num_tokens, hidden]
-        x, d, rows = self._pass(cache, p.token_slots[first], p.positions[first], p.seq_lens, p.token_ids, h_main)
+        x, d, rows = self._pass(cache, p.token_slots[first], p.positions[first], p.seq_lens, p.token_ids,
+                                h_main)
         out = np.zeros((len(p.last_rows), p.depth), np.int64)
         if not len(p.last_rows):
             return out, rows
@@ -124,3 +150,46 @@ class ReferenceHead:
             x, d, _ = self._pass(cache, slots, last_pos + i, ones, d, x)
             out[:, i] = d
         return out, rows
+
+
+class EaglePass:
+    """One pass of an EAGLE layer (EagleWeights, engine/proposers/eagle.py) over packed blocks of tokens, in
+    Paddle's operators (any backend, any device)."""
+
+    def __init__(self, model: ModelView, weights: Any):
+        self.rope, self.shape, self.dtype, self.w = model.rope, model.shape, model.dtype, weights
+        lm = weights.lm_head.dense()  # [hidden, vocab]
+        if weights.draft_vocab is not None:  # drafts from these tokens only: their columns
+            lm = paddle.gather(lm, paddle.to_tensor(weights.draft_vocab), axis=1)
+        self.lm_head = Linear(lm)  # [hidden] -> [draft vocab]
+        self.token_ids = weights.token_ids
+        cfg = model.config
+        self.cache_shape = (cfg.num_kv_heads, cfg.head_dim, model.max_len)
+
+    def new_cache(self, num_slots: int) -> KVCache:
+        kv, d, max_len = self.cache_shape
+        return KVCache(1, num_slots, kv, d, self.dtype, max_len, zeroed=True)  # masked reads need finite rows
+
+    def run(self, cache: KVCache, slots: np.ndarray, starts: np.ndarray, lens: np.ndarray,
+            token_ids: np.ndarray, hidden: paddle.Tensor, rows: np.ndarray, logit_rows: np.ndarray,
+            topk: int, rope: np.ndarray | None = None, mask: np.ndarray | None = None):
+        """Blocks (slots [num_seqs], rows starts [num_seqs], lens [num_seqs]) of tokens token_ids [num_tokens]
+        with their input features at rows [num_tokens] of hidden [num_rows, hidden]; rope [num_tokens] the
+        positions RoPE sees and mask [num_tokens] int64 each token's tree mask (None: rows are positions,
+        causal). Returns (output features [num_tokens, hidden], top-k log-probabilities [num_logits, topk] and
+        token ids [num_logits, topk] at logit_rows [num_logits])."""
+        w, eps = self.w, self.shape.eps
+        depth = None if rope is None else rope - np.repeat(starts, lens)
+        batch = build_forward_batch(slots, starts, lens, token_ids, np.zeros(len(slots), bool),
+                                    tree_depth=depth, tree_mask=mask)
+        reserve(batch, cache)
+        emb = F.embedding(paddle.to_tensor(batch.token_ids), w.embed)  # [num_tokens, hidden]
+        x = w.fc(paddle.concat([emb, paddle.gather(hidden, paddle.to_tensor(rows))], axis=-1))
+        att = AttentionIndex(batch, cache, self.rope, self.shape.num_heads, self.dtype)
+        x = block_forward(x, w.block, self.shape, att, 0, cache.k[0], cache.v[0])
+        feat = rms_norm(x, w.norm, eps) if w.norm is not None else x  # [num_tokens, hidden]
+        if not len(logit_rows):
+            return feat, np.zeros((0, topk)), np.zeros((0, topk), np.int64)
+        logp = F.log_softmax(self.lm_head(paddle.gather(feat, paddle.to_tensor(logit_rows))), axis=-1)
+        vals, cols = paddle.topk(logp, topk, axis=-1)  # [num_logits, topk], largest first
+        return feat, vals.numpy().astype(np.float64), self.token_ids(cols.numpy().astype(np.int64))

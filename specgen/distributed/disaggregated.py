@@ -1,17 +1,17 @@
-"""--pd P:D: prefill/decode disaggregation on one machine. P prefill workers compute each prompt's KV cache, the
-drafter's state (an MTP head's cache, a draft model's cache, Medusa's guesses; n-gram needs only the tokens) and
-the first token; they hand the request to one of D decode workers, which run the speculative decode loop. Prompt
-processing then never shares a forward with decoding: a decode step's time no longer jumps when a long prompt is
-admitted beside it.
+"""--pd P:D: prefill/decode disaggregation on one machine. P prefill workers compute each prompt's KV cache,
+the drafter's state (an MTP head's cache, a draft model's cache, Medusa's guesses; n-gram needs only the
+tokens) and the first token; they hand the request to one of D decode workers, which run the speculative
+decode loop. Prompt processing then never shares a forward with decoding: a decode step's time no longer jumps
+when a long prompt is admitted beside it.
 
 The hand-off moves through shared memory (parcel.py): the prefill worker copies the slot's K/V rows (a shared
 prompt prefix's rows first: the decode worker holds them as the slot's own) and the drafter's rows into one
 segment, and sends its name, the slot's table row and the request to the parent, which passes it to the decode
-pool's queue; the decode worker with a free slot copies it into its caches and frees the segment. Each side is an
-Engine (PrefillEngine, DecodeEngine) with its own scheduler over its own slots.
+pool's queue; the decode worker with a free slot copies it into its caches and frees the segment. Each side is
+an Engine (PrefillEngine, DecodeEngine) with its own scheduler over its own slots.
 
-The parent reads and tokenizes the input and writes every record, as for --data-parallel-size: one output file,
-resumable, each id once. Tokens are the colocated engine's: the KV rows and the first token are what the
+The parent reads and tokenizes the input and writes every record, as for --data-parallel-size: one output
+file, resumable, each id once. Tokens are the colocated engine's: the KV rows and the first token are what the
 colocated engine computes, and each output position samples with its own counter-based uniform."""
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ from specgen.distributed.launch import Worker, WorkerGroup
 from specgen.distributed.parcel import Parcel, pack, sweep, unpack
 from specgen.engine.engine import Engine
 from specgen.engine.scheduler import Scheduler
-from specgen.engine.slots import MAX_DRAFT
 from specgen.engine.types import Request, RequestOutput
 
 PREFILL, DECODE = 0, 1  # the worker pools
@@ -42,9 +41,10 @@ class Handoff:
     """A request a prefill worker computed the prompt of, on its way to a decode worker."""
 
     request: Request
-    row: dict[str, np.ndarray]  # its SlotTable row (SlotTable.export_row): tokens, lengths, sampling, statistics
-    parcel: Parcel  # "kv.{j}": the main cache's tensor j [num_kv_heads, prompt_len, head_dim] (K layers, then V);
-    # "draft.{key}": the drafter's state (its proposer's export_slot)
+    row: dict[str, np.ndarray]  # its SlotTable row (SlotTable.export_row): tokens, lengths, sampling,
+    # ... statistics
+    parcel: Parcel  # "kv.{j}": the main cache's tensor j [num_kv_heads, prompt_len, head_dim] (K layers,
+    # then V); "draft.{key}": the drafter's state (its proposer's export_slot)
     kv_bytes: int  # the main cache's share of the parcel
     export_seconds: float  # the prefill worker's copy into shared memory
     sent: float  # time.time() when it was packed
@@ -64,9 +64,9 @@ class HandoffTiming:
 
 
 class PrefillEngine(Engine):
-    """An engine whose slots leave it as soon as their prompt is in the cache and their first token is chosen: each
-    step's newly prefilled slots become Handoffs, yielded by `run` beside the outputs of requests that ended at
-    their first token (or were rejected)."""
+    """An engine whose slots leave it as soon as their prompt is in the cache and their first token is chosen:
+    each step's newly prefilled slots become Handoffs, yielded by `run` beside the outputs of requests that
+    ended at their first token (or were rejected)."""
 
     tag = "specgen-pd"  # shared-memory segments' prefix (parcel.sweep frees what a killed worker left)
 
@@ -97,9 +97,9 @@ class PrefillEngine(Engine):
 
 
 class DecodeEngine(Engine):
-    """An engine whose requests arrive prefilled (Handoffs): a free slot takes one, its rows copied into the caches
-    and its table row set, and it decodes from its next step on. `ready` says whether the next hand-off is waiting:
-    running slots never wait for one."""
+    """An engine whose requests arrive prefilled (Handoffs): a free slot takes one, its rows copied into the
+    caches and its table row set, and it decodes from its next step on. `ready` says whether the next hand-off
+    is waiting: running slots never wait for one."""
 
     def __init__(self, *args: Any, ready: Callable[[], bool] | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -120,9 +120,7 @@ class DecodeEngine(Engine):
     def _admit(self, slot: int, h: Handoff) -> None:
         start = time.perf_counter()
         req, end = h.request, int(h.row["max_len"])
-        self._check_memory(slot, req, end)
-        self.kv_high[slot] = max(self.kv_high[slot], end)
-        self.cache.admit(len(req.prompt_ids) + MAX_DRAFT + 1, end + MAX_DRAFT + 1)
+        self.kv_memory.admit(slot, req.id, len(req.prompt_ids), end)
         with unpack(h.parcel) as arrays:
             self.cache.import_slot(slot, [arrays[f"kv.{j}"] for j in range(2 * self.cache.num_layers)])
             load = getattr(self.proposer, "import_slot", None)
@@ -138,20 +136,22 @@ class DecodeEngine(Engine):
         return None
 
 
-def make_pd_engine(loaded: Any, engine: EngineConfig, spec: SpecConfig, role: int, tag: str = PrefillEngine.tag,
-                   ready: Callable[[], bool] | None = None) -> Engine:
+def make_pd_engine(loaded: Any, engine: EngineConfig, spec: SpecConfig, role: int,
+                   tag: str = PrefillEngine.tag, ready: Callable[[], bool] | None = None) -> Engine:
     """A prefill (role PREFILL) or decode engine over a loaded model. The prefill side drafts nothing (its
-    proposer only catches up on the prompt and prepares the first drafts, k of them) and shares a prompt prefix; the
-    decode side chooses drafts with the adaptive controller, measured before the first request comes."""
+    proposer only catches up on the prompt and prepares the first drafts, k of them) and shares a prompt
+    prefix; the decode side chooses drafts with the adaptive controller, measured before the first request
+    comes."""
     from specgen.api import make_engine
 
     if role == PREFILL:
-        eng = make_engine(loaded, engine, dataclasses.replace(spec, adaptive=False), engine_class=PrefillEngine)
+        eng = make_engine(loaded, engine, dataclasses.replace(spec, adaptive=False),
+                          engine_class=PrefillEngine)
         eng.tag = tag
         eng.ready = ready
         return eng
-    eng = make_engine(loaded, dataclasses.replace(engine, shared_prefix="off"), spec, engine_class=DecodeEngine,
-                      ready=ready)
+    eng = make_engine(loaded, dataclasses.replace(engine, shared_prefix="off"), spec,
+                      engine_class=DecodeEngine, ready=ready)
     if eng.adaptive:
         eng._start(engine.batch_size)
     return eng
@@ -169,14 +169,15 @@ class PDJob:
 
 
 def serve(worker: Worker, job: PDJob) -> dict[str, Any]:
-    """A worker of either pool: load the model with its thread share, run what it takes (prompts, or hand-offs),
-    send each item out (hand-offs and outputs from a prefill worker, outputs from a decode worker)."""
+    """A worker of either pool: load the model with its thread share, run what it takes (prompts, or
+    hand-offs), send each item out (hand-offs and outputs from a prefill worker, outputs from a decode
+    worker)."""
     from specgen.api import load_model
 
     threads = worker.spec.threads
     loaded = load_model(job.model, dataclasses.replace(job.load, threads=threads))
-    engine = make_pd_engine(loaded, dataclasses.replace(job.engine, threads=threads), job.spec, worker.spec.pool,
-                            job.tag, worker.has_task)
+    engine = make_pd_engine(loaded, dataclasses.replace(job.engine, threads=threads), job.spec,
+                            worker.spec.pool, job.tag, worker.has_task)
     worker.ready()
     for item in engine.run(worker.tasks()):
         worker.send(item)
@@ -186,8 +187,8 @@ def serve(worker: Worker, job: PDJob) -> dict[str, Any]:
 
 class DisaggregatedEngine:
     """Engine.run's contract (requests in, outputs out as they finish) over P prefill and D decode workers. At
-    most `max_in_flight` requests are out at once: a batch per prefill worker and two per decode worker (its slots
-    and the hand-offs waiting for them, whose KV sits in shared memory meanwhile)."""
+    most `max_in_flight` requests are out at once: a batch per prefill worker and two per decode worker (its
+    slots and the hand-offs waiting for them, whose KV sits in shared memory meanwhile)."""
 
     def __init__(self, model: str, load: EngineConfig, engine: EngineConfig, spec: SpecConfig, prefill: int,
                  decode: int):

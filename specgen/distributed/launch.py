@@ -36,10 +36,10 @@ class Message(NamedTuple):
     payload: Any
 
 
-def thread_shares(total: int, num_workers: int) -> list[int]:
+def thread_shares(total: int, world_size: int) -> list[int]:
     """`total` threads over the workers, the remainder to the first ranks, at least one each."""
-    base, extra = divmod(total, num_workers)
-    return [max(1, base + (rank < extra)) for rank in range(num_workers)]
+    base, extra = divmod(total, world_size)
+    return [max(1, base + (rank < extra)) for rank in range(world_size)]
 
 
 class Worker:
@@ -61,7 +61,8 @@ class Worker:
         self._results.put(Message(self.spec.rank, OUTPUT, payload))
 
     def ready(self) -> None:
-        """Say that start-up (loading a model) is over: WorkerGroup.wait_ready returns once every worker has."""
+        """Say that start-up (loading a model) is over: WorkerGroup.wait_ready returns once every worker
+        has."""
         self._results.put(Message(self.spec.rank, READY, None))
 
 
@@ -75,12 +76,14 @@ def _worker_main(target: Target, spec: WorkerSpec, tasks: Any, results: Any, arg
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = mp.parent_process()
     if parent is not None:
-        threading.Thread(target=lambda: (parent.join(), os._exit(1)), daemon=True, name="specgen-orphan").start()
+        threading.Thread(target=lambda: (parent.join(), os._exit(1)), daemon=True,
+                         name="specgen-orphan").start()
     try:
         done = target(Worker(spec, tasks, results), arg)
     except SpecgenError as exc:
         results.put(Message(spec.rank, FAILED, exc))
-    except Exception as exc:  # noqa: BLE001 (a bug: its traceback travels as text; not every exception pickles)
+    except Exception as exc:  # noqa: BLE001
+        # (a bug: its traceback travels as text; not every exception pickles)
         results.put(Message(spec.rank, FAILED, EngineError(
             f"worker {spec.rank} failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")))
     else:
@@ -103,22 +106,27 @@ class WorkerGroup:
     survive a fork). Tasks go to one shared queue per pool (a worker with room takes the next); messages come
     back on one queue. `receive` raises the error a worker sent, or WorkerError for a worker that died.
 
-    pools: (name, count) of each kind of worker, the ranks in that order (prefill workers, then decode workers);
-    by default one pool of every worker, called `what`."""
+    pools: (name, count) of each kind of worker, the ranks in that order (prefill workers, then decode
+    workers); by default one pool of every worker, called `what`."""
 
     def __init__(self, target: Target, arg: Any, threads: list[int], what: str = "worker",
                  pools: list[tuple[str, int]] | None = None):
         ctx = mp.get_context("spawn")
-        n = len(threads)
-        self.pools = pools or [(what, n)]
-        assert sum(count for _, count in self.pools) == n, "every worker in one pool"
+        world_size = len(threads)
+        self.pools = pools or [(what, world_size)]
+        assert sum(count for _, count in self.pools) == world_size, "every worker in one pool"
         self.queues = [ctx.Queue() for _ in self.pools]  # each pool's tasks
         self.results = ctx.Queue()
-        self.specs = [WorkerSpec(rank, n, t, pool, rank - first, count) for rank, t, (pool, first, count)
-                      in zip(range(n), threads, self._ranks())]
-        self.procs = [ctx.Process(target=_worker_main, args=(target, s, self.queues[s.pool], self.results, arg),
-                                  name=f"specgen-{self.pools[s.pool][0].replace(' ', '-')}-{s.pool_rank}", daemon=True)
+        self.specs = [WorkerSpec(rank, world_size, t, pool, rank - first, count)
+                      for rank, t, (pool, first, count) in zip(range(world_size), threads, self._ranks())]
+        self.procs = [ctx.Process(target=_worker_main,
+                                  args=(target, s, self.queues[s.pool], self.results, arg),
+                                  name=f"specgen-{self.pools[s.pool][0].replace(' ', '-')}-{s.pool_rank}",
+                                  daemon=True)
                       for s in self.specs]
+        # held: a started Process drops its arguments, and a queue in them the parent drops is gone for the
+        # child
+        self.arg = arg
         self.finished: dict[int, Any] = {}  # rank -> its DONE payload
         self.num_ready = 0
 
@@ -183,8 +191,8 @@ class WorkerGroup:
         """A worker that exited 0 has sent its last message (the queue is flushed before it exits)."""
         for spec, p in zip(self.specs, self.procs):
             if spec.rank not in self.finished and p.exitcode:
-                raise WorkerError(f"{self.pools[spec.pool][0]} {spec.pool_rank} of {spec.pool_size} (pid {p.pid}) "
-                                  f"{_death(p.exitcode)}")
+                raise WorkerError(f"{self.pools[spec.pool][0]} {spec.pool_rank} of {spec.pool_size} "
+                                  f"(pid {p.pid}) {_death(p.exitcode)}")
 
     def close(self) -> None:
         """End every worker still running (SIGKILL: a worker holds nothing that must be saved) and reap it."""

@@ -1,11 +1,13 @@
-"""Arrays handed from one process to another on this machine through POSIX shared memory: the sender packs them into
-one new segment and passes its Parcel (a name and a layout: a few hundred bytes) through a queue; the receiver reads
-numpy views of the segment, copies what it keeps, and frees it. A prefill worker hands a request's KV cache and
-drafter state to a decode worker this way (disaggregated.py).
+"""Arrays handed from one process to another on this machine through POSIX shared memory: the sender packs
+them into one new segment and passes its Parcel (a name and a layout: a few hundred bytes) through a queue;
+the receiver reads numpy views of the segment, copies what it keeps, and frees it. A prefill worker hands a
+request's KV cache and drafter state to a decode worker this way (disaggregated.py).
 
-Segments are named after the job (`tag`), so whatever a killed process left behind is found and freed by `sweep`."""
+Segments are named after the job (`tag`), so whatever a killed process left behind is found and freed by
+`sweep`."""
 from __future__ import annotations
 
+import _posixshmem  # the C module under multiprocessing.shared_memory (POSIX)
 import itertools
 import mmap
 import os
@@ -14,7 +16,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import _posixshmem  # the C module under multiprocessing.shared_memory (POSIX)
 import numpy as np
 
 ALIGN = 64  # bytes: each array starts on a cache line
@@ -38,11 +39,11 @@ class Parcel:
 
 
 class _Segment:
-    """A POSIX shared-memory segment (the name, its mapping as `buf`), opened without multiprocessing's resource
-    tracker: this module frees every segment itself (unpack, discard, sweep). Through SharedMemory (Python < 3.13
-    registers a segment with the tracker on create and on attach), a segment the decode worker attached just after
-    the parent swept a killed prefill worker's hand-offs stayed registered, and at exit the tracker printed leak
-    warnings after the job's last line."""
+    """A POSIX shared-memory segment (the name, its mapping as `buf`), opened without multiprocessing's
+    resource tracker: this module frees every segment itself (unpack, discard, sweep). Through SharedMemory
+    (Python < 3.13 registers a segment with the tracker on create and on attach), a segment the decode worker
+    attached just after the parent swept a killed prefill worker's hand-offs stayed registered, and at exit
+    the tracker printed leak warnings after the job's last line."""
 
     def __init__(self, name: str, size: int = 0):
         """size > 0: create it (exclusively); 0: open the existing one."""
@@ -104,9 +105,11 @@ def pack(arrays: Arrays, tag: str) -> Parcel:
 
 @contextmanager
 def unpack(parcel: Parcel) -> Iterator[dict[str, np.ndarray]]:
-    """Views of the parcel's arrays, valid inside the block (copy what is kept); the segment is freed after it."""
+    """Views of the parcel's arrays, valid inside the block (copy what is kept); the segment is freed after
+    it."""
     shm = _Segment(parcel.name)
-    views = {key: np.ndarray(shape, dtype, buffer=shm.buf, offset=at) for key, dtype, shape, at in parcel.layout}
+    views = {key: np.ndarray(shape, dtype, buffer=shm.buf, offset=at)
+             for key, dtype, shape, at in parcel.layout}
     try:
         yield views
     finally:

@@ -16,15 +16,16 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from specgen.app.job import Interrupts, JobPlan, JobResult, RecordWriter, context_len
-from specgen.app.settings import RunConfig
-from specgen.config import RAY_LOCAL, EngineConfig, SamplingParams, SpecConfig
+from specgen.config import RAY_LOCAL, EngineConfig, RunConfig, SamplingParams, SpecConfig
 from specgen.errors import ConfigError, WorkerError
 from specgen.io.ids import SeenIds
+from specgen.io.interrupts import Interrupts
+from specgen.io.job_output import JobPlan, JobResult, RecordWriter
 from specgen.io.readers import Chunk, RawRecord, chunks, count_records, iter_chunk, unit_name
 from specgen.io.report import RunProgress
 from specgen.io.requests import RequestSource
 from specgen.io.schema import error_record, result_record
+from specgen.models.loaded import context_len
 
 BATCHES_PER_CALL = 4  # engine batches per Predictor call: slots stay full, a call's drained tail is short
 
@@ -43,7 +44,8 @@ class RayJob:
 
 
 def read_rows(chunk: dict[str, Any]) -> list[dict[str, Any]]:
-    """A chunk's records as rows Ray can carry: the number, the record as JSON text (or why it is unreadable)."""
+    """A chunk's records as rows Ray can carry: the number, the record as JSON text (or why it is
+    unreadable)."""
     rows = []
     for raw in iter_chunk(Chunk(**chunk)):
         value, error = None, raw.error
@@ -57,7 +59,8 @@ def read_rows(chunk: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 class Predictor:
-    """Ray Data's stateful callable: a worker's engine, built once; input rows -> output records (+ number)."""
+    """Ray Data's stateful callable: a worker's engine, built once; input rows -> output records
+    (+ number)."""
 
     def __init__(self, job: RayJob):
         from specgen.api import load_model, make_engine
@@ -81,10 +84,11 @@ class Predictor:
                 yield RawRecord(row["number"], value, row["error"])
 
         def on_bad(record_id: str, message: str, num_prompt_tokens: int | None) -> None:
-            records.append({**error_record(record_id, message, job.spec, num_prompt_tokens), "number": current[0]})
+            records.append({**error_record(record_id, message, job.spec, num_prompt_tokens),
+                            "number": current[0]})
 
-        source = RequestSource(records=numbered(), encode=partial(encode_prompt, self.loaded), sampling=job.sampling,
-                               context_len=context_len(self.loaded, job.engine),
+        source = RequestSource(records=numbered(), encode=partial(encode_prompt, self.loaded),
+                               sampling=job.sampling, context_len=context_len(self.loaded, job.engine),
                                vocab_size=self.loaded.config.vocab_size, unit=job.unit, done_ids=job.done,
                                on_bad=on_bad)
         for out in self.engine.run(source):
@@ -109,7 +113,8 @@ def connect(address: str) -> bool:
 
 def run_on_ray(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress,
                interrupts: Interrupts) -> JobResult:
-    """The job on Ray Data (run_job calls it: signals and errors leave what was written, as in a local run)."""
+    """The job on Ray Data (run_job calls it: signals and errors leave what was written, as in a local
+    run)."""
     import ray
 
     started = connect(cfg.parallel.ray)
@@ -120,11 +125,13 @@ def run_on_ray(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress
     try:
         total = count_records(plan.input, plan.input_format)
         progress.start(total, completed=min(len(writer.done), total))
-        for batch in _dataset(plan, loaded, cfg, writer.done).iter_batches(batch_size=None, batch_format="pyarrow"):
+        for batch in _dataset(plan, loaded, cfg, writer.done).iter_batches(batch_size=None,
+                                                                           batch_format="pyarrow"):
             for record in batch.to_pylist():
                 number = record.pop("number")
                 if record["id"] in written:
-                    record = error_record(record["id"], f"{unit} {number}: duplicate id {record['id']!r}", cfg.spec)
+                    record = error_record(record["id"], f"{unit} {number}: duplicate id {record['id']!r}",
+                                          cfg.spec)
                 written.add(record["id"], number)
                 writer.add(record)
     except ray.exceptions.RayError as exc:
@@ -146,14 +153,16 @@ def _dataset(plan: JobPlan, loaded: Any, cfg: RunConfig, done: SeenIds):
     logging.getLogger("ray.data").setLevel(logging.ERROR)
     threads = max(cfg.engine.threads, 1)
     engine = dataclasses.replace(cfg.engine, threads=threads)
-    job = RayJob(loaded.source, dataclasses.replace(loaded.engine, threads=threads), engine, cfg.spec, cfg.sampling,
-                 unit_name(plan.input_format), done)
-    gpus = cfg.engine.device == "gpu" or (cfg.engine.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+    job = RayJob(loaded.source, dataclasses.replace(loaded.engine, threads=threads), engine, cfg.spec,
+                 cfg.sampling, unit_name(plan.input_format), done)
+    gpus = cfg.engine.device == "gpu" or (cfg.engine.device == "auto"
+                                          and ray.cluster_resources().get("GPU", 0) > 0)
     # One block per chunk, and a chunk per Predictor call: blocks are what Ray hands out to its workers.
     parts = [dataclasses.asdict(c) for c in chunks(plan.input, plan.input_format,
                                                    BATCHES_PER_CALL * cfg.engine.batch_size)]
     return (ray.data.from_items(parts, override_num_blocks=max(len(parts), 1))
             .flat_map(read_rows, num_cpus=0)  # light next to the engines: it must not wait for their CPUs
-            .map_batches(Predictor, fn_constructor_kwargs={"job": job}, batch_format="pyarrow", batch_size=None,
+            .map_batches(Predictor, fn_constructor_kwargs={"job": job},
+                         batch_format="pyarrow", batch_size=None,
                          compute=ray.data.ActorPoolStrategy(size=cfg.parallel.data_parallel_size),
                          num_cpus=threads, num_gpus=1 if gpus else 0))

@@ -1,17 +1,19 @@
-"""--tensor-parallel-size N: one model's weights sharded over N rank processes (specgen/distributed/tp_shard.py),
-summed with paddle.distributed collectives (gloo on the CPU, NCCL on GPUs).
+"""--tensor-parallel-size N: one model's weights sharded over N rank processes
+(specgen/distributed/tp_shard.py), summed with paddle.distributed collectives (gloo on the CPU, NCCL on GPUs).
 
-Rank 0 is the engine: it schedules, drafts (n-gram; the MTP head and draft model run there beside the full model,
-replicated rather than sharded), samples, verifies and sends each output to the parent, which writes it. Every
-forward it runs is first sent to the other ranks (a Command: the packed batch and which cache), which run their
-shard of it; the all-reduces inside the blocks then meet. Only rank 0 chooses tokens, from logits gathered
-over the vocabulary shards, so no rank can disagree about a token: the next forward's batch carries it.
+Rank 0 is the engine: it schedules, drafts (n-gram; the MTP head and draft model run there beside the full
+model, replicated rather than sharded), samples, verifies and sends each output to the parent, which writes
+it. Every forward it runs is first sent to the other ranks (a Command: the packed batch and which cache),
+which run their shard of it; the all-reduces inside the blocks then meet. Only rank 0 chooses tokens, from
+logits gathered over the vocabulary shards, so no rank can disagree about a token: the next forward's batch
+carries it.
 
 --expert-parallel-size N runs the same ranks over a mixture-of-experts model, its experts split over them
 (tp_shard.py): attention stays sharded by heads, as here, rather than replicated with the batch split over the
-ranks (DP attention). One engine keeps one scheduler and one drafter, every rank sees every token of every forward
-(so all route alike, and no rank ever runs an empty forward to meet another's collective), and the KV cache is
-split by heads; the price is the attention's all-reduce per block, which DP attention would not pay."""
+ranks (DP attention). One engine keeps one scheduler and one drafter, every rank sees every token of every
+forward (so all route alike, and no rank ever runs an empty forward to meet another's collective), and the KV
+cache is split by heads; the price is the attention's all-reduce per block, which DP attention would not
+pay."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,18 +34,15 @@ import paddle
 import paddle.nn.functional as F
 
 from specgen.backends.base import ForwardOutput, ModelView
-from specgen.backends.reference import reserve
+from specgen.backends.reference import ReferenceBackend
 from specgen.config import EngineConfig, Method, SpecConfig
-from specgen.distributed.data_parallel import DataParallelEngine, worker_engines
+from specgen.distributed.data_parallel import WorkerEngine, worker_engines
 from specgen.distributed.launch import Worker, WorkerGroup
 from specgen.distributed.tp_shard import RankShard, check_tensor_parallel, plan_shard, shard_weights
-from specgen.engine.kv_cache import KVCache, available_memory
-from specgen.engine.types import ForwardBatch
-from specgen.errors import CheckpointError, ConfigError, EngineError
-from specgen.layers.attention import AttentionIndex
-from specgen.layers.block import block_forward
-from specgen.layers.norm import rms_norm
+from specgen.errors import CheckpointError, ConfigError
 from specgen.models.config import ModelConfig
+from specgen.runtime.batch import ForwardBatch
+from specgen.runtime.kv_cache import KVCache, available_memory
 
 NEW_CACHE, FORWARD, LOGITS, CACHE_CALL, STOP = "new_cache", "forward", "logits", "cache_call", "stop"
 DEATH_GRACE_SECONDS = 3.0  # after a rank's error, how long to look for a dead peer that caused it
@@ -62,8 +61,8 @@ class Command(NamedTuple):
 
 class CommandChannel:
     """Rank 0's Commands to the other ranks, over one multiprocessing queue per rank (not a paddle.distributed
-    broadcast: a rank waiting for its next command waits as long as rank 0 takes, loading a drafter or waiting for
-    input, and gloo ends a collective that waited 30 s)."""
+    broadcast: a rank waiting for its next command waits as long as rank 0 takes, loading a drafter or waiting
+    for input, and gloo ends a collective that waited 30 s)."""
 
     def __init__(self, queues: tuple[Any, ...], rank: int):
         self.queues, self.rank = queues, rank  # queues[r]: rank r's (queues[0] is None)
@@ -83,12 +82,14 @@ class CommandChannel:
 
 
 class ShardCache(KVCache):
-    """A rank's KV cache of its KV heads, known to every rank by one id. What the engine does to rank 0's cache
-    besides a forward (clear a slot, move a token tree's accepted rows) it tells the others to do to theirs."""
+    """A rank's KV cache of its KV heads, known to every rank by one id. What the engine does to rank 0's
+    cache besides a forward (clear a slot, move a token tree's accepted rows) it tells the others to do to
+    theirs."""
 
     def __init__(self, cache_id: int, mirror, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.cache_id, self.mirror = cache_id, mirror  # mirror(cache_id, method name, args): rank 0's; else None
+        # mirror(cache_id, method name, args): rank 0's; else None
+        self.cache_id, self.mirror = cache_id, mirror
 
     def clear_slot(self, slot: int) -> None:
         if self.mirror is not None:
@@ -111,22 +112,22 @@ class Traffic:
     seconds: float = 0.0
 
 
-class TensorParallelBackend:
-    """One rank's part of every forward: the reference backend's operators over its shard, with a sum over the
-    ranks after each block's o and down products and after the embedding, and logits gathered over the
-    vocabulary. Rank 0's calls send themselves to the other ranks first (Command); theirs come from `follow`."""
+class TensorParallelBackend(ReferenceBackend):
+    """One rank's part of every forward: the reference backend's forward over its shard, its hooks summing
+    over the ranks after the embedding and each block's o and down products, and gathering the logits over the
+    vocabulary. Rank 0's calls send themselves to the other ranks first (Command); theirs come from
+    `follow`."""
 
     name = "tensor-parallel"
-    keeps_blocks = False
-    int8_product = False
 
     def __init__(self, engine: EngineConfig, rank: int, world_size: int, channel: CommandChannel):
-        self.engine, self.dtype = engine, engine.dtype
+        super().__init__(engine)
         self.rank, self.world_size, self.channel = rank, world_size, channel
         self.shard: RankShard | None = None  # set by prepare
         self.num_caches = 0
         self.freed: list[int] = []
-        # kind ("embedding", "attention", "mlp": a block's sums; "vocab": the logits' gathers) -> its collectives
+        # kind ("embedding", "attention", "mlp": a block's sums; "vocab": the logits' gathers)
+        # -> its collectives
         self.traffic: dict[str, Traffic] = {}
 
     # ---- the collectives ----
@@ -149,7 +150,7 @@ class TensorParallelBackend:
         t.count, t.nbytes = t.count + 1, t.nbytes + x.size * x.element_size()
         t.seconds += time.perf_counter() - start
 
-    def all_reduce(self, x: paddle.Tensor, kind: str = "embedding") -> paddle.Tensor:
+    def reduce(self, x: paddle.Tensor, kind: str = "embedding") -> paddle.Tensor:
         start = time.perf_counter()
         paddle.distributed.all_reduce(x)
         self._count(kind, x, start)
@@ -176,15 +177,15 @@ class TensorParallelBackend:
     def new_cache(self, model: ModelView, num_slots: int, max_capacity: int, kv_dtype: str = "auto",
                   num_layers: int | None = None, cache_id: int | None = None) -> ShardCache:
         if kv_dtype not in ("auto", self.dtype):
-            raise ConfigError(f"a {kv_dtype} KV cache needs the fused backend, which tensor parallelism does not "
-                              "use; leave --kv-cache-dtype auto")
+            raise ConfigError(f"a {kv_dtype} KV cache needs the fused backend, which tensor parallelism "
+                              "does not use; leave --kv-cache-dtype auto")
         if cache_id is None:
             cache_id, self.num_caches = self.num_caches, self.num_caches + 1
             self._send(NEW_CACHE, cache_id, (num_slots, max_capacity, kv_dtype, num_layers))
         cfg = model.config
         cache = ShardCache(cache_id, self._mirror if self.rank == 0 else None,
-                           cfg.num_layers if num_layers is None else num_layers, num_slots, model.shape.num_kv_heads,
-                           cfg.head_dim, self.dtype, max_capacity, zeroed=True)
+                           cfg.num_layers if num_layers is None else num_layers, num_slots,
+                           model.shape.num_kv_heads, cfg.head_dim, self.dtype, max_capacity, zeroed=True)
         if self.rank == 0:
             weakref.finalize(cache, self.freed.append, cache_id)
         return cache
@@ -192,27 +193,26 @@ class TensorParallelBackend:
     def _mirror(self, cache_id: int, method: str, args: tuple) -> None:
         self._send(CACHE_CALL, cache_id, (method, args))
 
-    def forward(self, model: ModelView, batch: ForwardBatch, cache: ShardCache, logits: bool = True) -> ForwardOutput:
+    def forward(self, model: ModelView, batch: ForwardBatch, cache: ShardCache,
+                logits: bool = True) -> ForwardOutput:
+        """The reference forward over this rank's shard, every rank's hooks meeting in the same collectives;
+        rank 0 first sends the forward to the others."""
         prefix = cache.prefix.cache_id if cache.prefix is not None else -1
         self._send(FORWARD, cache.cache_id, (batch, logits, prefix))
-        w, shape = model.weights, model.shape
-        reserve(batch, cache)
-        att = AttentionIndex(batch, cache, model.rope, shape.num_heads, self.dtype)
-        x = self._embed(batch.token_ids, w.embed)  # [num_tokens, hidden]
-        moe = model.config.moe  # every rank routes every token: rank 0 counts them all
-        counts = np.zeros((len(moe.layers), moe.num_experts), np.int64) if moe is not None else None
-        for i, block in enumerate(w.blocks):
-            routed = counts[moe.layers.index(i)] if block.moe is not None else None
-            x = block_forward(x, block, shape, att, i, cache.k[i], cache.v[i], routed, reduce=self.all_reduce)
-        hidden = rms_norm(x, w.final_norm, shape.eps)  # [num_tokens, hidden]
-        if not len(batch.logit_rows):
-            return ForwardOutput(paddle.zeros([0, model.config.vocab_size], self.dtype), hidden, np.zeros(0, np.int64),
-                                 counts)
-        local = w.lm_head(paddle.gather(hidden, paddle.to_tensor(batch.logit_rows)))  # [num_logits, local_vocab]
+        return super().forward(model, batch, cache, logits)
+
+    def head(self, model: ModelView, hidden: paddle.Tensor, rows: np.ndarray,
+             logits: bool) -> tuple[paddle.Tensor | None, np.ndarray]:
+        """The rank's vocabulary columns, gathered over the ranks; greedy rows alone gather only each rank's
+        best."""
+        if not len(rows):
+            return paddle.zeros([0, model.config.vocab_size], self.dtype), np.zeros(0, np.int64)
+        # [num_logits, local_vocab]
+        local = model.weights.lm_head(paddle.gather(hidden, paddle.to_tensor(rows)))
         if logits:
             full = self._gather_vocab(local)  # [num_logits, vocab]
-            return ForwardOutput(full, hidden, paddle.argmax(full, axis=-1).numpy(), counts)
-        return ForwardOutput(None, hidden, self._argmax(local), counts)
+            return full, paddle.argmax(full, axis=-1).numpy()
+        return None, self._argmax(local)
 
     def logits(self, model: ModelView, hidden: paddle.Tensor) -> paddle.Tensor:
         self._send(LOGITS, -1, hidden.numpy())
@@ -221,18 +221,22 @@ class TensorParallelBackend:
     def prepare_head(self, model: ModelView, head: Any, quantize: bool) -> Any:
         raise ConfigError("an MTP head runs on rank 0 beside the full model, not on a tensor-parallel shard")
 
+    def prepare_eagle(self, model: ModelView, weights: Any, quantize: bool) -> Any:
+        raise ConfigError("an EAGLE layer runs on rank 0 beside the full model, "
+                          "not on a tensor-parallel shard")
+
     def describe(self) -> list:
         return [self.name, self.world_size]
 
     # ---- vocabulary-parallel embedding and LM head ----
 
-    def _embed(self, token_ids: np.ndarray, embed: paddle.Tensor) -> paddle.Tensor:
-        """Each rank looks up the tokens in its vocabulary range (zeros for the others'); the sum is every row,
-        exactly (x + 0 = x)."""
+    def embed(self, token_ids: np.ndarray, embed: paddle.Tensor) -> paddle.Tensor:
+        """Each rank looks up the tokens in its vocabulary range (zeros for the others'); the sum is every
+        row, exactly (x + 0 = x)."""
         lo, hi = self.shard.vocab
         mine = (token_ids >= lo) & (token_ids < hi)  # [num_tokens]
         rows = F.embedding(paddle.to_tensor(np.where(mine, token_ids - lo, 0)), embed)  # [num_tokens, hidden]
-        return self.all_reduce(rows * paddle.to_tensor(mine[:, None].astype(self.dtype)))
+        return self.reduce(rows * paddle.to_tensor(mine[:, None].astype(self.dtype)))
 
     def _gather_vocab(self, local: paddle.Tensor) -> paddle.Tensor:
         """[rows, local_vocab] on each rank -> [rows, vocab] (every rank's columns, in vocabulary order)."""
@@ -245,7 +249,8 @@ class TensorParallelBackend:
 
     def _argmax(self, local: paddle.Tensor) -> np.ndarray:
         """The greedy token of each row without gathering the logits: each rank's best (value, id), gathered
-        [ranks, rows, 2]; the highest value wins, the lowest rank (so the lowest id) on a tie, as argmax does."""
+        [ranks, rows, 2]; the highest value wins, the lowest rank (so the lowest id) on a tie, as argmax
+        does."""
         lo, _ = self.shard.vocab
         best = paddle.stack([paddle.max(local, axis=-1).astype("float64"),
                              (paddle.argmax(local, axis=-1) + lo).astype("float64")], axis=-1)  # [rows, 2]
@@ -258,9 +263,9 @@ class TensorParallelBackend:
 
 
 def best_of_ranks(pairs: np.ndarray) -> np.ndarray:
-    """pairs [ranks, rows, 2] float64: each rank's (best logit, its token id) per row (ids below 2^53: exact) ->
-    [rows] int64 the row's token: the highest logit; on a tie the first rank's, whose vocabulary range comes
-    first, so the lowest id, as argmax over the whole row gives."""
+    """pairs [ranks, rows, 2] float64: each rank's (best logit, its token id) per row (ids below 2^53: exact)
+    -> [rows] int64 the row's token: the highest logit; on a tie the first rank's, whose vocabulary range
+    comes first, so the lowest id, as argmax over the whole row gives."""
     winner = np.argmax(pairs[:, :, 0], axis=0)  # [rows] the first rank holding the row's maximum
     return pairs[winner, np.arange(pairs.shape[1]), 1].astype(np.int64)
 
@@ -292,7 +297,8 @@ def shard_memory(c: ShardCache | None) -> dict[str, int]:
     if c is None:
         return {"kv_cache_bytes": 0, "kv_cache_bytes_unshared": 0}
     prefix = c.prefix.nbytes() if c.prefix is not None else 0
-    return {"kv_cache_bytes": c.nbytes(c.peak_own) + prefix, "kv_cache_bytes_unshared": c.nbytes(c.peak_position)}
+    return {"kv_cache_bytes": c.nbytes(c.peak_own) + prefix,
+            "kv_cache_bytes_unshared": c.nbytes(c.peak_position)}
 
 
 @dataclass(frozen=True)
@@ -308,14 +314,15 @@ class RankJob:
 
 
 def join_group(rank: int, job: RankJob) -> str:
-    """Make this process rank `rank` of paddle.distributed's default group; returns its device. The environment
-    is paddle.distributed's own launcher protocol (what `python -m paddle.distributed.launch` would set), written
-    here because specgen is the launcher; no specgen setting is read from it."""
+    """Make this process rank `rank` of paddle.distributed's default group; returns its device. The
+    environment is paddle.distributed's own launcher protocol (what `python -m paddle.distributed.launch`
+    would set), written here because specgen is the launcher; no specgen setting is read from it."""
     from specgen.backends import resolve_device
 
     device = resolve_device(job.load.device)
     os.environ.update(PADDLE_TRAINER_ID=str(rank), PADDLE_TRAINERS_NUM=str(len(job.endpoints)),
-                      PADDLE_TRAINER_ENDPOINTS=",".join(job.endpoints), PADDLE_CURRENT_ENDPOINT=job.endpoints[rank],
+                      PADDLE_TRAINER_ENDPOINTS=",".join(job.endpoints),
+                      PADDLE_CURRENT_ENDPOINT=job.endpoints[rank],
                       PADDLE_DISTRI_BACKEND="nccl" if device == "gpu" else "gloo")
     if device == "gpu":
         os.environ["FLAGS_selected_gpus"] = str(rank)
@@ -328,8 +335,8 @@ def join_group(rank: int, job: RankJob) -> str:
 
 @contextmanager
 def _quiet_stderr() -> Iterator[None]:
-    """Paddle's start-up chatter on file descriptor 2 (its modified FLAGS, the TCP store's connections) kept from
-    the user's terminal; shown if the start-up fails."""
+    """Paddle's start-up chatter on file descriptor 2 (its modified FLAGS, the TCP store's connections) kept
+    from the user's terminal; shown if the start-up fails."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as held:
@@ -359,12 +366,13 @@ def load_rank(job: RankJob, rank: int, world_size: int, threads: int) -> tuple[A
     return Model(ckpt, backend), ckpt, load
 
 
-HEADS_ON_MAIN = (Method.MTP, Method.EAGLE, Method.MEDUSA, Method.HYDRA)  # drafters reading the main model's weights
+# drafters reading the main model's weights
+HEADS_ON_MAIN = (Method.MTP, Method.EAGLE, Method.MEDUSA, Method.HYDRA)
 
 
 def serve_rank(worker: Worker, job: RankJob) -> dict[str, int]:
-    """A rank: rank 0 runs the engine over the requests it takes, sending each output as it finishes; the others
-    follow it. Returns the rank's KV cache peak."""
+    """A rank: rank 0 runs the engine over the requests it takes, sending each output as it finishes; the
+    others follow it. Returns the rank's KV cache peak."""
     from specgen.api import LoadedModel, load_model, make_engine
 
     spec = worker.spec
@@ -374,9 +382,9 @@ def serve_rank(worker: Worker, job: RankJob) -> dict[str, int]:
         worker.ready()
         return follow(model, model.backend)
     loaded = LoadedModel(model, ckpt.tokenizer, ckpt.config, ckpt.source, load)
-    # MTP, EAGLE, Medusa and Hydra heads read the main model's full embedding or LM head (a rank holds a slice of
-    # the vocabulary): rank 0 keeps a full copy for them (replicated, run here only). n-gram needs no model; a
-    # draft model loads its own checkpoint whole.
+    # MTP, EAGLE, Medusa and Hydra heads read the main model's full embedding or LM head (a rank holds a slice
+    # of the vocabulary): rank 0 keeps a full copy for them (replicated, run here only). n-gram needs no
+    # model; a draft model loads its own checkpoint whole.
     drafting = load_model(job.model, load) if job.spec.method in HEADS_ON_MAIN else loaded
     engine = make_engine(loaded, job.engine, job.spec, drafting=drafting)
     worker.ready()
@@ -388,9 +396,9 @@ def serve_rank(worker: Worker, job: RankJob) -> dict[str, int]:
     return engine.memory()
 
 
-def free_endpoints(n: int) -> tuple[str, ...]:
-    """n loopback addresses with ports free now (the ranks bind them moments later)."""
-    socks = [socket.socket() for _ in range(n)]
+def free_endpoints(world_size: int) -> tuple[str, ...]:
+    """A loopback address for each rank, with a port free now (the ranks bind them moments later)."""
+    socks = [socket.socket() for _ in range(world_size)]
     try:
         for s in socks:
             s.bind(("127.0.0.1", 0))
@@ -400,49 +408,39 @@ def free_endpoints(n: int) -> tuple[str, ...]:
             s.close()
 
 
-def check_engine(engine: EngineConfig, num_ranks: int, flag: str = "--tensor-parallel-size") -> None:
+def check_engine(engine: EngineConfig, world_size: int, flag: str = "--tensor-parallel-size") -> None:
     """The ranks run the reference backend's operators over float weights, on the CPU or one GPU each."""
     from specgen.backends import resolve_device
 
-    if resolve_device(engine.device) == "gpu" and paddle.device.cuda.device_count() < num_ranks:
-        raise ConfigError(f"{flag} {num_ranks} on GPUs needs one GPU per rank; "
+    if resolve_device(engine.device) == "gpu" and paddle.device.cuda.device_count() < world_size:
+        raise ConfigError(f"{flag} {world_size} on GPUs needs one GPU per rank; "
                           f"{paddle.device.cuda.device_count()} are visible")
     if engine.backend == "fused":
-        raise ConfigError(f"{flag} runs the reference backend (the fused CPU forward is one operator over all "
-                          "layers, with no sum between them); use --backend auto or reference")
+        raise ConfigError(f"{flag} runs the reference backend (the fused CPU forward is one operator "
+                          "over all layers, with no sum between them); use --backend auto or reference")
     if engine.matmul != "float32" or engine.quantization in ("wint8", "wint4"):
-        raise ConfigError(f"{flag} shards float weights: leave --matmul float32 and --quantization auto or none")
+        raise ConfigError(f"{flag} shards float weights: leave --matmul float32 "
+                          "and --quantization auto or none")
     if engine.kv_cache_dtype != "auto":
         raise ConfigError(f"{flag} keeps the KV cache in the model's dtype: leave --kv-cache-dtype auto")
 
 
-class TensorParallelEngine(DataParallelEngine):
-    """Engine.run's contract over N tensor-parallel ranks: requests go to rank 0 only (the others never take a
-    task), outputs come back from it; the KV budget is rank 0's share of it (its KV heads over all ranks').
-    expert_parallel: a mixture-of-experts model, its experts split over the ranks too (--expert-parallel-size)."""
-
-    def __init__(self, model: str, load: EngineConfig, engine: EngineConfig, spec: SpecConfig, num_ranks: int,
-                 config: ModelConfig, expert_parallel: bool = False):
-        check_tensor_parallel(config, num_ranks, expert_parallel)
-        kind = "expert" if expert_parallel else "tensor"
-        check_engine(load, num_ranks, f"--{kind}-parallel-size")
-        threads, _ = worker_engines(engine, num_ranks)
-        kv = [len(plan_shard(config, r, num_ranks).kv_heads) for r in range(num_ranks)]
-        budget = engine.kv_memory_limit() or int(0.9 * available_memory())
-        rank0 = dataclasses.replace(engine, max_kv_memory=str(max(budget * kv[0] // sum(kv), 1)))
-        # held here: a started Process drops its arguments, and a queue the parent drops is gone for the child
-        self.commands = CommandChannel.make(num_ranks)
-        job = RankJob(model, load, rank0, spec, free_endpoints(num_ranks), self.commands)
-        self.group = WorkerGroup(serve_rank, job, threads, f"{kind}-parallel rank")
-        self.max_in_flight = 2 * engine.batch_size
-
-    def run(self, requests):
-        """A rank's error that a dead peer caused (a collective broken under it) is reported as the death."""
-        try:
-            yield from super().run(requests)
-        except EngineError:
-            deadline = time.monotonic() + DEATH_GRACE_SECONDS
-            while time.monotonic() < deadline:
-                self.group.check_alive()  # raises WorkerError naming the dead rank
-                time.sleep(0.1)
-            raise
+def tensor_parallel_engine(model: str, load: EngineConfig, engine: EngineConfig, spec: SpecConfig,
+                           world_size: int, config: ModelConfig,
+                           expert_parallel: bool = False) -> WorkerEngine:
+    """Engine.run's contract over `world_size` tensor-parallel ranks: requests go to rank 0 only (the others
+    never take a task), outputs come back from it; the KV budget is rank 0's share of it (its KV heads over
+    all ranks').
+    expert_parallel: a mixture-of-experts model, its experts split over the ranks too
+    (--expert-parallel-size).
+    A rank's error that a dead peer caused (a collective broken under it) is reported as the death."""
+    check_tensor_parallel(config, world_size, expert_parallel)
+    kind = "expert" if expert_parallel else "tensor"
+    check_engine(load, world_size, f"--{kind}-parallel-size")
+    threads, _ = worker_engines(engine, world_size)
+    kv = [len(plan_shard(config, r, world_size).kv_heads) for r in range(world_size)]
+    budget = engine.kv_memory_limit() or int(0.9 * available_memory())
+    rank0 = dataclasses.replace(engine, max_kv_memory=str(max(budget * kv[0] // sum(kv), 1)))
+    job = RankJob(model, load, rank0, spec, free_endpoints(world_size), CommandChannel.make(world_size))
+    group = WorkerGroup(serve_rank, job, threads, f"{kind}-parallel rank")
+    return WorkerEngine(group, 2 * engine.batch_size, grace=DEATH_GRACE_SECONDS)

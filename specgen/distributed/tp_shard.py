@@ -1,10 +1,11 @@
-"""Tensor-parallel shards of a decoder's weights, cut by hand (Megatron-LM's layout, Shoeybi et al. 2019): each
-rank holds some attention heads (q/k/v columns, o rows) and some MLP columns (gate/up columns, down rows), so a
-block needs one sum over the ranks after o and one after down; the embedding and the LM head hold a contiguous
-range of the vocabulary each. Splits are as even as they go (numpy.array_split): the first ranks take one more.
+"""Tensor-parallel shards of a decoder's weights, cut by hand (Megatron-LM's layout, Shoeybi et al. 2019):
+each rank holds some attention heads (q/k/v columns, o rows) and some MLP columns (gate/up columns, down
+rows), so a block needs one sum over the ranks after o and one after down; the embedding and the LM head hold
+a contiguous range of the vocabulary each. Splits are as even as they go (numpy.array_split): the first ranks
+take one more.
 
-With expert parallelism (a mixture-of-experts model) the same ranks also split the routed experts: each holds a
-contiguous range of expert ids whole, and the router and shared experts as above (router replicated, shared
+With expert parallelism (a mixture-of-experts model) the same ranks also split the routed experts: each holds
+a contiguous range of expert ids whole, and the router and shared experts as above (router replicated, shared
 experts by columns). Every rank has every token's hidden row after the attention's sum, so each routes all of
 them alike and runs its own experts over the tokens routed there (the gather is the sum already made); the one
 sum after the MLP then adds every expert's output to its token's row (the scatter back)."""
@@ -35,7 +36,8 @@ class RankShard:
     kv_heads: np.ndarray  # [local_kv_heads] int64 the global KV head of each local KV head
     inter: tuple[int, int]  # a dense MLP's columns [lo, hi) (shard_block cuts shared experts' alike)
     vocab: tuple[int, int]  # vocabulary rows [lo, hi) of the embedding and the LM head
-    vocab_sizes: tuple[int, ...]  # [world_size] every rank's hi - lo (gathered logits are padded to the largest)
+    vocab_sizes: tuple[int, ...]  # [world_size] every rank's hi - lo (gathered logits are padded to the
+    # ... largest)
     experts: tuple[int, int] = (0, 0)  # routed expert ids [lo, hi) held whole (expert parallelism; else none)
 
     def shape(self, full: BlockShape) -> BlockShape:
@@ -54,12 +56,12 @@ def local_heads(heads: np.ndarray, num_heads: int, num_kv_heads: int) -> tuple[n
     padding head [local_heads]; the global KV head of each local KV head [local_kv_heads]). Local head j reads
     local KV head j // (local_heads / local_kv_heads), as grouped-query attention does.
 
-    Query head h reads KV head h // G (G = num_heads / num_kv_heads). A rank holds each KV head its heads read:
-    sharded when N divides KV, replicated on the ranks sharing a group otherwise. When a group straddles two
-    ranks unevenly (SmolLM2's 9 heads and 3 KV heads over 2 ranks: heads 0-4 read KV heads 0 and 1), every local
-    group is padded to the rank's largest with heads whose q columns and o rows are zero: they attend, and add
-    exactly nothing. This keeps the KV cache at most N - 1 heads over the model's (rather than a copy per query
-    head) for a few heads' attention more."""
+    Query head h reads KV head h // G (G = num_heads / num_kv_heads). A rank holds each KV head its heads
+    read: sharded when N divides KV, replicated on the ranks sharing a group otherwise. When a group straddles
+    two ranks unevenly (SmolLM2's 9 heads and 3 KV heads over 2 ranks: heads 0-4 read KV heads 0 and 1), every
+    local group is padded to the rank's largest with heads whose q columns and o rows are zero: they attend,
+    and add exactly nothing. This keeps the KV cache at most N - 1 heads over the model's (rather than a copy
+    per query head) for a few heads' attention more."""
     kv_of = heads // (num_heads // num_kv_heads)  # [len(heads)]
     kv, counts = np.unique(kv_of, return_counts=True)
     layout = np.full((len(kv), counts.max()), PAD_HEAD, np.int64)  # [local_kv_heads, local group]
@@ -73,8 +75,10 @@ def plan_shard(cfg: ModelConfig, rank: int, world_size: int) -> RankShard:
                                   cfg.num_heads, cfg.num_kv_heads)
     experts = _range(cfg.moe.num_experts, rank, world_size) if cfg.moe is not None else (0, 0)
     return RankShard(rank, world_size, heads, kv_heads,
-                     _range(cfg.intermediate_size, rank, world_size), _range(cfg.vocab_size, rank, world_size),
-                     tuple(hi - lo for lo, hi in (_range(cfg.vocab_size, r, world_size) for r in range(world_size))),
+                     _range(cfg.intermediate_size, rank, world_size),
+                     _range(cfg.vocab_size, rank, world_size),
+                     tuple(hi - lo for lo, hi in (_range(cfg.vocab_size, r, world_size)
+                                                  for r in range(world_size))),
                      experts)
 
 
@@ -84,16 +88,17 @@ def check_tensor_parallel(cfg: ModelConfig, world_size: int, expert_parallel: bo
     flag = f"--{'expert' if expert_parallel else 'tensor'}-parallel-size {world_size}"
     if cfg.moe is not None and not expert_parallel:
         raise ConfigError("--tensor-parallel-size does not shard a mixture-of-experts model's experts; use "
-                          "--expert-parallel-size N (experts split over N ranks, attention sharded over them as here)")
+                          "--expert-parallel-size N (experts split over N ranks, attention sharded "
+                          "over them as here)")
     if cfg.moe is None and expert_parallel:
-        raise ConfigError("--expert-parallel-size shards a mixture-of-experts model's experts; this model is dense: "
-                          "use --tensor-parallel-size")
+        raise ConfigError("--expert-parallel-size shards a mixture-of-experts model's experts; "
+                          "this model is dense: use --tensor-parallel-size")
     if world_size > cfg.num_heads:
-        raise ConfigError(f"{flag} is more ranks than the model's {cfg.num_heads} attention heads; use at most "
-                          "that many")
+        raise ConfigError(f"{flag} is more ranks than the model's {cfg.num_heads} attention heads; "
+                          "use at most that many")
     if expert_parallel and world_size > cfg.moe.num_experts:
-        raise ConfigError(f"{flag} is more ranks than the model's {cfg.moe.num_experts} experts; use at most that "
-                          "many")
+        raise ConfigError(f"{flag} is more ranks than the model's {cfg.moe.num_experts} experts; "
+                          "use at most that many")
 
 
 def _take(w: paddle.Tensor, idx: np.ndarray, axis: int) -> paddle.Tensor:
@@ -111,8 +116,8 @@ def _columns(lin: Linear, cols: np.ndarray) -> Linear:
 
 
 def _rows(lin: Linear, rows: np.ndarray, keep_bias: bool) -> Linear:
-    """A row-parallel part: input rows `rows` of W [in, out] (negative: zeros); the bias on one rank only (the sum
-    adds it once)."""
+    """A row-parallel part: input rows `rows` of W [in, out] (negative: zeros); the bias on one rank only (the
+    sum adds it once)."""
     return Linear(_take(lin.weight, rows, 0), lin.bias if keep_bias else None)
 
 
@@ -123,8 +128,8 @@ def _head_columns(heads: np.ndarray, head_dim: int, offset: int = 0) -> np.ndarr
 
 
 def shard_block(b: DecoderBlock, s: RankShard, full: BlockShape, inter_size: int) -> DecoderBlock:
-    """A dense block's MLP is cut into inter_size's columns s.inter; a routed block keeps its experts s.experts
-    whole and cuts its shared experts' columns (if any) as evenly."""
+    """A dense block's MLP is cut into inter_size's columns s.inter; a routed block keeps its experts
+    s.experts whole and cuts its shared experts' columns (if any) as evenly."""
     D, H, KV = full.head_dim, full.num_heads, full.num_kv_heads
     q = _head_columns(s.heads, D)
     k = _head_columns(s.kv_heads, D, H * D)
@@ -132,7 +137,8 @@ def shard_block(b: DecoderBlock, s: RankShard, full: BlockShape, inter_size: int
     b = dataclasses.replace(b, qkv=_columns(b.qkv, np.concatenate([q, k, v])), o=_rows(b.o, q, s.rank == 0))
     if b.moe is not None:
         lo, hi = s.experts
-        b = dataclasses.replace(b, moe=dataclasses.replace(b.moe, experts=b.moe.experts[lo:hi], first_expert=lo))
+        b = dataclasses.replace(b, moe=dataclasses.replace(b.moe, experts=b.moe.experts[lo:hi],
+                                                           first_expert=lo))
         if b.down is None:  # no shared experts
             return b
         inter_size = b.down.weight.shape[0]
@@ -142,10 +148,12 @@ def shard_block(b: DecoderBlock, s: RankShard, full: BlockShape, inter_size: int
 
 
 def shard_weights(w: DecoderWeights, s: RankShard, full: BlockShape, inter_size: int) -> DecoderWeights:
-    """Rank `s.rank`'s part of every weight (dense Paddle [in, out] weights, as the reference backend reads)."""
+    """Rank `s.rank`'s part of every weight (dense Paddle [in, out] weights, as the reference backend
+    reads)."""
     lo, hi = s.vocab
     return DecoderWeights(
-        embed=paddle.gather(w.embed, paddle.to_tensor(np.arange(lo, hi, dtype=np.int64))),  # [local_vocab, hidden]
+        # [local_vocab, hidden]
+        embed=paddle.gather(w.embed, paddle.to_tensor(np.arange(lo, hi, dtype=np.int64))),
         blocks=[shard_block(b, s, full, inter_size) for b in w.blocks],
         final_norm=w.final_norm,
         lm_head=_columns(w.lm_head, np.arange(lo, hi, dtype=np.int64)),  # [hidden] -> [local_vocab]

@@ -11,41 +11,26 @@ import paddle
 from specgen.config import EngineConfig
 from specgen.engine.adaptive import Controller, StepReport
 from specgen.engine.adaptive.calibrate import controller_for
+from specgen.engine.memory import KvMemory
 from specgen.engine.proposers.base import NoProposer, Proposer, SlotView
 from specgen.engine.sampling import sample, uniforms
 from specgen.engine.scheduler import Scheduler
 from specgen.engine.slots import MAX_DRAFT, SlotTable, common_prefix, error_output, rejection
 from specgen.engine.stops import stop_strings
-from specgen.engine.tree import CAUSAL, MAX_TREE_NODES, node_gains, prune, reach, tree_layout, walk
-from specgen.engine.types import DraftTokens, Request, RequestOutput, SlotSampling, StepUpdate, build_forward_batch
+from specgen.engine.tree import CAUSAL, main_chain, node_values, offer, reach, tree_layout, walk
+from specgen.engine.types import DraftTokens, Request, RequestOutput, SlotSampling, StepUpdate
 from specgen.engine.verify import accept_lengths, first_stop
-from specgen.engine.kv_cache import available_memory
-from specgen.errors import ConfigError, MemoryBudgetError
+from specgen.errors import ConfigError
 from specgen.models.model import Model
 from specgen.models.tokenizer import TextTokenizer
-
-
-def kv_budget(cache, config: EngineConfig) -> int:
-    """Bytes the KV cache may take: 90% of the memory available now (plus what a zero-filled cache already holds),
-    capped by max_kv_memory."""
-    avail = int(0.9 * available_memory()) + (cache.nbytes() if cache.zeroed else 0)
-    limit = config.kv_memory_limit()
-    return avail if limit is None else min(avail, limit)
-
-
-def gib(n: int) -> str:
-    """Bytes for a message: GiB, or MiB / KiB below one."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
+from specgen.runtime.batch import ForwardBatch, build_forward_batch
 
 
 def nonfinite_slots(out, batch) -> np.ndarray:
-    """Slots with a NaN or Inf in the step's final hidden states: [n] int64, most often empty. One reduction when
-    all is well (on the CPU in numpy: 21 us a step at batch 1, where Paddle's sum took 56-66 us inside the engine);
-    the per-row search only when it is not. NaN or Inf that only the LM head's own weights would bring is not
-    looked for (summing the logits cost up to 21 ms a step at 256 slots)."""
+    """Slots with a NaN or Inf in the step's final hidden states: [n] int64, most often empty. One reduction
+    when all is well (on the CPU in numpy: 21 us a step at batch 1, where Paddle's sum took 56-66 us inside
+    the engine); the per-row search only when it is not. NaN or Inf that only the LM head's own weights would
+    bring is not looked for (summing the logits cost up to 21 ms a step at 256 slots)."""
     h = out.hidden
     if np.isfinite(h.numpy().sum() if h.place.is_cpu_place() else float(paddle.sum(h))):
         return np.empty(0, np.int64)
@@ -55,7 +40,8 @@ def nonfinite_slots(out, batch) -> np.ndarray:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """Who takes part in a step and with what: decoding slots with their drafts, prefilling slots with a chunk."""
+    """Who takes part in a step and with what: decoding slots with their drafts, prefilling slots
+    with a chunk."""
 
     dec: np.ndarray  # [num_dec] int64 decoding slots
     new: np.ndarray  # [num_new] int64 slots prefilling this step
@@ -66,18 +52,32 @@ class StepPlan:
     num_avail: np.ndarray  # [num_dec] int64 drafts offered, capped by room
     num_draft: np.ndarray  # [num_dec] int64 drafts verified (a tree's nodes)
     draft_seconds: float  # the proposer's propose
-    depth: np.ndarray | None = None  # [num_dec, width + 1] int64 a tree block's depths (tree.tree_layout); None: chains
+    depth: np.ndarray | None = None  # [num_dec, width + 1] int64 a tree block's depths (tree.tree_layout);
+    # None: chains
     mask: np.ndarray | None = None  # [num_dec, width + 1] int64 a tree block's attention masks
-    # a plain step, the proposer and the controller not called: speculation ruled out for good (Controller.off), or
-    # every slot detached from a drafter idle for detached slots (Proposer.idle_when_detached)
+    # a plain step, the proposer and the controller not called: speculation ruled out for good
+    # (Controller.off), or every slot detached from a drafter idle for detached slots
+    # (Proposer.idle_when_detached)
     idle: bool = False
+
+
+@dataclass(frozen=True)
+class StepBlocks:
+    """The step's packed forward and where its blocks are: decoding slots first, then prefilling ones."""
+
+    batch: ForwardBatch
+    slots: np.ndarray  # [num_seqs] int64 each block's slot
+    starts: np.ndarray  # [num_seqs] int64 position of each block's first token
+    lens: np.ndarray  # [num_seqs] int64 tokens in each block
+    dec_mask: np.ndarray  # [num_dec, width + 1] bool the rows of each decoding block that are fed
 
 
 class Engine:
     """Generates completions for a stream of requests with a static batch of slots."""
 
-    # Whether the request source yields its next item without waiting (Scheduler's `ready`); None: it always does
-    # (a file being read). A worker fed by a queue sets it, so running slots never wait for the next request.
+    # Whether the request source yields its next item without waiting (Scheduler's `ready`);
+    # None: it always does (a file being read). A worker fed by a queue sets it, so running slots never
+    # wait for the next request.
     ready = None
 
     def __init__(self, model: Model, tokenizer: TextTokenizer | None, config: EngineConfig,
@@ -94,8 +94,7 @@ class Engine:
             raise ConfigError(f"the model was loaded with matmul {loaded!r}, the engine asks for "
                               f"{config.matmul!r}: load it with load_model(..., matmul={config.matmul!r})")
         self.cache = model.new_cache(config.batch_size, self.context_len, config.kv_cache_dtype)
-        self.kv_budget = kv_budget(self.cache, config)  # bytes the KV cache may take (admission checks it)
-        self.kv_high = np.zeros(config.batch_size, np.int64)  # [num_slots] the longest request each slot held
+        self.kv_memory = KvMemory(self.cache, config, self.context_len)  # admission checks it
         self.table = SlotTable.empty(config.batch_size, 256)
         self.requests: list[Request | None] = [None] * config.batch_size
         self.adaptive, self.max_draft = adaptive, max_draft
@@ -103,11 +102,13 @@ class Engine:
         self.prefix_ids: np.ndarray | None = None  # [prefix_tokens] the shared prefix, once computed
         self.prefix_hidden = None  # paddle [prefix_tokens, hidden]
         self.num_steps = 0  # steps run (named in a non-finite request's error)
-        self.expert_tokens: np.ndarray | None = None  # [num_routed_blocks, num_experts] tokens each expert took (MoE)
+        # tokens each expert took (MoE)
+        self.expert_tokens: np.ndarray | None = None  # [num_routed_blocks, num_experts]
 
     def _start(self, num_requests: int) -> None:
         """The adaptive controller, its step costs measured with as many slots as the job will fill at first
-        (a job of 8 requests in 32 slots times 8-slot steps: 4x cheaper start-up, and the costs it will see)."""
+        (a job of 8 requests in 32 slots times 8-slot steps: 4x cheaper start-up, and the costs it will
+        see)."""
         active = max(1, min(self.config.batch_size, num_requests))
         self.controller = controller_for(self.model, self.cache, self.max_draft, self.config, active)
         self.controller.rule_out(self.proposer.acceptance_hint, active)
@@ -117,10 +118,9 @@ class Engine:
     def _place(self, slot: int, req: Request) -> None:
         n = len(req.prompt_ids)
         end = min(n + req.params.max_tokens, self.context_len)  # the request's last position + 1
-        self._check_memory(slot, req, end)
-        self.kv_high[slot] = max(self.kv_high[slot], end)
-        self.cache.admit(n + MAX_DRAFT + 1, end + MAX_DRAFT + 1)
-        # A prompt that starts with the shared prefix skips it (keeping at least one token of its own to prefill).
+        self.kv_memory.admit(slot, req.id, n, end)
+        # A prompt that starts with the shared prefix skips it
+        # (keeping at least one token of its own to prefill).
         shared = 0
         if self.prefix_ids is not None and n > 1 and len(self.prefix_ids) <= n:
             if np.array_equal(self.prefix_ids, req.prompt_ids[: len(self.prefix_ids)]):
@@ -129,37 +129,6 @@ class Engine:
         self.requests[slot] = req
         if self.controller is not None:
             self.controller.reset(slot)
-
-    def kv_need(self, ends: np.ndarray) -> int:
-        """KV bytes for requests whose last positions + 1 are `ends`, each running to its end: the pages a slot
-        writes (storage starts uninitialized), or the whole zero-filled capacity they make the cache grow to."""
-        c, room = self.cache, MAX_DRAFT + 1
-        if c.zeroed:
-            return c.nbytes(max(c.capacity, min(int(ends.max(initial=0)) + room, c.max_capacity)))
-        return c.bytes_per_position() * int((np.minimum(ends + room, c.max_capacity)).sum())
-
-    def fitting_batch(self) -> int:
-        """The batch size whose KV cache fits the budget at the full context."""
-        per_slot = self.kv_need(np.array([self.context_len])) // (self.cache.num_slots if self.cache.zeroed else 1)
-        return int(min(max(1, self.kv_budget // max(per_slot, 1)), 256))
-
-    def memory_advice(self) -> str:
-        """What fits the KV budget: the batch size at the full context, the context at this batch size."""
-        positions = self.kv_budget // (self.cache.bytes_per_position() * self.cache.num_slots) - MAX_DRAFT - 1
-        return f"--batch-size {self.fitting_batch()} or --max-model-len {max(positions, 1)} guarantees it"
-
-    def _check_memory(self, slot: int, req: Request, end: int) -> None:
-        """The slots' pages stay resident up to the longest request each held (and, once the cache grew, up to the
-        rows the growth copied for every slot): the need is each slot's high-water mark, this slot's raised."""
-        c = self.cache
-        ends = np.maximum(self.kv_high, c.peak_own if c.capacity > c.initial_capacity else 0)  # [num_slots]
-        ends[slot] = max(ends[slot], end)
-        need = self.kv_need(ends[ends > 0])
-        if need > self.kv_budget:
-            raise MemoryBudgetError(
-                f"request {req.id!r} runs to position {end}: with what the {int((ends > 0).sum())} slots in use hold, "
-                f"the KV cache would need {gib(need)}, over its budget of {gib(self.kv_budget)}; rerun with --resume "
-                f"and --batch-size {self.fitting_batch()} (it fits the full context) or a larger --max-kv-memory")
 
     def _finish(self, slot: int, reason: str, text_cut: str | None) -> RequestOutput:
         t, req = self.table, self.requests[slot]
@@ -201,8 +170,8 @@ class Engine:
                 yield out
 
     def _scheduler(self, requests: Iterable[Request]) -> Scheduler:
-        return Scheduler(requests, self.config.batch_size, self.config.max_prefill_tokens, self.config.prefill_chunk,
-                         ready=self.ready)
+        return Scheduler(requests, self.config.batch_size, self.config.max_prefill_tokens,
+                         self.config.prefill_chunk, ready=self.ready)
 
     def _admit(self, slot: int, req: Request) -> RequestOutput | None:
         """Place `req` in `slot`, or return its error record (a prompt the engine cannot run)."""
@@ -213,15 +182,43 @@ class Engine:
         return None
 
     def step(self) -> list[tuple[RequestOutput, int]]:
-        """One forward for every active slot: prefill blocks (or prompt chunks) of new slots, [last + drafts] of
-        decoding ones. Returns the requests that finished, with their slots."""
+        """One forward for every active slot: prefill blocks (or prompt chunks) of new slots, [last + drafts]
+        of decoding ones. Returns the requests that finished, with their slots."""
         start = time.perf_counter()
         plan = self._plan()
+        blocks = self._blocks(plan)
+        slots, t = blocks.slots, self.table
+        # A step whose slots are all greedy needs no logits (a screened LM head skips them).
+        out = self.model.forward(blocks.batch, self.cache, logits=bool(t.temperature[slots].any()))
+        targets = self._sample(blocks.batch, out)
+        forward_seconds = time.perf_counter() - start
+        self._tally(out)
+        # NaN / Inf: these end in error
+        broken = np.isin(slots, nonfinite_slots(out, blocks.batch))  # [num_seqs]
+        emitted, accepted, path = self._verify(plan, blocks, targets)
+        num_emitted = np.concatenate([accepted + 1, plan.final.astype(np.int64)])  # a mid-prompt chunk: none
+        kept, by_eos = first_stop(emitted, num_emitted, self.eos_ids, plan.room[slots], t.ignore_eos[slots])
+        by_stop, texts = stop_strings(self.tokenizer, self.requests, t, slots, emitted, kept)
+        position = t.seq_len[slots] - t.prompt_len[slots]  # [num_seqs] output tokens before this step
+        root_rows = t.seq_len[plan.dec] - 1 - t.prefix_len[plan.dec]  # [num_dec] own cache row of each root
+        produced = self._commit(plan, slots, emitted, kept)
+        if path is not None:
+            self._compact(plan.dec, root_rows, path, kept[: len(plan.dec)])
+        done = by_eos | by_stop | (t.seq_len[slots] >= t.max_len[slots]) | broken
+        if not plan.idle:
+            observe_seconds = self._observe(plan, blocks, produced, kept, done, out.hidden, broken, path)
+            if self.controller is not None:
+                self._report(plan, blocks, emitted, kept, accepted, forward_seconds, observe_seconds)
+        return self._finished(slots, done, broken, by_eos | by_stop, texts, position)
+
+    def _blocks(self, plan: StepPlan) -> StepBlocks:
+        """The step's packed forward: decoding blocks [last, drafts...] first, then the new slots' prompt
+        chunks."""
         t = self.table
-        width = plan.drafts.draft_ids.shape[1]
-        # Packed tokens: decoding blocks [last, drafts...] first, then the new slots' prompts.
         dec, new, chunk = plan.dec, plan.new, plan.chunk
-        dec_blocks = np.concatenate([t.tokens[dec, t.seq_len[dec] - 1][:, None], plan.drafts.draft_ids], axis=1)
+        width = plan.drafts.draft_ids.shape[1]
+        dec_blocks = np.concatenate([t.tokens[dec, t.seq_len[dec] - 1][:, None], plan.drafts.draft_ids],
+                                    axis=1)
         dec_mask = np.arange(width + 1)[None, :] <= plan.num_draft[:, None]  # [num_dec, width + 1]
         col_all = np.arange(t.tokens.shape[1])[None, :]
         new_start = t.prefill_pos[new]
@@ -230,9 +227,10 @@ class Engine:
         lens = np.concatenate([plan.num_draft + 1, chunk])
         starts = np.concatenate([t.seq_len[dec] - 1, new_start])
         tree_depth = tree_mask = None
-        # Tree rows only where some slot verifies a node: a block of roots alone is causal, and runs the causal path
-        # (the tree-masked one cost +0.6% for 1 token, +4-7% for 3-5, one slot at position 256).
-        if plan.depth is not None and plan.num_draft.any():  # prompt chunks: depth = index in the block, causal
+        # Tree rows only where some slot verifies a node: a block of roots alone is causal, and runs the
+        # causal path (the tree-masked one cost +0.6% for 1 token, +4-7% for 3-5, one slot at position 256).
+        # prompt chunks: depth = index in the block, causal
+        if plan.depth is not None and plan.num_draft.any():
             chunk_index = np.arange(int(chunk.sum())) - np.repeat(np.cumsum(chunk) - chunk, chunk)
             tree_depth = np.concatenate([plan.depth[dec_mask], chunk_index])
             tree_mask = np.concatenate([plan.mask[dec_mask], np.full(len(chunk_index), CAUSAL)])
@@ -242,135 +240,133 @@ class Engine:
             no_logits=np.concatenate([np.zeros(len(dec), bool), ~plan.final]),
             prefix_lens=t.prefix_len[slots] if self.prefix_ids is not None else None,
             tree_depth=tree_depth, tree_mask=tree_mask)
-        # A step whose slots are all greedy needs no logits (a screened LM head skips them).
-        out = self.model.forward(batch, self.cache, logits=bool(t.temperature[slots].any()))
-        targets = self._sample(batch, out)
-        forward_seconds = time.perf_counter() - start
+        return StepBlocks(batch, slots, starts, lens, dec_mask)
+
+    def _tally(self, out) -> None:
+        """Steps run, and for an MoE model what its experts took (verified drafts included)."""
         self.num_steps += 1
-        if out.expert_counts is not None:  # an MoE model: what its experts took (verified drafts included)
-            self.expert_tokens = out.expert_counts + (self.expert_tokens if self.expert_tokens is not None else 0)
-        broken = np.isin(slots, nonfinite_slots(out, batch))  # [num_seqs] NaN / Inf: these requests end in error
+        if out.expert_counts is not None:
+            self.expert_tokens = (out.expert_counts
+                                  + (self.expert_tokens if self.expert_tokens is not None else 0))
 
-        # Targets back into [num_seqs, width + 1]: decode rows are the first sum(num_draft + 1) logit rows.
-        emitted = np.zeros((len(slots), width + 1), np.int64)
-        num_dec_rows = int(dec_mask.sum())
-        emitted[: len(dec)][dec_mask] = targets[:num_dec_rows]
-        emitted[len(dec):, 0][plan.final] = targets[num_dec_rows:]
-        path = None  # [num_dec, width + 1] a tree's accepted path (block indices)
+    @staticmethod
+    def _verify(plan: StepPlan, blocks: StepBlocks, targets: np.ndarray):
+        """The model's choices back into blocks, and what they accept: (emitted [num_seqs, width + 1] int64
+        the tokens each block emits, in order (a tree's along its accepted path); accepted [num_dec] int64
+        drafts accepted; path [num_dec, width + 1] int64 a tree's accepted path (block indices), None for
+        chains)."""
+        num_dec, dec_mask = len(plan.dec), blocks.dec_mask
+        emitted = np.zeros((len(blocks.slots), dec_mask.shape[1]), np.int64)
+        num_dec_rows = int(dec_mask.sum())  # decode rows are the first sum(num_draft + 1) logit rows
+        emitted[:num_dec][dec_mask] = targets[:num_dec_rows]
+        emitted[num_dec:, 0][plan.final] = targets[num_dec_rows:]
         if plan.depth is None:
-            accepted = accept_lengths(plan.drafts.draft_ids, plan.num_draft, emitted[: len(dec)])
-        else:
-            accepted, path = walk(plan.drafts.draft_ids, plan.drafts.parents, plan.num_draft, emitted[: len(dec)])
-            emitted[: len(dec)] = np.take_along_axis(emitted[: len(dec)], path, axis=1)
-        num_emitted = np.concatenate([accepted + 1, plan.final.astype(np.int64)])  # a mid-prompt chunk: none
-        kept, by_eos = first_stop(emitted, num_emitted, self.eos_ids, plan.room[slots], t.ignore_eos[slots])
-        by_stop, texts = stop_strings(self.tokenizer, self.requests, t, slots, emitted, kept)
-        position = t.seq_len[slots] - t.prompt_len[slots]  # [num_seqs] output tokens before this step
-        root_rows = t.seq_len[dec] - 1 - t.prefix_len[dec]  # [num_dec] own cache row of each block's root
-        produced = self._commit(plan, slots, emitted, kept)
-        if path is not None:
-            self._compact(dec, root_rows, path, kept[: len(dec)])
-        done = by_eos | by_stop | (t.seq_len[slots] >= t.max_len[slots]) | broken
+            return emitted, accept_lengths(plan.drafts.draft_ids, plan.num_draft, emitted[:num_dec]), None
+        accepted, path = walk(plan.drafts.draft_ids, plan.drafts.parents, plan.num_draft, emitted[:num_dec])
+        emitted[:num_dec] = np.take_along_axis(emitted[:num_dec], path, axis=1)
+        return emitted, accepted, path
 
-        observe_seconds = 0.0 if plan.idle else \
-            self._observe(plan, slots, lens, starts, produced, kept, done, out.hidden, broken, path)
-        if self.controller is not None and not plan.idle:
-            offered, num_offered = plan.drafts.draft_ids, plan.num_avail
-            if plan.depth is not None:  # a tree's acceptance is its main chain's (the first child at each node)
-                num_offered, chain = walk(offered, plan.drafts.parents, plan.num_avail, None)
-                offered = np.take_along_axis(np.concatenate([np.zeros((len(dec), 1), np.int64), offered], axis=1),
-                                             chain, axis=1)[:, 1:]
-            self.controller.end_step(StepReport(
-                slots=dec, draft_ids=offered, num_avail=num_offered, num_draft=plan.num_draft,
-                source=plan.drafts.source, emitted=emitted[: len(dec)], kept=kept[: len(dec)],
-                num_tokens=len(batch.token_ids), forward_seconds=forward_seconds,
-                draft_seconds=plan.draft_seconds + observe_seconds, rated=self._rated(plan, accepted)))
+    def _report(self, plan: StepPlan, blocks: StepBlocks, emitted, kept, accepted, forward_seconds: float,
+                observe_seconds: float) -> None:
+        """The controller's lesson of the step. A tree's acceptance is its main chain's (the first child at
+        each node)."""
+        num_dec = len(plan.dec)
+        offered, num_offered = plan.drafts.draft_ids, plan.num_avail
+        if plan.depth is not None:
+            offered, num_offered = main_chain(offered, plan.drafts.parents, plan.num_avail)
+        self.controller.end_step(StepReport(
+            slots=plan.dec, draft_ids=offered, num_avail=num_offered, num_draft=plan.num_draft,
+            source=plan.drafts.source, emitted=emitted[:num_dec], kept=kept[:num_dec],
+            num_tokens=len(blocks.batch.token_ids), forward_seconds=forward_seconds,
+            draft_seconds=plan.draft_seconds + observe_seconds, rated=self._rated(plan, accepted)))
+
+    def _finished(self, slots, done, broken, stopped, texts, position) -> list[tuple[RequestOutput, int]]:
+        """The outputs of the requests the step ended (one Python iteration per finished request, not per
+        slot)."""
         finished = []
         for i in np.nonzero(done)[0]:
             s = int(slots[i])
             if broken[i]:
-                finished.append((self._fail(s, f"non-finite values (NaN or Inf) in the model's output at engine step "
-                                               f"{self.num_steps}, output token {int(position[i])}"),
-                                 s))
-                continue
-            finished.append((self._finish(s, "stop" if (by_eos[i] or by_stop[i]) else "length", texts.get(s)), s))
+                why = ("non-finite values (NaN or Inf) in the model's output at engine step "
+                       f"{self.num_steps}, output token {int(position[i])}")
+                finished.append((self._fail(s, why), s))
+            else:
+                finished.append((self._finish(s, "stop" if stopped[i] else "length", texts.get(s)), s))
         return finished
 
     def _plan(self) -> StepPlan:
-        """Decoding slots and their drafts (the controller's choice of how many), prefilling slots and chunks."""
+        """Decoding slots and their drafts (the controller's choice of how many), prefilling slots and
+        chunks."""
         t = self.table
         dec = np.nonzero(t.active & t.prefilled)[0]  # [num_dec]
         new, chunk = self._prefill_chunks()  # [num_new] slots prefilling this step and their chunk lengths
         room = t.max_len - t.seq_len  # [num_slots]
         final = t.prefill_pos[new] + chunk == t.prompt_len[new]
         c = self.controller
-        # Nothing to draft: speculation is ruled out for good (copies included), or every slot is detached from a
-        # drafter that then offers nothing (with copies, detached slots still copy).
+        # Nothing to draft: speculation is ruled out for good (copies included), or every slot is detached
+        # from a drafter that then offers nothing (with copies, detached slots still copy).
         if c is not None and (c.off or getattr(self.proposer, "idle_when_detached", False)
                               and c.detached(np.concatenate([dec, new])).all()):
             none = np.zeros(len(dec), np.int64)
-            return StepPlan(dec, new, chunk, final, room, DraftTokens.none(len(dec), 0), none, none, 0.0, idle=True)
+            return StepPlan(dec, new, chunk, final, room, DraftTokens.none(len(dec), 0), none, none, 0.0,
+                            idle=True)
         view = SlotView(dec, t.tokens, t.seq_len[dec], np.minimum(room[dec] - 1, MAX_DRAFT))
         draft_start = time.perf_counter()
         drafts = self.proposer.propose(view)
         draft_seconds = time.perf_counter() - draft_start
         if drafts.parents is not None:
-            return self._plan_tree(dec, new, chunk, room, view, drafts, draft_seconds)
+            return self._plan_tree(dec, new, chunk, final, room, view, drafts, draft_seconds)
         num_avail = np.minimum(drafts.num_draft, view.max_draft)  # [num_dec]
         num_draft = num_avail
-        if self.controller is not None:
-            num_draft = np.minimum(num_avail, self.controller.choose(dec, num_avail, int(chunk.sum()), drafts.source))
-        return StepPlan(dec, new, chunk, t.prefill_pos[new] + chunk == t.prompt_len[new], room, drafts, num_avail,
-                        num_draft, draft_seconds)
+        if c is not None:
+            num_draft = np.minimum(num_avail, c.choose(dec, num_avail, int(chunk.sum()), drafts.source))
+        return StepPlan(dec, new, chunk, final, room, drafts, num_avail, num_draft, draft_seconds)
 
     @staticmethod
     def _rated(plan: StepPlan, accepted: np.ndarray) -> tuple[float, float] | None:
-        """(drafts accepted, the drafter's expected count) over the verified nodes that carry its probabilities."""
+        """(drafts accepted, the drafter's expected count) over the verified nodes that carry its
+        probabilities."""
         scores = plan.drafts.scores
         if scores is None or not len(plan.dec):
             return None
         verified = np.arange(scores.shape[1])[None, :] < plan.num_draft[:, None]  # [num_dec, width]
-        own = np.ones(len(plan.dec), bool) if plan.drafts.source is None else plan.drafts.source == 0  # not copies
-        return float(accepted[: len(plan.dec)][own].sum()), float(np.where(verified & own[:, None], scores, 0.0).sum())
+        # not copies
+        own = np.ones(len(plan.dec), bool) if plan.drafts.source is None else plan.drafts.source == 0
+        return (float(accepted[: len(plan.dec)][own].sum()),
+                float(np.where(verified & own[:, None], scores, 0.0).sum()))
 
-    def _plan_tree(self, dec, new, chunk, room, view: SlotView, drafts: DraftTokens, draft_seconds: float) -> StepPlan:
-        """_plan for token trees: nodes no deeper than a chain's drafts could reach (view.max_draft), no more than
-        MAX_TREE_NODES nor than the rows left before the context's end (node i is written at the root's row + i);
-        the controller's node budget keeps a prefix of each tree."""
-        t = self.table
-        width = min(drafts.draft_ids.shape[1], MAX_TREE_NODES)
-        parents, ids = drafts.parents[:, :width], drafts.draft_ids[:, :width]
-        num_avail = np.minimum(prune(parents, np.minimum(drafts.num_draft, width), view.max_draft),
-                               self.context_len - t.seq_len[dec])  # [num_dec]
+    def _plan_tree(self, dec, new, chunk, final, room, view: SlotView, drafts: DraftTokens,
+                   draft_seconds: float) -> StepPlan:
+        """_plan for token trees (tree.offer cuts what a step may verify); the controller's node budget keeps
+        a prefix of each tree."""
+        drafts, num_avail = offer(drafts, view.max_draft,
+                                  self.context_len - self.table.seq_len[dec])  # [num_dec]
         num_draft = num_avail
-        scores = None if drafts.scores is None else drafts.scores[:, :width]
-        if self.controller is not None:
+        c = self.controller
+        if c is not None:
             source = np.zeros(len(dec), np.int64) if drafts.source is None else drafts.source
-            if scores is None:
-                gains = node_gains(parents, self.controller.acceptance.rate(source, dec))
-            else:  # the drafter's own probabilities, where the drafts are its own (source 0; not copies)
-                gains = self.controller.calibrated(scores)
-                copied = source != 0
-                if copied.any():
-                    gains[copied] = node_gains(parents[copied],
-                                               self.controller.acceptance.rate(source[copied], dec[copied]))
-            num_draft = np.minimum(num_avail, self.controller.choose(dec, num_avail, int(chunk.sum()), drafts.source,
-                                                                     gains))
-        # every node offered stays in the plan: the controller scores the tree's main chain against what came out
-        # even where it verified fewer nodes (shadow acceptance; with none kept, a budget of 0 would stick)
+            # (the drafter's scores are calibrated only where it gave them)
+            gains = node_values(drafts, c.acceptance.rate(source, dec), lambda scores: c.calibrated(scores))
+            num_draft = np.minimum(num_avail,
+                                   c.choose(dec, num_avail, int(chunk.sum()), drafts.source, gains))
+        # every node offered stays in the plan: the controller scores the tree's main chain against what came
+        # out even where it verified fewer nodes (shadow acceptance; with none kept, a budget of 0 would
+        # stick)
         width = int(num_avail.max(initial=0))
-        drafts = DraftTokens(ids[:, :width], num_draft, drafts.source, parents[:, :width],
-                             None if scores is None else scores[:, :width])
+        drafts = DraftTokens(drafts.draft_ids[:, :width], num_draft, drafts.source, drafts.parents[:, :width],
+                             None if drafts.scores is None else drafts.scores[:, :width])
         depth, mask = tree_layout(drafts.parents)
-        return StepPlan(dec, new, chunk, t.prefill_pos[new] + chunk == t.prompt_len[new], room, drafts, num_avail,
-                        num_draft, draft_seconds, depth, mask)
+        return StepPlan(dec, new, chunk, final, room, drafts, num_avail, num_draft, draft_seconds, depth,
+                        mask)
 
     def _compact(self, dec: np.ndarray, root_rows: np.ndarray, path: np.ndarray, kept: np.ndarray) -> None:
-        """Tree blocks were written at root row + block index; the accepted path's K/V move to root row + depth,
-        the rows its positions own (only where they differ: never for a chain-shaped path). Rows past the new
-        length stay stale, as rejected chain drafts do (kv_cache.py's no-rollback invariant)."""
+        """Tree blocks were written at root row + block index; the accepted path's K/V move to
+        root row + depth, the rows its positions own (only where they differ: never for a chain-shaped
+        path). Rows past the new length stay stale, as rejected chain drafts do (kv_cache.py's no-rollback
+        invariant)."""
         depth = np.arange(path.shape[1])[None, :]  # [1, width + 1]
-        move = (depth < kept[:, None]) & (path != depth)  # [num_dec, width + 1] (depth 0: the root, never moved)
+        # (depth 0: the root, never moved)
+        move = (depth < kept[:, None]) & (path != depth)  # [num_dec, width + 1]
         if move.any():
             seq, d = np.nonzero(move)
             self.cache.move_rows(dec[seq], root_rows[seq] + path[seq, d], root_rows[seq] + d)
@@ -413,47 +409,51 @@ class Engine:
 
     @staticmethod
     def _next_depth(plan: StepPlan) -> int:
-        """Drafts worth preparing for the next step, under the controller: one more than this step verified at most
-        (one after a budget of 0: enough for shadow acceptance), not always k. For a tree, one deeper than the
-        deepest node verified from the drafter's own trees (a pass of the EAGLE layer per depth; copied chains,
-        source 1, do not deepen them)."""
+        """Drafts worth preparing for the next step, under the controller: one more than this step verified
+        at most (one after a budget of 0: enough for shadow acceptance), not always k. For a tree, one deeper
+        than the deepest node verified from the drafter's own trees (a pass of the EAGLE layer per depth;
+        copied chains, source 1, do not deepen them)."""
         if plan.depth is None:
             return int(plan.num_draft.max(initial=0)) + 1
         own = slice(None) if plan.drafts.source is None else plan.drafts.source == 0
         return int(reach(plan.depth, plan.num_draft)[own].max(initial=0)) + 1
 
-    def _observe(self, plan: StepPlan, slots, lens, starts, produced, kept, done, hidden, broken, path=None) -> float:
+    def _observe(self, plan: StepPlan, blocks: StepBlocks, produced, kept, done, hidden, broken,
+                 path) -> float:
         """Tell the proposer what the step committed (its drafts for the next step are prepared now); returns
         the seconds it took."""
-        t = self.table
+        t, slots, lens = self.table, blocks.slots, blocks.lens
         all_drafts = np.concatenate([plan.num_draft, np.zeros(len(plan.new), np.int64)])
         block_start = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
         # positions whose input was right and whose next token is known (a mid-prompt chunk: all of them)
         num_valid = np.where(produced == 1, lens - 1 - all_drafts + kept, lens)
-        first_block = t.prefill_pos[plan.new] - plan.chunk == t.prefix_len[plan.new]  # after any shared prefix
-        catch_up = np.concatenate([np.zeros(len(plan.dec), np.int64), np.where(first_block, t.prefix_len[plan.new],
-                                                                               0)])
+        # after any shared prefix
+        first_block = t.prefill_pos[plan.new] - plan.chunk == t.prefix_len[plan.new]
+        catch_up = np.concatenate([np.zeros(len(plan.dec), np.int64),
+                                   np.where(first_block, t.prefix_len[plan.new], 0)])
         c = self.controller
         depth = MAX_DRAFT if c is None else self._next_depth(plan)
         start = time.perf_counter()
         self.proposer.observe(StepUpdate(
-            slots=slots, block_start=block_start, first_pos=starts, num_valid=num_valid, finished=done,
+            slots=slots, block_start=block_start, first_pos=blocks.starts, num_valid=num_valid, finished=done,
             tokens=t.tokens, hidden=hidden, prefix_len=catch_up, prefix_hidden=self.prefix_hidden,
-            max_draft_next=depth, detached=None if c is None else c.detached(slots), seq_lens=t.seq_len[slots],
-            prompt_lens=t.prompt_len[slots], broken=broken, tree_path=path,
+            max_draft_next=depth, detached=None if c is None else c.detached(slots),
+            seq_lens=t.seq_len[slots], prompt_lens=t.prompt_len[slots], broken=broken, tree_path=path,
             sampling=SlotSampling(t.temperature[slots], t.top_k[slots], t.top_p[slots], t.rng_key[slots])))
         return time.perf_counter() - start
 
     def share_prefix(self, prefix_ids) -> int:
-        """Compute the KV of `prefix_ids` once, into the cache's shared prefix; prompts placed afterwards that start
-        with it read it from there (cascade attention) instead of prefilling and storing it per slot. A prefix
-        shorter than `min_shared_prefix` is not worth it. Returns the tokens shared."""
+        """Compute the KV of `prefix_ids` once, into the cache's shared prefix; prompts placed afterwards that
+        start with it read it from there (cascade attention) instead of prefilling and storing it per slot. A
+        prefix shorter than `min_shared_prefix` is not worth it. Returns the tokens shared."""
         if len(prefix_ids) < self.config.min_shared_prefix or self.table.active.any():
             return 0
         n = min(len(prefix_ids), self.context_len - 1)
         ids = np.asarray(prefix_ids[:n], dtype=np.int64)
-        pre = self.model.new_cache(1, n, self.config.kv_cache_dtype)  # (room for the prefix: reserved by forward)
-        batch = build_forward_batch(np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([n]), ids, np.zeros(1, bool))
+        # (room for the prefix: reserved by forward)
+        pre = self.model.new_cache(1, n, self.config.kv_cache_dtype)
+        batch = build_forward_batch(np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([n]), ids,
+                                    np.zeros(1, bool))
         hidden = self.model.forward(batch, pre).hidden
         self.cache.prefix = pre
         self.prefix_ids, self.prefix_hidden = ids, hidden  # hidden [n, hidden]: the MTP head's catch-up input
@@ -462,8 +462,8 @@ class Engine:
     def memory(self) -> dict[str, Any]:
         """KV cache bytes the run needed at its peak: every slot's rows up to the longest one (plus the shared
         prefix, once), and the same without sharing (every slot holding the prefix itself). The allocation
-        rounds these up (it grows by doubling). For an MoE model also the tokens each expert of each routed block
-        took (an array: workers' totals add up, as the bytes do)."""
+        rounds these up (it grows by doubling). For an MoE model also the tokens each expert of each routed
+        block took (an array: workers' totals add up, as the bytes do)."""
         c = self.cache
         prefix = c.prefix.nbytes() if c.prefix is not None else 0
         out: dict[str, Any] = {"kv_cache_bytes": c.nbytes(c.peak_own) + prefix,
@@ -473,8 +473,9 @@ class Engine:
         return out
 
     def _prefill_chunks(self) -> tuple[np.ndarray, np.ndarray]:
-        """Slots still prefilling and how many prompt tokens each feeds this step: the rest of its prompt, or at
-        most `prefill_chunk` of it; with chunking, in slot order while `max_prefill_tokens` lasts (at least one)."""
+        """Slots still prefilling and how many prompt tokens each feeds this step: the rest of its prompt, or
+        at most `prefill_chunk` of it; with chunking, in slot order while `max_prefill_tokens` lasts (at least
+        one)."""
         t, cfg = self.table, self.config
         new = np.nonzero(t.active & ~t.prefilled)[0]  # [num_new]
         chunk = t.prompt_len[new] - t.prefill_pos[new]

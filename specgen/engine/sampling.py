@@ -12,7 +12,6 @@ import hashlib
 import numpy as np
 import paddle
 
-
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _TOPP_CANDIDATES = 256  # top-p looks at this many most likely tokens first; falls back to a full sort
 
@@ -59,7 +58,8 @@ def sample(
     top_k: np.ndarray,  # [rows] int64, 0 = off
     top_p: np.ndarray,  # [rows] float64, 1 = off
     u: np.ndarray | None,  # [rows] float64 in (0, 1]; only read at sampled rows (None: every row is greedy)
-    greedy: np.ndarray | None = None,  # [rows] int64 the logits' argmax, where the forward computed it already
+    greedy: np.ndarray | None = None,  # [rows] int64 the logits' argmax, where the forward computed it
+    # already
 ) -> np.ndarray:
     """Token per row; [rows] int64. Greedy rows take the argmax (lowest id on a tie)."""
     if greedy is None:

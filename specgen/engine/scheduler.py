@@ -10,10 +10,12 @@ from specgen.engine.types import Request
 class Scheduler:
     """Pulls requests lazily from an iterator (bounded memory) and hands them to free slots in input order."""
 
-    def __init__(self, requests: Iterable[Request], num_slots: int, max_prefill_tokens: int, prefill_chunk: int = 0,
-                 ready: Callable[[], bool] | None = None, cost: Callable[[Request], int] | None = None):
-        """ready: whether the source yields its next item without waiting (a queue fed by another process); with
-        it, free slots take only what is there while slots are running, and wait for more only when none is.
+    def __init__(self, requests: Iterable[Request], num_slots: int, max_prefill_tokens: int,
+                 prefill_chunk: int = 0, ready: Callable[[], bool] | None = None,
+                 cost: Callable[[Request], int] | None = None):
+        """ready: whether the source yields its next item without waiting (a queue fed by another process);
+        with it, free slots take only what is there while slots are running, and wait for more only when
+        none is.
         cost: an item's prompt tokens to prefill (default: its prompt's, or a chunk of it)."""
         self._source: Iterator[Request] = iter(requests)
         self.ready, self.cost = ready, cost

@@ -11,8 +11,8 @@ from specgen.engine.types import Request, RequestOutput, RequestStats
 
 MAX_DRAFT = 5  # drafts per slot per step at most (FastDeploy's bound on num_speculative_tokens)
 
-_DTYPES = {"active": bool, "prefilled": bool, "ignore_eos": bool, "temperature": np.float64, "top_p": np.float64,
-           "rng_key": np.uint64}
+_DTYPES = {"active": bool, "prefilled": bool, "ignore_eos": bool, "temperature": np.float64,
+           "top_p": np.float64, "rng_key": np.uint64}
 
 
 @dataclass
@@ -38,12 +38,14 @@ class SlotTable:
     accepted_per_pos: np.ndarray  # [num_slots, MAX_DRAFT] int64
     drafted_per_pos: np.ndarray  # [num_slots, MAX_DRAFT] int64 steps that verified a draft at that position
     num_chunks: np.ndarray  # [num_slots] int64 prefill forwards
-    num_cached: np.ndarray  # [num_slots] int64 prompt tokens read from a shared prefix (its statistic: prefix_len is
-    # where the slot's own cache rows start, 0 once a hand-off gave it the prefix's rows as its own)
+    num_cached: np.ndarray  # [num_slots] int64 prompt tokens read from a shared prefix (its statistic:
+    # prefix_len is where the slot's own cache rows start, 0 once a hand-off gave it the prefix's rows as its
+    # own)
 
     @classmethod
     def empty(cls, num_slots: int, capacity: int) -> "SlotTable":
-        """Zeros for every field: int64 unless listed in _DTYPES; [num_slots] unless a second axis is listed."""
+        """Zeros for every field: int64 unless listed in _DTYPES; [num_slots] unless a second axis is
+        listed."""
         second = {"tokens": capacity, "accepted_per_pos": MAX_DRAFT, "drafted_per_pos": MAX_DRAFT}
         return cls(**{f.name: np.zeros((num_slots, second[f.name]) if f.name in second else num_slots,
                                        dtype=_DTYPES.get(f.name, np.int64)) for f in dataclasses.fields(cls)})
@@ -55,8 +57,8 @@ class SlotTable:
             self.tokens = new
 
     def place(self, slot: int, req: Request, end: int, shared: int) -> None:
-        """`req` into `slot`: its prompt, the position it may reach (`end`, exclusive), the leading prompt tokens
-        read from the shared prefix (`shared`), its sampling parameters; statistics zeroed."""
+        """`req` into `slot`: its prompt, the position it may reach (`end`, exclusive), the leading prompt
+        tokens read from the shared prefix (`shared`), its sampling parameters; statistics zeroed."""
         p, n = req.params, len(req.prompt_ids)
         self.grow(end + MAX_DRAFT + 1)
         self.tokens[slot, :n] = req.prompt_ids
@@ -67,8 +69,8 @@ class SlotTable:
         self.temperature[slot], self.top_p[slot], self.top_k[slot] = p.temperature, p.top_p, p.top_k
         self.rng_key[slot] = request_key(p.seed, req.id)
         self.ignore_eos[slot] = p.ignore_eos
-        for counts in (self.num_steps, self.num_draft, self.num_accepted, self.accepted_per_pos, self.drafted_per_pos,
-                       self.num_chunks):
+        for counts in (self.num_steps, self.num_draft, self.num_accepted, self.accepted_per_pos,
+                       self.drafted_per_pos, self.num_chunks):
             counts[slot] = 0
 
     def output_ids(self, slot: int) -> list[int]:
@@ -87,8 +89,8 @@ class SlotTable:
         )
 
     def export_row(self, slot: int) -> dict[str, np.ndarray]:
-        """Every field's entry for `slot` (copies; the token row up to its length): what another engine's table
-        needs to carry the request on (import_row)."""
+        """Every field's entry for `slot` (copies; the token row up to its length): what another engine's
+        table needs to carry the request on (import_row)."""
         row = {f.name: np.array(getattr(self, f.name)[slot]) for f in dataclasses.fields(self)}
         row["tokens"] = row["tokens"][: int(self.seq_len[slot])]
         return row
@@ -104,7 +106,8 @@ class SlotTable:
 
 
 def rejection(req: Request, context_len: int, vocab_size: int) -> str | None:
-    """Why `req` cannot run (an empty prompt, no room in the context, a token outside the vocabulary), or None."""
+    """Why `req` cannot run (an empty prompt, no room in the context, a token outside the vocabulary), or
+    None."""
     n = len(req.prompt_ids)
     if n == 0:
         return "empty prompt"

@@ -17,69 +17,6 @@ import numpy as np
 
 
 @dataclass(frozen=True)
-class ForwardBatch:
-    """One packed forward: every participating slot's new tokens, in slot-block order."""
-
-    token_ids: np.ndarray  # [num_tokens] int64
-    positions: np.ndarray  # [num_tokens] int64
-    token_slots: np.ndarray  # [num_tokens] int64 cache row of each token
-    logit_rows: np.ndarray  # [num_logits] int64 packed-token indices that need logits
-    max_position: int  # 1 + the largest position written (the cache must hold it)
-    block_slots: np.ndarray  # [num_seqs] int64 cache row of each block
-    block_starts: np.ndarray  # [num_seqs] int64 position of each block's first token
-    block_lens: np.ndarray  # [num_seqs] int64 tokens in each block
-    token_prefix_len: np.ndarray | None = None  # [num_tokens] int64 shared-prefix positions of each token's slot
-    # Token trees (engine/tree.py): `positions` are then the cache rows the tokens are written to (a tree block's
-    # root row plus the node's index in the block), rope_positions the positions the model sees (root + depth),
-    # and tree_mask which earlier rows of its block each token attends to. None: a row is its position, causal.
-    rope_positions: np.ndarray | None = None  # [num_tokens] int64
-    tree_mask: np.ndarray | None = None  # [num_tokens] int64 bit b: the key b rows back is visible (keys 64 or
-    # more rows back always are); CAUSAL (all bits) for every token outside a tree
-
-    @property
-    def model_positions(self) -> np.ndarray:  # [num_tokens] int64 the positions RoPE and sampling see
-        return self.positions if self.rope_positions is None else self.rope_positions
-
-
-def build_forward_batch(
-    slots: np.ndarray,  # [num_seqs] int64 cache row of each block
-    starts: np.ndarray,  # [num_seqs] int64 position of each block's first token
-    lens: np.ndarray,  # [num_seqs] int64 tokens in each block (>= 1)
-    token_ids: np.ndarray,  # [num_tokens] int64 the blocks' tokens, packed in block order
-    logits_all: np.ndarray,  # [num_seqs] bool: logits for every row of the block (verify) or only the last
-    no_logits: np.ndarray | None = None,  # [num_seqs] bool: no logits at all (a prompt chunk that is not the last)
-    prefix_lens: np.ndarray | None = None,  # [num_seqs] int64 positions each slot reads from the shared prefix
-    tree_depth: np.ndarray | None = None,  # [num_tokens] int64 each token's depth in its tree (engine/tree.py)
-    tree_mask: np.ndarray | None = None,  # [num_tokens] int64 ForwardBatch.tree_mask
-) -> ForwardBatch:
-    """Pack blocks one after the other."""
-    cu = np.zeros(len(lens) + 1, dtype=np.int64)
-    np.cumsum(lens, out=cu[1:])
-    num_tokens = int(cu[-1])
-    seq_of_token = np.repeat(np.arange(len(lens)), lens)  # [num_tokens]
-    offset = np.arange(num_tokens) - cu[:-1][seq_of_token]  # [num_tokens]
-    positions = starts[seq_of_token] + offset
-    need = logits_all[seq_of_token].copy()
-    need[cu[1:] - 1] = True
-    if no_logits is not None:
-        need[no_logits[seq_of_token]] = False
-    return ForwardBatch(
-        token_ids=np.asarray(token_ids, dtype=np.int64),
-        positions=positions.astype(np.int64, copy=False),
-        token_slots=slots[seq_of_token].astype(np.int64, copy=False),
-        logit_rows=np.nonzero(need)[0].astype(np.int64, copy=False),
-        max_position=int(positions.max()) + 1 if num_tokens else 0,
-        block_slots=np.array(slots, np.int64),  # copies: the caller's arrays may change after the call
-        block_starts=np.array(starts, np.int64),
-        block_lens=np.array(lens, np.int64),
-        token_prefix_len=None if prefix_lens is None or not prefix_lens.any()
-        else prefix_lens[seq_of_token].astype(np.int64),
-        rope_positions=None if tree_depth is None else (starts[seq_of_token] + tree_depth).astype(np.int64),
-        tree_mask=tree_mask,
-    )
-
-
-@dataclass(frozen=True)
 class Request:
     """One prompt to complete. `index` is its place in the input; `id` names it in the output."""
 
@@ -95,17 +32,17 @@ class DraftTokens:
 
     draft_ids: np.ndarray  # [num_seqs, max_draft] int64 (entries past num_draft are ignored)
     num_draft: np.ndarray  # [num_seqs] int64
-    source: np.ndarray | None = None  # [num_seqs] int64 which of the proposer's ways drafted each slot's tokens
-    # (MTP and EAGLE: 0 the head or layer, 1 a copy; EAGLE's copied rows are chains with scores 0); the controller
-    # keeps an acceptance estimate per source. None: all 0
+    source: np.ndarray | None = None  # [num_seqs] int64 which of the proposer's ways drafted each slot's
+    # tokens (MTP and EAGLE: 0 the head or layer, 1 a copy; EAGLE's copied rows are chains with scores 0); the
+    # controller keeps an acceptance estimate per source. None: all 0
     # A token tree (engine/tree.py): node i sits at block index i + 1 (index 0 is the root, the last committed
-    # token) and its parent at parents[:, i] in [0, i]: parents come first, so the first n nodes of a tree are a
-    # tree too (a smaller node budget keeps a prefix). None: a chain (parents[:, i] = i).
+    # token) and its parent at parents[:, i] in [0, i]: parents come first, so the first n nodes of a tree are
+    # a tree too (a smaller node budget keeps a prefix). None: a chain (parents[:, i] = i).
     parents: np.ndarray | None = None  # [num_seqs, max_draft] int64
     # A tree's nodes as the drafter rates them: its probability that each node is on the accepted path (the
     # product of its own probabilities along the node's path; EAGLE's), non-increasing along a row. The
-    # controller prices nodes from them, calibrated by how many such drafts were accepted. None: it prices them
-    # from the slot's acceptance so far (tree.node_gains).
+    # controller prices nodes from them, calibrated by how many such drafts were accepted. None: it prices
+    # them from the slot's acceptance so far (tree.node_gains).
     scores: np.ndarray | None = None  # [num_seqs, max_draft] float64
 
     @classmethod
@@ -121,7 +58,8 @@ class StepUpdate:
     slots: np.ndarray  # [num_seqs] int64 cache rows that took part in the forward
     block_start: np.ndarray  # [num_seqs] int64 packed row of each block's first token
     first_pos: np.ndarray  # [num_seqs] int64 position of each block's first token
-    num_valid: np.ndarray  # [num_seqs] int64 leading block positions whose input was right and whose next token is known
+    num_valid: np.ndarray  # [num_seqs] int64 leading block positions whose input was right and
+    # whose next token is known
     finished: np.ndarray  # [num_seqs] bool
     tokens: np.ndarray  # [num_slots, capacity] int64 after the commit
     hidden: object  # paddle.Tensor [num_tokens, hidden] final normed hidden states of the forward
@@ -130,11 +68,14 @@ class StepUpdate:
     prefix_len: np.ndarray | None = None  # [num_seqs] int64 (0: nothing before first_pos to catch up)
     prefix_hidden: object = None
     max_draft_next: int = 5  # drafts worth preparing for the next step (the adaptive controller's hint)
-    detached: np.ndarray | None = None  # [num_seqs] bool: stop drafting for these slots (drafts stopped paying)
+    detached: np.ndarray | None = None  # [num_seqs] bool: stop drafting for these slots
+    # (drafts stopped paying)
     seq_lens: np.ndarray | None = None  # [num_seqs] int64 valid tokens of each slot after the commit
     prompt_lens: np.ndarray | None = None  # [num_seqs] int64 each slot's prompt length
-    broken: np.ndarray | None = None  # [num_seqs] bool went non-finite (finished too): a drafter clears its rows
-    sampling: "SlotSampling | None" = None  # each sequence's sampling, for a drafter that samples as the main model
+    broken: np.ndarray | None = None  # [num_seqs] bool went non-finite (finished too):
+    # a drafter clears its rows
+    sampling: "SlotSampling | None" = None  # each sequence's sampling, for a drafter that samples
+    # as the main model
     # A token-tree step: block index of the j-th accepted position of each decode block (the first num_dec
     # sequences), j < num_valid; the hidden state of that position is row block_start + tree_path[i, j]. None:
     # every block's positions are in block order (row block_start + j).
@@ -143,9 +84,9 @@ class StepUpdate:
 
 @dataclass(frozen=True)
 class SlotSampling:
-    """Each sequence's sampling settings, as the main model samples its tokens (engine/sampling.py): a drafter
-    that samples its drafts with the same uniforms proposes the main model's token whenever its distribution is
-    close enough."""
+    """Each sequence's sampling settings, as the main model samples its tokens (engine/sampling.py): a
+    drafter that samples its drafts with the same uniforms proposes the main model's token whenever its
+    distribution is close enough."""
 
     temperature: np.ndarray  # [num_seqs] float64, 0 = greedy
     top_k: np.ndarray  # [num_seqs] int64, 0 = off

@@ -1,20 +1,18 @@
-"""A bench as a picture: tok/s per method and batch size beside its oracle bound (left), and how often each draft
-position was accepted (right)."""
+"""A bench as a picture: tok/s per method and batch size beside its oracle bound (left), and how often each
+draft position was accepted (right)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from specgen.errors import ConfigError
-
-if TYPE_CHECKING:
-    from specgen.app.bench import BenchRow
+from specgen.io.bench_rows import BenchRow
 
 
 def plot_bench(rows: Sequence[BenchRow], png_path: Path, title: str = "specgen bench") -> None:
-    """Bars: each row's output tok/s, grouped by batch size; a black tick over a bar: the rate its oracle bound
-    allows (plain decoding's rate x the bound). Lines: per draft position, accepted drafts per decode step."""
+    """Bars: each row's output tok/s, grouped by batch size; a black tick over a bar: the rate its oracle
+    bound allows (plain decoding's rate x the bound). Lines: per draft position, accepted drafts per decode
+    step."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: files only
@@ -34,7 +32,8 @@ def plot_bench(rows: Sequence[BenchRow], png_path: Path, title: str = "specgen b
             left.bar(x, row.tok_s, width, color=f"C{j}", label=method if i == 0 else None)
             if row.possible is not None and row.speedup_over_plain:
                 bound = row.tok_s / row.speedup_over_plain * row.possible.oracle
-                left.plot([x - width / 2, x + width / 2], [bound, bound], color="black", lw=2, label=bound_label)
+                left.plot([x - width / 2, x + width / 2], [bound, bound], color="black", lw=2,
+                          label=bound_label)
                 bound_label = None
     left.set_xticks(range(len(sizes)), [f"batch {s}" for s in sizes])
     left.set(ylabel="output tokens/s", title="rate per method (black: its oracle bound)")
@@ -50,8 +49,8 @@ def plot_bench(rows: Sequence[BenchRow], png_path: Path, title: str = "specgen b
                            ls="-" if size == sizes[0] else "--", label=f"{method}, batch {size}")
                 drew = True
     right.xaxis.get_major_locator().set_params(integer=True)
-    right.set(xlabel="draft position", ylabel="accepted per decode step", title="acceptance per draft position",
-              ylim=(0, 1))
+    right.set(xlabel="draft position", ylabel="accepted per decode step",
+              title="acceptance per draft position", ylim=(0, 1))
     if drew:
         right.legend(fontsize=8)
     for ax in (left, right):

@@ -1,4 +1,5 @@
-"""Sets of record ids in little memory: the duplicate check of an input, and the ids an output already holds."""
+"""Sets of record ids in little memory: the duplicate check of an input, and the ids an output already
+holds."""
 from __future__ import annotations
 
 MAX_NUMBER_DIGITS = 18  # a longer digit tail is not read as a number (and int() refuses past 4300 digits)

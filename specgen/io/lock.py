@@ -36,9 +36,10 @@ class OutputLock:
                 holder = _read_pid(fd)
                 os.close(fd)
                 who = f"process {holder}" if holder else "another process"
-                raise OutputBusyError(f"{self.path.with_suffix('')} is being written by {who} (lock {self.path}); "
-                                      "wait for it to finish or stop it") from None
-            # The holder before us may have removed the file after we opened it: lock the file the path names now.
+                raise OutputBusyError(f"{self.path.with_suffix('')} is being written by {who} "
+                                      f"(lock {self.path}); wait for it to finish or stop it") from None
+            # The holder before us may have removed the file after we opened it: lock the file the path names
+            # now.
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:

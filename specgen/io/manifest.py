@@ -26,7 +26,8 @@ def sidecar_path(output: Path) -> Path:
 
 
 def read_manifest(output: Path) -> dict[str, Any] | None:
-    """The manifest stored with `output` (sidecar first, then Parquet metadata); None for an output without one."""
+    """The manifest stored with `output` (sidecar first, then Parquet metadata); None for an output without
+    one."""
     side = sidecar_path(output)
     if side.exists():
         try:

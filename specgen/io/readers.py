@@ -79,7 +79,8 @@ def _iter_jsonl(path: Path) -> Iterator[RawRecord]:
 
 def _decode_line(number: int, line: bytes) -> RawRecord:
     # Decoded here, not by json.loads(bytes): that guesses UTF-16/32 from NUL bytes and would read a UTF-16
-    # line as a record. A leading byte-order mark is allowed (where a file starts, or where files were joined).
+    # line as a record. A leading byte-order mark is allowed (where a file starts, or where files were
+    # joined).
     try:
         text = line.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -92,7 +93,8 @@ def _decode_line(number: int, line: bytes) -> RawRecord:
     except RecursionError:
         return RawRecord(number, None, "malformed JSON (nested too deeply)")
     except ValueError:  # the only other one: an integer past Python's int/str conversion limit
-        return RawRecord(number, None, f"malformed JSON (an integer over {sys.get_int_max_str_digits()} digits)")
+        return RawRecord(number, None,
+                         f"malformed JSON (an integer over {sys.get_int_max_str_digits()} digits)")
 
 
 def _parquet_file(path: Path):
@@ -140,7 +142,8 @@ def _iter_parquet(path: Path) -> Iterator[RawRecord]:
 
 
 def _batch_rows(batch) -> list[tuple[dict[str, Any] | None, str | None]]:
-    """A batch's rows as dicts; a value Python cannot hold (a timestamp past the year 9999) fails its row only."""
+    """A batch's rows as dicts; a value Python cannot hold (a timestamp past the year 9999) fails its row
+    only."""
     import pyarrow as pa
 
     try:
@@ -207,9 +210,11 @@ def iter_chunk(chunk: Chunk) -> Iterator[RawRecord]:
         import pyarrow as pa
 
         try:
-            batch = _parquet_file(Path(chunk.path)).read_row_group(chunk.start).slice(chunk.skip, chunk.num_records)
+            batch = (_parquet_file(Path(chunk.path)).read_row_group(chunk.start)
+                     .slice(chunk.skip, chunk.num_records))
         except (pa.ArrowException, OSError, ValueError) as exc:
-            raise InputError(f"{chunk.path}: Parquet read failed in row group {chunk.start} ({exc})") from None
+            raise InputError(f"{chunk.path}: Parquet read failed in row group {chunk.start} "
+                             f"({exc})") from None
         for i, (row, error) in enumerate(_batch_rows(batch), start=chunk.first_number + 1):
             yield RawRecord(i, row, error)
         return

@@ -4,16 +4,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from specgen.io.bench_rows import BenchRow
 from specgen.io.summary import Summary, SummaryAccumulator
-
-if TYPE_CHECKING:
-    from specgen.app.bench import BenchRow
 
 MAX_ERRORS_SHOWN = 20
 
@@ -107,8 +104,8 @@ def summary_table(summary: Summary, title: str = "summary") -> Table:
 
 def bench_table(rows: Sequence[BenchRow]) -> Table:
     """One row per method and batch size (specgen.app.bench.BenchRow): its rate, its speedup over the first
-    method at that batch size, acceptance, and for n-gram what was possible (ceiling, oracle bound, the share of
-    it reached); for a learned drafter, acceptance per draft position."""
+    method at that batch size, acceptance, and for n-gram what was possible (ceiling, oracle bound, the share
+    of it reached); for a learned drafter, acceptance per draft position."""
     table = Table(title="bench")
     columns = ("method", "k", "batch", "reqs", "tokens", "tok/s", "speedup", "accept", "tok/step", "ceiling",
                "oracle", "of oracle", "per position", "identical")

@@ -9,11 +9,12 @@ from specgen.io.readers import RawRecord, _decode_line, _is_record, iter_records
 
 
 def sample_records(path: Path, fmt: str, n: int, seed: int) -> list[RawRecord]:
-    """`n` records chosen uniformly at random (every n-subset equally likely; all of them when there are fewer),
-    in input order, each with its number in the whole file, so that messages name the real line or row.
+    """`n` records chosen uniformly at random (every n-subset equally likely; all of them when there are
+    fewer), in input order, each with its number in the whole file, so that messages name the real line or
+    row.
 
-    Algorithm R (Vitter 1985): record i (0-based) replaces a random one of the n kept with probability n / (i + 1).
-    JSONL lines are decoded only once kept; the same seed and file give the same sample."""
+    Algorithm R (Vitter 1985): record i (0-based) replaces a random one of the n kept with probability
+    n / (i + 1). JSONL lines are decoded only once kept; the same seed and file give the same sample."""
     if n < 1:
         raise ConfigError(f"--sample must be >= 1 records, got {n}")
     rng = random.Random(seed)

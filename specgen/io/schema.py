@@ -9,7 +9,8 @@ from specgen.engine.types import RequestOutput
 FIELDS = (
     "id", "text", "token_ids", "finish_reason", "num_prompt_tokens", "num_output_tokens", "num_steps",
     "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "acceptance_rate",
-    "mean_accepted_length", "accepted_per_position", "drafted_per_position", "num_prefill_chunks", "num_cached_prompt_tokens", "method",
+    "mean_accepted_length", "accepted_per_position", "drafted_per_position", "num_prefill_chunks",
+    "num_cached_prompt_tokens", "method",
     "error",
 )
 

@@ -30,15 +30,17 @@ class Summary:
     acceptance_rate: float | None
     per_position_acceptance: list[float]
     methods: list[str]
-    kv_cache_bytes: int | None = None  # the engine's KV cache at its peak (a run, not a file), shared prefix once
+    # the engine's KV cache at its peak (a run, not a file), shared prefix once
+    kv_cache_bytes: int | None = None
     kv_cache_bytes_unshared: int | None = None  # the same run if every slot held the prefix itself
-    # A mixture-of-experts model (a run, not a file): the tokens each expert took, summed over the routed blocks
-    # (every token the forwards fed: prompts, and drafts verified whether accepted or not), and the load balance:
-    # per routed block the busiest expert's tokens over the mean expert's, averaged over the blocks (1.0: even).
+    # A mixture-of-experts model (a run, not a file): the tokens each expert took, summed over the routed
+    # blocks (every token the forwards fed: prompts, and drafts verified whether accepted or not), and the
+    # load balance: per routed block the busiest expert's tokens over the mean expert's, averaged over the
+    # blocks (1.0: even).
     expert_tokens: list[int] | None = None
     expert_load_max_over_mean: float | None = None
-    # [i]: steps in which draft position i (a token tree's depth i + 1) was accepted / steps that verified a draft
-    # there: each depth's own acceptance (records without drafted_per_position add nothing)
+    # [i]: steps in which draft position i (a token tree's depth i + 1) was accepted / steps that verified a
+    # draft there: each depth's own acceptance (records without drafted_per_position add nothing)
     per_depth_acceptance: list[float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -78,7 +80,8 @@ class SummaryAccumulator:
         self.num_draft_tokens += record["num_draft_tokens"]
         self.num_accepted_tokens += record["num_accepted_tokens"]
         self.num_emitted_tokens += record["num_emitted_tokens"]
-        self.num_prefill_chunks += record.get("num_prefill_chunks") or 0  # absent in files from before chunking
+        # absent in files from before chunking
+        self.num_prefill_chunks += record.get("num_prefill_chunks") or 0
         self.num_cached_prompt_tokens += record.get("num_cached_prompt_tokens") or 0
         _add_lists(self.accepted_per_position, record.get("accepted_per_position") or [])
         _add_lists(self.drafted_per_position, record.get("drafted_per_position") or [])  # absent before trees

@@ -166,9 +166,9 @@ def open_sink(path: Path, resume: bool) -> tuple[Sink, SeenIds]:
 
 
 def finalize_parquet(path: Path) -> None:
-    """Merge the existing Parquet output (if any) and the journal into `path` atomically, with the run manifest
-    in its metadata; drop the journal and the manifest's sidecar. On any failure (or an interrupt) the
-    temporary file goes and the parts stay as they were."""
+    """Merge the existing Parquet output (if any) and the journal into `path` atomically, with the run
+    manifest in its metadata; drop the journal and the manifest's sidecar. On any failure (or an interrupt)
+    the temporary file goes and the parts stay as they were."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         _merge_parquet(path, tmp)
@@ -186,8 +186,8 @@ def finalize_parquet(path: Path) -> None:
 
 
 def _with_new_columns(table, schema):
-    """An output written before a column was added to the record (drafted_per_position) gains it, null; a table
-    without ids is no output and stays as it is (the cast refuses it)."""
+    """An output written before a column was added to the record (drafted_per_position) gains it, null; a
+    table without ids is no output and stays as it is (the cast refuses it)."""
     import pyarrow as pa
 
     if "id" not in table.column_names:

@@ -1,9 +1,9 @@
-"""specgen's kernels: fused CPU operators (cpu_ops.cc, linear.cc, sharing specgen_kernels.h) compiled with Paddle's
-C++ extension builder, and host functions on numpy buffers (ngram.cc) called through ctypes.
+"""specgen's kernels: fused CPU operators (cpu_ops.cc, linear.cc, sharing specgen_kernels.h) compiled with
+Paddle's C++ extension builder, and host functions on numpy buffers (ngram.cc) called through ctypes.
 
 build.py compiles and loads them, packing.py lays out weights for them, args.py and host.py hold the typed
-arguments each one is called with. When they cannot be built (no compiler) the engine runs the Paddle reference
-backend and the numpy references, which compute the same functions.
+arguments each one is called with. When they cannot be built (no compiler) the engine runs the Paddle
+reference backend and the numpy references, which compute the same functions.
 """
 from __future__ import annotations
 
@@ -13,12 +13,27 @@ from types import ModuleType
 
 from specgen.kernels import build
 from specgen.kernels.build import has_vnni, packs
-from specgen.kernels.packing import (HALF_KINDS, INT8_KINDS, PANEL, QUANT_PANEL_BYTES, SCREENED_KINDS, Packed, Screen,
-                                     block_parts, dense, half_kind, pack_linear, pack_quantized, pack_screen, qx_rows)
+from specgen.kernels.packing import (
+    HALF_KINDS,
+    INT8_KINDS,
+    PANEL,
+    QUANT_PANEL_BYTES,
+    SCREENED_KINDS,
+    Packed,
+    Screen,
+    block_parts,
+    dense,
+    half_kind,
+    pack_linear,
+    pack_quantized,
+    pack_screen,
+    qx_rows,
+)
 
 
 def ops(target: str = "native", cache_root: Path | None = None) -> ModuleType | None:
-    """The fused operators built for `target` (EngineConfig.cpu_target), or None where they cannot be built."""
+    """The fused operators built for `target` (EngineConfig.cpu_target), or None where they cannot be
+    built."""
     return build.ops(target, cache_root or _default_root())
 
 

@@ -1,5 +1,5 @@
-"""Typed arguments of the fused operators (cpu_ops.cc, linear.cc): one dataclass per call, built once where its
-parts stay put (a model's weights, a head's block), and one function per operator that lays it out in the
+"""Typed arguments of the fused operators (cpu_ops.cc, linear.cc): one dataclass per call, built once where
+its parts stay put (a model's weights, a head's block), and one function per operator that lays it out in the
 operator's order. Nowhere else are the operators called with positional lists.
 
 Tensors are paddle.Tensors; shapes in the comments use the vocabulary of specgen/engine/types.py.
@@ -30,7 +30,8 @@ class Geometry:
 @dataclass(frozen=True)
 class BlockArgs:
     """Decoder blocks' weights as the operators take them: block i's tensor at index i of every list. Absent
-    biases are empty tensors, absent q/k norms ones [head_dim]; projections are packed panels (Packed.panels)."""
+    biases are empty tensors, absent q/k norms ones [head_dim]; projections are packed panels
+    (Packed.panels)."""
 
     attn_norm: list[Tensor]  # [hidden] each
     w_qkv: list[Tensor]  # [hidden] -> [(H + 2 KV) D]
@@ -66,15 +67,15 @@ class ModelArgs:
 def bind_weights(ops: ModuleType, a: ModelArgs) -> Tensor:
     """-> int64 handle [1] under which the kernels hold the weights (until unbind)."""
     b = a.blocks
-    return _first(ops.specgen_bind_weights(a.embed, *b.projections(), a.cos, a.sin, b.q_norm, b.k_norm, a.final_norm,
-                                           a.lm_head))
+    return _first(ops.specgen_bind_weights(a.embed, *b.projections(), a.cos, a.sin, b.q_norm, b.k_norm,
+                                           a.final_norm, a.lm_head))
 
 
 @dataclass(frozen=True)
 class MoeArgs:
-    """A mixture-of-experts model's routed blocks for specgen_bind_experts: routed block j (model block blocks[j])
-    has routers[j], bias[j] and its local experts l at w_gate_up / w_down[j * num_local + l], the expert ids
-    [first_expert, first_expert + num_local)."""
+    """A mixture-of-experts model's routed blocks for specgen_bind_experts: routed block j (model block
+    blocks[j]) has routers[j], bias[j] and its local experts l at w_gate_up / w_down[j * num_local + l], the
+    expert ids [first_expert, first_expert + num_local)."""
 
     blocks: list[int]  # [num_routed] ascending block indices
     routers: list[Tensor]  # packed [hidden] -> [num_experts]
@@ -103,7 +104,8 @@ def take_expert_counts(ops: ModuleType, weights: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class CacheArgs:
-    """A KV cache's per-block tensors and its shared prefix's (stand-ins without one) for specgen_bind_caches."""
+    """A KV cache's per-block tensors and its shared prefix's (stand-ins without one) for
+    specgen_bind_caches."""
 
     k: list[Tensor]  # per block [num_slots * num_kv_heads * capacity, head_dim]
     v: list[Tensor]
@@ -124,8 +126,8 @@ def unbind(ops: ModuleType, handle: Tensor) -> int:
 class StepArgs:
     """One specgen_forward_bound call: the step's indices and the handles of the weights and caches."""
 
-    index: Tensor  # int64 [4 num_tokens + num_logits]: token ids, positions, slots, prefix lengths, logit rows
-    # (with `tree` [6 num_tokens + num_logits]: a token tree's positions and masks before the logit rows)
+    index: Tensor  # int64 [4 num_tokens + num_logits]: token ids, positions, slots, prefix lengths, logit
+    # rows (with `tree` [6 num_tokens + num_logits]: a token tree's positions and masks before the logit rows)
     num_tokens: int
     weights: int  # bind_weights' handle
     caches: int  # bind_caches' handle
@@ -139,11 +141,12 @@ class StepArgs:
 
 
 def forward_bound(ops: ModuleType, a: StepArgs) -> tuple[Tensor, Tensor, Tensor]:
-    """-> (logits [num_logits, vocab] (screened: [0, vocab]), hidden [num_tokens, hidden], greedy [num_logits])."""
+    """-> (logits [num_logits, vocab] (screened: [0, vocab]), hidden [num_tokens, hidden], greedy
+    [num_logits])."""
     g = a.geometry
-    logits, hidden, greedy = ops.specgen_forward_bound(a.index, a.screen, a.bound, a.num_tokens, a.weights, a.caches,
-                                                       g.num_heads, g.num_kv_heads, a.capacity, g.qk_norm, g.eps,
-                                                       a.prefix_capacity, a.vocab, a.tree)
+    logits, hidden, greedy = ops.specgen_forward_bound(a.index, a.screen, a.bound, a.num_tokens, a.weights,
+                                                       a.caches, g.num_heads, g.num_kv_heads, a.capacity,
+                                                       g.qk_norm, g.eps, a.prefix_capacity, a.vocab, a.tree)
     return logits, hidden, greedy
 
 
@@ -190,8 +193,8 @@ def mtp_draft(ops: ModuleType, h: MtpHeadArgs, a: MtpStepArgs) -> tuple[Tensor, 
     drafts, rows = ops.specgen_mtp_draft(
         a.token_ids, a.hidden, a.rows, h.embed, h.enorm, h.hnorm, h.eh_proj, *b.projections(), h.cos, h.sin,
         a.positions, a.slots, [a.k_cache], [a.v_cache], b.q_norm, b.k_norm, a.prefix_len, [h.ones], [h.ones],
-        a.last_rows, h.final_norm, h.lm_head, h.draft_vocab, g.num_heads, g.num_kv_heads, a.capacity, g.qk_norm,
-        g.eps, 0, a.depth, h.vocab)[:2]
+        a.last_rows, h.final_norm, h.lm_head, h.draft_vocab, g.num_heads, g.num_kv_heads, a.capacity,
+        g.qk_norm, g.eps, 0, a.depth, h.vocab)[:2]
     return drafts, rows
 
 
@@ -214,14 +217,14 @@ class EagleArgs:
 
 def eagle_pass(ops: ModuleType, e: EagleArgs, index: Tensor, num_tokens: int, hidden: Tensor, k_cache: Tensor,
                v_cache: Tensor, capacity: int, topk: int) -> tuple[Tensor, Tensor, Tensor]:
-    """index int64 [7 num_tokens + num_logits] (token ids, hidden rows, cache rows, slots, zeros, RoPE positions,
-    tree masks, logit rows) -> (features [num_tokens, hidden], top-k log-probabilities [num_logits, topk], their
-    LM-head columns int64 [num_logits, topk])."""
+    """index int64 [7 num_tokens + num_logits] (token ids, hidden rows, cache rows, slots, zeros, RoPE
+    positions, tree masks, logit rows) -> (features [num_tokens, hidden], top-k log-probabilities
+    [num_logits, topk], their LM-head columns int64 [num_logits, topk])."""
     g, b = e.geometry, e.blocks
     feat, vals, cols = ops.specgen_eagle_pass(
-        index, hidden, e.embed, e.fc, e.fc_bias, *b.projections(), e.cos, e.sin, [k_cache], [v_cache], b.q_norm,
-        b.k_norm, [e.ones], [e.ones], e.final_norm, e.lm_head, num_tokens, g.num_heads, g.num_kv_heads, capacity,
-        g.qk_norm, g.eps, e.vocab, topk)[:3]
+        index, hidden, e.embed, e.fc, e.fc_bias, *b.projections(), e.cos, e.sin, [k_cache], [v_cache],
+        b.q_norm, b.k_norm, [e.ones], [e.ones], e.final_norm, e.lm_head, num_tokens, g.num_heads,
+        g.num_kv_heads, capacity, g.qk_norm, g.eps, e.vocab, topk)[:3]
     return feat, vals, cols
 
 
@@ -230,9 +233,10 @@ def linear(ops: ModuleType, x: Tensor, panels: Tensor, n: int) -> Tensor:
     return _first(ops.specgen_linear(x, panels, n))
 
 
-def pack_blocks(ops: ModuleType, blocks: Tensor, int8_product: bool, with_bound: bool) -> tuple[Tensor, Tensor]:
-    """GGUF Q4_0 / Q4_1 / Q8_0 blocks uint8 [n, k / 32, bytes] -> (packed panels, the greedy screen's bound or an
-    empty tensor)."""
+def pack_blocks(ops: ModuleType, blocks: Tensor, int8_product: bool,
+                with_bound: bool) -> tuple[Tensor, Tensor]:
+    """GGUF Q4_0 / Q4_1 / Q8_0 blocks uint8 [n, k / 32, bytes] -> (packed panels, the greedy screen's bound or
+    an empty tensor)."""
     panels, bound = ops.specgen_pack_blocks(blocks, int8_product, with_bound)
     return panels, bound
 

@@ -1,11 +1,11 @@
 """Compiling and loading the kernels: the Paddle extension (cpu_ops.cc, linear.cc) and the host library
 (ngram.cc, plain C functions called through ctypes), and what the build target lets them use.
 
-Each is built once per source version, flags, Paddle version and machine into <cache root>/kernels under a file
-lock, so concurrent processes share one build; later processes load the built library directly. The build
-target is EngineConfig.cpu_target (-march): `native` (this CPU), or another (e.g. x86-64-v3, an AVX2 CPU without
-AVX-512, to build and test the paths such a machine takes). One process holds one build of the extension: its
-operator names are global to Paddle.
+Each is built once per source version, flags, Paddle version and machine into <cache root>/kernels under a
+file lock, so concurrent processes share one build; later processes load the built library directly. The build
+target is EngineConfig.cpu_target (-march): `native` (this CPU), or another (e.g. x86-64-v3, an AVX2 CPU
+without AVX-512, to build and test the paths such a machine takes). One process holds one build of the
+extension: its operator names are global to Paddle.
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 HOST_SOURCE = HERE / "ngram.cc"
 HOST_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 # CPU features the engine asks about, and the compiler macro that says a build may use them.
-FEATURE_MACROS = {"avx512f": "__AVX512F__", "avx512_vnni": "__AVX512VNNI__", "avx2": "__AVX2__", "fma": "__FMA__",
-                  "f16c": "__F16C__"}
+FEATURE_MACROS = {"avx512f": "__AVX512F__", "avx512_vnni": "__AVX512VNNI__", "avx2": "__AVX2__",
+                  "fma": "__FMA__", "f16c": "__F16C__"}
 BUILT_MARK = "built"  # written in a build directory once its library has been built and loaded
 
 _ops: dict[str, ModuleType | None] = {}  # target -> the extension (None: not buildable here)
@@ -54,7 +54,8 @@ def build_key(target: str = "native") -> str:
     """What the extension's build depends on: its sources, flags, Paddle's version and this machine."""
     import paddle
 
-    return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(_flags(FLAGS, target)).encode()
+    return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+                          + " ".join(_flags(FLAGS, target)).encode()
                           + paddle.__version__.encode() + platform.machine().encode()
                           + platform.node().encode()).hexdigest()[:16]
 
@@ -69,8 +70,8 @@ def ops(target: str, cache_root: Path) -> ModuleType | None:
     if target not in _ops:
         loaded = [t for t, m in _ops.items() if m is not None]
         if loaded:
-            raise ConfigError(f"the fused kernels were built for cpu_target {loaded[0]!r} in this process; one "
-                              f"process cannot load them for {target!r} too")
+            raise ConfigError(f"the fused kernels were built for cpu_target {loaded[0]!r} in this process; "
+                              f"one process cannot load them for {target!r} too")
         try:
             _ops[target] = _build(target, cache_root)
         except Exception as e:  # noqa: BLE001 - no compiler, missing headers, ...: the reference path runs instead
@@ -101,9 +102,9 @@ def _build(target: str, cache_root: Path) -> ModuleType | None:
 
 def load_built(d: Path) -> ModuleType | None:
     """The operators of a finished build in d, loaded straight from its library: Paddle's `load` runs its
-    setup.py in a subprocess at every start, even with nothing to rebuild (2.1-2.5 s of each `specgen` command).
-    None when there is no finished build, or when this Paddle's loader is missing or fails (a private function of
-    Paddle's: then `load` runs as before)."""
+    setup.py in a subprocess at every start, even with nothing to rebuild (2.1-2.5 s of each `specgen`
+    command). None when there is no finished build, or when this Paddle's loader is missing or fails (a
+    private function of Paddle's: then `load` runs as before)."""
     lib = d / "specgen_cpu_ops"
     if not (d / BUILT_MARK).exists() or not (lib / "specgen_cpu_ops.so").exists():
         return None
@@ -154,8 +155,8 @@ def _host_build(target: str, cache_root: Path) -> ctypes.CDLL | None:
     with _locked(d):
         if not lib.exists():
             tmp = d / "libspecgen_host.so.tmp"
-            r = subprocess.run([cxx, *flags, str(HOST_SOURCE), "-o", str(tmp)], capture_output=True, text=True,
-                               check=False)
+            r = subprocess.run([cxx, *flags, str(HOST_SOURCE), "-o", str(tmp)], capture_output=True,
+                               text=True, check=False)
             (d / "build.log").write_text(r.stdout + r.stderr)
             if r.returncode != 0:
                 raise RuntimeError(f"build failed; compiler output in {d / 'build.log'}")
@@ -197,8 +198,8 @@ def _quiet(log_path: Path):
 
 
 def cpu_has(flag: str, target: str = "native") -> bool:
-    """Whether this CPU has `flag` (a /proc/cpuinfo name, a key of FEATURE_MACROS) and the build target lets the
-    kernels use it."""
+    """Whether this CPU has `flag` (a /proc/cpuinfo name, a key of FEATURE_MACROS) and the build target lets
+    the kernels use it."""
     try:
         on_cpu = f" {flag} " in " " + Path("/proc/cpuinfo").read_text().replace("\n", " ") + " "
     except OSError:
@@ -210,15 +211,15 @@ def _target_macros(target: str) -> str:
     """The compiler's predefined macros for -march=target (empty when there is no compiler or it refuses)."""
     if target not in _macros:
         cxx = _compiler()
-        r = subprocess.run([cxx, f"-march={target}", "-dM", "-E", "-x", "c++", os.devnull], capture_output=True,
-                           text=True, check=False) if cxx else None
+        r = subprocess.run([cxx, f"-march={target}", "-dM", "-E", "-x", "c++", os.devnull],
+                           capture_output=True, text=True, check=False) if cxx else None
         _macros[target] = r.stdout if r is not None and r.returncode == 0 else ""
     return _macros[target]
 
 
 def packs(target: str = "native") -> bool:
-    """Whether packed products pay on this CPU for this target: AVX-512, or AVX2 with FMA and F16C (elsewhere the
-    kernels' generic product is only a reference, slower than MKL)."""
+    """Whether packed products pay on this CPU for this target: AVX-512, or AVX2 with FMA and F16C (elsewhere
+    the kernels' generic product is only a reference, slower than MKL)."""
     return cpu_has("avx512f", target) or all(cpu_has(f, target) for f in ("avx2", "fma", "f16c"))
 
 

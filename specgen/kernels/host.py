@@ -15,9 +15,11 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 class SlotText(ctypes.Structure):
-    """Rows `slots` [num_seqs] of the engine's token table [*, row_stride], valid up to seq_lens [num_seqs]."""
+    """Rows `slots` [num_seqs] of the engine's token table [*, row_stride], valid up to seq_lens
+    [num_seqs]."""
 
-    _fields_ = [("tokens", _ptr), ("row_stride", _i64), ("slots", _ptr), ("seq_lens", _ptr), ("num_seqs", _i64)]
+    _fields_ = [("tokens", _ptr), ("row_stride", _i64), ("slots", _ptr), ("seq_lens", _ptr),
+                ("num_seqs", _i64)]
 
     @classmethod
     def of(cls, tokens: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray) -> tuple["SlotText", tuple]:
@@ -45,8 +47,8 @@ class SourceRates(ctypes.Structure):
     """Decayed hits and drafts seen per (source, match length), [2, n_max + 1] float64 each (an
     AcceptanceEstimator's arrays), the pool's least rate, and the estimates' prior."""
 
-    _fields_ = [("hits", _ptr), ("seen", _ptr), ("min_rate", ctypes.c_double), ("prior_hits", ctypes.c_double),
-                ("prior_seen", ctypes.c_double)]
+    _fields_ = [("hits", _ptr), ("seen", _ptr), ("min_rate", ctypes.c_double),
+                ("prior_hits", ctypes.c_double), ("prior_seen", ctypes.c_double)]
 
 
 class Drafts(ctypes.Structure):
@@ -56,7 +58,8 @@ class Drafts(ctypes.Structure):
 
     @classmethod
     def empty(cls, num_seqs: int, k: int) -> tuple["Drafts", tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        arrays = (np.empty((num_seqs, k), np.int64), np.empty(num_seqs, np.int64), np.empty(num_seqs, np.int64))
+        arrays = (np.empty((num_seqs, k), np.int64), np.empty(num_seqs, np.int64),
+                  np.empty(num_seqs, np.int64))
         return cls(*(a.ctypes.data for a in arrays)), arrays
 
 
@@ -65,13 +68,15 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     ref = ctypes.POINTER
     lib.specgen_ngram_match.argtypes = [ref(SlotText), ref(NgramRule), ref(Drafts)]
     lib.specgen_ngram_pool_lookup.argtypes = [_ptr, _ptr, _i64, ref(NgramRule), ref(PoolView), ref(Drafts)]
-    lib.specgen_ngram_propose.argtypes = [ref(SlotText), _ptr, ref(NgramRule), ref(PoolView), ref(SourceRates), _ptr]
+    lib.specgen_ngram_propose.argtypes = [ref(SlotText), _ptr, ref(NgramRule), ref(PoolView),
+                                          ref(SourceRates), _ptr]
     for f in (lib.specgen_ngram_match, lib.specgen_ngram_pool_lookup, lib.specgen_ngram_propose):
         f.restype = None
     return lib
 
 
-def ngram_match(lib: ctypes.CDLL, text: SlotText, rule: NgramRule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def ngram_match(lib: ctypes.CDLL, text: SlotText,
+                rule: NgramRule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(draft [num_seqs, k], num_draft [num_seqs], match_len [num_seqs]) of each slot's own-text match."""
     out, arrays = Drafts.empty(text.num_seqs, rule.k)
     lib.specgen_ngram_match(ctypes.byref(text), ctypes.byref(rule), ctypes.byref(out))
@@ -91,10 +96,10 @@ def pool_lookup(lib: ctypes.CDLL, tails: np.ndarray, tail_lens: np.ndarray, rule
 
 def ngram_propose(lib: ctypes.CDLL, text: SlotText, max_draft: np.ndarray, rule: NgramRule, pool: PoolView,
                   rates: SourceRates) -> np.ndarray:
-    """[num_seqs, k + 5]: k draft ids, num_draft, own first draft, own match length, pool first draft, pool match
-    length."""
+    """[num_seqs, k + 5]: k draft ids, num_draft, own first draft, own match length, pool first draft, pool
+    match length."""
     max_draft = np.ascontiguousarray(max_draft, np.int64)
     out = np.empty((text.num_seqs, rule.k + 5), np.int64)
-    lib.specgen_ngram_propose(ctypes.byref(text), max_draft.ctypes.data, ctypes.byref(rule), ctypes.byref(pool),
-                              ctypes.byref(rates), out.ctypes.data)
+    lib.specgen_ngram_propose(ctypes.byref(text), max_draft.ctypes.data, ctypes.byref(rule),
+                              ctypes.byref(pool), ctypes.byref(rates), out.ctypes.data)
     return out

@@ -1,5 +1,5 @@
-"""Weight layouts of the fused kernels (linear.cc): packed panels of 32 output columns, in float32, float64, 16-bit
-or GGUF blocks, and the greedy screen of a quantized LM head; numpy references of every layout."""
+"""Weight layouts of the fused kernels (linear.cc): packed panels of 32 output columns, in float32, float64,
+16-bit or GGUF blocks, and the greedy screen of a quantized LM head; numpy references of every layout."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,9 +12,9 @@ PANEL = 32  # output columns per panel of a packed weight (linear.cc)
 
 @dataclass
 class Packed:
-    """A weight W [k, n] for specgen_linear: float32 (or float64) panels [ceil(n / 32), k, 32]; bfloat16 / float16 panels
-    [ceil(n / 32), k / 32, 32 x 32] of a weight whose every value is one (see pack_linear); or block-quantized
-    uint8 panels [ceil(n / 32), k / 32, QUANT_PANEL_BYTES[kind]] (see pack_quantized)."""
+    """A weight W [k, n] for specgen_linear: float32 (or float64) panels [ceil(n / 32), k, 32]; bfloat16 /
+    float16 panels [ceil(n / 32), k / 32, 32 x 32] of a weight whose every value is one (see pack_linear); or
+    block-quantized uint8 panels [ceil(n / 32), k / 32, QUANT_PANEL_BYTES[kind]] (see pack_quantized)."""
 
     panels: object  # paddle.Tensor
     k: int
@@ -29,7 +29,8 @@ class Packed:
         if self.int8_product:
             p = _dequantize_panels(_float_layout(p.view(np.uint8), self.kind), self.kind)
         elif self.kind in HALF_KINDS:
-            wide = (p.astype(np.uint32) << 16).view(np.float32) if self.kind == "BF16" else p.astype(np.float32)
+            wide = ((p.astype(np.uint32) << 16).view(np.float32) if self.kind == "BF16"
+                    else p.astype(np.float32))
             p = wide.reshape(p.shape[0], self.k, PANEL)
         elif self.kind not in ("F32", "F64"):
             p = _dequantize_panels(p, self.kind)  # [panels, k, 32]
@@ -42,8 +43,8 @@ class Packed:
 
 
 # 16-bit panels: weights that are all exactly bfloat16 or float16 values (a bf16 / fp16 checkpoint, widened to
-# float32 on load) are packed as such and widened exactly in registers, so a product reads half the bytes of the
-# float32 panels and gives the same bits.
+# float32 on load) are packed as such and widened exactly in registers, so a product reads half the bytes of
+# the float32 panels and gives the same bits.
 HALF_KINDS = ("BF16", "F16")
 
 
@@ -59,13 +60,14 @@ def half_kind(a: np.ndarray) -> str | None:
 
 
 def pack_linear(w, halves: bool = True, dtype: str = "float32") -> Packed:
-    """W [k, n] (a paddle tensor or array) -> Packed; zero columns pad n up to a multiple of 32. In float32, with
-    `halves`, k a multiple of 32 and every weight exactly a bfloat16 (or float16), the panels hold those 16-bit
-    values [panels, k / 32, 32 inputs x 32 columns] (HALF_KINDS). In float64 the panels are float64 [panels, k,
-    32] (kind "F64": a float64 model's products, one sum per output in input order)."""
+    """W [k, n] (a paddle tensor or array) -> Packed; zero columns pad n up to a multiple of 32. In float32,
+    with `halves`, k a multiple of 32 and every weight exactly a bfloat16 (or float16), the panels hold those
+    16-bit values [panels, k / 32, 32 inputs x 32 columns] (HALF_KINDS). In float64 the panels are float64
+    [panels, k, 32] (kind "F64": a float64 model's products, one sum per output in input order)."""
     import paddle
 
-    a = np.asarray(w.numpy() if hasattr(w, "numpy") else w, dtype=np.float64 if dtype == "float64" else np.float32)
+    a = np.asarray(w.numpy() if hasattr(w, "numpy") else w,
+                   dtype=np.float64 if dtype == "float64" else np.float32)
     if dtype == "float64":
         halves = False
     k, n = a.shape
@@ -75,32 +77,34 @@ def pack_linear(w, halves: bool = True, dtype: str = "float32") -> Packed:
     p = np.ascontiguousarray(a.reshape(k, panels, PANEL).transpose(1, 0, 2))  # [panels, k, 32]
     kind = half_kind(a) if halves and k % 32 == 0 else None
     if kind == "BF16":  # paddle takes uint16 arrays as bfloat16
-        return Packed(paddle.to_tensor((p.view(np.uint32) >> 16).astype(np.uint16).reshape(panels, k // 32, -1)),
-                      k, n, kind)
+        return Packed(paddle.to_tensor(
+            (p.view(np.uint32) >> 16).astype(np.uint16).reshape(panels, k // 32, -1)), k, n, kind)
     if kind == "F16":
         return Packed(paddle.to_tensor(p.astype(np.float16).reshape(panels, k // 32, -1)), k, n, kind)
     return Packed(paddle.to_tensor(p), k, n, "F64" if dtype == "float64" else "F32")
 
 
 # Bytes per panel (32 output columns) and block of 32 inputs in specgen_linear's quantized layout: the 32
-# columns' fp16 scales d (Q4_1: then their fp16 minimums m), then the quants (Q8_0: 32 rows, one per input; Q4:
-# nibbles grouped by 8 inputs, see _q4_lanes). K-quants' scales are float32: Q4_K d and -m (then nibbles),
+# columns' fp16 scales d (Q4_1: then their fp16 minimums m), then the quants (Q8_0: 32 rows, one per input;
+# Q4: nibbles grouped by 8 inputs, see _q4_lanes). K-quants' scales are float32: Q4_K d and -m (then nibbles),
 # Q6_K d of inputs 0-15 and of inputs 16-31 (then q - 32 as int8, as Q8_0's), Q5_K as QX (see qx_rows and
 # _pack_k_numpy).
-QUANT_PANEL_BYTES = {"Q4_0": 64 + 512, "Q4_1": 128 + 512, "Q8_0": 64 + 1024, "Q4_K": 256 + 512, "Q6_K": 256 + 1024,
+QUANT_PANEL_BYTES = {"Q4_0": 64 + 512, "Q4_1": 128 + 512, "Q8_0": 64 + 1024, "Q4_K": 256 + 512,
+                     "Q6_K": 256 + 1024,
                      "QX": 512 + 1024, "Q5_K": 512 + 1024}  # QX: d of each half, m of each half, int8 quants
 INT8_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # kinds with integer products (int8_product)
 
 
-def pack_quantized(kind: str, blocks: np.ndarray, int8_product: bool = False, ops: ModuleType | None = None) -> Packed:
+def pack_quantized(kind: str, blocks: np.ndarray, int8_product: bool = False,
+                   ops: ModuleType | None = None) -> Packed:
     """A GGUF block-quantized weight, uint8 blocks [n (out), k / 32, block bytes], -> Packed [k, n] for
-    specgen_linear, which multiplies by it without dequantizing it in memory. Zero blocks pad n to a multiple of
-    32 (d = m = 0: zero weights). With int8_product the quants are regrouped for integer products (linear.cc,
-    "Integer products") and the panels are int8: specgen_linear then quantizes its inputs to int8 per block.
-    With `ops` (the kernels) the panels are made in one C++ pass, else in numpy (the same bytes).
+    specgen_linear, which multiplies by it without dequantizing it in memory. Zero blocks pad n to a multiple
+    of 32 (d = m = 0: zero weights). With int8_product the quants are regrouped for integer products
+    (linear.cc, "Integer products") and the panels are int8: specgen_linear then quantizes its inputs to int8
+    per block. With `ops` (the kernels) the panels are made in one C++ pass, else in numpy (the same bytes).
 
-    GGUF blocks (gguf.quants): Q8_0 = d, 32 int8; Q4_0 = d, 16 bytes; Q4_1 = d, m, 16 bytes, where byte j holds
-    input j in its low nibble and input j + 16 in its high one.
+    GGUF blocks (gguf.quants): Q8_0 = d, 32 int8; Q4_0 = d, 16 bytes; Q4_1 = d, m, 16 bytes, where byte j
+    holds input j in its low nibble and input j + 16 in its high one.
     """
     import paddle
 
@@ -131,7 +135,8 @@ def _pack_quantized_numpy(kind: str, blocks: np.ndarray, int8_product: bool = Fa
     qs = b[..., 2 if kind != "Q4_1" else 4:]  # [panels, kb, 32 columns, 16 or 32 bytes]
     if int8_product:
         if kind == "Q8_0":  # unsigned q + 128
-            u = (qs.view(np.int8).astype(np.int16) + 128).astype(np.uint8)  # [panels, kb, 32 columns, 32 inputs]
+            # [panels, kb, 32 columns, 32 inputs]
+            u = (qs.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
         else:
             u = np.concatenate([qs & 0xF, qs >> 4], axis=-1)
         # [panels, kb, column half h, column c, group g, input j] -> [.., g, h, c, j]
@@ -144,18 +149,19 @@ def _pack_quantized_numpy(kind: str, blocks: np.ndarray, int8_product: bool = Fa
     if kind == "Q8_0":
         parts.append(qs.transpose(0, 1, 3, 2).reshape(panels, kb, 1024))  # [input, column] int8
     else:
-        q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).transpose(0, 1, 3, 2)  # [panels, kb, 32 inputs, 32 columns]
+        # [panels, kb, 32 inputs, 32 columns]
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).transpose(0, 1, 3, 2)
         parts.append(_q4_lanes(q))
     packed = np.ascontiguousarray(np.concatenate(parts, axis=-1))
     return Packed(paddle.to_tensor(packed), kb * 32, n, kind)
 
 
 def block_parts(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """GGUF blocks [n, k / block weights, block bytes] of `kind` -> per block of 32 inputs and half of it (inputs
-    0-15, 16-31): scales d [n, k / 32, 2] and offsets m [n, k / 32, 2] (float32) and quants q [n, k / 32, 32]
-    (int8), such that fma(d, q, m) rounds to exactly the weight gguf.quants dequantizes (its scale products,
-    d * sc and dmin * m, are exact in float32; m is -0.0 where a format has no offset, so that a zero weight
-    keeps the sign of d * q)."""
+    """GGUF blocks [n, k / block weights, block bytes] of `kind` -> per block of 32 inputs and half of it
+    (inputs 0-15, 16-31): scales d [n, k / 32, 2] and offsets m [n, k / 32, 2] (float32) and quants q
+    [n, k / 32, 32] (int8), such that fma(d, q, m) rounds to exactly the weight gguf.quants dequantizes (its
+    scale products, d * sc and dmin * m, are exact in float32; m is -0.0 where a format has no offset, so that
+    a zero weight keeps the sign of d * q)."""
     from gguf.quants import Q4_K
 
     n, nb, _ = blocks.shape
@@ -170,8 +176,10 @@ def block_parts(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
             q = blocks[..., 2:].view(np.int8)
         else:
             qs = blocks[..., 4 if kind == "Q4_1" else 2:]
-            q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.int8) - np.int8(8 if kind == "Q4_0" else 0)
-        m = np.repeat(f16(blocks[..., 2:4]), 2, axis=-1) if kind == "Q4_1" else np.full((n, kb, 2), -0.0, np.float32)
+            q = (np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.int8)
+                 - np.int8(8 if kind == "Q4_0" else 0))
+        m = (np.repeat(f16(blocks[..., 2:4]), 2, axis=-1) if kind == "Q4_1"
+             else np.full((n, kb, 2), -0.0, np.float32))
         return d, m, q
     kb = nb * 8
     if kind in ("Q4_K", "Q5_K"):
@@ -180,7 +188,8 @@ def block_parts(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
         scale = (d * sc.reshape(n, nb, 8).astype(np.float32)).reshape(n, kb, 1)
         offset = -(dmin * mn.reshape(n, nb, 8).astype(np.float32)).reshape(n, kb, 1)
         if kind == "Q4_K":
-            qs = blocks[..., 16:].reshape(n, nb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+            qs = (blocks[..., 16:].reshape(n, nb, 4, 1, 32)
+                  >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1))
             q = (qs & 0xF).reshape(n, kb, 32)
         else:  # gguf.quants' Q5_K: 32 bytes of fifth bits, then nibbles
             qh, qs = blocks[..., 16:48], blocks[..., 48:]
@@ -213,8 +222,8 @@ def qx_rows(kind: str, blocks: np.ndarray) -> np.ndarray:
 
 
 def _pack_k_numpy(kind: str, blocks: np.ndarray) -> Packed:
-    """GGUF Q4_K / Q6_K / Q5_K super-blocks, or QX rows, -> Packed [k, n] in blocks of 32 inputs (the layouts of
-    QUANT_PANEL_BYTES; Q5_K as QX): each weight rebuilds to the value gguf.quants dequantizes."""
+    """GGUF Q4_K / Q6_K / Q5_K super-blocks, or QX rows, -> Packed [k, n] in blocks of 32 inputs (the layouts
+    of QUANT_PANEL_BYTES; Q5_K as QX): each weight rebuilds to the value gguf.quants dequantizes."""
     import paddle
 
     if kind == "QX":
@@ -239,13 +248,15 @@ def _pack_k_numpy(kind: str, blocks: np.ndarray) -> Packed:
         head, quants = [d[..., 0], d[..., 1]], cols.reshape(panels, kb, 1024)
     else:  # QX
         head, quants = [d[..., 0], d[..., 1], m[..., 0], m[..., 1]], cols.reshape(panels, kb, 1024)
-    head = [np.ascontiguousarray(by_panel(h), np.float32).view(np.uint8) for h in head]  # [panels, kb, 128] each
-    packed = np.ascontiguousarray(np.concatenate(head + [np.ascontiguousarray(quants).view(np.uint8)], axis=-1))
+    # [panels, kb, 128] each
+    head = [np.ascontiguousarray(by_panel(h), np.float32).view(np.uint8) for h in head]
+    packed = np.ascontiguousarray(np.concatenate(head + [np.ascontiguousarray(quants).view(np.uint8)],
+                                                 axis=-1))
     return Packed(paddle.to_tensor(packed), kb * 32, n, kind)
 
 
-# Block kinds whose LM head specgen_forward can screen for greedy tokens (linear.cc, "Greedy tokens without the
-# logits"): weights d * q, with no offset term, so the integer products' error has a bound per block.
+# Block kinds whose LM head specgen_forward can screen for greedy tokens (linear.cc, "Greedy tokens without
+# the logits"): weights d * q, with no offset term, so the integer products' error has a bound per block.
 SCREENED_KINDS = ("Q8_0", "Q4_0")
 
 
@@ -260,14 +271,15 @@ class Screen:
 
 
 def pack_screen(kind: str, blocks: np.ndarray, ops: ModuleType | None = None) -> Screen:
-    """A GGUF Q8_0 / Q4_0 weight, uint8 blocks [n (out), k / 32, block bytes] -> its Screen (in one C++ pass with
-    `ops`, else in numpy: the same bytes)."""
+    """A GGUF Q8_0 / Q4_0 weight, uint8 blocks [n (out), k / 32, block bytes] -> its Screen (in one C++ pass
+    with `ops`, else in numpy: the same bytes)."""
     import paddle
 
     if kind not in SCREENED_KINDS:
         raise ValueError(f"no greedy screen for {kind!r} blocks (only {', '.join(SCREENED_KINDS)})")
     n, kb, _ = blocks.shape
-    if ops is not None:  # panels and bound in one C++ pass (the numpy below: ~0.4 s for the default model's head)
+    # panels and bound in one C++ pass (the numpy below: ~0.4 s for the default model's head)
+    if ops is not None:
         from specgen.kernels.args import pack_blocks
 
         panels, bound = pack_blocks(ops, paddle.to_tensor(np.ascontiguousarray(blocks)), True, True)
@@ -286,9 +298,9 @@ def pack_screen(kind: str, blocks: np.ndarray, ops: ModuleType | None = None) ->
 
 
 def _q4_lanes(q: np.ndarray) -> np.ndarray:
-    """Nibbles [panels, kb, 32 inputs, 32 columns] -> the float32-product layout's 512 bytes per block: per group
-    g of 8 inputs and half h of the columns, one little-endian 32-bit lane per column c, input 8g + j in its bits
-    4j .. 4j + 3 (linear.cc, q4_nibble)."""
+    """Nibbles [panels, kb, 32 inputs, 32 columns] -> the float32-product layout's 512 bytes per block: per
+    group g of 8 inputs and half h of the columns, one little-endian 32-bit lane per column c, input 8g + j in
+    its bits 4j .. 4j + 3 (linear.cc, q4_nibble)."""
     panels, kb = q.shape[:2]
     q = q.reshape(panels, kb, 4, 8, 2, 16).transpose(0, 1, 2, 4, 5, 3)  # [.., g, h, c, j]
     return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8).reshape(panels, kb, 512)
@@ -318,10 +330,12 @@ def _float_layout(p: np.ndarray, kind: str) -> np.ndarray:
 
 
 def _dequantize_panels(p: np.ndarray, kind: str) -> np.ndarray:
-    """uint8 panels [panels, k / 32, bytes] -> float32 [panels, k, 32], with gguf.quants' float32 arithmetic."""
+    """uint8 panels [panels, k / 32, bytes] -> float32 [panels, k, 32], with gguf.quants' float32
+    arithmetic."""
     panels, kb, _ = p.shape
     if kind == "QX":  # w = d q + m per half, d q exact
-        d0, d1, m0, m1 = (p[..., a:a + 128].copy().view(np.float32)[:, :, None, :] for a in (0, 128, 256, 384))
+        d0, d1, m0, m1 = (p[..., a:a + 128].copy().view(np.float32)[:, :, None, :]
+                          for a in (0, 128, 256, 384))
         q = p[..., 512:].copy().view(np.int8).reshape(panels, kb, 32, 32).astype(np.float32)
         w = np.concatenate([q[:, :, :16] * d0 + m0, q[:, :, 16:] * d1 + m1], axis=2)
         return w.reshape(panels, kb * 32, PANEL)
@@ -331,8 +345,8 @@ def _dequantize_panels(p: np.ndarray, kind: str) -> np.ndarray:
             w = d * _q4_nibbles(p[..., -512:]).astype(np.float32) + e  # e = -(dmin * m)
         else:
             q = p[..., 256:].copy().view(np.int8).reshape(panels, kb, 32, 32).astype(np.float32)
-            w = q * np.concatenate([np.broadcast_to(d, (panels, kb, 16, 32)), np.broadcast_to(e, (panels, kb, 16, 32))],
-                                   axis=2)
+            w = q * np.concatenate([np.broadcast_to(d, (panels, kb, 16, 32)),
+                                    np.broadcast_to(e, (panels, kb, 16, 32))], axis=2)
         return w.reshape(panels, kb * 32, PANEL)
     d = p[..., :64].copy().view(np.float16).astype(np.float32)[:, :, None, :]  # [panels, kb, 1, 32]
     if kind == "Q8_0":

@@ -1,11 +1,11 @@
 """Causal attention of packed variable-length blocks over each slot's cached keys, in Paddle's operators (the
 reference backend: any device Paddle runs on).
 
-A block's queries see its slot's positions up to their own. With a shared prefix (cascade attention) a slot with
-prefix length p reads positions < p from the prefix's one-slot cache and stores its own position j at row j - p;
-one softmax runs over both parts, as over a private copy of the prefix. Short blocks (decode, verify) share one
-padded computation ("virtual padding"); long ones (prefill) are grouped by length so that padding a 30-token
-prompt to a 1,000-token one does not cost 30x.
+A block's queries see its slot's positions up to their own. With a shared prefix (cascade attention) a slot
+with prefix length p reads positions < p from the prefix's one-slot cache and stores its own position j at
+row j - p; one softmax runs over both parts, as over a private copy of the prefix. Short blocks (decode,
+verify) share one padded computation ("virtual padding"); long ones (prefill) are grouped by length so that
+padding a 30-token prompt to a 1,000-token one does not cost 30x.
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from specgen.engine.kv_cache import KVCache
-from specgen.engine.types import ForwardBatch
 from specgen.layers.rotary import RopeTables
+from specgen.runtime.batch import ForwardBatch
+from specgen.runtime.kv_cache import KVCache
 
 GROUP_THRESHOLD = 16  # blocks longer than this are grouped apart from the short ones
 GROUP_BUDGET = 1 << 19  # a long-block group's padded num_seqs * max_q * max_kv at most
@@ -81,8 +81,8 @@ class _GroupIndex:
     keys/values from the cache into [num_seqs, kv_heads, max_kv, D], and the output back to packed tokens.
     """
 
-    def __init__(self, g: AttnGroup, slots: np.ndarray, prefix_lens: np.ndarray, cache: KVCache, num_heads: int,
-                 dtype: str, tree_mask: np.ndarray | None = None):
+    def __init__(self, g: AttnGroup, slots: np.ndarray, prefix_lens: np.ndarray, cache: KVCache,
+                 num_heads: int, dtype: str, tree_mask: np.ndarray | None = None):
         S, Q = g.pad_token_index.shape
         KV, G, cap = cache.num_kv_heads, num_heads // cache.num_kv_heads, cache.capacity
         shared = bool(prefix_lens.any())
@@ -94,7 +94,8 @@ class _GroupIndex:
         self.shape = (S, KV, G, Q, L)
         valid = np.zeros(S * Q, bool)
         valid[g.token_pad_index] = True
-        tok = np.where(valid.reshape(S, Q), g.pad_token_index, 0)  # padding queries read token 0; dropped later
+        # padding queries read token 0; dropped later
+        tok = np.where(valid.reshape(S, Q), g.pad_token_index, 0)
         head = (np.arange(KV)[:, None] * G + np.arange(G)[None, :])  # [KV, G]
         q_rows = tok[:, None, None, :] * num_heads + head[None, :, :, None]  # [S, KV, G, Q]
         self.q_rows = paddle.to_tensor(q_rows.reshape(-1))
@@ -103,7 +104,8 @@ class _GroupIndex:
             pos = np.arange(L)[None, None, :]  # [1, 1, L]
             p = prefix_lens[:, None, None]  # [S, 1, 1]
             # a slot's own rows past its capacity are never allowed (masked), but must be read within it
-            own = (slots[:, None, None] * KV + np.arange(KV)[None, :, None]) * cap + np.clip(pos - p, 0, cap - 1)
+            own = ((slots[:, None, None] * KV + np.arange(KV)[None, :, None]) * cap
+                   + np.clip(pos - p, 0, cap - 1))
             self.kv_rows = paddle.to_tensor(own.reshape(-1))  # [S * KV * L]
             if shared:
                 pcap = cache.prefix.capacity
@@ -111,7 +113,8 @@ class _GroupIndex:
                 self.prefix_rows = paddle.to_tensor(np.broadcast_to(pre, (S, KV, L)).reshape(-1))
                 self.from_prefix = paddle.to_tensor(np.broadcast_to(pos < p, (S, KV, L)).reshape(-1, 1))
         allowed = np.arange(L)[None, None, :] <= g.pad_positions[:, :, None]  # [S, Q, L]
-        if tree_mask is not None:  # a token tree's node sees the rows of its ancestors only (bit b: b rows back)
+        # a token tree's node sees the rows of its ancestors only (bit b: b rows back)
+        if tree_mask is not None:
             masks = np.append(tree_mask, -1).view(np.uint64)[g.pad_token_index]  # [S, Q] (padding: all bits)
             back = g.pad_positions[:, :, None] - np.arange(L)[None, None, :]  # [S, Q, L]
             bit = (masks[:, :, None] >> np.clip(back, 0, 63).astype(np.uint64)) & np.uint64(1)
@@ -119,10 +122,12 @@ class _GroupIndex:
         neg = np.finfo(np.float32).min if dtype == "float32" else np.finfo(np.float64).min
         bias = np.where(allowed, 0.0, neg).astype(dtype)[:, None, None]  # [S, 1, 1, Q, L]
         if S * num_heads * Q * L <= (1 << 24):
-            # Paddle's broadcasting add is ~30x slower than a same-shape add on CPU: materialise once per forward.
+            # Paddle's broadcasting add is ~30x slower than a same-shape add on CPU:
+            # materialise once per forward.
             bias = np.broadcast_to(bias, (S, KV, G, Q, L))
         self.bias = paddle.to_tensor(np.ascontiguousarray(bias))
-        # head h = kv * G + g of token (s, q) sits at row ((s * KV + kv) * G + g) * Q + q = (s * H + h) * Q + q
+        # head h = kv * G + g of token (s, q) sits at row
+        # ((s * KV + kv) * G + g) * Q + q = (s * H + h) * Q + q
         s_of, q_of = np.divmod(g.token_pad_index, Q)  # [num_tokens_g]
         out_rows = (s_of[:, None] * num_heads + np.arange(num_heads)[None, :]) * Q + q_of[:, None]  # [n_g, H]
         self.out_rows = paddle.to_tensor(out_rows.reshape(-1))
@@ -166,8 +171,8 @@ class AttentionIndex:
         cu = np.concatenate([[0], np.cumsum(batch.block_lens)[:-1]]).astype(np.int64)
         seq_prefix = plen[cu] if n else np.zeros(0, np.int64)  # [num_seqs]
         groups = attention_groups(batch.block_starts, batch.block_lens, GROUP_THRESHOLD, GROUP_BUDGET)
-        self.groups = [_GroupIndex(g, batch.block_slots[g.seq_index], seq_prefix[g.seq_index], cache, num_heads,
-                                   dtype, batch.tree_mask) for g in groups]
+        self.groups = [_GroupIndex(g, batch.block_slots[g.seq_index], seq_prefix[g.seq_index], cache,
+                                   num_heads, dtype, batch.tree_mask) for g in groups]
         self.single = len(groups) == 1 and np.array_equal(groups[0].token_rows, np.arange(n))
         self.prefix = cache.prefix
 

@@ -50,10 +50,11 @@ class BlockShape:
 def block_forward(x: paddle.Tensor, w: DecoderBlock, shape: BlockShape, att: AttentionIndex, layer: int,
                   k_cache: paddle.Tensor, v_cache: paddle.Tensor, counts: np.ndarray | None = None,
                   reduce: Callable[[paddle.Tensor, str], paddle.Tensor] | None = None) -> paddle.Tensor:
-    """x [num_tokens, hidden] -> the block's output; writes the tokens' K/V into the block's cache. A routed block
-    adds its tokens per expert to counts [num_experts] when given. `reduce`: a tensor-parallel rank's sum over the
-    ranks of its row-parallel outputs (o and down hold its rows; specgen/distributed/tp_shard.py), told which
-("attention" or "mlp": an expert-parallel rank's experts and shared-expert columns are summed in the latter)."""
+    """x [num_tokens, hidden] -> the block's output; writes the tokens' K/V into the block's cache. A routed
+    block adds its tokens per expert to counts [num_experts] when given. `reduce`: a tensor-parallel rank's
+    sum over the ranks of its row-parallel outputs (o and down hold its rows;
+    specgen/distributed/tp_shard.py), told which ("attention" or "mlp": an expert-parallel rank's experts and
+    shared-expert columns are summed in the latter)."""
     n, H, KV, D, eps = x.shape[0], shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.eps
     qkv = w.qkv(rms_norm(x, w.attn_norm, eps) if w.attn_norm is not None else x)  # [num_tokens, (H + 2 KV) D]
     q, k, v = paddle.split(qkv, [H * D, KV * D, KV * D], axis=-1)

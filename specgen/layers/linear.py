@@ -1,4 +1,5 @@
-"""Linear layers: y = x @ W + b, with W dense [in, out] (reference backend) or packed for the kernels (fused)."""
+"""Linear layers: y = x @ W + b, with W dense [in, out] (reference backend) or packed for the kernels
+(fused)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,9 +13,9 @@ from specgen.models.checkpoint import QuantRows
 
 @dataclass
 class Linear:
-    """A projection. A checkpoint reader fills `weight` with the dense [in, out] tensor and, for a GGUF file that
-    stores it block-quantized, `blocks` with its raw blocks (or leaves `weight` None where a backend will pack
-    from the blocks alone); the backend then replaces `weight` by what its products read."""
+    """A projection. A checkpoint reader fills `weight` with the dense [in, out] tensor and, for a GGUF file
+    that stores it block-quantized, `blocks` with its raw blocks (or leaves `weight` None where a backend will
+    pack from the blocks alone); the backend then replaces `weight` by what its products read."""
 
     weight: Any  # paddle.Tensor [in, out], a kernels.Packed, or None before a backend prepares it
     bias: paddle.Tensor | None = None  # [out]

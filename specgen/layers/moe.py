@@ -1,12 +1,13 @@
 """A mixture-of-experts MLP: its typed weights, its router and its reference forward (Paddle's operators, any
 device). The math is transformers' Qwen3MoeSparseMoeBlock / Ernie4_5_MoeSparseMoeBlock (see MoeConfig).
 
-Tokens are grouped by expert and each expert multiplies only its own tokens (one product per expert); a token's
-output is then the sum of its chosen experts' outputs in the order of their rank, so a row's result is made from
-its own inputs alone. The fused kernels (specgen/kernels/moe.cc) do the same in a fixed order, which keeps a row's
-bits independent of the batch. The layer holds the experts of a contiguous range of expert ids [first_expert,
-first_expert + len(experts)): all of them, or under expert parallelism a rank's own range
-(specgen/distributed/tp_shard.py), where tokens routed elsewhere contribute nothing here (another rank adds them).
+Tokens are grouped by expert and each expert multiplies only its own tokens (one product per expert); a
+token's output is then the sum of its chosen experts' outputs in the order of their rank, so a row's result is
+made from its own inputs alone. The fused kernels (specgen/kernels/moe.cc) do the same in a fixed order, which
+keeps a row's bits independent of the batch. The layer holds the experts of a contiguous range of expert ids
+[first_expert, first_expert + len(experts)): all of them, or under expert parallelism a rank's own range
+(specgen/distributed/tp_shard.py), where tokens routed elsewhere contribute nothing here (another rank adds
+them).
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ class MoeExperts:
 
 
 def route(h: paddle.Tensor, m: MoeExperts) -> tuple[paddle.Tensor, paddle.Tensor]:
-    """h [num_tokens, hidden] -> (expert ids [num_tokens, top_k] int64 by rank, weights [num_tokens, top_k])."""
+    """h [num_tokens, hidden] -> (expert ids [num_tokens, top_k] int64 by rank, weights
+    [num_tokens, top_k])."""
     probs = F.softmax(m.router(h), axis=-1)  # [num_tokens, num_experts]
     score = probs + m.selection_bias if m.selection_bias is not None else probs
     _, ids = paddle.topk(score, m.top_k, axis=-1)  # [num_tokens, top_k]
@@ -56,11 +58,12 @@ def route(h: paddle.Tensor, m: MoeExperts) -> tuple[paddle.Tensor, paddle.Tensor
 
 
 def moe_forward(h: paddle.Tensor, m: MoeExperts, counts: np.ndarray | None = None) -> paddle.Tensor:
-    """The routed experts' output for normed rows h [num_tokens, hidden] -> [num_tokens, hidden]; adds each expert's
-    token count to counts [num_experts] when given."""
+    """The routed experts' output for normed rows h [num_tokens, hidden] -> [num_tokens, hidden]; adds each
+    expert's token count to counts [num_experts] when given."""
     n, k = h.shape[0], m.top_k
     ids, weights = route(h, m)
-    flat = ids.reshape([-1]).numpy()  # [num_tokens * top_k] (token, rank) pairs; the one host sync of the layer
+    # the one host sync of the layer
+    flat = ids.reshape([-1]).numpy()  # [num_tokens * top_k] (token, rank) pairs
     if counts is not None:
         counts += np.bincount(flat, minlength=len(counts))
     order = np.argsort(flat, kind="stable")  # pairs grouped by expert, tokens in order within each

@@ -40,7 +40,8 @@ class RopeTables:
     def build(cls, cfg: ModelConfig, dtype: str) -> "RopeTables":
         # HF computes the angles in float32; matching that keeps fp32 logits within 1e-6 of theirs.
         ang_dtype = np.float32 if dtype == "float32" else np.float64
-        ang = np.arange(cfg.max_position_embeddings, dtype=ang_dtype)[:, None] * inv_freq(cfg).astype(ang_dtype)[None]
+        ang = (np.arange(cfg.max_position_embeddings, dtype=ang_dtype)[:, None]
+               * inv_freq(cfg).astype(ang_dtype)[None])
         return cls(paddle.to_tensor(np.cos(ang).astype(dtype)), paddle.to_tensor(np.sin(ang).astype(dtype)))
 
 

@@ -25,7 +25,8 @@ def load_checkpoint(path: str | Path | None, cache_root: Path | None = None,
 
             source = default_model.default_gguf_path()
         _check_exists(Path(source))
-        return load_quantized(str(source), quantization, cache_root, lambda: load_checkpoint(path, cache_root))
+        return load_quantized(str(source), quantization, cache_root,
+                              lambda: load_checkpoint(path, cache_root))
     from specgen.models import hf_loader
 
     if path is None or Path(path).suffix == ".gguf":

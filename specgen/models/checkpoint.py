@@ -19,8 +19,8 @@ QUANT_BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 
 @dataclass(frozen=True)
 class QuantRows:
     """A Linear weight [out, in] as its GGUF file stores it (or, fused from rows of several formats, as QX):
-    uint8 blocks [out, in / QUANT_BLOCK_WEIGHTS[kind], QUANT_BLOCK_BYTES[kind]] of `kind`. Dequantized, they are
-    the float32 weight the checkpoint also holds."""
+    uint8 blocks [out, in / QUANT_BLOCK_WEIGHTS[kind], QUANT_BLOCK_BYTES[kind]] of `kind`. Dequantized, they
+    are the float32 weight the checkpoint also holds."""
 
     kind: str
     blocks: np.ndarray  # [out, in / QUANT_BLOCK_WEIGHTS[kind], QUANT_BLOCK_BYTES[kind]] uint8
@@ -28,8 +28,8 @@ class QuantRows:
 
 @dataclass
 class Checkpoint:
-    """Weights in HF naming and HF layout (Linear weights [out, in]), as float32 numpy arrays; `quantized` keeps
-    the raw blocks of those a GGUF file stores block-quantized."""
+    """Weights in HF naming and HF layout (Linear weights [out, in]), as float32 numpy arrays; `quantized`
+    keeps the raw blocks of those a GGUF file stores block-quantized."""
 
     config: ModelConfig
     weights: dict[str, np.ndarray]
@@ -51,5 +51,6 @@ def checkpoint_files(path: str | Path) -> list[Path]:
 
 
 def file_stamps(files: list[Path]) -> list[list]:
-    """[resolved path, size, modification time] of each file: what tells a cache keyed by them that they changed."""
+    """[resolved path, size, modification time] of each file: what tells a cache keyed by them that they
+    changed."""
     return [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]

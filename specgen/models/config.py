@@ -30,14 +30,16 @@ class RopeScaling:
 class MoeConfig:
     """The routed experts of a mixture-of-experts model (transformers' Qwen3MoeSparseMoeBlock and
     Ernie4_5_MoeSparseMoeBlock): per token, probs = softmax(router logits); the top_k experts by probs (+ the
-    selection bias, ERNIE's e_score_correction_bias, which picks experts but does not weight them); their probs as
-    weights, divided by max(their sum, norm_min) when norm_topk_prob; the output is the weighted sum of the chosen
-    experts' SwiGLU MLPs, plus the shared experts' (a dense MLP of num_shared_experts * intermediate_size)."""
+    selection bias, ERNIE's e_score_correction_bias, which picks experts but does not weight them); their
+    probs as weights, divided by max(their sum, norm_min) when norm_topk_prob; the output is the weighted sum
+    of the chosen experts' SwiGLU MLPs, plus the shared experts' (a dense MLP of
+    num_shared_experts * intermediate_size)."""
 
     num_experts: int
     top_k: int
     intermediate_size: int  # each expert's
-    layers: tuple[int, ...]  # the blocks whose MLP is routed (the others are dense, of ModelConfig.intermediate_size)
+    # the blocks whose MLP is routed (the others are dense, of ModelConfig.intermediate_size)
+    layers: tuple[int, ...]
     norm_topk_prob: bool
     norm_min: float = 0.0  # ERNIE's moe_norm_min
     num_shared_experts: int = 0

@@ -72,7 +72,8 @@ def _write_entry(checkpoint: Checkpoint, entry: Path) -> None:
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
     except OSError as e:
-        raise CheckpointError(f"cannot create the model cache {entry.parent} ({e}); set engine.cache_dir (--cache-dir)") from e
+        raise CheckpointError(f"cannot create the model cache {entry.parent} ({e}); "
+                              "set engine.cache_dir (--cache-dir)") from e
     try:
         weights = {name: np.ascontiguousarray(w) for name, w in checkpoint.weights.items()}
         save_file(weights, str(tmp / _WEIGHTS))  # float32 as loaded: the cache must not change any value
@@ -96,7 +97,8 @@ def _write_entry(checkpoint: Checkpoint, entry: Path) -> None:
             if not entry.is_dir():  # else another process finished the same conversion first: keep theirs
                 raise
     except OSError as e:
-        raise CheckpointError(f"cannot write the model cache {entry} ({e}); set engine.cache_dir (--cache-dir)") from e
+        raise CheckpointError(f"cannot write the model cache {entry} ({e}); "
+                              "set engine.cache_dir (--cache-dir)") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
 
@@ -117,7 +119,8 @@ def _read_entry(entry: Path, source: str) -> Checkpoint:
 
 
 def _read_quantized(path: Path) -> dict[str, QuantRows]:
-    """The raw GGUF blocks saved beside the float32 weights (uint8 [out, in / 32, bytes], kinds in the metadata)."""
+    """The raw GGUF blocks saved beside the float32 weights (uint8 [out, in / 32, bytes], kinds in the
+    metadata)."""
     try:
         f = safe_open(str(path), framework="np")
     except SafetensorError as e:
@@ -142,17 +145,18 @@ def _read_tokenizer(path: Path) -> Tokenizer:
 
 
 def _read_float32_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Map a float32 safetensors file read-only; each tensor is a view of the mapping, read from disk (or the page
-    cache) only where it is used: the projections a model packs from their GGUF blocks never are (0.6 s of
-    reading the default model's 513 MiB file whole). safetensors.numpy.load_file copies the file through Python
-    bytes, ~5x slower than one read.
+    """Map a float32 safetensors file read-only; each tensor is a view of the mapping, read from disk (or the
+    page cache) only where it is used: the projections a model packs from their GGUF blocks never are (0.6 s
+    of reading the default model's 513 MiB file whole). safetensors.numpy.load_file copies the file through
+    Python bytes, ~5x slower than one read.
     """
     with open(path, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))  # layout: u64 header length, JSON header, data
         header = json.loads(f.read(header_len))
     size = path.stat().st_size - 8 - header_len
     # [num_bytes]
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len) if size > 0 else np.zeros(0, np.uint8)
+    data = (np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len) if size > 0
+            else np.zeros(0, np.uint8))
     header.pop("__metadata__", None)
     weights = {}
     for name, info in header.items():

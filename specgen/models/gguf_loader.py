@@ -50,8 +50,8 @@ _LAYER_TENSORS = {  # blk.N.<key> -> model.layers.N.<value>
     "ffn_up.bias": "mlp.up_proj.bias",
     "ffn_down.bias": "mlp.down_proj.bias",
     "ffn_gate_inp.weight": "mlp.gate.weight",  # a routed block's router [num_experts, hidden]
-    # ernie4_5-moe: the shared experts (one dense MLP of expert_shared_count experts' width), and the bias that
-    # picks experts without weighting them (HF [1, num_experts]; llama.cpp's exp_probs_b, [num_experts])
+    # ernie4_5-moe: the shared experts (one dense MLP of expert_shared_count experts' width), and the bias
+    # that picks experts without weighting them (HF [1, num_experts]; llama.cpp's exp_probs_b, [num_experts])
     "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
     "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
@@ -112,7 +112,8 @@ def load_gguf(path: str | Path) -> Checkpoint:
                         q = quantized[name]
                         quantized[name] = QuantRows(q.kind, unpermute_qk(q.blocks, num))
     tokenizer = _build_tokenizer(meta, path)
-    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source=str(path), quantized=quantized)
+    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source=str(path),
+                      quantized=quantized)
 
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -160,7 +161,8 @@ class _Metadata:
 
 
 def _read_weights(reader: gguf.GGUFReader, path: Path) -> tuple[dict[str, np.ndarray], dict[str, QuantRows]]:
-    """Every tensor dequantized to float32, and the raw blocks of the 2-D ones stored as Q4_0 / Q4_1 / Q8_0."""
+    """Every tensor dequantized to float32, and the raw blocks of the 2-D ones stored as
+    Q4_0 / Q4_1 / Q8_0."""
     weights: dict[str, np.ndarray] = {}
     quantized: dict[str, QuantRows] = {}
     for tensor in reader.tensors:
@@ -186,7 +188,8 @@ def _read_weights(reader: gguf.GGUFReader, path: Path) -> tuple[dict[str, np.nda
         weights[hf_name] = values.reshape((1, -1) if hf_name.endswith(_SELECTION_BIAS) else shape)
         kind = tensor.tensor_type.name
         if kind in QUANT_BLOCK_BYTES and len(shape) == 2 and shape[1] % QUANT_BLOCK_WEIGHTS[kind] == 0:
-            blocks = np.array(tensor.data, dtype=np.uint8).reshape(shape[0], shape[1] // QUANT_BLOCK_WEIGHTS[kind],
+            blocks = np.array(tensor.data, dtype=np.uint8).reshape(shape[0],
+                                                                   shape[1] // QUANT_BLOCK_WEIGHTS[kind],
                                                                    QUANT_BLOCK_BYTES[kind])
             quantized[hf_name] = QuantRows(kind, blocks)
     return weights, quantized
@@ -202,12 +205,13 @@ def _stacked(name: str) -> tuple[int, str] | None:
 
 def _split_experts(tensor: Any, stacked: tuple[int, str], weights: dict[str, np.ndarray],
                    quantized: dict[str, QuantRows], path: Path) -> None:
-    """A stacked [num_experts, out, in] tensor -> model.layers.{i}.mlp.experts.{e}.{proj}.weight [out, in] each
-    (dequantized; and its raw rows per expert when stored as Q4_0 / Q4_1 / Q8_0)."""
+    """A stacked [num_experts, out, in] tensor -> model.layers.{i}.mlp.experts.{e}.{proj}.weight [out, in]
+    each (dequantized; and its raw rows per expert when stored as Q4_0 / Q4_1 / Q8_0)."""
     layer, proj = stacked
     shape = tuple(int(d) for d in reversed(tensor.shape))  # [num_experts, out, in]
     if len(shape) != 3:
-        raise CheckpointError(f"{path}: tensor {tensor.name!r} has shape {list(shape)}, expected [experts, out, in]")
+        raise CheckpointError(f"{path}: tensor {tensor.name!r} has shape {list(shape)}, "
+                              "expected [experts, out, in]")
     kind = tensor.tensor_type.name
     try:
         values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
@@ -215,7 +219,8 @@ def _split_experts(tensor: Any, stacked: tuple[int, str], weights: dict[str, np.
         raise CheckpointError(f"{path}: tensor {tensor.name!r} has unsupported type {kind}") from e
     blocks = None
     if kind in QUANT_BLOCK_BYTES and shape[2] % QUANT_BLOCK_WEIGHTS[kind] == 0:
-        blocks = np.array(tensor.data, dtype=np.uint8).reshape(*shape[:2], shape[2] // QUANT_BLOCK_WEIGHTS[kind],
+        blocks = np.array(tensor.data, dtype=np.uint8).reshape(*shape[:2],
+                                                               shape[2] // QUANT_BLOCK_WEIGHTS[kind],
                                                                QUANT_BLOCK_BYTES[kind])
     for e in range(shape[0]):
         name = f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
@@ -226,10 +231,11 @@ def _split_experts(tensor: Any, stacked: tuple[int, str], weights: dict[str, np.
 
 def _moe_config(meta: _Metadata, arch_name: str, weights: dict[str, np.ndarray],
                 num_layers: int) -> MoeConfig | None:
-    """The routed experts of a qwen3moe or ernie4_5-moe file: every block with a router (ffn_gate_inp) is routed,
-    the others dense. llama.cpp renormalises the top-k weights of qwen3moe unless {arch}.expert_weights_norm says
-    not, and always those of ernie4_5-moe (as transformers does, dividing by at least moe_norm_min's default);
-    ERNIE's shared experts ({arch}.expert_shared_count) and selection bias (exp_probs_b) where the file has them."""
+    """The routed experts of a qwen3moe or ernie4_5-moe file: every block with a router (ffn_gate_inp) is
+    routed, the others dense. llama.cpp renormalises the top-k weights of qwen3moe unless
+    {arch}.expert_weights_norm says not, and always those of ernie4_5-moe (as transformers does, dividing by
+    at least moe_norm_min's default); ERNIE's shared experts ({arch}.expert_shared_count) and selection bias
+    (exp_probs_b) where the file has them."""
     if f"{arch_name}.expert_count" not in meta:
         return None
     routed = tuple(i for i in range(num_layers) if f"model.layers.{i}.mlp.gate.weight" in weights)
@@ -237,7 +243,8 @@ def _moe_config(meta: _Metadata, arch_name: str, weights: dict[str, np.ndarray],
     return MoeConfig(num_experts=meta.integer(f"{arch_name}.expert_count"),
                      top_k=meta.integer(f"{arch_name}.expert_used_count"),
                      intermediate_size=meta.integer(f"{arch_name}.expert_feed_forward_length"),
-                     layers=routed, norm_topk_prob=ernie or bool(meta.get(f"{arch_name}.expert_weights_norm", True)),
+                     layers=routed,
+                     norm_topk_prob=ernie or bool(meta.get(f"{arch_name}.expert_weights_norm", True)),
                      norm_min=1e-12 if ernie else 0.0,
                      num_shared_experts=meta.integer(f"{arch_name}.expert_shared_count", 0),
                      selection_bias=any(f"model.layers.{i}.{_SELECTION_BIAS}" in weights for i in routed))
@@ -331,12 +338,14 @@ def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if config.o_bias:
         layer["self_attn.o_proj.bias"] = (hidden,)
     if config.mlp_bias:
-        layer |= {"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,), "mlp.down_proj.bias": (hidden,)}
+        layer |= {"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,),
+                  "mlp.down_proj.bias": (hidden,)}
     if config.qk_norm:
         layer |= {"self_attn.q_norm.weight": (dim,), "self_attn.k_norm.weight": (dim,)}
     moe = config.moe
     dense = {k: v for k, v in layer.items() if not k.startswith("mlp.")}
-    if moe is not None:  # a routed block: its router and experts (and shared experts) instead of the dense MLP
+    # a routed block: its router and experts (and shared experts) instead of the dense MLP
+    if moe is not None:
         dense["mlp.gate.weight"] = (moe.num_experts, hidden)
         if moe.selection_bias:
             dense[_SELECTION_BIAS] = (1, moe.num_experts)
@@ -382,8 +391,8 @@ def _check_tensors(weights: dict[str, np.ndarray], config: ModelConfig, path: Pa
 
 
 def _build_tokenizer(meta: _Metadata, path: Path) -> TextTokenizer | None:
-    """A `tokenizers` tokenizer equal to the model's own (no tokenizer metadata: None): byte-level BPE ("gpt2", as
-    the HF tokenizer.json) or SentencePiece BPE ("llama", as llama.cpp tokenizes it)."""
+    """A `tokenizers` tokenizer equal to the model's own (no tokenizer metadata: None): byte-level BPE
+    ("gpt2", as the HF tokenizer.json) or SentencePiece BPE ("llama", as llama.cpp tokenizes it)."""
     model = meta.get("tokenizer.ggml.model")
     if model is None:
         return None
@@ -394,7 +403,8 @@ def _build_tokenizer(meta: _Metadata, path: Path) -> TextTokenizer | None:
         )
     tokens: list[str] = meta.require("tokenizer.ggml.tokens")
     types = meta.get("tokenizer.ggml.token_type") or []
-    tokenizer = _byte_level_bpe(meta, tokens, path) if model == "gpt2" else _sentencepiece_bpe(meta, tokens, types)
+    tokenizer = (_byte_level_bpe(meta, tokens, path) if model == "gpt2"
+                 else _sentencepiece_bpe(meta, tokens, types))
     # CONTROL tokens are HF's special added tokens (<|im_start|>: one id, skipped when decoding);
     # USER_DEFINED ones are plain added tokens, also matched whole before BPE.
     control = [tokens[i] for i, t in enumerate(types) if t == _CONTROL]
@@ -427,11 +437,12 @@ def _byte_level_bpe(meta: _Metadata, tokens: list[str], path: Path) -> Tokenizer
 
 
 def _sentencepiece_bpe(meta: _Metadata, tokens: list[str], types: list[int]) -> Tokenizer:
-    """A SentencePiece BPE vocabulary (Llama 2, Mistral, ERNIE-4.5: pieces with scores, "\u2581" for spaces, <0xNN>
-    byte pieces) as a `tokenizers` BPE: SentencePiece merges the adjacent pair whose merged piece scores highest,
-    so the merges are every split of a normal piece into two pieces, ranked by the merged piece's score. Spaces
-    become "\u2581"; with tokenizer.ggml.add_space_prefix (the default) one is put before the text and, as
-    llama.cpp does, after each special token. Pieces not in the vocabulary fall back to their bytes' pieces."""
+    """A SentencePiece BPE vocabulary (Llama 2, Mistral, ERNIE-4.5: pieces with scores, "\u2581" for spaces,
+    <0xNN> byte pieces) as a `tokenizers` BPE: SentencePiece merges the adjacent pair whose merged piece
+    scores highest, so the merges are every split of a normal piece into two pieces, ranked by the merged
+    piece's score. Spaces become "\u2581"; with tokenizer.ggml.add_space_prefix (the default) one is put
+    before the text and, as llama.cpp does, after each special token. Pieces not in the vocabulary fall back
+    to their bytes' pieces."""
     scores = meta.require("tokenizer.ggml.scores")
     kinds = list(types) or [_NORMAL] * len(tokens)
     vocab = {token: i for i, token in enumerate(tokens)}
@@ -439,17 +450,20 @@ def _sentencepiece_bpe(meta: _Metadata, tokens: list[str], types: list[int]) -> 
     for i, token in enumerate(tokens):
         if kinds[i] != _NORMAL:
             continue
-        splits = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
+        splits = [(token[:k], token[k:]) for k in range(1, len(token))
+                  if token[:k] in vocab and token[k:] in vocab]
         splits.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
         ranked += [(-float(scores[i]), pair) for pair in splits]
     ranked.sort(key=lambda entry: entry[0])  # stable: equal scores keep the vocabulary's order
     unk = meta.get("tokenizer.ggml.unknown_token_id", kinds.index(_UNKNOWN) if _UNKNOWN in kinds else None)
-    tokenizer = Tokenizer(BPE(vocab, [pair for _, pair in ranked], unk_token=None if unk is None else tokens[unk],
+    tokenizer = Tokenizer(BPE(vocab, [pair for _, pair in ranked],
+                              unk_token=None if unk is None else tokens[unk],
                               fuse_unk=True, byte_fallback=_BYTE in kinds))
     prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
     space = [normalizers.Replace(" ", "\u2581")]
     tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581")] * prefix + space)
-    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                           decoders.Fuse()]
                                           + [decoders.Strip(" ", 1, 0)] * prefix)
     return tokenizer
 

@@ -68,7 +68,8 @@ def _moe(cfg: dict[str, Any], arch: str) -> MoeConfig | None:
         end = layers - 1 if end == -1 else end
         routed = tuple(i for i in range(layers) if (i + 1) % interval == 0 and start <= i <= end)
         return MoeConfig(num, int(cfg.get("moe_k", cfg.get("num_experts_per_tok", 0))),
-                         int(cfg["moe_intermediate_size"]), routed, True, float(cfg.get("moe_norm_min", 1e-12)),
+                         int(cfg["moe_intermediate_size"]), routed, True,
+                         float(cfg.get("moe_norm_min", 1e-12)),
                          int(cfg.get("moe_num_shared_experts", 0)), True)
     return None
 
@@ -132,8 +133,8 @@ def _weight_files(directory: Path) -> list[Path]:
 
 
 def read_safetensors(files: list[Path]) -> dict[str, np.ndarray]:
-    """Every tensor of the shards as float32 (F32, F16, BF16 and the other types numpy knows; BF16, which numpy
-    does not, is read from the file's bytes and widened exactly)."""
+    """Every tensor of the shards as float32 (F32, F16, BF16 and the other types numpy knows; BF16, which
+    numpy does not, is read from the file's bytes and widened exactly)."""
     weights: dict[str, np.ndarray] = {}
     for f in files:
         if not f.exists():
@@ -163,8 +164,8 @@ def _header(f: Path) -> tuple[int, dict[str, Any]]:
 
 
 def _read_bf16(f: Path, header: tuple[int, dict[str, Any]], name: str) -> np.ndarray:
-    """Tensor `name` of safetensors file f, stored as BF16, widened to float32 (exact: a bfloat16 is the top half
-    of a float32's bits)."""
+    """Tensor `name` of safetensors file f, stored as BF16, widened to float32 (exact: a bfloat16 is the top
+    half of a float32's bits)."""
     start, tensors = header
     begin, end = tensors[name]["data_offsets"]
     shape = tensors[name]["shape"]
@@ -209,4 +210,5 @@ def load_hf_dir(directory: str | Path) -> Checkpoint:
         raise CheckpointError(f"{directory}: not a directory")
     config = parse_config(directory)
     weights = read_safetensors(_weight_files(directory))
-    return Checkpoint(config=config, weights=weights, tokenizer=load_tokenizer(directory), source=str(directory))
+    return Checkpoint(config=config, weights=weights, tokenizer=load_tokenizer(directory),
+                      source=str(directory))

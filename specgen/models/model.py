@@ -1,5 +1,5 @@
-"""The runtime model: a Llama-family decoder (Llama / Mistral / Qwen2 / Qwen3 / ERNIE-4.5) as typed weights, its
-RoPE tables, and the backend that runs its packed variable-length forward."""
+"""The runtime model: a Llama-family decoder (Llama / Mistral / Qwen2 / Qwen3 / ERNIE-4.5) as typed weights,
+its RoPE tables, and the backend that runs its packed variable-length forward."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,12 +8,12 @@ import json
 import paddle
 
 from specgen.backends.base import Backend, ForwardOutput
-from specgen.engine.kv_cache import KVCache
-from specgen.engine.types import ForwardBatch
 from specgen.layers.block import BlockShape
 from specgen.layers.rotary import RopeTables
 from specgen.models.checkpoint import Checkpoint
 from specgen.models.weights import DecoderWeights
+from specgen.runtime.batch import ForwardBatch
+from specgen.runtime.kv_cache import KVCache
 
 
 class Model:
@@ -52,7 +52,7 @@ class Model:
         return self.backend.logits(self, hidden)
 
     def cost_key(self) -> str:
-        """What a step's cost depends on in this model (the step-cost tables are kept per key): its shape, dtype,
-        backend and weights' formats."""
-        return json.dumps([dataclasses.asdict(self.config), self.dtype, self.backend.describe()], sort_keys=True,
-                          default=str)
+        """What a step's cost depends on in this model (the step-cost tables are kept per key): its shape,
+        dtype, backend and weights' formats."""
+        return json.dumps([dataclasses.asdict(self.config), self.dtype, self.backend.describe()],
+                          sort_keys=True, default=str)

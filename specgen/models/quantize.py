@@ -6,13 +6,15 @@ each expert's and the shared experts') and the LM head.
   weights stay float.
 - none: all in floating point (a GGUF file's blocks dequantized: the float model they stand for).
 - wint8 / wint4: all in GGUF blocks of 32 weights along the input: wint8 as Q8_0 (symmetric: a float16 scale,
-  32 int8), wint4 as Q4_1 (asymmetric: a float16 scale and minimum, 32 4-bit values; closer to the float weights
-  than the symmetric Q4_0, at 20 bytes a block instead of 18). The LM head (with a tied head, the embedding
-  matrix) is Q8_0 in both, as llama.cpp's 4-bit files keep it: 4 bits there cost the default model 5% of
-  perplexity. Blocks already of the kind wanted stay as stored; others are quantized from their float values.
+  32 int8), wint4 as Q4_1 (asymmetric: a float16 scale and minimum, 32 4-bit values; closer to the float
+  weights than the symmetric Q4_0, at 20 bytes a block instead of 18). The LM head (with a tied head, the
+  embedding matrix) is Q8_0 in both, as llama.cpp's 4-bit files keep it: 4 bits there cost the default model
+  5% of perplexity. Blocks already of the kind wanted stay as stored; others are quantized from their float
+  values.
 A quantized weight carries both its raw blocks (the fused backend multiplies by them directly) and their
-dequantized float32 values (the reference backend multiplies by those, on any device): the same weights on both
-paths. Quantized checkpoints are kept in the cache, so a rerun reads them back instead of quantizing again.
+dequantized float32 values (the reference backend multiplies by those, on any device): the same weights on
+both paths. Quantized checkpoints are kept in the cache, so a rerun reads them back instead of quantizing
+again.
 """
 from __future__ import annotations
 
@@ -23,16 +25,22 @@ from pathlib import Path
 
 import numpy as np
 
-from specgen.models.checkpoint import (QUANT_BLOCK_BYTES, QUANT_BLOCK_WEIGHTS, Checkpoint, QuantRows,
-                                       checkpoint_files, file_stamps)
+from specgen.models.checkpoint import (
+    QUANT_BLOCK_BYTES,
+    QUANT_BLOCK_WEIGHTS,
+    Checkpoint,
+    QuantRows,
+    checkpoint_files,
+    file_stamps,
+)
 
 QUANTIZATIONS = ("auto", "none", "wint8", "wint4")
 KIND = {"wint8": "Q8_0", "wint4": "Q4_1"}
 HEAD_KIND = "Q8_0"
 # Part of every cache key: bump it whenever quantize_checkpoint's output changes.
 QUANT_FORMAT = 3
-PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-               "mlp.up_proj", "mlp.down_proj")
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 def projection_names(ckpt: Checkpoint) -> list[str]:
@@ -40,10 +48,12 @@ def projection_names(ckpt: Checkpoint) -> list[str]:
     head (the embedding's matrix when the head is tied to it)."""
     cfg = ckpt.config
     names = [f"model.layers.{i}.{p}.weight" for i in range(cfg.num_layers) for p in PROJECTIONS]
-    if cfg.moe is not None:  # routed blocks: every expert's and the shared experts' projections (not the router)
+    # routed blocks: every expert's and the shared experts' projections (not the router)
+    if cfg.moe is not None:
         mlp = [f"{p}_proj" for p in ("gate", "up", "down")]
         names += [f"model.layers.{i}.mlp.{e}.{p}.weight" for i in cfg.moe.layers
-                  for e in [f"experts.{j}" for j in range(cfg.moe.num_experts)] + ["shared_experts"] for p in mlp]
+                  for e in [f"experts.{j}" for j in range(cfg.moe.num_experts)] + ["shared_experts"]
+                  for p in mlp]
     head = "lm_head.weight" if "lm_head.weight" in ckpt.weights else "model.embed_tokens.weight"
     return [n for n in names + [head] if n in ckpt.weights]
 
@@ -61,7 +71,8 @@ def quantize_checkpoint(ckpt: Checkpoint, mode: str) -> tuple[Checkpoint, int]:
         kind = HEAD_KIND if name == names[-1] else KIND[mode]
         w = weights[name]
         stored = quantized.get(name)
-        if (stored is not None and stored.kind == kind) or w.ndim != 2 or w.shape[1] % QUANT_BLOCK_WEIGHTS[kind]:
+        if ((stored is not None and stored.kind == kind) or w.ndim != 2
+                or w.shape[1] % QUANT_BLOCK_WEIGHTS[kind]):
             continue
         blocks, values = quantize_rows(w, kind)
         quantized[name] = QuantRows(kind, blocks)
@@ -88,7 +99,8 @@ def cache_key(source: str, mode: str) -> str:
     from specgen.models.default_model import CACHE_FORMAT
 
     # the loaders' output is part of what is cached: their cache format and specgen's version are in the key
-    return hashlib.sha256(json.dumps([QUANT_FORMAT, CACHE_FORMAT, __version__, mode, stamp]).encode()).hexdigest()[:16]
+    return hashlib.sha256(
+        json.dumps([QUANT_FORMAT, CACHE_FORMAT, __version__, mode, stamp]).encode()).hexdigest()[:16]
 
 
 def load_quantized(source: str, mode: str, cache_root: Path, load) -> Checkpoint:

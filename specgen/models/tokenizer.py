@@ -44,7 +44,8 @@ class TextTokenizer:
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         """Render messages with the checkpoint's template and `add_generation_prompt=True`."""
         if not self.chat_template:
-            raise InputError("this model has no chat template; give 'prompt' or 'input_ids' instead of 'messages'")
+            raise InputError("this model has no chat template; "
+                             "give 'prompt' or 'input_ids' instead of 'messages'")
         if self._template is None:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_exception

@@ -41,7 +41,8 @@ class TensorReader:
         if w is None:
             raise CheckpointError(f"{self.source}: missing tensor {name!r}")
         if tuple(w.shape) != shape:
-            raise CheckpointError(f"{self.source}: tensor {name!r} has shape {list(w.shape)}, expected {list(shape)}")
+            raise CheckpointError(f"{self.source}: tensor {name!r} has shape {list(w.shape)}, "
+                                  f"expected {list(shape)}")
         return w
 
     def to_paddle(self, arr: np.ndarray) -> paddle.Tensor:
@@ -65,8 +66,9 @@ class TensorReader:
 
     def linear(self, names: list[str], shapes: list[tuple[int, int]], bias: list[str] | None = None,
                permute=None, blocks_only: bool = False) -> Linear:
-        """HF [out, in] weights `names` fused along out into one Linear [in, sum out]; with blocks_only and raw
-        blocks for all of them, the dense weight is checked but not converted (a backend packs the blocks)."""
+        """HF [out, in] weights `names` fused along out into one Linear [in, sum out]; with blocks_only and
+        raw blocks for all of them, the dense weight is checked but not converted (a backend packs the
+        blocks)."""
         arrays = [self.get(n, s) for n, s in zip(names, shapes)]
         quant = self.blocks(names, permute)
         weight = None
@@ -91,22 +93,24 @@ class TensorReader:
                             blocks_only=blocks_only))
 
     def experts(self, p: str, blocks_only: bool) -> MoeExperts:
-        """A routed block's router and experts under `p` (e.g. "model.layers.3.mlp."), the HF layout of Qwen3-MoE
-        and ERNIE-4.5-MoE: gate.weight [num_experts, hidden], experts.{e}.{gate,up,down}_proj.weight, and ERNIE's
-        moe_statics.e_score_correction_bias [1, num_experts]."""
+        """A routed block's router and experts under `p` (e.g. "model.layers.3.mlp."), the HF layout of
+        Qwen3-MoE and ERNIE-4.5-MoE: gate.weight [num_experts, hidden],
+        experts.{e}.{gate,up,down}_proj.weight, and ERNIE's moe_statics.e_score_correction_bias
+        [1, num_experts]."""
         moe, h = self.cfg.moe, self.cfg.hidden_size
         E = moe.num_experts
         bias = None
         if moe.selection_bias:
             bias = self.to_paddle(self.get(p + "moe_statics.e_score_correction_bias", (1, E)).reshape(E))
-        experts = [Expert(*self.mlp(f"{p}experts.{e}.", moe.intermediate_size, blocks_only, False)) for e in range(E)]
-        return MoeExperts(router=self.linear([p + "gate.weight"], [(E, h)], blocks_only=blocks_only), experts=experts,
-                          num_experts=E, top_k=moe.top_k, norm_topk_prob=moe.norm_topk_prob, norm_min=moe.norm_min,
-                          selection_bias=bias)
+        experts = [Expert(*self.mlp(f"{p}experts.{e}.", moe.intermediate_size, blocks_only, False))
+                   for e in range(E)]
+        return MoeExperts(router=self.linear([p + "gate.weight"], [(E, h)], blocks_only=blocks_only),
+                          experts=experts, num_experts=E, top_k=moe.top_k, norm_topk_prob=moe.norm_topk_prob,
+                          norm_min=moe.norm_min, selection_bias=bias)
 
     def block(self, p: str, blocks_only: bool = False, routed: bool = False) -> DecoderBlock:
-        """One decoder block under prefix `p` (e.g. "model.layers.3."); a routed one (mixture of experts) with its
-        experts and, where the model has them, its shared experts as the dense MLP."""
+        """One decoder block under prefix `p` (e.g. "model.layers.3."); a routed one (mixture of experts) with
+        its experts and, where the model has them, its shared experts as the dense MLP."""
         cfg = self.cfg
         h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
@@ -128,8 +132,8 @@ class TensorReader:
             attn_norm=self.param(p + "input_layernorm.weight", (h,)),
             qkv=self.linear([n + "weight" for n in qkv], [(q_out, h), (kv_out, h), (kv_out, h)],
                             [n + "bias" for n in qkv] if cfg.qkv_bias else None, permute, blocks_only),
-            o=self.linear([attn + "o_proj.weight"], [(h, q_out)], [attn + "o_proj.bias"] if cfg.o_bias else None,
-                          blocks_only=blocks_only),
+            o=self.linear([attn + "o_proj.weight"], [(h, q_out)],
+                          [attn + "o_proj.bias"] if cfg.o_bias else None, blocks_only=blocks_only),
             mlp_norm=self.param(p + "post_attention_layernorm.weight", (h,)),
             gate_up=gate_up,
             down=down,
@@ -150,16 +154,16 @@ class DecoderWeights:
 
     @classmethod
     def read(cls, ckpt: Checkpoint, dtype: str, blocks_only: bool = False) -> "DecoderWeights":
-        """blocks_only: every projection with raw GGUF blocks is packed from them by the backend, so its float32
-        copy is checked but not converted nor read from the mapped file (of the default model's load, 2.45 s
-        before, that and the mapping leave 0.97 s)."""
+        """blocks_only: every projection with raw GGUF blocks is packed from them by the backend, so its
+        float32 copy is checked but not converted nor read from the mapped file (of the default model's load,
+        2.45 s before, that and the mapping leave 0.97 s)."""
         cfg = ckpt.config
         r = TensorReader(ckpt.weights, ckpt.source, cfg, dtype, ckpt.quantized)
         h = cfg.hidden_size
         if "lm_head.bias" in ckpt.weights:
             raise CheckpointError(f"{ckpt.source}: an LM head with a bias (lm_head.bias) is not supported")
-        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings and "lm_head.weight" not in ckpt.weights \
-            else "lm_head.weight"
+        head = ("model.embed_tokens.weight"
+                if cfg.tie_word_embeddings and "lm_head.weight" not in ckpt.weights else "lm_head.weight")
         return cls(
             embed=r.param("model.embed_tokens.weight", (cfg.vocab_size, h)),
             blocks=[r.block(f"model.layers.{i}.", blocks_only, cfg.moe is not None and i in cfg.moe.layers)

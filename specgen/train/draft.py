@@ -1,11 +1,12 @@
 """Self-distillation of a draft model cut from the main model (`specgen make-draft --data`).
 
 The draft is the main model's first L decoder layers with its final norm and (frozen, shared) embedding and LM
-head. It is trained on the data `specgen train-mtp` generates (the main model's own continuations and the hidden
-states it verified them from, train/data.py), in the same windows: at window position i the draft reads token
-i + 1 and learns the main model's greedy choice at i + 2 and, with TrainConfig.distill, its distribution there
-(the main model's cached hidden state at i + 1 times the LM head), exactly the MTP head's targets one position
-on. The trained layers and final norm are written back into an ordinary HF checkpoint beside the training state.
+head. It is trained on the data `specgen train-mtp` generates (the main model's own continuations and the
+hidden states it verified them from, train/data.py), in the same windows: at window position i the draft reads
+token i + 1 and learns the main model's greedy choice at i + 2 and, with TrainConfig.distill, its distribution
+there (the main model's cached hidden state at i + 1 times the LM head), exactly the MTP head's targets one
+position on. The trained layers and final norm are written back into an ordinary HF checkpoint beside the
+training state.
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ class TrainableDraft(paddle.nn.Layer):
                                                 default_initializer=paddle.nn.initializer.Assign(norm))
 
     def forward(self, token_ids: paddle.Tensor, positions: paddle.Tensor) -> paddle.Tensor:
-        """[batch, seq_len] token ids at their positions -> the last layer's output [batch, seq_len, hidden]."""
+        """[batch, seq_len] token ids at their positions -> the last layer's output
+        [batch, seq_len, hidden]."""
         x = F.embedding(token_ids, self.embed)
         for block in self.blocks:
             x, _ = block.block(x, positions)
@@ -57,8 +59,8 @@ class TrainableDraft(paddle.nn.Layer):
 
 
 class DraftTrainer(Trainer):
-    """Trainer's loop, data, checkpoints and loss curve, for a draft model of `num_layers` layers. out_dir holds
-    the training state (data/, checkpoint/, loss.csv); the draft is written by `save_draft`."""
+    """Trainer's loop, data, checkpoints and loss curve, for a draft model of `num_layers` layers. out_dir
+    holds the training state (data/, checkpoint/, loss.csv); the draft is written by `save_draft`."""
 
     def __init__(self, loaded: Any, out_dir: Path, cfg: Any, num_layers: int):
         self.num_layers = num_layers
@@ -77,8 +79,8 @@ class DraftTrainer(Trainer):
 
     def train_step(self, step: int) -> tuple[float, float, float | None]:
         cfg, s = self.cfg, self.set
-        b = make_batch(s.data, s.train, batch_picks(step, len(s.train), cfg.batch_size, cfg.seed), cfg.seq_len,
-                       s.vocab_index, modules=1)
+        b = make_batch(s.data, s.train, batch_picks(step, len(s.train), cfg.batch_size, cfg.seed),
+                       cfg.seq_len, s.vocab_index, modules=1)
         logits = self.draft.logits(self._forward(b), paddle.to_tensor(b.loss_rows), self.lm_train)
         labels = paddle.to_tensor(b.label_ids)
         loss = self._loss(logits, labels, b.teacher_rows)
@@ -105,7 +107,8 @@ class DraftTrainer(Trainer):
             ok[b.loss_rows] = paddle.argmax(logits, axis=-1).numpy() == b.label_ids
             num, num_ok = num + len(b.loss_rows), num_ok + ok[b.loss_rows].sum()
             # pairs (r, r + 1) inside one window, both with a label
-            pairs = b.loss_rows[np.isin(b.loss_rows + 1, b.loss_rows) & ((b.loss_rows + 1) % self.cfg.seq_len > 0)]
+            pairs = b.loss_rows[np.isin(b.loss_rows + 1, b.loss_rows)
+                                & ((b.loss_rows + 1) % self.cfg.seq_len > 0)]
             num2, num_ok2 = num2 + len(pairs), num_ok2 + (ok[pairs] & ok[pairs + 1]).sum()
         return {"eval_loss": float(tot_loss / max(num, 1)), "eval_acc": float(num_ok / max(num, 1)),
                 "eval_acc2": float(num_ok2 / max(num2, 1))}

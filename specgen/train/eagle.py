@@ -1,16 +1,17 @@
-"""An EAGLE head's training (`specgen train-head --kind eagle`): the feature-level draft layer of EAGLE (Li et al.,
-2024) on the self-distillation data every head trains on (train/data.py: the model's own continuations and the
-final normed hidden states the engine hands a drafter).
+"""An EAGLE head's training (`specgen train-head --kind eagle`): the feature-level draft layer of EAGLE
+(Li et al., 2024) on the self-distillation data every head trains on (train/data.py: the model's own
+continuations and the final normed hidden states the engine hands a drafter).
 
 The layer reads fc([embedding of token i + 1; feature at i]) and runs one decoder block; its output feature is
-the block's output through a final norm (EAGLE-3's `norm.weight`; EAGLE-1 has none), and that feature both feeds
-the main model's LM head (the draft's distribution over token i + 2) and is the next draft's feature input, as
-the engine drafts (engine/proposers/eagle.py). Losses: the MTP head's token losses on the first draft and on the
-head applied to its own feature (TrainConfig.chain_weight), plus EAGLE's feature regression: smooth L1 of each
-output feature against the main model's hidden state at i + 1 (i + 2 for the chained draft). The block and the
-final norm start as the main model's last layer and final norm (the MTP head's "last-layer" initialisation), fc
-as a pass-through of the feature scaled to the residual stream's size; the trained layer keeps its input norm
-(`layers.0.input_layernorm.weight`, which EAGLE-1 leaves out and the loader takes as optional).
+the block's output through a final norm (EAGLE-3's `norm.weight`; EAGLE-1 has none), and that feature both
+feeds the main model's LM head (the draft's distribution over token i + 2) and is the next draft's feature
+input, as the engine drafts (engine/proposers/eagle.py). Losses: the MTP head's token losses on the first
+draft and on the head applied to its own feature (TrainConfig.chain_weight), plus EAGLE's feature regression:
+smooth L1 of each output feature against the main model's hidden state at i + 1 (i + 2 for the chained draft).
+The block and the final norm start as the main model's last layer and final norm (the MTP head's "last-layer"
+initialisation), fc as a pass-through of the feature scaled to the residual stream's size; the trained layer
+keeps its input norm (`layers.0.input_layernorm.weight`, which EAGLE-1 leaves out and the loader takes as
+optional).
 """
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ from specgen.train.head import TrainableHead, block_arrays, block_to_hf, residua
 from specgen.train.trainer import Trainer, _tensors
 from specgen.train.windows import make_batch
 
-FEATURE_WEIGHT = 0.2  # weight of the feature regression beside the token loss (EAGLE: 1 against 0.1 on tokens;
-# here the token loss is what acceptance measures, the regression keeps the fed-back feature in the main model's
-# hidden space)
+FEATURE_WEIGHT = 0.2  # weight of the feature regression beside the token loss (EAGLE: 1 against 0.1 on
+# tokens; here the token loss is what acceptance measures, the regression keeps the fed-back feature in the
+# main model's hidden space)
 EVAL_POSITIONS = 3  # held-out acceptance reported for draft positions 1..3 (eval_acc, eval_acc2, eval_acc3)
 
 
@@ -40,10 +41,10 @@ class TrainableEagle(TrainableHead):
     [2 hidden], the block's and final_norm. fc reads its inputs divided by their typical RMS (in_rms: the
     embedding's, the feature's) times in_gain, the constant form of the MTP head's input norms (enorm, hnorm):
     the default model's embeddings are ~14x smaller than its features, and the block reads its input at the
-    residual stream's RMS (~29), so that fc itself stays of order 1. Adam's steps are of one size per weight: with
-    that scale inside fc (a pass-through of 29 x the identity) fc moved ~29x slower than the MTP head's eh_proj,
-    and the layer reached 0.39 at position 1 where the head, on the same data and steps, reached 0.47. The
-    layout's fc.weight is fc x in_gain / in_rms (export_eagle)."""
+    residual stream's RMS (~29), so that fc itself stays of order 1. Adam's steps are of one size per weight:
+    with that scale inside fc (a pass-through of 29 x the identity) fc moved ~29x slower than the MTP head's
+    eh_proj, and the layer reached 0.39 at position 1 where the head, on the same data and steps, reached
+    0.47. The layout's fc.weight is fc x in_gain / in_rms (export_eagle)."""
 
     def __init__(self, model: Model, weights: dict[str, np.ndarray], in_rms: np.ndarray):
         super().__init__(model, weights)
@@ -56,7 +57,8 @@ class TrainableEagle(TrainableHead):
         return paddle.matmul(both, self.fc) + self.fc_bias
 
     def feature(self, x: paddle.Tensor) -> paddle.Tensor:
-        """The output feature of block outputs x [..., hidden]: what the LM head reads and the next draft takes."""
+        """The output feature of block outputs x [..., hidden]: what the LM head reads and the next draft
+        takes."""
         return rms_norm(x, self.final_norm, self.eps)
 
     def logits(self, x: paddle.Tensor, rows: paddle.Tensor, lm_head: paddle.Tensor) -> paddle.Tensor:
@@ -65,7 +67,8 @@ class TrainableEagle(TrainableHead):
         self.last_features = self.feature(paddle.gather(x.reshape([-1, x.shape[-1]]), rows))
         return paddle.matmul(self.last_features, lm_head)
 
-    def chain(self, x1: paddle.Tensor, kv1, after_ids: paddle.Tensor, positions: paddle.Tensor) -> paddle.Tensor:
+    def chain(self, x1: paddle.Tensor, kv1, after_ids: paddle.Tensor,
+              positions: paddle.Tensor) -> paddle.Tensor:
         """The second draft: the layer on its own first output feature (TrainableHead.chain's attention)."""
         return super().chain(self.feature(x1), kv1, after_ids, positions)
 
@@ -94,12 +97,13 @@ class TrainableEagle(TrainableHead):
 
 
 def initial_eagle_weights(model: Model, scale: float) -> dict[str, np.ndarray]:
-    """The main model's last layer and final norm; the inputs' gains at the residual stream's RMS `scale` and fc
-    passing the feature through, its embedding half at zero (the MTP head's "last-layer" start)."""
+    """The main model's last layer and final norm; the inputs' gains at the residual stream's RMS `scale` and
+    fc passing the feature through, its embedding half at zero (the MTP head's "last-layer" start)."""
     h = model.config.hidden_size
     fc = np.concatenate([np.zeros((h, h), np.float32), np.eye(h, dtype=np.float32)])
     return {"fc": fc, "fc_bias": np.zeros(h, np.float32), "in_gain": np.full(2 * h, scale, np.float32),
-            **block_arrays(model.weights.blocks[-1]), "final_norm": model.weights.final_norm.numpy().astype(np.float32)}
+            **block_arrays(model.weights.blocks[-1]),
+            "final_norm": model.weights.final_norm.numpy().astype(np.float32)}
 
 
 def export_eagle(head: TrainableEagle, dtype: str) -> dict[str, np.ndarray]:
@@ -136,9 +140,10 @@ class EagleTrainer(Trainer):
 
     def _loss(self, logits: paddle.Tensor, labels: paddle.Tensor, teacher_rows: np.ndarray) -> paddle.Tensor:
         """Trainer's token loss, plus FEATURE_WEIGHT x the smooth L1 of the output features those logits were
-        computed from (TrainableEagle.logits keeps them) against the main model's hidden states at teacher_rows
-        (position i + 1 for the first draft, i + 2 for the chained one)."""
-        target = paddle.to_tensor(np.asarray(self.set.data.hidden[teacher_rows], np.float32))  # [num, hidden]
+        computed from (TrainableEagle.logits keeps them) against the main model's hidden states at
+        teacher_rows (position i + 1 for the first draft, i + 2 for the chained one)."""
+        # [num, hidden]
+        target = paddle.to_tensor(np.asarray(self.set.data.hidden[teacher_rows], np.float32))
         return super()._loss(logits, labels, teacher_rows) \
             + FEATURE_WEIGHT * F.smooth_l1_loss(self.head.last_features, target)
 
@@ -153,11 +158,13 @@ class EagleTrainer(Trainer):
         tried, right = np.zeros(EVAL_POSITIONS), np.zeros(EVAL_POSITIONS)
         for lo in range(0, len(held), self.cfg.batch_size):
             picks = np.arange(lo, min(lo + self.cfg.batch_size, len(held)))
-            b = make_batch(self.set.data, held, picks, self.cfg.seq_len, self.identity, modules=EVAL_POSITIONS)
+            b = make_batch(self.set.data, held, picks, self.cfg.seq_len, self.identity,
+                           modules=EVAL_POSITIONS)
             hidden, next_ids, positions = _tensors(b)
             x1, kv = self.head(hidden, next_ids, positions)
             logits = self.head.logits(x1, paddle.to_tensor(b.loss_rows), self.lm_full)
-            tot_loss += float(F.cross_entropy(logits, paddle.to_tensor(b.label_ids).unsqueeze(-1), reduction="sum"))
+            tot_loss += float(F.cross_entropy(logits, paddle.to_tensor(b.label_ids).unsqueeze(-1),
+                                              reduction="sum"))
             num += len(b.loss_rows)
             ok = np.zeros(b.next_ids.size, bool)
             ok[b.loss_rows] = paddle.argmax(logits, axis=-1).numpy() == b.label_ids
@@ -167,7 +174,8 @@ class EagleTrainer(Trainer):
             for j, (x, (_, rows, label_ids, _)) in enumerate(zip(outs, later), start=1):
                 both = np.zeros_like(ok)
                 if len(rows):
-                    pred = paddle.argmax(self.head.logits(x, paddle.to_tensor(rows), self.lm_full), axis=-1).numpy()
+                    pred = paddle.argmax(self.head.logits(x, paddle.to_tensor(rows), self.lm_full),
+                                         axis=-1).numpy()
                     both[rows] = ok[rows] & (pred == label_ids)  # every draft up to this one right
                 tried[j], right[j] = tried[j] + len(rows), right[j] + both.sum()
                 ok = both

@@ -1,8 +1,8 @@
 """The trainable MTP head: the engine's MtpHead math in Paddle with autograd, and its DeepSeek-V3 export.
 
 Parameters use the engine's layout (Paddle [in, out], fused QKV and gate/up, RoPE in halves), so that the
-training forward runs the same operations as `MtpProposer` (tests/unit/test_mtp_train.py holds them equal). The
-embedding, the RoPE tables and the LM head are the main model's, frozen.
+training forward runs the same operations as `MtpProposer` (tests/unit/test_mtp_train.py holds them equal).
+The embedding, the RoPE tables and the LM head are the main model's, frozen.
 """
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from specgen.engine.kv_cache import KVCache
 from specgen.engine.proposers.mtp_head import random_mtp_weights
 from specgen.errors import ConfigError
 from specgen.layers.attention import AttentionIndex
@@ -22,14 +21,15 @@ from specgen.layers.linear import Linear
 from specgen.layers.norm import rms_norm
 from specgen.models.model import Model
 from specgen.models.weights import TensorReader
+from specgen.runtime.kv_cache import KVCache
 
-BLOCK_KEYS = ("attn_norm", "mlp_norm", "w_qkv", "b_qkv", "w_o", "b_o", "w_gate_up", "b_gate_up", "w_down", "b_down",
-              "q_norm", "k_norm")
+BLOCK_KEYS = ("attn_norm", "mlp_norm", "w_qkv", "b_qkv", "w_o", "b_o", "w_gate_up", "b_gate_up", "w_down",
+              "b_down", "q_norm", "k_norm")
 
 
 def residual_rms(model: Model, token_ids: np.ndarray) -> float:
     """Median per-token RMS of the main model's residual stream entering its last layer, over one sequence."""
-    from specgen.engine.types import build_forward_batch
+    from specgen.runtime.batch import build_forward_batch
 
     n = len(token_ids)
     cfg = model.config
@@ -37,15 +37,18 @@ def residual_rms(model: Model, token_ids: np.ndarray) -> float:
     cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, model.dtype, n, initial_capacity=n)
     att = AttentionIndex(batch, cache, model.rope, cfg.num_heads, model.dtype)
     x = F.embedding(paddle.to_tensor(batch.token_ids), model.weights.embed)  # [n, hidden]
-    for i, block in enumerate(model.weights.blocks[:-1]):  # the reference layers over dense copies of the weights
+    # the reference layers over dense copies of the weights
+    for i, block in enumerate(model.weights.blocks[:-1]):
         dense = dataclasses.replace(block, **{k: Linear(getattr(block, k).dense(), getattr(block, k).bias)
                                               for k in ("qkv", "o", "gate_up", "down")})
         x = block_forward(x, dense, model.shape, att, i, cache.k[i], cache.v[i])
-    return float(np.median(np.sqrt((x.numpy()[1:] ** 2).mean(-1))))  # the first token is an outlier (attention sink)
+    # the first token is an outlier (attention sink)
+    return float(np.median(np.sqrt((x.numpy()[1:] ** 2).mean(-1))))
 
 
 def block_arrays(b: DecoderBlock) -> dict[str, np.ndarray]:
-    """A decoder block's weights as float32 arrays under the training names (BLOCK_KEYS; absent ones left out)."""
+    """A decoder block's weights as float32 arrays under the training names (BLOCK_KEYS; absent ones left
+    out)."""
     named = {"attn_norm": b.attn_norm, "mlp_norm": b.mlp_norm, "q_norm": b.q_norm, "k_norm": b.k_norm}
     for key, lin in (("qkv", b.qkv), ("o", b.o), ("gate_up", b.gate_up), ("down", b.down)):
         named[f"w_{key}"], named[f"b_{key}"] = lin.dense(), lin.bias
@@ -56,10 +59,10 @@ def initial_weights(model: Model, init: str, seed: int, scale: float = 1.0) -> d
     """Engine-layout float32 arrays.
 
     "last-layer": the block is a copy of the main model's last decoder layer; eh_proj passes the hidden half
-    through unchanged and starts the embedding half at zero; enorm and hnorm are `scale` (give residual_rms), so
-    that the block sees its input at the magnitude of the residual stream it was trained on: the pre-norm
-    block adds outputs of that magnitude, which would drown an input of RMS 1 (initial loss ~60 instead of ~8).
-    The final norm is the main model's. "random": the layout's random initialisation (std 0.02).
+    through unchanged and starts the embedding half at zero; enorm and hnorm are `scale` (give residual_rms),
+    so that the block sees its input at the magnitude of the residual stream it was trained on: the pre-norm
+    block adds outputs of that magnitude, which would drown an input of RMS 1 (initial loss ~60 instead of
+    ~8). The final norm is the main model's. "random": the layout's random initialisation (std 0.02).
     """
     cfg = model.config
     h = cfg.hidden_size
@@ -141,7 +144,8 @@ class TrainableBlock(paddle.nn.Layer):
 
 
 class TrainableHead(TrainableBlock):
-    """MTP head over padded windows: [batch, seq_len] positions of one sequence each, causal within a window."""
+    """MTP head over padded windows: [batch, seq_len] positions of one sequence each, causal within a
+    window."""
 
     def forward(self, hidden: paddle.Tensor, next_ids: paddle.Tensor, positions: paddle.Tensor):
         """First draft: returns (block output [batch, seq_len, hidden], its keys and values for the chain)."""
@@ -150,12 +154,15 @@ class TrainableHead(TrainableBlock):
     def block_input(self, hidden: paddle.Tensor, token_ids: paddle.Tensor) -> paddle.Tensor:
         """[batch, seq_len, hidden]: eh_proj([RMSNorm(emb(token i + 1)); RMSNorm(hidden at i)])."""
         emb = F.embedding(token_ids, self.embed)  # [batch, seq_len, hidden]
-        both = paddle.concat([rms_norm(emb, self.enorm, self.eps), rms_norm(hidden, self.hnorm, self.eps)], axis=-1)
+        both = paddle.concat([rms_norm(emb, self.enorm, self.eps), rms_norm(hidden, self.hnorm, self.eps)],
+                             axis=-1)
         return paddle.matmul(both, self.eh_proj)
 
-    def chain(self, x1: paddle.Tensor, kv1, after_ids: paddle.Tensor, positions: paddle.Tensor) -> paddle.Tensor:
-        """Second draft, as the engine chains it: at each position i the head's own output x1[i] and token i + 2
-        make a query at position i + 1 that sees the first pass's keys of positions <= i and its own key."""
+    def chain(self, x1: paddle.Tensor, kv1, after_ids: paddle.Tensor,
+              positions: paddle.Tensor) -> paddle.Tensor:
+        """Second draft, as the engine chains it: at each position i the head's own output x1[i] and
+        token i + 2 make a query at position i + 1 that sees the first pass's keys of positions <= i and its
+        own key."""
         x = self.block_input(x1, after_ids)
         q, k, v = self._qkv(x, positions + 1)
         k1, v1 = kv1
@@ -194,8 +201,8 @@ def _half_to_interleaved(w: np.ndarray, num_heads: int, head_dim: int) -> np.nda
 
 def export_weights(head: TrainableHead, dtype: str = "float32", index: int = 0) -> dict[str, np.ndarray]:
     """The head (module `index` of a multi-layer one) in the DeepSeek-V3 layout under
-    `model.layers.{num_layers + index}.` (HF [out, in] weights); the embedding and LM head are not written: the
-    engine shares the main model's."""
+    `model.layers.{num_layers + index}.` (HF [out, in] weights); the embedding and LM head are not written:
+    the engine shares the main model's."""
     w = {name: p.numpy() for name, p in head.named_parameters()}
     out = {"enorm.weight": w["enorm"], "hnorm.weight": w["hnorm"], "eh_proj.weight": w["eh_proj"].T,
            "shared_head.norm.weight": w["final_norm"], **block_to_hf(w, head.cfg)}
@@ -204,7 +211,8 @@ def export_weights(head: TrainableHead, dtype: str = "float32", index: int = 0) 
 
 
 def block_to_hf(w: dict[str, np.ndarray], cfg) -> dict[str, np.ndarray]:
-    """A block's training arrays (BLOCK_KEYS, engine layout) -> its HF weights, named below the layer prefix."""
+    """A block's training arrays (BLOCK_KEYS, engine layout) -> its HF weights, named below the layer
+    prefix."""
     H, KV, D, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     q, k, v = np.split(w["w_qkv"].T, [H * D, (H + KV) * D])
     qkv_b = np.split(w["b_qkv"], [H * D, (H + KV) * D]) if "b_qkv" in w else None

@@ -1,6 +1,6 @@
-"""The heads `specgen train-head --kind` trains: one entry per kind, naming its trainer and the method that runs
-what it saves. A new kind is one entry in KINDS (its trainer subclasses train.trainer.Trainer, so it shares the
-data pipeline, windows, loop, checkpoints and loss curve)."""
+"""The heads `specgen train-head --kind` trains: one entry per kind, naming its trainer and the method that
+runs what it saves. A new kind is one entry in KINDS (its trainer subclasses train.trainer.Trainer, so it
+shares the data pipeline, windows, loop, checkpoints and loss curve)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -48,14 +48,16 @@ def _eagle(loaded: Any, out_dir: Path, cfg: TrainConfig, data_dir: Path | None =
 
 KINDS: dict[str, HeadKind] = {
     "mtp": HeadKind(_mtp, "mtp", "model.safetensors",
-                    "a DeepSeek-V3 MTP head: one decoder block over [embedding of the next token; hidden state]"),
+                    "a DeepSeek-V3 MTP head: one decoder block over [embedding of the next token; "
+                    "hidden state]"),
     "eagle": HeadKind(_eagle, "eagle", "model.safetensors",
-                      "an EAGLE layer: fc over [embedding of the next token; feature], one decoder layer, its output "
-                      "the next feature (dynamic token trees)"),
+                      "an EAGLE layer: fc over [embedding of the next token; feature], one decoder layer, "
+                      "its output the next feature (dynamic token trees)"),
     "medusa": HeadKind(_medusa, "medusa", "medusa_lm_head.safetensors",
                        "--heads Medusa heads, residual blocks on the last hidden state, sharing the LM head"),
     "hydra": HeadKind(_hydra, "hydra", "hydra_lm_head.safetensors",
-                      "--heads Hydra heads: Medusa's, head i also reading the embeddings of the path's i + 1 tokens"),
+                      "--heads Hydra heads: Medusa's, head i also reading the embeddings of the path's "
+                      "i + 1 tokens"),
 }
 
 

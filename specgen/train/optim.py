@@ -26,8 +26,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 class AdamW:
     """Decoupled weight decay (Loshchilov & Hutter) on matrices only; norms' weights are not decayed."""
 
-    def __init__(self, params: dict[str, paddle.Tensor], cfg: TrainConfig, beta1: float = 0.9, beta2: float = 0.95,
-                 eps: float = 1e-8):
+    def __init__(self, params: dict[str, paddle.Tensor], cfg: TrainConfig, beta1: float = 0.9,
+                 beta2: float = 0.95, eps: float = 1e-8):
         self.params, self.cfg = params, cfg
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         self.m = {n: paddle.zeros_like(p) for n, p in params.items()}

@@ -39,7 +39,8 @@ class TrainProgress:
         if row is not None:
             self._last.update({k: v for k, v in row.items() if v is not None})
         s0, t0 = self._first_step
-        parts = [f"{k} {self._last[k]:.3f}" for k in ("loss", "acc", "eval_acc", "eval_acc2") if k in self._last]
+        parts = [f"{k} {self._last[k]:.3f}" for k in ("loss", "acc", "eval_acc", "eval_acc2")
+                 if k in self._last]
         if step > s0:
             parts.append(f"{(now - t0) / (step - s0):.2f} s/step")
         self.progress.update(self._train, completed=step, info="  ".join(parts))

@@ -41,8 +41,8 @@ COLUMNS = ("step", "lr", "loss", "acc", "acc2", "eval_loss", *EVAL_COLUMNS, "sec
 # Settings that only change what is logged or written: a checkpoint made with others can be resumed.
 NOT_FINGERPRINTED = ("log_every", "eval_every", "checkpoint_every", "save_dtype", "max_eval_windows",
                      "gen_batch_size", "draft_vocab")
-# Settings of some kinds only: a kind's trainer fingerprints those it uses (KIND_FIELDS), so that checkpoints of
-# the others stay resumable whatever they are.
+# Settings of some kinds only: a kind's trainer fingerprints those it uses (KIND_FIELDS), so that checkpoints
+# of the others stay resumable whatever they are.
 KIND_ONLY = ("heads", "head_layers", "head_decay")
 OnStep = Callable[[int, int, "dict[str, Any] | None"], None]
 
@@ -57,7 +57,8 @@ class TrainingSet:
     vocab_ids: np.ndarray  # [train_vocab] int64 token id of each training-vocabulary index
     vocab_index: np.ndarray  # [vocab_size] int64 training-vocabulary index of each token, -1 outside it
     coverage: float  # share of training labels inside the training vocabulary
-    draft_ids: np.ndarray  # [draft_vocab] int64 the saved draft vocabulary: the most frequent labels, sorted by id
+    draft_ids: np.ndarray  # [draft_vocab] int64 the saved draft vocabulary: the most frequent labels, sorted
+    # by id
     draft_coverage: float  # share of training labels inside the draft vocabulary
 
 
@@ -65,8 +66,8 @@ def training_set(data_dir: Path, vocab_size: int, cfg: TrainConfig) -> TrainingS
     data = load_data(data_dir)
     groups, greedy = prompt_groups(data.ids)  # [num_seqs] each
     train_seqs, eval_seqs = split_sequences(groups, cfg.eval_fraction, cfg.seed)
-    # held out: the greedy continuations of the held-out prompts (what greedy speculation meets); their sampled
-    # siblings are used by neither side
+    # held out: the greedy continuations of the held-out prompts (what greedy speculation meets); their
+    # sampled siblings are used by neither side
     eval_seqs = eval_seqs[greedy[eval_seqs]]
     from_end = cfg.window_anchor == "end"
     windows = make_windows(data, cfg.seq_len, cfg.overlap, cfg.prompt_examples, from_end)
@@ -100,7 +101,8 @@ def held_out_acceptance(rows: list[dict[str, Any]]) -> list[float]:
 
 
 def batch_picks(step: int, num_windows: int, batch_size: int, seed: int) -> np.ndarray:
-    """Windows of step `step`: items [step * B, (step + 1) * B) of the epochs' seeded permutations, end to end."""
+    """Windows of step `step`: items [step * B, (step + 1) * B) of the epochs' seeded permutations, end to
+    end."""
     flat = np.arange(step * batch_size, (step + 1) * batch_size)
     epochs, offsets = np.divmod(flat, num_windows)
     perms = {e: np.random.default_rng([seed, int(e)]).permutation(num_windows) for e in np.unique(epochs)}
@@ -135,7 +137,8 @@ class Trainer:
         self.params = self.make_student(model)
         self.opt = AdamW(self.params, cfg)
         self.lm_full = model.weights.lm_head.dense()  # [hidden, vocab]
-        self.lm_train = paddle.gather(self.lm_full, paddle.to_tensor(self.set.vocab_ids), axis=1)  # [hidden, V']
+        self.lm_train = paddle.gather(self.lm_full, paddle.to_tensor(self.set.vocab_ids),
+                                      axis=1)  # [hidden, V']
         self.identity = np.arange(loaded.config.vocab_size, dtype=np.int64)
 
     def make_student(self, model: Any) -> dict[str, paddle.Tensor]:
@@ -147,7 +150,8 @@ class Trainer:
         self.modules = [TrainableHead(model, initial_weights(model, cfg.init, cfg.seed + i, scale))
                         for i in range(cfg.num_layers)]
         self.head = self.modules[0]
-        return {(f"m{i}." if i else "") + n: p for i, m in enumerate(self.modules) for n, p in m.named_parameters()}
+        return {(f"m{i}." if i else "") + n: p for i, m in enumerate(self.modules)
+                for n, p in m.named_parameters()}
 
     # ---- one step and one evaluation ----
 
@@ -194,28 +198,32 @@ class Trainer:
 
     @staticmethod
     def _later(b: Batch) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-        """Modules 1.. of a multi-layer head: (input token ids [batch, seq_len], loss rows, labels, teacher rows)."""
+        """Modules 1.. of a multi-layer head: (input token ids [batch, seq_len], loss rows, labels, teacher
+        rows)."""
         return [(b.after_ids, b.chain_rows, b.chain_ids, b.chain_teacher_rows)] + \
             [(a.ids, a.rows, a.labels, a.teacher_rows) for a in b.ahead]
 
     def _loss(self, logits: paddle.Tensor, labels: paddle.Tensor, teacher_rows: np.ndarray) -> paddle.Tensor:
-        """Mean cross-entropy of logits [num, V'] against the greedy labels [num] and, with cfg.distill, against
-        the main model's own distribution over the training vocabulary: softmax of its cached (final normed)
-        hidden state one position on, times the LM head, the logits it chose the label from. The two targets
-        are mixed into one soft label (Paddle's log_softmax and its backward are ~100x slower on CPU)."""
+        """Mean cross-entropy of logits [num, V'] against the greedy labels [num] and, with cfg.distill,
+        against the main model's own distribution over the training vocabulary: softmax of its cached (final
+        normed) hidden state one position on, times the LM head, the logits it chose the label from. The two
+        targets are mixed into one soft label (Paddle's log_softmax and its backward are ~100x slower on
+        CPU)."""
         d = self.cfg.distill
         if d == 0:
             return F.cross_entropy(logits, labels.unsqueeze(-1)).mean()
         with paddle.no_grad():
-            teacher = paddle.to_tensor(np.asarray(self.set.data.hidden[teacher_rows], np.float32))  # [num, hidden]
+            # [num, hidden]
+            teacher = paddle.to_tensor(np.asarray(self.set.data.hidden[teacher_rows], np.float32))
             target = d * F.softmax(paddle.matmul(teacher, self.lm_train), axis=-1) \
                 + (1 - d) * F.one_hot(labels, logits.shape[-1])  # [num, V']
         return F.cross_entropy(logits, target, soft_label=True).mean()
 
     @paddle.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Held-out loss and top-1 accuracy over the full vocabulary (what the engine's argmax sees); eval_acc2:
-        both drafts right (first one, and the head applied to its own output), i.e. position-2 acceptance."""
+        """Held-out loss and top-1 accuracy over the full vocabulary (what the engine's argmax sees);
+        eval_acc2: both drafts right (first one, and the head applied to its own output), i.e. position-2
+        acceptance."""
         held = self.set.held_out
         if len(held) == 0:
             return {}
@@ -264,7 +272,8 @@ class Trainer:
         return {**d, "num_sequences": len(self.set.data.ids)}
 
     def save_checkpoint(self, state: dict[str, Any]) -> None:
-        """Write checkpoint.tmp, then swap it in; a kill at any point leaves a complete checkpoint or the old one."""
+        """Write checkpoint.tmp, then swap it in; a kill at any point leaves a complete checkpoint or the old
+        one."""
         final, tmp, old = (self.out_dir / n for n in ("checkpoint", "checkpoint.tmp", "checkpoint.old"))
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -283,9 +292,10 @@ class Trainer:
             if (d / "state.json").exists():
                 state = json.loads((d / "state.json").read_text())
                 if state["fingerprint"] != self.fingerprint():
-                    diff = sorted(k for k, v in self.fingerprint().items() if state["fingerprint"].get(k) != v)
-                    raise ConfigError(f"{d} was made with other settings ({', '.join(diff)}); rerun with the same "
-                                      "settings to resume, or remove it to start over")
+                    diff = sorted(k for k, v in self.fingerprint().items()
+                                  if state["fingerprint"].get(k) != v)
+                    raise ConfigError(f"{d} was made with other settings ({', '.join(diff)}); rerun with the "
+                                      "same settings to resume, or remove it to start over")
                 with np.load(d / "weights.npz") as w:
                     for n, p in self.params.items():
                         paddle.assign(paddle.to_tensor(w[n]), p)
@@ -368,8 +378,8 @@ class Trainer:
         for i, m in enumerate(self.modules):
             weights.update(export_weights(m, cfg.save_dtype, i))
         save_mtp(self.out_dir, weights, extra=meta)
-        # The draft vocabulary (the training vocabulary, or its draft_vocab most frequent labels), for a drafter that
-        # takes its argmax over these tokens only (a cheaper LM head).
+        # The draft vocabulary (the training vocabulary, or its draft_vocab most frequent labels), for a
+        # drafter that takes its argmax over these tokens only (a cheaper LM head).
         np.save(self.out_dir / "draft_vocab.npy", s.draft_ids)
         plot_loss(self.out_dir / "loss.csv", self.out_dir / "loss.png")
         return meta

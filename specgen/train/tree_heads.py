@@ -7,9 +7,9 @@ i + 1), head m learns the main model's greedy choice at i + 2 + m:
     [h_i; emb(token i + 1); ...; emb(token i + 1 + m)] (the path so far, teacher-forced: a draft only matters
     where the drafts before it were right) as res(x) + SiLU(x W + b), the later blocks as Medusa's.
 Both share the main model's LM head (frozen, no per-head copy: the saved heads are small). Losses are weighted
-head_decay ** m; with TrainConfig.distill each also targets the main model's own distribution at that position.
-Blocks start as the identity (W = 0, Hydra's res = [I 0 ..]), so every head starts as the main model's next-token
-guess (Medusa's initialisation).
+head_decay ** m; with TrainConfig.distill each also targets the main model's own distribution at that
+position. Blocks start as the identity (W = 0, Hydra's res = [I 0 ..]), so every head starts as the main
+model's next-token guess (Medusa's initialisation).
 """
 from __future__ import annotations
 
@@ -60,12 +60,13 @@ class TrainableHeads(paddle.nn.Layer):
         return x
 
     def forward(self, hidden: paddle.Tensor, path_ids: list[paddle.Tensor]) -> list[paddle.Tensor]:
-        """hidden [batch, seq_len, hidden]; path_ids[m] [batch, seq_len] token i + 1 + m (Hydra) -> each head's
-        output [batch, seq_len, hidden]."""
+        """hidden [batch, seq_len, hidden]; path_ids[m] [batch, seq_len] token i + 1 + m (Hydra) -> each
+        head's output [batch, seq_len, hidden]."""
         out, x = [], hidden
         for m in range(self.num_heads):
             if self.hydra:
-                x = paddle.concat([x, F.embedding(path_ids[m], self.embed)], axis=-1)  # [B, L, (m + 2) hidden]
+                # [B, L, (m + 2) hidden]
+                x = paddle.concat([x, F.embedding(path_ids[m], self.embed)], axis=-1)
             out.append(self.head(m, x))
         return out
 
@@ -104,7 +105,8 @@ class TreeHeadTrainer(Trainer):
         return dict(self.heads.named_parameters())
 
     def _batch(self, picks: np.ndarray, windows, vocab_index: np.ndarray) -> Batch:
-        return make_batch(self.set.data, windows, picks, self.cfg.seq_len, vocab_index, max(2, self.cfg.heads))
+        return make_batch(self.set.data, windows, picks, self.cfg.seq_len, vocab_index,
+                          max(2, self.cfg.heads))
 
     def _outputs(self, b: Batch, targets) -> list[paddle.Tensor]:
         return self.heads(paddle.to_tensor(b.hidden), [paddle.to_tensor(t[0]) for t in targets])
@@ -136,8 +138,8 @@ class TreeHeadTrainer(Trainer):
 
     @paddle.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Held-out loss of head 0 and acceptance per draft position over the full vocabulary: position m + 1 is
-        right where heads 0..m all guessed the main model's greedy tokens (the tree's first branch)."""
+        """Held-out loss of head 0 and acceptance per draft position over the full vocabulary: position m + 1
+        is right where heads 0..m all guessed the main model's greedy tokens (the tree's first branch)."""
         held = self.set.held_out
         if len(held) == 0:
             return {}
@@ -186,8 +188,8 @@ class TreeHeadTrainer(Trainer):
         from specgen.engine.proposers.medusa import save_medusa
 
         dtype = self.cfg.save_dtype
-        save_medusa(self.out_dir, [[(d["w"].astype(dtype), d["b"].astype(dtype)) for d in blocks] for blocks in arrays],
-                    None, extra=meta)
+        save_medusa(self.out_dir, [[(d["w"].astype(dtype), d["b"].astype(dtype)) for d in blocks]
+                                   for blocks in arrays], None, extra=meta)
 
 
 class HydraTrainer(TreeHeadTrainer):

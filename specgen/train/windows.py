@@ -5,9 +5,9 @@ model's greedy choice at i + 2 given tokens [0, i + 2), which is exactly what ve
 continuation (i >= prompt_len - 1) that is token i + 2 itself; inside the prompt it is the recorded greedy
 choice (`CachedData.targets`), and prompt positions are examples only with `prompt_examples` (held-out
 evaluation never uses them). A window is `seq_len` consecutive positions of one sequence; the head attends
-causally within it. Windows tile each sequence's examples; each repeats the last `overlap` positions of the one
-before it (or the prompt positions before the first example) as context only, so every example carries a loss
-in exactly one window.
+causally within it. Windows tile each sequence's examples; each repeats the last `overlap` positions of the
+one before it (or the prompt positions before the first example) as context only, so every example carries a
+loss in exactly one window.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from specgen.train.data import CachedData
 
 @dataclass(frozen=True)
 class Windows:
-    """Window w covers positions [start[w], start[w] + length[w]) of sequence seq[w]; loss from loss_from[w]."""
+    """Window w covers positions [start[w], start[w] + length[w]) of sequence seq[w]; loss from
+    loss_from[w]."""
 
     seq: np.ndarray  # [num_windows] int64
     start: np.ndarray  # [num_windows] int64
@@ -36,10 +37,10 @@ class Windows:
 
 def make_windows(data: CachedData, seq_len: int, overlap: int, prompt_examples: bool,
                  from_end: bool = False) -> Windows:
-    """Windows over every sequence's examples. from_end: tiled back from each sequence's end instead of forward
-    from its start, so the last window (the continuation, and as much of the prompt before it as fits) is a
-    whole seq_len: a continuation then attends to up to seq_len positions of its prompt, as it does at inference,
-    instead of to the `overlap` positions a window that starts inside it repeats."""
+    """Windows over every sequence's examples. from_end: tiled back from each sequence's end instead of
+    forward from its start, so the last window (the continuation, and as much of the prompt before it as fits)
+    is a whole seq_len: a continuation then attends to up to seq_len positions of its prompt, as it does at
+    inference, instead of to the `overlap` positions a window that starts inside it repeats."""
     assert 0 <= overlap < seq_len
     rows = []
     for s in range(len(data.ids)):
@@ -50,7 +51,8 @@ def make_windows(data: CachedData, seq_len: int, overlap: int, prompt_examples: 
             mine, stop = [], end
             while stop > loss_from:
                 start = max(first, stop - seq_len)
-                # the window's first `overlap` positions are context only, unless it starts at the sequence's start
+                # the window's first `overlap` positions are context only, unless it
+                # starts at the sequence's start
                 lo = max(loss_from, start + overlap) if start > first else loss_from
                 mine.append((s, start, stop - start, lo))
                 stop = lo
@@ -61,7 +63,8 @@ def make_windows(data: CachedData, seq_len: int, overlap: int, prompt_examples: 
             stop = min(start + seq_len, end)
             rows.append((s, start, stop - start, loss_from))
             loss_from, start = stop, stop - overlap
-    seq, start, length, loss_from = (np.array(c, np.int64) for c in zip(*rows)) if rows else [np.zeros(0, np.int64)] * 4
+    seq, start, length, loss_from = ((np.array(c, np.int64) for c in zip(*rows)) if rows
+                                     else [np.zeros(0, np.int64)] * 4)
     return Windows(seq, start, length, loss_from)
 
 
@@ -119,8 +122,8 @@ class Batch:
     label_ids: np.ndarray  # [num_loss] int64 greedy choice at i + 2 of each loss row, as a vocabulary index
     chain_rows: np.ndarray  # [num_chain] int64 loss rows with a position i + 3 (second-draft loss)
     chain_ids: np.ndarray  # [num_chain] int64 greedy choice at i + 3, as a vocabulary index
-    teacher_rows: np.ndarray  # [num_loss] int64 row of CachedData.hidden at i + 1: the main model's state whose
-    # logits are its distribution over the label at i + 2
+    teacher_rows: np.ndarray  # [num_loss] int64 row of CachedData.hidden at i + 1: the main model's state
+    # whose logits are its distribution over the label at i + 2
     chain_teacher_rows: np.ndarray  # [num_chain] int64 row at i + 2, for the label at i + 3
     ahead: tuple[Ahead, ...] = ()  # modules 2, 3, ... of a multi-layer head
 
@@ -138,7 +141,8 @@ def make_batch(data: CachedData, windows: Windows, picks: np.ndarray, seq_len: i
     chain = np.full((B, seq_len), -1, np.int64)
     rows = np.zeros((B, seq_len), np.int64)  # row of CachedData.hidden at each position
     for b, w in enumerate(picks.tolist()):
-        s, start, n, loss_from = (int(x[w]) for x in (windows.seq, windows.start, windows.length, windows.loss_from))
+        s, start, n, loss_from = (int(x[w]) for x in (windows.seq, windows.start, windows.length,
+                                                      windows.loss_from))
         r0 = data.row_start[s] + start - data.first_pos[s]
         t0 = data.tok_start[s] + start - data.first_pos[s]
         seq_end = data.tok_start[s] + data.num_rows[s] + 1  # one past sequence s's last token
@@ -158,17 +162,18 @@ def make_batch(data: CachedData, windows: Windows, picks: np.ndarray, seq_len: i
     # rows i + 1 and i + 2 exist wherever a label at i + 2 (i + 3) does: a sequence stores rows up to T - 2
     flat_rows = rows.reshape(-1)
     ahead = tuple(_ahead(data, windows, picks, seq_len, vocab_index, m, flat_rows) for m in range(2, modules))
-    return Batch(hidden, next_ids, after_ids, positions, loss_rows, flat[loss_rows], chain_rows, cflat[chain_rows],
-                 flat_rows[loss_rows] + 1, flat_rows[chain_rows] + 2, ahead)
+    return Batch(hidden, next_ids, after_ids, positions, loss_rows, flat[loss_rows], chain_rows,
+                 cflat[chain_rows], flat_rows[loss_rows] + 1, flat_rows[chain_rows] + 2, ahead)
 
 
-def _ahead(data: CachedData, windows: Windows, picks: np.ndarray, seq_len: int, vocab_index: np.ndarray, m: int,
-           flat_rows: np.ndarray) -> Ahead:
+def _ahead(data: CachedData, windows: Windows, picks: np.ndarray, seq_len: int, vocab_index: np.ndarray,
+           m: int, flat_rows: np.ndarray) -> Ahead:
     B = len(picks)
     ids = np.zeros((B, seq_len), np.int64)
     labels = np.full((B, seq_len), -1, np.int64)
     for b, w in enumerate(picks.tolist()):
-        s, start, n, loss_from = (int(x[w]) for x in (windows.seq, windows.start, windows.length, windows.loss_from))
+        s, start, n, loss_from = (int(x[w]) for x in (windows.seq, windows.start, windows.length,
+                                                      windows.loss_from))
         t0 = data.tok_start[s] + start - data.first_pos[s]
         seq_end = data.tok_start[s] + data.num_rows[s] + 1  # one past sequence s's last token
         num_ids = max(0, min(n, seq_end - t0 - 1 - m))  # token i + 1 + m exists for offsets [0, num_ids)

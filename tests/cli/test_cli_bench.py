@@ -1,4 +1,5 @@
-"""`specgen bench` through Typer's CliRunner: --sample, --batch-sizes, --plot, --summary-json and the advice."""
+"""`specgen bench` through Typer's CliRunner: --sample, --batch-sizes, --plot, --summary-json and the
+advice."""
 from __future__ import annotations
 
 import json
@@ -19,7 +20,8 @@ def bench_run(tmp_path_factory):
     path = write_jsonl(folder / "in.jsonl", prompts(N))
     summary, plot = folder / "bench.json", folder / "bench.png"
     result = invoke("bench", path, "--methods", "none,ngram:2", "--sample", "6", "--sample-seed", "5",
-                    "--batch-sizes", "1,4", "--max-tokens", "6", "--repeats", "2", "--plot", plot, "--summary-json", summary)
+                    "--batch-sizes", "1,4", "--max-tokens", "6", "--repeats", "2", "--plot", plot,
+                    "--summary-json", summary)
     assert result.exit_code == 0, result.output
     return path, json.loads(summary.read_text()), plot, result.output
 
@@ -38,7 +40,8 @@ def test_every_batch_size_and_figure(bench_run):
     _, data, _, output = bench_run
     rows = data["rows"]
     assert [(r["label"], r["method"], r["k"], r["batch_size"]) for r in rows] == [
-        ("none", "none", None, 1), ("ngram:2", "ngram", 2, 1), ("none", "none", None, 4), ("ngram:2", "ngram", 2, 4)]
+        ("none", "none", None, 1), ("ngram:2", "ngram", 2, 1), ("none", "none", None, 4),
+        ("ngram:2", "ngram", 2, 4)]
     for r in rows:
         assert r["identical"] and r["tok_s"] > 0 and r["speedup"] > 0
         assert r["summary"]["num_output_tokens"] / r["summary"]["wall_time_s"] == pytest.approx(r["tok_s"])
@@ -61,8 +64,8 @@ def test_advice_names_the_fastest_and_its_yaml_resolves(bench_run, tmp_path):
     path = tmp_path / "advised.yaml"
     path.write_text(advice["yaml"])
     cfg = resolve(load_yaml(path), {})
-    assert (cfg.spec.method.value, cfg.engine.batch_size, cfg.sampling.max_tokens) == (best["method"],
-                                                                                         best["batch_size"], 6)
+    assert (cfg.spec.method.value, cfg.engine.batch_size, cfg.sampling.max_tokens) == (
+        best["method"], best["batch_size"], 6)
     assert best["method"] == "none" or cfg.spec.num_speculative_tokens == 2
 
 

@@ -97,8 +97,8 @@ def test_sigkill_then_resume(tmp_path, inputs, reference, seed, ext):
 @pytest.mark.parametrize("signum,ext", [(signal.SIGINT, "parquet"), (signal.SIGTERM, "jsonl"),
                                         (signal.SIGTERM, "parquet")])
 def test_signal_stops_cleanly_then_resume(tmp_path, inputs, reference, signum, ext):
-    """SIGINT / SIGTERM: exit 130 / 143 with one line (records written, the command that resumes), no crash dump;
-    the output is complete up to there (Parquet finalized) and --resume completes it."""
+    """SIGINT / SIGTERM: exit 130 / 143 with one line (records written, the command that resumes), no crash
+    dump; the output is complete up to there (Parquet finalized) and --resume completes it."""
     out = tmp_path / f"out.{ext}"
     proc = spawn(inputs, out)
     wait_for_lines(proc, out if ext == "jsonl" else journal_path(out), 10)
@@ -110,7 +110,8 @@ def test_signal_stops_cleanly_then_resume(tmp_path, inputs, reference, signum, e
     partial = read_output(out)
     assert 0 < len(partial) < NUM_REQUESTS
     name = signal.Signals(signum).name
-    assert lines[0].startswith(f"stopped by {name}: {len(partial)} records are in {out}; resume with: specgen run ")
+    assert lines[0].startswith(f"stopped by {name}: {len(partial)} records are in {out}; "
+                               f"resume with: specgen run ")
     assert lines[0].endswith(" --resume")
     assert not journal_path(out).exists()  # finalized: a readable Parquet file
 
@@ -137,8 +138,8 @@ def test_second_sigint_exits_at_once_losing_nothing(tmp_path, inputs, reference)
 
 @pytest.mark.parametrize("delay", [0.05, 0.3, 0.6])
 def test_sigterm_while_starting_ends_quietly(tmp_path, inputs, delay):
-    """A SIGTERM while Paddle is imported or the model loads: exit 143, no crash dump, the output as it was. (On a
-    quiet machine the whole run takes ~1.5 s: the delays stay well inside its start.)"""
+    """A SIGTERM while Paddle is imported or the model loads: exit 143, no crash dump, the output as it was.
+    (On a quiet machine the whole run takes ~1.5 s: the delays stay well inside its start.)"""
     out = tmp_path / "out.jsonl"
     proc = spawn(inputs, out)
     time.sleep(delay)

@@ -6,10 +6,10 @@ import re
 import pytest
 from cli_support import invoke, write_jsonl
 
-import specgen.cli
 import specgen.app.job
+import specgen.cli
 from specgen.config import EngineConfig, Method, MtpConfig, NgramConfig, SamplingParams, SpecConfig
-from specgen.app.job import JobResult
+from specgen.io.job_output import JobResult
 from specgen.io.summary import summarize
 
 
@@ -98,8 +98,9 @@ def test_precedence_defaults_yaml_speculative_config_flags(captured, inp, tmp_pa
              "--cpu-target", "--cache-dir", "--no-cost-cache", "--ngram-min", "--ngram-max", "--mtp-copy",
              "--no-mtp-quantize", "--no-adaptive", "--kv-cache-dtype", "--matmul", "--prefill-chunk"]),
     ("stats", ["--summary-json"]),
-    ("bench", ["--methods", "--model", "--num-speculative-tokens", "--ngram-pool", "--batch-size", "--max-tokens",
-               "--config", "--batch-sizes", "--sample", "--sample-seed", "--repeats", "--plot"]),
+    ("bench", ["--methods", "--model", "--num-speculative-tokens", "--ngram-pool", "--batch-size",
+               "--max-tokens", "--config", "--batch-sizes", "--sample", "--sample-seed", "--repeats",
+               "--plot"]),
 ])
 def test_help_lists_the_options(command, options):
     result = invoke(command, "--help")

@@ -43,7 +43,8 @@ def same_as_reference(out: Path, reference: dict[str, dict]) -> None:
 
 
 class FaultyFile:
-    """The sink's file, failing like a full disk at write number `fail_at` (half the line reaches the file)."""
+    """The sink's file, failing like a full disk at write number `fail_at` (half the line
+    reaches the file)."""
 
     def __init__(self, real, fail_at: int, hook=None):
         self._real, self._fail_at, self._hook, self.writes = real, fail_at, hook, 0
@@ -76,7 +77,8 @@ def test_disk_full_then_resume(tmp_path, inputs, reference, monkeypatch, ext):
     assert result.exit_code == 5, result.output
     [line] = stderr_lines(result)
     written = out if ext == "jsonl" else journal_path(out)
-    assert line.startswith(f"error: cannot write {written}: No space left on device; 5 records are safely in {out}")
+    assert line.startswith(f"error: cannot write {written}: No space left on device; "
+                           f"5 records are safely in {out}")
     assert line.endswith("resume with: the same command with --resume")  # `specgen run ...` from a shell
     assert len(list(iter_output_records(out))) == 5  # the torn sixth line was trimmed
     monkeypatch.undo()
@@ -176,7 +178,8 @@ def test_resume_with_other_settings_is_refused(tmp_path, inputs, ext):
     assert "mixed: " in invoke("stats", out).stdout  # the output says it mixes settings
     assert invoke("run", inputs, "-o", out, *first, "--resume").exit_code == 0  # the same settings: fine
     stats = invoke("stats", out)
-    assert stats.exit_code == 0 and "sampling.max_tokens: 3" in stats.stdout and "model.sha256" in stats.stdout
+    assert (stats.exit_code == 0 and "sampling.max_tokens: 3" in stats.stdout
+            and "model.sha256" in stats.stdout)
 
 
 def test_allow_mismatch_needs_resume(tmp_path, inputs):
@@ -242,8 +245,8 @@ def test_nan_request_gets_an_error_record_the_others_go_on(tmp_path, poisoned, b
     bad = {f"r{i}" for i in range(9) if i % 3 == 1}
     assert {k for k, r in got.items() if r["error"]} == bad
     for k in bad:
-        assert got[k]["error"].startswith(f"line {int(k[1:]) + 1}: non-finite values (NaN or Inf) in the model's "
-                                          "output at engine step 1, output token 0")
+        assert got[k]["error"].startswith(f"line {int(k[1:]) + 1}: non-finite values (NaN or Inf) in the "
+                                          "model's output at engine step 1, output token 0")
     clean = [r for r in records if r["id"] not in bad]
     write_jsonl(tmp_path / "clean.jsonl", clean)
     assert invoke("run", tmp_path / "clean.jsonl", "-o", tmp_path / "ref.jsonl", *args).exit_code == 0
@@ -273,18 +276,19 @@ def test_bad_memory_size_is_a_config_error(tmp_path, inputs):
 
 @pytest.mark.parametrize("backend", ["fused", "reference"])
 def test_the_slot_of_a_nan_request_serves_the_next_one_cleanly(tmp_path, poisoned, backend):
-    """A request that went non-finite leaves nothing behind in its slot (nor in a drafter's cache): a short request
-    placed there afterwards gets the tokens it gets alone."""
+    """A request that went non-finite leaves nothing behind in its slot (nor in a drafter's cache): a short
+    request placed there afterwards gets the tokens it gets alone."""
     a = {"id": "a", "input_ids": [3 + (i % 9) for i in range(39)] + [7]}
     b = {"id": "b", "input_ids": [8 + (i % 5) for i in range(30)], "max_tokens": 30}
     c = {"id": "c", "input_ids": [4, 5, 6, 8]}
     args = [*ARGS, "--backend", backend, "--batch-size", "2", "--model", poisoned]
     for method in ("none", "ngram"):
         out, alone = tmp_path / f"{method}.jsonl", tmp_path / f"{method}-alone.jsonl"
-        result = invoke("run", write_jsonl(tmp_path / "in.jsonl", [a, b, c]), "-o", out, *args, "--method", method,
-                        model=False)
+        result = invoke("run", write_jsonl(tmp_path / "in.jsonl", [a, b, c]), "-o", out, *args,
+                        "--method", method, model=False)
         assert result.exit_code == EXIT_RECORD_ERRORS, result.output
-        assert invoke("run", write_jsonl(tmp_path / "c.jsonl", [c]), "-o", alone, *args, model=False).exit_code == 0
+        assert invoke("run", write_jsonl(tmp_path / "c.jsonl", [c]), "-o", alone, *args,
+                      model=False).exit_code == 0
         got = by_id(read_output(out))
         assert got["a"]["error"] and got["b"]["error"] is None and got["c"]["error"] is None
         assert got["c"]["token_ids"] == read_output(alone)[0]["token_ids"]

@@ -196,28 +196,29 @@ def test_prefill_chunk_flag_counts_chunks_and_keeps_outputs(jsonl_in, jsonl_run)
     """--prefill-chunk cuts every prompt into ceil(len / chunk) prefill forwards; outputs stay the same."""
     out = jsonl_in.parent / "chunked.jsonl"
     summary = jsonl_in.parent / "chunked_summary.json"
-    result = invoke("run", jsonl_in, "-o", out, "--max-tokens", "8", "--batch-size", "4", "--prefill-chunk", "4",
-                    "--summary-json", summary)
+    result = invoke("run", jsonl_in, "-o", out, "--max-tokens", "8", "--batch-size", "4",
+                    "--prefill-chunk", "4", "--summary-json", summary)
     assert result.exit_code == 0, result.output
     chunked, plain = by_id(read_output(out)), by_id(read_output(jsonl_run[0]))
     for rid, rec in chunked.items():
         assert rec["num_prefill_chunks"] == -(-rec["num_prompt_tokens"] // 4)
         assert plain[rid]["num_prefill_chunks"] == 1
         assert rec["token_ids"] == plain[rid]["token_ids"]
-    assert json.loads(summary.read_text())["num_prefill_chunks"] == sum(r["num_prefill_chunks"] for r in chunked.values())
+    assert json.loads(summary.read_text())["num_prefill_chunks"] == sum(r["num_prefill_chunks"]
+                                                                        for r in chunked.values())
 
 
 def test_shared_prefix_is_reused_and_reported(tmp_path):
-    """Token prompts sharing 80 leading tokens: with --shared-prefix auto (the default) every record reads them from
-    the shared prefix, outputs equal --shared-prefix off, and the summary reports less KV cache."""
+    """Token prompts sharing 80 leading tokens: with --shared-prefix auto (the default) every record reads
+    them from the shared prefix, outputs equal --shared-prefix off, and the summary reports less KV cache."""
     prefix = [3 + (7 * j) % 200 for j in range(80)]
     recs = [{"id": f"s{i}", "input_ids": prefix + [5 + i, 9 + i][: 1 + i % 2]} for i in range(6)]
     src = write_jsonl(tmp_path / "in.jsonl", recs)
     outs = {}
     for mode in ("auto", "off"):
         out, summary = tmp_path / f"{mode}.jsonl", tmp_path / f"{mode}.json"
-        result = invoke("run", src, "-o", out, "--max-tokens", "5", "--batch-size", "6", "--shared-prefix", mode,
-                        "--summary-json", summary)
+        result = invoke("run", src, "-o", out, "--max-tokens", "5", "--batch-size", "6",
+                        "--shared-prefix", mode, "--summary-json", summary)
         assert result.exit_code == 0, result.output
         outs[mode] = (by_id(read_output(out)), json.loads(summary.read_text()))
     (shared, s_sum), (plain, p_sum) = outs["auto"], outs["off"]
@@ -229,7 +230,8 @@ def test_shared_prefix_is_reused_and_reported(tmp_path):
 
 @pytest.mark.skipif(specgen.kernels.ops() is None, reason="a float16 KV cache needs the fused CPU kernels")
 def test_kv_cache_dtype_float16_halves_the_reported_cache(jsonl_in, jsonl_run, tmp_path):
-    """--kv-cache-dtype float16: every record written, the summary's KV cache bytes halved; a bad value exits 2."""
+    """--kv-cache-dtype float16: every record written, the summary's KV cache bytes halved; a bad value
+    exits 2."""
     out, summary = tmp_path / "half.jsonl", tmp_path / "half.json"
     result = invoke("run", jsonl_in, "-o", out, "--max-tokens", "8", "--batch-size", "4", "--kv-cache-dtype",
                     "float16", "--summary-json", summary)
@@ -242,8 +244,8 @@ def test_kv_cache_dtype_float16_halves_the_reported_cache(jsonl_in, jsonl_run, t
 
 
 def test_matmul_int8_needs_block_weights(jsonl_in, tmp_path):
-    """--matmul int8 on a checkpoint without GGUF block weights (the tiny float32 one) stops with exit 2 and says
-    what it needs; an engine asked for int8 over a float32-loaded model is refused too."""
+    """--matmul int8 on a checkpoint without GGUF block weights (the tiny float32 one) stops with exit 2 and
+    says what it needs; an engine asked for int8 over a float32-loaded model is refused too."""
     result = invoke("run", jsonl_in, "-o", tmp_path / "int8.jsonl", "--matmul", "int8")
     assert result.exit_code == 2, result.output
     assert ("matmul int8 needs block weights (GGUF Q4_0 / Q4_1 / Q8_0, or --quantization wint8 | wint4)"

@@ -1,6 +1,6 @@
-"""--data-parallel-size: N worker engines behind one reader and one writer give the one-engine run's records (every
-method, greedy and sampled), each id once; a killed worker fails the job (exit 4) and --resume completes it; a
-SIGTERM to the parent stops it and its workers cleanly."""
+"""--data-parallel-size: N worker engines behind one reader and one writer give the one-engine run's records
+(every method, greedy and sampled), each id once; a killed worker fails the job (exit 4) and --resume
+completes it; a SIGTERM to the parent stops it and its workers cleanly."""
 from __future__ import annotations
 
 import json
@@ -25,7 +25,8 @@ from specgen.models import load_checkpoint
 from specgen.models.export import first_layers, save_hf
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "2"}
-# Half the records sample (their own temperature), half are greedy; line 4 is not JSON, line 9 has a bad field.
+# Half the records sample (their own temperature), half are greedy; line 4 is not JSON, line 9 has a bad
+# field.
 RECORDS = [{"id": f"r{i}", "prompt": f"request {i}: " + "abc " * (i % 5), "max_tokens": 6 + i % 7,
             **({"temperature": 0.9} if i % 2 else {})} for i in range(22)]
 RECORDS.insert(3, '{"id": "broken", ')
@@ -41,7 +42,8 @@ def drafters(tmp_path_factory) -> dict[str, list[str]]:
     save_medusa(d / "medusa", *random_medusa(ckpt.config, 3, 0))
     save_hydra(d / "hydra", *random_hydra(ckpt.config, 3, 0))  # the model's own LM head, shared
     save_eagle(d / "eagle", random_eagle(ckpt.config, 0), ckpt.config)
-    return {"none": [], "ngram": ["--method", "ngram"], "mtp": ["--method", "mtp", "--mtp-model", str(d / "mtp")],
+    return {"none": [], "ngram": ["--method", "ngram"],
+            "mtp": ["--method", "mtp", "--mtp-model", str(d / "mtp")],
             "draft_model": ["--method", "draft_model", "--draft-model", str(d / "cut")],
             **{m: ["--method", m, "--draft-model", str(d / m)] for m in ("medusa", "hydra", "eagle")}}
 
@@ -128,7 +130,8 @@ def job(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
     d = tmp_path_factory.mktemp("dpkill")
     inp = write_jsonl(d / "in.jsonl", [{"id": f"q{i}", "prompt": f"prompt {i}: " + "lorem " * (i % 6)}
                                         for i in range(200)])
-    res = invoke("run", inp, "-o", d / "ref.jsonl", "--max-tokens", "16", "--batch-size", "4", "--ignore-eos", "-q")
+    res = invoke("run", inp, "-o", d / "ref.jsonl", "--max-tokens", "16", "--batch-size", "4", "--ignore-eos",
+                 "-q")
     assert res.exit_code == 0, res.output
     return inp, by_id(read_output(d / "ref.jsonl"))
 
@@ -157,10 +160,12 @@ def test_killed_worker_fails_the_job_and_resume_completes_it(tmp_path, job, ext)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 4, err
     line = err.strip().splitlines()[-1]
-    assert line.startswith("error: data-parallel worker ") and f"(pid {victim}) was killed by SIGKILL" in line, err
+    assert (line.startswith("error: data-parallel worker ")
+            and f"(pid {victim}) was killed by SIGKILL" in line), err
     written = len(read_output(out))
     assert 0 < written < len(reference)
-    assert f"{written} records are safely in {out}; resume with: specgen run " in line and line.endswith("--resume")
+    assert (f"{written} records are safely in {out}; resume with: specgen run " in line
+            and line.endswith("--resume"))
 
     resumed = spawn(inp, out, "--data-parallel-size", "2", "--resume")
     _, err = resumed.communicate(timeout=180)

@@ -1,8 +1,8 @@
-"""--pd P:D: prefill workers hand each prompt's KV cache, drafter state and first token to decode workers through
-shared memory; the job writes the colocated engine's tokens (fp64, greedy and sampled, every method, a shared prefix
-and chunked prefill, 1P1D, 2P1D and 1P2D); with the adaptive controller off the drafting statistics are the colocated
-engine's too (the drafter state arrived whole); a killed worker fails the job (exit 4) and --resume completes it;
-bad records still become error records naming their line."""
+"""--pd P:D: prefill workers hand each prompt's KV cache, drafter state and first token to decode workers
+through shared memory; the job writes the colocated engine's tokens (fp64, greedy and sampled, every method, a
+shared prefix and chunked prefill, 1P1D, 2P1D and 1P2D); with the adaptive controller off the drafting
+statistics are the colocated engine's too (the drafter state arrived whole); a killed worker fails the job
+(exit 4) and --resume completes it; bad records still become error records naming their line."""
 from __future__ import annotations
 
 import dataclasses
@@ -23,21 +23,22 @@ from specgen.api import encode_prompt, make_engine
 from specgen.config import EngineConfig, NgramConfig, SamplingParams, SpecConfig
 from specgen.distributed.disaggregated import DECODE, PREFILL, Handoff, make_pd_engine
 from specgen.distributed.parcel import SHM_DIR, pack, sweep, unpack
-from specgen.engine.kv_cache import KVCache
 from specgen.engine.types import Request, RequestOutput
+from specgen.runtime.kv_cache import KVCache
 
 PREFIX = "You are a careful assistant. Answer briefly and exactly, in one line, without a preamble. "
-# Half the records sample, half are greedy; the first batch shares a prefix (cascade attention); line 5 is not JSON
+# Half the records sample, half are greedy; the first batch shares a prefix (cascade attention); line 5 is
+# not JSON
 RECORDS = [{"id": f"r{i}", "prompt": (PREFIX if i < 3 else "") + f"request {i}: " + "abc " * (i % 5),
             "max_tokens": 1 + i % 9, **({"temperature": 0.9} if i % 2 else {})} for i in range(12)]
 RECORDS.insert(4, '{"id": "broken", ')
-STATS = ("num_steps", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "num_prefill_chunks",
-         "num_cached_prompt_tokens")
+STATS = ("num_steps", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position",
+         "num_prefill_chunks", "num_cached_prompt_tokens")
 
 
 def test_cache_rows_travel_whole_with_a_shared_prefix(tmp_path):
-    """export_slot's pieces (the prefix's rows, then the slot's own), through a parcel, into another cache's slot:
-    its rows [0, n) are the prefix's and then the slot's own, in every layer, K and V."""
+    """export_slot's pieces (the prefix's rows, then the slot's own), through a parcel, into another cache's
+    slot: its rows [0, n) are the prefix's and then the slot's own, in every layer, K and V."""
     rng = np.random.default_rng(0)
     src = KVCache(2, 3, 2, 4, "float64", 32, initial_capacity=16)
     src.prefix = KVCache(2, 1, 2, 4, "float64", 8, initial_capacity=8)
@@ -78,8 +79,8 @@ def test_parcels_stay_out_of_the_resource_tracker(monkeypatch):
 def run_records(out: Path, *extra: str) -> tuple[dict[str, dict], dict]:
     inp = write_jsonl(out.with_suffix(".in.jsonl"), RECORDS)
     summary = out.with_suffix(".summary.json")
-    res = invoke("run", inp, "-o", out, "--model", TINY / "llama", "--dtype", "float64", "--batch-size", "3", "--seed",
-                 "5", "--prefill-chunk", "16", "--summary-json", summary, "-q", *extra, model=False)
+    res = invoke("run", inp, "-o", out, "--model", TINY / "llama", "--dtype", "float64", "--batch-size", "3",
+                 "--seed", "5", "--prefill-chunk", "16", "--summary-json", summary, "-q", *extra, model=False)
     assert res.exit_code == 8, res.output  # the broken line is an error record
     return by_id(read_output(out)), json.loads(summary.read_text())
 
@@ -99,9 +100,11 @@ def colocated(tmp_path_factory, drafters):  # noqa: F811
 @pytest.mark.parametrize("method, adaptive, pd", [
     ("none", True, "1:1"), ("ngram", True, "2:1"), ("mtp", False, "1:2"), ("draft_model", False, "1:1"),
     ("eagle", True, "1:1"), ("hydra", True, "1:1")])
-def test_workers_write_the_colocated_tokens(tmp_path, drafters, colocated, method, adaptive, pd):  # noqa: F811
+def test_workers_write_the_colocated_tokens(tmp_path, drafters, colocated, method, adaptive,  # noqa: F811
+                                            pd):
     """Tokens, texts and error records as the colocated engine's; with the controller off (the same drafts
-    offered, all verified) the drafting statistics too: the MTP head's and the draft model's caches came whole."""
+    offered, all verified) the drafting statistics too: the MTP head's and the draft model's caches came
+    whole."""
     extra = [] if adaptive else ["--no-adaptive"]
     one, s1 = colocated(method, adaptive)
     got, s2 = run_records(tmp_path / "pd.jsonl", *drafters[method], *extra, "--pd", pd, "--threads", "2")
@@ -112,8 +115,9 @@ def test_workers_write_the_colocated_tokens(tmp_path, drafters, colocated, metho
         if not adaptive:
             assert [got[rid][k] for k in STATS] == [rec[k] for k in STATS], rid
     assert one["5"]["error"].startswith("line 5: malformed JSON")
-    if pd.startswith("1:"):  # one prefill worker finds the prefix as one engine does (with several, each finds
-        # the one its own first batch shares: which requests it took first varies)
+    # one prefill worker finds the prefix as one engine does (with several, each finds the one its own first
+    # batch shares: which requests it took first varies)
+    if pd.startswith("1:"):
         assert s2["num_cached_prompt_tokens"] == s1["num_cached_prompt_tokens"] > 0
     assert s2["kv_cache_bytes"] > 0
     assert not list(SHM_DIR.glob("specgen-pd-*"))  # every hand-off freed
@@ -134,8 +138,8 @@ def test_refused(tmp_path, extra, fragment):
 def test_killed_worker_fails_the_job_and_resume_completes_it(tmp_path, victim):
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"q{i}", "prompt": f"prompt {i}: " + "lorem " * (i % 6)}
                                                for i in range(60)])
-    res = invoke("run", inp, "-o", tmp_path / "ref.jsonl", "--max-tokens", "16", "--batch-size", "4", "--ignore-eos",
-                 "-q")
+    res = invoke("run", inp, "-o", tmp_path / "ref.jsonl", "--max-tokens", "16", "--batch-size", "4",
+                 "--ignore-eos", "-q")
     assert res.exit_code == 0, res.output
     reference = by_id(read_output(tmp_path / "ref.jsonl"))
     out = tmp_path / "out.jsonl"
@@ -156,9 +160,10 @@ def test_killed_worker_fails_the_job_and_resume_completes_it(tmp_path, victim):
     assert_complete(out, reference)
 
 
-def pipeline(loaded, engine: EngineConfig, spec: SpecConfig, requests: list[Request]) -> dict[str, RequestOutput]:
-    """The workers' engines in this process: a prefill engine's hand-offs (through shared memory) into a decode
-    engine; outputs by id."""
+def pipeline(loaded, engine: EngineConfig, spec: SpecConfig,
+             requests: list[Request]) -> dict[str, RequestOutput]:
+    """The workers' engines in this process: a prefill engine's hand-offs (through shared memory) into a
+    decode engine; outputs by id."""
     items = list(make_pd_engine(loaded, engine, spec, PREFILL).run(requests))
     handoffs = [x for x in items if isinstance(x, Handoff)]
     out = {o.id: o for o in items if not isinstance(o, Handoff)}  # done at the first token
@@ -168,13 +173,13 @@ def pipeline(loaded, engine: EngineConfig, spec: SpecConfig, requests: list[Requ
 
 def requests_of(loaded, texts: list[str], max_tokens: int = 12) -> list[Request]:
     return [Request(f"r{i}", i, encode_prompt(loaded, t), SamplingParams(
-        max_tokens=1 + (i * 5 + max_tokens) % max_tokens, temperature=0.8 if i % 2 else 0.0, seed=7)) for i, t in
-        enumerate(texts)]
+        max_tokens=1 + (i * 5 + max_tokens) % max_tokens, temperature=0.8 if i % 2 else 0.0, seed=7))
+        for i, t in enumerate(texts)]
 
 
 def assert_colocated(loaded, engine: EngineConfig, spec: SpecConfig, requests: list[Request]) -> int:
-    """The pipeline's outputs are the colocated engine's (with the controller off, their statistics too); returns
-    the drafts verified."""
+    """The pipeline's outputs are the colocated engine's (with the controller off, their statistics too);
+    returns the drafts verified."""
     one = {o.id: o for o in make_engine(loaded, engine, spec).run(requests)}
     pd = pipeline(loaded, engine, spec, requests)
     assert sorted(pd) == sorted(one)
@@ -186,15 +191,16 @@ def assert_colocated(loaded, engine: EngineConfig, spec: SpecConfig, requests: l
 
 
 def test_medusa_guesses_travel(tmp_path):
-    """Medusa's guesses made at the prompt's last position go with the request (fused fp64, controller off: the
-    same trees verified as in the colocated engine)."""
+    """Medusa's guesses made at the prompt's last position go with the request (fused fp64, controller off:
+    the same trees verified as in the colocated engine)."""
     from specgen.config import MedusaConfig
     from specgen.engine.proposers.medusa import save_medusa
 
     loaded = load_model(TINY / "llama", dtype="float64")
     cfg, rng = loaded.config, np.random.default_rng(1)
     lm = loaded.model.weights.lm_head.dense().numpy().T  # head 0 guesses the model's own next tokens
-    save_medusa(tmp_path, [[(rng.normal(0, 0.02, (cfg.hidden_size,) * 2), rng.normal(0, 0.02, cfg.hidden_size))]
+    save_medusa(tmp_path, [[(rng.normal(0, 0.02, (cfg.hidden_size,) * 2),
+                             rng.normal(0, 0.02, cfg.hidden_size))]
                            for _ in range(3)], [lm] * 3)
     spec = SpecConfig(method="medusa", draft_model=str(tmp_path), adaptive=False,
                       medusa=MedusaConfig(topk=2, tree_choices=("0,0,0", "1", "0,1", "1,0")))
@@ -203,9 +209,10 @@ def test_medusa_guesses_travel(tmp_path):
 
 
 def test_eagle_trees_travel(tmp_path):
-    """The EAGLE tree grown at the prompt's last position (its tokens, parents and probabilities) goes with the
-    request, beside the layer's cache (fused fp64, controller off: the same trees verified and accepted as in
-    the colocated engine; without the tree arrays the decode side verified an empty tree on its first step)."""
+    """The EAGLE tree grown at the prompt's last position (its tokens, parents and probabilities) goes with
+    the request, beside the layer's cache (fused fp64, controller off: the same trees verified and accepted as
+    in the colocated engine; without the tree arrays the decode side verified an empty tree on its first
+    step)."""
     from heads import random_eagle
 
     from specgen.config import EagleConfig
@@ -214,7 +221,8 @@ def test_eagle_trees_travel(tmp_path):
     loaded = load_model(TINY / "llama", dtype="float64")
     save_eagle(tmp_path, random_eagle(loaded.config, 3, norm=True), loaded.config)
     requests = requests_of(loaded, [f"item {i}: " + "x y " * i for i in range(8)])
-    for copy in (0, 2):  # the trees alone (these prompts repeat: with copies most slots copy), and with copies
+    # the trees alone (these prompts repeat: with copies most slots copy), and with copies
+    for copy in (0, 2):
         spec = SpecConfig(method="eagle", draft_model=str(tmp_path), adaptive=False, num_speculative_tokens=3,
                           eagle=EagleConfig(topk=2, nodes=6, copy=copy))
         assert assert_colocated(loaded, EngineConfig(batch_size=3, dtype="float64"), spec, requests) > 0, copy

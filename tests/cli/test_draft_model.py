@@ -14,7 +14,8 @@ from specgen.errors import CheckpointError, ConfigError
 from specgen.models import load_checkpoint
 from specgen.models.export import first_layers, save_hf
 
-PROMPTS = [[3, 4, 5, 6, 7, 3, 4, 5], [9, 8, 7, 9, 8, 7, 9, 8], [11, 12, 13], [20, 21, 20, 21, 20, 21, 20, 21, 20]]
+PROMPTS = [[3, 4, 5, 6, 7, 3, 4, 5], [9, 8, 7, 9, 8, 7, 9, 8], [11, 12, 13],
+           [20, 21, 20, 21, 20, 21, 20, 21, 20]]
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +35,14 @@ def test_draft_model_outputs_equal_plain_decoding(tiny_model, tiny_model64, cut,
         sp = SamplingParams(max_tokens=24, ignore_eos=True, temperature=temperature, seed=11)
         ref = [o.token_ids for o in generate(PROMPTS, model=lm, sampling=sp)]
         for batch, adaptive in ((1, False), (3, False), (4, True)):
-            spec = SpecConfig(method=Method.DRAFT_MODEL, draft_model=path, adaptive=adaptive, num_speculative_tokens=4)
-            outs = generate(PROMPTS, model=lm, sampling=sp, engine=EngineConfig(batch_size=batch, dtype=dtype),
-                            speculative=spec)
+            spec = SpecConfig(method=Method.DRAFT_MODEL, draft_model=path, adaptive=adaptive,
+                              num_speculative_tokens=4)
+            outs = generate(PROMPTS, model=lm, sampling=sp,
+                            engine=EngineConfig(batch_size=batch, dtype=dtype), speculative=spec)
             assert [o.token_ids for o in outs] == ref, (draft, temperature, batch)
-            if draft == "self" and not adaptive:  # the model drafting for itself: every draft right, sampled ones
-                # too (drafts are sampled with the uniforms verification uses)
+            # the model drafting for itself: every draft right, sampled ones too (drafts are sampled with the
+            # uniforms verification uses)
+            if draft == "self" and not adaptive:
                 assert all(o.stats.num_accepted_tokens == o.stats.num_draft_tokens > 0 for o in outs)
 
 
@@ -68,7 +71,8 @@ def test_make_draft_and_run_from_the_cli(tmp_path):
     result = invoke("make-draft", "-o", draft, "--layers", "1", "--model", TINY / "llama")
     assert result.exit_code == 0, result.output
     assert json.loads((draft / "config.json").read_text())["num_hidden_layers"] == 1
-    assert invoke("make-draft", "-o", tmp_path / "d2", "--layers", "2", "--model", TINY / "llama").exit_code == 2
+    assert invoke("make-draft", "-o", tmp_path / "d2", "--layers", "2", "--model",
+                  TINY / "llama").exit_code == 2
     inp = write_jsonl(tmp_path / "in.jsonl", [{"input_ids": p} for p in PROMPTS])
     args = ["--max-tokens", "12", "--ignore-eos", "-q"]
     assert invoke("run", inp, "-o", tmp_path / "plain.jsonl", *args).exit_code == 0
@@ -78,7 +82,8 @@ def test_make_draft_and_run_from_the_cli(tmp_path):
     by = {r["id"]: r["token_ids"] for r in read_output(tmp_path / "plain.jsonl")}
     got = read_output(tmp_path / "draft.jsonl")
     assert all(r["token_ids"] == by[r["id"]] for r in got) and len(got) == len(PROMPTS)
-    bad = invoke("run", inp, "-o", tmp_path / "x.jsonl", *args, "--method", "ngram", "--draft-model", str(draft))
+    bad = invoke("run", inp, "-o", tmp_path / "x.jsonl", *args, "--method", "ngram", "--draft-model",
+                 str(draft))
     assert bad.exit_code == 2 and "draft_model needs method draft_model or mtp" in bad.output
 
 
@@ -99,14 +104,17 @@ def test_make_draft_distills_and_the_draft_stays_exact(tmp_path):
     drafts are accepted than the cut's), the training state stays beside the checkpoint, rerunning refuses to
     overwrite, and outputs with it equal plain decoding."""
     prompts = [[int(x) for x in range(3 + i, 3 + i + 4 + i % 5)] for i in range(12)]
-    data = write_jsonl(tmp_path / "train.jsonl", [{"id": f"t{i}", "input_ids": p} for i, p in enumerate(prompts)])
+    data = write_jsonl(tmp_path / "train.jsonl",
+                       [{"id": f"t{i}", "input_ids": p} for i, p in enumerate(prompts)])
     draft = tmp_path / "distilled"
-    args = ["make-draft", "-o", draft, "--layers", "1", "--model", TINY / "llama", "--data", data, "--steps", "40",
-            "--batch-size", "4", "--seq-len", "16", "--gen-max-tokens", "24", "--lr", "3e-3", "--threads", "1", "-q"]
+    args = ["make-draft", "-o", draft, "--layers", "1", "--model", TINY / "llama", "--data", data,
+            "--steps", "40", "--batch-size", "4", "--seq-len", "16", "--gen-max-tokens", "24", "--lr", "3e-3",
+            "--threads", "1", "-q"]
     result = invoke(*args)
     assert result.exit_code == 0, result.output
     info = json.loads((draft / "config.json").read_text())["specgen_draft"]
-    assert info["layers"] == 1 and info["training"]["steps"] == 40 and (draft / "training" / "loss.csv").is_file()
+    assert (info["layers"] == 1 and info["training"]["steps"] == 40
+            and (draft / "training" / "loss.csv").is_file())
     assert invoke(*args).exit_code == 2  # a checkpoint is there already
     lm = load_model(TINY / "llama")
     sp = SamplingParams(max_tokens=24)
@@ -118,7 +126,8 @@ def test_make_draft_distills_and_the_draft_stays_exact(tmp_path):
         outs = generate(prompts, model=lm, sampling=sp, speculative=SpecConfig(
             method=Method.DRAFT_MODEL, draft_model=str(path), adaptive=False, num_speculative_tokens=2))
         assert [o.token_ids for o in outs] == ref
-        accepted[name] = sum(o.stats.num_accepted_tokens for o in outs) / sum(o.stats.num_draft_tokens for o in outs)
+        accepted[name] = (sum(o.stats.num_accepted_tokens for o in outs)
+                          / sum(o.stats.num_draft_tokens for o in outs))
     assert accepted["distilled"] > accepted["cut"] + 0.1, accepted
 
 
@@ -133,8 +142,10 @@ def test_draft_shares_the_shared_prefix(tiny_model64, cut):
     rng = np.random.default_rng(2)
     prefix = rng.integers(3, 250, 80).tolist()
     prompts = [prefix + rng.integers(3, 250, int(n)).tolist() for n in (3, 9, 17, 5)]
-    reqs = [Request(str(i), i, tuple(p), SamplingParams(max_tokens=12, ignore_eos=True)) for i, p in enumerate(prompts)]
-    spec = SpecConfig(method=Method.DRAFT_MODEL, draft_model=str(cut), adaptive=False, num_speculative_tokens=3)
+    reqs = [Request(str(i), i, tuple(p), SamplingParams(max_tokens=12, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    spec = SpecConfig(method=Method.DRAFT_MODEL, draft_model=str(cut), adaptive=False,
+                      num_speculative_tokens=3)
     outs = {}
     for shared in ("auto", "off"):
         eng = make_engine(tiny_model64, EngineConfig(batch_size=4, dtype="float64", shared_prefix=shared,
@@ -150,8 +161,9 @@ def test_draft_shares_the_shared_prefix(tiny_model64, cut):
 
 
 def test_draft_with_a_shorter_context_stops_drafting_past_it(tiny_model, tmp_path):
-    """A draft whose context is 24 positions drafts for slots below it and none past it (those decode plainly);
-    prompts prefilled in chunks catch the draft up chunk by chunk; outputs equal plain decoding's."""
+    """A draft whose context is 24 positions drafts for slots below it and none past it (those decode
+    plainly); prompts prefilled in chunks catch the draft up chunk by chunk; outputs equal plain
+    decoding's."""
     ckpt = load_checkpoint(TINY / "llama")
     short = first_layers(ckpt, 1)
     short = type(short)(**{**short.__dict__, "config": type(short.config)(
@@ -161,7 +173,8 @@ def test_draft_with_a_shorter_context_stops_drafting_past_it(tiny_model, tmp_pat
     sp = SamplingParams(max_tokens=30, ignore_eos=True)
     ref = [o.token_ids for o in generate(prompts, model=tiny_model, sampling=sp)]
     for chunk in (0, 4):
-        outs = generate(prompts, model=tiny_model, sampling=sp, engine=EngineConfig(batch_size=3, prefill_chunk=chunk),
+        outs = generate(prompts, model=tiny_model, sampling=sp,
+                        engine=EngineConfig(batch_size=3, prefill_chunk=chunk),
                         speculative=SpecConfig(method=Method.DRAFT_MODEL, draft_model=str(tmp_path / "short"),
                                                adaptive=False, num_speculative_tokens=2))
         assert [o.token_ids for o in outs] == ref
@@ -171,8 +184,8 @@ def test_draft_with_a_shorter_context_stops_drafting_past_it(tiny_model, tmp_pat
 
 
 def test_draft_quantizes_to_8_bit_blocks_beside_a_block_quantized_main_model(tiny_model, real_model):
-    """Under auto a (float) draft beside the default model's Q4_1 blocks is quantized to Q8_0, not rounded to 4
-    bits; beside a float main model it stays as stored; an explicit mode is the main model's."""
+    """Under auto a (float) draft beside the default model's Q4_1 blocks is quantized to Q8_0, not rounded to
+    4 bits; beside a float main model it stays as stored; an explicit mode is the main model's."""
     from specgen.engine.proposers.draft_model import draft_quantization
 
     assert draft_quantization(real_model.model, "auto") == "wint8"
@@ -182,8 +195,8 @@ def test_draft_quantizes_to_8_bit_blocks_beside_a_block_quantized_main_model(tin
 
 def test_prompt_window_bounds_the_drafts_catch_up(tiny_model64, cut):
     """With a prompt window of 8 the draft reads each prompt's last 8 positions only (its own positions start
-    there): its cache holds those and the outputs, not the prompts; outputs equal plain decoding, with and without
-    chunked prefill and a shared prefix, greedy and sampled."""
+    there): its cache holds those and the outputs, not the prompts; outputs equal plain decoding, with and
+    without chunked prefill and a shared prefix, greedy and sampled."""
     import numpy as np
 
     from specgen.api import make_engine
@@ -193,13 +206,14 @@ def test_prompt_window_bounds_the_drafts_catch_up(tiny_model64, cut):
     rng = np.random.default_rng(5)
     prefix = rng.integers(3, 250, 70).tolist()
     prompts = [prefix + rng.integers(3, 250, n).tolist() for n in (2, 11, 30)] + [[5, 6, 7]]
-    reqs = [Request(str(i), i, tuple(p), SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.7 * (i % 2),
-                                                        seed=3)) for i, p in enumerate(prompts)]
+    reqs = [Request(str(i), i, tuple(p), SamplingParams(max_tokens=16, ignore_eos=True,
+                                                        temperature=0.7 * (i % 2), seed=3))
+            for i, p in enumerate(prompts)]
     plain = make_engine(tiny_model64, EngineConfig(batch_size=4, dtype="float64"), SpecConfig())
     ref = sorted((o.id, o.token_ids) for o in plain.run(reqs))
     for chunk, shared in ((0, "off"), (4, "auto")):
-        spec = SpecConfig(method=Method.DRAFT_MODEL, draft_model=str(cut), adaptive=False, num_speculative_tokens=3,
-                          draft=DraftConfig(prompt_window=8))
+        spec = SpecConfig(method=Method.DRAFT_MODEL, draft_model=str(cut), adaptive=False,
+                          num_speculative_tokens=3, draft=DraftConfig(prompt_window=8))
         eng = make_engine(tiny_model64, EngineConfig(batch_size=4, dtype="float64", prefill_chunk=chunk,
                                                      shared_prefix=shared, min_shared_prefix=64), spec)
         outs = list(eng.run(reqs))

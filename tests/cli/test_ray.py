@@ -26,7 +26,8 @@ def local_ray():
 
 def run(inp, out, *extra):
     summary = out.with_suffix(".summary.json")
-    res = invoke("run", inp, "-o", out, "--batch-size", "4", "--seed", "3", "--summary-json", summary, "-q", *extra)
+    res = invoke("run", inp, "-o", out, "--batch-size", "4", "--seed", "3", "--summary-json", summary, "-q",
+                 *extra)
     return res, json.loads(summary.read_text()) if summary.exists() else None
 
 
@@ -34,18 +35,22 @@ def test_ray_job_writes_the_local_records_and_resumes(tmp_path, local_ray):
     inp = write_parquet(tmp_path / "in.parquet", RECORDS)
     res, local = run(inp, tmp_path / "local.parquet")
     assert res.exit_code == 8, res.output
-    res, remote = run(inp, tmp_path / "ray.parquet", "--ray", "auto", "--data-parallel-size", "2", "--threads", "1")
+    res, remote = run(inp, tmp_path / "ray.parquet", "--ray", "auto", "--data-parallel-size", "2",
+                      "--threads", "1")
     assert res.exit_code == 8, res.output
     assert pq.read_schema(tmp_path / "ray.parquet").remove_metadata() == arrow_schema()
     want, got = by_id(read_output(tmp_path / "local.parquet")), read_output(tmp_path / "ray.parquet")
-    assert [r["id"] for r in got] == [r["id"] for r in RECORDS]  # input order (a local run's: completion order)
+    # input order (a local run's: completion order)
+    assert [r["id"] for r in got] == [r["id"] for r in RECORDS]
     assert {r["id"]: r for r in got} == want  # every field
     assert want["r7"]["error"].startswith("row 8: need exactly one of prompt, messages, input_ids")
-    for key in ("num_requests", "num_errors", "num_prompt_tokens", "num_output_tokens", "num_steps", "methods"):
+    for key in ("num_requests", "num_errors", "num_prompt_tokens", "num_output_tokens", "num_steps",
+                "methods"):
         assert remote[key] == local[key], key
 
     # Resume by id: an output holding the first half, completed on Ray; every id once.
-    half = write_jsonl(tmp_path / "half.jsonl", [{k: v for k, v in r.items() if v is not None} for r in RECORDS[:15]])
+    half = write_jsonl(tmp_path / "half.jsonl",
+                       [{k: v for k, v in r.items() if v is not None} for r in RECORDS[:15]])
     out = tmp_path / "resumed.jsonl"
     res, _ = run(half, out)
     assert res.exit_code == 8, res.output

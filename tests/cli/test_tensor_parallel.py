@@ -1,7 +1,7 @@
-"""--tensor-parallel-size: a model sharded over 2 or 3 ranks writes the one-engine run's tokens (fp64, greedy and
-sampled, every method, with a shared prefix and chunked prefill); the shard plan replicates or pads KV heads where
-the ranks do not divide them; the greedy token over vocabulary shards is argmax's; a killed rank fails the job
-(exit 4) and --resume completes it; what TP does not run is refused before any rank starts."""
+"""--tensor-parallel-size: a model sharded over 2 or 3 ranks writes the one-engine run's tokens (fp64, greedy
+and sampled, every method, with a shared prefix and chunked prefill); the shard plan replicates or pads KV
+heads where the ranks do not divide them; the greedy token over vocabulary shards is argmax's; a killed rank
+fails the job (exit 4) and --resume completes it; what TP does not run is refused before any rank starts."""
 from __future__ import annotations
 
 import functools
@@ -22,8 +22,9 @@ from specgen.distributed.tensor_parallel import ShardCache, best_of_ranks
 from specgen.distributed.tp_shard import PAD_HEAD, local_heads, plan_shard
 from specgen.models import load_checkpoint
 
-# Half the records sample (their own temperature), half are greedy. The first batch's prompts share a long prefix
-# (computed once into its own cache: cascade attention, Engine.share_prefix); prompts are prefilled 16 tokens a step.
+# Half the records sample (their own temperature), half are greedy. The first batch's prompts share a long
+# prefix (computed once into its own cache: cascade attention, Engine.share_prefix); prompts are prefilled 16
+# tokens a step.
 PREFIX = "You are a careful assistant. Answer briefly and exactly, in one line, without a preamble. "
 RECORDS = [{"id": f"r{i}", "prompt": (PREFIX if i < 3 else "") + f"request {i}: " + "abc " * (i % 5),
             "max_tokens": 6 + i % 7, **({"temperature": 0.9} if i % 2 else {})} for i in range(10)]
@@ -63,8 +64,8 @@ def test_greedy_token_over_vocabulary_shards():
 
 
 def test_rank0_cache_changes_reach_the_other_ranks():
-    """What the engine does to rank 0's cache outside a forward (clear a slot, move a tree's accepted rows) is sent
-    as a call the other ranks replay on theirs: both caches end the same."""
+    """What the engine does to rank 0's cache outside a forward (clear a slot, move a tree's accepted rows) is
+    sent as a call the other ranks replay on theirs: both caches end the same."""
     calls = []
     caches = [ShardCache(7, (lambda *call: calls.append(call)) if r == 0 else None, 1, 2, 1, 4, "float64", 8)
               for r in range(2)]
@@ -82,8 +83,8 @@ def test_rank0_cache_changes_reach_the_other_ranks():
 def run_records(out: Path, *extra: str, arch: str = "llama") -> dict[str, dict]:
     inp = write_jsonl(out.with_suffix(".in.jsonl"), RECORDS)
     summary = out.with_suffix(".summary.json")
-    res = invoke("run", inp, "-o", out, "--model", TINY / arch, "--dtype", "float64", "--batch-size", "3", "--seed",
-                 "5", "--prefill-chunk", "16", "--summary-json", summary, "-q", *extra, model=False)
+    res = invoke("run", inp, "-o", out, "--model", TINY / arch, "--dtype", "float64", "--batch-size", "3",
+                 "--seed", "5", "--prefill-chunk", "16", "--summary-json", summary, "-q", *extra, model=False)
     assert res.exit_code == 0, res.output
     assert json.loads(summary.read_text())["num_cached_prompt_tokens"] > 0  # the shared prefix was used
     return by_id(read_output(out))
@@ -108,14 +109,15 @@ def assert_same_tokens(one: dict[str, dict], tp: dict[str, dict]) -> None:
 
 @pytest.mark.parametrize("arch, method, ranks", [
     ("llama", "none", 2), ("llama", "ngram", 2), ("llama", "mtp", 2), ("llama", "draft_model", 2),
-    # token-tree heads: rank 0 drafts beside a full copy of the model (Medusa's and Hydra's shared LM head, EAGLE's)
+    # token-tree heads: rank 0 drafts beside a full copy of the model (Medusa's and Hydra's shared LM head,
+    # EAGLE's)
     ("llama", "medusa", 2), ("llama", "hydra", 2), ("llama", "eagle", 2),
     # 4 heads, 2 KV heads, 300 tokens over 3 ranks: heads 2 / 1 / 1, each KV head on the ranks of its group;
     # qwen2's q/k/v biases go with their columns
     ("qwen2", "ngram", 3)])
 def test_ranks_write_the_one_engine_tokens(tmp_path, drafters, one_engine, arch, method, ranks):  # noqa: F811
-    tp = run_records(tmp_path / "tp.jsonl", *drafters[method], "--tensor-parallel-size", str(ranks), "--threads", "2",
-                     arch=arch)
+    tp = run_records(tmp_path / "tp.jsonl", *drafters[method], "--tensor-parallel-size", str(ranks),
+                     "--threads", "2", arch=arch)
     assert_same_tokens(one_engine(arch, method), tp)
 
 
@@ -128,7 +130,8 @@ def test_ranks_write_the_one_engine_tokens(tmp_path, drafters, one_engine, arch,
 def test_refused_before_any_rank_starts(tmp_path, extra, fragment):
     inp = write_jsonl(tmp_path / "in.jsonl", RECORDS[:1])
     model = [] if "--model" in extra else ["--model", TINY / "llama"]
-    res = invoke("run", inp, "-o", tmp_path / "out.jsonl", "--tensor-parallel-size", "2", *model, *extra, model=False)
+    res = invoke("run", inp, "-o", tmp_path / "out.jsonl", "--tensor-parallel-size", "2", *model, *extra,
+                 model=False)
     assert res.exit_code == 2, res.output
     assert fragment in res.output
 
@@ -136,8 +139,8 @@ def test_refused_before_any_rank_starts(tmp_path, extra, fragment):
 def test_killed_rank_fails_the_job_and_resume_completes_it(tmp_path):
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"q{i}", "prompt": f"prompt {i}: " + "lorem " * (i % 6)}
                                                for i in range(40)])
-    res = invoke("run", inp, "-o", tmp_path / "ref.jsonl", "--max-tokens", "16", "--batch-size", "4", "--ignore-eos",
-                 "-q")
+    res = invoke("run", inp, "-o", tmp_path / "ref.jsonl", "--max-tokens", "16", "--batch-size", "4",
+                 "--ignore-eos", "-q")
     assert res.exit_code == 0, res.output
     reference = by_id(read_output(tmp_path / "ref.jsonl"))
     out = tmp_path / "out.jsonl"
@@ -148,7 +151,8 @@ def test_killed_rank_fails_the_job_and_resume_completes_it(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 4, err
     line = err.strip().splitlines()[-1]
-    assert line.startswith("error: tensor-parallel rank ") and f"(pid {victim}) was killed by SIGKILL" in line, err
+    assert (line.startswith("error: tensor-parallel rank ")
+            and f"(pid {victim}) was killed by SIGKILL" in line), err
     written = len(read_output(out))
     assert 0 < written < len(reference)
     assert line.endswith("--resume")
@@ -170,8 +174,8 @@ def test_default_model_two_ranks_padded_groups(tmp_path):
         for i, p in enumerate(["The capital of France is", "def fib(n):", "Once upon a time"])])
     runs = {}
     for name, extra in (("one", []), ("tp", ["--tensor-parallel-size", "2", "--threads", "2"])):
-        res = invoke("run", inp, "-o", tmp_path / f"{name}.jsonl", "--dtype", "float64", "--seed", "3", "--method",
-                     "ngram", "-q", *extra, model=False)
+        res = invoke("run", inp, "-o", tmp_path / f"{name}.jsonl", "--dtype", "float64", "--seed", "3",
+                     "--method", "ngram", "-q", *extra, model=False)
         assert res.exit_code == 0, res.output
         runs[name] = by_id(read_output(tmp_path / f"{name}.jsonl"))
     assert_same_tokens(runs["one"], runs["tp"])

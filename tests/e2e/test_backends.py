@@ -1,13 +1,13 @@
-"""The two backends compute the same model: the fused CPU kernels and the Paddle reference (the path a GPU user
-runs), on every tiny architecture. In float64 every method, batch size and prompt layout gives plain decoding's
-tokens on both, and the two give each other's tokens; their logits agree to float64 rounding."""
+"""The two backends compute the same model: the fused CPU kernels and the Paddle reference (the path a GPU
+user runs), on every tiny architecture. In float64 every method, batch size and prompt layout gives plain
+decoding's tokens on both, and the two give each other's tokens; their logits agree to float64 rounding."""
 import numpy as np
 import pytest
-
 from conftest import TINY, TINY_ARCHS
+
 from specgen import EngineConfig, MtpConfig, SamplingParams, SpecConfig, generate, load_model
 from specgen.engine.proposers.mtp_head import random_mtp_weights, save_mtp
-from specgen.engine.types import build_forward_batch
+from specgen.runtime.batch import build_forward_batch
 
 BACKENDS = ("fused", "reference")
 
@@ -35,12 +35,13 @@ def test_every_method_gives_plain_tokens_on_both_backends(pair, mode, tmp_path):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 250, int(n)).tolist() for n in rng.integers(2, 40, 9)]
     prompts += [p[:12] + p for p in prompts[:3]]  # text that repeats: n-gram and MTP copies find drafts
-    sp = [SamplingParams(max_tokens=6 + i % 9, temperature=0.8 if mode == "sampled" else 0.0, top_p=0.9, seed=i,
-                         ignore_eos=True) for i in range(len(prompts))]
+    sp = [SamplingParams(max_tokens=6 + i % 9, temperature=0.8 if mode == "sampled" else 0.0, top_p=0.9,
+                         seed=i, ignore_eos=True) for i in range(len(prompts))]
     cfg = next(iter(pair.values())).config
     save_mtp(tmp_path, random_mtp_weights(cfg, seed=2, std=0.3))
     methods = [SpecConfig(), SpecConfig(method="ngram", num_speculative_tokens=3, adaptive=False),
-               SpecConfig(method="mtp", num_speculative_tokens=2, adaptive=False, mtp=MtpConfig(model=str(tmp_path)))]
+               SpecConfig(method="mtp", num_speculative_tokens=2, adaptive=False,
+                          mtp=MtpConfig(model=str(tmp_path)))]
     runs = {}
     for backend, lm in pair.items():
         for spec in methods:
@@ -72,8 +73,9 @@ def test_mtp_drafts_agree_between_backends(pair, tmp_path):
         got = []
         for seq in seqs:
             n = len(seq) - 1
-            hidden = m.forward(build_forward_batch(np.array([0]), np.array([0]), np.array([n]), np.array(seq[:-1]),
-                                                   np.array([True])), m.new_cache(1, 64)).hidden
+            hidden = m.forward(build_forward_batch(np.array([0]), np.array([0]), np.array([n]),
+                                                   np.array(seq[:-1]), np.array([True])),
+                               m.new_cache(1, 64)).hidden
             cache = m.backend.new_cache(m, 1, m.max_len, "auto", num_layers=1)
             got.append(runner.run(cache, MtpPass(
                 token_slots=np.zeros(n, np.int64), positions=np.arange(n), token_ids=np.array(seq[1:]),

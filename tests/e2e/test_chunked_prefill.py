@@ -1,19 +1,19 @@
-"""Chunked prefill and the shared prefix change nothing: outputs with prompts cut into 16/64/512-token chunks, and
-with a 500-token prefix computed once (cascade attention), equal whole-prompt prefill, with plain decoding,
-n-gram and MTP drafting (float64), on both backends; chunks and reused prefix tokens are counted, and memory
-shrinks."""
+"""Chunked prefill and the shared prefix change nothing: outputs with prompts cut into 16/64/512-token chunks,
+and with a 500-token prefix computed once (cascade attention), equal whole-prompt prefill, with plain
+decoding, n-gram and MTP drafting (float64), on both backends; chunks and reused prefix tokens are counted,
+and memory shrinks."""
 import numpy as np
 import pytest
-
 from conftest import TINY
+
 from specgen import EngineConfig, MtpConfig, SamplingParams, SpecConfig, generate, load_model
 from specgen.engine.proposers.mtp_head import random_mtp_weights, save_mtp
 
 
 @pytest.fixture(scope="module", params=["fused", "reference"])
 def tiny64(tmp_path_factory, request):
-    """The tiny Qwen2 checkpoint with its context raised to 2048 positions (room for a 500-token prefix), on each
-    backend."""
+    """The tiny Qwen2 checkpoint with its context raised to 2048 positions (room for a 500-token prefix), on
+    each backend."""
     import json
     import shutil
 
@@ -42,7 +42,8 @@ VARIANTS = [("off", 16), ("off", 64), ("off", 512), ("auto", 0), ("auto", 16), (
 
 
 @pytest.mark.parametrize("method", ["none", "ngram", "mtp", "draft_model"])
-def test_chunked_prefill_and_shared_prefix_are_token_identical(tiny64, shared_prefix_prompts, method, tmp_path):
+def test_chunked_prefill_and_shared_prefix_are_token_identical(tiny64, shared_prefix_prompts, method,
+                                                               tmp_path):
     spec = SpecConfig()
     if method == "draft_model":  # a 1-layer cut of the model (its drafts often right, often not)
         from specgen.models import load_checkpoint
@@ -83,7 +84,8 @@ def test_shared_prefix_saves_cache_memory(tiny64, shared_prefix_prompts):
     from specgen.engine.types import Request
 
     def run(shared):
-        eng = make_engine(tiny64, EngineConfig(batch_size=32, dtype="float64", shared_prefix=shared), SpecConfig())
+        eng = make_engine(tiny64, EngineConfig(batch_size=32, dtype="float64", shared_prefix=shared),
+                          SpecConfig())
         reqs = [Request(str(i), i, tuple(p), SamplingParams(max_tokens=8, ignore_eos=True))
                 for i, p in enumerate(shared_prefix_prompts)]
         outs = list(eng.run(reqs))
@@ -115,7 +117,8 @@ def test_no_sharing_below_the_minimum_or_for_prompts_without_the_prefix(tiny64):
 
 
 def test_step_budget_limits_prefill_tokens(tiny64):
-    """With chunking, a step feeds at most max_prefill_tokens prompt tokens (but always at least one chunk)."""
+    """With chunking, a step feeds at most max_prefill_tokens prompt tokens (but always at least
+    one chunk)."""
     from specgen.engine.engine import Engine
     from specgen.engine.types import Request
 
@@ -134,8 +137,8 @@ def test_step_budget_limits_prefill_tokens(tiny64):
 def test_mtp_drafts_are_the_same_with_chunks_and_a_shared_prefix(tiny64, shared_prefix_prompts, tmp_path,
                                                                  monkeypatch):
     """The head's window (a prompt's last 128 positions here) holds the same entries whether the prompt was
-    prefilled whole, in chunks, or read from the shared prefix: every draft offered for the same text is the same
-    (every draft verified, so that each variant drafts at the same points)."""
+    prefilled whole, in chunks, or read from the shared prefix: every draft offered for the same text is the
+    same (every draft verified, so that each variant drafts at the same points)."""
     from specgen.engine.proposers.mtp import MtpProposer
 
     drafts: dict[tuple, tuple] = {}
@@ -144,17 +147,21 @@ def test_mtp_drafts_are_the_same_with_chunks_and_a_shared_prefix(tiny64, shared_
     def logged(self, view):
         d = propose(self, view)
         for i, s in enumerate(view.slots):
-            drafts[tuple(view.tokens[s, : view.seq_lens[i]].tolist())] = tuple(d.draft_ids[i, : d.num_draft[i]])
+            drafts[tuple(view.tokens[s, : view.seq_lens[i]].tolist())] = tuple(
+                d.draft_ids[i, : d.num_draft[i]])
         return d
 
     monkeypatch.setattr(MtpProposer, "propose", logged)
-    save_mtp(tmp_path, random_mtp_weights(tiny64.config, seed=3, std=0.3), extra={"specgen_training": {"seq_len": 64}})
-    spec = SpecConfig(method="mtp", num_speculative_tokens=2, adaptive=False, mtp=MtpConfig(model=str(tmp_path), copy=0))
+    save_mtp(tmp_path, random_mtp_weights(tiny64.config, seed=3, std=0.3),
+             extra={"specgen_training": {"seq_len": 64}})
+    spec = SpecConfig(method="mtp", num_speculative_tokens=2, adaptive=False,
+                      mtp=MtpConfig(model=str(tmp_path), copy=0))
     prompts = shared_prefix_prompts[:16]
     logs = []
     for shared, chunk in [("off", 0), ("auto", 0), ("auto", 16), ("off", 64)]:
         drafts.clear()
-        generate(prompts, model=tiny64, sampling=SamplingParams(max_tokens=12, ignore_eos=True), speculative=spec,
+        generate(prompts, model=tiny64, sampling=SamplingParams(max_tokens=12, ignore_eos=True),
+                 speculative=spec,
                  engine=EngineConfig(batch_size=8, dtype="float64", shared_prefix=shared, prefill_chunk=chunk,
                                      max_prefill_tokens=700))
         logs.append(dict(drafts))
@@ -171,8 +178,9 @@ def test_slots_with_and_without_the_shared_prefix_decode_together(tiny64):
     prompts = [prefix + rng.integers(3, 250, 8).tolist(), prefix + rng.integers(3, 250, 5).tolist(),
                rng.integers(3, 250, 140).tolist()]
     sp = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (120, 2, 60)]
-    runs = [generate(prompts, model=tiny64, sampling=sp, engine=EngineConfig(batch_size=2, dtype="float64",
-                                                                          shared_prefix=shared, min_shared_prefix=64))
+    runs = [generate(prompts, model=tiny64, sampling=sp,
+                     engine=EngineConfig(batch_size=2, dtype="float64", shared_prefix=shared,
+                                         min_shared_prefix=64))
             for shared in ("auto", "off")]
     assert [o.stats.num_cached_prompt_tokens for o in runs[0]] == [200, 200, 0]
     assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]

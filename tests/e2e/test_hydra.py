@@ -1,7 +1,7 @@
-"""Hydra heads (issue 44) and trained Medusa / Hydra heads: the public Hydra layout loads (a wrong one is refused),
-the tree is built head by head as a per-node reference computes it, and random and trained heads give plain
-decoding's tokens (float64, greedy and sampled, batch 1 / 7 / 32, chunked prefill and a shared prefix on and off,
-both backends)."""
+"""Hydra heads (issue 44) and trained Medusa / Hydra heads: the public Hydra layout loads (a wrong one is
+refused), the tree is built head by head as a per-node reference computes it, and random and trained heads
+give plain decoding's tokens (float64, greedy and sampled, batch 1 / 7 / 32, chunked prefill and a shared
+prefix on and off, both backends)."""
 import json
 
 import numpy as np
@@ -20,7 +20,8 @@ from specgen.errors import CheckpointError
 
 def write_prompts(path, n):
     rng = np.random.default_rng(0)
-    path.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": [int(x) for x in rng.integers(3, 290, 3 + i % 9)]})
+    path.write_text("".join(json.dumps({"id": f"p{i}",
+                                        "input_ids": [int(x) for x in rng.integers(3, 290, 3 + i % 9)]})
                             + "\n" for i in range(n)))
     return path
 
@@ -33,7 +34,8 @@ def test_load_checks_the_layout(tiny_model64, tmp_path):
     save_hydra(tmp_path / "ok", *random_hydra(cfg, 3, 0, layers=2))
     heads = load_hydra(tmp_path / "ok", cfg.hidden_size, cfg.vocab_size, "float64")
     assert heads.num_heads == 3 and len(heads.blocks[2]) == 2 and heads.lm_heads is None
-    assert heads.blocks[2][0].w.shape == [4 * cfg.hidden_size, cfg.hidden_size] and heads.blocks[2][1].rw is None
+    assert (heads.blocks[2][0].w.shape == [4 * cfg.hidden_size, cfg.hidden_size]
+            and heads.blocks[2][1].rw is None)
     with pytest.raises(CheckpointError, match="no readable Hydra config"):
         load_hydra(tmp_path, cfg.hidden_size, cfg.vocab_size, "float64")
     blocks, _ = random_hydra(cfg, 2, 0)
@@ -48,8 +50,8 @@ def test_load_checks_the_layout(tiny_model64, tmp_path):
 
 
 def test_tree_is_built_head_by_head(tiny_model64):
-    """Each node's token is head d's top-r guess from [hidden; emb(root); emb(drafts on its path)], as a per-node
-    loop computes it; 8 slots' trees in one call."""
+    """Each node's token is head d's top-r guess from [hidden; emb(root); emb(drafts on its path)], as a
+    per-node loop computes it; 8 slots' trees in one call."""
     m = tiny_model64.model
     cfg = m.config
     lm = m.weights.lm_head.dense().numpy().T
@@ -120,15 +122,17 @@ def test_random_hydra_equals_plain(backend, tmp_path):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Medusa and Hydra heads trained by `specgen train-head` on one shared data cache (a few steps, tiny model)."""
+    """Medusa and Hydra heads trained by `specgen train-head` on one shared data cache (a few steps,
+    tiny model)."""
     from specgen.cli import app
 
     d = tmp_path_factory.mktemp("heads")
     prompts = write_prompts(d / "p.jsonl", n=10)
     for kind in ("medusa", "hydra"):
         r = CliRunner().invoke(app, ["train-head", "--kind", kind, "--model", str(TINY / "llama"), "--data",
-                                     str(prompts), "-o", str(d / kind), "--data-dir", str(d / "data"), "--steps", "8",
-                                     "--batch-size", "4", "--seq-len", "16", "--gen-max-tokens", "16", "--heads", "3",
+                                     str(prompts), "-o", str(d / kind), "--data-dir", str(d / "data"),
+                                     "--steps", "8", "--batch-size", "4", "--seq-len", "16",
+                                     "--gen-max-tokens", "16", "--heads", "3",
                                      "--eval-every", "4", "--lr", "3e-3", "--threads", "1"])
         assert r.exit_code == 0, r.output
         assert f"--method {kind} --draft-model" in r.output
@@ -178,7 +182,8 @@ def test_training_resumes_exactly(trained, tmp_path):
 
 
 def test_method_alone_finds_the_shipped_heads(tiny_model64, monkeypatch, trained):
-    """Without --draft-model the default model gets the package's heads; any other model an error naming it."""
+    """Without --draft-model the default model gets the package's heads; any other model an error
+    naming it."""
     from specgen.engine.proposers import medusa
     from specgen.models.default_model import DEFAULT_GGUF
 
@@ -196,8 +201,8 @@ def test_method_alone_finds_the_shipped_heads(tiny_model64, monkeypatch, trained
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
 def test_shipped_heads_run_alone_on_the_default_model(kind, real_model):
-    """`--method medusa` / `--method hydra` alone: the package's trained heads draft for the default model, and the
-    output is plain decoding's."""
+    """`--method medusa` / `--method hydra` alone: the package's trained heads draft for the default model,
+    and the output is plain decoding's."""
     from specgen.engine.proposers.medusa import shipped_heads
 
     path = shipped_heads(kind, str(real_model.model.source))
@@ -206,7 +211,8 @@ def test_shipped_heads_run_alone_on_the_default_model(kind, real_model):
                for q in ("What is 12 times 7? Explain step by step.", "Write a haiku about the sea.")]
     sp = SamplingParams(max_tokens=24)
     plain = generate(prompts, model=real_model, sampling=sp)
-    out = generate(prompts, model=real_model, sampling=sp, speculative=SpecConfig(method=kind, adaptive=False))
+    out = generate(prompts, model=real_model, sampling=sp,
+                   speculative=SpecConfig(method=kind, adaptive=False))
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
     steps = sum(o.stats.num_steps for o in out)
     assert sum(len(o.token_ids) for o in out) / steps > 1.2  # trained heads: drafts are accepted

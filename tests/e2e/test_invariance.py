@@ -11,8 +11,9 @@ def mixed_prompts(n, vocab, seed=0):
 
 
 def per_request_params(n, temperature):
-    return [SamplingParams(max_tokens=int(8 + i % 17), temperature=temperature, top_p=0.9 if temperature else 1.0,
-                           top_k=40 if i % 3 == 0 and temperature else 0, seed=100 + i, ignore_eos=i % 2 == 0)
+    return [SamplingParams(max_tokens=int(8 + i % 17), temperature=temperature,
+                           top_p=0.9 if temperature else 1.0, top_k=40 if i % 3 == 0 and temperature else 0,
+                           seed=100 + i, ignore_eos=i % 2 == 0)
             for i in range(n)]
 
 
@@ -20,7 +21,8 @@ def per_request_params(n, temperature):
 def test_tiny_model_float64_batch_and_slot_invariance(tiny_model64, temperature):
     prompts = mixed_prompts(64, 300)
     params = per_request_params(64, temperature)
-    runs = [generate(prompts, model=tiny_model64, sampling=params, engine=EngineConfig(batch_size=bs, dtype="float64"))
+    runs = [generate(prompts, model=tiny_model64, sampling=params,
+                     engine=EngineConfig(batch_size=bs, dtype="float64"))
             for bs in (64, 7, 1)]
     ref = [o.token_ids for o in runs[0]]
     assert all(len(r) >= 1 for r in ref)
@@ -44,7 +46,8 @@ def test_context_length_stops_with_length(tiny_model):
 
 
 def test_rejected_prompts_become_error_outputs(tiny_model):
-    outs = generate([[], [5] * 300, [5, 999], [5, 6]], model=tiny_model, sampling=SamplingParams(max_tokens=3))
+    outs = generate([[], [5] * 300, [5, 999], [5, 6]], model=tiny_model,
+                    sampling=SamplingParams(max_tokens=3))
     assert "empty prompt" in outs[0].error
     assert "context is 256" in outs[1].error
     assert "token id 999" in outs[2].error

@@ -1,6 +1,6 @@
 """Medusa heads (issue 44): the public layout loads (and a wrong one is refused), the tree template follows
-Medusa's choices, and trees from random heads give plain decoding's tokens on both backends (float64, greedy and
-sampled, batch 1 and 7, with the controller and without)."""
+Medusa's choices, and trees from random heads give plain decoding's tokens on both backends (float64, greedy
+and sampled, batch 1 and 7, with the controller and without)."""
 import dataclasses
 
 import numpy as np
@@ -47,13 +47,15 @@ def test_medusa_equals_plain(backend, tmp_path):
     for mode in ("greedy", "sampled"):
         sp = [SamplingParams(max_tokens=4 + i % 11, temperature=0.8 if mode == "sampled" else 0.0, seed=i)
               for i in range(len(prompts))]
-        plain = generate(prompts, model=model, sampling=sp, engine=EngineConfig(batch_size=7, dtype="float64"))
+        plain = generate(prompts, model=model, sampling=sp,
+                         engine=EngineConfig(batch_size=7, dtype="float64"))
         for batch, adaptive in ((1, False), (7, False), (7, True)):
             spec = SpecConfig(method="medusa", draft_model=str(tmp_path), adaptive=adaptive,
                               medusa=MedusaConfig(topk=2, tree_choices=("0,0,0", "1", "0,1", "1,0")))
             picked = range(0, len(prompts), 3) if batch == 1 else range(len(prompts))
             out = generate([prompts[i] for i in picked], model=model, sampling=[sp[i] for i in picked],
-                           ids=list(picked), engine=EngineConfig(batch_size=batch, dtype="float64"), speculative=spec)
+                           ids=list(picked), engine=EngineConfig(batch_size=batch, dtype="float64"),
+                           speculative=spec)
             assert [o.token_ids for o in out] == [plain[i].token_ids for i in picked], (mode, batch, adaptive)
             if not adaptive:
                 assert sum(o.stats.num_draft_tokens for o in out) > 0
@@ -61,9 +63,9 @@ def test_medusa_equals_plain(backend, tmp_path):
 
 @pytest.mark.parametrize("method", ["medusa", "hydra"])
 def test_detached_slots_stop_drafting(method, tmp_path, monkeypatch):
-    """A slot the controller detached (its drafts stopped paying for the heads' time) gets no more head passes:
-    with every slot detached from the start the heads draft no row (without a controller, one a step), and the
-    tokens stay plain decoding's."""
+    """A slot the controller detached (its drafts stopped paying for the heads' time) gets no more head
+    passes: with every slot detached from the start the heads draft no row (without a controller, one a step),
+    and the tokens stay plain decoding's."""
     from specgen.engine.adaptive import Controller
     from specgen.engine.proposers.hydra import HydraProposer, save_hydra
     from specgen.engine.proposers.medusa import MedusaProposer
@@ -75,7 +77,8 @@ def test_detached_slots_stop_drafting(method, tmp_path, monkeypatch):
         save_hydra(tmp_path, *random_hydra(model.config, 3, 5))
     kind = MedusaProposer if method == "medusa" else HydraProposer
     draft, rows = kind.draft, []
-    monkeypatch.setattr(kind, "draft", lambda self, x0, root: rows.append(x0.shape[0]) or draft(self, x0, root))
+    monkeypatch.setattr(kind, "draft",
+                        lambda self, x0, root: rows.append(x0.shape[0]) or draft(self, x0, root))
     sp = SamplingParams(max_tokens=60, ignore_eos=True)
     prompt = [[5, 17, 33, 8, 91, 12, 40]]
     spec = SpecConfig(method=method, draft_model=str(tmp_path))

@@ -1,7 +1,8 @@
-"""Mixture-of-experts models (qwen3_moe, ernie4_5_moe): the router's math, a row's bits independent of its batch
-on the fused kernels, tokens per expert counted alike on both backends, and every speculative method giving plain
-decoding's tokens (greedy and sampled, batch 1 / 7 / 32, float64). Parity with transformers and the two backends'
-agreement run in tests/unit/test_parity.py and tests/e2e/test_backends.py (both cover the MoE fixtures)."""
+"""Mixture-of-experts models (qwen3_moe, ernie4_5_moe): the router's math, a row's bits independent of its
+batch on the fused kernels, tokens per expert counted alike on both backends, and every speculative method
+giving plain decoding's tokens (greedy and sampled, batch 1 / 7 / 32, float64). Parity with transformers and
+the two backends' agreement run in tests/unit/test_parity.py and tests/e2e/test_backends.py (both cover the
+MoE fixtures)."""
 import numpy as np
 import paddle
 import pytest
@@ -13,9 +14,9 @@ from specgen.engine.proposers.eagle import save_eagle
 from specgen.engine.proposers.hydra import save_hydra
 from specgen.engine.proposers.medusa import save_medusa
 from specgen.engine.proposers.mtp_head import random_mtp_weights, save_mtp
-from specgen.engine.types import build_forward_batch
 from specgen.layers.linear import Linear
 from specgen.layers.moe import MoeExperts, route
+from specgen.runtime.batch import build_forward_batch
 
 MOE_ARCHS = ["qwen3_moe", "ernie4_5_moe"]
 
@@ -25,8 +26,8 @@ def test_router_picks_by_biased_score_and_weights_by_probability(norm):
     """The top-k by softmax + selection bias, weighted by the plain softmax, renormalised only with norm."""
     rng = np.random.default_rng(0)
     h, w, bias = rng.standard_normal((6, 8)), rng.standard_normal((8, 5)), rng.standard_normal(5) * 0.3
-    m = MoeExperts(router=Linear(paddle.to_tensor(w)), experts=[], num_experts=5, top_k=2, norm_topk_prob=norm,
-                   norm_min=1e-12, selection_bias=paddle.to_tensor(bias))
+    m = MoeExperts(router=Linear(paddle.to_tensor(w)), experts=[], num_experts=5, top_k=2,
+                   norm_topk_prob=norm, norm_min=1e-12, selection_bias=paddle.to_tensor(bias))
     ids, weights = route(paddle.to_tensor(h), m)
     logits = h @ w
     probs = np.exp(logits - logits.max(1, keepdims=True))
@@ -41,8 +42,8 @@ def test_router_picks_by_biased_score_and_weights_by_probability(norm):
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_a_rows_bits_do_not_depend_on_its_batch(arch):
-    """float32, fused: each slot's verify block computed alone, and in one batch with the others (in another slot
-    order): identical logits, bit for bit, though the experts then multiply different sets of tokens."""
+    """float32, fused: each slot's verify block computed alone, and in one batch with the others (in another
+    slot order): identical logits, bit for bit, though the experts then multiply different sets of tokens."""
     m = load_model(TINY / arch, dtype="float32", backend="fused").model
     rng = np.random.default_rng(3)
     prompt_lens, block_lens = np.array([9, 14, 5, 20, 7, 11, 3]), np.array([1, 6, 3, 4, 1, 2, 5])
@@ -52,7 +53,8 @@ def test_a_rows_bits_do_not_depend_on_its_batch(arch):
 
     def verify(slots, order):
         cache = m.new_cache(7, 64)
-        m.forward(build_forward_batch(slots, np.zeros(7, np.int64), prompt_lens, prompts, np.zeros(7, bool)), cache)
+        m.forward(build_forward_batch(slots, np.zeros(7, np.int64), prompt_lens, prompts, np.zeros(7, bool)),
+                  cache)
         toks = np.concatenate([blocks[cu[i]:cu[i + 1]] for i in order])
         out = m.forward(build_forward_batch(slots[order], prompt_lens[order], block_lens[order], toks,
                                             np.ones(len(order), bool)), cache).logits.numpy()
@@ -62,8 +64,8 @@ def test_a_rows_bits_do_not_depend_on_its_batch(arch):
     together = verify(np.arange(7), np.arange(7))
     shuffled = verify(np.array([3, 6, 0, 5, 1, 4, 2]), np.array([4, 0, 6, 2, 5, 1, 3]))
     for i in range(7):
-        alone = build_forward_batch(np.array([0]), np.array([0]), prompt_lens[i:i + 1], prompts[pcu[i]:pcu[i + 1]],
-                                    np.array([False]))
+        alone = build_forward_batch(np.array([0]), np.array([0]), prompt_lens[i:i + 1],
+                                    prompts[pcu[i]:pcu[i + 1]], np.array([False]))
         cache = m.new_cache(1, 64)
         m.forward(alone, cache)
         one = m.forward(build_forward_batch(np.array([0]), prompt_lens[i:i + 1], block_lens[i:i + 1],
@@ -87,8 +89,9 @@ def test_expert_counts_agree_between_backends():
 
 
 def test_wint8_quantizes_every_expert_and_the_backends_agree():
-    """--quantization wint8 puts each expert (and the shared experts) in Q8_0 blocks, not the router; the fused
-    backend multiplies the blocks, the reference their dequantized values: the same logits up to float32 rounding."""
+    """--quantization wint8 puts each expert (and the shared experts) in Q8_0 blocks, not the router; the
+    fused backend multiplies the blocks, the reference their dequantized values: the same logits up to float32
+    rounding."""
     rng = np.random.default_rng(6)
     lens = np.array([9, 3])
     batch = build_forward_batch(np.arange(2), np.zeros(2, np.int64), lens, rng.integers(3, 297, lens.sum()),
@@ -99,13 +102,15 @@ def test_wint8_quantizes_every_expert_and_the_backends_agree():
         logits[backend] = m.forward(batch, m.new_cache(2, 64)).logits.numpy()
         if backend == "fused":
             moe = m.weights.blocks[1].moe
-            assert moe.experts[5].down.blocks.kind == "Q8_0" and m.weights.blocks[1].gate_up.blocks.kind == "Q8_0"
+            assert (moe.experts[5].down.blocks.kind == "Q8_0"
+                    and m.weights.blocks[1].gate_up.blocks.kind == "Q8_0")
             assert moe.router.blocks is None
     assert np.abs(logits["fused"] - logits["reference"]).max() < 1e-4
 
 
 def test_summary_of_expert_load():
-    """Tokens per expert summed over the routed blocks; the load: busiest / mean expert per block, averaged."""
+    """Tokens per expert summed over the routed blocks; the load: busiest / mean expert per block,
+    averaged."""
     from specgen.io.summary import SummaryAccumulator
 
     s = SummaryAccumulator().summary(1.0, expert_tokens=np.array([[3, 1, 2, 2], [0, 4, 4, 0]]))
@@ -121,7 +126,8 @@ def main64():
 
 SAMPLING = {
     "greedy": lambda i: SamplingParams(max_tokens=5 + i % 11, ignore_eos=True),
-    "sampled": lambda i: SamplingParams(max_tokens=5 + i % 11, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True),
+    "sampled": lambda i: SamplingParams(max_tokens=5 + i % 11, temperature=0.8, top_p=0.9, seed=i,
+                                        ignore_eos=True),
 }
 
 
@@ -136,14 +142,17 @@ def test_every_method_gives_plain_tokens_at_every_batch_size(main64, mode, tmp_p
     save_mtp(tmp_path, random_mtp_weights(main64.config, seed=3, std=0.3))
     methods = {
         "ngram": SpecConfig(method="ngram", num_speculative_tokens=3, adaptive=False),
-        "mtp": SpecConfig(method="mtp", num_speculative_tokens=2, adaptive=False, mtp=MtpConfig(model=str(tmp_path))),
+        "mtp": SpecConfig(method="mtp", num_speculative_tokens=2, adaptive=False,
+                          mtp=MtpConfig(model=str(tmp_path))),
         "draft_model": SpecConfig(method="draft_model", num_speculative_tokens=3, adaptive=False,
                                   draft_model=str(TINY / "qwen3_moe")),
         # token trees: each node routed on its own inside the verify block
-        **{m: SpecConfig(method=m, adaptive=False, draft_model=str(tmp_path / m)) for m in ("medusa", "hydra", "eagle")},
+        **{m: SpecConfig(method=m, adaptive=False, draft_model=str(tmp_path / m))
+           for m in ("medusa", "hydra", "eagle")},
     }
     cfg = main64.config
-    save_medusa(tmp_path / "medusa", *random_medusa(cfg, 3, 1, main64.model.weights.lm_head.dense().numpy().T))
+    save_medusa(tmp_path / "medusa",
+                *random_medusa(cfg, 3, 1, main64.model.weights.lm_head.dense().numpy().T))
     save_hydra(tmp_path / "hydra", *random_hydra(cfg, 3, 1))
     save_eagle(tmp_path / "eagle", random_eagle(cfg, 1), cfg)
     ids = [str(i) for i in range(len(prompts))]  # a sampled token's random number depends on its request's id
@@ -153,6 +162,7 @@ def test_every_method_gives_plain_tokens_at_every_batch_size(main64, mode, tmp_p
         for bs in (1, 7, 32):
             picked = range(0, len(prompts), 5 if bs == 1 else 1)  # one slot runs them one after another
             outs = generate([prompts[i] for i in picked], model=main64, sampling=[sp[i] for i in picked],
-                            ids=[ids[i] for i in picked], engine=EngineConfig(batch_size=bs, dtype="float64"), speculative=spec)
+                            ids=[ids[i] for i in picked], engine=EngineConfig(batch_size=bs, dtype="float64"),
+                            speculative=spec)
             assert [o.token_ids for o in outs] == [plain[i] for i in picked], (name, bs)
             assert sum(o.stats.num_draft_tokens for o in outs) > 0, (name, bs)

@@ -3,10 +3,10 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import FIXTURES
+
 from specgen import EngineConfig, SamplingParams, generate
-from specgen.engine.types import build_forward_batch
+from specgen.runtime.batch import build_forward_batch
 
 pytestmark = pytest.mark.realmodel
 
@@ -15,9 +15,10 @@ REF = json.loads((FIXTURES / "smollm2_greedy.json").read_text())
 
 def test_greedy_equals_transformers_and_knows_paris(real_model):
     items = REF["prompts"]
-    assert [list(real_model.tokenizer.encode_chat(it["messages"])) for it in items] == [it["prompt_ids"] for it in items]
-    outs = generate([it["messages"] for it in items], model=real_model, sampling=SamplingParams(max_tokens=32),
-                    engine=EngineConfig(batch_size=5))
+    assert ([list(real_model.tokenizer.encode_chat(it["messages"])) for it in items]
+            == [it["prompt_ids"] for it in items])
+    outs = generate([it["messages"] for it in items], model=real_model,
+                    sampling=SamplingParams(max_tokens=32), engine=EngineConfig(batch_size=5))
     for it, out in zip(items, outs):
         assert out.token_ids == it["output_ids"]
     paris = [o for it, o in zip(items, outs) if "capital of France" in it["messages"][-1]["content"]][0]
@@ -36,8 +37,10 @@ def chat_prompts(real_model, spec_bench, n):
 
 def test_float64_batch_invariance(real_model64, spec_bench):
     prompts = chat_prompts(real_model64, spec_bench, 8)
-    params = [SamplingParams(max_tokens=12 + i, temperature=0.8 if i % 2 else 0.0, top_p=0.9, seed=i) for i in range(8)]
-    runs = [generate(prompts, model=real_model64, sampling=params, engine=EngineConfig(batch_size=bs, dtype="float64"))
+    params = [SamplingParams(max_tokens=12 + i, temperature=0.8 if i % 2 else 0.0, top_p=0.9, seed=i)
+              for i in range(8)]
+    runs = [generate(prompts, model=real_model64, sampling=params,
+                     engine=EngineConfig(batch_size=bs, dtype="float64"))
             for bs in (8, 3, 1)]
     for run in runs[1:]:
         assert [o.token_ids for o in run] == [o.token_ids for o in runs[0]]
@@ -45,7 +48,8 @@ def test_float64_batch_invariance(real_model64, spec_bench):
 
 def top2_gap(model, ids):
     """Probability gap between the two most likely next tokens after `ids`, from a one-sequence forward."""
-    batch = build_forward_batch(np.array([0]), np.array([0]), np.array([len(ids)]), np.array(ids), np.array([False]))
+    batch = build_forward_batch(np.array([0]), np.array([0]), np.array([len(ids)]), np.array(ids),
+                                np.array([False]))
     logits = model.model.forward(batch, model.model.new_cache(1, 2048)).logits.numpy()[0].astype(np.float64)
     p = np.exp(logits - logits.max())
     p /= p.sum()
@@ -75,7 +79,8 @@ def test_float32_packed_weights_are_exact_across_batching_and_speculation(real_m
     params = [SamplingParams(max_tokens=24 + i, temperature=0.8 if i % 2 else 0.0, top_p=0.9, seed=i)
               for i in range(16)]
     plain = generate(prompts, model=real_model, sampling=params, engine=EngineConfig(batch_size=16))
-    for bs, spec in [(1, SpecConfig(method="none")), (5, SpecConfig(method="ngram", num_speculative_tokens=5)),
+    for bs, spec in [(1, SpecConfig(method="none")),
+                     (5, SpecConfig(method="ngram", num_speculative_tokens=5)),
                      (16, SpecConfig(method="ngram", num_speculative_tokens=3)),
                      (7, SpecConfig(method="mtp", num_speculative_tokens=2))]:  # the shipped head
         run = generate(prompts, model=real_model, sampling=params, engine=EngineConfig(batch_size=bs),
@@ -84,9 +89,9 @@ def test_float32_packed_weights_are_exact_across_batching_and_speculation(real_m
 
 
 def test_greedy_steps_without_logits_give_the_same_tokens(real_model, spec_bench):
-    """Greedy steps skip the LM head's logits (the fused backend's screen: integer products screen the columns,
-    float32 decides among the few left): the tokens of whole greedy jobs, plain and speculative, are those of the
-    logits' argmax."""
+    """Greedy steps skip the LM head's logits (the fused backend's screen: integer products screen the
+    columns, float32 decides among the few left): the tokens of whole greedy jobs, plain and speculative, are
+    those of the logits' argmax."""
     m = real_model.model.backend
     if getattr(m, "screen", None) is None:
         pytest.skip("the greedy screen needs the fused kernels, a Q8_0 / Q4_0 LM head and AVX-512 VNNI")
@@ -111,12 +116,14 @@ def test_greedy_steps_without_logits_give_the_same_tokens(real_model, spec_bench
 
 def test_float16_kv_cache_is_exact_across_batching_and_speculation(real_model, spec_bench):
     """A half KV cache rounds keys and values once, where they are written; every later read widens them
-    exactly, so with packed weights (each row computed on its own) outputs still do not change with batch size or
-    with speculation, greedy or sampled. On MKL's products (no AVX2) keys and values differ by ~1e-7 between
-    shapes before they are rounded, and a rounding to half can turn that into a half's step, so there the
-    float16 cache keeps only the float32 guarantee of divergences at near-ties (tested above without it)."""
+    exactly, so with packed weights (each row computed on its own) outputs still do not change with batch size
+    or with speculation, greedy or sampled. On MKL's products (no AVX2) keys and values differ by ~1e-7
+    between shapes before they are rounded, and a rounding to half can turn that into a half's step, so there
+    the float16 cache keeps only the float32 guarantee of divergences at near-ties (tested above without
+    it)."""
     if real_model.model.backend.name != "fused":
-        pytest.skip("batch-exact float16 KV caches need packed weights (the fused kernels and AVX2 or AVX-512)")
+        pytest.skip("batch-exact float16 KV caches need packed weights (the fused kernels and AVX2 or "
+                    "AVX-512)")
     from specgen import SpecConfig
 
     prompts = chat_prompts(real_model, spec_bench, 12)
@@ -124,7 +131,8 @@ def test_float16_kv_cache_is_exact_across_batching_and_speculation(real_model, s
               for i in range(12)]
     plain = generate(prompts, model=real_model, sampling=params,
                      engine=EngineConfig(batch_size=12, kv_cache_dtype="float16"))
-    for bs, spec in [(1, SpecConfig(method="none")), (5, SpecConfig(method="ngram", num_speculative_tokens=5)),
+    for bs, spec in [(1, SpecConfig(method="none")),
+                     (5, SpecConfig(method="ngram", num_speculative_tokens=5)),
                      (7, SpecConfig(method="mtp", num_speculative_tokens=2))]:  # the shipped head
         run = generate(prompts, model=real_model, sampling=params,
                        engine=EngineConfig(batch_size=bs, kv_cache_dtype="float16"), speculative=spec)
@@ -142,25 +150,28 @@ def real_model_int8():
 
 
 def test_int8_matmul_is_exact_across_batching_and_speculation(real_model_int8, spec_bench):
-    """--matmul int8 quantizes each row's inputs on their own and sums integer products exactly, so its outputs
-    do not change with batch size or with speculation either, greedy or sampled."""
+    """--matmul int8 quantizes each row's inputs on their own and sums integer products exactly, so its
+    outputs do not change with batch size or with speculation either, greedy or sampled."""
     from specgen import SpecConfig
 
     prompts = chat_prompts(real_model_int8, spec_bench, 12)
     params = [SamplingParams(max_tokens=24 + i, temperature=0.8 if i % 2 else 0.0, top_p=0.9, seed=i)
               for i in range(12)]
     engine = {"matmul": "int8"}
-    plain = generate(prompts, model=real_model_int8, sampling=params, engine=EngineConfig(batch_size=12, **engine))
-    for bs, spec in [(1, SpecConfig(method="none")), (5, SpecConfig(method="ngram", num_speculative_tokens=5)),
+    plain = generate(prompts, model=real_model_int8, sampling=params,
+                     engine=EngineConfig(batch_size=12, **engine))
+    for bs, spec in [(1, SpecConfig(method="none")),
+                     (5, SpecConfig(method="ngram", num_speculative_tokens=5)),
                      (7, SpecConfig(method="mtp", num_speculative_tokens=2))]:  # the shipped head
-        run = generate(prompts, model=real_model_int8, sampling=params, engine=EngineConfig(batch_size=bs, **engine),
-                       speculative=spec)
+        run = generate(prompts, model=real_model_int8, sampling=params,
+                       engine=EngineConfig(batch_size=bs, **engine), speculative=spec)
         assert [o.token_ids for o in run] == [o.token_ids for o in plain], (bs, spec.method)
 
 
 def test_int8_matmul_stays_close_to_float32(real_model, real_model_int8):
-    """The integer products round each input to 8 bits per block of 32 (the weights were already rounded to 4):
-    teacher-forced on float32's greedy outputs, the int8 model picks the same next token almost everywhere.
+    """The integer products round each input to 8 bits per block of 32 (the weights were already rounded to
+    4): teacher-forced on float32's greedy outputs, the int8 model picks the same next token almost
+    everywhere.
     (Where float32 itself is nearly tied it need not: "The" 25.33 against "L" 25.24 opens the answer to the
     capital of France, and int8 starts with "L".)"""
     items = REF["prompts"]

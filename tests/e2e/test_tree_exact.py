@@ -1,6 +1,6 @@
-"""Token trees change nothing: trees of mixed shapes (branches that share tokens, trees deeper than the request's
-room, empty ones) verified in one forward give plain decoding's tokens, greedy and sampled, at batch 1 / 7 / 32,
-with chunked prefill and a shared prefix on and off, on both backends (float64)."""
+"""Token trees change nothing: trees of mixed shapes (branches that share tokens, trees deeper than the
+request's room, empty ones) verified in one forward give plain decoding's tokens, greedy and sampled, at batch
+1 / 7 / 32, with chunked prefill and a shared prefix on and off, on both backends (float64)."""
 import numpy as np
 import pytest
 from conftest import TINY
@@ -11,14 +11,15 @@ from specgen.io.schema import result_record
 
 
 class OracleTree:
-    """A test drafter that knows plain decoding's outputs: each step a random tree (up to max_nodes nodes, depth up
-    to the engine's bound) whose nodes hold the right token with chance p_right, else a sibling's token (branches
-    sharing tokens) or a random one. Node budgets of 0 come up too."""
+    """A test drafter that knows plain decoding's outputs: each step a random tree (up to max_nodes nodes,
+    depth up to the engine's bound) whose nodes hold the right token with chance p_right, else a sibling's
+    token (branches sharing tokens) or a random one. Node budgets of 0 come up too."""
 
     acceptance_hint = None
 
     def __init__(self, plain: dict[tuple, list[int]], seed: int, max_nodes: int = 12, p_right: float = 0.6):
-        self.plain, self.rng, self.max_nodes, self.p_right = plain, np.random.default_rng(seed), max_nodes, p_right
+        self.plain, self.rng, self.max_nodes, self.p_right = (plain, np.random.default_rng(seed), max_nodes,
+                                                              p_right)
 
     def _full(self, row: np.ndarray) -> list[int]:
         for prompt, full in self.plain.items():
@@ -60,8 +61,8 @@ class OracleTree:
 
 
 def _sampling(n, mode):
-    return [SamplingParams(max_tokens=3 + (i * 5) % 14, temperature=0.9 if mode == "sampled" else 0.0, top_p=0.95,
-                           seed=7 + i) for i in range(n)]
+    return [SamplingParams(max_tokens=3 + (i * 5) % 14, temperature=0.9 if mode == "sampled" else 0.0,
+                           top_p=0.95, seed=7 + i) for i in range(n)]
 
 
 def _run(model, prompts, sampling, engine, proposer=None, adaptive=False, ids=None, eos=None):
@@ -79,8 +80,10 @@ def _run(model, prompts, sampling, engine, proposer=None, adaptive=False, ids=No
 def prompts():
     rng = np.random.default_rng(1)
     prefix = rng.integers(3, 250, 40).tolist()
-    # a unique first token per prompt (the oracle finds its request by it), a shared stretch, repeats for n-grams
-    return [[3 + i] + prefix + rng.integers(3, 250, int(n)).tolist() * 2 for i, n in enumerate(rng.integers(3, 30, 32))]
+    # a unique first token per prompt (the oracle finds its request by it), a shared stretch, repeats for
+    # n-grams
+    return [[3 + i] + prefix + rng.integers(3, 250, int(n)).tolist() * 2
+            for i, n in enumerate(rng.integers(3, 30, 32))]
 
 
 @pytest.mark.parametrize("backend", ["fused", "reference"])
@@ -94,8 +97,8 @@ def test_trees_equal_plain(backend, mode, prompts):
         picked = range(0, len(prompts), 4) if batch == 1 else range(len(prompts))
         engine = EngineConfig(batch_size=batch, dtype="float64", shared_prefix=shared, prefill_chunk=chunk,
                               max_prefill_tokens=64)
-        out = _run(model, [prompts[i] for i in picked], [sp[i] for i in picked], engine, OracleTree(full, batch),
-                   ids=list(picked))
+        out = _run(model, [prompts[i] for i in picked], [sp[i] for i in picked], engine,
+                   OracleTree(full, batch), ids=list(picked))
         assert [o.token_ids for o in out] == [plain[i].token_ids for i in picked], (batch, shared, chunk)
         assert [o.finish_reason for o in out] == [plain[i].finish_reason for i in picked]
         assert sum(o.stats.num_accepted_tokens for o in out) > 0
@@ -111,12 +114,14 @@ def test_trees_equal_plain(backend, mode, prompts):
 
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_ngram_trees_equal_plain(tiny_model64, prompts, adaptive):
-    """--ngram-branches 3 (and a static shape) through generate(): plain decoding's tokens, with the controller
-    choosing node budgets (0 included) or every node verified."""
-    sp = [SamplingParams(max_tokens=12, temperature=0.7 if i % 2 else 0.0, seed=i) for i in range(len(prompts))]
+    """--ngram-branches 3 (and a static shape) through generate(): plain decoding's tokens, with the
+    controller choosing node budgets (0 included) or every node verified."""
+    sp = [SamplingParams(max_tokens=12, temperature=0.7 if i % 2 else 0.0, seed=i)
+          for i in range(len(prompts))]
     engine = EngineConfig(batch_size=7, dtype="float64")
     plain = generate(prompts, model=tiny_model64, sampling=sp, engine=engine)
-    for ngram in (NgramConfig(branches=3), NgramConfig(branches=2, tree_choices=("0,0,0", "1", "1,0", "0,1"))):
+    for ngram in (NgramConfig(branches=3),
+                  NgramConfig(branches=2, tree_choices=("0,0,0", "1", "1,0", "0,1"))):
         spec = SpecConfig(method="ngram", num_speculative_tokens=3, adaptive=adaptive, ngram=ngram)
         out = generate(prompts, model=tiny_model64, sampling=sp, engine=engine, speculative=spec)
         assert [o.token_ids for o in out] == [o.token_ids for o in plain]
@@ -125,8 +130,8 @@ def test_ngram_trees_equal_plain(tiny_model64, prompts, adaptive):
 
 
 def test_tree_reaching_eos_and_max_tokens(tiny_model64, prompts):
-    """Trees that run on past an EOS inside them (the oracle knows the text as if EOS were not one) and trees as
-    deep as the tokens left: cut where plain decoding stops."""
+    """Trees that run on past an EOS inside them (the oracle knows the text as if EOS were not one) and trees
+    as deep as the tokens left: cut where plain decoding stops."""
     sp = [SamplingParams(max_tokens=8 + i % 9) for i in range(len(prompts))]
     engine = EngineConfig(batch_size=32, dtype="float64")
     free = _run(tiny_model64, prompts, sp, engine)
@@ -140,15 +145,15 @@ def test_tree_reaching_eos_and_max_tokens(tiny_model64, prompts):
 
 
 def test_budget_zero_keeps_the_tree_for_shadow_acceptance(tiny_model64, prompts):
-    """A node budget of 0 verifies nothing, yet the controller still sees every offered node's main chain (else
-    a slot whose budget fell to 0 would never be measured again)."""
+    """A node budget of 0 verifies nothing, yet the controller still sees every offered node's main chain
+    (else a slot whose budget fell to 0 would never be measured again)."""
     from specgen.engine.engine import Engine
 
     sp = [SamplingParams(max_tokens=6)] * 3
     plain = _run(tiny_model64, prompts[:3], sp, EngineConfig(batch_size=3, dtype="float64"))
     full = {tuple(p): list(p) + o.token_ids for p, o in zip(prompts, plain)}
-    eng = Engine(tiny_model64.model, None, EngineConfig(batch_size=3, dtype="float64"), OracleTree(full, 0, 12, 1.0),
-                 adaptive=True)
+    eng = Engine(tiny_model64.model, None, EngineConfig(batch_size=3, dtype="float64"),
+                 OracleTree(full, 0, 12, 1.0), adaptive=True)
     reports = []
 
     class Zero:  # the controller's interface, choosing 0 nodes everywhere
@@ -168,7 +173,8 @@ def test_budget_zero_keeps_the_tree_for_shadow_acceptance(tiny_model64, prompts)
             return None
 
     eng.controller = Zero()
-    out = sorted(eng.run([Request(str(i), i, tuple(prompts[i]), sp[i]) for i in range(3)]), key=lambda o: o.index)
+    out = sorted(eng.run([Request(str(i), i, tuple(prompts[i]), sp[i]) for i in range(3)]),
+                 key=lambda o: o.index)
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
     assert all(o.stats.num_draft_tokens == 0 for o in out)
     assert sum(int(r.num_avail.sum()) for r in reports) > 0  # main chains offered and scored
@@ -176,8 +182,8 @@ def test_budget_zero_keeps_the_tree_for_shadow_acceptance(tiny_model64, prompts)
 
 
 def test_a_drafter_ruled_out_is_not_asked_for_drafts(tiny_model64, prompts):
-    """Speculation ruled out before the first step (a held-out acceptance of 0 cannot pay): the engine steps as
-    plain decoding and never asks the drafter, even one whose detached slots would still copy."""
+    """Speculation ruled out before the first step (a held-out acceptance of 0 cannot pay): the engine steps
+    as plain decoding and never asks the drafter, even one whose detached slots would still copy."""
     from specgen.engine.engine import Engine
 
     class Counting(OracleTree):
@@ -194,6 +200,7 @@ def test_a_drafter_ruled_out_is_not_asked_for_drafts(tiny_model64, prompts):
     plain = _run(tiny_model64, prompts, sp, engine)
     full = {tuple(p): list(p) + o.token_ids for p, o in zip(prompts, plain)}
     eng = Engine(tiny_model64.model, tiny_model64.tokenizer, engine, Counting(full, 0), adaptive=True)
-    out = sorted(eng.run([Request(str(i), i, tuple(p), sp[i]) for i, p in enumerate(prompts)]), key=lambda o: o.index)
+    out = sorted(eng.run([Request(str(i), i, tuple(p), sp[i]) for i, p in enumerate(prompts)]),
+                 key=lambda o: o.index)
     assert eng.controller.off and Counting.calls == 0
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]

@@ -46,7 +46,8 @@ def test_each_source_of_drafts_has_its_own_acceptance_and_only_source_0_detaches
     """An MTP slot's copies (source 1) accepted 0.9 and its head's drafts (source 0) 0.05: the choice follows
     the source offered this step, the copies' results do not move the head's estimate, and steps that offer
     copies leave the idle count (the head's detach) alone."""
-    ctl = Controller(CostModel(np.array([1, 2, 6]), np.array([1.0, 1.1, 1.5])), max_draft=3, num_slots=num_slots)
+    ctl = Controller(CostModel(np.array([1, 2, 6]), np.array([1.0, 1.1, 1.5])), max_draft=3,
+                     num_slots=num_slots)
     slots = np.arange(num_slots)
     _set(ctl, 90.0, 100.0, source=1)
     _set(ctl, 5.0, 100.0, source=0)
@@ -58,7 +59,8 @@ def test_each_source_of_drafts_has_its_own_acceptance_and_only_source_0_detaches
     assert (ctl.choose(slots, avail, 0, copy) >= 2).all() and (ctl.idle[slots] == 1).all()  # untouched
     before = ctl.acceptance.rate(0, slots).copy()
     drafts = np.tile([7, 8, 9], (num_slots, 1))
-    ctl.end_step(_report(slots, drafts, avail, np.tile([7, 8, 9, 1], (num_slots, 1)), np.full(num_slots, 4), copy))
+    ctl.end_step(_report(slots, drafts, avail, np.tile([7, 8, 9, 1], (num_slots, 1)), np.full(num_slots, 4),
+                         copy))
     assert np.allclose(ctl.acceptance.rate(0, slots), before)  # the head's estimate
     acc = ctl.acceptance
     assert (acc.hits[1, slots] == 0.9 * 90 + 3).all() and (acc.seen[1, slots] == 0.9 * 100 + 3).all()
@@ -68,9 +70,9 @@ def test_each_source_of_drafts_has_its_own_acceptance_and_only_source_0_detaches
 
 def test_drafter_time_is_charged_and_idle_slots_detach():
     """A slot at acceptance 0.3: verifying one draft pays when drafting is free, not when the drafter (an MTP
-    head's pass) takes 30% of a step. The drafter's time is spent this step whatever is chosen, so the slot still
-    verifies a draft (1.3 / 1.35 beats 1 / 1.3), but it counts the steps that do not pay for the drafter and
-    detaches from it: a choice flipping between 0 and 1 draft does not keep the drafter running."""
+    head's pass) takes 30% of a step. The drafter's time is spent this step whatever is chosen, so the slot
+    still verifies a draft (1.3 / 1.35 beats 1 / 1.3), but it counts the steps that do not pay for the drafter
+    and detaches from it: a choice flipping between 0 and 1 draft does not keep the drafter running."""
     cost = CostModel(np.array([1, 2, 6]), np.array([1.0, 1.05, 1.25]))
     ctl = Controller(cost, max_draft=2, num_slots=1)
     slot = np.array([0])
@@ -124,9 +126,9 @@ def test_rule_out_turns_a_drafter_off_where_one_draft_cannot_pay():
 
 
 def test_a_stalled_step_counts_at_most_outlier_times_its_prediction():
-    """A step the machine stalled in (~100 ms of hypervisor steal against 6-9 ms steps): the cost model and the
-    drafter's time take it as OUTLIER (DRAFT_OUTLIER) x their prediction; a lasting change of level is still
-    followed."""
+    """A step the machine stalled in (~100 ms of hypervisor steal against 6-9 ms steps): the cost model and
+    the drafter's time take it as OUTLIER (DRAFT_OUTLIER) x their prediction; a lasting change of level is
+    still followed."""
     cost = CostModel(np.array([1, 2, 6]), np.array([0.006, 0.007, 0.011]))
     ctl = Controller(cost, max_draft=3, num_slots=1)
     for _ in range(40):  # the table right
@@ -158,8 +160,8 @@ def test_scalar_cost_equals_the_interpolated_table():
 
 
 def _stub_model(monkeypatch, seconds_of):
-    """A model whose forward advances a fake clock (the calibration's time.perf_counter) by seconds_of(call number,
-    tokens), and its cost key."""
+    """A model whose forward advances a fake clock (the calibration's time.perf_counter) by seconds_of(call
+    number, tokens), and its cost key."""
     clock = {"t": 0.0, "calls": 0}
     monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock["t"])
 
@@ -191,19 +193,21 @@ def test_calibration_takes_the_median_of_repeated_timings(monkeypatch):
     """One slow timing (another process took the core) does not become the table's cost: each point is the
     median of its repeats, taken round robin."""
     # call 4 (3 tokens) is slow
-    stub, clock = _stub_model(monkeypatch, lambda call, tokens: 0.010 + 0.002 * (tokens - 1) + 0.050 * (call == 4))
+    stub, clock = _stub_model(monkeypatch,
+                              lambda call, tokens: 0.010 + 0.002 * (tokens - 1) + 0.050 * (call == 4))
     controller = calibration.controller_for(stub, _Cache(1), 2, NO_DISK)
     tokens, seconds = calibration.measured(stub)[(1, 2)]
     assert tokens.tolist() == [1, 2, 3]
     np.testing.assert_allclose(seconds, [0.010, 0.012, 0.014])
-    assert clock["calls"] == 1 + 3 * 3  # a warm-up, then rounds until 0.15 s are spent: 0.086 + 0.036 + 0.036 s
+    # a warm-up, then rounds until 0.15 s are spent: 0.086 + 0.036 + 0.036 s
+    assert clock["calls"] == 1 + 3 * 3
     assert controller.cost.at(3) == seconds[2]
 
 
 def test_calibration_anchors_steps_of_few_slots(monkeypatch):
-    """A memory-bound step costs about the same for 1 token as for 8; verifying drafts of 8 slots is compute-bound
-    (2 ms a token). The table gets a one-token point, so a 2-token step (slots drained at the end of a job) is
-    not extrapolated from the compute-bound slope to almost nothing."""
+    """A memory-bound step costs about the same for 1 token as for 8; verifying drafts of 8 slots is
+    compute-bound (2 ms a token). The table gets a one-token point, so a 2-token step (slots drained at the
+    end of a job) is not extrapolated from the compute-bound slope to almost nothing."""
     stub, _ = _stub_model(monkeypatch, lambda call, tokens: 0.010 + 0.002 * max(0, tokens - 8))
     controller = calibration.controller_for(stub, _Cache(8), 5, NO_DISK)
     tokens, seconds = calibration.measured(stub)[(8, 5)]
@@ -213,9 +217,9 @@ def test_calibration_anchors_steps_of_few_slots(monkeypatch):
 
 
 def test_calibration_times_blocks_of_distinct_tokens(monkeypatch):
-    """A mixture-of-experts step costs more the more experts its tokens touch: a block of one repeated id routes
-    every token alike (one token's experts), a verify block's tokens spread. The table's blocks hold distinct
-    ids, so its 4-token point is a real verify block's cost, not one token's."""
+    """A mixture-of-experts step costs more the more experts its tokens touch: a block of one repeated id
+    routes every token alike (one token's experts), a verify block's tokens spread. The table's blocks hold
+    distinct ids, so its 4-token point is a real verify block's cost, not one token's."""
     clock = {"t": 0.0}
     monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock["t"])
 
@@ -257,9 +261,9 @@ def test_costs_are_measured_with_the_slots_the_job_fills(tiny_dir):
 
 
 def test_cost_tables_are_kept_on_disk_between_runs(monkeypatch, tmp_path):
-    """A table timed once is stored under <cache_dir>/costs and found by the next model of the same key on this
-    machine (a later run), which times only the check of its first point; another key, an entry past MAX_AGE_S, a
-    malformed file or cost_cache off times the table again."""
+    """A table timed once is stored under <cache_dir>/costs and found by the next model of the same key on
+    this machine (a later run), which times only the check of its first point; another key, an entry past
+    MAX_AGE_S, a malformed file or cost_cache off times the table again."""
     import json
 
     disk = EngineConfig(cache_dir=str(tmp_path))
@@ -326,9 +330,9 @@ def test_speculation_needs_a_predicted_gain_of_min_gain():
 
 
 def test_one_slot_takes_the_best_draft_count_of_the_objective():
-    """With one decoding slot the choice maximises E(k) / (c(1 + k) + d) over k >= 1 (brute force here), and is
-    verified only when that beats k = 0, at 1 / (c(1) + d), by MIN_GAIN; the slot's idle count grows unless it
-    also beats plain decoding without the drafter, 1 / c(1)."""
+    """With one decoding slot the choice maximises E(k) / (c(1 + k) + d) over k >= 1 (brute force here), and
+    is verified only when that beats k = 0, at 1 / (c(1) + d), by MIN_GAIN; the slot's idle count grows unless
+    it also beats plain decoding without the drafter, 1 / c(1)."""
     cost = CostModel(np.array([1, 2, 4, 8, 16]), np.array([1.0, 1.06, 1.3, 1.9, 3.5]))
     for acc in (0.05, 0.3, 0.6, 0.8, 0.95):
         for avail in (1, 3, 5):
@@ -349,8 +353,8 @@ def test_one_slot_takes_the_best_draft_count_of_the_objective():
 
 def _stale_and_true():
     """A table whose shape is off (a 2-token step priced at 1.39x a 1-token one, a 6-token step at 2.28x: one
-    unlucky timing kept on disk), and the step costs a job then measures (1.15x and 2.01x, all 1.3x the table's
-    level: deeper contexts than the table's position 0)."""
+    unlucky timing kept on disk), and the step costs a job then measures (1.15x and 2.01x, all 1.3x the
+    table's level: deeper contexts than the table's position 0)."""
     table = CostModel(np.array([1, 2, 6]), np.array([0.010, 0.0139, 0.0228]))
     true = {1: 0.013, 2: 0.013 * 1.15, 6: 0.013 * 2.01}
     return table, true
@@ -380,8 +384,8 @@ def test_a_cost_point_no_step_comes_near_follows_the_global_ratio():
 
 
 def test_a_cost_point_the_job_stops_using_drifts_back_to_the_global_ratio():
-    """Evidence decays: 2-token steps measured cheap early on, then only 1-token steps at a new level (contexts
-    grew): the 2-token point moves from its own old ratio toward the global one."""
+    """Evidence decays: 2-token steps measured cheap early on, then only 1-token steps at a new level
+    (contexts grew): the 2-token point moves from its own old ratio toward the global one."""
     cost, true = _stale_and_true()
     for _ in range(30):
         cost.observe(2, true[2])
@@ -394,8 +398,8 @@ def test_a_cost_point_the_job_stops_using_drifts_back_to_the_global_ratio():
 
 
 def test_the_controller_drafts_once_its_steps_show_the_table_overpriced_verifying():
-    """Acceptance 0.35, one slot: under the stale table a draft does not pay (1.35 / 1.39 < 1.05); the job's own
-    steps show a 2-token step at 1.15x, and then it does."""
+    """Acceptance 0.35, one slot: under the stale table a draft does not pay (1.35 / 1.39 < 1.05); the job's
+    own steps show a 2-token step at 1.15x, and then it does."""
     cost, true = _stale_and_true()
     ctl = Controller(cost, max_draft=5, num_slots=1)
     _set(ctl, 0.35 * 102 - 1, 100.0)
@@ -408,8 +412,8 @@ def test_the_controller_drafts_once_its_steps_show_the_table_overpriced_verifyin
 
 
 def test_many_slots_get_the_best_split_of_the_drafts():
-    """Three slots at acceptance 0.9, 0.5 and 0.05: the choice maximises sum E_s(k_s) / c(3 + sum k) over every
-    split of up to 3 drafts each (brute force), and the surest slot gets the most drafts."""
+    """Three slots at acceptance 0.9, 0.5 and 0.05: the choice maximises sum E_s(k_s) / c(3 + sum k) over
+    every split of up to 3 drafts each (brute force), and the surest slot gets the most drafts."""
     import itertools
 
     cost = CostModel(np.array([3, 6, 12]), np.array([1.0, 1.25, 1.9]))
@@ -424,9 +428,10 @@ def test_many_slots_get_the_best_split_of_the_drafts():
 
 
 def test_new_requests_start_detached_while_the_jobs_drafts_cannot_pay():
-    """32 slots where a second token per slot costs 1.7x: while the job's drafts are accepted 0.1 of the time, a
-    new request starts detached from the drafter, but for one in EXPLORE_EVERY; once the job's drafts are
-    accepted 0.95 of the time, new requests draft again. Only source 0's drafts count toward the job's rate."""
+    """32 slots where a second token per slot costs 1.7x: while the job's drafts are accepted 0.1 of the time,
+    a new request starts detached from the drafter, but for one in EXPLORE_EVERY; once the job's drafts are
+    accepted 0.95 of the time, new requests draft again. Only source 0's drafts count toward the job's
+    rate."""
     n = 32
     ctl = Controller(CostModel(np.array([32, 64, 128]), np.array([1.0, 1.7, 3.0])), max_draft=3, num_slots=n)
     slots = np.arange(n)
@@ -434,7 +439,8 @@ def test_new_requests_start_detached_while_the_jobs_drafts_cannot_pay():
     miss, hit = np.tile([1, 2, 3, 4], (n, 1)), np.tile([7, 8, 9, 4], (n, 1))
     for _ in range(30):
         ctl.end_step(_report(slots, drafts, avail, miss, kept))
-        ctl.end_step(_report(slots, drafts, avail, hit, kept, source=np.ones(n, np.int64)))  # copies: not counted
+        # copies: not counted
+        ctl.end_step(_report(slots, drafts, avail, hit, kept, source=np.ones(n, np.int64)))
     assert ctl.job.rate(0, 0) < 0.1
     for slot in range(n):
         ctl.reset(slot)
@@ -449,10 +455,10 @@ def test_new_requests_start_detached_while_the_jobs_drafts_cannot_pay():
 
 
 def test_a_new_slots_acceptance_starts_from_the_jobs():
-    """One slot, a 2-token step at 1.34x one (an MoE verify block at batch 1). A new request with no drafts of its
-    own yet is estimated at the job's acceptance so far: after requests whose drafts all missed it verifies
-    nothing (from a fixed 1 in 2 it would draft: 1.5 tokens for 1.34x); after drafts that hit, it drafts. Copies
-    (source 1) keep the fixed prior."""
+    """One slot, a 2-token step at 1.34x one (an MoE verify block at batch 1). A new request with no drafts of
+    its own yet is estimated at the job's acceptance so far: after requests whose drafts all missed it
+    verifies nothing (from a fixed 1 in 2 it would draft: 1.5 tokens for 1.34x); after drafts that hit, it
+    drafts. Copies (source 1) keep the fixed prior."""
     ctl = Controller(CostModel(np.array([1, 2, 4]), np.array([1.0, 1.34, 1.96])), max_draft=3, num_slots=1)
     slot, avail = np.array([0]), np.array([3])
     assert int(ctl.choose(slot, avail, 0)[0]) >= 1  # no history anywhere: 1 in 2
@@ -470,22 +476,25 @@ def test_a_new_slots_acceptance_starts_from_the_jobs():
 
 def test_rated_drafts_are_priced_by_their_probabilities_calibrated_by_the_job():
     """A drafter that rates its tree nodes (EAGLE: the probability of each node's path): before any step the
-    controller takes the probabilities as they are; once its drafts were accepted half as often as it expected,
-    every node is worth half; gains stay at most 1 and non-increasing along a row."""
+    controller takes the probabilities as they are; once its drafts were accepted half as often as it
+    expected, every node is worth half; gains stay at most 1 and non-increasing along a row."""
     ctl = Controller(CostModel(np.array([1, 2, 6]), np.array([1.0, 1.1, 1.5])), max_draft=5, num_slots=2)
     scores = np.array([[0.9, 0.6, 0.3, 0.0], [0.5, 0.5, 0.2, 0.1]])
     assert np.allclose(ctl.calibrated(scores), scores, atol=1e-12)
     for _ in range(200):
         ctl.end_step(dataclasses.replace(_report(np.array([0]), np.zeros((1, 0), np.int64), np.array([0]),
-                                                 np.zeros((1, 1), np.int64), np.array([1])), rated=(1.0, 2.0)))
+                                                 np.zeros((1, 1), np.int64), np.array([1])),
+                                         rated=(1.0, 2.0)))
     assert np.allclose(ctl.calibrated(scores), scores / 2, atol=0.02)
     for _ in range(200):  # accepted 3x what it expected: capped at 1
         ctl.end_step(dataclasses.replace(_report(np.array([0]), np.zeros((1, 0), np.int64), np.array([0]),
-                                                 np.zeros((1, 1), np.int64), np.array([1])), rated=(3.0, 1.0)))
+                                                 np.zeros((1, 1), np.int64), np.array([1])),
+                                         rated=(3.0, 1.0)))
     got = ctl.calibrated(scores)
     assert got.max() == 1.0 and (np.diff(got, axis=1) <= 0).all()
     # a budget from the calibrated gains: the most probable nodes first, none where nothing is expected
-    k = ctl.choose(np.array([0, 1]), np.array([4, 4]), 0, None, ctl.calibrated(np.array([[0.0] * 4, [0.9] * 4])))
+    k = ctl.choose(np.array([0, 1]), np.array([4, 4]), 0, None,
+                   ctl.calibrated(np.array([[0.0] * 4, [0.9] * 4])))
     assert k[0] == 0 and k[1] >= 1
 
 
@@ -518,10 +527,10 @@ def test_a_stored_table_that_no_longer_fits_is_timed_again(monkeypatch, tmp_path
 
 
 def test_a_job_whose_drafts_are_right_a_third_of_the_time_starts_requests_detached():
-    """Batch 1, a drafter costing 0.3 of a step (a draft model), a 2-token step at 1.1x one: drafts right 0.36 of
-    the time over the job do not pay (1.36 tokens for 1.4x), so new requests start detached, but for one in
-    EXPLORE_EVERY; the job's own rate is taken as measured (with the 1.5x of a head's held-out hint, 0.54 would
-    have looked worth drafting)."""
+    """Batch 1, a drafter costing 0.3 of a step (a draft model), a 2-token step at 1.1x one: drafts right 0.36
+    of the time over the job do not pay (1.36 tokens for 1.4x), so new requests start detached, but for one in
+    EXPLORE_EVERY; the job's own rate is taken as measured (with the 1.5x of a head's held-out hint, 0.54
+    would have looked worth drafting)."""
     ctl = Controller(CostModel(np.array([1, 2, 4]), np.array([1.0, 1.1, 1.3])), max_draft=3, num_slots=1)
     ctl._drafting(0.3)
     ctl.job.hits[0, 0], ctl.job.seen[0, 0] = 36.0, 100.0
@@ -533,8 +542,9 @@ def test_a_job_whose_drafts_are_right_a_third_of_the_time_starts_requests_detach
 
 
 def test_a_distilled_drafts_recorded_acceptance_is_its_hint(tmp_path):
-    """make-draft records the draft's held-out first-draft acceptance; the proposer hands it to the controller,
-    which rules the draft out where even 1.5x of it could not pay (32 slots, a second token per slot at 1.7x)."""
+    """make-draft records the draft's held-out first-draft acceptance; the proposer hands it to the
+    controller, which rules the draft out where even 1.5x of it could not pay (32 slots, a second token per
+    slot at 1.7x)."""
     import json
 
     from specgen.engine.proposers.draft_model import recorded_acceptance
@@ -542,7 +552,8 @@ def test_a_distilled_drafts_recorded_acceptance_is_its_hint(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"specgen_draft": {"training": {"eval_acc": 0.287}}}))
     assert recorded_acceptance(tmp_path) == 0.287
     assert recorded_acceptance(tmp_path / "absent") is None
-    wide = Controller(CostModel(np.array([32, 64, 128]), np.array([1.0, 1.7, 3.0])), max_draft=3, num_slots=32)
+    wide = Controller(CostModel(np.array([32, 64, 128]), np.array([1.0, 1.7, 3.0])), max_draft=3,
+                      num_slots=32)
     wide.rule_out(recorded_acceptance(tmp_path))
     narrow = Controller(CostModel(np.array([1, 2, 4]), np.array([1.0, 1.1, 1.3])), max_draft=3, num_slots=1)
     narrow.rule_out(recorded_acceptance(tmp_path))
@@ -556,10 +567,11 @@ def _thirty_two_slots() -> tuple[Controller, np.ndarray]:
 
 
 def test_a_first_generation_whose_drafts_do_not_pay_detaches_at_once():
-    """32 requests placed together before any draft is known all draft (1 in 2 would pay at 1.3x). Once two steps
-    (JOB_EVIDENCE_PER_SLOT) show the job's drafts missing, the next step detaches every slot but the explorers (one
-    request in EXPLORE_EVERY), instead of each drafting DETACH_AFTER steps (0.95x of plain decoding at 32 slots);
-    after one step's evidence none is detached yet. A token tree's slots keep the DETACH_AFTER rule."""
+    """32 requests placed together before any draft is known all draft (1 in 2 would pay at 1.3x). Once two
+    steps (JOB_EVIDENCE_PER_SLOT) show the job's drafts missing, the next step detaches every slot but the
+    explorers (one request in EXPLORE_EVERY), instead of each drafting DETACH_AFTER steps (0.95x of plain
+    decoding at 32 slots); after one step's evidence none is detached yet. A token tree's slots keep the
+    DETACH_AFTER rule."""
     ctl, slots = _thirty_two_slots()
     for slot in slots:
         ctl.reset(slot)
@@ -578,8 +590,8 @@ def test_a_first_generation_whose_drafts_do_not_pay_detaches_at_once():
 
 
 def test_a_slot_whose_own_drafts_pay_stays_attached_when_the_job_does_not():
-    """The job's drafts miss, but one slot's own drafts have been right 0.95 of the time: it keeps verifying and
-    stays attached while the slots verifying nothing detach."""
+    """The job's drafts miss, but one slot's own drafts have been right 0.95 of the time: it keeps verifying
+    and stays attached while the slots verifying nothing detach."""
     ctl, slots = _thirty_two_slots()
     for slot in slots:
         ctl.reset(slot)
@@ -608,9 +620,9 @@ def test_the_drafters_hint_is_the_jobs_prior_before_any_draft():
 
 
 def test_a_job_smaller_than_the_batch_is_judged_at_its_own_size():
-    """3 requests in 32 slots, a draft right 0.3 of the time: a second token per slot costs 1.05x at 3 slots and
-    1.5x at 32. Before the first step its requests are judged at 3 slots (they pay, and start attached), not at
-    the 32 the engine could hold."""
+    """3 requests in 32 slots, a draft right 0.3 of the time: a second token per slot costs 1.05x at 3 slots
+    and 1.5x at 32. Before the first step its requests are judged at 3 slots (they pay, and start attached),
+    not at the 32 the engine could hold."""
     ctl = Controller(CostModel(np.array([3, 6, 32, 64]), np.array([1.0, 1.05, 3.0, 4.5])), max_draft=1,
                      num_slots=32)
     ctl.rule_out(0.3, active=3)

@@ -1,5 +1,5 @@
-"""Run settings: defaults < YAML < --speculative-config < flags; unknown keys, contradictions are errors; every
-config field is a setting (a flag)."""
+"""Run settings: defaults < YAML < --speculative-config < flags; unknown keys, contradictions are errors;
+every config field is a setting (a flag)."""
 from __future__ import annotations
 
 import json
@@ -44,7 +44,8 @@ def test_speculative_json_between_yaml_and_flags():
 
 
 def test_bench_settings_serve_every_method_listed():
-    cfg = resolve(None, {"method": "mtp", "ngram_pool": 0, "mtp_copy": 1}, None, {Method.NONE, Method.NGRAM, Method.MTP})
+    cfg = resolve(None, {"method": "mtp", "ngram_pool": 0, "mtp_copy": 1}, None,
+                  {Method.NONE, Method.NGRAM, Method.MTP})
     assert cfg.spec.ngram.pool == 0 and cfg.spec.mtp.copy == 1
     with pytest.raises(ConfigError, match="mtp.copy needs method 'mtp'"):
         resolve(None, {"method": "ngram", "mtp_copy": 1}, None, {Method.NONE, Method.NGRAM})
@@ -70,7 +71,8 @@ def test_bad_speculative_json(value, fragment):
 
 @pytest.mark.parametrize("text,fragment", [
     ("sampling:\n  max_token: 3\n", "sampling: unknown key(s) max_token (valid: ignore_eos, max_tokens"),
-    ("speculative:\n  ngram:\n    maximum: 3\n", "speculative.ngram: unknown key(s) maximum (valid: branches, max, min, pool, tree_choices)"),
+    ("speculative:\n  ngram:\n    maximum: 3\n",
+     "speculative.ngram: unknown key(s) maximum (valid: branches, max, min, pool, tree_choices)"),
     ("decoding:\n  x: 1\n", "unknown section(s) decoding (valid: sampling, engine, speculative, parallel)"),
     ("max_tokens: 3\n", "unknown section(s) max_tokens"),
     ("sampling: [1, 2]\n", "section 'sampling' must be a mapping"),

@@ -1,5 +1,6 @@
-"""`specgen bench`'s figures on the tiny Llama, each checked against a hand computation: a scripted drafter whose
-drafts are always, never or half accepted (it knows plain decoding's outputs), at injected step costs."""
+"""`specgen bench`'s figures on the tiny Llama, each checked against a hand computation: a scripted drafter
+whose drafts are always, never or half accepted (it knows plain decoding's outputs), at injected step
+costs."""
 from __future__ import annotations
 
 import json
@@ -24,8 +25,8 @@ K = 2
 
 
 class ScriptedProposer:
-    """Drafts plain decoding's next tokens: the first `right` of each draft are those tokens, the rest are wrong
-    (the true token + 1). `texts`: each request's prompt + plain output."""
+    """Drafts plain decoding's next tokens: the first `right` of each draft are those tokens, the rest are
+    wrong (the true token + 1). `texts`: each request's prompt + plain output."""
 
     acceptance_hint = None
 
@@ -62,12 +63,13 @@ def bench(tiny_model, tmp_path: Path, monkeypatch, max_tokens: int, right: int, 
     monkeypatch.setitem(proposers.REGISTRY, Method.NGRAM,
                         lambda spec, model, lib, main: ScriptedProposer(texts, right, vocab))
     path = tmp_path / "in.jsonl"
-    path.write_text("".join(json.dumps({"id": f"r{i}", "input_ids": p}) + "\n" for i, p in enumerate(PROMPTS)))
+    path.write_text("".join(json.dumps({"id": f"r{i}", "input_ids": p}) + "\n"
+                            for i, p in enumerate(PROMPTS)))
     cfg = resolve(None, {"max_tokens": max_tokens, "ignore_eos": True, "adaptive": False, "method": "ngram",
                          "num_speculative_tokens": K}, None, {Method.NONE, Method.NGRAM})
     choices = [Choice(Method.NONE), Choice(Method.NGRAM)]
-    rows = run_bench(BenchInput(path, "jsonl"), tiny_model, cfg, choices, list(sizes), warmup=False, measure=costs,
-                     repeats=repeats)
+    rows = run_bench(BenchInput(path, "jsonl"), tiny_model, cfg, choices, list(sizes), warmup=False,
+                     measure=costs, repeats=repeats)
     return cfg, rows
 
 
@@ -107,7 +109,8 @@ def test_drafts_always_accepted(tiny_model, tmp_path, monkeypatch):
     assert s.per_position_acceptance == [1.0, 1.0]  # both positions accepted in each of the 6 decode steps
     assert none.summary.mean_accepted_length == 1.0 and none.summary.acceptance_rate is None
     check_bounds(ngram, [1, 3, 3, 3], 1.0 + 3 * 2.0)  # c(1) + 3 c(3)
-    assert ngram.possible.ceiling == s.mean_accepted_length  # every draft accepted: the run reaches the ceiling
+    # every draft accepted: the run reaches the ceiling
+    assert ngram.possible.ceiling == s.mean_accepted_length
 
 
 def test_drafts_never_accepted(tiny_model, tmp_path, monkeypatch):
@@ -180,10 +183,11 @@ def test_advice_why(tiny_model, tmp_path, monkeypatch):
     idle = at(ngram, 130.0, 1.3)
     idle = dataclasses.replace(idle, summary=dataclasses.replace(idle.summary, num_draft_tokens=0))
     noise = advise([at(none, 100.0, 1.0), idle], cfg)
-    assert noise.method == "none" and noise.why == "no drafter pays at batch 1: run none (ngram verified no drafts)"
+    assert noise.method == "none" and noise.why == ("no drafter pays at batch 1: run none "
+                                                    "(ngram verified no drafts)")
     # plain decoding at 4 slots is fastest, but a job held to one slot gains from ngram: said too
-    big = [dataclasses.replace(at(none, 300.0, 1.0), batch_size=4), dataclasses.replace(at(ngram, 291.0, 0.97),
-                                                                                        batch_size=4)]
+    big = [dataclasses.replace(at(none, 300.0, 1.0), batch_size=4),
+           dataclasses.replace(at(ngram, 291.0, 0.97), batch_size=4)]
     mixed = advise([at(none, 100.0, 1.0), at(ngram, 120.0, 1.2)] + big, cfg)
     assert (mixed.method, mixed.batch_size) == ("none", 4)
     assert mixed.why.startswith("no drafter pays at batch 4: run none (ngram 0.97x of a possible")
@@ -195,7 +199,8 @@ def test_parse_methods_with_k():
                                                          Choice(Method.NGRAM, 5), Choice(Method.MTP)]
     assert [c.label for c in parse_methods("none,ngram:2")] == ["none", "ngram:2"]
     for bad, fragment in (("none,none", "twice"), ("ngram:2,ngram:2", "twice"), ("none:2", "takes no k"),
-                          ("ngram:x", "k must be an integer"), ("ngram:9", "num_speculative_tokens must be in 1..5"),
+                          ("ngram:x", "k must be an integer"),
+                          ("ngram:9", "num_speculative_tokens must be in 1..5"),
                           ("", "at least one"), ("lookahead", "unknown method")):
         with pytest.raises(ConfigError, match=fragment):
             parse_methods(bad)
@@ -203,8 +208,8 @@ def test_parse_methods_with_k():
 
 def test_repeats_must_be_positive(tiny_model, tmp_path):
     with pytest.raises(ConfigError, match="--repeats must be >= 1"):
-        run_bench(BenchInput(tmp_path / "in.jsonl", "jsonl"), tiny_model, resolve(None, {}), [Choice(Method.NONE)],
-                  repeats=0)
+        run_bench(BenchInput(tmp_path / "in.jsonl", "jsonl"), tiny_model, resolve(None, {}),
+                  [Choice(Method.NONE)], repeats=0)
 
 
 def test_parse_batch_sizes():

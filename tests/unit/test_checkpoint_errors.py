@@ -4,9 +4,9 @@ import shutil
 
 import numpy as np
 import pytest
+from conftest import TINY
 from safetensors.numpy import load_file, save_file
 
-from conftest import TINY
 from specgen import load_model
 from specgen.errors import CheckpointError
 
@@ -47,7 +47,8 @@ def test_missing_tensor(ckpt):
     w = load_file(str(ckpt / "model.safetensors"))
     del w["model.layers.1.mlp.up_proj.weight"]
     save_file(w, str(ckpt / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"ckpt: missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+    with pytest.raises(CheckpointError,
+                       match=r"ckpt: missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
         load_model(ckpt)
 
 
@@ -72,7 +73,8 @@ def test_sharded_index_and_missing_shard(ckpt):
     save_file({n: w[n] for n in names[:half]}, str(ckpt / "model-00001-of-00002.safetensors"))
     save_file({n: w[n] for n in names[half:]}, str(ckpt / "model-00002-of-00002.safetensors"))
     (ckpt / "model.safetensors").unlink()
-    index = {"weight_map": {n: f"model-0000{1 if i < half else 2}-of-00002.safetensors" for i, n in enumerate(names)}}
+    index = {"weight_map": {n: f"model-0000{1 if i < half else 2}-of-00002.safetensors"
+                            for i, n in enumerate(names)}}
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
     assert load_model(ckpt).config.num_layers == 2
     (ckpt / "model-00002-of-00002.safetensors").unlink()

@@ -1,4 +1,5 @@
-"""Fuzzed input (issue 41): random bytes, broken JSON, odd types and random Parquet schemas through the reader.
+"""Fuzzed input (issue 41): random bytes, broken JSON, odd types and random Parquet schemas through the
+reader.
 
 The property, for any file: every record (a non-blank JSONL line, a Parquet row) becomes exactly one request
 or one bad record whose message starts "line N:" / "row N:", in input order; the only exception that escapes
@@ -130,8 +131,8 @@ def _record(keys: list[str]):
     return st.fixed_dictionaries({}, optional={k: FIELDS[k] | JSON_VALUES for k in keys})
 
 
-NATIVE = _record(["id", "prompt", "messages", "input_ids", "max_tokens", "temperature", "top_p", "top_k", "seed",
-                  "stop"])
+NATIVE = _record(["id", "prompt", "messages", "input_ids", "max_tokens", "temperature", "top_p", "top_k",
+                  "seed", "stop"])
 OPENAI = st.fixed_dictionaries(
     {"custom_id": FIELDS["id"], "body": _record(["messages", "prompt", "max_tokens", "max_completion_tokens",
                                                  "temperature", "top_p", "seed", "stop"]) | JSON_VALUES},
@@ -165,9 +166,11 @@ ODD_LINES = st.one_of(
     st.sampled_from([b"", b" ", b"\t", b"\r", b"\x0b\x0c ", b"\xef\xbb\xbf", b"\x00", b"NaN", b"-Infinity"]),
     st.sampled_from([10, 500, 900, 1000, 5000, 100_000]).map(_nested),
     st.sampled_from([500, 900, 1000, 5000]).map(lambda d: b'{"prompt": ' + _nested(d) + b"}"),
-    st.sampled_from([20, 400, 4300, 4301, 20_000]).map(lambda n: b'{"prompt": "a", "seed": ' + b"9" * n + b"}"),
+    st.sampled_from([20, 400, 4300, 4301, 20_000]).map(
+        lambda n: b'{"prompt": "a", "seed": ' + b"9" * n + b"}"),
     st.sampled_from([b'{"prompt": "a", "temperature": 1e999}', b'{"prompt": "ab", "top_p": NaN}',
-                     b'{"custom_id": "c", "url": [], "body": {}}', b'{"custom_id": "c", "url": {}, "body": {}}',
+                     b'{"custom_id": "c", "url": [], "body": {}}',
+                     b'{"custom_id": "c", "url": {}, "body": {}}',
                      '{"prompt": "hi"}'.encode("utf-16-le"), b'{"prompt": "\\ud800"}']),
 )
 
@@ -218,7 +221,8 @@ COLUMN_TYPES = [  # (Arrow type, values it holds); None (null) is mixed in for e
     (pa.list_(pa.string()), st.lists(_PLAIN_TEXT, max_size=3)),
     (pa.list_(_MESSAGE_TYPE), st.lists(st.fixed_dictionaries({"role": _PLAIN_TEXT, "content": _PLAIN_TEXT}),
                                        max_size=3)),
-    (pa.list_(pa.list_(pa.int32())), st.lists(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=2), max_size=2)),
+    (pa.list_(pa.list_(pa.int32())),
+     st.lists(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=2), max_size=2)),
     (pa.struct([("a", pa.int32()), ("b", pa.list_(pa.float64()))]),
      st.fixed_dictionaries({"a": st.integers(-5, 5), "b": st.lists(st.floats(), max_size=2)})),
     (pa.map_(pa.string(), pa.int64()), st.lists(st.tuples(_PLAIN_TEXT, st.integers(-5, 5)), max_size=2)),
@@ -264,7 +268,8 @@ def write_parquet(table: pa.Table, path: Path, row_group_size: int, dictionary: 
     return buffer.getvalue()
 
 
-@given(table=parquet_tables(), row_group_size=st.integers(1, 5), dictionary=st.booleans(), picky=st.booleans())
+@given(table=parquet_tables(), row_group_size=st.integers(1, 5), dictionary=st.booleans(),
+       picky=st.booleans())
 @FUZZ
 def test_fuzzed_parquet_every_row_is_a_request_or_names_its_row(fuzz_dir, table, row_group_size,
                                                                 dictionary, picky):
@@ -404,6 +409,7 @@ def test_not_parquet_is_an_input_error_naming_the_file(tmp_path, content):
 
 def test_zero_row_parquet(tmp_path):
     path = tmp_path / "in.parquet"
-    pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "x": pa.array([], pa.list_(pa.int8()))}), path)
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string()),
+                             "x": pa.array([], pa.list_(pa.int8()))}), path)
     assert count_records(path, "parquet") == 0
     assert bad_messages(path, "parquet") == []

@@ -1,7 +1,7 @@
 """GGUF ernie4_5 and ernie4_5-moe (llama.cpp's layout: q/k rows as HF writes them, interleaved-pair RoPE;
 ffn_gate_inp routers, ffn_{gate,up,down}_exps stacked experts, ffn_*_shexp shared experts, exp_probs_b the
-selection bias) written here from the tiny ERNIE-4.5 HF fixtures: the same config and, in float64, the same logits
-and greedy tokens as the HF load of the same weights."""
+selection bias) written here from the tiny ERNIE-4.5 HF fixtures: the same config and, in float64, the same
+logits and greedy tokens as the HF load of the same weights."""
 from __future__ import annotations
 
 import json
@@ -20,15 +20,16 @@ GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
           "lm_head.weight": "output.weight"}
 LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+         "mlp.gate": "ffn_gate_inp",
          "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
          "mlp.shared_experts.down_proj": "ffn_down_shexp"}
 
 
 def write_ernie_gguf(path, fixture: str, skip: tuple[str, ...] = (), vocabulary=None) -> None:
-    """llama.cpp's convert_hf_to_gguf layout of tests/fixtures/tiny/<fixture>; tensors whose GGUF names contain
-    one of `skip` are left out; vocabulary(writer) writes the tokenizer's keys (None: no tokenizer, the
-    fixture's bos and eos ids)."""
+    """llama.cpp's convert_hf_to_gguf layout of tests/fixtures/tiny/<fixture>; tensors whose GGUF names
+    contain one of `skip` are left out; vocabulary(writer) writes the tokenizer's keys (None: no tokenizer,
+    the fixture's bos and eos ids)."""
     cfg = json.loads((TINY / fixture / "config.json").read_text())
     hf = load_file(str(TINY / fixture / "model.safetensors"))
     moe = "moe_num_experts" in cfg
@@ -92,8 +93,8 @@ def test_logits_and_tokens_match_the_hf_load(ernie_gguf):
 
 @pytest.mark.parametrize("missing", ["blk.1.ffn_up_shexp", "blk.2.exp_probs_b"])
 def test_a_missing_ernie_moe_tensor_is_named(tmp_path, missing):
-    """Without one shared-experts tensor the load names it; without a block's selection bias, the other block's
-    makes it expected there too."""
+    """Without one shared-experts tensor the load names it; without a block's selection bias, the other
+    block's makes it expected there too."""
     path = tmp_path / "m.gguf"
     write_ernie_gguf(path, "ernie4_5_moe", skip=(missing,))
     with pytest.raises(CheckpointError, match=missing.replace(".", r"\.")):

@@ -98,8 +98,8 @@ def gguf_name(hf_name: str) -> str:
 
 def write_tiny_gguf(path, arch="llama", tied=True, drop=None, reshape=None, tokenizer_model="gpt2",
                     eos_id=2, qtype=T.Q8_0, quantized=QUANTIZED, qtypes=None) -> dict[str, np.ndarray]:
-    """A 2-layer model (the tensors named in `quantized` stored as `qtype`, or as qtypes[part] for a part named
-    in `qtypes`); returns the HF-layout float32 weights that load_gguf must give back exactly."""
+    """A 2-layer model (the tensors named in `quantized` stored as `qtype`, or as qtypes[part] for a part
+    named in `qtypes`); returns the HF-layout float32 weights that load_gguf must give back exactly."""
     rng = np.random.default_rng(0)
     weights = hf_weights(rng, arch, tied)
     default_qtype = qtype
@@ -136,9 +136,11 @@ def write_tiny_gguf(path, arch="llama", tied=True, drop=None, reshape=None, toke
             qtype = next((t for part, t in (qtypes or {}).items() if part in name), default_qtype)
             if qtype in K_QUANTS:
                 data = rng.integers(0, 256, quant_shape_to_byte_shape(w.shape, qtype), dtype=np.uint8)
-                blocks = data.reshape(w.shape[0], -1, gguf.GGML_QUANT_SIZES[qtype][1])  # [rows, blocks, bytes]
+                # [rows, blocks, bytes]
+                blocks = data.reshape(w.shape[0], -1, gguf.GGML_QUANT_SIZES[qtype][1])
                 scales = K_QUANTS[qtype]
-                blocks[:, :, scales] = np.full((scales.stop - scales.start) // 2, 0.01, np.float16).view(np.uint8)
+                blocks[:, :, scales] = np.full((scales.stop - scales.start) // 2, 0.01,
+                                               np.float16).view(np.uint8)
             else:
                 data = quantize(w, qtype)
             writer.add_tensor(name, data, raw_dtype=qtype)
@@ -310,8 +312,8 @@ def test_cache_roundtrip_key_and_corruption(tmp_path, tiny, monkeypatch):
         "model.embed_tokens.weight", *(f"model.layers.{i}.mlp.{p}_proj.weight" for i in range(LAYERS)
                                        for p in ("gate", "up", "down"))}
     for name, q in first.quantized.items():
-        assert second.quantized[name].kind == q.kind == "Q8_0" and np.array_equal(second.quantized[name].blocks,
-                                                                                  q.blocks), name
+        assert (second.quantized[name].kind == q.kind == "Q8_0"
+                and np.array_equal(second.quantized[name].blocks, q.blocks)), name
     assert second.tokenizer.encode("<|im_start|>hello 12") == first.tokenizer.encode("<|im_start|>hello 12")
     assert (second.tokenizer.chat_template, second.tokenizer.eos_token) == (TEMPLATE, "<|im_end|>")
     os.utime(path, ns=(0, 10**9))
@@ -327,8 +329,9 @@ ALL_LINEAR = ("token_embd", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_ga
 
 
 def models_with_and_without_blocks(ckpt):
-    """(keep, Model, kinds of layer 0's projections and the LM head): the checkpoint's model multiplying by its
-    blocks (keep "1") and by float32 panels of the dequantized weights (keep "0": the checkpoint without them)."""
+    """(keep, Model, kinds of layer 0's projections and the LM head): the checkpoint's model multiplying by
+    its blocks (keep "1") and by float32 panels of the dequantized weights (keep "0": the checkpoint without
+    them)."""
     import dataclasses
 
     from specgen.backends import select_backend
@@ -337,33 +340,36 @@ def models_with_and_without_blocks(ckpt):
     from specgen.models.model import Model
 
     for keep in ("1", "0"):
-        m = Model(ckpt if keep == "1" else dataclasses.replace(ckpt, quantized={}), select_backend(EngineConfig()))
+        m = Model(ckpt if keep == "1" else dataclasses.replace(ckpt, quantized={}),
+                  select_backend(EngineConfig()))
         if not isinstance(m.backend, FusedBackend):
             pytest.skip("packed linear needs the fused kernels and AVX2 (with FMA and F16C) or AVX-512")
         b = m.weights.blocks[0]
-        kinds = {key: lin.weight.kind for key, lin in (("w_qkv", b.qkv), ("w_o", b.o), ("w_gate_up", b.gate_up),
-                                                       ("w_down", b.down))}
+        kinds = {key: lin.weight.kind for key, lin in (("w_qkv", b.qkv), ("w_o", b.o),
+                                                       ("w_gate_up", b.gate_up), ("w_down", b.down))}
         yield keep, m, kinds | {"lm_head": m.weights.lm_head.weight.kind}
 
 
 @pytest.mark.parametrize("qtype,quantized,arch", [
     (T.Q4_1, ALL_LINEAR, "llama"),  # q/k rows permuted by llama.cpp: the blocks must be put back alike
     (T.Q4_0, ALL_LINEAR, "qwen2"),
-    (T.Q8_0, QUANTIZED, "llama"),  # attention F32 in the file: QKV and O packed as float32, the rest as blocks
-    (T.Q4_1, ("attn_q", "ffn_gate", "ffn_down"), "llama"),  # K, V and up F32: fused QKV and gate/up stay float32
+    # attention F32 in the file: QKV and O packed as float32, the rest as blocks
+    (T.Q8_0, QUANTIZED, "llama"),
+    # K, V and up F32: fused QKV and gate/up stay float32
+    (T.Q4_1, ("attn_q", "ffn_gate", "ffn_down"), "llama"),
     # K-quants: super-blocks of 256 repacked per 32 inputs with float32 scales (attn_output's 64 inputs: F32)
     (T.Q4_K, tuple(n for n in ALL_LINEAR if n != "attn_output"), "llama"),
     (T.Q6_K, tuple(n for n in ALL_LINEAR if n != "attn_output"), "llama"),
     (T.Q5_K, tuple(n for n in ALL_LINEAR if n != "attn_output"), "llama"),  # multiplied as QX
 ], ids=lambda v: v.name if isinstance(v, T) else str(len(v)) if isinstance(v, tuple) else v)
 def test_quantized_weights_stay_blocks_and_give_the_same_bits(tmp_path, qtype, quantized, arch):
-    """A GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K projections: load_gguf keeps their raw blocks beside the float32
-    weights,
-    each block set dequantizes (as packed for specgen_linear) to exactly the loaded weight, and a float32 model
-    that multiplies by the blocks gives logits bit-identical to one over the dequantized weights."""
+    """A GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K projections: load_gguf keeps their raw blocks beside the
+    float32 weights,
+    each block set dequantizes (as packed for specgen_linear) to exactly the loaded weight, and a float32
+    model that multiplies by the blocks gives logits bit-identical to one over the dequantized weights."""
     from specgen import kernels
     from specgen.engine.proposers.mtp_head import MtpHeadWeights, random_mtp_weights
-    from specgen.engine.types import build_forward_batch
+    from specgen.runtime.batch import build_forward_batch
 
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, arch=arch, qtype=qtype, quantized=quantized)
@@ -375,8 +381,8 @@ def test_quantized_weights_stay_blocks_and_give_the_same_bits(tmp_path, qtype, q
         assert q.kind == qtype.name
         assert np.array_equal(kernels.pack_quantized(q.kind, q.blocks).numpy(), ckpt.weights[name].T), name
     rng = np.random.default_rng(3)
-    pre = build_forward_batch(np.arange(2), np.zeros(2, np.int64), np.array([9, 14]), rng.integers(3, 200, 23),
-                              np.zeros(2, bool))
+    pre = build_forward_batch(np.arange(2), np.zeros(2, np.int64), np.array([9, 14]),
+                              rng.integers(3, 200, 23), np.zeros(2, bool))
     ver = build_forward_batch(np.array([0, 1]), np.array([9, 14]), np.array([6, 1]), rng.integers(3, 200, 7),
                               np.array([True, True]))
     results = []
@@ -391,11 +397,13 @@ def test_quantized_weights_stay_blocks_and_give_the_same_bits(tmp_path, qtype, q
             assert set(kinds.values()) == {"F32"}
         cache = m.new_cache(2, 32)
         kv = ckpt.config.num_kv_heads
-        written = ((np.arange(2 * kv)[:, None] * cache.capacity) + np.arange(15)[None, :]).ravel()  # both slots 0-14
+        # both slots 0-14
+        written = ((np.arange(2 * kv)[:, None] * cache.capacity) + np.arange(15)[None, :]).ravel()
         results.append([t.numpy() for b in (pre, ver) for out in [m.forward(b, cache)]
                         for t in (out.logits, out.hidden)]
                        + [c.numpy()[written] for c in cache.k])  # (rows past them are uninitialized)
-        # greedy steps of a Q8_0 / Q4_0 head skip its logits (the backend's screen): the same tokens as their argmax
+        # greedy steps of a Q8_0 / Q4_0 head skip its logits (the backend's screen): the same tokens as their
+        # argmax
         screens = keep == "1" and kinds["lm_head"] in kernels.SCREENED_KINDS and kernels.has_vnni()
         assert (m.backend.screen is not None) == screens
         if screens:
@@ -405,7 +413,8 @@ def test_quantized_weights_stay_blocks_and_give_the_same_bits(tmp_path, qtype, q
                 screened = m.forward(b, caches[1], logits=False)
                 assert screened.logits is None and np.array_equal(screened.greedy, full.greedy)
                 assert np.array_equal(full.greedy, full.logits.numpy().argmax(-1))
-        # an MTP head sharing the LM head over a draft vocabulary: those rows of the blocks, or of the float32 head
+        # an MTP head sharing the LM head over a draft vocabulary: those rows of the blocks, or of the float32
+        # head
         head = MtpHeadWeights.read(random_mtp_weights(ckpt.config, 5), "random", m, np.arange(3, 200, 7))
         lm_head = m.backend.prepare_head(m, head, quantize=True).lm_head.weight
         assert lm_head.kind == (kinds["lm_head"] if keep == "1" else "F32")
@@ -419,7 +428,7 @@ def test_a_fused_projection_of_mixed_formats_is_multiplied_as_qx(tmp_path):
     """A Q4_K_M-like file (Q4_K, with attn_v and ffn_down in Q6_K): the fused QKV's rows of both formats are
     converted to QX and stay blocks, the other projections keep their own format, and the logits and hidden
     states are bit-identical to float32 panels over the dequantized weights."""
-    from specgen.engine.types import build_forward_batch
+    from specgen.runtime.batch import build_forward_batch
 
     path = tmp_path / "mixed.gguf"
     write_tiny_gguf(path, qtype=T.Q4_K, quantized=tuple(n for n in ALL_LINEAR if n != "attn_output"),
@@ -479,7 +488,8 @@ def test_smollm2_tokenizer_and_chat_template(smollm):
     ids = tok.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n")
     assert ids[:3] == [1, 4093, 198] and ids[-2:] == [2, 198] and ids.count(1) == 1 and ids.count(2) == 1
     assert not tok.add_bos_token and tok.vocab_size == 49152
-    texts = ["Hello, world!", "  two  spaces\n\nand\ttabs", "3.14159 + 42 = 45.14159", "naïve café — 你好, мир 😀"]
+    texts = ["Hello, world!", "  two  spaces\n\nand\ttabs", "3.14159 + 42 = 45.14159",
+             "naïve café — 你好, мир 😀"]
     for text in texts:
         assert tok.decode(tok.encode(text)) == text
     assert tok.render_chat([{"role": "user", "content": "hi"}]) == (

@@ -1,7 +1,7 @@
-"""GGUF qwen3moe (llama.cpp's layout: ffn_gate_inp routers, ffn_{gate,up,down}_exps stacked experts) written here
-from the tiny Qwen3-MoE HF fixture: the same config and, in float64, the same logits and greedy tokens as the HF
-load of the same weights; stacked Q8_0 experts split into each expert's raw rows, which the fused backend
-multiplies as blocks."""
+"""GGUF qwen3moe (llama.cpp's layout: ffn_gate_inp routers, ffn_{gate,up,down}_exps stacked experts) written
+here from the tiny Qwen3-MoE HF fixture: the same config and, in float64, the same logits and greedy tokens as
+the HF load of the same weights; stacked Q8_0 experts split into each expert's raw rows, which the fused
+backend multiplies as blocks."""
 from __future__ import annotations
 
 import json
@@ -14,10 +14,10 @@ from gguf.quants import dequantize, quantize
 from safetensors.numpy import load_file
 
 from specgen import EngineConfig, SamplingParams, generate, load_model
-from specgen.engine.types import build_forward_batch
 from specgen.errors import CheckpointError
 from specgen.models import load_checkpoint
 from specgen.models.gguf_loader import load_gguf
+from specgen.runtime.batch import build_forward_batch
 
 T = gguf.GGMLQuantizationType
 GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -59,12 +59,13 @@ def write_qwen3moe_gguf(path, expert_type=T.F32, drop_norm_key=False) -> None:
 
 
 def stacked_experts(hf: dict, num_layers: int, num_experts: int) -> dict[str, np.ndarray]:
-    """llama.cpp's blk.{i}.ffn_{gate,up,down}_exps.weight [num_experts, out, in] of every block with routed experts,
-    from HF's per-expert tensors (dense blocks have none)."""
+    """llama.cpp's blk.{i}.ffn_{gate,up,down}_exps.weight [num_experts, out, in] of every block with routed
+    experts, from HF's per-expert tensors (dense blocks have none)."""
     out = {}
     for i in range(num_layers):
         for proj in ("gate", "up", "down"):
-            parts = [hf.get(f"model.layers.{i}.mlp.experts.{e}.{proj}_proj.weight") for e in range(num_experts)]
+            parts = [hf.get(f"model.layers.{i}.mlp.experts.{e}.{proj}_proj.weight")
+                     for e in range(num_experts)]
             if parts and parts[0] is not None:
                 out[f"blk.{i}.ffn_{proj}_exps.weight"] = np.stack(parts)
     return out
@@ -121,7 +122,8 @@ def assert_same_model(hf_dir, gguf_path, seed: int = 4) -> None:
     assert np.abs(logits["hf"] - logits["gguf"]).max() < 1e-10
     prompts = [rng.integers(3, 297, 9).tolist() for _ in range(3)]
     sp = SamplingParams(max_tokens=8, ignore_eos=True)
-    tokens = {n: [o.token_ids for o in generate(prompts, model=m, sampling=sp, engine=EngineConfig(dtype="float64"))]
+    tokens = {n: [o.token_ids for o in generate(prompts, model=m, sampling=sp,
+                                                engine=EngineConfig(dtype="float64"))]
               for n, m in models.items()}
     assert tokens["hf"] == tokens["gguf"]
 
@@ -138,10 +140,12 @@ def test_stacked_q8_0_experts_split_into_each_experts_rows(tmp_path):
     hf = load_file(str(TINY / "qwen3_moe" / "model.safetensors"))
     name = "model.layers.2.mlp.experts.5.down_proj.weight"
     rows = ckpt.quantized[name]
-    assert rows.kind == "Q8_0" and rows.blocks.shape == (64, 1, 34)  # [out, blocks, bytes]: 32 inputs, one block
+    # [out, blocks, bytes]: 32 inputs, one block
+    assert rows.kind == "Q8_0" and rows.blocks.shape == (64, 1, 34)
     assert np.array_equal(dequantize(rows.blocks.reshape(64, 34), T.Q8_0), ckpt.weights[name])
     assert np.abs(ckpt.weights[name] - hf[name]).max() <= np.abs(hf[name]).max() / 100
-    # the fused backend multiplies each expert's Q8_0 blocks; the reference their dequantized values: one result
+    # the fused backend multiplies each expert's Q8_0 blocks; the reference their dequantized values: one
+    # result
     rng = np.random.default_rng(4)
     lens = np.array([11, 4, 7])
     batch = build_forward_batch(np.arange(3), np.zeros(3, np.int64), lens, rng.integers(3, 297, lens.sum()),

@@ -1,7 +1,8 @@
-"""GGUF SentencePiece vocabularies (tokenizer.ggml.model "llama": Llama 2, Mistral, ERNIE-4.5): a SentencePiece
-BPE model trained here on GSM8K questions, written as llama.cpp's converter writes it (pieces, scores, token
-types), tokenizes held-out text exactly as SentencePiece itself does, decodes back to it, and follows llama.cpp
-around special tokens; a tiny ERNIE-4.5 GGUF carrying such a vocabulary loads and generates from text."""
+"""GGUF SentencePiece vocabularies (tokenizer.ggml.model "llama": Llama 2, Mistral, ERNIE-4.5): a
+SentencePiece BPE model trained here on GSM8K questions, written as llama.cpp's converter writes it (pieces,
+scores, token types), tokenizes held-out text exactly as SentencePiece itself does, decodes back to it, and
+follows llama.cpp around special tokens; a tiny ERNIE-4.5 GGUF carrying such a vocabulary loads and generates
+from text."""
 from __future__ import annotations
 
 import io
@@ -31,8 +32,9 @@ def questions(lo: int, hi: int) -> list[str]:
 def train(vocab_size: int, byte_fallback: bool = True):
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(questions(0, 2000)), model_writer=model, vocab_size=vocab_size, model_type="bpe",
-        byte_fallback=byte_fallback, character_coverage=0.995, user_defined_symbols=["<tool>"], control_symbols=["<ctl>"],
+        sentence_iterator=iter(questions(0, 2000)), model_writer=model, vocab_size=vocab_size,
+        model_type="bpe", byte_fallback=byte_fallback, character_coverage=0.995,
+        user_defined_symbols=["<tool>"], control_symbols=["<ctl>"],
         normalization_rule_name="identity", remove_extra_whitespaces=False, minloglevel=2)
     return spm.SentencePieceProcessor(model_proto=model.getvalue())
 
@@ -80,7 +82,8 @@ def test_held_out_text_tokenizes_as_sentencepiece_does(vocab_1000):
         ids = tok.encode(text, add_special_tokens=False)
         assert ids == sp.encode(text), text
         assert tok.decode(ids) == text
-    assert any(sp.is_byte(i) for i in tok.encode("emoji 🙂", add_special_tokens=False))  # bytes' pieces where no piece covers the text
+    # bytes' pieces where no piece covers the text
+    assert any(sp.is_byte(i) for i in tok.encode("emoji 🙂", add_special_tokens=False))
 
 
 def test_special_tokens_split_the_text_as_llama_cpp_does(vocab_1000):

@@ -1,4 +1,5 @@
-"""Checkpoints stored in bfloat16 or float16: read exactly, and multiplied from 16-bit panels with float32's bits."""
+"""Checkpoints stored in bfloat16 or float16: read exactly, and multiplied from 16-bit panels
+with float32's bits."""
 import json
 import shutil
 import struct
@@ -11,11 +12,12 @@ from safetensors.numpy import load_file
 
 from specgen import EngineConfig, SamplingParams, generate, kernels, load_model
 from specgen.backends import fused
-from specgen.engine.types import build_forward_batch
+from specgen.runtime.batch import build_forward_batch
 
 
 def rounded(a: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 values made exactly representable in `dtype` (BF16: round to nearest even on the top 16 bits)."""
+    """float32 values made exactly representable in `dtype`
+    (BF16: round to nearest even on the top 16 bits)."""
     a = np.ascontiguousarray(a, np.float32)
     if dtype == "F16":
         return a.astype(np.float16).astype(np.float32)
@@ -82,7 +84,8 @@ def test_half_checkpoint_packs_half_panels_with_float32_bits(half_dir, monkeypat
         pytest.skip("packed weights need the fused kernels and AVX2 or AVX-512")
 
     def kinds(model):
-        return {lin.weight.kind for lin in model.weights.blocks[0].linears()} | {model.weights.lm_head.weight.kind}
+        return ({lin.weight.kind for lin in model.weights.blocks[0].linears()}
+                | {model.weights.lm_head.weight.kind})
 
     assert kinds(m) == {dtype}
     # the same model packed as float32 panels
@@ -90,8 +93,8 @@ def test_half_checkpoint_packs_half_panels_with_float32_bits(half_dir, monkeypat
     ref = load_model(d).model
     assert kinds(ref) == {"F32"}
     rng = np.random.default_rng(3)
-    pre = build_forward_batch(np.arange(2), np.zeros(2, np.int64), np.array([9, 14]), rng.integers(3, 250, 23),
-                              np.zeros(2, bool))
+    pre = build_forward_batch(np.arange(2), np.zeros(2, np.int64), np.array([9, 14]),
+                              rng.integers(3, 250, 23), np.zeros(2, bool))
     ver = build_forward_batch(np.array([0, 1]), np.array([9, 14]), np.array([6, 1]), rng.integers(3, 250, 7),
                               np.ones(2, bool))
     outs = []

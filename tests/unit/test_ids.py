@@ -10,8 +10,8 @@ from specgen.io.ids import MAX_FAMILIES, SeenIds
 
 def _ids(rng: random.Random, n: int) -> list[str]:
     kinds = [
-        lambda i: str(i), lambda i: f"req-{i}", lambda i: f"doc-{i:06d}", lambda i: f"x{rng.randrange(10**12)}",
-        lambda i: f"{rng.random():.6f}", lambda i: "", lambda i: "007",
+        lambda i: str(i), lambda i: f"req-{i}", lambda i: f"doc-{i:06d}",
+        lambda i: f"x{rng.randrange(10**12)}", lambda i: f"{rng.random():.6f}", lambda i: "", lambda i: "007",
         lambda i: f"p{rng.randrange(MAX_FAMILIES * 2)}-{i}",
         lambda i: "9" * rng.choice([18, 19, 40]), lambda i: f"r{n - i}",
     ]

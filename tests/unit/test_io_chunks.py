@@ -1,4 +1,5 @@
-"""Input chunks (what Ray Data's read tasks read): together, exactly the records iter_records reads, numbered alike."""
+"""Input chunks (what Ray Data's read tasks read): together, exactly the records iter_records reads,
+numbered alike."""
 from __future__ import annotations
 
 import pyarrow as pa
@@ -11,7 +12,8 @@ from specgen.io.readers import chunks, iter_chunk, iter_records
 @pytest.mark.parametrize("size", [1, 2, 3, 10])
 def test_jsonl_chunks_read_every_record_once(tmp_path, size):
     path = tmp_path / "in.jsonl"
-    path.write_text('{"a": 1}\n\n{"a": 2}\nnot json\n\n \n{"a": 3}\n{"a": 4}\n{"a": 5}')  # blank lines, no final \n
+    # blank lines, no final \n
+    path.write_text('{"a": 1}\n\n{"a": 2}\nnot json\n\n \n{"a": 3}\n{"a": 4}\n{"a": 5}')
     parts = chunks(path, "jsonl", size)
     assert [c.num_records for c in parts][:-1] == [size] * (len(parts) - 1)
     assert [r for c in parts for r in iter_chunk(c)] == list(iter_records(path, "jsonl"))

@@ -91,13 +91,14 @@ def test_parquet_journal_finalize_and_resume(tmp_path):
 
 
 def test_resume_of_a_parquet_output_written_before_a_column_was_added(tmp_path):
-    """An output without drafted_per_position (written before token trees) is resumed: the column comes back null
-    for its old rows."""
+    """An output without drafted_per_position (written before token trees) is resumed: the column comes back
+    null for its old rows."""
     import pyarrow as pa
 
     out = tmp_path / "out.parquet"
     old = pa.schema([f for f in arrow_schema() if f.name != "drafted_per_position"])
-    pq.write_table(pa.Table.from_pylist([{k: v for k, v in record(0).items() if k in old.names}], schema=old), out)
+    pq.write_table(pa.Table.from_pylist([{k: v for k, v in record(0).items() if k in old.names}],
+                                        schema=old), out)
     sink, done = open_sink(out, resume=True)
     assert len(done) == 1 and "r0" in done
     sink.write(record(1))

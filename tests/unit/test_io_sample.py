@@ -1,4 +1,5 @@
-"""--sample: reservoir sampling of an input's records: uniform, repeatable with a seed, real line numbers kept."""
+"""--sample: reservoir sampling of an input's records: uniform, repeatable with a seed,
+real line numbers kept."""
 from __future__ import annotations
 
 import json
@@ -69,9 +70,11 @@ def test_line_numbers_are_the_files(tmp_path):
         assert r.error is not None if r.number == 11 else r.value == json.loads(text[r.number - 1])
     bad = []
     source = RequestSource(records=records, encode=lambda prompt, where: (1, 2), sampling=SamplingParams(),
-                           context_len=64, vocab_size=10, on_bad=lambda rid, message, n: bad.append((rid, message)))
+                           context_len=64, vocab_size=10,
+                           on_bad=lambda rid, message, n: bad.append((rid, message)))
     ids = [r.id for r in source]
-    assert bad == [("11", "line 11: malformed JSON (Expecting property name enclosed in double quotes at column 2)")]
+    assert bad == [("11", "line 11: malformed JSON (Expecting property name enclosed in double quotes "
+                          "at column 2)")]
     assert len(ids) == 7 and "r8" not in ids  # r8 was line 11
 
 

@@ -6,12 +6,13 @@ import pytest
 from conftest import TINY, TINY_ARCHS
 
 from specgen import load_model
-from specgen.layers.norm import rms_norm
-from specgen.engine.types import build_forward_batch
 from specgen.kernels import has_vnni, ops
+from specgen.layers.norm import rms_norm
+from specgen.runtime.batch import build_forward_batch
 
 K = ops()
-pytestmark = pytest.mark.skipif(K is None, reason="fused CPU kernels not built (no C++ compiler or not on CPU)")
+pytestmark = pytest.mark.skipif(K is None,
+                                reason="fused CPU kernels not built (no C++ compiler or not on CPU)")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -39,7 +40,8 @@ def _numpy_attention(qkv, cos, sin, pos, slots, kc, vc, H, KV, cap):
     G, half = H // KV, D // 2
     x = qkv.reshape(n, H + 2 * KV, D).astype(np.float64)
     c, s = cos[pos][:, None, :], sin[pos][:, None, :]
-    rot = np.concatenate([x[..., :half] * c - x[..., half:] * s, x[..., half:] * c + x[..., :half] * s], axis=-1)
+    rot = np.concatenate([x[..., :half] * c - x[..., half:] * s, x[..., half:] * c + x[..., :half] * s],
+                         axis=-1)
     q, k, v = rot[:, :H] / np.sqrt(D), rot[:, H:H + KV], x[:, H + KV:]
     kc, vc = kc.astype(np.float64).copy(), vc.astype(np.float64).copy()
     for t in range(n):
@@ -98,8 +100,9 @@ def test_attention_rows_do_not_depend_on_the_rest_of_the_batch():
 
     def run(rows):
         out = K.specgen_attention(paddle.to_tensor(qkv[rows]), cos, sin, paddle.to_tensor(pos[rows]),
-                                  paddle.to_tensor(slots[rows]), paddle.to_tensor(kc0), paddle.to_tensor(vc0), ones,
-                                  ones, paddle.zeros([len(rows)], dtype="int64"), ones, ones, H, KV, cap, False, 1e-6, 0)
+                                  paddle.to_tensor(slots[rows]), paddle.to_tensor(kc0), paddle.to_tensor(vc0),
+                                  ones, ones, paddle.zeros([len(rows)], dtype="int64"), ones, ones,
+                                  H, KV, cap, False, 1e-6, 0)
         return (out[0] if isinstance(out, (list, tuple)) else out).numpy()
 
     together = run(np.arange(9))
@@ -115,8 +118,8 @@ def test_attention_rows_do_not_depend_on_the_rest_of_the_batch():
 
 @pytest.mark.parametrize("D", [64, 24])
 def test_shared_prefix_attention_equals_a_private_copy(D):
-    """Cascade attention: keys [0, p) from the shared prefix cache, the rest from the slot's rows shifted by p,
-    gives bit-identical outputs to the same keys held privately; own K/V land at row position - p."""
+    """Cascade attention: keys [0, p) from the shared prefix cache, the rest from the slot's rows shifted by
+    p, gives bit-identical outputs to the same keys held privately; own K/V land at row position - p."""
     rng = np.random.default_rng(D)
     H, KV, cap, P = 4, 2, 32, 10
     prefix_k = rng.standard_normal((KV * 16, D)).astype(np.float32)  # prefix capacity 16, P = 10 used
@@ -140,11 +143,12 @@ def test_shared_prefix_attention_equals_a_private_copy(D):
     ones = paddle.ones([D])
     args = (paddle.to_tensor(pos), paddle.to_tensor(slots))
     kc, vc = paddle.to_tensor(priv_k), paddle.to_tensor(priv_v)
-    want = K.specgen_attention(qkv, cos, sin, *args, kc, vc, ones, ones, paddle.zeros([4], dtype="int64"), ones, ones,
-                               H, KV, cap, False, 1e-6, 0)
+    want = K.specgen_attention(qkv, cos, sin, *args, kc, vc, ones, ones, paddle.zeros([4], dtype="int64"),
+                               ones, ones, H, KV, cap, False, 1e-6, 0)
     sk, sv = paddle.to_tensor(own_k), paddle.to_tensor(own_v)
     got = K.specgen_attention(qkv, cos, sin, *args, sk, sv, ones, ones, paddle.full([4], P, dtype="int64"),
-                              paddle.to_tensor(prefix_k), paddle.to_tensor(prefix_v), H, KV, cap, False, 1e-6, 16)
+                              paddle.to_tensor(prefix_k), paddle.to_tensor(prefix_v),
+                              H, KV, cap, False, 1e-6, 16)
     first = lambda r: r[0] if isinstance(r, (list, tuple)) else r  # noqa: E731
     assert np.array_equal(first(got).numpy(), first(want).numpy())
     for t in range(4):
@@ -175,7 +179,8 @@ def test_packed_linear_matches_numpy_and_rows_do_not_depend_on_each_other(k, n):
     assert K.specgen_linear(paddle.to_tensor(x[:0]), p.panels, n).shape == [0, n]
 
 
-@pytest.mark.parametrize("kind,k,n", [("Q4_1", 576, 960), ("Q4_1", 64, 45), ("Q4_0", 96, 70), ("Q8_0", 576, 33)])
+@pytest.mark.parametrize("kind,k,n", [("Q4_1", 576, 960), ("Q4_1", 64, 45), ("Q4_0", 96, 70),
+                                      ("Q8_0", 576, 33)])
 def test_quantized_linear_equals_float32_over_the_dequantized_weight(kind, k, n):
     """specgen_linear over GGUF blocks packed by pack_quantized: the packed blocks dequantize to exactly what
     gguf.quants gives, and every product (1 to 41 rows: the in-register path up to 8 rows; beyond, a first
@@ -190,19 +195,20 @@ def test_quantized_linear_equals_float32_over_the_dequantized_weight(kind, k, n)
     rng = np.random.default_rng(k + n)
     blocks = rng.integers(0, 256, (n, k // 32, QUANT_BLOCK_BYTES[kind]), dtype=np.uint8)
     scales = 4 if kind == "Q4_1" else 2  # fp16 d (and m): finite values of either sign, some subnormal
-    halves = (rng.standard_normal((n, k // 32, scales // 2)) * np.where(rng.random((n, k // 32, 1)) < 0.1, 1e-6, 0.05))
+    halves = (rng.standard_normal((n, k // 32, scales // 2))
+              * np.where(rng.random((n, k // 32, 1)) < 0.1, 1e-6, 0.05))
     blocks[..., :scales] = halves.astype(np.float16).view(np.uint8).reshape(n, k // 32, scales)
     w = dequantize(blocks.reshape(n, -1), gguf.GGMLQuantizationType[kind]).reshape(n, k).T.astype(np.float32)
     q = pack_quantized(kind, blocks)
-    assert q.panels.dtype == paddle.uint8 and q.panels.shape == [-(-n // 32), k // 32, {"Q4_0": 576, "Q4_1": 640,
-                                                                                         "Q8_0": 1088}[kind]]
+    assert (q.panels.dtype == paddle.uint8
+            and q.panels.shape == [-(-n // 32), k // 32, {"Q4_0": 576, "Q4_1": 640, "Q8_0": 1088}[kind]])
     assert np.array_equal(q.numpy(), w)
     f = pack_linear(w)
     x = rng.standard_normal((41, k)).astype(np.float32)
     y = K.specgen_linear(paddle.to_tensor(x), q.panels, n).numpy()
     assert np.array_equal(y, K.specgen_linear(paddle.to_tensor(x), f.panels, n).numpy())
-    for m, at in [(1, 0), (1, 40), (2, 3), (3, 38), (5, 5), (6, 2), (7, 30), (8, 12), (9, 0), (16, 4), (17, 20),
-                  (26, 15)]:
+    for m, at in [(1, 0), (1, 40), (2, 3), (3, 38), (5, 5), (6, 2), (7, 30), (8, 12), (9, 0), (16, 4),
+                  (17, 20), (26, 15)]:
         part = K.specgen_linear(paddle.to_tensor(x[at:at + m]), q.panels, n).numpy()
         assert np.array_equal(part, y[at:at + m]), (m, at)
     with pytest.raises(OSError, match="not a quantized"):
@@ -231,13 +237,15 @@ def test_wide_linear_equals_the_one_panel_path(kind, k, n):
         scales = 4 if kind == "Q4_1" else 2
         blocks[..., :scales] = (rng.standard_normal((n, k // 32, scales // 2)) * 0.05).astype(np.float16) \
             .view(np.uint8).reshape(n, k // 32, scales)
-        w = dequantize(blocks.reshape(n, -1), gguf.GGMLQuantizationType[kind]).reshape(n, k).T.astype(np.float32)
+        w = dequantize(blocks.reshape(n, -1),
+                       gguf.GGMLQuantizationType[kind]).reshape(n, k).T.astype(np.float32)
         panels = pack_quantized(kind, blocks).panels
     x = rng.standard_normal((130, k)).astype(np.float32)
     y = K.specgen_linear(paddle.to_tensor(x), panels, n).numpy()
     ref = x.astype(np.float64) @ w.astype(np.float64)
     assert np.abs(y - ref).max() <= 1e-6 * np.sqrt(k) * np.abs(ref).max() + 1e-6
-    alone = np.concatenate([K.specgen_linear(paddle.to_tensor(x[r:r + 1]), panels, n).numpy() for r in range(130)])
+    alone = np.concatenate([K.specgen_linear(paddle.to_tensor(x[r:r + 1]), panels, n).numpy()
+                            for r in range(130)])
     assert np.array_equal(alone, y)
     for m, at in [(17, 0), (18, 100), (47, 3), (48, 50), (49, 81), (97, 33), (130, 0)]:
         part = K.specgen_linear(paddle.to_tensor(x[at:at + m]), panels, n).numpy()
@@ -245,15 +253,17 @@ def test_wide_linear_equals_the_one_panel_path(kind, k, n):
 
 
 def _int8_product_reference(x: np.ndarray, blocks: np.ndarray, kind: str) -> np.ndarray:
-    """The integer product's definition (linear.cc, "Integer products") in numpy: x [m, k] float32 quantized per
-    block of 32 inputs (dx = max |x| / 127, xq = round-to-even(x / dx) through a float32 reciprocal, sx = the
-    block's sum in input order); then per block, in block order, acc = fma(sum u xq - offset sum xq, d dx, acc)
-    (Q4_1: then acc = fma(m, sx, acc)). An FMA is emulated in float64, where a product of two float32s is exact."""
+    """The integer product's definition (linear.cc, "Integer products") in numpy: x [m, k] float32 quantized
+    per block of 32 inputs (dx = max |x| / 127, xq = round-to-even(x / dx) through a float32 reciprocal, sx =
+    the block's sum in input order); then per block, in block order, acc = fma(sum u xq - offset sum xq, d dx,
+    acc) (Q4_1: then acc = fma(m, sx, acc)). An FMA is emulated in float64, where a product of two float32s is
+    exact."""
     n, kb, _ = blocks.shape
     m_rows = x.shape[0]
     xb = x.reshape(m_rows, kb, 32)
     dx = (np.abs(xb).max(axis=-1) / np.float32(127)).astype(np.float32)  # [m, kb]
-    inv = np.where(dx > 0, np.float32(1) / np.where(dx > 0, dx, np.float32(1)), np.float32(0)).astype(np.float32)
+    inv = np.where(dx > 0, np.float32(1) / np.where(dx > 0, dx, np.float32(1)),
+                   np.float32(0)).astype(np.float32)
     xq = np.clip(np.rint((xb * inv[..., None]).astype(np.float32)), -127, 127).astype(np.int64)  # [m, kb, 32]
     sx = np.zeros((m_rows, kb), np.float32)
     for i in range(32):  # in input order, as the kernel adds
@@ -275,7 +285,8 @@ def _int8_product_reference(x: np.ndarray, blocks: np.ndarray, kind: str) -> np.
     return acc
 
 
-@pytest.mark.parametrize("kind,k,n", [("Q4_1", 576, 70), ("Q4_0", 96, 45), ("Q8_0", 160, 33), ("Q4_1", 64, 32)])
+@pytest.mark.parametrize("kind,k,n", [("Q4_1", 576, 70), ("Q4_0", 96, 45), ("Q8_0", 160, 33),
+                                      ("Q4_1", 64, 32)])
 def test_int8_products_equal_their_definition(kind, k, n):
     """specgen_linear over blocks packed for integer products (pack_quantized(..., int8_product=True)): the
     repacked quants still rebuild the GGUF reader's float32 weight, every product equals the definition in
@@ -293,7 +304,8 @@ def test_int8_products_equal_their_definition(kind, k, n):
     rng = np.random.default_rng(k + n)
     blocks = rng.integers(0, 256, (n, k // 32, QUANT_BLOCK_BYTES[kind]), dtype=np.uint8)
     scales = 4 if kind == "Q4_1" else 2
-    halves = rng.standard_normal((n, k // 32, scales // 2)) * np.where(rng.random((n, k // 32, 1)) < 0.1, 1e-6, 0.05)
+    halves = (rng.standard_normal((n, k // 32, scales // 2))
+              * np.where(rng.random((n, k // 32, 1)) < 0.1, 1e-6, 0.05))
     blocks[..., :scales] = halves.astype(np.float16).view(np.uint8).reshape(n, k // 32, scales)
     w = dequantize(blocks.reshape(n, -1), gguf.GGMLQuantizationType[kind]).reshape(n, k).T.astype(np.float32)
     q = pack_quantized(kind, blocks, int8_product=True)
@@ -341,15 +353,16 @@ def test_packed_float32_model_rows_equal_whatever_the_block():
 
 
 def op_by_op_forward(m, batch, cache):
-    """The fused backend's forward as its kernels called one at a time (the per-op operators over the same packed
-    weights and caches, in specgen_forward's order): (logits, hidden, greedy)."""
+    """The fused backend's forward as its kernels called one at a time (the per-op operators over the same
+    packed weights and caches, in specgen_forward's order): (logits, hidden, greedy)."""
     from specgen.backends.reference import reserve
 
     cfg, w = m.config, m.weights
     reserve(batch, cache)
     eps, n = cfg.rms_norm_eps, len(batch.token_ids)
     ones = paddle.ones([cfg.head_dim], dtype="float32")
-    plen = paddle.to_tensor(batch.token_prefix_len if batch.token_prefix_len is not None else np.zeros(n, np.int64))
+    plen = paddle.to_tensor(batch.token_prefix_len if batch.token_prefix_len is not None
+                            else np.zeros(n, np.int64))
     pre = cache.prefix
 
     def linear(x, lin):
@@ -365,7 +378,8 @@ def op_by_op_forward(m, batch, cache):
         qkv = linear(first(K.specgen_rms_norm(x, blk.attn_norm, eps)), blk.qkv)
         qk = blk.q_norm is not None
         att = first(K.specgen_attention(
-            qkv, m.rope.cos, m.rope.sin, paddle.to_tensor(batch.positions), paddle.to_tensor(batch.token_slots),
+            qkv, m.rope.cos, m.rope.sin,
+            paddle.to_tensor(batch.positions), paddle.to_tensor(batch.token_slots),
             cache.k[i], cache.v[i], blk.q_norm if qk else ones, blk.k_norm if qk else ones, plen,
             pre.k[i] if pre is not None else ones, pre.v[i] if pre is not None else ones, cfg.num_heads,
             cfg.num_kv_heads, cache.capacity, qk, eps, pre.capacity if pre is not None else 0))
@@ -376,12 +390,13 @@ def op_by_op_forward(m, batch, cache):
     return logits, hidden, first(K.specgen_argmax(logits)).numpy()
 
 
-@pytest.mark.parametrize("arch", [a for a in TINY_ARCHS if not a.endswith("_moe")])  # MoE: tests/unit/test_moe.py
+# MoE: tests/unit/test_moe.py
+@pytest.mark.parametrize("arch", [a for a in TINY_ARCHS if not a.endswith("_moe")])
 def test_fused_forward_is_bit_identical_to_its_kernels_op_by_op(arch):
     """specgen_forward_bound (embedding, every block, final norm, LM head in one operator, weights and caches
     bound by handle), float32 packed, against the same kernels called one by one: every architecture (biases,
-    qk-norm, GQA, interleaved RoPE), prefill then mixed verify/prefill blocks, with and without a shared prefix:
-    identical logits, hidden states, greedy tokens and caches, bit for bit."""
+    qk-norm, GQA, interleaved RoPE), prefill then mixed verify/prefill blocks, with and without a shared
+    prefix: identical logits, hidden states, greedy tokens and caches, bit for bit."""
     m = load_model(TINY / arch, dtype="float32", backend="fused").model
     rng = np.random.default_rng(7)
     prefix = rng.integers(3, 250, 12)
@@ -399,14 +414,16 @@ def test_fused_forward_is_bit_identical_to_its_kernels_op_by_op(arch):
         cache = m.new_cache(4, 64)
         out = [run(b, cache) for b in (pre, ver)]
         pcache = m.new_cache(1, 64)  # the shared prefix's own cache, computed once
-        run(build_forward_batch(np.array([0]), np.array([0]), np.array([12]), prefix, np.array([False])), pcache)
+        run(build_forward_batch(np.array([0]), np.array([0]), np.array([12]), prefix,
+                                np.array([False])), pcache)
         scache = m.new_cache(2, 64)
         scache.prefix = pcache
         out.append(run(shared, scache))
         for logits, _, greedy in out:
             assert np.array_equal(greedy, np.argmax(logits.numpy(), axis=-1))
-        kv = m.config.num_kv_heads  # the rows written: positions 0-20, 0-8, 0-38, 0-16 of slots 0-3 (the rest are
-        written = np.concatenate([(s * kv + h) * cache.capacity + np.arange(n)  # uninitialized)
+        # the rows written: positions 0-20, 0-8, 0-38, 0-16 of slots 0-3 (the rest are uninitialized)
+        kv = m.config.num_kv_heads
+        written = np.concatenate([(s * kv + h) * cache.capacity + np.arange(n)
                                   for s, n in enumerate([21, 9, 39, 17]) for h in range(kv)])
         results.append([np.asarray(t) for triple in out for t in triple]
                        + [c.numpy()[written] for c in cache.k + cache.v])
@@ -420,13 +437,14 @@ def test_bound_forward_follows_a_growing_cache_and_lets_it_go(monkeypatch):
     grew; a dropped cache's binding goes with it."""
     import gc
 
-    from specgen.engine import kv_cache
     from specgen.kernels import args
+    from specgen.runtime import kv_cache
 
     m = load_model(TINY / "llama", dtype="float32", backend="fused").model
     backend = m.backend
     ids = np.random.default_rng(5).integers(3, 250, 256)
-    steps = [(0, 50), (50, 1), (51, 30), (81, 6), (87, 100), (187, 3), (190, 6)]  # then a block without logits
+    # then a block without logits
+    steps = [(0, 50), (50, 1), (51, 30), (81, 6), (87, 100), (187, 3), (190, 6)]
     runs, bindings = {}, []  # every cache binding the growing run made
     for grows in (True, False):
         # 64 -> 128 -> 256 (the tiny model's context), or 256 from the start
@@ -440,8 +458,8 @@ def test_bound_forward_follows_a_growing_cache_and_lets_it_go(monkeypatch):
             out += [o.logits.numpy(), o.hidden.numpy(), o.greedy]
             if grows and cache.binding[1] not in bindings:
                 bindings.append(cache.binding[1])
-        b = build_forward_batch(np.array([0]), np.array([196]), np.array([8]), ids[196:204], np.array([False]),
-                                no_logits=np.array([True]))
+        b = build_forward_batch(np.array([0]), np.array([196]), np.array([8]), ids[196:204],
+                                np.array([False]), no_logits=np.array([True]))
         o = m.forward(b, cache)
         assert o.logits.shape[0] == 0 and len(o.greedy) == 0
         out += [o.hidden.numpy()]
@@ -452,7 +470,8 @@ def test_bound_forward_follows_a_growing_cache_and_lets_it_go(monkeypatch):
             cfg = m.config
             with pytest.raises(Exception, match="outside the bound caches"):  # slot 1 of a 1-slot cache
                 args.forward_bound(backend.ops, args.StepArgs(
-                    index=paddle.to_tensor(np.array([5, 0, 1, 0, 0])), num_tokens=1, weights=backend._weights(m),
+                    index=paddle.to_tensor(np.array([5, 0, 1, 0, 0])),
+                    num_tokens=1, weights=backend._weights(m),
                     caches=cache.binding[1], capacity=cache.capacity, prefix_capacity=0,
                     screen=backend._no_screen, bound=backend._no_screen,
                     geometry=args.Geometry(cfg.num_heads, cfg.num_kv_heads, cfg.qk_norm, cfg.rms_norm_eps),
@@ -469,9 +488,10 @@ def test_bound_forward_follows_a_growing_cache_and_lets_it_go(monkeypatch):
 
 
 def test_bound_forward_index_tensors_are_reused_per_length(monkeypatch):
-    """The step's index tensor is kept per length and overwritten (zero copy): a second index of the same length
-    comes back in the same tensor with the new contents, one of another length in its own, one past
-    INDEX_REUSE_MAX in a fresh tensor each time; and a run of steps that reuse them gives the bits of fresh ones."""
+    """The step's index tensor is kept per length and overwritten (zero copy): a second index of the same
+    length comes back in the same tensor with the new contents, one of another length in its own, one past
+    INDEX_REUSE_MAX in a fresh tensor each time; and a run of steps that reuse them gives the bits of fresh
+    ones."""
     m = load_model(TINY / "llama", dtype="float32", backend="fused").model
     backend = m.backend
     a, b = np.arange(10, dtype=np.int64), np.arange(10, 20, dtype=np.int64)
@@ -490,7 +510,8 @@ def test_bound_forward_index_tensors_are_reused_per_length(monkeypatch):
             monkeypatch.setattr(type(backend), "INDEX_REUSE_MAX", 0)
         cache = m.new_cache(2, 64)
         out = []
-        for start, n in [(0, 20), (20, 2), (22, 2), (24, 2), (26, 1), (27, 1)]:  # lengths repeat, contents differ
+        # lengths repeat, contents differ
+        for start, n in [(0, 20), (20, 2), (22, 2), (24, 2), (26, 1), (27, 1)]:
             batch = build_forward_batch(np.array([0, 1]), np.array([start, start]), np.array([n, n]),
                                         np.concatenate([ids[start:start + n], ids[start + 5:start + 5 + n]]),
                                         np.array([True, True]))
@@ -502,8 +523,8 @@ def test_bound_forward_index_tensors_are_reused_per_length(monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_argmax_matches_paddle_lowest_index_on_ties(dtype):
-    """specgen_argmax against paddle.argmax: vocabularies that are and are not multiples of 16 lanes, rows with
-    ties (the lowest index wins), with the maximum in the last partial block, and all -inf."""
+    """specgen_argmax against paddle.argmax: vocabularies that are and are not multiples of 16 lanes, rows
+    with ties (the lowest index wins), with the maximum in the last partial block, and all -inf."""
     from specgen.kernels import args
 
     rng = np.random.default_rng(3)
@@ -521,8 +542,9 @@ def test_argmax_matches_paddle_lowest_index_on_ties(dtype):
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_attention_over_many_key_chunks_matches_numpy(dtype):
     """Contexts longer than one 128-key chunk: a decode at position 600 (5 chunks), a verify block whose rows
-    straddle the chunk boundary at 128, and a prompt piece at 250-270; against numpy, and each block alone (its
-    chunks spread over the threads) bit-identical to the whole batch (chunks run within one work item)."""
+    straddle the chunk boundary at 128, and a prompt piece at 250-270; against numpy, and each block alone
+    (its chunks spread over the threads) bit-identical to the whole batch (chunks run within one work
+    item)."""
     rng = np.random.default_rng(11)
     H, KV, D, cap = 9, 3, 64, 704
     slots = np.array([0] + [1] * 6 + [2] * 21, np.int64)
@@ -537,9 +559,10 @@ def test_attention_over_many_key_chunks_matches_numpy(dtype):
 
     def run(rows):
         out = K.specgen_attention(paddle.to_tensor(qkv[rows]), paddle.to_tensor(cos), paddle.to_tensor(sin),
-                                  paddle.to_tensor(pos[rows]), paddle.to_tensor(slots[rows]), paddle.to_tensor(kc),
-                                  paddle.to_tensor(vc), ones, ones, paddle.zeros([len(rows)], dtype="int64"), ones,
-                                  ones, H, KV, cap, False, 1e-6, 0)
+                                  paddle.to_tensor(pos[rows]), paddle.to_tensor(slots[rows]),
+                                  paddle.to_tensor(kc), paddle.to_tensor(vc), ones, ones,
+                                  paddle.zeros([len(rows)], dtype="int64"), ones, ones, H, KV, cap,
+                                  False, 1e-6, 0)
         return (out[0] if isinstance(out, (list, tuple)) else out).numpy()
 
     whole = run(np.arange(len(pos)))
@@ -550,10 +573,10 @@ def test_attention_over_many_key_chunks_matches_numpy(dtype):
 
 
 def test_a_finished_build_loads_without_the_builder(tmp_path, monkeypatch):
-    """Once a build directory holds a finished build (its library and the BUILT_MARK written after loading it),
-    later processes load the library directly instead of running Paddle's builder (a setup.py subprocess of
-    ~2 s at every start): the module has the operators. A directory without the mark, or without the library,
-    or a loader that fails, goes through the builder."""
+    """Once a build directory holds a finished build (its library and the BUILT_MARK written after loading
+    it), later processes load the library directly instead of running Paddle's builder (a setup.py subprocess
+    of ~2 s at every start): the module has the operators. A directory without the mark, or without the
+    library, or a loader that fails, goes through the builder."""
     import subprocess
     import sys
 
@@ -565,7 +588,8 @@ def test_a_finished_build_loads_without_the_builder(tmp_path, monkeypatch):
     code = ("import sys; from paddle.utils import cpp_extension; from specgen import kernels\n"
             "cpp_extension.load = lambda **kw: sys.exit('the builder ran')\n"  # load() must not be called
             "m = kernels.ops(); print(m is not None and hasattr(m, 'specgen_linear'))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         check=False)
     assert out.returncode == 0 and out.stdout.strip().endswith("True"), out.stderr[-2000:]
     empty = tmp_path / "build"
     empty.mkdir()
@@ -584,11 +608,11 @@ def test_a_finished_build_loads_without_the_builder(tmp_path, monkeypatch):
 @pytest.mark.skipif(not has_vnni(), reason="the greedy screen's integer products need AVX-512 VNNI")
 @pytest.mark.parametrize("kind,k,n", [("Q8_0", 576, 1000), ("Q4_0", 96, 333), ("Q8_0", 64, 45)])
 def test_screened_argmax_equals_the_float32_logits_argmax(kind, k, n):
-    """specgen_screened_argmax (the greedy tokens of a screened LM head) against the argmax of specgen_linear's
-    float32 logits over the same blocks: equal on every row, for rows whose top logits are near-ties built to
-    sit inside the screen's error bound (columns that copy the best one with one weight changed by a quant, or
-    exactly, which must give the lowest index), over more rows than one screening chunk (64), and for rows with
-    a NaN or an infinity (the full product's rule)."""
+    """specgen_screened_argmax (the greedy tokens of a screened LM head) against the argmax of
+    specgen_linear's float32 logits over the same blocks: equal on every row, for rows whose top logits are
+    near-ties built to sit inside the screen's error bound (columns that copy the best one with one weight
+    changed by a quant, or exactly, which must give the lowest index), over more rows than one screening chunk
+    (64), and for rows with a NaN or an infinity (the full product's rule)."""
     from specgen.kernels import pack_quantized, pack_screen
     from specgen.models.checkpoint import QUANT_BLOCK_BYTES
 
@@ -639,8 +663,8 @@ def test_screened_argmax_keeps_a_column_its_integer_product_misses_by_nearly_the
     block's first sits at 0.49 of a quantization step, with the sign of that column's weight, and rounds to 0;
     the first inputs are exact. Column a (weights only on the rounded inputs) then scores 0 in the integer
     products against a true logit of 0.49 E_a, and column b (a weight only on an exact input) scores its true
-    logit, just below a's. The screen must still keep a (a margin under 0.49 E_a would not), and pick b once b's
-    logit is just above a's."""
+    logit, just below a's. The screen must still keep a (a margin under 0.49 E_a would not), and pick b once
+    b's logit is just above a's."""
     from specgen.kernels import pack_quantized, pack_screen
 
     k, n, a, b, D = 64, 40, 7, 23, 0.0625
@@ -677,14 +701,15 @@ def test_screened_argmax_keeps_a_column_its_integer_product_misses_by_nearly_the
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("int8", [False, True])
 def test_blocks_are_packed_in_cpp_as_in_numpy(kind, int8):
-    """specgen_pack_blocks (what pack_quantized runs with the kernels) gives the bytes of the numpy reference, for
-    both layouts, with a partial last panel."""
+    """specgen_pack_blocks (what pack_quantized runs with the kernels) gives the bytes of the numpy reference,
+    for both layouts, with a partial last panel."""
     from specgen.kernels.packing import pack_quantized
     from specgen.models.checkpoint import QUANT_BLOCK_BYTES
 
     blocks = np.random.default_rng(7).integers(0, 256, (77, 3, QUANT_BLOCK_BYTES[kind]), dtype=np.uint8)
     fast, ref = pack_quantized(kind, blocks, int8, K), pack_quantized(kind, blocks, int8)
-    assert fast.panels.dtype == ref.panels.dtype and (fast.k, fast.n, fast.int8_product) == (ref.k, ref.n, int8)
+    assert (fast.panels.dtype == ref.panels.dtype
+            and (fast.k, fast.n, fast.int8_product) == (ref.k, ref.n, int8))
     assert np.array_equal(fast.panels.numpy(), ref.panels.numpy())
     if kind != "Q4_1" and int8:  # the greedy screen's panels and bound, both ways
         from specgen.kernels import pack_screen
@@ -694,14 +719,15 @@ def test_blocks_are_packed_in_cpp_as_in_numpy(kind, int8):
             numpy_screen = pack_screen(kind, blocks)
         assert np.array_equal(screen.panels.panels.numpy(), numpy_screen.panels.panels.numpy())
         assert screen.bound.shape == numpy_screen.bound.shape == [3, 3, 32]
-        assert np.array_equal(screen.bound.numpy(), numpy_screen.bound.numpy(), equal_nan=True)  # (random d: some NaN)
+        # (random d: some NaN)
+        assert np.array_equal(screen.bound.numpy(), numpy_screen.bound.numpy(), equal_nan=True)
 
 
 def test_build_target_hides_features_it_lacks():
-    """EngineConfig.cpu_target builds for another CPU (x86-64-v3: AVX2, FMA and F16C, no AVX-512), so the paths
-    such a machine takes can be run here: the engine then sees no AVX-512 even on a CPU that has it (the AVX2
-    product, no integer products), no packed weights at all for a plain x86-64 target, and each target builds
-    into its own directory."""
+    """EngineConfig.cpu_target builds for another CPU (x86-64-v3: AVX2, FMA and F16C, no AVX-512), so the
+    paths such a machine takes can be run here: the engine then sees no AVX-512 even on a CPU that has it (the
+    AVX2 product, no integer products), no packed weights at all for a plain x86-64 target, and each target
+    builds into its own directory."""
     from specgen.config import EngineConfig
     from specgen.kernels import build
 
@@ -715,19 +741,20 @@ def test_build_target_hides_features_it_lacks():
 
 
 def _two_chains(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """linear.cc's definition of every product: y[r, c] = (even chain) + (odd chain), each chain an FMA per input
-    in input order, acc = fma(x[r, i], w[i, c], acc), from 0. An FMA is emulated in float64, where the product of
-    two float32s is exact."""
+    """linear.cc's definition of every product: y[r, c] = (even chain) + (odd chain), each chain an FMA per
+    input in input order, acc = fma(x[r, i], w[i, c], acc), from 0. An FMA is emulated in float64, where the
+    product of two float32s is exact."""
     acc = np.zeros((2, x.shape[0], w.shape[1]), np.float32)
     for i in range(x.shape[1]):
-        acc[i % 2] = (x[:, i, None].astype(np.float64) * w[i].astype(np.float64) + acc[i % 2]).astype(np.float32)
+        acc[i % 2] = (x[:, i, None].astype(np.float64) * w[i].astype(np.float64)
+                      + acc[i % 2]).astype(np.float32)
     return acc[0] + acc[1]
 
 
 @pytest.mark.parametrize("k,n", [(64, 45), (7, 33), (96, 64)])
 def test_packed_linear_is_two_fma_chains_in_input_order(k, n):
-    """Every build (AVX-512, AVX2, generic) computes the same bits: the definition above, for 1 to 40 rows (each
-    row-group shape of each path, and the many-row paths)."""
+    """Every build (AVX-512, AVX2, generic) computes the same bits: the definition above, for 1 to 40 rows
+    (each row-group shape of each path, and the many-row paths)."""
     from specgen.kernels import pack_linear
 
     rng = np.random.default_rng(k * n)

@@ -9,14 +9,16 @@ import pytest
 from specgen.kernels import ops
 
 K = ops()
-pytestmark = pytest.mark.skipif(K is None, reason="fused CPU kernels not built (no C++ compiler or not on CPU)")
+pytestmark = pytest.mark.skipif(K is None,
+                                reason="fused CPU kernels not built (no C++ compiler or not on CPU)")
 
 PANEL = 32  # output columns per panel (linear.cc)
 EPS = 1e-6
 
 
 def pack64(w: np.ndarray) -> paddle.Tensor:
-    """W [k, n] -> float64 panels [ceil(n / 32), k, 32]: column 32 p + c of W at [p, :, c], zero columns past n."""
+    """W [k, n] -> float64 panels [ceil(n / 32), k, 32]: column 32 p + c of W at [p, :, c],
+    zero columns past n."""
     k, n = w.shape
     panels = -(-n // PANEL)
     padded = np.zeros((k, panels * PANEL), np.float64)
@@ -30,9 +32,9 @@ def _first(out):
 
 @pytest.mark.parametrize("k,n", [(576, 1536), (64, 45), (7, 33), (96, 64)])
 def test_float64_linear_matches_numpy_and_each_row_is_computed_alone(k, n):
-    """specgen_linear over float64 panels: numpy's float64 product to 1e-12 of its scale, the output float64, and
-    every row bit-identical whether computed alone (m = 1), in a batch of 7 (one full row group and a tail) or in
-    the batch of 130, at any offset."""
+    """specgen_linear over float64 panels: numpy's float64 product to 1e-12 of its scale, the output float64,
+    and every row bit-identical whether computed alone (m = 1), in a batch of 7 (one full row group and a
+    tail) or in the batch of 130, at any offset."""
     rng = np.random.default_rng(k * n)
     w = rng.standard_normal((k, n))
     x = rng.standard_normal((130, k))
@@ -45,7 +47,8 @@ def test_float64_linear_matches_numpy_and_each_row_is_computed_alone(k, n):
     alone = np.concatenate([K.specgen_linear(paddle.to_tensor(x[r:r + 1]), p, n).numpy() for r in range(130)])
     assert np.array_equal(alone, y)
     for at in (0, 3, 60, 123):
-        assert np.array_equal(K.specgen_linear(paddle.to_tensor(x[at:at + 7]), p, n).numpy(), y[at:at + 7]), at
+        assert np.array_equal(K.specgen_linear(paddle.to_tensor(x[at:at + 7]), p, n).numpy(),
+                              y[at:at + 7]), at
     assert K.specgen_linear(paddle.to_tensor(x[:0]), p, n).shape == [0, n]
 
 
@@ -62,8 +65,8 @@ def test_float64_panels_and_float32_inputs_do_not_mix():
 
 @dataclass
 class TinyModel:
-    """A random pre-norm Llama model (GQA, rotate-half RoPE, fused QKV with a bias, fused gate/up), float64; numpy
-    arrays, the projections [in, out]."""
+    """A random pre-norm Llama model (GQA, rotate-half RoPE, fused QKV with a bias, fused gate/up), float64;
+    numpy arrays, the projections [in, out]."""
 
     embed: np.ndarray  # [vocab, hidden]
     blocks: list[dict]  # attn_norm [hidden], w_qkv [hidden, (H + 2 KV) D], b_qkv, w_o, mlp_norm, w_gu, w_down
@@ -92,8 +95,8 @@ def tiny_model(rng, hidden=64, num_blocks=2, H=4, KV=2, D=16, inter=96, vocab=10
                "mlp_norm": norm(hidden), "w_gu": proj(hidden, 2 * inter), "w_down": proj(inter, hidden)}
               for _ in range(num_blocks)]
     ang = np.arange(max_len)[:, None] * (1e4 ** (-np.arange(0, D, 2) / D))[None, :]
-    return TinyModel(rng.standard_normal((vocab, hidden)), blocks, norm(hidden), proj(hidden, vocab), np.cos(ang),
-                     np.sin(ang), H, KV, D)
+    return TinyModel(rng.standard_normal((vocab, hidden)), blocks, norm(hidden), proj(hidden, vocab),
+                     np.cos(ang), np.sin(ang), H, KV, D)
 
 
 def _rms(x, w):
@@ -103,7 +106,8 @@ def _rms(x, w):
 def _rope(x, cos, sin):  # x [L, heads, D], rotate-half on the first / second halves of each head
     half = x.shape[-1] // 2
     c, s = cos[:, None, :], sin[:, None, :]
-    return np.concatenate([x[..., :half] * c - x[..., half:] * s, x[..., half:] * c + x[..., :half] * s], axis=-1)
+    return np.concatenate([x[..., :half] * c - x[..., half:] * s, x[..., half:] * c + x[..., :half] * s],
+                          axis=-1)
 
 
 def np_blocks(m: TinyModel, blocks: list[dict], x: np.ndarray) -> np.ndarray:
@@ -165,22 +169,24 @@ class Bound:
     def __init__(self, m: TinyModel, num_slots: int):
         self.m, self.c = m, Columns(m, m.blocks)
         t = paddle.to_tensor
-        self.cos, self.sin, self.final_norm, self.lm_head = t(m.cos), t(m.sin), t(m.final_norm), pack64(m.lm_head)
+        self.cos, self.sin, self.final_norm, self.lm_head = (t(m.cos), t(m.sin), t(m.final_norm),
+                                                             pack64(m.lm_head))
         self.embed = t(m.embed)
-        self.weights = int(K.specgen_bind_weights(self.embed, *self.c.weights, self.cos, self.sin, self.c.q_norm,
-                                                  self.c.k_norm, self.final_norm, self.lm_head).numpy()[0])
+        self.weights = int(K.specgen_bind_weights(self.embed, *self.c.weights, self.cos, self.sin,
+                                                  self.c.q_norm, self.c.k_norm, self.final_norm,
+                                                  self.lm_head).numpy()[0])
         self.k, self.v = self.c.caches(num_slots, CAPACITY)
         self.caches = int(K.specgen_bind_caches(self.k, self.v, self.c.prefix, self.c.prefix).numpy()[0])
         self.no_screen = paddle.zeros([0], dtype="float32")
 
     def step(self, ids, positions, slots) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """One forward of tokens ids [n] at positions [n] in slots [n], logits at every token: (logits [n, vocab],
-        hidden [n, hidden], greedy [n])."""
+        """One forward of tokens ids [n] at positions [n] in slots [n], logits at every token: (logits [n,
+        vocab], hidden [n, hidden], greedy [n])."""
         n = len(ids)
         index = np.concatenate([ids, positions, slots, np.zeros(n), np.arange(n)]).astype(np.int64)
-        logits, hidden, greedy = K.specgen_forward_bound(paddle.to_tensor(index), self.no_screen, self.no_screen, n,
-                                                         self.weights, self.caches, self.m.H, self.m.KV, CAPACITY,
-                                                         False, EPS, 0, self.m.vocab, False)
+        logits, hidden, greedy = K.specgen_forward_bound(
+            paddle.to_tensor(index), self.no_screen, self.no_screen, n, self.weights, self.caches, self.m.H,
+            self.m.KV, CAPACITY, False, EPS, 0, self.m.vocab, False)
         assert logits.dtype == hidden.dtype == paddle.float64
         return logits.numpy(), hidden.numpy(), greedy.numpy()
 
@@ -190,11 +196,11 @@ class Bound:
 
 
 def test_float64_forward_matches_numpy_and_is_exact_across_blocks_and_batches():
-    """specgen_forward_bound in float64 on a tiny random model: a two-slot prefill (10 and 7 tokens), then slot
-    0's next 6 tokens as one block beside slot 1's next token, equal numpy's float64 model to 1e-10; and feeding
-    those 6 tokens one at a time, alone, gives the same logits, hidden rows and greedy tokens bit for bit.
-    specgen_forward with the tensors passed per call, and specgen_stack with the final norm after it, give the
-    bound forward's bits."""
+    """specgen_forward_bound in float64 on a tiny random model: a two-slot prefill (10 and 7 tokens), then
+    slot 0's next 6 tokens as one block beside slot 1's next token, equal numpy's float64 model to 1e-10; and
+    feeding those 6 tokens one at a time, alone, gives the same logits, hidden rows and greedy tokens bit for
+    bit. specgen_forward with the tensors passed per call, and specgen_stack with the final norm after it,
+    give the bound forward's bits."""
     rng = np.random.default_rng(0)
     m = tiny_model(rng)
     seq0, seq1 = rng.integers(0, m.vocab, 16), rng.integers(0, m.vocab, 8)
@@ -232,16 +238,16 @@ def test_float64_forward_matches_numpy_and_is_exact_across_blocks_and_batches():
         paddle.zeros([0]), paddle.zeros([0]), m.H, m.KV, CAPACITY, False, EPS, 0, m.vocab)[:3]
     assert all(np.array_equal(a.numpy(), b) for a, b in zip((logits, hidden, greedy), runs[0][:3]))
     k, v = c.caches(2, CAPACITY)
-    x = _first(K.specgen_stack(t(m.embed[ids]), *c.weights, t(m.cos), t(m.sin), t(pos), t(slots), k, v, c.q_norm,
-                               c.k_norm, t(np.zeros(17, np.int64)), c.prefix, c.prefix, m.H, m.KV, CAPACITY, False,
-                               EPS, 0))
+    x = _first(K.specgen_stack(t(m.embed[ids]), *c.weights, t(m.cos), t(m.sin), t(pos), t(slots), k, v,
+                               c.q_norm, c.k_norm, t(np.zeros(17, np.int64)), c.prefix, c.prefix, m.H, m.KV,
+                               CAPACITY, False, EPS, 0))
     assert x.dtype == paddle.float64
     assert np.array_equal(_first(K.specgen_rms_norm(x, t(m.final_norm), EPS)).numpy(), runs[0][1])
 
 
 def test_float64_forward_refuses_float32_only_features():
-    """The screened LM head, float16 caches and float32 panels serve float32 only: float64 asks for them (or for
-    float32 norms) get an error that says so before anything is computed, not wrong numbers."""
+    """The screened LM head, float16 caches and float32 panels serve float32 only: float64 asks for them (or
+    for float32 norms) get an error that says so before anything is computed, not wrong numbers."""
     m = tiny_model(np.random.default_rng(1))
     c = Columns(m, m.blocks)
     t = paddle.to_tensor
@@ -249,9 +255,9 @@ def test_float64_forward_refuses_float32_only_features():
 
     def args(k, v, screen, lm_head):  # specgen_forward's arguments for two tokens of slot 0
         return (t(np.array([1, 2])), t(m.embed), *c.weights, t(m.cos), t(m.sin), t(np.arange(2)),
-                t(np.zeros(2, np.int64)), k, v, c.q_norm, c.k_norm, t(np.zeros(2, np.int64)), c.prefix, c.prefix,
-                t(m.final_norm), t(np.arange(2)), lm_head, screen, paddle.zeros([4 * 2 * 32]), m.H, m.KV, CAPACITY,
-                False, EPS, 0, m.vocab)
+                t(np.zeros(2, np.int64)), k, v, c.q_norm, c.k_norm, t(np.zeros(2, np.int64)), c.prefix,
+                c.prefix, t(m.final_norm), t(np.arange(2)), lm_head, screen, paddle.zeros([4 * 2 * 32]), m.H,
+                m.KV, CAPACITY, False, EPS, 0, m.vocab)
 
     with pytest.raises(OSError, match="float32 only"):
         K.specgen_forward(*args(k, v, paddle.zeros([1], dtype="int8"), pack64(m.lm_head)))
@@ -268,8 +274,8 @@ def test_float64_forward_refuses_float32_only_features():
 
 @dataclass
 class TinyHead:
-    """A random MTP head: input norms, eh_proj [2 hidden, hidden], one block, final norm and LM head, beside the
-    TinyModel whose embedding and RoPE tables it shares."""
+    """A random MTP head: input norms, eh_proj [2 hidden, hidden], one block, final norm and LM head, beside
+    the TinyModel whose embedding and RoPE tables it shares."""
 
     m: TinyModel
     enorm: np.ndarray
@@ -281,8 +287,9 @@ class TinyHead:
 
 
 def np_drafts(h: TinyHead, ids: np.ndarray, hidden: np.ndarray, depth: int) -> tuple[list[int], float]:
-    """The head's drafts after catching up on one sequence (tokens ids [L], the main model's hidden rows [L, hidden]
-    at positions 0 .. L-1), as MtpProposer chains them; and the smallest gap between the top two logits."""
+    """The head's drafts after catching up on one sequence (tokens ids [L], the main model's hidden rows [L,
+    hidden] at positions 0 .. L-1), as MtpProposer chains them; and the smallest gap between the top two
+    logits."""
     m = h.m
 
     def head_input(token, row):
@@ -302,15 +309,16 @@ def np_drafts(h: TinyHead, ids: np.ndarray, hidden: np.ndarray, depth: int) -> t
 
 def test_float64_mtp_draft_matches_numpy_and_catch_up_in_pieces():
     """specgen_mtp_draft in float64 with a one-block head: two sequences (slots 0 and 1) caught up in one call
-    give numpy's drafts at depth 3 (the top two logits far apart next to float64's error); caught up in two calls
-    (the first without drafts), the same drafts."""
+    give numpy's drafts at depth 3 (the top two logits far apart next to float64's error); caught up in two
+    calls (the first without drafts), the same drafts."""
     rng = np.random.default_rng(2)
     m = tiny_model(rng, num_blocks=1)
     donor = tiny_model(rng, num_blocks=1)
     hid = m.embed.shape[1]
     head = TinyHead(m, 1 + 0.1 * rng.standard_normal(hid), 1 + 0.1 * rng.standard_normal(hid),
                     rng.standard_normal((2 * hid, hid)) / np.sqrt(2 * hid), donor.blocks[0],
-                    1 + 0.1 * rng.standard_normal(hid), 4 * rng.standard_normal((hid, m.vocab)) / np.sqrt(hid))
+                    1 + 0.1 * rng.standard_normal(hid),
+                    4 * rng.standard_normal((hid, m.vocab)) / np.sqrt(hid))
     lens, depth = (9, 5), 3
     ids = [rng.integers(0, m.vocab, n) for n in lens]
     hidden = [rng.standard_normal((n, hid)) for n in lens]
@@ -326,8 +334,8 @@ def test_float64_mtp_draft_matches_numpy_and_catch_up_in_pieces():
             t(tokens), all_hidden, t(rows), t(m.embed), t(head.enorm), t(head.hnorm), pack64(head.eh_proj),
             *c.weights, t(m.cos), t(m.sin), t(positions), t(slots), k, v, c.q_norm, c.k_norm,
             t(np.zeros(len(tokens), np.int64)), c.prefix, c.prefix, t(np.asarray(last_rows, np.int64)),
-            t(head.final_norm), pack64(head.lm_head), t(np.zeros(0, np.int64)), m.H, m.KV, CAPACITY, False, EPS, 0,
-            depth, m.vocab)
+            t(head.final_norm), pack64(head.lm_head), t(np.zeros(0, np.int64)), m.H, m.KV, CAPACITY,
+            False, EPS, 0, depth, m.vocab)
         return _first(out).numpy()
 
     tokens, slots = np.concatenate(ids), np.r_[[0] * 9, [1] * 5]

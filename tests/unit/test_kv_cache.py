@@ -1,16 +1,16 @@
 import numpy as np
 import pytest
 
-from specgen.engine import kv_cache
-from specgen.engine.kv_cache import KVCache
+from specgen.runtime import kv_cache
+from specgen.runtime.kv_cache import KVCache
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
 @pytest.mark.parametrize("zeroed", [True, False])
 def test_growth_keeps_every_row_and_lets_the_kernels_binding_go_first(dtype, zeroed):
     """ensure() grows the capacity and keeps each (slot, head) row's positions that forwards reserved (the
-    rest were never written, and are not copied); the kernels' handle of the old tensors is released before the
-    first layer is replaced (so growing holds one old layer at a time)."""
+    rest were never written, and are not copied); the kernels' handle of the old tensors is released before
+    the first layer is replaced (so growing holds one old layer at a time)."""
     slots, heads, dim, layers = 3, 2, 8, 2
     cache = KVCache(layers, slots, heads, dim, dtype, max_capacity=1024, initial_capacity=64, zeroed=zeroed)
     rng = np.random.default_rng(0)

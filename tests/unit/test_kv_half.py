@@ -1,10 +1,11 @@
-"""The float16 KV cache (EngineConfig.kv_cache_dtype): the attention kernel rounds keys and values to halves as
-numpy does, reads them back exactly, and the engine stays exact across speculation, batching and prefix sharing."""
+"""The float16 KV cache (EngineConfig.kv_cache_dtype): the attention kernel rounds keys and values to halves
+as numpy does, reads them back exactly, and the engine stays exact across speculation, batching and prefix
+sharing."""
 import numpy as np
 import paddle
 import pytest
-
 from conftest import TINY
+
 from specgen import EngineConfig, MtpConfig, SamplingParams, SpecConfig, generate, load_model
 from specgen.api import make_engine
 from specgen.engine.types import Request
@@ -12,23 +13,25 @@ from specgen.errors import ConfigError
 from specgen.kernels import ops
 
 K = ops()
-needs_kernels = pytest.mark.skipif(K is None, reason="fused CPU kernels not built (no C++ compiler or not on CPU)")
+needs_kernels = pytest.mark.skipif(K is None,
+                                   reason="fused CPU kernels not built (no C++ compiler or not on CPU)")
 
 
 def _attention(qkv, cos, sin, pos, slots, kc, vc, H, KV, cap):
     out = K.specgen_attention(paddle.to_tensor(qkv), paddle.to_tensor(cos), paddle.to_tensor(sin),
-                              paddle.to_tensor(pos), paddle.to_tensor(slots), kc, vc, paddle.ones([kc.shape[1]]),
-                              paddle.ones([kc.shape[1]]), paddle.zeros([len(pos)], dtype="int64"),
-                              paddle.ones([1]), paddle.ones([1]), H, KV, cap, False, 1e-6, 0)
+                              paddle.to_tensor(pos), paddle.to_tensor(slots), kc, vc,
+                              paddle.ones([kc.shape[1]]), paddle.ones([kc.shape[1]]),
+                              paddle.zeros([len(pos)], dtype="int64"), paddle.ones([1]), paddle.ones([1]),
+                              H, KV, cap, False, 1e-6, 0)
     return (out[0] if isinstance(out, (list, tuple)) else out).numpy()
 
 
 @needs_kernels
 @pytest.mark.parametrize("D,H,KV", [(64, 9, 3), (24, 4, 2), (128, 4, 2)])
 def test_half_cache_attention_matches_numpy_over_the_rounded_keys(D, H, KV):
-    """A prompt block, a verify block and a decode token over half caches holding stale history: K rows are the
-    roped keys rounded to halves, V rows numpy's float16 of the values bit for bit, and the output is float64
-    attention over what the cache holds."""
+    """A prompt block, a verify block and a decode token over half caches holding stale history: K rows are
+    the roped keys rounded to halves, V rows numpy's float16 of the values bit for bit, and the output is
+    float64 attention over what the cache holds."""
     rng = np.random.default_rng(D)
     cap, num_slots = 64, 3
     slots = np.array([2] * 13 + [0] * 6 + [1], np.int64)
@@ -44,7 +47,8 @@ def test_half_cache_attention_matches_numpy_over_the_rounded_keys(D, H, KV):
     x = qkv.reshape(n, H + 2 * KV, D).astype(np.float64)
     half = D // 2
     c, s = cos[pos][:, None, :].astype(np.float64), sin[pos][:, None, :].astype(np.float64)
-    rot = np.concatenate([x[..., :half] * c - x[..., half:] * s, x[..., half:] * c + x[..., :half] * s], axis=-1)
+    rot = np.concatenate([x[..., :half] * c - x[..., half:] * s, x[..., half:] * c + x[..., :half] * s],
+                         axis=-1)
     out = np.zeros((n, H, D))
     for t in range(n):
         for h in range(KV):
@@ -64,14 +68,16 @@ def test_half_cache_attention_matches_numpy_over_the_rounded_keys(D, H, KV):
 
 @needs_kernels
 def test_half_cache_rounds_like_numpy_at_the_edges():
-    """Ties to even, subnormal halves, underflow to zero, the largest half, overflow to inf, signed zero, NaN."""
+    """Ties to even, subnormal halves, underflow to zero, the largest half, overflow to inf,
+    signed zero, NaN."""
     H, KV, D, cap = 2, 1, 32, 4
-    edge = np.array([0.0, -0.0, 1e-8, 2.0 ** -25, 3 * 2.0 ** -25, 2.0 ** -24, 6e-5, 2.0 ** -14, 1 + 2.0 ** -11,
-                     1 + 3 * 2.0 ** -11, 2049.0, 2051.0, 65504.0, 65519.99, 65520.0, 1e9, -1e9, np.inf, -np.inf,
-                     np.nan, -3.14159, 1e-5, -6.1e-5, 0.1, 1 / 3, 7.0e4, 5.96e-8, 2.98e-8, 2.99e-8, 1e4, -2.5e-7,
-                     12345.678], np.float32)
+    edge = np.array([0.0, -0.0, 1e-8, 2.0 ** -25, 3 * 2.0 ** -25, 2.0 ** -24, 6e-5, 2.0 ** -14,
+                     1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, 2049.0, 2051.0, 65504.0, 65519.99, 65520.0, 1e9,
+                     -1e9, np.inf, -np.inf, np.nan, -3.14159, 1e-5, -6.1e-5, 0.1, 1 / 3, 7.0e4, 5.96e-8,
+                     2.98e-8, 2.99e-8, 1e4, -2.5e-7, 12345.678], np.float32)
     rng = np.random.default_rng(0)
-    values = np.concatenate([edge, (rng.standard_normal(96) * 10.0 ** rng.integers(-9, 6, 96)).astype(np.float32)])
+    values = np.concatenate([edge,
+                             (rng.standard_normal(96) * 10.0 ** rng.integers(-9, 6, 96)).astype(np.float32)])
     got = []
     for chunk in values.reshape(-1, D):
         qkv = np.zeros((1, (H + 2 * KV) * D), np.float32)
@@ -91,16 +97,18 @@ def test_half_cache_rounds_like_numpy_at_the_edges():
 
 @needs_kernels
 def test_engine_with_half_cache_is_exact_across_speculation_batching_and_prefix_sharing():
-    """Tiny float32 model, half cache: ngram and plain decoding agree token for token at batch 1 and 4, greedy and
-    sampled, and a shared prefix (cascade attention over a half prefix cache) changes nothing."""
+    """Tiny float32 model, half cache: ngram and plain decoding agree token for token at batch 1 and 4, greedy
+    and sampled, and a shared prefix (cascade attention over a half prefix cache) changes nothing."""
     lm = load_model(TINY / "llama", dtype="float32")
     rng = np.random.default_rng(3)
     shared = rng.integers(3, 250, 24).tolist()
-    prompts = [shared + rng.integers(3, 60, 5 + 3 * i).tolist() for i in range(6)]  # repetitive: n-gram drafts hit
+    # repetitive: n-gram drafts hit
+    prompts = [shared + rng.integers(3, 60, 5 + 3 * i).tolist() for i in range(6)]
     params = [SamplingParams(max_tokens=20 + i, temperature=0.8 if i % 2 else 0.0, seed=i) for i in range(6)]
 
     def run(bs, method="none", prefix="off"):
-        engine = EngineConfig(batch_size=bs, kv_cache_dtype="float16", shared_prefix=prefix, min_shared_prefix=16)
+        engine = EngineConfig(batch_size=bs, kv_cache_dtype="float16", shared_prefix=prefix,
+                              min_shared_prefix=16)
         eng = make_engine(lm, engine, SpecConfig(method=method, num_speculative_tokens=3, adaptive=False))
         outs = sorted(eng.run([Request(id=str(i), index=i, prompt_ids=tuple(p), params=params[i])
                                for i, p in enumerate(prompts)]), key=lambda o: o.index)
@@ -143,18 +151,20 @@ def test_uninitialized_cache_rows_are_never_read(tiny_model, tmp_path, monkeypat
     """On the fused kernels the KV caches (the model's and the MTP head's) start, and grow, uninitialized
     (KVCache(zeroed=False): no memset of the allocation). Filled with NaN instead, every output is still the
     one a zero-filled cache gives: prefill, ngram and MTP verify blocks, batching, growth mid-decode."""
-    from specgen.engine import kv_cache
     from specgen.engine.proposers.mtp_head import random_mtp_weights, save_mtp
+    from specgen.runtime import kv_cache
 
     save_mtp(tmp_path / "head", random_mtp_weights(tiny_model.config, std=0.3))
     rng = np.random.default_rng(3)
     motif = rng.integers(3, 250, 12).tolist()
     prompts = [motif * 8 + [7], rng.integers(3, 250, 9).tolist(), motif * 3]
-    monkeypatch.setattr(kv_cache, "INITIAL_CAPACITY", 64)  # the 97-token prompt grows the cache to 128 positions,
-    # then to 256 while it decodes: the grown storage holds the old rows copied, and NaN past them
+    # the 97-token prompt grows the cache to 128 positions, then to 256 while it decodes: the grown storage
+    # holds the old rows copied, and NaN past them
+    monkeypatch.setattr(kv_cache, "INITIAL_CAPACITY", 64)
     sp = SamplingParams(max_tokens=40, ignore_eos=True)
     methods = [SpecConfig(), SpecConfig(method="ngram", num_speculative_tokens=3, adaptive=False),
-               SpecConfig(method="mtp", num_speculative_tokens=2, adaptive=False, mtp=MtpConfig(model=str(tmp_path / "head")))]
+               SpecConfig(method="mtp", num_speculative_tokens=2, adaptive=False,
+                          mtp=MtpConfig(model=str(tmp_path / "head")))]
 
     def run():
         return [[o.token_ids for o in generate(prompts, model=tiny_model, sampling=sp,
@@ -182,7 +192,7 @@ def test_a_job_whose_requests_fit_never_copies_the_cache(tiny_model, monkeypatch
     """Every request's room is taken when it is placed (KVCache.admit), so a batch decoding past the initial
     capacity grows without copying written positions; with admission limited to the prompt (no memory for
     more) the same job copies them mid-decode, and generates the same tokens."""
-    from specgen.engine import kv_cache
+    from specgen.runtime import kv_cache
 
     copies = []
     copy_into = kv_cache._copy_into

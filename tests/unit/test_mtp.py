@@ -1,5 +1,5 @@
-"""The MTP head: incremental drafts equal a from-scratch recomputation on each backend; both weight layouts load
-alike; its projections follow the main model's format."""
+"""The MTP head: incremental drafts equal a from-scratch recomputation on each backend; both weight layouts
+load alike; its projections follow the main model's format."""
 import numpy as np
 import pytest
 
@@ -9,8 +9,9 @@ from specgen.engine.engine import Engine
 from specgen.engine.proposers.base import SlotView
 from specgen.engine.proposers.mtp import MtpProposer
 from specgen.engine.proposers.mtp_head import MtpHeadWeights, random_mtp_weights, save_mtp
-from specgen.engine.types import Request, build_forward_batch
+from specgen.engine.types import Request
 from specgen.errors import CheckpointError
+from specgen.runtime.batch import build_forward_batch
 
 
 def prepared(lm, weights, vocab=None, quantize=True):
@@ -21,7 +22,8 @@ def prepared(lm, weights, vocab=None, quantize=True):
 
 class Recording(MtpProposer):
     """Records every proposal with the sequence it was made for. With an oracle (the plain run's outputs) it
-    offers the true continuation instead, so every draft is accepted and each catch-up spans k + 1 positions."""
+    offers the true continuation instead, so every draft is accepted and each catch-up spans k + 1
+    positions."""
 
     def __init__(self, *a, oracle=None, copy_min=0, prompt_window=0):
         super().__init__(*a, copy_min=copy_min, prompt_window=prompt_window)
@@ -48,13 +50,14 @@ class Recording(MtpProposer):
 
 def reference_drafts(lm, runner, seq, k, shift=0):
     """Recompute everything for one sequence: main prefill of seq[:-1], the head over positions [shift, n) (as
-    head positions [0, n - shift)) into a fresh cache in one pass, then its chain. runner: one prepared head, or
-    a list of modules (multi-layer MTP): module i runs over the same positions on module i - 1's outputs, fed
-    token p + 1 + i where it is committed and the drafts of the modules before it past that; it drafts draft i + 1,
-    the last module the rest by chaining itself."""
+    head positions [0, n - shift)) into a fresh cache in one pass, then its chain. runner: one prepared head,
+    or a list of modules (multi-layer MTP): module i runs over the same positions on module i - 1's outputs,
+    fed token p + 1 + i where it is committed and the drafts of the modules before it past that; it drafts
+    draft i + 1, the last module the rest by chaining itself."""
     m = lm.model
     n = len(seq) - 1
-    batch = build_forward_batch(np.array([0]), np.array([0]), np.array([n]), np.array(seq[:-1]), np.array([True]))
+    batch = build_forward_batch(np.array([0]), np.array([0]), np.array([n]), np.array(seq[:-1]),
+                                np.array([True]))
     hidden, rows = m.forward(batch, m.new_cache(1, 256)).hidden, np.arange(shift, n)
     modules = runner if isinstance(runner, list) else [runner]
     pos, drafts = np.arange(shift, n), []
@@ -62,8 +65,8 @@ def reference_drafts(lm, runner, seq, k, shift=0):
         ids = [seq[j] if j < len(seq) else drafts[j - len(seq)] for j in pos + 1 + i]
         cache = m.backend.new_cache(m, 1, m.max_len, "auto", num_layers=1)
         d, hidden = r.run(cache, MtpPass(
-            token_slots=np.zeros(n - shift, np.int64), positions=pos - shift, token_ids=np.array(ids), rows=rows,
-            hidden=hidden, seq_lens=np.array([n - shift]), last_rows=np.array([n - shift - 1]),
+            token_slots=np.zeros(n - shift, np.int64), positions=pos - shift, token_ids=np.array(ids),
+            rows=rows, hidden=hidden, seq_lens=np.array([n - shift]), last_rows=np.array([n - shift - 1]),
             depth=max(1, k - i) if i == len(modules) - 1 else 1))
         drafts += [int(x) for x in d[0]]
         rows = np.arange(n - shift)
@@ -73,33 +76,37 @@ def reference_drafts(lm, runner, seq, k, shift=0):
 
 
 def random_requests(lm, num, max_prompt, max_tokens, seed, oracle):
-    """`num` requests of random prompts (2 .. max_prompt - 1 tokens), and with `oracle` each one's prompt and plain
-    continuation (else None)."""
+    """`num` requests of random prompts (2 .. max_prompt - 1 tokens), and with `oracle` each one's prompt and
+    plain continuation (else None)."""
     rng = np.random.default_rng(seed)
     reqs = [Request(str(i), i, tuple(int(x) for x in rng.integers(3, 300, int(rng.integers(2, max_prompt)))),
                     SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for i in range(num)]
     if not oracle:
         return reqs, None
     plain = Engine(lm.model, None, EngineConfig(batch_size=4, dtype=lm.model.dtype))
-    return reqs, [list(r.prompt_ids) + o.token_ids for r, o in zip(reqs, sorted(plain.run(reqs), key=lambda o: o.index))]
+    return reqs, [list(r.prompt_ids) + o.token_ids
+                  for r, o in zip(reqs, sorted(plain.run(reqs), key=lambda o: o.index))]
 
 
 @pytest.mark.parametrize("model,k,oracle,vocab,copy,batch,window", [
-    ("fused64", 1, False, False, 0, 4, 0), ("fused64", 3, False, False, 0, 4, 0), ("fused64", 3, True, False, 0, 4, 0),
-    ("fused32", 1, False, False, 0, 4, 0), ("fused32", 3, False, True, 0, 4, 0), ("fused32", 3, True, False, 0, 4, 0),
-    ("fused64", 2, False, False, 2, 4, 0), ("fused32", 3, False, True, 2, 4, 0), ("fused32", 2, False, False, 1, 4, 0),
+    ("fused64", 1, False, False, 0, 4, 0), ("fused64", 3, False, False, 0, 4, 0),
+    ("fused64", 3, True, False, 0, 4, 0), ("fused32", 1, False, False, 0, 4, 0),
+    ("fused32", 3, False, True, 0, 4, 0), ("fused32", 3, True, False, 0, 4, 0),
+    ("fused64", 2, False, False, 2, 4, 0), ("fused32", 3, False, True, 2, 4, 0),
+    ("fused32", 2, False, False, 1, 4, 0),
     ("fused32", 2, False, False, 2, 1, 0),  # one slot: a step that copies runs the pass with no drafts at all
-    ("fused64", 3, False, False, 0, 4, 6), ("fused32", 3, False, False, 2, 4, 6), ("fused32", 3, True, True, 0, 4, 6),
-    ("reference64", 3, False, True, 0, 4, 0), ("reference64", 2, False, False, 2, 4, 6),
-    ("reference64", 3, True, False, 0, 4, 6)])
+    ("fused64", 3, False, False, 0, 4, 6), ("fused32", 3, False, False, 2, 4, 6),
+    ("fused32", 3, True, True, 0, 4, 6), ("reference64", 3, False, True, 0, 4, 0),
+    ("reference64", 2, False, False, 2, 4, 6), ("reference64", 3, True, False, 0, 4, 6)])
 def test_incremental_drafts_equal_reference(tiny_models, model, k, oracle, vocab, copy, batch, window):
-    """The head's pass of each step (catch-up of the committed positions, then chained drafts) gives the drafts a
-    recomputation from scratch gives, bit for bit on the fused backend (every row computed on its own; float64
-    on the reference backend), with and without a draft vocabulary. With copies (copy_min > 0) the pass only
-    catches the head's cache up for slots that will copy: the head's drafts offered in the steps after are still
-    the reference's. With a prompt window (prompt_window = 6; 0 here: the whole prompt), the head's cache holds
-    only a prompt's last 6 positions, stored from its position 0 (prompts prefilled in chunks of 4, so some
-    chunks lie wholly before the window): the reference runs the head over those alone."""
+    """The head's pass of each step (catch-up of the committed positions, then chained drafts) gives the
+    drafts a recomputation from scratch gives, bit for bit on the fused backend (every row computed on its
+    own; float64 on the reference backend), with and without a draft vocabulary. With copies (copy_min > 0)
+    the pass only catches the head's cache up for slots that will copy: the head's drafts offered in the steps
+    after are still the reference's. With a prompt window (prompt_window = 6; 0 here: the whole prompt), the
+    head's cache holds only a prompt's last 6 positions, stored from its position 0 (prompts prefilled in
+    chunks of 4, so some chunks lie wholly before the window): the reference runs the head over those
+    alone."""
     lm = tiny_models[model]
     dtype = lm.model.dtype
     ids = np.arange(0, lm.config.vocab_size, 3) if vocab else None  # a draft vocabulary of every third token
@@ -107,7 +114,8 @@ def test_incremental_drafts_equal_reference(tiny_models, model, k, oracle, vocab
     reqs, full = random_requests(lm, 10, 20, 64, 0, oracle)
     prop = Recording(lm.model, [head], k, oracle=full, copy_min=copy, prompt_window=window)
     # with a window, prompts are prefilled in chunks of 4: a chunk wholly before the window gets no head pass
-    eng = Engine(lm.model, None, EngineConfig(batch_size=batch, dtype=dtype, prefill_chunk=4 if window else 0), prop)
+    eng = Engine(lm.model, None,
+                 EngineConfig(batch_size=batch, dtype=dtype, prefill_chunk=4 if window else 0), prop)
     outs = sorted(eng.run(reqs), key=lambda o: o.index)
     assert len(outs) == 10
     if copy:
@@ -121,12 +129,14 @@ def test_incremental_drafts_equal_reference(tiny_models, model, k, oracle, vocab
         assert all(np.isin(d, ids).all() for _, d in prop.log)
     prompt_len = {r.prompt_ids: len(r.prompt_ids) for r in reqs}
 
-    def shift(seq):  # the head's window: a prompt's last `window` positions (prompts are unique prefixes here)
+    # the head's window: a prompt's last `window` positions (prompts are unique prefixes here)
+    def shift(seq):
         n = next(v for p, v in prompt_len.items() if tuple(seq[:v]) == p)
         return max(0, n - window) if window else 0
 
     if window:
-        assert sum(shift(seq) > 0 for seq, _ in prop.log) >= 50  # many drafts made from a window of the prompt
+        # many drafts made from a window of the prompt
+        assert sum(shift(seq) > 0 for seq, _ in prop.log) >= 50
     mismatches = [(len(seq), list(d), reference_drafts(lm, head, seq, k, shift(seq)))
                   for seq, d in prop.log if list(d) != reference_drafts(lm, head, seq, k, shift(seq))]
     assert mismatches == []
@@ -134,12 +144,14 @@ def test_incremental_drafts_equal_reference(tiny_models, model, k, oracle, vocab
 
 @pytest.mark.parametrize("model,modules,k,oracle,copy,window,batch", [
     ("fused64", 2, 3, False, 0, 0, 4), ("fused64", 3, 3, True, 0, 6, 4), ("fused32", 3, 2, False, 2, 0, 4),
-    ("fused64", 3, 4, False, 0, 6, 1), ("reference64", 2, 3, False, 0, 6, 4), ("reference64", 3, 2, True, 2, 0, 4)])
+    ("fused64", 3, 4, False, 0, 6, 1), ("reference64", 2, 3, False, 0, 6, 4),
+    ("reference64", 3, 2, True, 2, 0, 4)])
 def test_multi_layer_drafts_equal_reference(tiny_models, model, modules, k, oracle, copy, window, batch):
-    """Multi-layer MTP (N modules, module i drafting position i + 1; k > N chains the last module, k < N leaves
-    the later modules catching up only): every step's drafts equal a from-scratch recomputation of every module,
-    bit for bit on the fused backend, through prompts prefilled in chunks of 3 (a module's first positions lag
-    module 0's by one per module across chunk ends), prompt windows, copies and every draft accepted (oracle)."""
+    """Multi-layer MTP (N modules, module i drafting position i + 1; k > N chains the last module, k < N
+    leaves the later modules catching up only): every step's drafts equal a from-scratch recomputation of
+    every module, bit for bit on the fused backend, through prompts prefilled in chunks of 3 (a module's first
+    positions lag module 0's by one per module across chunk ends), prompt windows, copies and every draft
+    accepted (oracle)."""
     lm = tiny_models[model]
     dtype = lm.model.dtype
     weights = random_mtp_weights(lm.config, seed=3, std=0.3, num_modules=modules)
@@ -212,7 +224,8 @@ def test_mtp_through_the_api_and_missing_head(tiny_model64, tmp_path):
                                            mtp=MtpConfig(model=str(tmp_path / "head"))))
     assert [o.token_ids for o in plain] == [o.token_ids for o in spec]
     assert all(o.stats.num_draft_tokens > 0 for o in spec)
-    # adaptive, copies judged apart from the head's drafts (DraftTokens.source), through the engine's controller
+    # adaptive, copies judged apart from the head's drafts (DraftTokens.source), through the engine's
+    # controller
     sp = SamplingParams(max_tokens=40, ignore_eos=True)
     plain = generate(prompts, model=tiny_model64, sampling=sp, engine=EngineConfig(dtype="float64"))
     for copy in (0, 2):
@@ -229,12 +242,13 @@ def test_mtp_through_the_api_and_missing_head(tiny_model64, tmp_path):
 @pytest.mark.parametrize("native", [True, False])
 def test_copied_drafts_replace_the_heads_where_the_tail_repeats(tiny_model64, native):
     """With copy_min 2 a slot whose last 2..COPY_MAX tokens occurred before drafts what followed them there
-    (longest, then latest match, as ngram.py); every other slot keeps the head's drafts; max_draft still bounds
-    both."""
+    (longest, then latest match, as ngram.py); every other slot keeps the head's drafts; max_draft still
+    bounds both."""
     from specgen.kernels import host_lib
 
     head = prepared(tiny_model64, random_mtp_weights(tiny_model64.config, seed=1))
-    p = MtpProposer(tiny_model64.model, [head], 3, copy_min=2, lib=host_lib() if native else None)  # else: numpy's
+    # else: numpy's
+    p = MtpProposer(tiny_model64.model, [head], 3, copy_min=2, lib=host_lib() if native else None)
     p._ensure(5)
     p.drafts[:] = [[90, 91, 92], [93, 94, 95], [96, 97, 98], [99, 100, 101], [102, 103, 104]]  # the head's
     p.num_drafts[:] = [3, 2, 3, 3, 3]
@@ -257,9 +271,9 @@ def test_copied_drafts_replace_the_heads_where_the_tail_repeats(tiny_model64, na
 
 def test_head_projections_are_q8_0_blocks_beside_a_quantized_main_model(real_model):
     """Beside a main model kept in GGUF blocks (the default model) the head's projections are packed as Q8_0
-    (gguf.quants' rounding: within half a step of each 32-weight block's scale), with integer products on a CPU
-    with AVX-512 VNNI; with quantize off they stay float32. Drafts then differ little: on 10 random prompts most
-    first drafts agree."""
+    (gguf.quants' rounding: within half a step of each 32-weight block's scale), with integer products on a
+    CPU with AVX-512 VNNI; with quantize off they stay float32. Drafts then differ little: on 10 random
+    prompts most first drafts agree."""
     from specgen import kernels
     from specgen.backends.fused import FusedBackend
 
@@ -278,7 +292,8 @@ def test_head_projections_are_q8_0_blocks_beside_a_quantized_main_model(real_mod
         wq, wf = q.weight.numpy(), f.weight.numpy()  # [in, out]
         step = np.abs(wf).reshape(-1, 32, wf.shape[1]).max(axis=1) / 127  # [in / 32, out] each block's scale
         # half a step, plus 127 times the scale's own rounding to float16 (2^-11 relative)
-        assert np.all(np.abs(wq - wf).reshape(-1, 32, wf.shape[1]) <= step[:, None, :] * (0.5 + 127 * 2.0 ** -11))
+        assert np.all(np.abs(wq - wf).reshape(-1, 32, wf.shape[1])
+                      <= step[:, None, :] * (0.5 + 127 * 2.0 ** -11))
         assert not np.array_equal(wq, wf)
     rng = np.random.default_rng(3)
     same = 0

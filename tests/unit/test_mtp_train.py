@@ -10,7 +10,7 @@ from conftest import TINY
 
 from specgen import MtpConfig, SamplingParams, SpecConfig, generate, load_model
 from specgen.engine.proposers.mtp_head import MtpHeadWeights, load_mtp_weights, save_mtp
-from specgen.engine.types import build_forward_batch
+from specgen.runtime.batch import build_forward_batch
 from specgen.train.config import TrainConfig
 from specgen.train.data import generate_data, load_data, read_requests
 from specgen.train.head import TrainableHead, block_arrays, export_weights, initial_weights
@@ -23,7 +23,8 @@ SMALL = {"gen_max_tokens": 24, "gen_batch_size": 8, "steps": 12, "batch_size": 4
 
 def write_prompts(path, n=16, seed=0):
     rng = np.random.default_rng(seed)
-    path.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": [int(x) for x in rng.integers(3, 290, 3 + i % 9)]})
+    path.write_text("".join(json.dumps({"id": f"p{i}",
+                                        "input_ids": [int(x) for x in rng.integers(3, 290, 3 + i % 9)]})
                             + "\n" for i in range(n)))
     return path
 
@@ -55,45 +56,51 @@ def reference_head(m, weights, vocab=None):
 
 
 def perturbed_head(lm, arch_model, seed):
-    """A trainable head whose every weight is moved off its initial value, so that no term is trivially zero."""
+    """A trainable head whose every weight is moved off its initial value,
+    so that no term is trivially zero."""
     w = initial_weights(arch_model, "random", seed)
     rng = np.random.default_rng(seed)
-    w = {k: (v + rng.standard_normal(v.shape).astype(np.float32) * (0.3 if v.ndim == 1 else 0.1)) for k, v in w.items()}
+    w = {k: (v + rng.standard_normal(v.shape).astype(np.float32) * (0.3 if v.ndim == 1 else 0.1))
+         for k, v in w.items()}
     return TrainableHead(arch_model, w)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "ernie4_5"])
 def test_training_forward_equals_engine_drafts(arch):
-    """Block outputs, logits and argmax of the training forward (both drafts) equal the engine's head pass (the
-    reference backend's; test_mtp.py holds the fused one to it) for every prefix of a sequence: the exported
-    head, loaded by the engine with float32 projections, computes what was trained."""
+    """Block outputs, logits and argmax of the training forward (both drafts) equal the engine's head pass
+    (the reference backend's; test_mtp.py holds the fused one to it) for every prefix of a sequence: the
+    exported head, loaded by the engine with float32 projections, computes what was trained."""
     lm = load_model(TINY / arch, threads=1, backend="reference")
     m = lm.model
     head = perturbed_head(lm, m, seed=3)
     seq = [5, 9, 31, 7, 5, 9, 44, 12, 100, 3, 77, 200]
     n = len(seq) - 1
-    batch = build_forward_batch(np.array([0]), np.array([0]), np.array([n]), np.array(seq[:-1]), np.array([True]))
+    batch = build_forward_batch(np.array([0]), np.array([0]), np.array([n]), np.array(seq[:-1]),
+                                np.array([True]))
     hidden = m.forward(batch, m.new_cache(1, 64)).hidden  # [n, hidden] what the engine hands the head
     ref_x, ref_d, ref_x2, ref_d2 = [], [], [], []
     for j in range(1, n + 1):  # the engine's head over positions [0, j), then one chained step at position j
         engine_head, cache = reference_head(m, export_weights(head))
-        x, d, _ = engine_head._pass(cache, np.array([0]), np.array([0]), np.array([j]), np.array(seq[1:j + 1]),
-                                    hidden[:j])
+        x, d, _ = engine_head._pass(cache, np.array([0]), np.array([0]), np.array([j]),
+                                    np.array(seq[1:j + 1]), hidden[:j])
         x2, d2, _ = engine_head._pass(cache, np.array([0]), np.array([j]), np.array([1]), d, x)
-        ref_x.append(x.numpy()[0]), ref_d.append(int(d[0])), ref_x2.append(x2.numpy()[0]), ref_d2.append(int(d2[0]))
+        (ref_x.append(x.numpy()[0]), ref_d.append(int(d[0])), ref_x2.append(x2.numpy()[0]),
+         ref_d2.append(int(d2[0])))
     pos = paddle.to_tensor(np.arange(n)[None])
     x1, kv = head(hidden.unsqueeze(0), paddle.to_tensor(np.array(seq[1:])[None]), pos)
     rows = paddle.to_tensor(np.arange(n))
     logits = head.logits(x1, rows, m.weights.lm_head.dense()).numpy()
     np.testing.assert_allclose(x1.numpy()[0], np.array(ref_x), rtol=1e-4, atol=1e-4)
     assert logits.argmax(-1).tolist() == ref_d
-    x2 = head.chain(x1, kv, paddle.to_tensor(np.array(ref_d)[None]), pos)  # the engine chains on its own drafts
+    # the engine chains on its own drafts
+    x2 = head.chain(x1, kv, paddle.to_tensor(np.array(ref_d)[None]), pos)
     np.testing.assert_allclose(x2.numpy()[0], np.array(ref_x2), rtol=1e-4, atol=1e-4)
     assert head.logits(x2, rows, m.weights.lm_head.dense()).numpy().argmax(-1).tolist() == ref_d2
 
 
 def test_draft_vocabulary_restricts_the_drafts():
-    """With draft_vocab.npy the engine drafts the argmax over those tokens only; a bad one is a CheckpointError."""
+    """With draft_vocab.npy the engine drafts the argmax over those tokens only;
+    a bad one is a CheckpointError."""
     from specgen.errors import CheckpointError
 
     lm = load_model(TINY / "llama", threads=1, backend="reference")
@@ -102,14 +109,16 @@ def test_draft_vocabulary_restricts_the_drafts():
     vocab = np.arange(1, 300, 3)
     seq = [5, 9, 31, 7, 5, 9, 44, 12, 100, 3]
     n = len(seq) - 1
-    batch = build_forward_batch(np.array([0]), np.array([0]), np.array([n]), np.array(seq[:-1]), np.array([True]))
+    batch = build_forward_batch(np.array([0]), np.array([0]), np.array([n]), np.array(seq[:-1]),
+                                np.array([True]))
     hidden = m.forward(batch, m.new_cache(1, 64)).hidden
     drafts = []
     for j in range(1, n + 1):
         short, cache = reference_head(m, export_weights(head), vocab)
-        drafts.append(int(short._pass(cache, np.array([0]), np.array([0]), np.array([j]), np.array(seq[1:j + 1]),
-                                      hidden[:j])[1][0]))
-    x1, _ = head(hidden.unsqueeze(0), paddle.to_tensor(np.array(seq[1:])[None]), paddle.to_tensor(np.arange(n)[None]))
+        drafts.append(int(short._pass(cache, np.array([0]), np.array([0]), np.array([j]),
+                                      np.array(seq[1:j + 1]), hidden[:j])[1][0]))
+    x1, _ = head(hidden.unsqueeze(0), paddle.to_tensor(np.array(seq[1:])[None]),
+                 paddle.to_tensor(np.arange(n)[None]))
     logits = head.logits(x1, paddle.to_tensor(np.arange(n)), m.weights.lm_head.dense()).numpy()
     assert drafts == vocab[logits[:, vocab].argmax(-1)].tolist()
     for bad in (np.array([0, 300]), np.array([[1, 2]]), np.array([0.5])):
@@ -145,14 +154,16 @@ def test_saved_draft_vocabulary_is_the_most_frequent_training_labels(lm, data_di
 
 def test_recorded_data_is_what_the_engine_computes(lm, data_dir):
     """The cached rows equal a teacher-forced forward of prompt + continuation (up to float16 rounding), the
-    continuations are the plain greedy outputs, and every target is the model's greedy choice at its position."""
+    continuations are the plain greedy outputs, and every target is the model's greedy choice at its
+    position."""
     data = load_data(data_dir / "data")
     m = lm.model
     for s in range(3):
         first, n = int(data.first_pos[s]), int(data.num_rows[s])
         toks = data.tokens[data.tok_start[s]: data.tok_start[s] + n + 1]
         targets = data.targets[data.tok_start[s]: data.tok_start[s] + n + 1]
-        prompt = json.loads((data_dir / "p.jsonl").read_text().splitlines()[int(data.ids[s][1:])])["input_ids"]
+        prompt = json.loads((data_dir / "p.jsonl").read_text()
+                            .splitlines()[int(data.ids[s][1:])])["input_ids"]
         assert first == 0 and data.prompt_len[s] == len(prompt)
         plain = generate([prompt], model=lm, sampling=SamplingParams(max_tokens=SMALL["gen_max_tokens"]))[0]
         assert toks.tolist() == prompt + plain.token_ids
@@ -165,9 +176,9 @@ def test_recorded_data_is_what_the_engine_computes(lm, data_dir):
 
 
 def test_sampled_continuations_are_labelled_with_greedy_choices(lm, tmp_path):
-    """gen_samples = 2: each prompt gets a sampled sibling whose every target is the model's greedy choice (not
-    the sampled token), and the held-out split keeps a prompt's continuations on one side, holding out only
-    greedy ones."""
+    """gen_samples = 2: each prompt gets a sampled sibling whose every target is the model's greedy choice
+    (not the sampled token), and the held-out split keeps a prompt's continuations on one side, holding out
+    only greedy ones."""
     from specgen.train.data import prompt_groups
     from specgen.train.trainer import training_set
 
@@ -200,14 +211,15 @@ def test_sampled_continuations_are_labelled_with_greedy_choices(lm, tmp_path):
 
 
 def test_chunked_prefill_and_shared_prefix_record_the_same_data(lm, tmp_path):
-    """Prompt chunks and a shared prompt prefix (computed once by the engine) leave the recorded data unchanged."""
+    """Prompt chunks and a shared prompt prefix (computed once by the engine)
+    leave the recorded data unchanged."""
     from specgen.config import EngineConfig
 
     rng = np.random.default_rng(1)
     common = [int(x) for x in rng.integers(3, 290, 6)]
     path = tmp_path / "p.jsonl"
-    path.write_text("".join(json.dumps({"input_ids": common + [int(x) for x in rng.integers(3, 290, 2 + i)]}) + "\n"
-                            for i in range(6)))
+    path.write_text("".join(json.dumps({"input_ids": common + [int(x) for x in rng.integers(3, 290, 2 + i)]})
+                            + "\n" for i in range(6)))
     cfg = TrainConfig(**SMALL)
     reqs = read_requests(path, "jsonl", lm, cfg)
     plain = EngineConfig(batch_size=4, shared_prefix="off")
@@ -216,10 +228,12 @@ def test_chunked_prefill_and_shared_prefix_record_the_same_data(lm, tmp_path):
     generate_data(lm, reqs, tmp_path / "b", cfg, engine_config=packed)
     a, b = load_data(tmp_path / "a"), load_data(tmp_path / "b")
     order = [b.ids.index(i) for i in a.ids]
-    assert np.array_equal(a.tokens, np.concatenate([b.tokens[b.tok_start[s]: b.tok_start[s] + b.num_rows[s] + 1]
-                                                    for s in order]))
-    assert np.array_equal(a.targets, np.concatenate([b.targets[b.tok_start[s]: b.tok_start[s] + b.num_rows[s] + 1]
-                                                     for s in order]))
+    assert np.array_equal(a.tokens,
+                          np.concatenate([b.tokens[b.tok_start[s]: b.tok_start[s] + b.num_rows[s] + 1]
+                                          for s in order]))
+    assert np.array_equal(a.targets,
+                          np.concatenate([b.targets[b.tok_start[s]: b.tok_start[s] + b.num_rows[s] + 1]
+                                          for s in order]))
     rows_b = np.concatenate([b.hidden[b.row_start[s]: b.row_start[s] + b.num_rows[s]] for s in order])
     np.testing.assert_allclose(np.asarray(a.hidden, np.float32), rows_b.astype(np.float32), atol=1e-2)
 
@@ -235,9 +249,12 @@ def test_windows_cover_each_example_once(lm, data_dir):
                 loss = [p for i in mine for p in range(w.loss_from[i], w.start[i] + w.length[i])]
                 end = data.first_pos[s] + data.num_rows[s] - 1  # position i + 2 exists for i < end
                 assert loss == list(range(0 if prompt_examples else data.prompt_len[s] - 1, end))
-                # a window's loss starts past `overlap` context positions, unless it starts at the sequence's start
-                assert all(w.loss_from[i] - w.start[i] >= 2 or w.start[i] == data.first_pos[s] for i in mine[1:])
-                if from_end and len(mine):  # the last window ends at the sequence's end and is as long as it can be
+                # a window's loss starts past `overlap` context positions, unless it starts at the
+                # sequence's start
+                assert all(w.loss_from[i] - w.start[i] >= 2 or w.start[i] == data.first_pos[s]
+                           for i in mine[1:])
+                # the last window ends at the sequence's end and is as long as it can be
+                if from_end and len(mine):
                     assert w.start[mine[-1]] + w.length[mine[-1]] == end
                     assert w.length[mine[-1]] == min(8, end - data.first_pos[s])
 
@@ -264,14 +281,14 @@ def test_data_generation_resumes(lm, data_dir, tmp_path):
         t = b.ids.index(sid)
         seq_a = a.tokens[a.tok_start[s]: a.tok_start[s] + a.num_rows[s] + 1]
         assert seq_a.tolist() == b.tokens[b.tok_start[t]: b.tok_start[t] + b.num_rows[t] + 1].tolist()
-        np.testing.assert_allclose(np.asarray(a.hidden[a.row_start[s]: a.row_start[s] + a.num_rows[s]], np.float32),
-                                   np.asarray(b.hidden[b.row_start[t]: b.row_start[t] + b.num_rows[t]], np.float32),
-                                   atol=1e-2)
+        np.testing.assert_allclose(
+            np.asarray(a.hidden[a.row_start[s]: a.row_start[s] + a.num_rows[s]], np.float32),
+            np.asarray(b.hidden[b.row_start[t]: b.row_start[t] + b.num_rows[t]], np.float32), atol=1e-2)
 
 
 def test_teacher_rows_hold_the_state_each_label_was_chosen_from(lm, data_dir):
-    """A batch's teacher rows (position i + 1, and i + 2 for the second draft) are the cached hidden states whose
-    LM-head argmax is the label at i + 2 (i + 3): the distribution the soft-target loss distils."""
+    """A batch's teacher rows (position i + 1, and i + 2 for the second draft) are the cached hidden states
+    whose LM-head argmax is the label at i + 2 (i + 3): the distribution the soft-target loss distils."""
     data = load_data(data_dir / "data")
     w = make_windows(data, seq_len=16, overlap=4, prompt_examples=True)
     b = make_batch(data, w, np.arange(len(w)), 16, np.arange(lm.config.vocab_size))
@@ -283,8 +300,8 @@ def test_teacher_rows_hold_the_state_each_label_was_chosen_from(lm, data_dir):
 
 
 def test_distill_loss_mixes_the_label_and_the_main_models_distribution(lm, data_dir, tmp_path):
-    """(1 - d) cross-entropy on the greedy label + d cross-entropy against softmax(teacher row @ LM head) over the
-    training vocabulary, computed here in float64 numpy."""
+    """(1 - d) cross-entropy on the greedy label + d cross-entropy against softmax(teacher row @ LM head) over
+    the training vocabulary, computed here in float64 numpy."""
     d = 0.3
     trainer = Trainer(lm, fresh_run(data_dir, tmp_path, "run"), TrainConfig(**{**SMALL, "distill": d}))
     s = trainer.set
@@ -315,13 +332,15 @@ def test_training_lowers_the_loss(lm, data_dir, tmp_path, distill):
     train = [r["loss"] for r in rows if r["loss"] is not None]
     assert train[-1] < 0.8 * train[0]
     assert rows[-1]["eval_loss"] < rows[0]["eval_loss"]  # held-out, full vocabulary: step 0 vs the end
-    assert (out / "loss.png").stat().st_size > 1000 and (out / "loss.csv").read_text().count("\n") == len(rows) + 1
+    assert ((out / "loss.png").stat().st_size > 1000
+            and (out / "loss.csv").read_text().count("\n") == len(rows) + 1)
 
 
 def test_multi_layer_head_trains_each_module_and_runs_exactly(lm, data_dir, tmp_path):
-    """--num-layers 3: the modules learn (the tiny random model's text is memorised: training loss and module 1's
-    training accuracy rise; held-out accuracy stays ~0 on random text), the head saves as three DeepSeek-V3
-    modules, and drafting with it keeps the outputs of plain decoding at k below, at and above the modules."""
+    """--num-layers 3: the modules learn (the tiny random model's text is memorised: training loss and module
+    1's training accuracy rise; held-out accuracy stays ~0 on random text), the head saves as three
+    DeepSeek-V3 modules, and drafting with it keeps the outputs of plain decoding at k below, at and above the
+    modules."""
     out = fresh_run(data_dir, tmp_path, "multi")
     cfg = TrainConfig(**{**SMALL, "steps": 40, "log_every": 10, "eval_every": 20, "num_layers": 3})
     rows = []
@@ -356,7 +375,8 @@ def csv_rows(out):
 
 def test_hidden_noise_is_relative_to_each_row_and_seeded():
     rng = np.random.default_rng(3)
-    hidden = rng.standard_normal((64, 2048)).astype(np.float32) * np.geomspace(0.01, 100, 64, dtype=np.float32)[:, None]
+    hidden = (rng.standard_normal((64, 2048)).astype(np.float32)
+              * np.geomspace(0.01, 100, 64, dtype=np.float32)[:, None])
     rms = np.sqrt((hidden.astype(np.float64) ** 2).mean(-1))
     noisy = noisy_hidden(hidden, 0.1, seed=0, step=7)
     assert noisy.dtype == np.float32 and noisy.shape == hidden.shape
@@ -421,9 +441,9 @@ def test_cli_train_then_run_with_the_head(tmp_path):
 
     prompts = write_prompts(tmp_path / "p.jsonl", n=10)
     out = tmp_path / "head"
-    args = ["train-mtp", "--model", str(TINY / "llama"), "--data", str(prompts), "-o", str(out), "--steps", "6",
-            "--batch-size", "4", "--seq-len", "16", "--gen-max-tokens", "16", "--hidden-noise", "0.05",
-            "--threads", "1", "--quiet"]
+    args = ["train-mtp", "--model", str(TINY / "llama"), "--data", str(prompts), "-o", str(out),
+            "--steps", "6", "--batch-size", "4", "--seq-len", "16", "--gen-max-tokens", "16",
+            "--hidden-noise", "0.05", "--threads", "1", "--quiet"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     meta = json.loads((out / "config.json").read_text())
@@ -435,13 +455,14 @@ def test_cli_train_then_run_with_the_head(tmp_path):
     tiny = load_model(TINY / "llama", threads=1)
     plain = generate(src, model=tiny, sampling=sp)
     spec = generate(src, model=tiny, sampling=sp,
-                    speculative=SpecConfig(method="mtp", num_speculative_tokens=2, mtp=MtpConfig(model=str(out))))
+                    speculative=SpecConfig(method="mtp", num_speculative_tokens=2,
+                                           mtp=MtpConfig(model=str(out))))
     assert [o.token_ids for o in plain] == [o.token_ids for o in spec]
 
     help_text = " ".join(CliRunner().invoke(app, ["train-mtp", "--help"]).output.split())
-    for option in ("--data", "--output", "--model", "--steps", "--batch-size", "--lr", "--seq-len", "--threads",
-                   "--gen-max-tokens", "--shortlist", "--draft-vocab", "--chain-weight", "--distill", "--hidden-noise",
-                   "--save-dtype"):
+    for option in ("--data", "--output", "--model", "--steps", "--batch-size", "--lr", "--seq-len",
+                   "--threads", "--gen-max-tokens", "--shortlist", "--draft-vocab", "--chain-weight",
+                   "--distill", "--hidden-noise", "--save-dtype"):
         assert option in help_text, option
     assert f"[default: {TrainConfig.steps}]" in help_text
     bad = CliRunner().invoke(app, ["train-mtp", "--data", str(tmp_path / "none.jsonl"), "-o", str(out)])
@@ -454,8 +475,8 @@ def test_cli_train_then_run_with_the_head(tmp_path):
 
 
 def test_method_mtp_finds_the_shipped_head_for_the_default_model(lm, tmp_path, monkeypatch):
-    """Without --mtp-model, the default model (its GGUF file name) gets the head shipped in the package; any other
-    model, or a package without a head, gets the error naming --mtp-model."""
+    """Without --mtp-model, the default model (its GGUF file name) gets the head shipped in the package; any
+    other model, or a package without a head, gets the error naming --mtp-model."""
     from specgen.engine.proposers import mtp, mtp_head
     from specgen.errors import CheckpointError
     from specgen.models.default_model import DEFAULT_GGUF

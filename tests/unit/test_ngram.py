@@ -11,8 +11,8 @@ def run(seq, k=3, n_min=1, n_max=3):
     d = ngram_propose(np.array([seq]), np.array([len(seq)]), k, n_min, n_max)
     want = d.draft_ids[0, : d.num_draft[0]].tolist()
     if LIB is not None:  # the host kernels are built (a compiler is present)
-        got = ngram_match_native(LIB, np.array([seq + [99] * 3]), np.array([0]), np.array([len(seq)]), k, n_min,
-                                 n_max)[0]
+        got = ngram_match_native(LIB, np.array([seq + [99] * 3]), np.array([0]), np.array([len(seq)]),
+                                 k, n_min, n_max)[0]
         assert got.draft_ids[0, : got.num_draft[0]].tolist() == want
     return want
 

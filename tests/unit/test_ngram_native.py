@@ -55,10 +55,10 @@ def test_pool_lookup_equals_reference(capacity, n_min, n_max):
 
 
 def test_proposer_with_a_pool_equals_its_numpy_reference_over_a_job():
-    """NgramProposer.propose through specgen_ngram_propose (own match, pool lookup and the learnt choice between
-    them in one call) against propose_reference, step by step over a simulated job: 6 slots whose texts repeat
-    phrases of each other, requests finishing into the pool, slots taking new requests. Drafts, draft counts and
-    the candidates scored after each step are identical."""
+    """NgramProposer.propose through specgen_ngram_propose (own match, pool lookup and the learnt choice
+    between them in one call) against propose_reference, step by step over a simulated job: 6 slots whose
+    texts repeat phrases of each other, requests finishing into the pool, slots taking new requests. Drafts,
+    draft counts and the candidates scored after each step are identical."""
     from specgen.engine.proposers.base import SlotView
     from specgen.engine.proposers.ngram import NgramProposer
     from specgen.engine.types import StepUpdate
@@ -69,7 +69,8 @@ def test_proposer_with_a_pool_equals_its_numpy_reference_over_a_job():
     def text(n):
         return np.concatenate([phrases[i] for i in rng.integers(0, len(phrases), n)])[:200]
 
-    native, ref = NgramProposer(5, 1, 3, pool_capacity=600, lib=LIB), NgramProposer(5, 1, 3, pool_capacity=600)
+    native, ref = (NgramProposer(5, 1, 3, pool_capacity=600, lib=LIB),
+                   NgramProposer(5, 1, 3, pool_capacity=600))
     assert native._lib is not None
     num_slots, capacity = 6, 260
     table = rng.integers(0, 40, (num_slots, capacity)).astype(np.int64)  # leftovers past each length
@@ -93,9 +94,11 @@ def test_proposer_with_a_pool_equals_its_numpy_reference_over_a_job():
                 np.testing.assert_array_equal(g, w)
             pooled += 1
             first = ref._pending[1]  # [2, num_seqs] own and pool first drafts
-            taken += int(((want.draft_ids[:, 0] == first[1]) & (first[0] != first[1])).sum())  # the pool's won
+            # the pool's won
+            taken += int(((want.draft_ids[:, 0] == first[1]) & (first[0] != first[1])).sum())
         # commit: the draft's first tokens (often right) or a phrase's tokens; some requests finish
-        emitted = [want.draft_ids[i, : rng.integers(1, 4)] if rng.random() < 0.6 else phrases[rng.integers(12)][:2]
+        emitted = [want.draft_ids[i, : rng.integers(1, 4)] if rng.random() < 0.6
+                   else phrases[rng.integers(12)][:2]
                    for i in range(len(slots))]
         emitted = [e if len(e) else np.array([7]) for e in emitted]
         first_pos = lens[slots] - 1
@@ -104,7 +107,8 @@ def test_proposer_with_a_pool_equals_its_numpy_reference_over_a_job():
             lens[s] += len(emitted[i])
         done = (lens[slots] > 230) | (rng.random(len(slots)) < 0.03)
         update = StepUpdate(slots, np.zeros(len(slots), np.int64), first_pos,
-                            np.array([len(e) for e in emitted]), done, table, None, seq_lens=lens[slots].copy())
+                            np.array([len(e) for e in emitted]), done, table, None,
+                            seq_lens=lens[slots].copy())
         native.observe(update)
         ref.observe(update)
         for s in slots[done]:  # a new request in the slot

@@ -1,9 +1,9 @@
-"""The job's n-gram pool: hand-worked lookups, ring overwrite, and how the proposer combines it with a slot's own
-text."""
+"""The job's n-gram pool: hand-worked lookups, ring overwrite, and how the proposer combines it with a slot's
+own text."""
 import numpy as np
 
-from specgen.engine.proposers.base import SlotView
 from specgen.engine.adaptive.estimator import PRIOR_HITS, PRIOR_SEEN, AcceptanceEstimator
+from specgen.engine.proposers.base import SlotView
 from specgen.engine.proposers.ngram import NgramProposer
 from specgen.engine.proposers.ngram_pool import NgramPool
 
@@ -52,7 +52,8 @@ def test_random_lookups_equal_a_scan():
         tail = rng.integers(0, 6, 3).tolist()
         want = ([], 0)
         for n in (3, 2, 1):  # the longest n, and its latest occurrence that has a follower
-            ends = [i + n for i in range(len(text) - n) if text[i:i + n] == tail[3 - n:] and text[i + n] != -1]
+            ends = [i + n for i in range(len(text) - n)
+                    if text[i:i + n] == tail[3 - n:] and text[i + n] != -1]
             if ends:
                 e = ends[-1]
                 cont = text[e:e + 4]
@@ -99,7 +100,8 @@ def test_proposer_learns_which_source_to_follow():
     proposer = NgramProposer(3, 1, 3, pool_capacity=1000)
     proposer.pool.add(np.array([1, 2, 3, 50, 51, 52]))
     seq = [9, 2, 3, 60, 1, 2, 3]  # own text: [2, 3] -> 60 (n=2); pool: [1, 2, 3] -> 50 (n=3)
-    assert propose(proposer, seq) == [60, 1, 2]  # no history: equal estimates, the slot's own text wins the tie
+    # no history: equal estimates, the slot's own text wins the tie
+    assert propose(proposer, seq) == [60, 1, 2]
     assert propose(proposer, [7, 1, 2, 3]) == [50, 51, 52]  # no own match: the pool's draft
     for _ in range(3):  # the pool's n=3 drafts turn out right, the own n=2 ones wrong
         propose(proposer, seq)
@@ -110,8 +112,8 @@ def test_proposer_learns_which_source_to_follow():
 
 
 def test_source_statistics_count_every_scored_candidate_once():
-    """AcceptanceEstimator.add against np.add.at over (source, n) cells, with several slots scoring the same cell
-    in a step; rates are (hits + PRIOR_HITS) / (seen + PRIOR_SEEN)."""
+    """AcceptanceEstimator.add against np.add.at over (source, n) cells, with several slots scoring the same
+    cell in a step; rates are (hits + PRIOR_HITS) / (seen + PRIOR_SEEN)."""
     rng = np.random.default_rng(3)
     decay = NgramProposer.SOURCE_DECAY
     stats, hits, seen = AcceptanceEstimator(2, 5, decay), np.zeros((2, 5)), np.zeros((2, 5))

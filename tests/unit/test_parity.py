@@ -1,10 +1,10 @@
 """Logits and greedy tokens equal HF transformers' on tiny random checkpoints of every architecture."""
 import numpy as np
 import pytest
-
 from conftest import TINY, TINY_ARCHS
+
 from specgen import EngineConfig, SamplingParams, generate, load_model
-from specgen.engine.types import build_forward_batch
+from specgen.runtime.batch import build_forward_batch
 
 
 @pytest.mark.parametrize("backend", ["fused", "reference"])
@@ -14,7 +14,8 @@ def test_logits_and_greedy_match_transformers(arch, backend):
     lm = load_model(TINY / arch, backend=backend)
     prompts = [ref[f"prompt_{i}"].astype(np.int64) for i in range(3)]
     lens = np.array([len(p) for p in prompts])
-    batch = build_forward_batch(np.arange(3), np.zeros(3, np.int64), lens, np.concatenate(prompts), np.ones(3, bool))
+    batch = build_forward_batch(np.arange(3), np.zeros(3, np.int64), lens, np.concatenate(prompts),
+                                np.ones(3, bool))
     logits = lm.model.forward(batch, lm.model.new_cache(3, 256)).logits
     logits = logits.numpy()
     cu = np.concatenate([[0], np.cumsum(lens)])
@@ -29,8 +30,8 @@ def test_logits_and_greedy_match_transformers(arch, backend):
 
 
 def test_packed_forward_equals_one_at_a_time_for_any_grouping(monkeypatch):
-    """Mixed decode and prefill blocks, the reference backend's prefill groups split and reordered by length: same
-    logits."""
+    """Mixed decode and prefill blocks, the reference backend's prefill groups split and reordered by length:
+    same logits."""
     from specgen.layers import attention
 
     lm = load_model(TINY / "llama", dtype="float64", backend="reference")
@@ -43,7 +44,8 @@ def test_packed_forward_equals_one_at_a_time_for_any_grouping(monkeypatch):
 
     def run(slots, budget):
         cache = m.new_cache(7, 256)
-        m.forward(build_forward_batch(slots, np.zeros(7, np.int64), np.full(7, 10), context, np.zeros(7, bool)), cache)
+        m.forward(build_forward_batch(slots, np.zeros(7, np.int64), np.full(7, 10), context,
+                                      np.zeros(7, bool)), cache)
         b = build_forward_batch(slots, starts, lens, toks, np.ones(7, bool))
         monkeypatch.setattr(attention, "GROUP_BUDGET", budget)
         groups = attention.attention_groups(starts, lens, attention.GROUP_THRESHOLD, budget)
@@ -62,5 +64,6 @@ def test_packed_forward_equals_one_at_a_time_for_any_grouping(monkeypatch):
     together = m.forward(b, cache).logits.numpy()
     cu = np.concatenate([[0], np.cumsum(pl)])
     for i in range(3):
-        one = build_forward_batch(np.array([0]), np.array([0]), pl[i:i + 1], toks[cu[i]:cu[i + 1]], np.zeros(1, bool))
+        one = build_forward_batch(np.array([0]), np.array([0]), pl[i:i + 1], toks[cu[i]:cu[i + 1]],
+                                  np.zeros(1, bool))
         assert np.abs(m.forward(one, m.new_cache(1, 256)).logits.numpy()[0] - together[i]).max() < 1e-12

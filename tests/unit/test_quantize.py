@@ -35,8 +35,10 @@ def test_every_projection_and_the_head_quantized(mode, tmp_path):
         q = quantized.quantized[name]
         assert q.kind == (HEAD_KIND if name == "lm_head.weight" else KIND[mode])
         assert np.array_equal(quantized.weights[name],
-                              quants.dequantize(q.blocks.reshape(q.blocks.shape[0], -1), GGMLQuantizationType[q.kind]))
-    assert np.array_equal(quantized.weights["model.embed_tokens.weight"], ckpt.weights["model.embed_tokens.weight"])
+                              quants.dequantize(q.blocks.reshape(q.blocks.shape[0], -1),
+                                                GGMLQuantizationType[q.kind]))
+    assert np.array_equal(quantized.weights["model.embed_tokens.weight"],
+                          ckpt.weights["model.embed_tokens.weight"])
     none, _ = quantize_checkpoint(quantized, "none")  # float again: the quantized values, no blocks
     assert none.quantized == {} and np.array_equal(none.weights[names[0]], quantized.weights[names[0]])
     again, count = quantize_checkpoint(quantized, mode)  # blocks of the mode's kind stay as stored
@@ -45,8 +47,8 @@ def test_every_projection_and_the_head_quantized(mode, tmp_path):
 
 @pytest.mark.parametrize("mode", ["wint8", "wint4"])
 def test_fused_and_reference_run_the_same_weights(mode):
-    """fp64: the fused kernels over the blocks and Paddle's operators over the dequantized values agree token for
-    token (and differ from the float model: the quantization is real)."""
+    """fp64: the fused kernels over the blocks and Paddle's operators over the dequantized values agree token
+    for token (and differ from the float model: the quantization is real)."""
     sp = SamplingParams(max_tokens=16, ignore_eos=True)
     runs = {}
     for backend in ("fused", "reference"):
@@ -67,7 +69,8 @@ def test_speculation_exact_under_quantization(mode, dtype):
         for method in (Method.NONE, Method.NGRAM):
             for temperature in (0.0, 0.8):
                 sp = SamplingParams(max_tokens=24, ignore_eos=True, temperature=temperature, seed=5)
-                outs = generate(PROMPTS, model=lm, sampling=sp, engine=EngineConfig(batch_size=batch, dtype=dtype),
+                outs = generate(PROMPTS, model=lm, sampling=sp,
+                                engine=EngineConfig(batch_size=batch, dtype=dtype),
                                 speculative=SpecConfig(method=method, adaptive=False))
                 runs.append(((method, temperature), [o.token_ids for o in outs]))
     for temperature in (0.0, 0.8):
@@ -81,7 +84,8 @@ def test_quantized_checkpoint_is_cached(tmp_path):
     assert len(entries) == 1 and entries[0].name.startswith("llama-wint4-")
     second = load_checkpoint(TINY / "llama", tmp_path, "wint4")
     for name, q in first.quantized.items():
-        assert q.kind == second.quantized[name].kind and np.array_equal(q.blocks, second.quantized[name].blocks)
+        assert (q.kind == second.quantized[name].kind
+                and np.array_equal(q.blocks, second.quantized[name].blocks))
     assert load_checkpoint(TINY / "llama", tmp_path, "auto").quantized == {}
 
 

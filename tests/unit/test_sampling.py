@@ -35,8 +35,8 @@ def draw(n, temperature, top_k, top_p, seed=0):
     return sample(logits, np.full(n, temperature), np.full(n, top_k, np.int64), np.full(n, top_p), u)
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 4, 1.0), (1.0, 0, 0.8),
-                                                     (0.9, 6, 0.7)])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 4, 1.0),
+                                                     (1.0, 0, 0.8), (0.9, 6, 0.7)])
 def test_frequencies_match_filtered_softmax(temperature, top_k, top_p):
     n = 20000
     counts = np.bincount(draw(n, temperature, top_k, top_p), minlength=VOCAB)

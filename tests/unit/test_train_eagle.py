@@ -1,7 +1,6 @@
-"""`specgen train-head --kind eagle`: what is trained is what the engine runs (the saved layer, loaded in EAGLE's
-layout, gives the training forward's first and chained drafts), the loss falls, and the trained layer drafts
-exactly."""
-import shutil
+"""`specgen train-head --kind eagle`: what is trained is what the engine runs (the saved layer, loaded in
+EAGLE's layout, gives the training forward's first and chained drafts), the loss falls, and the trained layer
+drafts exactly."""
 
 import numpy as np
 import paddle
@@ -10,8 +9,9 @@ from conftest import TINY
 from test_mtp_train import SMALL, write_prompts
 
 from specgen import EngineConfig, SamplingParams, SpecConfig, generate, load_model
+from specgen.backends.reference import EaglePass
 from specgen.config import EagleConfig
-from specgen.engine.proposers.eagle import EaglePass, load_eagle
+from specgen.engine.proposers.eagle import load_eagle
 from specgen.train.config import TrainConfig
 from specgen.train.data import generate_data, read_requests
 from specgen.train.eagle import EagleTrainer
@@ -41,8 +41,8 @@ def test_training_lowers_the_loss_and_saves_the_layout(trained):
 
 
 def test_engine_pass_equals_the_training_forward(trained):
-    """A window's first drafts (the layer on the cached hidden states) and chained drafts (on its own features) as
-    the engine's pass computes them from the saved layer: the same log-probabilities."""
+    """A window's first drafts (the layer on the cached hidden states) and chained drafts (on its own
+    features) as the engine's pass computes them from the saved layer: the same log-probabilities."""
     lm, trainer, out = trained
     s = trainer.set
     b = make_batch(s.data, s.held_out, np.arange(1), trainer.cfg.seq_len, trainer.identity, modules=2)
@@ -58,8 +58,9 @@ def test_engine_pass_equals_the_training_forward(trained):
     runner = EaglePass(lm.model, w)
     cache = runner.new_cache(1)
     pos0 = int(b.positions[0, 0])
-    feat, vals, ids = runner.run(cache, np.zeros(1, np.int64), np.array([pos0]), np.array([n]), b.next_ids[0, :n],
-                                 hidden.reshape([-1, hidden.shape[-1]]), np.arange(n), np.arange(n), 5)
+    feat, vals, ids = runner.run(cache, np.zeros(1, np.int64), np.array([pos0]), np.array([n]),
+                                 b.next_ids[0, :n], hidden.reshape([-1, hidden.shape[-1]]), np.arange(n),
+                                 np.arange(n), 5)
     np.testing.assert_allclose(vals, np.take_along_axis(train1, ids, axis=1), atol=2e-4)
     j = n - 3  # a chained draft from position j: its token j + 2 on the feature at j, at position j + 1
     _, vals2, ids2 = runner.run(cache, np.zeros(1, np.int64), np.array([pos0 + n]), np.ones(1, np.int64),
@@ -73,7 +74,8 @@ def test_trained_layer_drafts_exactly(trained):
     prompts = [[5, 9, 13, 5, 9, 13, 5, 9], [40, 41, 42, 43]]
     sp = SamplingParams(max_tokens=12)
     plain = generate(prompts, model=lm, sampling=sp, engine=EngineConfig(batch_size=2))
-    spec = SpecConfig(method="eagle", draft_model=str(out), adaptive=False, eagle=EagleConfig(topk=2, nodes=6))
+    spec = SpecConfig(method="eagle", draft_model=str(out), adaptive=False,
+                      eagle=EagleConfig(topk=2, nodes=6))
     got = generate(prompts, model=lm, sampling=sp, engine=EngineConfig(batch_size=2), speculative=spec)
     assert [o.token_ids for o in got] == [o.token_ids for o in plain]
     assert sum(o.stats.num_draft_tokens for o in got) > 0

@@ -16,19 +16,22 @@ def test_train_mtp_is_train_head_kind_mtp(tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", n=8)
     a = CliRunner().invoke(app, ["train-mtp", "--data", str(prompts), "-o", str(tmp_path / "a"), *ARGS, "-q"])
     assert a.exit_code == 0, a.output
-    b = CliRunner().invoke(app, ["train-head", "--kind", "mtp", "--data", str(prompts), "-o", str(tmp_path / "b"),
+    b = CliRunner().invoke(app, ["train-head", "--kind", "mtp", "--data", str(prompts),
+                                 "-o", str(tmp_path / "b"),
                                  "--data-dir", str(tmp_path / "a" / "data"), *ARGS])
     assert b.exit_code == 0, b.output
     assert "held-out acceptance per draft position" in b.output and "--method mtp" in b.output
     assert not (tmp_path / "b" / "data").exists()  # the shared cache was used, nothing generated again
-    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert ((tmp_path / "a" / "model.safetensors").read_bytes()
+            == (tmp_path / "b" / "model.safetensors").read_bytes())
     ta, tb = (json.loads((tmp_path / n / "config.json").read_text())["specgen_training"] for n in "ab")
     assert ta["eval_acc"] == tb["eval_acc"]
 
 
 def test_unknown_kind_lists_the_kinds(tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", n=2)
-    r = CliRunner().invoke(app, ["train-head", "--kind", "nope", "--data", str(prompts), "-o", str(tmp_path / "o")])
+    r = CliRunner().invoke(app, ["train-head", "--kind", "nope", "--data", str(prompts),
+                                 "-o", str(tmp_path / "o")])
     assert r.exit_code == 2 and "unknown head kind 'nope'" in r.output
     assert all(k in r.output for k in KINDS)
     help_text = " ".join(CliRunner().invoke(app, ["train-mtp", "--help"]).output.split())

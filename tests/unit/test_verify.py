@@ -13,7 +13,8 @@ def test_accept_lengths_all_none_partial_and_ragged():
 
 
 def test_accept_lengths_without_drafts():
-    assert accept_lengths(np.zeros((2, 0), np.int64), np.zeros(2, np.int64), np.ones((2, 1), np.int64)).tolist() == [0, 0]
+    assert accept_lengths(np.zeros((2, 0), np.int64), np.zeros(2, np.int64),
+                          np.ones((2, 1), np.int64)).tolist() == [0, 0]
 
 
 def test_first_stop_eos_inside_draft_and_room():
@@ -21,7 +22,8 @@ def test_first_stop_eos_inside_draft_and_room():
     num_emitted = np.array([4, 4, 1, 2])
     room = np.array([10, 2, 10, 10])
     kept, by_eos = first_stop(emitted, num_emitted, np.array([2]), room, np.zeros(4, bool))
-    assert kept.tolist() == [2, 2, 1, 2]  # EOS at 1; max_tokens leaves 2; EOS first; EOS past what was emitted
+    # EOS at 1; max_tokens leaves 2; EOS first; EOS past what was emitted
+    assert kept.tolist() == [2, 2, 1, 2]
     assert by_eos.tolist() == [True, False, True, False]
     kept, by_eos = first_stop(emitted, num_emitted, np.array([2]), room, np.ones(4, bool))
     assert kept.tolist() == [4, 2, 1, 2] and not by_eos.any()

@@ -9,23 +9,24 @@ import numpy as np
 from specgen.config import EngineConfig
 from specgen.engine.adaptive import costs
 from specgen.engine.adaptive.controller import Controller
-from specgen.engine.types import build_forward_batch
+from specgen.runtime.batch import build_forward_batch
 
 REPEATS = 5  # timings per point of the table (round robin over the points), at most
 BUDGET = 0.15  # seconds of timed forwards after which fewer repeats are taken (large batches)
-# ... but never fewer than this: with one round, one stalled forward (1.2 s where a step took 5 ms, the machine
-# busy) became the whole table, stored for a week
+# ... but never fewer than this: with one round, one stalled forward (1.2 s where a step took 5 ms, the
+# machine busy) became the whole table, stored for a week
 MIN_REPEATS = 3
 CHECKS = 3  # timings of a stored table's first point that check it against the machine as it is now
 ANCHOR_SLOTS = 8  # from this many slots on, the table also times one slot's single token
-# What the timed blocks hold, part of a stored table's key: distinct random token ids. A block of one repeated id
-# routes every token of a mixture-of-experts block to the same experts, while a real verify block's tokens spread
-# over several (6 tokens: 21.6 experts of 64 per block instead of 6), so such a table priced an MoE model's 6-token
-# block at 1.7x one token where it cost 2.5x, and the controller verified drafts that could not pay.
+# What the timed blocks hold, part of a stored table's key: distinct random token ids. A block of one repeated
+# id routes every token of a mixture-of-experts block to the same experts, while a real verify block's tokens
+# spread over several (6 tokens: 21.6 experts of 64 per block instead of 6), so such a table priced an MoE
+# model's 6-token block at 1.7x one token where it cost 2.5x, and the controller verified drafts that could
+# not pay.
 TIMED_TOKENS = "random-ids"
 
-# tables measured in this process, per model: {(num_slots, max_draft): (tokens, seconds)}; a later engine on the
-# same model (e.g. `specgen bench`) reuses them
+# tables measured in this process, per model: {(num_slots, max_draft): (tokens, seconds)}; a later engine on
+# the same model (e.g. `specgen bench`) reuses them
 _measured: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -33,15 +34,16 @@ def measured(model) -> dict:
     return _measured.setdefault(model, {})
 
 
-def controller_for(model, cache, max_draft: int, engine: EngineConfig, num_slots: int | None = None) -> Controller:
+def controller_for(model, cache, max_draft: int, engine: EngineConfig,
+                   num_slots: int | None = None) -> Controller:
     """A controller whose cost table is this model's at num_slots slots (all the cache's by default): found in
-    this process or on disk, else timed: forwards feeding 1, 2 and max_draft + 1 tokens to each slot (their cache
-    rows are overwritten later by prefill), and with ANCHOR_SLOTS or more one slot's token; the median of up to
-    REPEATS timings per point, taken round robin (one timing of a 6 ms step can be off by 50% on a shared
-    machine, and one bad point skews every choice). The one-token point anchors steps of fewer slots, once slots
-    drain at a job's end (without it an 8-token step of 32 slots' table was extrapolated to 2 ms instead of the
-    18 ms it took). The forwards are greedy steps'; a sampled job's steps cost more per logit row, which the
-    online correction takes up."""
+    this process or on disk, else timed: forwards feeding 1, 2 and max_draft + 1 tokens to each slot (their
+    cache rows are overwritten later by prefill), and with ANCHOR_SLOTS or more one slot's token; the median
+    of up to REPEATS timings per point, taken round robin (one timing of a 6 ms step can be off by 50% on a
+    shared machine, and one bad point skews every choice). The one-token point anchors steps of fewer slots,
+    once slots drain at a job's end (without it an 8-token step of 32 slots' table was extrapolated to 2 ms
+    instead of the 18 ms it took). The forwards are greedy steps'; a sampled job's steps cost more per logit
+    row, which the online correction takes up."""
     num_slots = cache.num_slots if num_slots is None else num_slots
     key = (num_slots, max_draft)
     table = measured(model).get(key)
@@ -50,9 +52,9 @@ def controller_for(model, cache, max_draft: int, engine: EngineConfig, num_slots
         from specgen.kernels.build import build_key
 
         loaded = model.backend.engine  # the threads and kernels the model runs with
-        path = costs.table_path(engine.cache_root(), [model.cost_key(), cache.dtype, str(num_slots), str(max_draft),
-                                                      str(loaded.num_threads()), build_key(loaded.cpu_target),
-                                                      TIMED_TOKENS])
+        path = costs.table_path(engine.cache_root(), [model.cost_key(), cache.dtype, str(num_slots),
+                                                      str(max_draft), str(loaded.num_threads()),
+                                                      build_key(loaded.cpu_target), TIMED_TOKENS])
         table = costs.load(path)
         if table is not None and not _still_fits(model, cache, max_draft, num_slots, table):
             table = None
@@ -64,8 +66,8 @@ def controller_for(model, cache, max_draft: int, engine: EngineConfig, num_slots
 
 
 def _still_fits(model, cache, max_draft: int, num_slots: int, table: tuple[np.ndarray, np.ndarray]) -> bool:
-    """Whether a stored table's first point is within 2x of the median of CHECKS timings of its step now (after a
-    warm-up forward): a table timed on a stalled or differently loaded machine is timed again."""
+    """Whether a stored table's first point is within 2x of the median of CHECKS timings of its step now
+    (after a warm-up forward): a table timed on a stalled or differently loaded machine is timed again."""
     first = _blocks(model, max_draft, num_slots)[1][0]
     model.forward(first, cache, logits=False)  # warm-up
     times = []
@@ -83,7 +85,8 @@ def _blocks(model, max_draft: int, num_slots: int) -> tuple[list[int], list]:
     rng = np.random.default_rng(0)  # TIMED_TOKENS: each block's tokens distinct, as a verify block's are
     vocab = model.config.vocab_size
     batches = [build_forward_batch(slots, np.zeros(num_slots, np.int64), np.full(num_slots, q, np.int64),
-                                   rng.integers(0, vocab, num_slots * q), np.ones(num_slots, bool)) for q in counts]
+                                   rng.integers(0, vocab, num_slots * q), np.ones(num_slots, bool))
+               for q in counts]
     tokens = [q * num_slots for q in counts]
     if num_slots >= ANCHOR_SLOTS:
         batches.insert(0, build_forward_batch(slots[:1], np.zeros(1, np.int64), np.ones(1, np.int64),

@@ -1,9 +1,9 @@
 """Step costs: a table of measured step times by tokens fed, corrected online by the steps the job runs.
 
 The table is timed at start-up on this machine, model and batch size, or found on disk (kept for a week under
-<cache root>/costs, keyed by everything a step's cost depends on: a nightly job rerun on the same machine times
-nothing). A table that no longer fits the machine's load costs speed, never exactness: the online correction
-follows the measured step times.
+<cache root>/costs, keyed by everything a step's cost depends on: a nightly job rerun on the same machine
+times nothing). A table that no longer fits the machine's load costs speed, never exactness: the online
+correction follows the measured step times.
 """
 from __future__ import annotations
 
@@ -23,18 +23,19 @@ class CostModel:
     """Step time as a function of the tokens fed: a start-up table, corrected online point by point.
 
     The table can be off in its shape as well as its level (one unlucky timing of a 2-token step, kept on disk
-    for a week, priced it at 1.39x a 1-token step where it cost 1.15x, and every job that read it drafted less).
-    So each table point keeps its own measured ratio (observed seconds over the table's) from the steps whose
-    token counts fall next to it, weighted as the interpolation weighs it, alongside the global ratio (scale) of
-    all steps. A point's effective ratio is its own, shrunk toward the global one by POINT_PRIOR observations'
-    worth; its evidence decays by POINT_DECAY per observed step, so a point the job stopped using drifts back to
-    the global ratio. Beyond the table's ends the line through its end points extrapolates."""
+    for a week, priced it at 1.39x a 1-token step where it cost 1.15x, and every job that read it drafted
+    less). So each table point keeps its own measured ratio (observed seconds over the table's) from the steps
+    whose token counts fall next to it, weighted as the interpolation weighs it, alongside the global ratio
+    (scale) of all steps. A point's effective ratio is its own, shrunk toward the global one by POINT_PRIOR
+    observations' worth; its evidence decays by POINT_DECAY per observed step, so a point the job stopped
+    using drifts back to the global ratio. Beyond the table's ends the line through its end points
+    extrapolates."""
 
     EMA = 0.1  # weight of one observation in the global ratio
-    # A step counts at most OUTLIER x the current prediction. On a shared machine a step now and then takes ~100 ms
-    # more (the hypervisor takes the CPU away: /proc/stat's steal ticks grow by 10-20 in exactly those steps, ~1
-    # step in 35 of a batch-1 job), 10-20x a decoding step; counted whole, one such step raised the global ratio
-    # from 1 to ~2.3 for the next ~30 steps. Real errors of the table are within 2x per step.
+    # A step counts at most OUTLIER x the current prediction. On a shared machine a step now and then takes
+    # ~100 ms more (the hypervisor takes the CPU away: /proc/stat's steal ticks grow by 10-20 in exactly those
+    # steps, ~1 step in 35 of a batch-1 job), 10-20x a decoding step; counted whole, one such step raised the
+    # global ratio from 1 to ~2.3 for the next ~30 steps. Real errors of the table are within 2x per step.
     OUTLIER = 2.0
     POINT_PRIOR = 1.0  # observations' worth of the global ratio in each point's effective ratio
     POINT_DECAY = 0.97  # per observed step: a point's evidence (a ~30-step window)
@@ -62,7 +63,8 @@ class CostModel:
     @scale.setter
     def scale(self, value: float) -> None:
         self._scale = float(value)
-        effective = self.seconds * (self._sum + self.POINT_PRIOR * self._scale) / (self._evidence + self.POINT_PRIOR)
+        effective = (self.seconds * (self._sum + self.POINT_PRIOR * self._scale)
+                     / (self._evidence + self.POINT_PRIOR))
         self._y = self._extend(self.tokens, effective)
 
     def __call__(self, num_tokens) -> np.ndarray:
@@ -77,7 +79,8 @@ class CostModel:
         return float(np.interp(num_tokens, self._x, self._table))
 
     def _weights(self, t: float) -> np.ndarray:
-        """The interpolation weight of each table point at token count t (the nearest end beyond the table)."""
+        """The interpolation weight of each table point at token count t
+        (the nearest end beyond the table)."""
         x = self.tokens
         w = np.zeros(len(x))
         if t >= x[-1] or t <= x[0]:
@@ -89,7 +92,8 @@ class CostModel:
         return w
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        """One step's measured seconds: into the global ratio and the ratios of the points next to its count."""
+        """One step's measured seconds: into the global ratio and the ratios of the points next to its
+        count."""
         predicted = self.table_at(num_tokens)
         if predicted <= 0:
             return
@@ -116,8 +120,8 @@ def _cpu_name() -> str:
 
 
 def table_path(root: Path, parts: list[str]) -> Path:
-    """Where the table of everything in `parts` (the model's cost key, cache dtype, slots, draft depth, threads,
-    the kernels' build) lives on this machine."""
+    """Where the table of everything in `parts` (the model's cost key, cache dtype, slots, draft depth,
+    threads, the kernels' build) lives on this machine."""
     import paddle
 
     key = [*parts, platform.node(), _cpu_name(), paddle.__version__]
@@ -140,11 +144,12 @@ def load(path: Path | None) -> tuple[np.ndarray, np.ndarray] | None:
 
 
 def store(path: Path | None, tokens: np.ndarray, seconds: np.ndarray) -> None:
-    """Write the table atomically (readers see a whole file or none); a cache that cannot be written is skipped,
-    as the next run then times the table again."""
+    """Write the table atomically (readers see a whole file or none); a cache that cannot be written is
+    skipped, as the next run then times the table again."""
     if path is None:
         return
-    entry = {"tokens": [int(t) for t in tokens], "seconds": [float(s) for s in seconds], "measured_at": time.time()}
+    entry = {"tokens": [int(t) for t in tokens], "seconds": [float(s) for s in seconds],
+             "measured_at": time.time()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)

@@ -63,7 +63,7 @@ assert set(REGISTRY) == set(Method), "every method needs a proposer"
 
 
 def build_proposer(spec: SpecConfig, model: Model, lib=None, main=None) -> Proposer:
-    """The proposer of spec.method for `model`; lib: ngram.cc's library (specgen.kernels.host_lib), None for the
-    numpy references; main: the api.LoadedModel of `model` (a draft model loads with its settings, and its
+    """The proposer of spec.method for `model`; lib: ngram.cc's library (specgen.kernels.host_lib), None for
+    the numpy references; main: the api.LoadedModel of `model` (a draft model loads with its settings, and its
     vocabulary is checked against its tokenizer)."""
     return REGISTRY[spec.method](spec, model, lib, main)

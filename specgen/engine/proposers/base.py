@@ -27,9 +27,10 @@ class Proposer(Protocol):
     # The drafter's held-out acceptance of its first draft, when known (a trained head records it): before the
     # first step the controller rules speculation out where even that could not pay at the job's batch size.
     acceptance_hint: float | None
-    # True where the drafter does nothing for slots the controller detached (a draft model, MTP-style layers without
-    # copies, Medusa / Hydra heads): a step all of whose slots are detached then runs as plain decoding does, with
-    # neither the proposer nor the controller called (their work was ~0.2 ms of a 4 ms batch-1 step: 0.95x).
+    # True where the drafter does nothing for slots the controller detached (a draft model, MTP-style layers
+    # without copies, Medusa / Hydra heads): a step all of whose slots are detached then runs as plain
+    # decoding does, with neither the proposer nor the controller called (their work was ~0.2 ms of a 4 ms
+    # batch-1 step: 0.95x).
     # MTP with copies keeps copying for detached slots.
     idle_when_detached: bool
 
@@ -59,8 +60,8 @@ _prepared: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def checkpoint_key(path: str | Path, *settings) -> tuple:
     """A drafter checkpoint as its files stand (its directory's file names and mtimes; a checkpoint file's
-    directory, where its draft_vocab.npy lies), with the settings it is prepared under: a retrained head in the
-    same directory is read again."""
+    directory, where its draft_vocab.npy lies), with the settings it is prepared under: a retrained head in
+    the same directory is read again."""
     p = Path(path).resolve()
     d = p if p.is_dir() else p.parent
     files = tuple(sorted((f.name, f.stat().st_mtime_ns) for f in d.iterdir())) if d.is_dir() else ()
@@ -68,9 +69,10 @@ def checkpoint_key(path: str | Path, *settings) -> tuple:
 
 
 def prepared_once(model: Any, key: tuple, make: Callable[[], Any]) -> Any:
-    """make() once per (main model, key) in this process, shared by every engine that drafts with it: loading a
-    shipped head and preparing it for the model (packing, quantizing, its LM head's draft-vocabulary columns)
-    took 60-110 ms per engine, a tenth of a 3-request batch-1 job (EAGLE ran 0.89x of plain decoding)."""
+    """make() once per (main model, key) in this process, shared by every engine that drafts with it: loading
+    a shipped head and preparing it for the model (packing, quantizing, its LM head's draft-vocabulary
+    columns) took 60-110 ms per engine, a tenth of a 3-request batch-1 job (EAGLE ran 0.89x of plain
+    decoding)."""
     per_model = _prepared.setdefault(model, {})
     if key not in per_model:
         per_model[key] = make()

@@ -1,17 +1,18 @@
-"""Draft-model drafting: a smaller model with the main model's vocabulary proposes k tokens per slot (greedy, or
-for sampled requests sampled with the main model's own uniforms), one forward per draft position over every
+"""Draft-model drafting: a smaller model with the main model's vocabulary proposes k tokens per slot (greedy,
+or for sampled requests sampled with the main model's own uniforms), one forward per draft position over every
 drafting slot at once; the main model verifies them in its own step.
 
 Cache invariant: the draft keeps its own KV cache in the main model's slot layout. After each step, for a slot
 it caught up, positions [0, valid) hold exact entries (valid = the tokens the main model has processed or
 committed); the draft chain's entries past them are overwritten by the next catch-up, as the main cache's
 rejected drafts are. A prompt is caught up chunk by chunk as the main model prefills it; a decoding slot feeds
-its committed tokens [valid, seq_len): the tokens the last verification accepted plus the main model's own. A slot
-the controller detached catches up whatever it missed when it drafts again. A prompt prefix the main model shares
-(cascade attention) is shared by the draft too: computed once into its cache's shared prefix, each slot's own
-rows starting after it. With a prompt window the draft reads only a prompt's last positions (its own positions
-start there, as an MTP head's do), so a long prompt does not cost it a prefill of its own per request. Past the
-draft's context (a draft with a shorter one than the main model) a slot gets no drafts and decodes plainly.
+its committed tokens [valid, seq_len): the tokens the last verification accepted plus the main model's own. A
+slot the controller detached catches up whatever it missed when it drafts again. A prompt prefix the main
+model shares (cascade attention) is shared by the draft too: computed once into its cache's shared prefix,
+each slot's own rows starting after it. With a prompt window the draft reads only a prompt's last positions
+(its own positions start there, as an MTP head's do), so a long prompt does not cost it a prefill of its own
+per request. Past the draft's context (a draft with a shorter one than the main model) a slot gets no drafts
+and decodes plainly.
 """
 from __future__ import annotations
 
@@ -21,14 +22,16 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from specgen.config import SpecConfig
-from specgen.engine.kv_cache import KVCache
+from specgen.config import EngineConfig, SpecConfig
 from specgen.engine.proposers.base import SlotView, checkpoint_key, prepared_once
 from specgen.engine.sampling import sample, uniforms
-from specgen.engine.types import DraftTokens, SlotSampling, StepUpdate, build_forward_batch
+from specgen.engine.types import DraftTokens, SlotSampling, StepUpdate
 from specgen.errors import CheckpointError
+from specgen.models.loaded import load_model
 from specgen.models.model import Model
 from specgen.models.tokenizer import TextTokenizer
+from specgen.runtime.batch import build_forward_batch
+from specgen.runtime.kv_cache import KVCache
 
 
 class DraftModelProposer:
@@ -38,13 +41,16 @@ class DraftModelProposer:
     idle_when_detached = True  # a detached slot's draft neither catches up nor drafts
 
     def __init__(self, draft: Model, k: int, prompt_window: int = 0):
-        """prompt_window: a prompt's last positions the draft reads (0: all); its own positions start there."""
+        """prompt_window: a prompt's last positions the draft reads (0: all); its own positions start
+        there."""
         self.draft, self.k, self.prompt_window = draft, k, prompt_window
         self.cache: KVCache | None = None  # made at the first observe, with the main cache's slots
         self.drafts = np.zeros((0, k), np.int64)  # [num_slots, k] drafts ready for each slot's next step
         self.num_drafts = np.zeros(0, np.int64)  # [num_slots]
-        self.valid = np.zeros(0, np.int64)  # [num_slots] leading positions whose draft-cache entries are exact
-        self.prefix_lens = np.zeros(0, np.int64)  # [num_slots] positions each slot reads from the shared prefix
+        self.valid = np.zeros(0, np.int64)  # [num_slots] leading positions whose draft-cache entries are
+        # exact
+        self.prefix_lens = np.zeros(0, np.int64)  # [num_slots] positions each slot reads from the shared
+        # prefix
         self.shift = np.zeros(0, np.int64)  # [num_slots] main-model position - draft position (prompt window)
 
     def propose(self, view: SlotView) -> DraftTokens:
@@ -62,20 +68,22 @@ class DraftModelProposer:
             self.num_drafts = np.zeros(num_slots, np.int64)
 
     def export_slot(self, slot: int, seq_len: int) -> dict:
-        """`slot`'s drafting state, for a hand-off to another engine (import_slot): the draft cache's rows up to the
-        last one its chain may have written (its positions [0, seq_len - shift + k)), a shared prefix's rows
-        first, and its boundary, window shift and the drafts ready for the next step."""
+        """`slot`'s drafting state, for a hand-off to another engine (import_slot): the draft cache's rows up
+        to the last one its chain may have written (its positions [0, seq_len - shift + k)), a shared prefix's
+        rows first, and its boundary, window shift and the drafts ready for the next step."""
         if self.cache is None:
             return {}
         shift = int(self.shift[slot])
         pre = int(self.prefix_lens[slot]) if self.cache.prefix is not None else 0
         n = min(seq_len - shift + self.k, pre + self.cache.capacity)
-        state = {name: np.array(getattr(self, name)[slot]) for name in ("valid", "shift", "drafts", "num_drafts")}
+        state = {name: np.array(getattr(self, name)[slot])
+                 for name in ("valid", "shift", "drafts", "num_drafts")}
         state.update({f"cache.{j}": pieces for j, pieces in enumerate(self.cache.export_slot(slot, n, pre))})
         return state
 
     def import_slot(self, slot: int, state: dict, num_slots: int) -> None:
-        """`slot` takes export_slot's state (an engine of num_slots slots); a shared prefix's rows are its own now."""
+        """`slot` takes export_slot's state (an engine of num_slots slots); a shared prefix's rows are its own
+        now."""
         self._ensure(num_slots)
         if not state:
             return
@@ -103,15 +111,16 @@ class DraftModelProposer:
         seq_lens, prompt_lens = update.seq_lens, update.prompt_lens
         if seq_lens is None or prompt_lens is None:
             return
-        # slots caught up: every running one not detached by the controller; a prompt chunk's tokens as the main
-        # model prefilled them, a decoding slot's up to its last committed token (it then drafts)
+        # slots caught up: every running one not detached by the controller; a prompt chunk's tokens as the
+        # main model prefilled them, a decoding slot's up to its last committed token (it then drafts)
         decoding = seq_lens > prompt_lens
         live = ~update.finished
         if update.detached is not None:
             live &= ~update.detached
         ends_all = np.where(decoding, seq_lens, update.first_pos + update.num_valid)  # [num_seqs]
         sel = np.nonzero(live)[0]
-        # room for the draft to write (past its context the slot goes on without drafts), and something to feed
+        # room for the draft to write (past its context the slot goes on without drafts), and something
+        # to feed
         room = ends_all[sel] - self.shift[update.slots[sel]] < self.draft.max_len
         sel = sel[room & (ends_all[sel] > self.valid[update.slots[sel]])]
         if not len(sel):
@@ -126,8 +135,9 @@ class DraftModelProposer:
         plens = self.prefix_lens[slots] if self.cache.prefix is not None else None
         wants = decoding[sel]  # [n] drafting next step
         choose = _DraftChoice(update.sampling, sel[wants], prompt_lens[sel[wants]])
-        out = self.draft.forward(build_forward_batch(slots, starts - shift, lens, tokens, np.zeros(len(slots), bool),
-                                                     prefix_lens=plens), self.cache, logits=choose.sampled)
+        out = self.draft.forward(build_forward_batch(slots, starts - shift, lens, tokens,
+                                                     np.zeros(len(slots), bool), prefix_lens=plens),
+                                 self.cache, logits=choose.sampled)
         self.valid[slots] = ends
         if not wants.any():
             return
@@ -154,8 +164,9 @@ class DraftModelProposer:
 
     def _share_prefix(self, update: StepUpdate, fresh: np.ndarray, pre: np.ndarray) -> np.ndarray:
         """[num_seqs] positions each new request reads from the draft's shared prefix (0: none). The first new
-        request after the main model shared a prefix makes the draft's: its KV of those tokens computed once into
-        the draft cache's shared prefix, as the main cache's (a request sharing more than that computes its own)."""
+        request after the main model shared a prefix makes the draft's: its KV of those tokens computed once
+        into the draft cache's shared prefix, as the main cache's (a request sharing more than that computes
+        its own)."""
         use = fresh & (pre > 0)
         if not use.any():
             return np.zeros(len(pre), np.int64)
@@ -164,8 +175,9 @@ class DraftModelProposer:
             n = int(pre[j])
             ids = update.tokens[update.slots[j], :n]
             prefix = self.draft.new_cache(1, n)
-            self.draft.forward(build_forward_batch(np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([n]), ids,
-                                                   np.zeros(1, bool)), prefix, logits=False)
+            self.draft.forward(build_forward_batch(np.zeros(1, np.int64), np.zeros(1, np.int64),
+                                                   np.array([n]), ids, np.zeros(1, bool)),
+                               prefix, logits=False)
             self.cache.prefix, self.prefix_ids = prefix, ids
         n = len(self.prefix_ids)
         ok = use & (pre <= n)
@@ -177,17 +189,18 @@ class DraftModelProposer:
 
 
 class _DraftChoice:
-    """How the draft picks each draft: greedy for greedy requests; for sampled ones, the counter-based sample of its
-    own distribution with the uniform the main model will use at that output position (engine/sampling.py), so
-    that where the two distributions are close the draft proposes the very token verification will sample."""
+    """How the draft picks each draft: greedy for greedy requests; for sampled ones, the counter-based sample
+    of its own distribution with the uniform the main model will use at that output position
+    (engine/sampling.py), so that where the two distributions are close the draft proposes the very token
+    verification will sample."""
 
     def __init__(self, sampling: SlotSampling | None, sel: np.ndarray, prompt_lens: np.ndarray):
         self.sampling, self.sel, self.prompt_lens = sampling, sel, prompt_lens
         self.sampled = sampling is not None and bool((sampling.temperature[sel] > 0).any())
 
     def __call__(self, logits, greedy: np.ndarray, token_index: np.ndarray) -> np.ndarray:
-        """[n] the draft for token index `token_index` (the committed tokens' count before it) of each sequence,
-        from the draft's logits [n, vocab] (None when every one is greedy) and their argmax [n]."""
+        """[n] the draft for token index `token_index` (the committed tokens' count before it) of each
+        sequence, from the draft's logits [n, vocab] (None when every one is greedy) and their argmax [n]."""
         if not self.sampled:
             return greedy
         s, sel = self.sampling, self.sel
@@ -197,10 +210,11 @@ class _DraftChoice:
 
 def check_vocabulary(main: TextTokenizer | None, draft: TextTokenizer | None, main_size: int, draft_size: int,
                      where: str) -> None:
-    """The draft must share the main model's vocabulary: the same size and, token by token, the same strings."""
+    """The draft must share the main model's vocabulary: the same size and, token by token, the same
+    strings."""
     if main_size != draft_size:
-        raise CheckpointError(f"{where}: the draft model's vocabulary has {draft_size} tokens, the main model's "
-                              f"{main_size}; a draft model must share the main model's vocabulary")
+        raise CheckpointError(f"{where}: the draft model's vocabulary has {draft_size} tokens, the main "
+                              f"model's {main_size}; a draft model must share the main model's vocabulary")
     if main is None or draft is None:
         return
     a, b = main.tokenizer, draft.tokenizer
@@ -215,16 +229,14 @@ def build_draft_model_proposer(spec: SpecConfig, model: Model, main) -> DraftMod
     """The draft checkpoint (spec.draft_model) loaded beside `model` with the main model's load settings
     (backend, dtype, quantization, threads: `main`, its api.LoadedModel; defaults without one), its vocabulary
     checked against the main model's; loaded once per main model."""
-    from specgen.api import load_model
-    from specgen.config import EngineConfig
 
     path = str(spec.draft_model)
 
     def make() -> Model:
         settings = main.engine if main is not None else EngineConfig(dtype=model.dtype)
         loaded = load_model(path, settings, quantization=draft_quantization(model, settings.quantization))
-        check_vocabulary(main.tokenizer if main is not None else None, loaded.tokenizer, model.config.vocab_size,
-                         loaded.config.vocab_size, path)
+        check_vocabulary(main.tokenizer if main is not None else None, loaded.tokenizer,
+                         model.config.vocab_size, loaded.config.vocab_size, path)
         return loaded.model
 
     draft = prepared_once(model, checkpoint_key(path, "draft_model"), make)
@@ -234,9 +246,9 @@ def build_draft_model_proposer(spec: SpecConfig, model: Model, main) -> DraftMod
 
 
 def recorded_acceptance(directory: Path) -> float | None:
-    """The held-out first-draft acceptance `specgen make-draft --data` recorded in the draft's config.json, if any:
-    the controller rules the draft out before the first step where even that could not pay (32 slots of short
-    requests otherwise each drafted until they detached: 0.95x of plain decoding on math)."""
+    """The held-out first-draft acceptance `specgen make-draft --data` recorded in the draft's config.json, if
+    any: the controller rules the draft out before the first step where even that could not pay (32 slots of
+    short requests otherwise each drafted until they detached: 0.95x of plain decoding on math)."""
     try:
         value = json.loads((directory / "config.json").read_text())["specgen_draft"]["training"]["eval_acc"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -246,9 +258,9 @@ def recorded_acceptance(directory: Path) -> float | None:
 
 def draft_quantization(model: Model, main_mode: str) -> str:
     """The draft quantizes with the main model: its mode when one was asked for; under auto, to 8-bit blocks
-    (wint8) beside a main model kept in blocks (a float draft is not rounded to 4 bits: a distilled draft of the
-    default model agreed with it 0.21 instead of 0.34 of the time on math in Q4_1, 0.34 in Q8_0), else as the
-    draft's checkpoint stores it."""
+    (wint8) beside a main model kept in blocks (a float draft is not rounded to 4 bits: a distilled draft of
+    the default model agreed with it 0.21 instead of 0.34 of the time on math in Q4_1, 0.34 in Q8_0), else as
+    the draft's checkpoint stores it."""
     if main_mode != "auto":
         return main_mode
     return "wint8" if any(lin.blocks is not None for lin in model.weights.linears()) else "auto"

@@ -2,11 +2,11 @@
 dynamic tree keeps the nodes of highest cumulative draft probability, or a static shape keeps given paths.
 
 The layer (public EAGLE layout, `--draft-model DIR`): at position i, x = fc([embedding of token i + 1; feature
-at i]) (+ fc.bias), one Llama decoder layer (`layers.0.*`; EAGLE-1's layer 0 has no input norm, a layer that has
-`input_layernorm` uses it), then an optional final norm (`norm.weight`); that output feature feeds the main
-model's LM head (the distribution of token i + 2) and is the next draft's feature input. Embedding and LM head
-are the main model's. The feature at a committed position is the main model's final normed hidden state there
-(what EAGLE's reference code feeds, `StepUpdate.hidden`).
+at i]) (+ fc.bias), one Llama decoder layer (`layers.0.*`; EAGLE-1's layer 0 has no input norm, a layer that
+has `input_layernorm` uses it), then an optional final norm (`norm.weight`); that output feature feeds the
+main model's LM head (the distribution of token i + 2) and is the next draft's feature input. Embedding and LM
+head are the main model's. The feature at a committed position is the main model's final normed hidden state
+there (what EAGLE's reference code feeds, `StepUpdate.hidden`).
 
 Cache: the layer's own KV cache in the slot layout, caught up after every step on the positions whose main
 hidden state became known (MtpProposer's catch-up, reused: prompt window, shared prefix, prompt chunks). The
@@ -15,15 +15,16 @@ feature (root position + d - 1 ... the root is the last committed token), writte
 caught-up ones with an ancestor mask (engine/tree.py's 64-bit masks), overwritten by the next catch-up as
 rejected drafts are.
 
-Growing (all slots at once, one pass per depth): depth 1 takes the top-k tokens of the last caught-up position;
-each later pass runs the frontier (dynamic: the k candidates of highest cumulative log-probability at the depth
-before, EAGLE-2; static: the shape's nodes that have children) and takes the top-k children of each. The tree
-offered is the `nodes` candidates of highest cumulative log-probability, in that order (a parent never scores
-below its child, so parents come first and every prefix is a tree): the node budget the controller chooses keeps
-a prefix, i.e. the budget's most probable nodes. Drafts only: the engine's tree walk keeps outputs exact.
+Growing (all slots at once, one pass per depth): depth 1 takes the top-k tokens of the last caught-up
+position; each later pass runs the frontier (dynamic: the k candidates of highest cumulative log-probability
+at the depth before, EAGLE-2; static: the shape's nodes that have children) and takes the top-k children of
+each. The tree offered is the `nodes` candidates of highest cumulative log-probability, in that order (a
+parent never scores below its child, so parents come first and every prefix is a tree): the node budget the
+controller chooses keeps a prefix, i.e. the budget's most probable nodes. Drafts only: the engine's tree walk
+keeps outputs exact.
 
-Copies (EagleConfig.copy, MtpProposer's): a slot whose last copy tokens occurred earlier in its text drafts what
-followed there, as a chain in place of its tree (DraftTokens.source 1); its tree is not grown that step.
+Copies (EagleConfig.copy, MtpProposer's): a slot whose last copy tokens occurred earlier in its text drafts
+what followed there, as a chain in place of its tree (DraftTokens.source 1); its tree is not grown that step.
 """
 from __future__ import annotations
 
@@ -34,22 +35,17 @@ from pathlib import Path
 
 import numpy as np
 import paddle
-import paddle.nn.functional as F
 
-from specgen.backends.reference import reserve
 from specgen.config import SpecConfig
-from specgen.engine.kv_cache import KVCache
 from specgen.engine.proposers.base import SlotView, checkpoint_key, prepared_once
 from specgen.engine.proposers.medusa import tree_template
 from specgen.engine.proposers.mtp import CatchUp, MtpProposer
 from specgen.engine.proposers.mtp_head import _block_config, load_draft_vocab, prompt_window, training_setting
 from specgen.engine.tree import CAUSAL, MAX_TREE_NODES
-from specgen.engine.types import DraftTokens, build_forward_batch
+from specgen.engine.types import DraftTokens
 from specgen.errors import CheckpointError
-from specgen.layers.attention import AttentionIndex
-from specgen.layers.block import DecoderBlock, block_forward
+from specgen.layers.block import DecoderBlock
 from specgen.layers.linear import Linear
-from specgen.layers.norm import rms_norm
 from specgen.models.config import ModelConfig
 from specgen.models.model import Model
 from specgen.models.weights import TensorReader
@@ -59,12 +55,14 @@ MASK_ROWS = 64  # scratch rows a slot's tree may take: a node must see every oth
 
 @dataclass
 class EagleWeights:
-    """The draft layer; embedding and LM head are the main model's (the LM head's draft-vocabulary columns)."""
+    """The draft layer; embedding and LM head are the main model's (the LM head's draft-vocabulary
+    columns)."""
 
     embed: paddle.Tensor  # [vocab, hidden]
     fc: Linear  # [2 hidden] -> [hidden]: [embedding; feature], with EAGLE's bias when the checkpoint has one
     block: DecoderBlock  # attn_norm None: no input norm (EAGLE-1's layer 0)
-    norm: paddle.Tensor | None  # [hidden] final norm of the output feature (EAGLE-3, specgen's training); None: none
+    norm: paddle.Tensor | None  # [hidden] final norm of the output feature (EAGLE-3, specgen's training);
+    # None: none
     lm_head: Linear  # [hidden] -> [vocab] the main model's (a runner keeps the draft vocabulary's columns)
     draft_vocab: np.ndarray | None  # [draft vocab] int64 token id of each LM-head column; None: all
 
@@ -78,7 +76,8 @@ def eagle_config(cfg: ModelConfig) -> dict:
             "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
             "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
             "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
-            "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size, "bias": True}
+            "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size,
+            "bias": True}
 
 
 def read_eagle(weights: dict[str, np.ndarray], source: str, main: Model,
@@ -92,8 +91,8 @@ def read_eagle(weights: dict[str, np.ndarray], source: str, main: Model,
     if extra:
         raise CheckpointError(f"{source}: EAGLE layers past the first are not supported ({extra[0]})")
     if "lm_head.weight" in weights:
-        raise CheckpointError(f"{source}: an EAGLE layer with its own LM head is not supported (it shares the main "
-                              "model's)")
+        raise CheckpointError(f"{source}: an EAGLE layer with its own LM head is not supported (it shares "
+                              "the main model's)")
     cfg = main.config
     h = cfg.hidden_size
     norm_name = "layers.0.input_layernorm.weight"
@@ -105,7 +104,8 @@ def read_eagle(weights: dict[str, np.ndarray], source: str, main: Model,
         block = dataclasses.replace(block, attn_norm=None)
     if draft_vocab is not None:
         ids = np.asarray(draft_vocab)
-        if ids.ndim != 1 or not len(ids) or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= cfg.vocab_size:
+        if (ids.ndim != 1 or not len(ids) or ids.dtype.kind not in "iu" or ids.min() < 0
+                or ids.max() >= cfg.vocab_size):
             raise CheckpointError(f"{source}: draft vocabulary must be token ids in [0, {cfg.vocab_size})")
         draft_vocab = ids.astype(np.int64)
     return EagleWeights(
@@ -116,8 +116,8 @@ def read_eagle(weights: dict[str, np.ndarray], source: str, main: Model,
 
 
 def load_eagle(path: str | Path, main: Model) -> EagleWeights:
-    """An EAGLE checkpoint: a directory with model.safetensors (or its index), or one .safetensors file, and an
-    optional draft_vocab.npy beside it."""
+    """An EAGLE checkpoint: a directory with model.safetensors (or its index), or one .safetensors file, and
+    an optional draft_vocab.npy beside it."""
     from specgen.models.hf_loader import _weight_files, read_safetensors
 
     p = Path(path)
@@ -129,56 +129,15 @@ def load_eagle(path: str | Path, main: Model) -> EagleWeights:
                                   "(safetensors.torch.save_file(torch.load(...)))")
         files, d = _weight_files(p), p
     else:
-        raise CheckpointError(f"{p}: no EAGLE checkpoint (a directory with model.safetensors, or a .safetensors file)")
+        raise CheckpointError(f"{p}: no EAGLE checkpoint (a directory with model.safetensors, or a "
+                              ".safetensors file)")
     return read_eagle(read_safetensors(files), str(p), main, load_draft_vocab(d))
-
-
-class EaglePass:
-    """One pass of the layer over packed blocks of tokens, in Paddle's operators (any backend, any device)."""
-
-    def __init__(self, model: Model, weights: EagleWeights):
-        self.rope, self.shape, self.dtype, self.w = model.rope, model.shape, model.dtype, weights
-        lm = weights.lm_head.dense()  # [hidden, vocab]
-        if weights.draft_vocab is not None:  # drafts from these tokens only: their columns
-            lm = paddle.gather(lm, paddle.to_tensor(weights.draft_vocab), axis=1)
-        self.lm_head = Linear(lm)  # [hidden] -> [draft vocab]
-        self.token_ids = weights.token_ids
-        cfg = model.config
-        self.cache_shape = (cfg.num_kv_heads, cfg.head_dim, model.max_len)
-
-    def new_cache(self, num_slots: int) -> KVCache:
-        kv, d, max_len = self.cache_shape
-        return KVCache(1, num_slots, kv, d, self.dtype, max_len, zeroed=True)  # masked reads need finite rows
-
-    def run(self, cache: KVCache, slots: np.ndarray, starts: np.ndarray, lens: np.ndarray, token_ids: np.ndarray,
-            hidden: paddle.Tensor, rows: np.ndarray, logit_rows: np.ndarray, topk: int, rope: np.ndarray | None = None,
-            mask: np.ndarray | None = None):
-        """Blocks (slots [num_seqs], rows starts [num_seqs], lens [num_seqs]) of tokens token_ids [num_tokens]
-        with their input features at rows [num_tokens] of hidden [num_rows, hidden]; rope [num_tokens] the positions RoPE sees and mask
-        [num_tokens] int64 each token's tree mask (None: rows are positions, causal). Returns (output features
-        [num_tokens, hidden], top-k log-probabilities [num_logits, topk] and token ids [num_logits, topk] at
-        logit_rows [num_logits])."""
-        w, eps = self.w, self.shape.eps
-        depth = None if rope is None else rope - np.repeat(starts, lens)
-        batch = build_forward_batch(slots, starts, lens, token_ids, np.zeros(len(slots), bool), tree_depth=depth,
-                                    tree_mask=mask)
-        reserve(batch, cache)
-        emb = F.embedding(paddle.to_tensor(batch.token_ids), w.embed)  # [num_tokens, hidden]
-        x = w.fc(paddle.concat([emb, paddle.gather(hidden, paddle.to_tensor(rows))], axis=-1))
-        att = AttentionIndex(batch, cache, self.rope, self.shape.num_heads, self.dtype)
-        x = block_forward(x, w.block, self.shape, att, 0, cache.k[0], cache.v[0])
-        feat = rms_norm(x, w.norm, eps) if w.norm is not None else x  # [num_tokens, hidden]
-        if not len(logit_rows):
-            return feat, np.zeros((0, topk)), np.zeros((0, topk), np.int64)
-        logp = F.log_softmax(self.lm_head(paddle.gather(feat, paddle.to_tensor(logit_rows))), axis=-1)
-        vals, cols = paddle.topk(logp, topk, axis=-1)  # [num_logits, topk], largest first
-        return feat, vals.numpy().astype(np.float64), self.token_ids(cols.numpy().astype(np.int64))
 
 
 @dataclass(frozen=True)
 class TreeShape:
-    """How trees grow: top-k children per expanded node, and either a dynamic frontier of `topk` nodes per depth
-    (EAGLE-2) or a static shape's nodes."""
+    """How trees grow: top-k children per expanded node, and either a dynamic frontier of `topk` nodes per
+    depth (EAGLE-2) or a static shape's nodes."""
 
     topk: int
     nodes: int  # candidates offered per tree (the controller's budget keeps a prefix)
@@ -193,27 +152,32 @@ class TreeShape:
 class EagleProposer(MtpProposer):
     """Token trees from an EAGLE layer; the catch-up of its cache is MtpProposer's."""
 
-    # a hand-off carries the tree grown at the prompt's last position too (else the first decode step's is empty)
+    # a hand-off carries the tree grown at the prompt's last position too (else the first decode
+    # step's is empty)
     SLOT_ARRAYS = MtpProposer.SLOT_ARRAYS + ("tree_ids", "tree_parents", "tree_probs")
 
     def __init__(self, model: Model, runner, k: int, shape: TreeShape,
                  acceptance_hint: float | None = None, prompt_window: int = 0, copy_min: int = 0, lib=None):
         """runner: the layer prepared for the model's backend (prepare_eagle; EaglePass.run's interface);
-        copy_min > 0: MtpProposer's copies, offered as a chain in place of the slot's tree (DraftTokens.source 1)."""
+        copy_min > 0: MtpProposer's copies, offered as a chain in place of the slot's tree
+        (DraftTokens.source 1)."""
         self.runner = runner
-        super().__init__(model, [self.runner], k, acceptance_hint, copy_min=copy_min, prompt_window=prompt_window,
-                         lib=lib)
+        super().__init__(model, [self.runner], k, acceptance_hint, copy_min=copy_min,
+                         prompt_window=prompt_window, lib=lib)
         self.shape = shape
         self.width = min(shape.nodes, MAX_TREE_NODES)
         if shape.paths:
             self.width = min(self.width, len(shape.static_nodes(k)[0]))
         front = shape.topk if not shape.paths else int(np.bincount(shape.static_nodes(k)[2]).max(initial=1))
         if shape.topk * (k - 1) > MASK_ROWS or front * (k - 1) > MASK_ROWS:
-            raise CheckpointError(f"an EAGLE tree of top-{shape.topk} over {k} depths needs more than {MASK_ROWS} "
-                                  "rows of tree mask")
-        self.tree_ids = np.zeros((0, self.width), np.int64)  # [num_slots, width] each slot's tree for its next step
-        self.tree_parents = np.zeros((0, self.width), np.int64)  # [num_slots, width] block index of each parent
-        self.tree_probs = np.zeros((0, self.width))  # [num_slots, width] the layer's probability of each node's path
+            raise CheckpointError(f"an EAGLE tree of top-{shape.topk} over {k} depths needs more than "
+                                  f"{MASK_ROWS} rows of tree mask")
+        self.tree_ids = np.zeros((0, self.width), np.int64)  # [num_slots, width] each slot's tree for its
+        # next step
+        self.tree_parents = np.zeros((0, self.width), np.int64)  # [num_slots, width] block index of each
+        # parent
+        self.tree_probs = np.zeros((0, self.width))  # [num_slots, width] the layer's probability of each
+        # node's path
 
     def _ensure(self, num_slots: int) -> None:
         if self.cache is None:
@@ -225,18 +189,20 @@ class EagleProposer(MtpProposer):
             self.tree_probs = np.zeros((num_slots, self.width))
 
     def propose(self, view: SlotView) -> DraftTokens:
-        """Each slot's tree; with copies, a copied chain (source 1) where the slot's text repeats. A step where no
-        slot has a tree of the layer's offers the copies alone as plain chains: the engine's chain path costs less
-        per step than a tree's planning and walk (writing at batch 1, the layer detached: 0.93x of plain decoding
-        with every step on the tree path)."""
+        """Each slot's tree; with copies, a copied chain (source 1) where the slot's text repeats. A step
+        where no slot has a tree of the layer's offers the copies alone as plain chains: the engine's chain
+        path costs less per step than a tree's planning and walk (writing at batch 1, the layer detached:
+        0.93x of plain decoding with every step on the tree path)."""
         n, s = len(view.slots), view.slots
         if self.cache is None:
             return DraftTokens.none(n, self.k)
-        use = self._copying(view) if self.copy_min and n else np.zeros(n, bool)  # [num_seqs] a copy, not a tree
+        use = self._copying(view) if self.copy_min and n else np.zeros(n, bool)  # [num_seqs] a copy,
+        # not a tree
         source = use.astype(np.int64) if self.copy_min else None  # [num_seqs] 1: a copied chain
         num = self.num_drafts[s]  # [num_seqs] tree nodes
         if not (num[~use] > 0).any():  # [num_seqs, k] chains: the copies, none elsewhere
-            return DraftTokens(np.where(use[:, None], self.copy_ids[s], 0), np.where(use, self.copy_num[s], 0), source)
+            return DraftTokens(np.where(use[:, None], self.copy_ids[s], 0),
+                               np.where(use, self.copy_num[s], 0), source)
         # [num_seqs, width] each (fancy indexing: copies, not the proposer's rows)
         ids, parents, probs = self.tree_ids[s], self.tree_parents[s], self.tree_probs[s]
         if use.any():
@@ -249,20 +215,21 @@ class EagleProposer(MtpProposer):
         return DraftTokens(ids, num, source, parents, probs)
 
     def _draft(self, c: CatchUp) -> None:
-        """The catch-up pass, then each wanting slot's tree (a slot whose last caught-up position is not the one
-        before its last token, a prompt chunk with more to come, gets none)."""
+        """The catch-up pass, then each wanting slot's tree (a slot whose last caught-up position is not the
+        one before its last token, a prompt chunk with more to come, gets none)."""
         first = np.concatenate([[0], np.cumsum(c.total)[:-1]])  # [num_seqs] first catch-up token of each
         last = c.start + c.total - 1  # [num_seqs] last caught-up main position
         want = c.want & (last == c.seq_lens - 2)
         k1 = self.shape.topk
-        feat, vals, ids = self.runner.run(self.cache, c.slots, c.pos[first] - c.shift, c.total, c.next_ids, c.hidden,
-                                          c.rows, (first + c.total - 1)[want], k1)
+        feat, vals, ids = self.runner.run(self.cache, c.slots, c.pos[first] - c.shift, c.total, c.next_ids,
+                                          c.hidden, c.rows, (first + c.total - 1)[want], k1)
         self.num_drafts[c.slots] = 0
         if not want.any():
             return
         slots = c.slots[want]
         root = last[want] - c.shift[want]  # [num_seqs] head position of the last caught-up token
-        tree_ids, parents, num, score = self._grow(slots, root, feat, (first + c.total - 1)[want], vals, ids, c.depth)
+        tree_ids, parents, num, score = self._grow(slots, root, feat, (first + c.total - 1)[want], vals, ids,
+                                                   c.depth)
         self.tree_ids[slots], self.tree_parents[slots], self.num_drafts[slots] = tree_ids, parents, num
         self.tree_probs[slots] = np.exp(score)  # (-inf past the nodes kept: 0)
 
@@ -275,14 +242,16 @@ class EagleProposer(MtpProposer):
         log-probabilities [num_seqs, width])."""
         n, k = len(slots), self.shape.topk
         static = self.shape.static_nodes(depth) if self.shape.paths else None
-        # candidates, appended depth by depth: token, cumulative log-probability, parent candidate (-1: the root)
+        # candidates, appended depth by depth: token, cumulative log-probability, parent candidate
+        # (-1: the root)
         cand_ids, cand_score, cand_parent = [], [], []
         front_score = np.zeros((n, 1))  # [num_seqs, F] the expanded nodes' cumulative log-probabilities
         front_cand = np.full((n, 1), -1, np.int64)  # [num_seqs, F] their candidate index
         front_row = np.full((n, 1), -1, np.int64)  # [num_seqs, F] their tree row (-1: the root, caught up)
         front_back = np.full((n, 1), CAUSAL, np.int64).view(np.uint64)  # [num_seqs, F] their masks
         front_static = np.zeros(1, np.int64)  # static shapes: the shape node of each frontier node (0: root)
-        front_rows = root_rows.reshape(n, 1)  # [num_seqs, F] rows of feats holding the frontier's output features
+        front_rows = root_rows.reshape(n, 1)  # [num_seqs, F] rows of feats holding the frontier's
+        # output features
         vals, ids = vals.reshape(n, 1, k), ids.reshape(n, 1, k)  # [num_seqs, F, k]
         rows_used = 0
         for d in range(1, depth + 1):
@@ -291,7 +260,8 @@ class EagleProposer(MtpProposer):
             score = (front_score[:, :, None] + vals).reshape(n, f * k)  # [num_seqs, F k]
             if static is not None:  # only the shape's nodes of this depth are candidates
                 at = np.nonzero(static[0] == d)[0]  # the shape's nodes of depth d (block index at + 1)
-                flat = np.searchsorted(front_static, static[2][at]) * k + static[1][at]  # their candidate index
+                # their candidate index
+                flat = np.searchsorted(front_static, static[2][at]) * k + static[1][at]
                 keep = np.full(f * k, -np.inf)
                 keep[flat] = 0.0
                 score = score + keep[None, :]
@@ -318,7 +288,8 @@ class EagleProposer(MtpProposer):
             parent_rows = np.take_along_axis(front_rows, parent_f, axis=1).reshape(-1)
             feats, v, t = self.runner.run(
                 self.cache, slots, root + 1 + rows_used, np.full(n, f_new, np.int64), tok.reshape(-1), feats,
-                parent_rows, np.arange(n * f_new), k, np.repeat(root + d, f_new), back.view(np.int64).reshape(-1))
+                parent_rows, np.arange(n * f_new), k, np.repeat(root + d, f_new),
+                back.view(np.int64).reshape(-1))
             front_rows = np.arange(n * f_new).reshape(n, f_new)
             vals, ids = v.reshape(n, f_new, k), t.reshape(n, f_new, k)
             front_score = np.take_along_axis(score, sel, axis=1)
@@ -334,7 +305,8 @@ class EagleProposer(MtpProposer):
         n, total = cand_ids.shape
         width = min(self.width, total)
         order = np.argsort(-score, axis=1, kind="stable")[:, :width]  # [num_seqs, width]
-        block = np.zeros((n, total + 1), np.int64)  # block index of each candidate (+1: the root at -1), 0 unkept
+        # block index of each candidate (+1: the root at -1), 0 unkept
+        block = np.zeros((n, total + 1), np.int64)
         np.put_along_axis(block, order + 1, np.arange(1, width + 1)[None, :], axis=1)
         parents = np.take_along_axis(block, np.take_along_axis(parent, order, axis=1) + 1, axis=1)
         ids = np.take_along_axis(cand_ids, order, axis=1)
@@ -350,17 +322,19 @@ def build_eagle_proposer(spec: SpecConfig, model: Model, lib=None) -> EaglePropo
     """--method eagle: the layer at --draft-model (default: the one shipped for the default model)."""
     path = spec.draft_model or shipped_eagle(str(model.source))
     if path is None:
-        raise CheckpointError("--method eagle needs --draft-model PATH (an EAGLE layer: fc.weight, layers.0.*; "
-                              "`specgen train-head --kind eagle` trains one); none ships for this model")
+        raise CheckpointError("--method eagle needs --draft-model PATH (an EAGLE layer: fc.weight, "
+                              "layers.0.*; `specgen train-head --kind eagle` trains one); none ships for "
+                              "this model")
     d = Path(path) if Path(path).is_dir() else Path(path).parent
     e = spec.eagle
     return EagleProposer(model, prepare_eagle(model, path, e.quantize), spec.num_speculative_tokens,
-                         TreeShape(e.topk, e.nodes, e.tree_paths()), training_setting(d, "eval_acc"), prompt_window(d),
-                         e.copy, lib)
+                         TreeShape(e.topk, e.nodes, e.tree_paths()), training_setting(d, "eval_acc"),
+                         prompt_window(d), e.copy, lib)
 
 
 def prepare_eagle(model: Model, path: str | Path, quantize: bool = True):
-    """The EAGLE layer at `path` loaded and prepared for the model's backend, once per model in this process."""
+    """The EAGLE layer at `path` loaded and prepared for the model's backend, once per model in this
+    process."""
     return prepared_once(model, checkpoint_key(path, "eagle", quantize),
                          lambda: model.backend.prepare_eagle(model, load_eagle(path, model), quantize))
 
@@ -377,7 +351,8 @@ def shipped_eagle(source: str) -> Path | None:
     return SHIPPED
 
 
-def save_eagle(directory: str | Path, weights: dict[str, np.ndarray], cfg: ModelConfig, extra: dict | None = None):
+def save_eagle(directory: str | Path, weights: dict[str, np.ndarray], cfg: ModelConfig,
+               extra: dict | None = None):
     """An EAGLE layer's weights (EAGLE's names, HF [out, in]) as model.safetensors + config.json."""
     from safetensors.numpy import save_file
 

@@ -1,14 +1,15 @@
-"""Hydra heads (Ankner et al., 2024): Medusa-like heads on the main model's last hidden state, where head d also
-reads the embeddings of the tokens on the path so far (the root, then the drafts chosen at depths 1..d), so the
-tree is built head by head: depth d + 1's guesses are made under each depth-d node that has children.
+"""Hydra heads (Ankner et al., 2024): Medusa-like heads on the main model's last hidden state, where head d
+also reads the embeddings of the tokens on the path so far (the root, then the drafts chosen at depths 1..d),
+so the tree is built head by head: depth d + 1's guesses are made under each depth-d node that has children.
 
 The public layout (zankner/Hydra, `hydra_head_arch: "mlp"`, `grounded_heads: true`): `config.json`
-(hydra_num_heads, hydra_num_layers) and the head's state dict, `hydra_lm_head.safetensors` (or the repository's
-`hydra_lm_head.pt`, read when torch is installed): `hydra_mlp.{d}.0.linear.*` and `.res_connection.*`
-([hidden, (d + 2) hidden]: res(x) + SiLU(linear(x)) over [hidden state; emb(root); emb(draft 1); ...;
-emb(draft d)]), `hydra_mlp.{d}.{j}.linear.*` for the later residual blocks x + SiLU(linear(x)), and
-`hydra_lm_head.{d}.weight` / `.bias`. Heads without `hydra_lm_head.*` share the main model's LM head (as
-`specgen train-head --kind hydra` saves them), and `draft_vocab.npy` restricts guesses as for Medusa.
+(hydra_num_heads, hydra_num_layers) and the head's state dict, `hydra_lm_head.safetensors` (or the
+repository's `hydra_lm_head.pt`, read when torch is installed): `hydra_mlp.{d}.0.linear.*` and
+`.res_connection.*` ([hidden, (d + 2) hidden]: res(x) + SiLU(linear(x)) over [hidden state; emb(root);
+emb(draft 1); ...; emb(draft d)]), `hydra_mlp.{d}.{j}.linear.*` for the later residual blocks
+x + SiLU(linear(x)), and `hydra_lm_head.{d}.weight` / `.bias`. Heads without `hydra_lm_head.*` share the
+main model's LM head (as `specgen train-head --kind hydra` saves them), and `draft_vocab.npy` restricts
+guesses as for Medusa.
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ _KEY = re.compile(r"^hydra_(?:mlp\.(\d+)\.(\d+)\.(linear|res_connection)|lm_head
 
 @dataclass(frozen=True)
 class HydraBlock:
-    """One residual block, Paddle's [in, out] orientation: res(x) + SiLU(x w + b), res the identity or x rw + rb."""
+    """One residual block, Paddle's [in, out] orientation: res(x) + SiLU(x w + b), res the identity or
+    x rw + rb."""
 
     w: paddle.Tensor  # [in, hidden]
     b: paddle.Tensor  # [hidden]
@@ -66,9 +68,11 @@ def _read_state(directory: Path) -> dict[str, np.ndarray]:
         try:
             import torch
         except ImportError:
-            raise CheckpointError(f"{directory / TORCH_WEIGHTS}: reading a torch state dict needs torch; or convert "
-                                  f"it once to {WEIGHTS} (safetensors.torch.save_file of the same dict)") from None
-        return {k: v.float().numpy() for k, v in torch.load(directory / TORCH_WEIGHTS, map_location="cpu").items()}
+            raise CheckpointError(f"{directory / TORCH_WEIGHTS}: reading a torch state dict needs torch; or "
+                                  f"convert it once to {WEIGHTS} (safetensors.torch.save_file of the same "
+                                  "dict)") from None
+        return {k: v.float().numpy()
+                for k, v in torch.load(directory / TORCH_WEIGHTS, map_location="cpu").items()}
     raise CheckpointError(f"{directory}: no Hydra heads ({WEIGHTS} or {TORCH_WEIGHTS} beside a config.json)")
 
 
@@ -83,9 +87,10 @@ def load_hydra(path: str | Path, hidden: int, vocab: int, dtype: str) -> HydraHe
         raise CheckpointError(f"{path}: no readable Hydra config.json ({exc})") from None
     if config.get("hydra_head_arch", "mlp") != "mlp" or not config.get("grounded_heads", True) \
             or config.get("hidden_state_offset", 0) != 0:
-        raise CheckpointError(f"{path}: only Hydra's grounded \"mlp\" heads on the last hidden state are supported "
-                              f"(hydra_head_arch {config.get('hydra_head_arch')!r}, grounded_heads "
-                              f"{config.get('grounded_heads')}, hidden_state_offset {config.get('hidden_state_offset')})")
+        raise CheckpointError(f"{path}: only Hydra's grounded \"mlp\" heads on the last hidden state are "
+                              f"supported (hydra_head_arch {config.get('hydra_head_arch')!r}, grounded_heads "
+                              f"{config.get('grounded_heads')}, hidden_state_offset "
+                              f"{config.get('hidden_state_offset')})")
     state = _read_state(path)
     for key in state:
         if _KEY.match(key) is None:
@@ -120,13 +125,14 @@ def load_hydra(path: str | Path, hidden: int, vocab: int, dtype: str) -> HydraHe
 
 def save_hydra(path: str | Path, blocks: list[list[dict[str, np.ndarray]]],
                lm_heads: list[np.ndarray] | None, extra: dict | None = None) -> None:
-    """Heads in the public layout: blocks [K][layers] {"w" [hidden, in], "b", and the first block's "rw", "rb"}
-    in torch's orientation; lm_heads None: shared with the main model."""
+    """Heads in the public layout: blocks [K][layers] {"w" [hidden, in], "b", and the first block's "rw",
+    "rb"} in torch's orientation; lm_heads None: shared with the main model."""
     from safetensors.numpy import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    names = {"w": "linear.weight", "b": "linear.bias", "rw": "res_connection.weight", "rb": "res_connection.bias"}
+    names = {"w": "linear.weight", "b": "linear.bias", "rw": "res_connection.weight",
+             "rb": "res_connection.bias"}
     tensors = {f"hydra_mlp.{d}.{j}.{names[k]}": v for d, layers in enumerate(blocks)
                for j, block in enumerate(layers) for k, v in block.items()}
     for d, lm in enumerate(lm_heads or []):
@@ -139,7 +145,8 @@ def save_hydra(path: str | Path, blocks: list[list[dict[str, np.ndarray]]],
 
 @dataclass(frozen=True)
 class _Level:
-    """The template's nodes at one depth d >= 1 (columns of DraftTokens.ids), from their parents at depth d - 1."""
+    """The template's nodes at one depth d >= 1 (columns of DraftTokens.ids), from their parents at
+    depth d - 1."""
 
     nodes: np.ndarray  # [n_d] int64 columns of the depth-d nodes
     parent: np.ndarray  # [n_d] int64 each node's parent, as a row of the level's inputs
@@ -158,8 +165,8 @@ class HydraProposer(MedusaProposer):
         vocab = None if heads.draft_vocab is None else paddle.to_tensor(heads.draft_vocab)
         if heads.lm_bias is not None:
             self.lm_bias = [b if vocab is None else paddle.gather(b, vocab) for b in heads.lm_bias]
-        # drafts are columns of the draft vocabulary: their embeddings [vocab', hidden], so that the tree is built
-        # on the device and copied to the host once
+        # drafts are columns of the draft vocabulary: their embeddings [vocab', hidden], so that the tree is
+        # built on the device and copied to the host once
         self.vocab_emb = embed if vocab is None else F.embedding(vocab, embed)
         depth = self.head + 1  # [width] each node's depth
         self.levels = []
@@ -168,9 +175,10 @@ class HydraProposer(MedusaProposer):
             parents = self.parents[nodes]  # block indices, at depth d - 1
             above = np.unique(parents)
             nxt = np.isin(nodes + 1, self.parents[depth == d + 1])
-            self.levels.append(_Level(nodes, np.searchsorted(above, parents), self.rank[nodes], np.nonzero(nxt)[0]))
-        # per depth, as device index tensors: the nodes' (parent, rank) among the depth's top-k, the nodes with
-        # children, and those nodes' parents
+            self.levels.append(_Level(nodes, np.searchsorted(above, parents), self.rank[nodes],
+                                      np.nonzero(nxt)[0]))
+        # per depth, as device index tensors: the nodes' (parent, rank) among the depth's top-k, the nodes
+        # with children, and those nodes' parents
         self.picks = [tuple(paddle.to_tensor(a) for a in (lv.parent * self.topk + lv.rank, lv.expand,
                                                           lv.parent[lv.expand])) for lv in self.levels]
 
@@ -189,7 +197,8 @@ class HydraProposer(MedusaProposer):
         for d, (level, (pick, expand, expand_parent)) in enumerate(zip(self.levels, self.picks)):
             p = inputs.shape[1]
             w, b = self.fused[d]
-            res, lin = paddle.split(paddle.matmul(inputs.reshape([n * p, inputs.shape[2]]), w) + b, 2, axis=-1)
+            res, lin = paddle.split(paddle.matmul(inputs.reshape([n * p, inputs.shape[2]]), w) + b, 2,
+                                    axis=-1)
             x = res + F.silu(lin)  # the first block
             for block in self.heads.blocks[d][1:]:
                 x = block(x)
@@ -208,8 +217,9 @@ def build_hydra_proposer(spec, model) -> HydraProposer:
     cfg = model.config
     path = spec.draft_model or shipped_heads("hydra", str(model.source))
     if path is None:
-        raise CheckpointError(f"--method hydra needs --draft-model PATH (Hydra heads: a directory with {WEIGHTS}; "
-                              "`specgen train-head --kind hydra` trains them); heads ship for the default model only")
+        raise CheckpointError(f"--method hydra needs --draft-model PATH (Hydra heads: a directory with "
+                              f"{WEIGHTS}; `specgen train-head --kind hydra` trains them); heads ship for "
+                              "the default model only")
     paths = spec.medusa.tree_paths()
 
     def make() -> HydraProposer:

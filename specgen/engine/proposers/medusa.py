@@ -1,12 +1,12 @@
-"""Medusa heads (Cai et al., 2024): K heads on the main model's last hidden state, head i guessing the token i + 1
-places after the next one; their top-k guesses make a token tree of a static shape (Medusa's choices).
+"""Medusa heads (Cai et al., 2024): K heads on the main model's last hidden state, head i guessing the token
+i + 1 places after the next one; their top-k guesses make a token tree of a static shape (Medusa's choices).
 
 A head is `num_layers` residual blocks x + SiLU(x W + b) and its own LM head. Loaded from the public layout
-(FasterDecoding/Medusa): `medusa_lm_head.safetensors` beside a `config.json`, keys `{head}.{layer}.linear.weight`
-/ `.bias` and `{head}.{num_layers}.weight` (torch's [out, in]; an optional `medusa_head.` prefix). Heads without
-`{head}.{num_layers}.weight` share the main model's LM head (`specgen train-head --kind medusa` saves them so: a
-few MB instead of one vocabulary-sized matrix per head), and a `draft_vocab.npy` beside them restricts their
-guesses to those tokens (a cheaper top-k). After each step
+(FasterDecoding/Medusa): `medusa_lm_head.safetensors` beside a `config.json`, keys
+`{head}.{layer}.linear.weight` / `.bias` and `{head}.{num_layers}.weight` (torch's [out, in]; an optional
+`medusa_head.` prefix). Heads without `{head}.{num_layers}.weight` share the main model's LM head
+(`specgen train-head --kind medusa` saves them so: a few MB instead of one vocabulary-sized matrix per head),
+and a `draft_vocab.npy` beside them restricts their guesses to those tokens (a cheaper top-k). After each step
 the heads read the hidden state of every slot's last position whose next token is known (a tree's accepted
 path: StepUpdate.tree_path) and keep their top-k per head; the next step's tree takes, for the node at path
 (r_1, ..., r_d), head d's r_d-th guess. Drafts only: the engine's tree walk keeps the output exact.
@@ -34,7 +34,8 @@ _KEY = re.compile(r"^(?:medusa_head\.)?(\d+)\.(\d+)\.(linear\.weight|linear\.bia
 class MedusaHeads:
     """K heads' weights in Paddle's [in, out] orientation."""
 
-    blocks: list[list[tuple[paddle.Tensor, paddle.Tensor]]]  # [K][num_layers] (W [hidden, hidden], b [hidden])
+    blocks: list[list[tuple[paddle.Tensor, paddle.Tensor]]]  # [K][num_layers] (W [hidden, hidden],
+    # b [hidden])
     lm_heads: list[paddle.Tensor] | None  # [K] [hidden, vocab]; None: the main model's LM head, shared
     draft_vocab: np.ndarray | None = None  # [draft_vocab] int64 the tokens guesses are drawn from (None: all)
 
@@ -58,7 +59,8 @@ def load_medusa(path: str | Path, hidden: int, vocab: int, dtype: str) -> Medusa
     for key, value in load_file(str(file)).items():
         m = _KEY.match(key)
         if m is None:
-            raise CheckpointError(f"{file}: {key!r} is not a Medusa head weight ({{head}}.{{layer}}.linear.weight, "
+            raise CheckpointError(f"{file}: {key!r} is not a Medusa head weight "
+                                  f"({{head}}.{{layer}}.linear.weight, "
                                   f"{{head}}.{{layer}}.linear.bias or {{head}}.{{num_layers}}.weight)")
         found[(int(m[1]), int(m[2]), m[3])] = value
     heads = sorted({h for h, _, _ in found})
@@ -71,8 +73,9 @@ def load_medusa(path: str | Path, hidden: int, vocab: int, dtype: str) -> Medusa
     def tensor(h: int, i: int, kind: str, shape: tuple[int, ...]) -> paddle.Tensor:
         w = found.get((h, i, kind))
         if w is None or w.shape != shape:
-            raise CheckpointError(f"{file}: head {h} {i}.{kind} should be {list(shape)} (the main model's hidden "
-                                  f"{hidden}, vocabulary {vocab}), got {None if w is None else list(w.shape)}")
+            raise CheckpointError(f"{file}: head {h} {i}.{kind} should be {list(shape)} (the main model's "
+                                  f"hidden {hidden}, vocabulary {vocab}), got "
+                                  f"{None if w is None else list(w.shape)}")
         return paddle.to_tensor(np.ascontiguousarray(w.T if w.ndim == 2 else w).astype(dtype))
 
     return MedusaHeads(
@@ -110,14 +113,16 @@ def save_medusa(path: str | Path, blocks: list[list[tuple[np.ndarray, np.ndarray
             tensors[f"{h}.{len(layers)}.weight"] = lm_heads[h]
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path / WEIGHTS))
     (path / "config.json").write_text(json.dumps({"medusa_num_heads": len(blocks),
-                                                  "medusa_num_layers": len(blocks[0]), **(extra or {})}, indent=2))
+                                                  "medusa_num_layers": len(blocks[0]), **(extra or {})},
+                                                 indent=2))
 
 
 def tree_template(paths: tuple[tuple[int, ...], ...], num_heads: int, topk: int):
-    """(head [n] int64, rank [n] int64, parents [n] int64) of the nodes of `paths` (and their prefixes) that the
-    heads can fill (depth <= num_heads, rank < topk), parents first."""
+    """(head [n] int64, rank [n] int64, parents [n] int64) of the nodes of `paths` (and their prefixes) that
+    the heads can fill (depth <= num_heads, rank < topk), parents first."""
     keep = {p[:d] for p in paths for d in range(1, len(p) + 1)}
-    nodes = sorted((p for p in keep if len(p) <= num_heads and all(r < topk for r in p)), key=lambda p: (len(p), p))
+    nodes = sorted((p for p in keep if len(p) <= num_heads and all(r < topk for r in p)),
+                   key=lambda p: (len(p), p))
     index = {p: i + 1 for i, p in enumerate(nodes)}  # block index (0: the root)
     head = np.array([len(p) - 1 for p in nodes], np.int64)
     rank = np.array([p[-1] for p in nodes], np.int64)
@@ -137,31 +142,33 @@ class MedusaProposer:
         self.heads, self.topk = heads, topk
         self.head, self.rank, self.parents = tree_template(paths, heads.num_heads, topk)
         self.topk = int(self.rank.max(initial=0)) + 1  # guesses the template uses per head
-        # A few rows a step: Paddle's per-operator overhead is most of the heads' cost (four heads one by one, with
-        # a host copy each: 3.4 ms a step at batch 1, a quarter of the default model's step), so all heads run as
-        # one product where they can, with one host copy. (numpy is no way out: beside Paddle's threads its
-        # products ran ~30x slower here.)
+        # A few rows a step: Paddle's per-operator overhead is most of the heads' cost (four heads one by one,
+        # with a host copy each: 3.4 ms a step at batch 1, a quarter of the default model's step), so all
+        # heads run as one product where they can, with one host copy. (numpy is no way out: beside Paddle's
+        # threads its products ran ~30x slower here.)
         vocab = None if heads.draft_vocab is None else paddle.to_tensor(heads.draft_vocab)
-        # [K] [hidden, vocab'] each head's LM head over the draft vocabulary (vocab' = vocab without one); a shared
-        # one is one tensor, so that all heads' logits are one product
+        # [K] [hidden, vocab'] each head's LM head over the draft vocabulary (vocab' = vocab without one); a
+        # shared one is one tensor, so that all heads' logits are one product
         self.shared = heads.lm_heads is None
         lms = [lm_head] if self.shared else heads.lm_heads
         self.lm = [lm if vocab is None else paddle.gather(lm, vocab, axis=1) for lm in lms]
         self.lm_bias: list[paddle.Tensor | None] = [None] * heads.num_heads  # [K] [vocab'] (Hydra's LM heads)
-        self.guesses = np.zeros((0, len(self.head)), np.int64)  # [num_slots, width] node tokens of the next step
+        self.guesses = np.zeros((0, len(self.head)), np.int64)  # [num_slots, width] node tokens of
+        # the next step
         self.ready = np.zeros(0, bool)  # [num_slots] guesses made from the slot's current request
         self._prepare_blocks()
 
     def _prepare_blocks(self) -> None:
-        """One-layer heads stacked, W [hidden, K hidden] and b [K hidden], so that all heads are one product."""
+        """One-layer heads stacked, W [hidden, K hidden] and b [K hidden], so that all heads are one
+        product."""
         self.stacked = None
         if all(len(layers) == 1 for layers in self.heads.blocks):
             self.stacked = (paddle.concat([layers[0][0] for layers in self.heads.blocks], axis=1),
                             paddle.concat([layers[0][1] for layers in self.heads.blocks]))
 
     def fresh(self) -> "MedusaProposer":
-        """A proposer sharing these prepared heads, with no slot state: one per engine (preparing the heads, the
-        shared LM head's draft-vocabulary columns above all, took 80-110 ms per engine)."""
+        """A proposer sharing these prepared heads, with no slot state: one per engine (preparing the heads,
+        the shared LM head's draft-vocabulary columns above all, took 80-110 ms per engine)."""
         new = copy.copy(self)
         new.guesses, new.ready = np.zeros((0, len(self.head)), np.int64), np.zeros(0, bool)
         return new
@@ -211,8 +218,8 @@ class MedusaProposer:
         self.ready[slots[live]] = True
 
     def top(self, h: int, x: paddle.Tensor) -> paddle.Tensor:
-        """[rows, topk] columns of the draft vocabulary (int64, on the device): head h's LM head over its output
-        x [rows, hidden], best first."""
+        """[rows, topk] columns of the draft vocabulary (int64, on the device): head h's LM head over its
+        output x [rows, hidden], best first."""
         logits = paddle.matmul(x, self.lm[0 if self.shared else h])  # [rows, vocab']
         if self.lm_bias[h] is not None:
             logits = logits + self.lm_bias[h]
@@ -250,8 +257,8 @@ def build_medusa_proposer(spec, model) -> MedusaProposer:
     path = spec.draft_model or shipped_heads("medusa", str(model.source))
     if path is None:
         raise CheckpointError("--method medusa needs --draft-model PATH (Medusa heads: a directory with "
-                              f"{WEIGHTS}; `specgen train-head --kind medusa` trains them); heads ship for the "
-                              "default model only")
+                              f"{WEIGHTS}; `specgen train-head --kind medusa` trains them); heads ship for "
+                              "the default model only")
     paths = spec.medusa.tree_paths()
 
     def make() -> MedusaProposer:
@@ -276,7 +283,8 @@ ASSETS = Path(__file__).resolve().parents[2] / "assets"
 
 
 def shipped_heads(kind: str, source: str) -> Path | None:
-    """The package's heads of `kind` (medusa, hydra) when the main model is the default one and they are there."""
+    """The package's heads of `kind` (medusa, hydra) when the main model is the default one and they are
+    there."""
     from specgen.models.default_model import DEFAULT_GGUF
 
     path = ASSETS / kind / "smollm2-135m-instruct"

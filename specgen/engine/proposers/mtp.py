@@ -1,19 +1,19 @@
-"""MTP drafting: an MTP head (mtp_head.py) drafts the next tokens of each slot, its own KV cache brought up to date
-after every step; where the slot's text repeats itself, drafts are copied from it instead.
+"""MTP drafting: an MTP head (mtp_head.py) drafts the next tokens of each slot, its own KV cache brought up to
+date after every step; where the slot's text repeats itself, drafts are copied from it instead.
 
 Cache invariant: after each step the head's cache holds exact entries for every position whose main-model
 hidden state was verified from the slot's window on (positions [shift, seq_len - 1), stored at head positions
 [0, seq_len - 1 - shift); shift = prompt length - prompt_window, or 0); entries past that were written by the
 draft chain and are overwritten by the next catch-up, like the main cache's rejected drafts.
 
-Multi-layer MTP (DeepSeek-V3's num_nextn_predict_layers > 1): module i at position p takes module i - 1's output
-there (module 0: the main model's hidden state) and token p + 1 + i, and predicts token p + 2 + i; each module has
-its own cache. Module i is exact at positions p + 1 + i < seq_len, so it lags module 0 by up to i positions:
-each step it catches up from its own `valid` boundary to the last verified position, feeding the drafts of the
-modules before it where the token is not committed yet (those entries are overwritten next step). The module
-before it produced this step's outputs from one position later at most; that one row is carried from the step
-that computed it. Drafts: module i's argmax at the last position is draft i + 1; the last module chains itself
-for drafts past the number of modules.
+Multi-layer MTP (DeepSeek-V3's num_nextn_predict_layers > 1): module i at position p takes module i - 1's
+output there (module 0: the main model's hidden state) and token p + 1 + i, and predicts token p + 2 + i; each
+module has its own cache. Module i is exact at positions p + 1 + i < seq_len, so it lags module 0 by up to i
+positions: each step it catches up from its own `valid` boundary to the last verified position, feeding the
+drafts of the modules before it where the token is not committed yet (those entries are overwritten next
+step). The module before it produced this step's outputs from one position later at most; that one row is
+carried from the step that computed it. Drafts: module i's argmax at the last position is draft i + 1; the
+last module chains itself for drafts past the number of modules.
 """
 from __future__ import annotations
 
@@ -26,21 +26,27 @@ import paddle
 
 from specgen.backends.base import MtpPass, PreparedHead
 from specgen.config import SpecConfig
-from specgen.engine.kv_cache import KVCache
 from specgen.engine.proposers.base import SlotView, checkpoint_key, prepared_once
-from specgen.engine.proposers.mtp_head import (MtpHeadWeights, load_draft_vocab, load_mtp_weights, prompt_window,
-                                               shipped_head, training_setting)
+from specgen.engine.proposers.mtp_head import (
+    MtpHeadWeights,
+    load_draft_vocab,
+    load_mtp_weights,
+    prompt_window,
+    shipped_head,
+    training_setting,
+)
 from specgen.engine.proposers.ngram import ngram_match, ngram_match_native
 from specgen.engine.types import DraftTokens, StepUpdate
 from specgen.errors import CheckpointError, EngineError
 from specgen.kernels import host
 from specgen.models.model import Model
+from specgen.runtime.kv_cache import KVCache
 
 
 @dataclass(frozen=True)
 class CatchUp:
-    """One step's catch-up of a head's cache: the tokens it runs (grouped by sequence, in order) and the drafts
-    wanted."""
+    """One step's catch-up of a head's cache: the tokens it runs (grouped by sequence, in order) and the
+    drafts wanted."""
 
     tokens: np.ndarray  # [num_slots, capacity] int64 every slot's committed tokens
     slots: np.ndarray  # [num_seqs] int64 slots catching up
@@ -60,28 +66,29 @@ class CatchUp:
 class MtpProposer:
     """Drafts k tokens per slot with an MTP head; its cache is brought up to date after every step.
 
-    With copy_min > 0 a slot whose last copy_min (up to COPY_MAX) tokens occurred earlier in its prompt or output
-    gets what followed there instead (n-gram lookup, ngram.py), the head's drafts elsewhere: the head, trained on
-    short windows, hardly copies from far back, where summarization and RAG answers come from."""
+    With copy_min > 0 a slot whose last copy_min (up to COPY_MAX) tokens occurred earlier in its prompt or
+    output gets what followed there instead (n-gram lookup, ngram.py), the head's drafts elsewhere: the head,
+    trained on short windows, hardly copies from far back, where summarization and RAG answers come from."""
 
-    # Longest tail looked up (a longer match wins over a shorter one). 8 rather than n-gram's 3: where the head is
-    # the alternative, the better source pays more (batch 8, k = 2, every draft verified: tokens per step
-    # 1.69 -> 1.71 on summarization, 2.02 -> 2.06 on code rewriting, RAG unchanged).
+    # Longest tail looked up (a longer match wins over a shorter one). 8 rather than n-gram's 3: where the
+    # head is the alternative, the better source pays more (batch 8, k = 2, every draft verified: tokens per
+    # step 1.69 -> 1.71 on summarization, 2.02 -> 2.06 on code rewriting, RAG unchanged).
     COPY_MAX = 8
     # per-slot arrays a hand-off carries as they are (export_slot)
     SLOT_ARRAYS = ("shift", "drafts", "num_drafts", "copy_ids", "copy_num", "copy_at")
 
-    def __init__(self, model: Model, heads: Sequence[PreparedHead], k: int, acceptance_hint: float | None = None,
-                 copy_min: int = 0, prompt_window: int = 0, lib=None):
+    def __init__(self, model: Model, heads: Sequence[PreparedHead], k: int,
+                 acceptance_hint: float | None = None, copy_min: int = 0, prompt_window: int = 0, lib=None):
         """heads: the head's modules (one, or several for multi-layer MTP), prepared for the model's backend;
         lib: ngram.cc's library for the copies (None: the numpy reference)."""
         self.model, self.heads, self.k = model, list(heads), k
-        # Prompt positions the head's cache holds (0: all): only a prompt's last prompt_window positions are caught
-        # up, stored from the head's position 0 on (its positions are the main model's minus the slot's shift;
-        # rotary attention depends only on distances), so the head is not asked to attend further back than it
-        # learned, and a long prompt's catch-up is no longer every position.
+        # Prompt positions the head's cache holds (0: all): only a prompt's last prompt_window positions are
+        # caught up, stored from the head's position 0 on (its positions are the main model's minus the slot's
+        # shift; rotary attention depends only on distances), so the head is not asked to attend further back
+        # than it learned, and a long prompt's catch-up is no longer every position.
         self.prompt_window = prompt_window
-        self.acceptance_hint = acceptance_hint  # the head's held-out position-1 accuracy, when training recorded it
+        # the head's held-out position-1 accuracy, when training recorded it
+        self.acceptance_hint = acceptance_hint
         self.idle_when_detached = copy_min == 0  # with copies, detached slots still copy
         self.copy_min = copy_min
         self._lib = lib if copy_min and max(k, self.COPY_MAX, copy_min) <= host.NATIVE_MAX else None
@@ -102,30 +109,34 @@ class MtpProposer:
         return DraftTokens(drafts, np.minimum(num, view.max_draft), use.astype(np.int64))
 
     def _copying(self, view: SlotView) -> np.ndarray:
-        """[num_seqs] bool: slots whose next drafts are copies (a tail of >= copy_min tokens occurred before; their
-        copy_ids / copy_num current for the committed text)."""
+        """[num_seqs] bool: slots whose next drafts are copies (a tail of >= copy_min tokens occurred before;
+        their copy_ids / copy_num current for the committed text)."""
         stale = self.copy_at[view.slots] != view.seq_lens  # copies observe found for another length (or none)
         if stale.any():
             self._find_copies(view.tokens, view.slots[stale], view.seq_lens[stale])
         return self.copy_num[view.slots] > 0
 
     def _find_copies(self, tokens: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
-        """n-gram drafts of tails of copy_min..COPY_MAX tokens of these slots (none where no such tail occurred
-        before), kept per slot with the length they were found for; returns [len(slots)] bool: found."""
+        """n-gram drafts of tails of copy_min..COPY_MAX tokens of these slots (none where no such tail
+        occurred before), kept per slot with the length they were found for; returns [len(slots)] bool:
+        found."""
         n_max = max(self.COPY_MAX, self.copy_min)
         if self._lib is not None:
             copy = ngram_match_native(self._lib, tokens, slots, seq_lens, self.k, self.copy_min, n_max)[0]
         else:
             copy = ngram_match(tokens[slots], seq_lens, self.k, self.copy_min, n_max)[0]
-        self.copy_ids[slots], self.copy_num[slots], self.copy_at[slots] = copy.draft_ids, copy.num_draft, seq_lens
+        self.copy_ids[slots], self.copy_num[slots], self.copy_at[slots] = (
+            copy.draft_ids, copy.num_draft, seq_lens)
         return copy.num_draft > 0
 
     def _ensure(self, num_slots: int) -> None:
         if self.cache is None:
-            self.caches = [self.model.new_cache(num_slots, self.model.max_len, num_layers=1) for _ in self.heads]
+            self.caches = [self.model.new_cache(num_slots, self.model.max_len, num_layers=1)
+                           for _ in self.heads]
             self.cache = self.caches[0]
-            # modules i >= 1: positions [.., valid[i]) of each slot are exact (main-model positions), and carry[i]
-            # is module i - 1's output at position valid[i] (used when module i - 1 starts one position later)
+            # modules i >= 1: positions [.., valid[i]) of each slot are exact (main-model positions), and
+            # carry[i] is module i - 1's output at position valid[i] (used when module i - 1 starts one
+            # position later)
             self.valid = np.zeros((len(self.heads), num_slots), np.int64)
             hidden = self.model.config.hidden_size
             self.carry = [paddle.zeros([num_slots, hidden], self.model.dtype) for _ in self.heads]
@@ -138,9 +149,9 @@ class MtpProposer:
             self.shift = np.zeros(num_slots, np.int64)  # [num_slots] main position - head position
 
     def export_slot(self, slot: int, seq_len: int) -> dict:
-        """`slot`'s drafting state, for a hand-off to another engine (import_slot): each module's cache rows up to
-        the last one its chained drafts may have written (head positions [0, seq_len - shift + k)), its boundaries,
-        carried rows, the drafts ready for the next step and the copies found."""
+        """`slot`'s drafting state, for a hand-off to another engine (import_slot): each module's cache rows
+        up to the last one its chained drafts may have written (head positions [0, seq_len - shift + k)), its
+        boundaries, carried rows, the drafts ready for the next step and the copies found."""
         if self.cache is None:
             return {}
         shift = int(self.shift[slot])
@@ -171,16 +182,17 @@ class MtpProposer:
             self._draft(c)
 
     def _catch_up(self, update: StepUpdate) -> CatchUp | None:
-        """The head's catch-up this step (None: no slot takes part): every position of each live slot whose main
-        hidden state and next token became known, from its window on; slots whose next drafts are copies only
-        catch up (CatchUp.want False)."""
+        """The head's catch-up this step (None: no slot takes part): every position of each live slot whose
+        main hidden state and next token became known, from its window on; slots whose next drafts are copies
+        only catch up (CatchUp.want False)."""
         if update.broken is not None and update.broken.any():
             for slot in update.slots[update.broken]:
                 for cache in self.caches:
                     cache.clear_slot(int(slot))
         live = ~update.finished & (update.num_valid > 0)
-        # Slots whose next drafts are copies (found now, from the committed text, for propose) need the head's pass
-        # only to catch its cache up: no LM head, no chained drafts (the fused pass leaves them out of last_rows).
+        # Slots whose next drafts are copies (found now, from the committed text, for propose) need the head's
+        # pass only to catch its cache up: no LM head, no chained drafts (the fused pass leaves them out of
+        # last_rows).
         copying = np.zeros(len(live), bool)
         if self.copy_min and update.seq_lens is not None and live.any():
             copying[live] = self._find_copies(update.tokens, update.slots[live], update.seq_lens[live])
@@ -191,8 +203,8 @@ class MtpProposer:
             return None
         slots, first, nv = update.slots[live], update.first_pos[live], update.num_valid[live]
         copying = copying[live]
-        # A slot's first block after a shared prefix also catches up the prefix positions (the head's own cache
-        # is per slot), from the prefix's hidden states, kept once, appended after the forward's rows.
+        # A slot's first block after a shared prefix also catches up the prefix positions (the head's own
+        # cache is per slot), from the prefix's hidden states, kept once, appended after the forward's rows.
         pre = update.prefix_len[live] if update.prefix_len is not None else np.zeros(len(slots), np.int64)
         start, total = first - pre, nv + pre  # [num_seqs]
         new = start == 0  # a slot's first block: a new request, and its window of the prompt
@@ -225,8 +237,8 @@ class MtpProposer:
         depth = max(1, min(self.k, update.max_draft_next))  # chained drafts worth computing for the next step
         want = ~copying
         self.num_drafts[slots] = np.where(want, depth, 0)
-        return CatchUp(update.tokens, slots, seq, pos, rows, next_ids, hidden, start, total, shift, seq_lens, want,
-                       depth)
+        return CatchUp(update.tokens, slots, seq, pos, rows, next_ids, hidden, start, total, shift, seq_lens,
+                       want, depth)
 
     def _draft(self, c: CatchUp) -> None:
         """The head's pass over the catch-up, and its drafts for the slots that want them."""
@@ -240,15 +252,16 @@ class MtpProposer:
             return
         chain = np.zeros((len(c.slots), len(self.heads) + c.depth), np.int64)  # [num_seqs, ..] drafts so far
         chain[c.want, :1] = drafts
-        self._later_modules(c.tokens, c.slots, c.start, c.start + c.total - 1, c.seq_lens, c.shift, c.want, c.depth,
-                            out, chain)
+        self._later_modules(c.tokens, c.slots, c.start, c.start + c.total - 1, c.seq_lens, c.shift, c.want,
+                            c.depth, out, chain)
         self.drafts[c.slots[c.want], :c.depth] = chain[c.want, :c.depth]
 
     def _later_modules(self, tokens: np.ndarray, slots: np.ndarray, start: np.ndarray, end: np.ndarray,
-                       seq_lens: np.ndarray, shift: np.ndarray, want: np.ndarray, depth: int, out, chain) -> None:
+                       seq_lens: np.ndarray, shift: np.ndarray, want: np.ndarray, depth: int, out,
+                       chain) -> None:
         """Modules 1.. of a multi-layer head, after module 0 caught up positions [start, end] of each sequence
         (main positions; its block outputs `out`) and drafted chain[:, 0] for the wanted ones."""
-        prev_start, prev_total, prev_valid = start, end - start + 1, end + 1  # module i - 1's pass and boundary
+        prev_start, prev_total = start, end - start + 1  # module i - 1's pass
         for i in range(1, len(self.heads)):
             begin = self.valid[i, slots]  # [num_seqs]
             if ((begin < prev_start - 1) | (begin > prev_start)).any():
@@ -256,7 +269,8 @@ class MtpProposer:
             total = end - begin + 1  # [num_seqs] >= 1
             seq = np.repeat(np.arange(len(slots)), total)
             pos = begin[seq] + np.arange(len(seq)) - np.concatenate([[0], np.cumsum(total)[:-1]])[seq]
-            offsets = np.concatenate([[0], np.cumsum(prev_total)[:-1]])  # [num_seqs] rows of `out` per sequence
+            offsets = np.concatenate([[0], np.cumsum(prev_total)[:-1]])  # [num_seqs] rows of
+            # `out` per sequence
             num_out = int(out.shape[0])
             rows = np.where(pos < prev_start[seq], num_out + seq,  # the carried row
                             offsets[seq] + pos - prev_start[seq])
@@ -285,15 +299,17 @@ class MtpProposer:
 
 
 def build_mtp_proposer(spec: SpecConfig, model: Model, lib=None) -> MtpProposer:
-    """The head comes from speculative.mtp.model (--mtp-model) or speculative.draft_model (--draft-model), else
-    from the package when it ships one for this main model."""
+    """The head comes from speculative.mtp.model (--mtp-model) or speculative.draft_model (--draft-model),
+    else from the package when it ships one for this main model."""
     path = spec.mtp.model or spec.draft_model or shipped_head(str(model.source))
     if path is None:
-        raise CheckpointError("--method mtp needs an MTP head: give --mtp-model DIR (DeepSeek-V3 or ERNIE-4.5 "
-                              "layout; `specgen train-mtp` trains one); the main checkpoint has none")
+        raise CheckpointError("--method mtp needs an MTP head: give --mtp-model DIR (DeepSeek-V3 or "
+                              "ERNIE-4.5 layout; `specgen train-mtp` trains one); "
+                              "the main checkpoint has none")
     d = Path(path).resolve()
     heads = prepared_once(model, checkpoint_key(d, "mtp", spec.mtp.quantize), lambda: [
         model.backend.prepare_head(model, m, spec.mtp.quantize)
-        for m in MtpHeadWeights.read_modules(load_mtp_weights(path), str(path), model, load_draft_vocab(path))])
+        for m in MtpHeadWeights.read_modules(load_mtp_weights(path), str(path), model,
+                                             load_draft_vocab(path))])
     return MtpProposer(model, heads, spec.num_speculative_tokens, training_setting(d, "eval_acc"),
                        spec.mtp.copy, prompt_window(d), lib)

@@ -1,4 +1,5 @@
-"""An MTP head's weights (DeepSeek-V3 section 2.2): reading them in either public layout, writing and making them.
+"""An MTP head's weights (DeepSeek-V3 section 2.2): reading them in either public layout, writing and
+making them.
 
 At position i the head combines RMSNorm(embedding of token i+1) and RMSNorm(main model's final hidden state at
 i) through a projection, runs one decoder block with its own KV cache, and the (shared) LM head predicts token
@@ -26,12 +27,12 @@ from specgen.models.weights import TensorReader
 
 @dataclass
 class MtpHeadWeights:
-    """The head's weights; embedding and final norm are the main model's unless the head has its own, and so is
-    the LM head (lm_head None).
+    """The head's weights; embedding and final norm are the main model's unless the head has its own, and so
+    is the LM head (lm_head None).
 
     `draft_vocab` (token ids; `draft_vocab.npy` beside a head trained by `specgen train-mtp`): drafts are the
-    argmax over these tokens only, so the head's LM head is that much cheaper (5.2 -> 1.0 ms per draft at batch
-    1 for 49,152 -> 8,192 tokens); verification is untouched, so outputs stay exact."""
+    argmax over these tokens only, so the head's LM head is that much cheaper (5.2 -> 1.0 ms per draft at
+    batch 1 for 49,152 -> 8,192 tokens); verification is untouched, so outputs stay exact."""
 
     embed: paddle.Tensor  # [vocab, hidden]
     enorm: paddle.Tensor  # [hidden]
@@ -56,7 +57,8 @@ class MtpHeadWeights:
         `enorm`, `hnorm`, `shared_head.*`, the block under the same prefix) or the ERNIE-4.5 layout
         (`model.mtp_linear_proj.{i}`, `mtp_emb_norm.{i}`, `mtp_hidden_norm.{i}`, `mtp_block.{i}.*`). Module i
         takes module i - 1's output hidden state and drafts position i + 1."""
-        ds = sorted({int(m.group(1)) for n in weights if (m := re.match(r"model\.layers\.(\d+)\.eh_proj\.weight$", n))})
+        ds = sorted({int(m.group(1)) for n in weights
+                     if (m := re.match(r"model\.layers\.(\d+)\.eh_proj\.weight$", n))})
         if ds:
             if ds != list(range(ds[0], ds[0] + len(ds))):
                 raise CheckpointError(f"{source}: MTP modules at layers {ds} are not consecutive")
@@ -70,8 +72,9 @@ class MtpHeadWeights:
         return [cls.read(weights, source, main, draft_vocab, ernie=i) for i in range(ernie)]
 
     @classmethod
-    def read(cls, weights: dict[str, np.ndarray], source: str, main: Model, draft_vocab: np.ndarray | None = None,
-             prefix: str | None = None, ernie: int | None = None) -> "MtpHeadWeights":
+    def read(cls, weights: dict[str, np.ndarray], source: str, main: Model,
+             draft_vocab: np.ndarray | None = None, prefix: str | None = None,
+             ernie: int | None = None) -> "MtpHeadWeights":
         """One module: the DeepSeek-V3 one under `prefix` (`model.layers.{N}.`) or ERNIE-4.5's number `ernie`
         (neither: the first module of whichever layout the weights hold)."""
         if prefix is None and ernie is None:
@@ -93,7 +96,8 @@ class MtpHeadWeights:
             ids = np.asarray(draft_vocab)
             if ids.ndim != 1 or not len(ids) or ids.dtype.kind not in "iu" or ids.min() < 0 \
                     or ids.max() >= cfg.vocab_size:
-                raise CheckpointError(f"{source}: draft vocabulary must be token ids in [0, {cfg.vocab_size})")
+                raise CheckpointError(f"{source}: draft vocabulary must be token ids in "
+                                      f"[0, {cfg.vocab_size})")
             ids = ids.astype(np.int64)
         w = main.weights
         return cls(
@@ -130,18 +134,23 @@ def random_mtp_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.02,
 def _random_module(cfg: ModelConfig, p: str, rng: np.random.Generator, std: float) -> dict[str, np.ndarray]:
     h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     shapes = {
-        "self_attn.q_proj.weight": (cfg.num_heads * hd, h), "self_attn.k_proj.weight": (cfg.num_kv_heads * hd, h),
-        "self_attn.v_proj.weight": (cfg.num_kv_heads * hd, h), "self_attn.o_proj.weight": (h, cfg.num_heads * hd),
-        "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter),
+        "self_attn.q_proj.weight": (cfg.num_heads * hd, h),
+        "self_attn.k_proj.weight": (cfg.num_kv_heads * hd, h),
+        "self_attn.v_proj.weight": (cfg.num_kv_heads * hd, h),
+        "self_attn.o_proj.weight": (h, cfg.num_heads * hd),
+        "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
+        "mlp.down_proj.weight": (h, inter),
         "eh_proj.weight": (h, 2 * h),
     }
     if cfg.qkv_bias:
-        shapes.update({"self_attn.q_proj.bias": (cfg.num_heads * hd,), "self_attn.k_proj.bias": (cfg.num_kv_heads * hd,),
+        shapes.update({"self_attn.q_proj.bias": (cfg.num_heads * hd,),
+                       "self_attn.k_proj.bias": (cfg.num_kv_heads * hd,),
                        "self_attn.v_proj.bias": (cfg.num_kv_heads * hd,)})
     if cfg.o_bias:
         shapes["self_attn.o_proj.bias"] = (h,)
     if cfg.mlp_bias:
-        shapes.update({"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,), "mlp.down_proj.bias": (h,)})
+        shapes.update({"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,),
+                       "mlp.down_proj.bias": (h,)})
     w = {p + n: (rng.standard_normal(s) * std).astype(np.float32) for n, s in shapes.items()}
     for n in ("enorm.weight", "hnorm.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
               "shared_head.norm.weight"):
@@ -152,7 +161,8 @@ def _random_module(cfg: ModelConfig, p: str, rng: np.random.Generator, std: floa
     return w
 
 
-def save_mtp(directory: str | Path, weights: dict[str, np.ndarray], extra: dict[str, Any] | None = None) -> None:
+def save_mtp(directory: str | Path, weights: dict[str, np.ndarray],
+             extra: dict[str, Any] | None = None) -> None:
     """Write a head as `model.safetensors` + `config.json` (loadable with --draft-model DIR)."""
     from safetensors.numpy import save_file
 
@@ -160,7 +170,8 @@ def save_mtp(directory: str | Path, weights: dict[str, np.ndarray], extra: dict[
     d.mkdir(parents=True, exist_ok=True)
     save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(d / "model.safetensors"))
     modules = len({n for n in weights if n.endswith(".eh_proj.weight")}) or 1
-    (d / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3MTP"], "num_nextn_predict_layers": modules,
+    (d / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3MTP"],
+                                               "num_nextn_predict_layers": modules,
                                                **(extra or {})}, indent=2))
 
 
@@ -190,7 +201,8 @@ SHIPPED_HEAD = Path(__file__).resolve().parents[2] / "assets" / "mtp" / "smollm2
 
 
 def shipped_head(source: str) -> Path | None:
-    """The package's head when the main model is the default one (read from its GGUF file) and a head is there."""
+    """The package's head when the main model is the default one (read from its GGUF file) and a head is
+    there."""
     from specgen.models.default_model import DEFAULT_GGUF
 
     if Path(source).name != DEFAULT_GGUF or not (SHIPPED_HEAD / "model.safetensors").is_file():
@@ -207,13 +219,14 @@ def training_setting(directory: Path, name: str) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-WINDOW_PER_SEQ_LEN = 2  # a trained head's prompt window, in its training windows' length: 256 for the shipped head
+# a trained head's prompt window, in its training windows' length: 256 for the shipped head
+WINDOW_PER_SEQ_LEN = 2
 
 
 def prompt_window(directory: Path) -> int:
     """The prompt positions the head's cache holds: WINDOW_PER_SEQ_LEN x the window length `specgen train-mtp`
     trained it on (the shipped head: 128 -> 256; its acceptance was the same with the whole prompt or the last
-    128 positions), or 0 (the whole prompt) for a head trained elsewhere (DeepSeek-V3, ERNIE-4.5), which may have
-    learned to attend as far back as the main model."""
+    128 positions), or 0 (the whole prompt) for a head trained elsewhere (DeepSeek-V3, ERNIE-4.5), which may
+    have learned to attend as far back as the main model."""
     seq_len = training_setting(directory, "seq_len")
     return int(WINDOW_PER_SEQ_LEN * seq_len) if seq_len else 0

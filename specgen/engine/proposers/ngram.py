@@ -22,6 +22,7 @@ from specgen.engine.proposers.ngram_tree import ngram_tree, path_keys
 from specgen.engine.types import DraftTokens, StepUpdate
 from specgen.kernels import host
 
+
 def ngram_match_native(
     lib,  # ngram.cc's library (specgen.kernels.host)
     tokens: np.ndarray,  # [num_slots, capacity] int64 the engine's token table
@@ -31,7 +32,8 @@ def ngram_match_native(
     n_min: int,
     n_max: int,
 ) -> tuple[DraftTokens, np.ndarray]:
-    """ngram_match over rows `slots` of the table, in ngram.cc (reads the table in place: no copy of the rows)."""
+    """ngram_match over rows `slots` of the table, in ngram.cc (reads the table in place: no copy of the
+    rows)."""
     text, _keep = host.SlotText.of(tokens, slots, seq_lens)
     draft, num_draft, match_len = host.ngram_match(lib, text, host.NgramRule(k, n_min, n_max))
     return DraftTokens(draft, num_draft), match_len
@@ -49,8 +51,8 @@ def ngram_match(
     n_min: int,
     n_max: int,
 ) -> tuple[DraftTokens, np.ndarray]:
-    """Drafts and the length n of each slot's match ([num_seqs] int64, 0 where none). Vectorized over slots; the
-    reference for any native kernel."""
+    """Drafts and the length n of each slot's match ([num_seqs] int64, 0 where none). Vectorized over slots;
+    the reference for any native kernel."""
     num_seqs, width = tokens.shape
     draft = np.zeros((num_seqs, k), np.int64)
     num_draft = np.zeros(num_seqs, np.int64)
@@ -88,17 +90,17 @@ def ngram_match(
 
 class NgramProposer:
     """Drafts up to k tokens per slot by n-gram lookup in its own prompt and output, and, when a pool is kept
-    (pool_capacity > 0), in the text of the job's finished requests. Where both offer a draft, the one whose source
-    (0: own text, 1: pool) and match length have had more first drafts accepted so far: both candidates are scored
-    against the token that came out, whichever one was verified, so a source never chosen is still measured. Ties
-    go to the slot's own text; a pool source that rarely hits is not used (POOL_MIN_RATE)."""
+    (pool_capacity > 0), in the text of the job's finished requests. Where both offer a draft, the one whose
+    source (0: own text, 1: pool) and match length have had more first drafts accepted so far: both candidates
+    are scored against the token that came out, whichever one was verified, so a source never chosen is still
+    measured. Ties go to the slot's own text; a pool source that rarely hits is not used (POOL_MIN_RATE)."""
 
     acceptance_hint = None
     idle_when_detached = False  # drafts from the text, whatever the controller detached
     SOURCE_DECAY = 0.998  # per step: the estimates follow a job whose kind of text changes
-    POOL_MIN_RATE = 0.25  # a pool draft is offered only above this: guesses from other requests' text that miss
-    # most of the time (summarization: 0.1) would lower the slot's acceptance estimate, and with it k for the
-    # slot's good own-text drafts
+    POOL_MIN_RATE = 0.25  # a pool draft is offered only above this: guesses from other requests' text that
+    # miss most of the time (summarization: 0.1) would lower the slot's acceptance estimate, and with it k for
+    # the slot's good own-text drafts
 
     def __init__(self, k: int, n_min: int, n_max: int, pool_capacity: int = 0, lib=None, branches: int = 1,
                  tree_paths: tuple[tuple[int, ...], ...] = ()):
@@ -111,7 +113,8 @@ class NgramProposer:
         # keyed by match length; its arrays are only ever updated in place: ngram.cc reads them by address
         self.sources = AcceptanceEstimator(2, n_max + 1, self.SOURCE_DECAY)
         # candidates of the last propose, scored in observe: slots, first draft and match length per source
-        self._pending: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # [num_seqs], [2, num_seqs] x 2
+        # [num_seqs], [2, num_seqs] x 2
+        self._pending: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._lib = lib if max(k, n_max) <= host.NATIVE_MAX else None
         self._rule = host.NgramRule(k, n_min, n_max)
         self._rates = host.SourceRates(self.sources.hits.ctypes.data, self.sources.seen.ctypes.data,
@@ -127,8 +130,8 @@ class NgramProposer:
             return DraftTokens(np.zeros((0, self.k), np.int64), np.zeros(0, np.int64))
         if self.branches > 1:
             width = int(view.seq_lens.max())
-            return ngram_tree(view.tokens[view.slots, :width], view.seq_lens, view.max_draft, self.k, self.n_min,
-                              self.n_max, self.branches, self.tree_choices)
+            return ngram_tree(view.tokens[view.slots, :width], view.seq_lens, view.max_draft, self.k,
+                              self.n_min, self.n_max, self.branches, self.tree_choices)
         if self._lib is None:
             return self.propose_reference(view)
         if self.pool is None or not self.pool.written:
@@ -145,7 +148,8 @@ class NgramProposer:
     def propose_reference(self, view: SlotView) -> DraftTokens:
         """propose in numpy: the reference for ngram.cc's specgen_ngram_propose, and the path without it."""
         width = int(view.seq_lens.max())
-        own, own_len = ngram_match(view.tokens[view.slots, :width], view.seq_lens, self.k, self.n_min, self.n_max)
+        own, own_len = ngram_match(view.tokens[view.slots, :width], view.seq_lens, self.k, self.n_min,
+                                   self.n_max)
         draft_ids, num_draft = own.draft_ids, own.num_draft
         if self.pool is not None and self.pool.written:
             cols = view.seq_lens[:, None] - self.n_max + np.arange(self.n_max)[None, :]  # [num_seqs, n_max]

@@ -1,11 +1,12 @@
-"""The job's n-gram pool: finished requests' text, looked up when a slot's own text has no (or a shorter) match.
+"""The job's n-gram pool: finished requests' text, looked up when a slot's own text has no (or a
+shorter) match.
 
-In a batch job the requests resemble each other (the same instruction over many inputs; code rewritten into the
-same shape), so a slot's next tokens often continue the way another request's text continued. The pool keeps
-the prompt + output of the last `capacity` tokens of finished requests in a ring buffer, and for each n-gram
-length a direct-mapped hash table from an n-gram to where its latest occurrence ends. A table entry another
-n-gram overwrote, or one pointing at text the ring has since overwritten, is simply a miss: drafts are only
-guesses, verification keeps the output exact.
+In a batch job the requests resemble each other (the same instruction over many inputs; code rewritten into
+the same shape), so a slot's next tokens often continue the way another request's text continued. The pool
+keeps the prompt + output of the last `capacity` tokens of finished requests in a ring buffer, and for each
+n-gram length a direct-mapped hash table from an n-gram to where its latest occurrence ends. A table entry
+another n-gram overwrote, or one pointing at text the ring has since overwritten, is simply a miss: drafts are
+only guesses, verification keeps the output exact.
 
 Everything is vectorized: lookups over slots, insertion over the positions of the requests that finished in a
 step.
@@ -37,14 +38,17 @@ class NgramPool:
         self.ring = np.full(capacity, _SEP, np.int64)  # [capacity] token ids, _SEP between sequences
         size = 1 << table_bits
         self.keys = np.zeros((n_max + 1, size), np.uint64)  # [n_max + 1, table_size] full hash of the n-gram
-        self.ends = np.full((n_max + 1, size), -1, np.int64)  # [n_max + 1, table_size] stream position after it
-        # the pool for ngram.cc, by address (its arrays are only ever updated in place), and the tokens written
-        self.view = host.PoolView(self.ring.ctypes.data, capacity, self.keys.ctypes.data, self.ends.ctypes.data,
-                                  table_bits, 0)
+        self.ends = np.full((n_max + 1, size), -1, np.int64)  # [n_max + 1, table_size] stream position
+        # after it
+        # the pool for ngram.cc, by address (its arrays are only ever updated in place), and
+        # the tokens written
+        self.view = host.PoolView(self.ring.ctypes.data, capacity, self.keys.ctypes.data,
+                                  self.ends.ctypes.data, table_bits, 0)
 
     @property
     def written(self) -> int:
-        """Tokens ever written: stream position p lives at ring[p % capacity] while p >= written - capacity."""
+        """Tokens ever written: stream position p lives at ring[p % capacity] while
+        p >= written - capacity."""
         return self.view.written
 
     def _slot(self, h: np.ndarray) -> np.ndarray:
@@ -58,11 +62,13 @@ class NgramPool:
     def add_batch(self, tokens: np.ndarray, seq_lens: np.ndarray) -> None:
         """Append the requests that finished in one step and index their n-grams.
 
-        tokens: [num_seqs, width] int64 each request's prompt + output, valid up to seq_lens ([num_seqs] int64)
+        tokens: [num_seqs, width] int64 each request's prompt + output, valid up to seq_lens
+        ([num_seqs] int64)
         """
         col = np.arange(tokens.shape[1] + 1)[None, :]  # [1, width + 1]
         padded = np.concatenate([tokens, np.full((len(tokens), 1), _SEP, np.int64)], axis=1)
-        padded = np.where(col < seq_lens[:, None], padded, _SEP)  # [num_seqs, width + 1] a separator after each
+        padded = np.where(col < seq_lens[:, None], padded, _SEP)  # [num_seqs, width + 1] a separator
+        # after each
         stream = padded[col <= seq_lens[:, None]][-self.capacity:]  # [num_stream] in order, at most the ring
         start = self.written
         self.ring[(start + np.arange(len(stream))) % self.capacity] = stream
@@ -71,7 +77,8 @@ class NgramPool:
             if len(stream) <= n:
                 continue
             windows = np.lib.stride_tricks.sliding_window_view(stream, n + 1)  # [num_windows, n + 1]
-            at = np.nonzero((windows != _SEP).all(axis=1))[0]  # n-grams followed by a token of the same request
+            # n-grams followed by a token of the same request
+            at = np.nonzero((windows != _SEP).all(axis=1))[0]
             h = ngram_hashes(windows[at, :n])  # [num_ngrams]
             slot = self._slot(h)
             # Later occurrences win: keep the last write to each table slot.
@@ -92,7 +99,8 @@ class NgramPool:
 
         tails: [num_seqs, n_max] int64, each slot's last n_max tokens, right-aligned
         tail_lens: [num_seqs] int64 tokens of the slot's text (a tail longer than it is not looked up)
-        Returns draft_ids [num_seqs, k] int64, num_draft [num_seqs] int64, match_len [num_seqs] int64 (0: none).
+        Returns draft_ids [num_seqs, k] int64, num_draft [num_seqs] int64, match_len [num_seqs] int64
+        (0: none).
         """
         num_seqs = tails.shape[0]
         end = np.full(num_seqs, -1, np.int64)

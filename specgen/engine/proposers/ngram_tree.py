@@ -1,11 +1,13 @@
-"""n-gram drafting as a token tree: the few most likely distinct continuations of the text's tail become branches.
+"""n-gram drafting as a token tree: the few most likely distinct continuations of the text's tail
+become branches.
 
-Occurrences of the tail are ranked as the chain drafter ranks them (a longer match first, then the most recent),
-and the first `branches` distinct continuations (up to k tokens each) are merged into a trie: continuations that
-start alike share their first nodes. Nodes are numbered continuation by continuation, so a node budget keeps the
-best continuation whole first (the chain drafter's draft) and the others' branches after it. A static shape
-(Medusa's choices) keeps only the nodes whose path, as the rank of each node among its siblings, is listed.
-Vectorized over slots (numpy): the loops run over match lengths, continuations and depths.
+Occurrences of the tail are ranked as the chain drafter ranks them (a longer match first, then the most
+recent), and the first `branches` distinct continuations (up to k tokens each) are merged into a trie:
+continuations that start alike share their first nodes. Nodes are numbered continuation by continuation, so a
+node budget keeps the best continuation whole first (the chain drafter's draft) and the others' branches after
+it. A static shape (Medusa's choices) keeps only the nodes whose path, as the rank of each node among its
+siblings, is listed. Vectorized over slots (numpy): the loops run over match lengths, continuations and
+depths.
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import numpy as np
 
 from specgen.engine.types import DraftTokens
 
-RANK_BASE = 64  # a path of sibling ranks as one integer: sum of (rank + 1) * RANK_BASE^i (ranks < RANK_BASE - 1)
+# a path of sibling ranks as one integer: sum of (rank + 1) * RANK_BASE^i (ranks < RANK_BASE - 1)
+RANK_BASE = 64
 
 
 def path_keys(choices: tuple[tuple[int, ...], ...]) -> np.ndarray:
@@ -36,7 +39,8 @@ def continuations(tokens: np.ndarray, seq_lens: np.ndarray, k: int, n_min: int, 
     for n in range(n_max, n_min - 1, -1):
         if n >= width:
             continue
-        tail = tokens[np.arange(num_seqs)[:, None], np.maximum(seq_lens[:, None] - n + np.arange(n), 0)]  # [S, n]
+        tail = tokens[np.arange(num_seqs)[:, None],
+                      np.maximum(seq_lens[:, None] - n + np.arange(n), 0)]  # [S, n]
         hit = np.ones((num_seqs, width - n), bool)  # occurrence starting at i
         for j in range(n):
             hit &= tokens[:, j: j + width - n] == tail[:, j: j + 1]
@@ -99,7 +103,8 @@ def _keep_paths(ids: np.ndarray, parents: np.ndarray, num: np.ndarray, choices: 
     for i in range(1, width + 1):
         key[:, i] = key[rows, parents[:, i - 1]] * RANK_BASE + rank[:, i - 1] + 1
     keep = valid & np.isin(key[:, 1:], choices)
-    new_index = np.concatenate([np.zeros((S, 1), np.int64), np.cumsum(keep, axis=1)], axis=1)  # [S, width + 1]
+    new_index = np.concatenate([np.zeros((S, 1), np.int64),
+                                np.cumsum(keep, axis=1)], axis=1)  # [S, width + 1]
     out_ids, out_par = np.zeros_like(ids), np.zeros_like(parents)
     s, i = np.nonzero(keep)
     out_ids[s, new_index[s, i + 1] - 1] = ids[s, i]
@@ -107,8 +112,8 @@ def _keep_paths(ids: np.ndarray, parents: np.ndarray, num: np.ndarray, choices: 
     return out_ids, out_par, keep.sum(axis=1).astype(np.int64)
 
 
-def ngram_tree(tokens: np.ndarray, seq_lens: np.ndarray, max_depth: np.ndarray, k: int, n_min: int, n_max: int,
-               branches: int, choices: np.ndarray | None = None) -> DraftTokens:
+def ngram_tree(tokens: np.ndarray, seq_lens: np.ndarray, max_depth: np.ndarray, k: int, n_min: int,
+               n_max: int, branches: int, choices: np.ndarray | None = None) -> DraftTokens:
     """A token tree per slot (tokens [num_seqs, width], seq_lens [num_seqs]; no node deeper than max_depth
     [num_seqs]) from its first `branches` distinct n-gram continuations."""
     if len(seq_lens) == 0:

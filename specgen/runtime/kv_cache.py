@@ -11,15 +11,16 @@ INITIAL_CAPACITY = 256  # positions per slot allocated up front (then doubled as
 
 
 class KVCache:
-    """Per layer, K and V of shape [num_slots, num_kv_heads, capacity, head_dim], in the model's dtype or, for a
-    float32 model on the fused kernels, float16 (the attention kernel widens each key and value as it reads it).
+    """Per layer, K and V of shape [num_slots, num_kv_heads, capacity, head_dim], in the model's dtype or, for
+    a float32 model on the fused kernels, float16 (the attention kernel widens each key and value as it reads
+    it).
 
     A slot's valid positions are [0, its length); entries past it are stale (rejected drafts) and are
-    overwritten by later writes, so rejection needs no copy. With `zeroed` False the storage starts (and grows)
-    uninitialized: for the fused attention kernel, which reads a query's keys [0, its position] only, all of them
-    written before they are read (the Paddle reference path masks whole rows, so it needs finite zeros there).
-    That skips filling the whole allocation (the default model's 256 positions: 0.15 s for 32 slots, 1.5 s for
-    256), and the pages of slots and positions a job never fills are never touched.
+    overwritten by later writes, so rejection needs no copy. With `zeroed` False the storage starts (and
+    grows) uninitialized: for the fused attention kernel, which reads a query's keys [0, its position] only,
+    all of them written before they are read (the Paddle reference path masks whole rows, so it needs finite
+    zeros there). That skips filling the whole allocation (the default model's 256 positions: 0.15 s for 32
+    slots, 1.5 s for 256), and the pages of slots and positions a job never fills are never touched.
     Stored flattened as
     [num_slots * num_kv_heads * capacity, head_dim]: the row of (slot, head, position) is
     (slot * num_kv_heads + head) * capacity + position, so one gather yields a contiguous
@@ -44,8 +45,10 @@ class KVCache:
         self.prefix: "KVCache | None" = None
         self.peak_position = 0  # largest absolute position + 1 any slot reached (memory report)
         self.peak_own = 0  # largest row + 1 any slot stored in its own rows
-        self.version = 0  # counts replacements of the k / v tensors (ensure), for whoever holds them by handle
-        self.binding = None  # (what was bound, handle, its release): the fused backend's handle of these tensors
+        # counts replacements of the k / v tensors (ensure), for whoever holds them by handle
+        self.version = 0
+        # (what was bound, handle, its release): the fused backend's handle of these tensors
+        self.binding = None
         self._views: tuple[int, list[np.ndarray]] | None = None  # (version, host views): move_rows
         self.ensure(self.initial_capacity)
 
@@ -56,15 +59,17 @@ class KVCache:
             return
         new_cap = max(needed, min(self.max_capacity, max(2 * self.capacity, 64)))
         self._views = None  # (numpy views keep the old tensors alive too)
-        self.unbind()  # the kernels' handle keeps the old tensors alive: let each layer's go as it is replaced,
-        # so growing holds one old layer at a time, not the whole cache
+        self.unbind()  # the kernels' handle keeps the old tensors alive: let each layer's go as it is
+        # replaced, so growing holds one old layer at a time, not the whole cache
         for store in (self.k, self.v):
             for layer in range(self.num_layers):
                 rows = self.num_slots * self.num_kv_heads
                 alloc = paddle.zeros if self.zeroed else paddle.empty
                 fresh = alloc([rows, new_cap, self.head_dim], dtype=self.dtype)
-                if store and self.capacity and self.peak_own:  # positions no forward reserved were never written
-                    _copy_into(fresh, store[layer].reshape([rows, self.capacity, self.head_dim]), self.peak_own)
+                # positions no forward reserved were never written
+                if store and self.capacity and self.peak_own:
+                    _copy_into(fresh, store[layer].reshape([rows, self.capacity, self.head_dim]),
+                               self.peak_own)
                 fresh = fresh.reshape([rows * new_cap, self.head_dim])
                 if len(store) > layer:
                     store[layer] = fresh
@@ -89,9 +94,9 @@ class KVCache:
         self.ensure(whole if ahead else min(prompt, self.max_capacity))
 
     def clear_slot(self, slot: int) -> None:
-        """Zero every row of `slot` in a zero-filled cache (a request that went non-finite left NaN there, which the
-        reference attention's masked reads would carry into the slot's next request); storage that starts
-        uninitialized is never read past what was written, so it needs nothing."""
+        """Zero every row of `slot` in a zero-filled cache (a request that went non-finite left NaN there,
+        which the reference attention's masked reads would carry into the slot's next request); storage that
+        starts uninitialized is never read past what was written, so it needs nothing."""
         if not self.zeroed or self.capacity == 0:
             return
         rows = self.num_kv_heads * self.capacity
@@ -100,10 +105,10 @@ class KVCache:
                 t[slot * rows: (slot + 1) * rows] = 0
 
     def move_rows(self, slots: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
-        """Own row dst[i] of slot slots[i] takes the K and V of its row src[i], in every layer and KV head (a token
-        tree's accepted path into the positions it now holds; all [m] int64). Every source is read before any
-        destination is written, so the moves may overlap in any order. What is moved from stays behind past the
-        slot's length: stale, as any rejected draft."""
+        """Own row dst[i] of slot slots[i] takes the K and V of its row src[i], in every layer and KV head (a
+        token tree's accepted path into the positions it now holds; all [m] int64). Every source is read
+        before any destination is written, so the moves may overlap in any order. What is moved from stays
+        behind past the slot's length: stale, as any rejected draft."""
         KV, cap = self.num_kv_heads, self.capacity
         base = (slots[:, None] * KV + np.arange(KV)[None, :]) * cap  # [m, KV]
         s, d = (base + src[:, None]).reshape(-1), (base + dst[:, None]).reshape(-1)  # [m * KV]
@@ -116,10 +121,10 @@ class KVCache:
             paddle.scatter_(t, di, paddle.gather(t, si), overwrite=True)
 
     def export_slot(self, slot: int, n: int, prefix_len: int = 0) -> list[list[np.ndarray]]:
-        """K and V of `slot`'s positions [0, n), for a hand-off to another engine's cache (import_slot): per tensor
-        (every layer's K, then every layer's V) the pieces [num_kv_heads, m, head_dim] that make them, in order: the
-        shared prefix's first `prefix_len` positions (cascade attention reads them from there), then the slot's own
-        rows. On the CPU, views of the storage: copy them before the cache changes."""
+        """K and V of `slot`'s positions [0, n), for a hand-off to another engine's cache (import_slot): per
+        tensor (every layer's K, then every layer's V) the pieces [num_kv_heads, m, head_dim] that make them,
+        in order: the shared prefix's first `prefix_len` positions (cascade attention reads them from there),
+        then the slot's own rows. On the CPU, views of the storage: copy them before the cache changes."""
         own = self._slot_rows(slot, n - prefix_len)
         if not prefix_len:
             return [[x] for x in own]
@@ -130,7 +135,8 @@ class KVCache:
         KV, cap, D = self.num_kv_heads, self.capacity, self.head_dim
         if self.k[0].place.is_cpu_place():
             return [v.reshape(self.num_slots, KV, cap, D)[slot, :, :n] for v in self._host_views()]
-        rows = paddle.to_tensor(((slot * KV + np.arange(KV))[:, None] * cap + np.arange(n)[None, :]).reshape(-1))
+        rows = paddle.to_tensor(((slot * KV + np.arange(KV))[:, None] * cap
+                                 + np.arange(n)[None, :]).reshape(-1))
         return [paddle.gather(t, rows).numpy().reshape(KV, n, D) for t in self.k + self.v]
 
     def import_slot(self, slot: int, tensors: list[np.ndarray]) -> None:
@@ -144,13 +150,15 @@ class KVCache:
             for view, x in zip(self._host_views(), tensors):
                 view.reshape(self.num_slots, KV, cap, D)[slot, :, :n] = x
             return
-        rows = paddle.to_tensor(((slot * KV + np.arange(KV))[:, None] * cap + np.arange(n)[None, :]).reshape(-1))
+        rows = paddle.to_tensor(((slot * KV + np.arange(KV))[:, None] * cap
+                                 + np.arange(n)[None, :]).reshape(-1))
         for t, x in zip(self.k + self.v, tensors):
-            paddle.scatter_(t, rows, paddle.to_tensor(np.ascontiguousarray(x).reshape(KV * n, D)), overwrite=True)
+            paddle.scatter_(t, rows, paddle.to_tensor(np.ascontiguousarray(x).reshape(KV * n, D)),
+                            overwrite=True)
 
     def _host_views(self) -> list[np.ndarray]:
-        """numpy views of every layer's K and V on the CPU (the same storage the kernels hold by handle), made once
-        per set of tensors (a view costs ~13 us: 60 of them were most of a move's 0.8 ms)."""
+        """numpy views of every layer's K and V on the CPU (the same storage the kernels hold by handle), made
+        once per set of tensors (a view costs ~13 us: 60 of them were most of a move's 0.8 ms)."""
         if self._views is None or self._views[0] != self.version:
             self._views = (self.version, [np.from_dlpack(t) for t in self.k + self.v])
         return self._views[1]
@@ -162,8 +170,8 @@ class KVCache:
             self.binding = None
 
     def reserve(self, max_position: int, own_max: int | None = None) -> None:
-        """Room for a forward writing positions up to max_position - 1 (own rows up to own_max - 1 when a shared
-        prefix holds the first ones), and the peaks the memory report reads."""
+        """Room for a forward writing positions up to max_position - 1 (own rows up to own_max - 1 when a
+        shared prefix holds the first ones), and the peaks the memory report reads."""
         own_max = max_position if own_max is None else own_max
         self.ensure(own_max)
         self.peak_position = max(self.peak_position, max_position)
@@ -227,7 +235,8 @@ def _strict_overcommit() -> bool:
 
 def _copy_into(dst: paddle.Tensor, src: paddle.Tensor, used: int) -> None:
     """dst[:, :u] = src[:, :u] for dst [rows, C, D], src [rows, c, D], u = min(used, c): the positions written
-    so far, so the pages past them stay untouched in both. On the CPU through numpy views (one memcpy per row)."""
+    so far, so the pages past them stay untouched in both. On the CPU through numpy views (one memcpy per
+    row)."""
     u = min(used, src.shape[1])
     if dst.place.is_cpu_place() and src.place.is_cpu_place():
         np.from_dlpack(dst)[:, :u] = np.from_dlpack(src)[:, :u]
