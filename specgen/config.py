@@ -71,6 +71,8 @@ class SamplingParams:
     temperature: float = opt(0.0, "Sampling temperature; 0 is greedy.")
     top_p: float = opt(1.0, "Nucleus sampling mass, (0, 1].")
     top_k: int = opt(0, "Top-k filter; 0 disables it.")
+    min_p: float = opt(0.0, "Min-p filter, [0, 1]: keep tokens at least this share as likely as the most "
+                            "likely one (vLLM's min_p); 0 disables it.")
     seed: int = opt(0, "Sampling seed (each request's randomness: seed, request id, output position).")
     stop: tuple[str, ...] = opt((), "Stop string (repeat the option for several); the text is cut before it.")
     ignore_eos: bool = opt(False, "Generate past EOS (fixed-length outputs).")
@@ -84,6 +86,8 @@ class SamplingParams:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
         if isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
         if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):

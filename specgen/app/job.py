@@ -22,6 +22,7 @@ from specgen.io.readers import RawRecord, count_records, iter_records, unit_name
 from specgen.io.report import RunProgress
 from specgen.io.requests import RequestSource
 from specgen.io.schema import error_record, result_record
+from specgen.layers.sampling import SAMPLER_VERSION
 from specgen.models.loaded import context_len
 
 
@@ -38,7 +39,9 @@ def run_manifest(loaded: Any, cfg: RunConfig) -> dict[str, Any]:
                    "quantization": e.quantization,
                    "matmul": e.matmul, "backend": loaded.model.backend.name,
                    "max_model_len": cfg.engine.max_model_len},
-        "sampling": json.loads(json.dumps(dataclasses.asdict(cfg.sampling))),
+        # the sampler's version: a new one samples other tokens than the last (plain decoding and speculation
+        # still agree), so an output is not resumed across it
+        "sampling": {**json.loads(json.dumps(dataclasses.asdict(cfg.sampling))), "sampler": SAMPLER_VERSION},
         "speculative": method_settings(cfg.spec),
     }
 

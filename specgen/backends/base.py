@@ -55,6 +55,17 @@ class MtpPass:
     depth: int  # drafts per wanted sequence (>= 1)
 
 
+@dataclass(frozen=True)
+class RowSampling:
+    """How each logit row of a step is sampled (layers/sampling.py's rule)."""
+
+    temperature: np.ndarray  # [num_logits] float64, 0 = greedy
+    top_k: np.ndarray  # [num_logits] int64, 0 = off
+    top_p: np.ndarray  # [num_logits] float64, 1 = off
+    min_p: np.ndarray  # [num_logits] float64, 0 = off
+    u: np.ndarray | None  # [num_logits] float64 in (0, 1] the counter-based uniforms; None: every row greedy
+
+
 class PreparedHead(Protocol):
     """An MTP head prepared for a backend."""
 
@@ -83,6 +94,10 @@ class Backend(Protocol):
 
     def logits(self, model: ModelView, hidden: paddle.Tensor) -> paddle.Tensor:
         """The LM head over final normed hidden rows [rows, hidden] -> [rows, vocab]."""
+
+    def sample(self, logits: paddle.Tensor | None, s: RowSampling, greedy: np.ndarray) -> np.ndarray:
+        """[num_logits] int64 each row's token: greedy rows keep `greedy` (the forward's argmax), sampled rows
+        sample logits [num_logits, vocab] by the rule of layers/sampling.py."""
 
     def new_cache(self, model: ModelView, num_slots: int, max_capacity: int, kv_dtype: str,
                   num_layers: int | None = None) -> KVCache:

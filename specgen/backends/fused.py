@@ -22,7 +22,7 @@ import numpy as np
 import paddle
 
 from specgen import kernels
-from specgen.backends.base import ForwardOutput, ModelView, MtpPass
+from specgen.backends.base import ForwardOutput, ModelView, MtpPass, RowSampling
 from specgen.backends.reference import reserve
 from specgen.config import EngineConfig
 from specgen.errors import ConfigError
@@ -207,6 +207,13 @@ class FusedBackend:
     def logits(self, model: ModelView, hidden: paddle.Tensor) -> paddle.Tensor:
         lm = model.weights.lm_head.weight
         return args.linear(self.ops, hidden, lm.panels, lm.n)
+
+    def sample(self, logits: paddle.Tensor | None, s: RowSampling, greedy: np.ndarray) -> np.ndarray:
+        """specgen_sample: every row in one operator (the reference's rule: layers/sampling.py)."""
+        if s.u is None:
+            return greedy
+        return args.sample(self.ops, logits, args.SampleArgs(s.temperature, s.top_k, s.top_p, s.min_p, s.u,
+                                                             greedy)).numpy()
 
     def new_cache(self, model: ModelView, num_slots: int, max_capacity: int, kv_dtype: str = "auto",
                   num_layers: int | None = None) -> KVCache:

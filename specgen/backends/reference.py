@@ -10,13 +10,14 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from specgen.backends.base import ForwardOutput, ModelView, MtpPass
+from specgen.backends.base import ForwardOutput, ModelView, MtpPass, RowSampling
 from specgen.config import EngineConfig
 from specgen.errors import CheckpointError, ConfigError
 from specgen.layers.attention import AttentionIndex
 from specgen.layers.block import block_forward
 from specgen.layers.linear import Linear
 from specgen.layers.norm import rms_norm
+from specgen.layers.sampling import sample
 from specgen.runtime.batch import ForwardBatch, build_forward_batch
 from specgen.runtime.kv_cache import KVCache
 
@@ -73,6 +74,9 @@ class ReferenceBackend:
 
     def logits(self, model: ModelView, hidden: paddle.Tensor) -> paddle.Tensor:
         return model.weights.lm_head(hidden)
+
+    def sample(self, logits: paddle.Tensor | None, s: RowSampling, greedy: np.ndarray) -> np.ndarray:
+        return sample(logits, s.temperature, s.top_k, s.top_p, s.u, greedy, s.min_p)
 
     def new_cache(self, model: ModelView, num_slots: int, max_capacity: int, kv_dtype: str = "auto",
                   num_layers: int | None = None) -> KVCache:

@@ -8,12 +8,12 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import paddle
 
-from specgen.config import EngineConfig
+from specgen.backends.base import RowSampling
+from specgen.config import EngineConfig, SamplingParams
 from specgen.engine.adaptive import Controller, StepReport
 from specgen.engine.adaptive.calibrate import controller_for
 from specgen.engine.memory import KvMemory
 from specgen.engine.proposers.base import NoProposer, Proposer, SlotView
-from specgen.engine.sampling import sample, uniforms
 from specgen.engine.scheduler import Scheduler
 from specgen.engine.slots import MAX_DRAFT, SlotTable, common_prefix, error_output, rejection
 from specgen.engine.stops import stop_strings
@@ -21,6 +21,7 @@ from specgen.engine.tree import CAUSAL, main_chain, node_values, offer, reach, t
 from specgen.engine.types import DraftTokens, Request, RequestOutput, SlotSampling, StepUpdate
 from specgen.engine.verify import accept_lengths, first_stop
 from specgen.errors import ConfigError
+from specgen.layers.sampling import uniforms
 from specgen.models.model import Model
 from specgen.models.tokenizer import TextTokenizer
 from specgen.runtime.batch import ForwardBatch, build_forward_batch
@@ -105,12 +106,13 @@ class Engine:
         # tokens each expert took (MoE)
         self.expert_tokens: np.ndarray | None = None  # [num_routed_blocks, num_experts]
 
-    def _start(self, num_requests: int) -> None:
+    def _start(self, num_requests: int, sampling: SamplingParams | None = None) -> None:
         """The adaptive controller, its step costs measured with as many slots as the job will fill at first
         (a job of 8 requests in 32 slots times 8-slot steps: 4x cheaper start-up, and the costs it will
-        see)."""
+        see), and sampled as the job samples (`sampling`: its first sampled request's settings)."""
         active = max(1, min(self.config.batch_size, num_requests))
-        self.controller = controller_for(self.model, self.cache, self.max_draft, self.config, active)
+        self.controller = controller_for(self.model, self.cache, self.max_draft, self.config, active,
+                                         sampling)
         self.controller.rule_out(self.proposer.acceptance_hint, active)
 
     # ---- admission and retirement (per request, outside the step) ----
@@ -156,7 +158,8 @@ class Engine:
         if self.config.shared_prefix == "auto" and self.prefix_ids is None:
             self.share_prefix(common_prefix([r.prompt_ids for r in sched.peek(self.config.batch_size)]))
         if self.adaptive and self.controller is None:
-            self._start(len(sched.peek(self.config.batch_size)))
+            first = sched.peek(self.config.batch_size)
+            self._start(len(first), next((r.params for r in first if r.params.temperature > 0), None))
         while sched.has_work(int(self.table.active.sum())):
             for slot, req in sched.admit():
                 rejected = self._admit(slot, req)
@@ -373,7 +376,7 @@ class Engine:
 
     def _sample(self, batch, out) -> np.ndarray:
         """The main model's own choice at every logit row ([num_logits] int64): greedy, or the counter-based
-        sample of the row's (request, output position)."""
+        sample of the row's (request, output position), by the backend's sampler."""
         t = self.table
         row_tok = batch.logit_rows  # [num_logits]
         row_slot = batch.token_slots[row_tok]
@@ -381,7 +384,8 @@ class Engine:
         u = None
         if temperature.any():  # sampled rows: their uniforms
             u = uniforms(t.rng_key[row_slot], batch.model_positions[row_tok] + 1 - t.prompt_len[row_slot])
-        return sample(out.logits, temperature, t.top_k[row_slot], t.top_p[row_slot], u, out.greedy)
+        rows = RowSampling(temperature, t.top_k[row_slot], t.top_p[row_slot], t.min_p[row_slot], u)
+        return self.model.sample(out.logits, rows, out.greedy)
 
     def _commit(self, plan: StepPlan, slots: np.ndarray, emitted: np.ndarray, kept: np.ndarray) -> np.ndarray:
         """Tokens, lengths and statistics of the step; returns [num_seqs] int64: 1 where the block emitted (a
@@ -439,7 +443,8 @@ class Engine:
             tokens=t.tokens, hidden=hidden, prefix_len=catch_up, prefix_hidden=self.prefix_hidden,
             max_draft_next=depth, detached=None if c is None else c.detached(slots),
             seq_lens=t.seq_len[slots], prompt_lens=t.prompt_len[slots], broken=broken, tree_path=path,
-            sampling=SlotSampling(t.temperature[slots], t.top_k[slots], t.top_p[slots], t.rng_key[slots])))
+            sampling=SlotSampling(t.temperature[slots], t.top_k[slots], t.top_p[slots], t.rng_key[slots],
+                                  t.min_p[slots])))
         return time.perf_counter() - start
 
     def share_prefix(self, prefix_ids) -> int:

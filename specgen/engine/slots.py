@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specgen.engine.sampling import request_key
 from specgen.engine.types import Request, RequestOutput, RequestStats
+from specgen.layers.sampling import request_key
 
 MAX_DRAFT = 5  # drafts per slot per step at most (FastDeploy's bound on num_speculative_tokens)
 
 _DTYPES = {"active": bool, "prefilled": bool, "ignore_eos": bool, "temperature": np.float64,
-           "top_p": np.float64, "rng_key": np.uint64}
+           "top_p": np.float64, "min_p": np.float64, "rng_key": np.uint64}
 
 
 @dataclass
@@ -30,6 +30,7 @@ class SlotTable:
     temperature: np.ndarray  # [num_slots] float64
     top_p: np.ndarray  # [num_slots] float64
     top_k: np.ndarray  # [num_slots] int64
+    min_p: np.ndarray  # [num_slots] float64
     rng_key: np.ndarray  # [num_slots] uint64
     ignore_eos: np.ndarray  # [num_slots] bool
     num_steps: np.ndarray  # [num_slots] int64
@@ -67,6 +68,7 @@ class SlotTable:
         self.active[slot], self.prefilled[slot] = True, False
         self.prefill_pos[slot] = self.prefix_len[slot] = self.num_cached[slot] = shared
         self.temperature[slot], self.top_p[slot], self.top_k[slot] = p.temperature, p.top_p, p.top_k
+        self.min_p[slot] = p.min_p
         self.rng_key[slot] = request_key(p.seed, req.id)
         self.ignore_eos[slot] = p.ignore_eos
         for counts in (self.num_steps, self.num_draft, self.num_accepted, self.accepted_per_pos,

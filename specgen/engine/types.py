@@ -84,7 +84,7 @@ class StepUpdate:
 
 @dataclass(frozen=True)
 class SlotSampling:
-    """Each sequence's sampling settings, as the main model samples its tokens (engine/sampling.py): a
+    """Each sequence's sampling settings, as the main model samples its tokens (layers/sampling.py): a
     drafter that samples its drafts with the same uniforms proposes the main model's token whenever its
     distribution is close enough."""
 
@@ -92,6 +92,7 @@ class SlotSampling:
     top_k: np.ndarray  # [num_seqs] int64, 0 = off
     top_p: np.ndarray  # [num_seqs] float64, 1 = off
     rng_key: np.ndarray  # [num_seqs] uint64 the request's key
+    min_p: np.ndarray | None = None  # [num_seqs] float64, 0 = off; None: off everywhere
 
 
 @dataclass

@@ -72,11 +72,15 @@ def write_sidecar(output: Path, manifest: Mapping[str, Any]) -> None:
 # Shown, not compared: the model is the same by its content's hash wherever it lies; the version, and the
 # record of settings an --allow-mismatch resume mixed in, say how the output came to be.
 NOT_COMPARED = ("specgen_version", "model.path", "mixed")
+# What a key missing from a stored manifest stood for when it was written: its setting did not exist yet, and
+# outputs then were made as with this value. (sampling.sampler: the sampler's version, layers/sampling.py; the
+# first had none.)
+ABSENT_MEANS = {"sampling.min_p": 0.0, "sampling.sampler": 1}
 
 
 def differences(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """One line per setting that differs: `key: stored (output) -> current (this run)`."""
-    a, b = _flatten(stored), _flatten(current)
+    a, b = {**ABSENT_MEANS, **_flatten(stored)}, _flatten(current)
     out = []
     for key in sorted(set(a) | set(b)):
         if key in NOT_COMPARED or a.get(key) == b.get(key):

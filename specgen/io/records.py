@@ -15,14 +15,14 @@ from typing import Any
 from specgen.errors import InputError
 
 PROMPT_KEYS = ("prompt", "messages", "input_ids")
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
 NATIVE_KEYS = ("id", *PROMPT_KEYS, *SAMPLING_KEYS)
 
 OPENAI_KEYS = ("custom_id", "method", "url", "body")
 OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 # body fields specgen reads, and those it accepts without effect (the model is chosen by --model).
 OPENAI_BODY_READ = ("messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-                    "top_k", "seed", "stop")
+                    "top_k", "min_p", "seed", "stop")
 OPENAI_BODY_IGNORED = ("model", "user", "metadata", "store")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the engine keeps integer sampling fields in int64 arrays
 SHOWN_CHARS = 60  # longest piece of a record's own text quoted in a message
@@ -166,7 +166,7 @@ def _check_sampling(values: dict[str, Any], record_id: str) -> tuple[tuple[str, 
             for i, s in enumerate(value):
                 _check_text(s, f"stop[{i}]", record_id)
             value = tuple(value)
-        elif key in ("temperature", "top_p"):
+        elif key in ("temperature", "top_p", "min_p"):
             value = _check_float(key, value, record_id)
         elif isinstance(value, bool) or not isinstance(value, int):
             raise RecordError(f"{key} must be an integer, got {_type_name(value)}", record_id)

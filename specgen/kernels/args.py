@@ -241,6 +241,27 @@ def pack_blocks(ops: ModuleType, blocks: Tensor, int8_product: bool,
     return panels, bound
 
 
+@dataclass(frozen=True)
+class SampleArgs:
+    """specgen_sample's per-row settings (sampling.cc), each [rows]; laid out as float64 [rows, 6]."""
+
+    temperature: Any  # float64, 0 = greedy
+    top_k: Any  # int64, 0 = off
+    top_p: Any  # float64, 1 = off
+    min_p: Any  # float64, 0 = off
+    u: Any  # float64 in (0, 1], the row's counter-based uniform (read at sampled rows)
+    greedy: Any  # int64 the row's argmax (the token of a greedy row)
+
+
+def sample(ops: ModuleType, logits: Tensor, a: SampleArgs) -> Tensor:
+    """int64 [rows]: each logits row's token (sampling.cc; logits [rows, vocab] float32 or float64)."""
+    import numpy as np
+    import paddle
+
+    params = np.stack([a.temperature, a.top_k, a.top_p, a.min_p, a.u, a.greedy], axis=1).astype(np.float64)
+    return _first(ops.specgen_sample(logits, paddle.to_tensor(params)))
+
+
 def argmax(ops: ModuleType, x: Tensor) -> Tensor:
     """int64 [rows]: each row's largest value's index, the lowest on a tie."""
     return _first(ops.specgen_argmax(x))

@@ -27,7 +27,7 @@ from specgen.errors import ConfigError
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "cpu_ops.cc", HERE / "linear.cc", HERE / "moe.cc"]
+SOURCES = [HERE / "cpu_ops.cc", HERE / "linear.cc", HERE / "moe.cc", HERE / "sampling.cc"]
 HEADERS = [HERE / "specgen_kernels.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 HOST_SOURCE = HERE / "ngram.cc"

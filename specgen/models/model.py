@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import paddle
 
-from specgen.backends.base import Backend, ForwardOutput
+from specgen.backends.base import Backend, ForwardOutput, RowSampling
 from specgen.layers.block import BlockShape
 from specgen.layers.rotary import RopeTables
 from specgen.models.checkpoint import Checkpoint
@@ -50,6 +51,10 @@ class Model:
     def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """The LM head over final normed hidden rows [rows, hidden] -> [rows, vocab]."""
         return self.backend.logits(self, hidden)
+
+    def sample(self, logits: paddle.Tensor | None, rows: RowSampling, greedy: np.ndarray) -> np.ndarray:
+        """[num_logits] int64 each logit row's token (greedy, or sampled by the backend's sampler)."""
+        return self.backend.sample(logits, rows, greedy)
 
     def cost_key(self) -> str:
         """What a step's cost depends on in this model (the step-cost tables are kept per key): its shape,

@@ -182,6 +182,22 @@ def test_resume_with_other_settings_is_refused(tmp_path, inputs, ext):
             and "model.sha256" in stats.stdout)
 
 
+def test_resume_of_an_output_of_the_first_sampler_is_refused(tmp_path, inputs):
+    """An output whose manifest predates the sampler's version (and min_p) was sampled by version 1: a resume
+    with this sampler is refused, unless --allow-mismatch; min_p at its default is no difference."""
+    out = tmp_path / "out.jsonl"
+    assert invoke("run", inputs, "-o", out, *ARGS[:-1], "--max-tokens", "3").exit_code == 0
+    stored = json.loads(sidecar_path(out).read_text())
+    assert stored["sampling"]["sampler"] == 2 and stored["sampling"]["min_p"] == 0.0
+    del stored["sampling"]["sampler"], stored["sampling"]["min_p"]
+    sidecar_path(out).write_text(json.dumps(stored))
+    result = invoke("run", inputs, "-o", out, *ARGS[:-1], "--max-tokens", "3", "--resume")
+    assert result.exit_code == 2 and "sampling.sampler: 1 (output) -> 2 (this run)" in result.stderr
+    assert "min_p" not in result.stderr
+    result = invoke("run", inputs, "-o", out, *ARGS[:-1], "--max-tokens", "3", "--resume", "--allow-mismatch")
+    assert result.exit_code == 0
+
+
 def test_allow_mismatch_needs_resume(tmp_path, inputs):
     result = invoke("run", inputs, "-o", tmp_path / "o.jsonl", "--allow-mismatch")
     assert result.exit_code == 2 and "--allow-mismatch only applies with --resume" in result.stderr

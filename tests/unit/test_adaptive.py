@@ -630,3 +630,29 @@ def test_a_job_smaller_than_the_batch_is_judged_at_its_own_size():
     for slot in range(3):
         ctl.reset(slot)
     assert not ctl.detached(np.arange(3)).any()
+
+
+def test_a_sampled_job_prices_its_steps_with_the_sampler(monkeypatch):
+    """A sampled job's steps pay for logits and the sampler on every logit row: its table is timed that way
+    (the job's first sampled request's settings), kept apart from the greedy table of the same model."""
+    from specgen.config import SamplingParams
+
+    stub, clock = _stub_model(monkeypatch, lambda call, tokens: 0.010 + 0.001 * (tokens - 1))
+    seen = []
+
+    def forward(batch, cache, logits=True):
+        clock["t"] += 0.010 + 0.001 * (len(batch.token_ids) - 1)
+        assert logits  # the sampler needs them
+        return types.SimpleNamespace(logits=None, greedy=np.zeros(len(batch.logit_rows), np.int64))
+
+    def sample(logits, rows, greedy):
+        seen.append((rows.temperature.tolist(), rows.top_p.tolist()))
+        clock["t"] += 0.002 * len(greedy)  # 2 ms a row sampled
+        return greedy
+
+    stub.forward, stub.sample = forward, sample
+    sampling = SamplingParams(temperature=0.8, top_p=0.95)
+    calibration.controller_for(stub, _Cache(1), 2, NO_DISK, sampling=sampling)
+    tokens, seconds = calibration.measured(stub)[(1, 2, (0.8, 0, 0.95, 0.0))]
+    np.testing.assert_allclose(seconds, [0.012, 0.015, 0.018])  # + 2 ms per verified row
+    assert seen[0] == ([0.8], [0.95]) and (1, 2) not in calibration.measured(stub)

@@ -14,6 +14,12 @@ def test_native_prompt_with_overrides():
     assert dict(rec.overrides) == {"max_tokens": 4, "temperature": 1.0, "stop": ("x",), "seed": 3}
 
 
+def test_min_p_is_a_sampling_field():
+    assert dict(parse_record({"prompt": "hi", "min_p": 0.05}, "1").overrides) == {"min_p": 0.05}
+    with pytest.raises(RecordError, match="min_p must be a number"):
+        parse_record({"prompt": "hi", "min_p": "low"}, "1")
+
+
 def test_default_id_and_null_fields_are_absent():
     rec = parse_record({"prompt": None, "messages": [{"role": "user", "content": "a"}], "top_k": None}, "12")
     assert rec.id == "12"

@@ -1,15 +1,23 @@
-"""Counter-based sampling: repeatable, and distributed as the filtered softmax (chi-square)."""
+"""Counter-based sampling: repeatable, distributed as the filtered softmax (chi-square), and the fused
+operator (kernels/sampling.cc) the same tokens as its Paddle reference."""
 import numpy as np
 import paddle
 import pytest
 
-from specgen.engine.sampling import request_key, sample, uniforms
+from specgen import kernels
+from specgen.config import SamplingParams
+from specgen.errors import ConfigError
+from specgen.kernels import args
+from specgen.layers.sampling import request_key, sample, uniforms
+
+OPS = kernels.ops()
+needs_ops = pytest.mark.skipif(OPS is None, reason="specgen's CPU kernels could not be built here")
 
 VOCAB = 12
 LOGITS = np.array([2.0, 1.5, 1.4, 1.0, 0.5, 0.3, 0.0, -0.2, -0.5, -1.0, -2.0, -3.0])
 
 
-def target_probs(temperature, top_k, top_p):
+def target_probs(temperature, top_k, top_p, min_p=0.0):
     x = LOGITS / temperature
     if top_k:
         x = np.where(x < np.sort(x)[::-1][top_k - 1], -np.inf, x)
@@ -21,6 +29,9 @@ def target_probs(temperature, top_k, top_p):
         keep = order[before < top_p]
         p = np.where(np.isin(np.arange(VOCAB), keep), p, 0)
         p /= p.sum()
+    if min_p:
+        p = np.where(p >= min_p * p.max(), p, 0)
+        p /= p.sum()
     return p
 
 
@@ -28,19 +39,33 @@ def chi2_critical(df, z=3.09):  # Wilson-Hilferty: the 0.999 quantile of chi-squ
     return df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
 
 
-def draw(n, temperature, top_k, top_p, seed=0):
+def fused(logits, temperature, top_k, top_p, u, greedy=None, min_p=None):
+    """The fused operator, called as the reference `sample` is."""
+    greedy = paddle.argmax(logits, axis=-1).numpy() if greedy is None else greedy
+    min_p = np.zeros(len(temperature)) if min_p is None else min_p
+    u = np.ones(len(temperature)) if u is None else u
+    return args.sample(OPS, logits, args.SampleArgs(temperature, top_k, top_p, min_p, u, greedy)).numpy()
+
+
+SAMPLERS = {"reference": sample, "fused": pytest.param(fused, marks=needs_ops)}
+
+
+def draw(n, temperature, top_k, top_p, seed=0, min_p=0.0, sampler=sample):
     keys = np.array([request_key(seed, f"req-{i}") for i in range(n)], dtype=np.uint64)
     u = uniforms(keys, np.full(n, 7))
     logits = paddle.to_tensor(np.tile(LOGITS, (n, 1)).astype("float32"))
-    return sample(logits, np.full(n, temperature), np.full(n, top_k, np.int64), np.full(n, top_p), u)
+    return sampler(logits, np.full(n, temperature), np.full(n, top_k, np.int64), np.full(n, top_p), u,
+                   None, np.full(n, min_p))
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 4, 1.0),
-                                                     (1.0, 0, 0.8), (0.9, 6, 0.7)])
-def test_frequencies_match_filtered_softmax(temperature, top_k, top_p):
+@pytest.mark.parametrize("sampler", SAMPLERS.values(), ids=SAMPLERS.keys())
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    (1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.3, 4, 1.0, 0.0), (1.0, 0, 0.8, 0.0), (0.9, 6, 0.7, 0.0),
+    (1.0, 0, 1.0, 0.2), (0.8, 8, 0.9, 0.1)])
+def test_frequencies_match_filtered_softmax(sampler, temperature, top_k, top_p, min_p):
     n = 20000
-    counts = np.bincount(draw(n, temperature, top_k, top_p), minlength=VOCAB)
-    p = target_probs(temperature, top_k, top_p)
+    counts = np.bincount(draw(n, temperature, top_k, top_p, min_p=min_p, sampler=sampler), minlength=VOCAB)
+    p = target_probs(temperature, top_k, top_p, min_p)
     assert counts[p == 0].sum() == 0  # filtered tokens are never drawn
     support = p > 0
     expected = n * p[support]
@@ -66,3 +91,39 @@ def test_greedy_rows_take_argmax_and_mixed_rows():
     assert out.tolist() == [0, VOCAB - 1]
     out = sample(logits, np.array([0.0, 1.0]), np.array([0, 1]), np.ones(2), np.array([0.5, 0.99]))
     assert out.tolist() == [0, VOCAB - 1]  # top_k=1 leaves only the argmax
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_fused_operator_gives_the_references_tokens(dtype):
+    """Random logits, every filter alone and together, greedy rows among sampled ones, a vocabulary of
+    several thousand and ties: the operator's tokens are the reference's, row for row."""
+    rng = np.random.default_rng(7)
+    rows, vocab = 48, 3000
+    for temperature, top_k, top_p, min_p in [(0.8, 0, 1.0, 0.0), (1.0, 0, 0.9, 0.0), (0.7, 40, 1.0, 0.0),
+                                             (1.0, 20, 0.8, 0.05), (0.6, 0, 1.0, 0.1), (1.3, 0, 0.95, 0.0),
+                                             (1.0, 1, 1.0, 0.0), (2.0, 5000, 0.5, 0.5)]:
+        x = rng.standard_normal((rows, vocab)) * 3
+        x[::5, 100:110] = x[::5, 100:101]  # ties at the top of some rows
+        logits = paddle.to_tensor(x.astype(dtype))
+        temp = np.full(rows, temperature)
+        temp[::7] = 0.0  # greedy rows keep the forward's argmax
+        settings = (temp, np.full(rows, top_k, np.int64), np.full(rows, top_p), rng.uniform(1e-12, 1, rows))
+        greedy = paddle.argmax(logits, axis=-1).numpy()
+        min_ps = np.full(rows, min_p)
+        ref = sample(logits, *settings, greedy, min_ps)
+        assert (fused(logits, *settings, greedy, min_ps) == ref).all(), (temperature, top_k, top_p, min_p)
+
+
+@needs_ops
+def test_fused_operator_at_the_edges_of_u():
+    """u = 1 takes the last kept token; a tiny u the first kept one (in id order)."""
+    logits = paddle.to_tensor(np.tile(LOGITS, (2, 1)).astype("float32"))
+    settings = (np.ones(2), np.array([3, 3]), np.ones(2), np.array([1e-15, 1.0]))
+    assert fused(logits, *settings).tolist() == sample(logits, *settings).tolist() == [0, 2]
+
+
+def test_min_p_is_checked():
+    assert SamplingParams(min_p=0.05).min_p == 0.05
+    with pytest.raises(ConfigError, match="min_p must be in"):
+        SamplingParams(min_p=1.5)

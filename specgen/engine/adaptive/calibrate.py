@@ -6,7 +6,8 @@ import weakref
 
 import numpy as np
 
-from specgen.config import EngineConfig
+from specgen.backends.base import RowSampling
+from specgen.config import EngineConfig, SamplingParams
 from specgen.engine.adaptive import costs
 from specgen.engine.adaptive.controller import Controller
 from specgen.runtime.batch import build_forward_batch
@@ -34,18 +35,20 @@ def measured(model) -> dict:
     return _measured.setdefault(model, {})
 
 
-def controller_for(model, cache, max_draft: int, engine: EngineConfig,
-                   num_slots: int | None = None) -> Controller:
+def controller_for(model, cache, max_draft: int, engine: EngineConfig, num_slots: int | None = None,
+                   sampling: SamplingParams | None = None) -> Controller:
     """A controller whose cost table is this model's at num_slots slots (all the cache's by default): found in
     this process or on disk, else timed: forwards feeding 1, 2 and max_draft + 1 tokens to each slot (their
     cache rows are overwritten later by prefill), and with ANCHOR_SLOTS or more one slot's token; the median
     of up to REPEATS timings per point, taken round robin (one timing of a 6 ms step can be off by 50% on a
     shared machine, and one bad point skews every choice). The one-token point anchors steps of fewer slots,
     once slots drain at a job's end (without it an 8-token step of 32 slots' table was extrapolated to 2 ms
-    instead of the 18 ms it took). The forwards are greedy steps'; a sampled job's steps cost more per logit
-    row, which the online correction takes up."""
+    instead of the 18 ms it took). The forwards are greedy steps', or with `sampling` (a sampled job's
+    settings) its steps': logits for every row, sampled by the model's sampler, so the controller prices the
+    steps the job runs (at batch 1 the sampler is a few percent of a step, per row verified)."""
     num_slots = cache.num_slots if num_slots is None else num_slots
-    key = (num_slots, max_draft)
+    sampled = None if sampling is None else _sampled(sampling)
+    key = (num_slots, max_draft) if sampled is None else (num_slots, max_draft, sampled)
     table = measured(model).get(key)
     path = None
     if table is None and engine.cost_cache:
@@ -54,26 +57,46 @@ def controller_for(model, cache, max_draft: int, engine: EngineConfig,
         loaded = model.backend.engine  # the threads and kernels the model runs with
         path = costs.table_path(engine.cache_root(), [model.cost_key(), cache.dtype, str(num_slots),
                                                       str(max_draft), str(loaded.num_threads()),
-                                                      build_key(loaded.cpu_target), TIMED_TOKENS])
+                                                      build_key(loaded.cpu_target), TIMED_TOKENS]
+                                 + ([] if sampled is None else [f"sampled {sampled}"]))
         table = costs.load(path)
-        if table is not None and not _still_fits(model, cache, max_draft, num_slots, table):
+        if table is not None and not _still_fits(model, cache, max_draft, num_slots, table, sampled):
             table = None
     if table is None:
-        table = _time_table(model, cache, max_draft, num_slots)
+        table = _time_table(model, cache, max_draft, num_slots, sampled)
         costs.store(path, *table)
     measured(model)[key] = table
     return Controller(costs.CostModel(*table), max_draft, cache.num_slots)
 
 
-def _still_fits(model, cache, max_draft: int, num_slots: int, table: tuple[np.ndarray, np.ndarray]) -> bool:
+def _sampled(p: SamplingParams) -> tuple[float, int, float, float]:
+    """The settings a sampled step is timed with: (temperature, top_k, top_p, min_p)."""
+    return (p.temperature, p.top_k, p.top_p, p.min_p)
+
+
+def _step(model, cache, batch, sampled: tuple[float, int, float, float] | None) -> None:
+    """One timed step: a greedy forward, or a forward with logits and the sampler over every logit row."""
+    if sampled is None:
+        model.forward(batch, cache, logits=False)
+        return
+    out = model.forward(batch, cache, logits=True)
+    n = len(batch.logit_rows)
+    temperature, top_k, top_p, min_p = sampled
+    rows = RowSampling(np.full(n, temperature), np.full(n, top_k, np.int64), np.full(n, top_p),
+                       np.full(n, min_p), np.full(n, 0.5))
+    model.sample(out.logits, rows, out.greedy)
+
+
+def _still_fits(model, cache, max_draft: int, num_slots: int, table: tuple[np.ndarray, np.ndarray],
+                sampled: tuple[float, int, float, float] | None = None) -> bool:
     """Whether a stored table's first point is within 2x of the median of CHECKS timings of its step now
     (after a warm-up forward): a table timed on a stalled or differently loaded machine is timed again."""
     first = _blocks(model, max_draft, num_slots)[1][0]
-    model.forward(first, cache, logits=False)  # warm-up
+    _step(model, cache, first, sampled)  # warm-up
     times = []
     for _ in range(CHECKS):
         start = time.perf_counter()
-        model.forward(first, cache, logits=False)
+        _step(model, cache, first, sampled)
         times.append(time.perf_counter() - start)
     return 0.5 <= float(np.median(times)) / float(table[1][0]) <= 2.0
 
@@ -95,15 +118,16 @@ def _blocks(model, max_draft: int, num_slots: int) -> tuple[list[int], list]:
     return tokens, batches
 
 
-def _time_table(model, cache, max_draft: int, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+def _time_table(model, cache, max_draft: int, num_slots: int,
+                sampled: tuple[float, int, float, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
     tokens, batches = _blocks(model, max_draft, num_slots)
-    model.forward(batches[0], cache, logits=False)  # warm-up
+    _step(model, cache, batches[0], sampled)  # warm-up
     timings: list[list[float]] = [[] for _ in batches]
     spent = 0.0
     for _ in range(REPEATS):
         for batch, times in zip(batches, timings):
             start = time.perf_counter()
-            model.forward(batch, cache, logits=False)
+            _step(model, cache, batch, sampled)
             times.append(time.perf_counter() - start)
         spent += sum(times[-1] for times in timings)
         if spent > BUDGET and len(timings[0]) >= MIN_REPEATS:

@@ -24,9 +24,9 @@ import paddle
 
 from specgen.config import EngineConfig, SpecConfig
 from specgen.engine.proposers.base import SlotView, checkpoint_key, prepared_once
-from specgen.engine.sampling import sample, uniforms
 from specgen.engine.types import DraftTokens, SlotSampling, StepUpdate
 from specgen.errors import CheckpointError
+from specgen.layers.sampling import sample, uniforms
 from specgen.models.loaded import load_model
 from specgen.models.model import Model
 from specgen.models.tokenizer import TextTokenizer
@@ -191,7 +191,7 @@ class DraftModelProposer:
 class _DraftChoice:
     """How the draft picks each draft: greedy for greedy requests; for sampled ones, the counter-based sample
     of its own distribution with the uniform the main model will use at that output position
-    (engine/sampling.py), so that where the two distributions are close the draft proposes the very token
+    (layers/sampling.py), so that where the two distributions are close the draft proposes the very token
     verification will sample."""
 
     def __init__(self, sampling: SlotSampling | None, sel: np.ndarray, prompt_lens: np.ndarray):
@@ -205,7 +205,8 @@ class _DraftChoice:
             return greedy
         s, sel = self.sampling, self.sel
         u = uniforms(s.rng_key[sel], token_index - self.prompt_lens)
-        return sample(logits, s.temperature[sel], s.top_k[sel], s.top_p[sel], u, greedy)
+        min_p = None if s.min_p is None else s.min_p[sel]
+        return sample(logits, s.temperature[sel], s.top_k[sel], s.top_p[sel], u, greedy, min_p)
 
 
 def check_vocabulary(main: TextTokenizer | None, draft: TextTokenizer | None, main_size: int, draft_size: int,

@@ -1,4 +1,5 @@
-"""Temperature / top-k / top-p sampling driven by counter-based per-(seed, request, position) uniforms.
+"""Temperature / top-k / top-p / min-p sampling driven by counter-based per-(seed, request, position)
+uniforms: the reference of the fused backend's sampling operator (kernels/sampling.cc), in Paddle's operators.
 
 Every output position of every request owns one uniform u in (0, 1], a pure function of (seed, request id,
 position): no global RNG state. A token is sampled by filtering, normalizing, and taking the first token
@@ -12,6 +13,9 @@ import hashlib
 import numpy as np
 import paddle
 
+# The sampling rule's version, stored in each output's manifest (a resume across versions is refused): 1, the
+# first, in the model's dtype; 2, in double, with min_p (as kernels/sampling.cc computes it).
+SAMPLER_VERSION = 2
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _TOPP_CANDIDATES = 256  # top-p looks at this many most likely tokens first; falls back to a full sort
 
@@ -60,6 +64,8 @@ def sample(
     u: np.ndarray | None,  # [rows] float64 in (0, 1]; only read at sampled rows (None: every row is greedy)
     greedy: np.ndarray | None = None,  # [rows] int64 the logits' argmax, where the forward computed it
     # already
+    min_p: np.ndarray | None = None,  # [rows] float64, 0 = off: keep tokens at least min_p as likely as the
+    # most likely one (after top-k and top-p); None: off everywhere
 ) -> np.ndarray:
     """Token per row; [rows] int64. Greedy rows take the argmax (lowest id on a tie)."""
     if greedy is None:
@@ -68,8 +74,9 @@ def sample(
     if len(sampled_rows) == 0:
         return greedy
     rows = paddle.to_tensor(sampled_rows)
-    dtype = logits.dtype
-    x = paddle.gather(logits, rows) / paddle.to_tensor(temperature[sampled_rows], dtype=dtype).unsqueeze(-1)
+    dtype = "float64"  # in double whatever the model's dtype, as the fused operator: the same tokens
+    x = paddle.gather(logits, rows).astype(dtype)
+    x = x / paddle.to_tensor(temperature[sampled_rows], dtype=dtype).unsqueeze(-1)
     ks = top_k[sampled_rows]
     if (ks > 0).any():
         kmax = int(min(ks.max(), x.shape[-1]))
@@ -83,6 +90,10 @@ def sample(
         thr = _top_p_threshold(probs, paddle.to_tensor(ps, dtype=dtype))
         thr = paddle.where(paddle.to_tensor(ps < 1).unsqueeze(-1), thr, paddle.zeros_like(thr))
         probs = paddle.where(probs < thr, paddle.zeros_like(probs), probs)
+    mp = None if min_p is None else min_p[sampled_rows]
+    if mp is not None and (mp > 0).any():
+        floor = paddle.max(probs, axis=-1, keepdim=True) * paddle.to_tensor(mp, dtype=dtype).unsqueeze(-1)
+        probs = paddle.where(probs < floor, paddle.zeros_like(probs), probs)
     cdf = paddle.cumsum(probs, axis=-1)  # [n, vocab]
     target = cdf[:, -1:] * paddle.to_tensor(u[sampled_rows], dtype=dtype).unsqueeze(-1)
     idx = paddle.sum((cdf < target).astype("int64"), axis=-1)  # first index where cdf >= target

@@ -1,0 +1,98 @@
+"""What sampling costs: the sampler against a plain decoding step, sampled plain decoding against greedy.
+
+    python benchmarks/sampler.py --batch-sizes 1 32 --max-tokens 128 --repeats 3
+
+1. The sampler on the default model's own logits (a Spec-Bench prompt's next-token rows): the fused operator
+   (kernels/sampling.cc) and the Paddle reference (layers/sampling.py), at 1 and 32 rows, T --temperature,
+   top-p --top-p; beside a greedy decoding step's time at that batch (one token a slot), as a share of it.
+2. Whole jobs on the fused backend: sampled (T --temperature, top-p --top-p) against greedy plain decoding, at
+   each batch size, the same prompts and exactly --max-tokens tokens each (ignore_eos); the two arms
+   alternated within each repeat, the ratio the median of the repeats' ratios. The first repeat is a warm-up.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+from common import machine, print_table, timed
+from plain import prompts
+
+
+def median_us(f, n: int) -> float:
+    f()
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) * 1e6
+
+
+def sampler_costs(lm, temperature: float, top_p: float, repeats: int) -> list[list]:
+    """Rows: (sampler, rows, us, share of a greedy one-token-a-slot step at that batch)."""
+    from specgen.backends.base import RowSampling
+    from specgen.layers.sampling import sample
+    from specgen.runtime.batch import build_forward_batch
+
+    model = lm.model
+    ids = np.array(lm.tokenizer.encode_chat(prompts(1)[0]), np.int64)
+    rows = []
+    for n in (1, 32):
+        cache = model.new_cache(n, 1024)
+        slots = np.arange(n, dtype=np.int64)
+        prompt = build_forward_batch(slots, np.zeros(n, np.int64), np.full(n, len(ids)), np.tile(ids, n),
+                                     np.zeros(n, bool))
+        out = model.forward(prompt, cache, logits=True)  # logits [n, vocab]: each slot's next-token row
+        step = build_forward_batch(slots, np.full(n, len(ids)), np.ones(n, np.int64), out.greedy,
+                                   np.zeros(n, bool))
+        step_us = median_us(lambda: model.forward(step, cache, logits=False), 5 * repeats)
+        s = RowSampling(np.full(n, temperature), np.zeros(n, np.int64), np.full(n, top_p), np.zeros(n),
+                        np.linspace(0.01, 1.0, n))
+        arms = {"fused": lambda: model.sample(out.logits, s, out.greedy),
+                "reference": lambda: sample(out.logits, s.temperature, s.top_k, s.top_p, s.u, out.greedy,
+                                            s.min_p)}
+        for name, f in arms.items():
+            us = median_us(f, 10 * repeats)
+            rows.append([name, n, us, us / step_us])
+        rows.append(["greedy step", n, step_us, 1.0])
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    from specgen import EngineConfig, SamplingParams, generate, load_model
+
+    print(machine())
+    lm = load_model(None, threads=args.threads, backend="fused")
+    print_table(["sampler", "rows", "us", "of a greedy step"], sampler_costs(lm, args.temperature, args.top_p,
+                                                                            args.repeats), digits=3)
+    print(flush=True)
+    arms = {"greedy": SamplingParams(max_tokens=args.max_tokens, ignore_eos=True),
+            "sampled": SamplingParams(max_tokens=args.max_tokens, ignore_eos=True,
+                                      temperature=args.temperature, top_p=args.top_p, seed=1)}
+    rows = []
+    for bs in args.batch_sizes:
+        n = 2 if bs == 1 else bs
+        ids = [list(lm.tokenizer.encode_chat(m)) for m in prompts(n)]
+        engine = EngineConfig(batch_size=bs, max_prefill_tokens=8192, backend="fused")
+        tok_s: dict[str, list[float]] = {a: [] for a in arms}
+        for rep in range(args.repeats + 1):
+            for name, sp in arms.items():
+                outs, wall = timed(lambda: generate(ids, model=lm, sampling=sp, engine=engine))
+                if rep:
+                    tok_s[name].append(sum(len(o.token_ids) for o in outs) / wall)
+        ratio = float(np.median([s / g for s, g in zip(tok_s["sampled"], tok_s["greedy"])]))
+        rows.append([bs, n, float(np.median(tok_s["greedy"])), float(np.median(tok_s["sampled"])), ratio])
+    print_table(["batch", "requests", "greedy tok/s", "sampled tok/s", "sampled / greedy"], rows, digits=3)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+// The sampling operator: each logit row's token, in one pass over the vocabulary where the row's filters allow.
+// Its reference is specgen/layers/sampling.py's `sample` (Paddle's operators), which computes the same rule:
+//   greedy rows (temperature 0) keep the argmax the forward computed (the lowest id on a tie);
+//   sampled rows weigh each token by exp((x - max) / temperature), keep the top_k largest logits (ties kept),
+//   then the smallest set of most likely tokens whose mass before the last reaches top_p (ties at the threshold
+//   kept), then the tokens whose weight is at least min_p of the most likely one's, and take the first token in
+//   id order where the kept weights' running sum reaches u times their total, u the row's counter-based uniform.
+// Each weight is exp in single precision of (x - max) / temperature taken in double (a polynomial exp the compiler
+// vectorizes), the sums are in double, the running sum block by block (blocks of 64 tokens, each summed in order,
+// the blocks' sums added in order), so the result is a function of the row alone: the same in a verify block as in
+// plain decoding, at any batch size. The reference computes in double throughout: the two agree but where u falls
+// within about 1e-7 of a boundary between two tokens' shares.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include "paddle/extension.h"
+
+namespace {
+
+constexpr int64_t kBlock = 64;  // tokens per block of the running sum
+constexpr int kParams = 6;      // per row: temperature, top_k, top_p, min_p, u, greedy token
+
+// exp(x) for x <= 0 in single precision (x below -87 is taken as -87: its exp, ~2e-38, next to the largest
+// weight's 1), within about 2 ulp: x = k ln2 + r, |r| <= ln2 / 2, exp(r) by its Taylor series to degree 7, scaled by
+// 2^k through the exponent bits; k is rounded by adding and taking away 1.5 * 2^23 (its low bits then hold k).
+// Inline, with no branch and no call, so a loop over a row vectorizes 16 lanes wide.
+inline float exp_nonpositive(float x) {
+  constexpr float kShift = 12582912.0f;  // 1.5 * 2^23
+  x = x < -87.0f ? -87.0f : x;
+  const float shifted = x * 1.44269504f + kShift;
+  int32_t k_bits;
+  std::memcpy(&k_bits, &shifted, sizeof k_bits);
+  const float k = shifted - kShift;
+  const float r = (x - k * 0.693359375f) + k * 2.12194440e-4f;  // ln2 in two parts: r exact to float rounding
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t scale_bits = ((k_bits - 0x4B400000) + 127) << 23;  // k + 127 (>= 1 for x >= -87) in the exponent
+  float scale;
+  std::memcpy(&scale, &scale_bits, sizeof scale);
+  return p * scale;
+}
+
+// The k-th largest of x[0, v) (k in [1, v]): a min-heap of the k largest so far for small k (one comparison per
+// value once the heap holds k: most values are below its least), a selection over a copy otherwise.
+template <typename T>
+T kth_largest(const T* x, int64_t v, int64_t k, std::vector<T>& scratch) {
+  auto greater = [](T a, T b) { return a > b; };
+  if (k > 4096) {
+    scratch.assign(x, x + v);
+    std::nth_element(scratch.begin(), scratch.begin() + (k - 1), scratch.end(), greater);
+    return scratch[k - 1];
+  }
+  scratch.assign(x, x + k);
+  std::make_heap(scratch.begin(), scratch.end(), greater);  // the least on top
+  for (int64_t i = k; i < v; ++i) {
+    if (x[i] > scratch.front()) {
+      std::pop_heap(scratch.begin(), scratch.end(), greater);
+      scratch.back() = x[i];
+      std::push_heap(scratch.begin(), scratch.end(), greater);
+    }
+  }
+  return scratch.front();
+}
+
+// The smallest weight kept by top_p among the weights w [v] (zero: filtered out) whose total is `total`: walking
+// the weights from the largest down, the last one whose mass before it is below top_p * total (ties at it all
+// kept). Only weights of at least (1 - top_p) * total / v can be kept (the mass above any smaller one exceeds
+// top_p * total), and among those a selection by mass finds it in linear time: split around a pivot into larger,
+// equal and smaller weights; the answer lies in the larger part if their mass (with what lies above the range)
+// reaches the bound, at the pivot if the equal ones reach it, else in the smaller part.
+double top_p_threshold(const float* w, int64_t v, double total, double top_p, std::vector<float>& cand) {
+  const double floor = (1.0 - top_p) * total / static_cast<double>(v);
+  cand.resize(v + 16);  // without a branch per token: the candidates packed to the front
+  int64_t n = 0, i = 0;
+#ifdef __AVX512F__
+  const __m512 lowest = _mm512_set1_ps(std::max(static_cast<float>(floor), std::numeric_limits<float>::min()));
+  for (; i + 16 <= v; i += 16) {  // (a weight of at least the smallest normal float is above 0)
+    const __m512 x = _mm512_loadu_ps(w + i);
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, lowest, _CMP_GE_OQ);
+    // compressed in a register and stored whole (a compressing store to memory is slow on some CPUs)
+    _mm512_storeu_ps(cand.data() + n, _mm512_maskz_compress_ps(keep, x));
+    n += __builtin_popcount(keep);
+  }
+#endif
+  for (; i < v; ++i) {
+    cand[n] = w[i];
+    n += w[i] > 0.0f && w[i] >= floor;
+  }
+  cand.resize(n);
+  const double bound = top_p * total;
+  double above = 0.0;  // the mass of the candidates larger than every one in [lo, hi)
+  auto lo = cand.begin(), hi = cand.end();
+  while (lo < hi) {
+    std::nth_element(lo, lo + (hi - lo) / 2, hi, [](float a, float b) { return a > b; });
+    const float pivot = *(lo + (hi - lo) / 2);
+    auto eq = std::partition(lo, hi, [pivot](float c) { return c > pivot; });
+    auto lt = std::partition(eq, hi, [pivot](float c) { return c == pivot; });
+    double larger = 0.0;
+    for (auto it = lo; it < eq; ++it) larger += *it;
+    if (above + larger >= bound) {  // the first equal one is not kept: the answer is a larger weight
+      hi = eq;
+      continue;
+    }
+    const double through = above + larger + static_cast<double>(lt - eq) * static_cast<double>(pivot);
+    if (through >= bound || lt == hi) return pivot;  // no smaller weight is kept
+    above = through;
+    lo = lt;
+  }
+  return cand.empty() ? 0.0 : *std::min_element(cand.begin(), cand.end());
+}
+
+// Each block's sum of w [v] (blocks of kBlock tokens, each summed in token order from 0), eight blocks at a time
+// so that their additions overlap.
+void block_sums(const float* w, int64_t v, std::vector<double>& blocks) {
+  const int64_t nb = (v + kBlock - 1) / kBlock, full = v / kBlock;
+  blocks.assign(nb, 0.0);
+  int64_t b = 0;
+  for (; b + 8 <= full; b += 8) {
+    double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t t = 0; t < kBlock; ++t) {
+      for (int lane = 0; lane < 8; ++lane) s[lane] += w[(b + lane) * kBlock + t];
+    }
+    for (int lane = 0; lane < 8; ++lane) blocks[b + lane] = s[lane];
+  }
+  for (; b < nb; ++b) {
+    double s = 0.0;
+    for (int64_t i = b * kBlock, end = std::min(v, (b + 1) * kBlock); i < end; ++i) s += w[i];
+    blocks[b] = s;
+  }
+}
+
+template <typename T>
+int64_t sample_row(const T* x, int64_t v, const double* prm, std::vector<float>& w, std::vector<double>& blocks,
+                   std::vector<T>& scratch, std::vector<float>& cand) {
+  const double temperature = prm[0], top_p = prm[2], min_p = prm[3], u = prm[4];
+  const int64_t top_k = static_cast<int64_t>(prm[1]);
+  T m = x[0];
+  for (int64_t i = 1; i < v; ++i) m = x[i] > m ? x[i] : m;
+  // top_k: logits below the k-th largest weigh nothing
+  const bool by_k = top_k > 0 && top_k < v;
+  const T kth = by_k ? kth_largest(x, v, top_k, scratch) : m;
+  // (x - max) / temperature in double, its exp in single precision: weights in (0, 1], summed in double
+  const double inv_t = 1.0 / temperature, mx = static_cast<double>(m);
+  w.resize(v);
+  float* wp = w.data();
+  if (by_k) {
+    for (int64_t i = 0; i < v; ++i) {
+      const float e = exp_nonpositive(static_cast<float>((static_cast<double>(x[i]) - mx) * inv_t));
+      wp[i] = x[i] >= kth ? e : 0.0f;
+    }
+  } else {
+    for (int64_t i = 0; i < v; ++i) {
+      wp[i] = exp_nonpositive(static_cast<float>((static_cast<double>(x[i]) - mx) * inv_t));
+    }
+  }
+  block_sums(wp, v, blocks);
+  const int64_t nb = static_cast<int64_t>(blocks.size());
+  // the filters' thresholds on weights (the most likely token weighs 1)
+  double thr = 0.0;
+  if (top_p < 1.0) {
+    double total = 0.0;
+    for (int64_t b = 0; b < nb; ++b) total += blocks[b];
+    thr = top_p_threshold(wp, v, total, top_p, cand);
+  }
+  thr = std::max(thr, min_p);
+  if (thr > 0.0) {
+    for (int64_t i = 0; i < v; ++i) wp[i] = wp[i] >= thr ? wp[i] : 0.0f;
+    block_sums(wp, v, blocks);
+  }
+  // the running sum: blocks in order, each block's tokens in order
+  double sum = 0.0;
+  for (int64_t b = 0; b < nb; ++b) sum += blocks[b];
+  const double target = u * sum;
+  double before = 0.0;
+  for (int64_t b = 0; b < nb; ++b) {
+    const double after = before + blocks[b];
+    if (after >= target || b == nb - 1) {
+      const int64_t end = std::min(v, (b + 1) * kBlock);
+      double s = 0.0;
+      int64_t last = b * kBlock;
+      for (int64_t i = b * kBlock; i < end; ++i) {
+        if (wp[i] == 0.0f) continue;
+        s += wp[i];
+        last = i;
+        if (before + s >= target) return i;
+      }
+      return last;
+    }
+    before = after;
+  }
+  return v - 1;
+}
+
+template <typename T>
+void sample_rows(const T* x, int64_t n, int64_t v, const double* prm, int64_t* tok) {
+#pragma omp parallel if (n > 1)
+  {
+    // each thread's buffers, kept between calls: a row's (196 KB for 49,152 tokens) freshly mapped pages cost
+    // about as much to fault in as the sampling itself
+    thread_local std::vector<float> w, cand;
+    thread_local std::vector<double> blocks;
+    thread_local std::vector<T> scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t r = 0; r < n; ++r) {
+      const double* p = prm + r * kParams;
+      tok[r] = p[0] > 0.0 ? sample_row<T>(x + r * v, v, p, w, blocks, scratch, cand) : static_cast<int64_t>(p[5]);
+    }
+  }
+}
+
+std::vector<paddle::Tensor> Sample(const paddle::Tensor& logits, const paddle::Tensor& params) {
+  PD_CHECK(logits.is_cpu() && params.is_cpu(), "specgen_sample: CPU tensors only");
+  PD_CHECK(logits.shape().size() == 2, "specgen_sample: logits must be [rows, vocab]");
+  const int64_t n = logits.shape()[0], v = logits.shape()[1];
+  PD_CHECK(params.dtype() == paddle::DataType::FLOAT64 && params.shape().size() == 2 && params.shape()[0] == n &&
+               params.shape()[1] == kParams,
+           "specgen_sample: params must be float64 [rows, 6]");
+  PD_CHECK(v > 0 && v < (int64_t(1) << 31), "specgen_sample: vocabulary size out of range");
+  auto out = paddle::empty({n}, paddle::DataType::INT64, logits.place());
+  const double* prm = params.data<double>();
+  int64_t* tok = out.data<int64_t>();
+  PD_DISPATCH_FLOATING_TYPES(logits.type(), "specgen_sample", ([&] {
+    sample_rows<data_t>(logits.data<data_t>(), n, v, prm, tok);
+  }));
+  return {out};
+}
+
+}  // namespace
+
+PD_BUILD_OP(specgen_sample).Inputs({"Logits", "Params"}).Outputs({"Out"}).SetKernelFn(PD_KERNEL(Sample));
