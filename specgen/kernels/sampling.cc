@@ -207,18 +207,16 @@ int64_t sample_row(const T* x, int64_t v, const double* prm, std::vector<float>&
 
 template <typename T>
 void sample_rows(const T* x, int64_t n, int64_t v, const double* prm, int64_t* tok) {
-#pragma omp parallel if (n > 1)
-  {
-    // each thread's buffers, kept between calls: a row's (196 KB for 49,152 tokens) freshly mapped pages cost
-    // about as much to fault in as the sampling itself
-    thread_local std::vector<float> w, cand;
-    thread_local std::vector<double> blocks;
-    thread_local std::vector<T> scratch;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t r = 0; r < n; ++r) {
-      const double* p = prm + r * kParams;
-      tok[r] = p[0] > 0.0 ? sample_row<T>(x + r * v, v, p, w, blocks, scratch, cand) : static_cast<int64_t>(p[5]);
-    }
+  // rows round robin over the threads (a dynamic schedule ran the rows on one thread inside Paddle's process)
+#pragma omp parallel for schedule(static, 1) if (n > 1)
+  for (int64_t r = 0; r < n; ++r) {
+    // each thread's buffers, kept between rows and calls: a row's (196 KB for 49,152 tokens) freshly mapped
+    // pages cost about as much to fault in as the sampling itself
+    static thread_local std::vector<float> w, cand;
+    static thread_local std::vector<double> blocks;
+    static thread_local std::vector<T> scratch;
+    const double* p = prm + r * kParams;
+    tok[r] = p[0] > 0.0 ? sample_row<T>(x + r * v, v, p, w, blocks, scratch, cand) : static_cast<int64_t>(p[5]);
   }
 }
 
