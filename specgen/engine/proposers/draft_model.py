@@ -22,11 +22,12 @@ from pathlib import Path
 import numpy as np
 import paddle
 
+from specgen.backends.base import RowSampling
 from specgen.config import EngineConfig, SpecConfig
 from specgen.engine.proposers.base import SlotView, checkpoint_key, prepared_once
 from specgen.engine.types import DraftTokens, SlotSampling, StepUpdate
 from specgen.errors import CheckpointError
-from specgen.layers.sampling import sample, uniforms
+from specgen.layers.sampling import uniforms
 from specgen.models.loaded import load_model
 from specgen.models.model import Model
 from specgen.models.tokenizer import TextTokenizer
@@ -134,7 +135,7 @@ class DraftModelProposer:
         tokens = update.tokens[slots[seq], pos]  # [num_tokens] the committed tokens fed
         plens = self.prefix_lens[slots] if self.cache.prefix is not None else None
         wants = decoding[sel]  # [n] drafting next step
-        choose = _DraftChoice(update.sampling, sel[wants], prompt_lens[sel[wants]])
+        choose = _DraftChoice(self.draft, update.sampling, sel[wants], prompt_lens[sel[wants]])
         out = self.draft.forward(build_forward_batch(slots, starts - shift, lens, tokens,
                                                      np.zeros(len(slots), bool), prefix_lens=plens),
                                  self.cache, logits=choose.sampled)
@@ -191,11 +192,11 @@ class DraftModelProposer:
 class _DraftChoice:
     """How the draft picks each draft: greedy for greedy requests; for sampled ones, the counter-based sample
     of its own distribution with the uniform the main model will use at that output position
-    (layers/sampling.py), so that where the two distributions are close the draft proposes the very token
-    verification will sample."""
+    (layers/sampling.py's rule, by the draft's backend's sampler), so that where the two distributions are
+    close the draft proposes the very token verification will sample."""
 
-    def __init__(self, sampling: SlotSampling | None, sel: np.ndarray, prompt_lens: np.ndarray):
-        self.sampling, self.sel, self.prompt_lens = sampling, sel, prompt_lens
+    def __init__(self, draft, sampling: SlotSampling | None, sel: np.ndarray, prompt_lens: np.ndarray):
+        self.draft, self.sampling, self.sel, self.prompt_lens = draft, sampling, sel, prompt_lens
         self.sampled = sampling is not None and bool((sampling.temperature[sel] > 0).any())
 
     def __call__(self, logits, greedy: np.ndarray, token_index: np.ndarray) -> np.ndarray:
@@ -205,8 +206,9 @@ class _DraftChoice:
             return greedy
         s, sel = self.sampling, self.sel
         u = uniforms(s.rng_key[sel], token_index - self.prompt_lens)
-        min_p = None if s.min_p is None else s.min_p[sel]
-        return sample(logits, s.temperature[sel], s.top_k[sel], s.top_p[sel], u, greedy, min_p)
+        min_p = np.zeros(len(sel)) if s.min_p is None else s.min_p[sel]
+        rows = RowSampling(s.temperature[sel], s.top_k[sel], s.top_p[sel], min_p, u)
+        return self.draft.sample(logits, rows, greedy)
 
 
 def check_vocabulary(main: TextTokenizer | None, draft: TextTokenizer | None, main_size: int, draft_size: int,
