@@ -53,6 +53,17 @@ def timed(fn: Callable[[], T]) -> tuple[T, float]:
     return result, time.perf_counter() - start
 
 
+def repeat_times(fn: Callable[[], object], repeats: int) -> list[float]:
+    """The seconds of `repeats` calls of fn, after one untimed warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def _cell(value: object, digits: int) -> str:
     if value is None:
         return "-"

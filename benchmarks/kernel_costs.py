@@ -20,17 +20,11 @@ import argparse
 import time
 
 import numpy as np
-from common import machine, print_table
+from common import machine, print_table, repeat_times
 
 
 def best(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(repeat_times(fn, repeats))
 
 
 def main() -> None:

@@ -12,21 +12,14 @@
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
-from common import machine, print_table, timed
+from common import machine, print_table, repeat_times, timed
 from plain import prompts
 
 
 def median_us(f, n: int) -> float:
-    f()
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1e6
+    return float(np.median(repeat_times(f, n))) * 1e6
 
 
 def sampler_costs(lm, temperature: float, top_p: float, repeats: int) -> list[list]:
