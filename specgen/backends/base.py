@@ -85,6 +85,9 @@ class Backend(Protocol):
         """Whether projections stored as GGUF blocks are multiplied from their blocks (their float copies are
         then never converted)."""
 
+    def prepare_linear(self, lin: Any) -> Any:
+        """A block's Linear, as the checkpoint is read (packed, its blocks dropped): returns it."""
+
     def prepare(self, model: ModelView) -> None:
         """Bring the model's weights into the form this backend's products read (in place)."""
 

@@ -99,11 +99,17 @@ class FusedBackend:
             lin.weight = pack_linear(lin.weight, dtype=self.dtype)
         return lin
 
+    def prepare_linear(self, lin: Linear) -> Linear:
+        """A block's Linear packed as it is read; its blocks' memory goes (the LM head's stays: its screen and
+        drafters' heads are made from them)."""
+        self.pack(lin)
+        lin.blocks = None
+        return lin
+
     def prepare(self, model: ModelView) -> None:
         weights = model.weights
         if self.int8_product:
-            has_blocks = any(lin.blocks is not None and lin.blocks.kind in INT8_KINDS
-                             for lin in weights.linears())
+            has_blocks = bool(weights.block_kinds & set(INT8_KINDS))
             if not (has_blocks and self.vnni and self.dtype == "float32"):
                 raise ConfigError("matmul int8 needs block weights (GGUF Q4_0 / Q4_1 / Q8_0, or "
                                   "--quantization wint8 | wint4), a float32 model and a CPU with AVX-512 "

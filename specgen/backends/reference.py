@@ -17,6 +17,7 @@ from specgen.layers.attention import AttentionIndex
 from specgen.layers.block import block_forward
 from specgen.layers.linear import Linear
 from specgen.layers.norm import rms_norm
+from specgen.layers.quant import DeviceBlocks
 from specgen.layers.sampling import sample
 from specgen.runtime.batch import ForwardBatch, build_forward_batch
 from specgen.runtime.kv_cache import KVCache
@@ -24,19 +25,29 @@ from specgen.runtime.kv_cache import KVCache
 
 class ReferenceBackend:
     name = "reference"
-    keeps_blocks = False
     int8_product = False
 
     def __init__(self, engine: EngineConfig):
         self.engine = engine  # the settings the model was loaded with
         self.dtype = engine.dtype
 
+    @property
+    def keeps_blocks(self) -> bool:
+        """With --quantization wint8 / wint4 the projections stay blocks, dequantized a layer at a time
+        (layers/quant.py); otherwise they are float."""
+        return self.engine.quantization in ("wint8", "wint4")
+
+    def prepare_linear(self, lin: Linear) -> Linear:
+        if lin.weight is None and lin.blocks is not None:
+            lin.weight = DeviceBlocks.of(lin.blocks.kind, lin.blocks.blocks)
+        if lin.weight is None:
+            raise CheckpointError("the reference backend needs every weight as floats (none was converted)")
+        lin.blocks = None  # products read the dense weight (or DeviceBlocks); the blocks' memory goes
+        return lin
+
     def prepare(self, model: ModelView) -> None:
         for lin in model.weights.linears():
-            if lin.weight is None:
-                raise CheckpointError("the reference backend needs every weight as floats "
-                                      "(none was converted)")
-            lin.blocks = None  # products read the dense weight; the blocks' memory goes
+            self.prepare_linear(lin)
 
     def forward(self, model: ModelView, batch: ForwardBatch, cache: KVCache,
                 logits: bool = True) -> ForwardOutput:

@@ -119,6 +119,7 @@ class TensorParallelBackend(ReferenceBackend):
     `follow`."""
 
     name = "tensor-parallel"
+    keeps_blocks = False  # its shards are cut from float weights (tp_shard.py)
 
     def __init__(self, engine: EngineConfig, rank: int, world_size: int, channel: CommandChannel):
         super().__init__(engine)

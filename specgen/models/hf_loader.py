@@ -6,11 +6,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from specgen.errors import CheckpointError
-from specgen.models.checkpoint import Checkpoint
+from specgen.models.checkpoint import SAFETENSORS_DTYPES, Checkpoint, Lazy, SafetensorsFile
 from specgen.models.config import ARCHITECTURES, ModelConfig, MoeConfig, RopeScaling
 from specgen.models.tokenizer import TextTokenizer
 
@@ -132,47 +131,23 @@ def _weight_files(directory: Path) -> list[Path]:
     raise CheckpointError(f"{directory}: no model.safetensors or model.safetensors.index.json")
 
 
-def read_safetensors(files: list[Path]) -> dict[str, np.ndarray]:
+def read_safetensors(files: list[Path]) -> Lazy[np.ndarray]:
     """Every tensor of the shards as float32 (F32, F16, BF16 and the other types numpy knows; BF16, which
-    numpy does not, is read from the file's bytes and widened exactly)."""
-    weights: dict[str, np.ndarray] = {}
+    numpy does not, widened exactly from its bits), each read from its file when asked for: the headers are
+    read and checked here, the data when a load asks for a tensor."""
+    where: dict[str, SafetensorsFile] = {}
     for f in files:
         if not f.exists():
             raise CheckpointError(f"{f}: weight shard not found")
         try:
-            with safe_open(str(f), framework="numpy") as handle:
-                header = None
-                for name in handle.keys():
-                    if handle.get_slice(name).get_dtype() == "BF16":
-                        header = header or _header(f)
-                        weights[name] = _read_bf16(f, header, name)
-                    else:
-                        weights[name] = handle.get_tensor(name).astype(np.float32, copy=False)
-        except CheckpointError:
-            raise
-        except Exception as exc:  # safetensors raises its own error types for corrupt files
+            shard = SafetensorsFile.open(f)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{f}: cannot read safetensors ({exc})") from None
-    return weights
-
-
-def _header(f: Path) -> tuple[int, dict[str, Any]]:
-    """A safetensors file's data offset and header. The format: an 8-byte little-endian header length, a JSON
-    header giving each tensor's dtype, shape and [begin, end) byte offsets past the header, then the data."""
-    with open(f, "rb") as fh:
-        size = int.from_bytes(fh.read(8), "little")
-        return 8 + size, json.loads(fh.read(size))
-
-
-def _read_bf16(f: Path, header: tuple[int, dict[str, Any]], name: str) -> np.ndarray:
-    """Tensor `name` of safetensors file f, stored as BF16, widened to float32 (exact: a bfloat16 is the top
-    half of a float32's bits)."""
-    start, tensors = header
-    begin, end = tensors[name]["data_offsets"]
-    shape = tensors[name]["shape"]
-    if end == begin:
-        return np.zeros(shape, np.float32)
-    raw = np.memmap(f, dtype=np.uint16, mode="r", offset=start + begin, shape=((end - begin) // 2,))
-    return (raw.astype(np.uint32) << 16).view(np.float32).reshape(shape)
+        for name, t in shard.tensors.items():
+            if t["dtype"] not in SAFETENSORS_DTYPES:
+                raise CheckpointError(f"{f}: tensor {name!r} has dtype {t['dtype']}, which is not supported")
+            where[name] = shard
+    return Lazy({n: shard.shape(n) for n, shard in where.items()}, lambda n: where[n].read(n))
 
 
 def load_tokenizer(directory: Path) -> TextTokenizer | None:

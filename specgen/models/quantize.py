@@ -11,10 +11,11 @@ each expert's and the shared experts') and the LM head.
   embedding matrix) is Q8_0 in both, as llama.cpp's 4-bit files keep it: 4 bits there cost the default model
   5% of perplexity. Blocks already of the kind wanted stay as stored; others are quantized from their float
   values.
-A quantized weight carries both its raw blocks (the fused backend multiplies by them directly) and their
+A quantized weight has both its raw blocks (the fused backend multiplies by them directly) and their
 dequantized float32 values (the reference backend multiplies by those, on any device): the same weights on
-both paths. Quantized checkpoints are kept in the cache, so a rerun reads them back instead of quantizing
-again.
+both paths, each made when asked for. Quantized checkpoints are kept in the cache (blocks, and the float32
+weights that are not quantized: never a float copy of a quantized one), so a rerun reads them back instead of
+quantizing again.
 """
 from __future__ import annotations
 
@@ -59,37 +60,54 @@ def projection_names(ckpt: Checkpoint) -> list[str]:
 
 
 def quantize_checkpoint(ckpt: Checkpoint, mode: str) -> tuple[Checkpoint, int]:
-    """`ckpt` with its projections in `mode`; returns it and how many weights were quantized."""
+    """`ckpt` with its projections in `mode`; returns it and how many weights it quantizes. Each weight is
+    quantized when first asked for (its blocks, or its float32 values, which are the blocks dequantized), one
+    at a time: nothing is held but what is asked for."""
     if mode == "auto":
         return ckpt, 0
     if mode == "none":
         return dataclasses.replace(ckpt, quantized={}), 0
-    weights, quantized = dict(ckpt.weights), dict(ckpt.quantized)
-    count = 0
     names = projection_names(ckpt)
+    kinds = {}
     for name in names:
         kind = HEAD_KIND if name == names[-1] else KIND[mode]
-        w = weights[name]
-        stored = quantized.get(name)
-        if ((stored is not None and stored.kind == kind) or w.ndim != 2
-                or w.shape[1] % QUANT_BLOCK_WEIGHTS[kind]):
+        shape = ckpt.weights.info[name]
+        if ckpt.quantized.info.get(name) == kind or len(shape) != 2 or shape[1] % QUANT_BLOCK_WEIGHTS[kind]:
             continue
-        blocks, values = quantize_rows(w, kind)
-        quantized[name] = QuantRows(kind, blocks)
-        weights[name] = values
-        count += 1
-    return dataclasses.replace(ckpt, weights=weights, quantized=quantized), count
+        kinds[name] = kind
+    weights = ckpt.weights
+
+    def blocks(name: str) -> QuantRows:
+        return QuantRows(kinds[name], quantize_rows(weights[name], kinds[name])[0])
+
+    def values(name: str) -> np.ndarray:
+        return quantize_rows(weights[name], kinds[name])[1]
+
+    return dataclasses.replace(
+        ckpt, quantized=ckpt.quantized.overlay(kinds, blocks),
+        weights=weights.overlay({n: weights.info[n] for n in kinds}, values)), len(kinds)
+
+
+# rows quantized per call of gguf.quants (its temporaries are several times a float32 copy of them)
+QUANTIZE_CHUNK = 1 << 22
 
 
 def quantize_rows(w: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
     """[out, in] float -> (uint8 blocks [out, in / 32, bytes], their dequantized float32 values [out, in]),
-    through the gguf package's reference quantizers (llama.cpp's formats, bit for bit)."""
+    through the gguf package's reference quantizers (llama.cpp's formats, bit for bit), a few million weights
+    at a time."""
     from gguf import GGMLQuantizationType, quants
 
     qtype = GGMLQuantizationType[kind]
-    raw = quants.quantize(np.ascontiguousarray(w, dtype=np.float32), qtype)  # [out, in / 32 * bytes]
-    values = quants.dequantize(raw, qtype).astype(np.float32, copy=False)
-    return raw.reshape(w.shape[0], -1, QUANT_BLOCK_BYTES[kind]), values
+    out, inp = w.shape
+    step = max(1, QUANTIZE_CHUNK // max(inp, 1))
+    blocks = np.empty((out, inp // QUANT_BLOCK_WEIGHTS[kind], QUANT_BLOCK_BYTES[kind]), np.uint8)
+    values = np.empty((out, inp), np.float32)
+    for r in range(0, out, step):
+        raw = quants.quantize(np.ascontiguousarray(w[r:r + step], dtype=np.float32), qtype)
+        blocks[r:r + step] = raw.reshape(-1, *blocks.shape[1:])
+        values[r:r + step] = quants.dequantize(raw, qtype)
+    return blocks, values
 
 
 def cache_key(source: str, mode: str) -> str:
@@ -104,15 +122,17 @@ def cache_key(source: str, mode: str) -> str:
 
 
 def load_quantized(source: str, mode: str, cache_root: Path, load) -> Checkpoint:
-    """load() quantized to `mode`, through the cache: <cache_root>/quantized/<name>-<mode>-<key>."""
+    """load() quantized to `mode`, through the cache: <cache_root>/quantized/<name>-<mode>-<key>, written one
+    weight at a time (read, quantized, written, let go) and then read back from there, so that a first load
+    holds no more than a later one."""
     from specgen.models import default_model
 
     if mode in ("auto", "none"):
         return quantize_checkpoint(load(), mode)[0]
     entry = Path(cache_root) / "quantized" / f"{Path(source).stem}-{mode}-{cache_key(source, mode)}"
-    if entry.is_dir():
-        return default_model._read_entry(entry, source=source)
-    ckpt, count = quantize_checkpoint(load(), mode)
-    if count:
-        default_model._write_entry(ckpt, entry)
-    return ckpt
+    if not entry.is_dir():
+        ckpt, count = quantize_checkpoint(load(), mode)
+        if not count:
+            return ckpt
+        default_model.write_quantized_entry(entry, ckpt)
+    return default_model.read_quantized_entry(entry, source=source)

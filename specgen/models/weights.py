@@ -3,6 +3,7 @@
 block-quantized, fused and reordered alike."""
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,7 +14,7 @@ from specgen.kernels.packing import qx_rows
 from specgen.layers.block import DecoderBlock
 from specgen.layers.linear import Linear
 from specgen.layers.moe import Expert, MoeExperts
-from specgen.models.checkpoint import Checkpoint, QuantRows
+from specgen.models.checkpoint import Checkpoint, Lazy, QuantRows, StoredRows, block_kind, tensor_shape
 from specgen.models.config import ModelConfig
 
 
@@ -29,23 +30,38 @@ def interleaved_to_half(w: np.ndarray, num_heads: int, head_dim: int) -> np.ndar
 
 
 class TensorReader:
-    """Checked access to a checkpoint's numpy tensors, converted to Paddle in the model's dtype."""
+    """Checked access to a checkpoint's numpy tensors, converted to Paddle in the model's dtype, each read
+    from the checkpoint when its layer is made (a Lazy checkpoint holds none). `prepare` is given every
+    Linear of the blocks as it is made (a backend packs it there: one layer's weights are held unpacked at a
+    time)."""
 
-    def __init__(self, weights: dict[str, np.ndarray], source: str, cfg: ModelConfig, dtype: str,
-                 quantized: dict[str, QuantRows] | None = None):
-        self.weights, self.source, self.cfg, self.dtype = weights, source, cfg, dtype
-        self.quantized = quantized or {}
+    def __init__(self, weights: Mapping[str, np.ndarray], source: str, cfg: ModelConfig, dtype: str,
+                 quantized: Mapping[str, QuantRows] | None = None,
+                 prepare: Callable[[Linear], Linear] | None = None):
+        self.weights = Lazy.held(weights, tensor_shape)
+        self.source, self.cfg, self.dtype = source, cfg, dtype
+        self.quantized = Lazy.held(quantized or {}, block_kind)
+        self.prepare = prepare or (lambda lin: lin)
+        self.block_kinds: set[str] = set()  # the kinds of the blocks the projections were read with
+
+    def check(self, name: str, shape: tuple[int, ...]) -> None:
+        got = self.weights.info.get(name)
+        if got is None:
+            raise CheckpointError(f"{self.source}: missing tensor {name!r}")
+        if tuple(got) != shape:
+            raise CheckpointError(f"{self.source}: tensor {name!r} has shape {list(got)}, "
+                                  f"expected {list(shape)}")
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        w = self.weights.get(name)
-        if w is None:
-            raise CheckpointError(f"{self.source}: missing tensor {name!r}")
-        if tuple(w.shape) != shape:
-            raise CheckpointError(f"{self.source}: tensor {name!r} has shape {list(w.shape)}, "
-                                  f"expected {list(shape)}")
-        return w
+        self.check(name, shape)
+        return self.weights[name]
 
     def to_paddle(self, arr: np.ndarray) -> paddle.Tensor:
+        """A mapped file's array of the model's dtype stays mapped on the CPU (a zero-copy tensor: only the
+        pages read become resident); anything else is copied."""
+        if (isinstance(arr, np.memmap) and arr.dtype == np.dtype(self.dtype) and arr.flags.c_contiguous
+                and arr.flags.writeable and paddle.device.get_device() == "cpu"):
+            return paddle.base.core.eager.Tensor(arr, paddle.CPUPlace(), False, True, "mapped", True)
         return paddle.to_tensor(np.ascontiguousarray(arr, dtype=self.dtype))
 
     def param(self, name: str, shape: tuple[int, ...]) -> paddle.Tensor:
@@ -55,9 +71,10 @@ class TensorReader:
         """The raw blocks of HF [out, in] weights `names`, each reordered by `permute` (None: kept) and
         concatenated along out (rows of different formats converted to QX first); None unless every one is
         stored block-quantized."""
-        rows = [self.quantized.get(n) for n in names]
-        if any(q is None for q in rows):
+        if any(n not in self.quantized for n in names):
             return None
+        rows = [self.quantized[n] for n in names]
+        self.block_kinds |= {q.kind for q in rows}
         kind = rows[0].kind if len({q.kind for q in rows}) == 1 else "QX"
         permute = permute or [None] * len(rows)
         blocks = [q.blocks if kind == q.kind else qx_rows(q.kind, q.blocks) for q in rows]
@@ -65,23 +82,29 @@ class TensorReader:
         return QuantRows(kind, np.concatenate(blocks))
 
     def linear(self, names: list[str], shapes: list[tuple[int, int]], bias: list[str] | None = None,
-               permute=None, blocks_only: bool = False) -> Linear:
-        """HF [out, in] weights `names` fused along out into one Linear [in, sum out]; with blocks_only and
-        raw blocks for all of them, the dense weight is checked but not converted (a backend packs the
-        blocks)."""
-        arrays = [self.get(n, s) for n, s in zip(names, shapes)]
-        quant = self.blocks(names, permute)
+               permute=None, blocks_only: bool = False, head: bool = False) -> Linear:
+        """HF [out, in] weights `names` fused along out into one Linear [in, sum out], prepared (unless it is
+        the LM `head`); with blocks_only and raw blocks for all of them, the dense weight is checked but not
+        read (a backend packs the blocks)."""
+        for n, s in zip(names, shapes):
+            self.check(n, s)
+        quant = self.blocks(names, permute) if blocks_only else None
         weight = None
-        if quant is None or not blocks_only:
-            permute = permute or [None] * len(arrays)
+        if quant is None:
+            permute = permute or [None] * len(names)
+            arrays = [self.get(n, s) for n, s in zip(names, shapes)]
             arrays = [a if f is None else f(a) for a, f in zip(arrays, permute)]
             weight = self.to_paddle(np.concatenate(arrays, axis=0).T)
+            del arrays
         b = None
         if bias is not None:
             parts = [self.get(n, (s[0],)) for n, s in zip(bias, shapes)]
             permute = permute or [None] * len(parts)
             b = self.to_paddle(np.concatenate([p if f is None else f(p) for p, f in zip(parts, permute)]))
-        return Linear(weight, b, quant)
+        if head and quant is not None:  # read again when asked for: the backend packs it, drafters take rows
+            quant = StoredRows(quant.kind, lambda: self.blocks(names, permute))
+        lin = Linear(weight, b, quant)
+        return lin if head else self.prepare(lin)
 
     def mlp(self, p: str, inter: int, blocks_only: bool, bias: bool) -> tuple[Linear, Linear]:
         """A SwiGLU MLP under prefix `p` (e.g. "model.layers.3.mlp."): (gate_up, down)."""
@@ -151,25 +174,30 @@ class DecoderWeights:
     blocks: list[DecoderBlock]
     final_norm: paddle.Tensor  # [hidden]
     lm_head: Linear  # [hidden] -> [vocab]
+    block_kinds: frozenset[str] = frozenset()  # the GGUF block kinds its projections were read with
 
     @classmethod
-    def read(cls, ckpt: Checkpoint, dtype: str, blocks_only: bool = False) -> "DecoderWeights":
+    def read(cls, ckpt: Checkpoint, dtype: str, blocks_only: bool = False,
+             prepare: Callable[[Linear], Linear] | None = None) -> "DecoderWeights":
         """blocks_only: every projection with raw GGUF blocks is packed from them by the backend, so its
-        float32 copy is checked but not converted nor read from the mapped file (of the default model's load,
-        2.45 s before, that and the mapping leave 0.97 s)."""
+        float32 values are never made. prepare: what the backend does to each block's Linear as it is read
+        (the LM head it prepares itself)."""
         cfg = ckpt.config
-        r = TensorReader(ckpt.weights, ckpt.source, cfg, dtype, ckpt.quantized)
+        r = TensorReader(ckpt.weights, ckpt.source, cfg, dtype, ckpt.quantized, prepare)
         h = cfg.hidden_size
         if "lm_head.bias" in ckpt.weights:
             raise CheckpointError(f"{ckpt.source}: an LM head with a bias (lm_head.bias) is not supported")
         head = ("model.embed_tokens.weight"
                 if cfg.tie_word_embeddings and "lm_head.weight" not in ckpt.weights else "lm_head.weight")
+        embed = r.param("model.embed_tokens.weight", (cfg.vocab_size, h))  # first: while little is held
+        blocks = [r.block(f"model.layers.{i}.", blocks_only, cfg.moe is not None and i in cfg.moe.layers)
+                  for i in range(cfg.num_layers)]
         return cls(
-            embed=r.param("model.embed_tokens.weight", (cfg.vocab_size, h)),
-            blocks=[r.block(f"model.layers.{i}.", blocks_only, cfg.moe is not None and i in cfg.moe.layers)
-                    for i in range(cfg.num_layers)],
+            embed=embed,
+            blocks=blocks,
             final_norm=r.param("model.norm.weight", (h,)),
-            lm_head=r.linear([head], [(cfg.vocab_size, h)], blocks_only=blocks_only),
+            lm_head=r.linear([head], [(cfg.vocab_size, h)], blocks_only=blocks_only, head=True),
+            block_kinds=frozenset(r.block_kinds),
         )
 
     def linears(self) -> list[Linear]:

@@ -266,5 +266,5 @@ def draft_quantization(model: Model, main_mode: str) -> str:
     the draft's checkpoint stores it."""
     if main_mode != "auto":
         return main_mode
-    return "wint8" if any(lin.blocks is not None for lin in model.weights.linears()) else "auto"
+    return "wint8" if model.weights.block_kinds else "auto"
 
