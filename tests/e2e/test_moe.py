@@ -90,8 +90,8 @@ def test_expert_counts_agree_between_backends():
 
 def test_wint8_quantizes_every_expert_and_the_backends_agree():
     """--quantization wint8 puts each expert (and the shared experts) in Q8_0 blocks, not the router; the
-    fused backend multiplies the blocks, the reference dequantizes them a layer at a time: the same logits up to float32
-    rounding."""
+    fused backend multiplies the blocks, the reference dequantizes them a layer at a time: the same logits up
+    to float32 rounding."""
     rng = np.random.default_rng(6)
     lens = np.array([9, 3])
     batch = build_forward_batch(np.arange(2), np.zeros(2, np.int64), lens, rng.integers(3, 297, lens.sum()),
