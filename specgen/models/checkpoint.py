@@ -181,6 +181,14 @@ class SafetensorsFile:
         begin, end = self.tensors[name]["data_offsets"]
         return read_range(self.path, self.start + begin, end - begin)
 
+    def mapped(self, name: str) -> np.ndarray:
+        """An F32 tensor as a copy-on-write mapping of the file (only the pages read become resident)."""
+        t = self.tensors[name]
+        begin, end = t["data_offsets"]
+        if t["dtype"] != "F32" or end == begin:
+            return self.read(name)
+        return np.memmap(self.path, np.float32, mode="c", offset=self.start + begin, shape=self.shape(name))
+
     def read(self, name: str, float32: bool = True) -> np.ndarray:
         """The tensor in its own dtype, or (float32) widened to float32: exact for F16 and BF16 (a bfloat16 is
         the top half of a float32's bits)."""

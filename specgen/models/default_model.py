@@ -200,7 +200,7 @@ def read_quantized_entry(entry: Path, source: str) -> Checkpoint:
 
     quantized = Lazy({n: kinds[n] for n in blocks.tensors}, rows)
     dense = {n: dense_shape(kinds[n], blocks.shape(n)) for n in blocks.tensors}
-    weights = Lazy({n: floats.shape(n) for n in floats.tensors}, floats.read).overlay(
+    weights = Lazy({n: floats.shape(n) for n in floats.tensors}, floats.mapped).overlay(
         dense, lambda n: dequantize_rows(rows(n)))
     return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source=source, quantized=quantized)
 
