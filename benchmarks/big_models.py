@@ -8,8 +8,8 @@ not its text): a GGUF whose projections and embedding are Q4_1 and whose LM head
 tokenizer, 49,152 tokens), and an HF directory of BF16 safetensors loaded with --quantization wint4. Every
 measurement runs in a fresh process of its own, one at a time:
 - load: seconds to a loaded model, peak and resident memory (RSS; the process's baseline after importing
-  Paddle and specgen given apart), the first run with an empty cache and a later run reusing it; the OS page
-  cache is warm in both (the file was just written or read).
+  Paddle and specgen given apart), the first run with none of the checkpoint's entries in the cache (its
+  kernels built) and a later run reusing them; the OS page cache is warm in both (the file was just read).
 - decode: greedy plain decoding at batch 1 from an 8-token prompt: decode tok/s = (N - 1) / (t(N) - t(1)), and
   the whole job's N / t(N), medians of --repeats; llama.cpp (llama-cpp-python) the same on the same file.
 - step costs c(T) / c(1) for T tokens fed in one step (specgen.app.bounds.step_costs), and the speedup the
@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -73,10 +74,11 @@ def make_gguf(path: Path, shape: dict) -> None:
     import gguf
 
     from specgen.models import default_model
+    from specgen.models.gguf_header import read_header
     from specgen.models.gguf_loader import _Metadata
 
     src = default_model.default_gguf_path()
-    meta = _Metadata(gguf.GGUFReader(src), src)
+    meta = _Metadata(read_header(src).fields, src)
     tokens = meta.require("tokenizer.ggml.tokens")
     vocab, h = len(tokens), shape["hidden"]
     w = gguf.GGUFWriter(path, "llama")
@@ -130,10 +132,10 @@ def make_gguf(path: Path, shape: dict) -> None:
 def make_bf16(directory: Path, shape: dict) -> None:
     """An HF LlamaForCausalLM directory of random BF16 weights (|w| in [2^-12, 2^-5), random signs), with the
     default model's tokenizer."""
-    import gguf
 
     from specgen.models import default_model
     from specgen.models.checkpoint import write_safetensors
+    from specgen.models.gguf_header import read_header
     from specgen.models.gguf_loader import _build_tokenizer, _Metadata
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -160,7 +162,7 @@ def make_bf16(directory: Path, shape: dict) -> None:
            "bos_token_id": 1}
     (directory / "config.json").write_text(json.dumps(cfg))
     src = default_model.default_gguf_path()
-    meta = _Metadata(gguf.GGUFReader(src), src)
+    meta = _Metadata(read_header(src).fields, src)
     meta_tok = _build_tokenizer(meta, src)
     meta_tok.tokenizer.save(str(directory / "tokenizer.json"))
 
@@ -184,7 +186,7 @@ def child_specgen(a: argparse.Namespace) -> dict:
 
     base = rss_mb()
     start = time.perf_counter()
-    loaded = specgen.load_model(a.path, quantization=a.quantization, cache_dir=a.cache)
+    loaded = specgen.load_model(a.path, quantization=a.quantization)
     out = {"load_s": time.perf_counter() - start, "base_mb": base, "peak_load_mb": peak_mb(),
            "rss_load_mb": rss_mb()}
     if a.tokens:
@@ -259,7 +261,6 @@ def main() -> None:
     ap.add_argument("--child", choices=["specgen", "llama"])
     ap.add_argument("--path", type=Path)
     ap.add_argument("--quantization", default="auto")
-    ap.add_argument("--cache", default="")
     ap.add_argument("--costs", action="store_true")
     ap.add_argument("--sizes", nargs="+", default=["1.1b"], choices=sorted(SHAPES))
     ap.add_argument("--formats", nargs="+", default=["q4_1", "bf16"], choices=["q4_1", "bf16"])
@@ -272,9 +273,9 @@ def main() -> None:
     if a.child:
         print(json.dumps((child_specgen if a.child == "specgen" else child_llama)(a)))
         return
-    import shutil
-    import tempfile
+    from specgen import EngineConfig
 
+    root = EngineConfig().cache_root()
     print(f"# big_models: {common.machine()}")
     a.dir.mkdir(parents=True, exist_ok=True)
     steps = replayed_steps(a.bound_prompts) if a.bound_prompts else {}
@@ -283,13 +284,13 @@ def main() -> None:
             path = make(fmt, size, a.dir)
             mb = sum(p.stat().st_size for p in ([path] if path.is_file() else path.iterdir())) / 2**20
             q = "auto" if fmt == "q4_1" else "wint4"
-            cache = tempfile.mkdtemp(prefix="specgen-cache-", dir=a.dir)
-            common_args = ["--path", str(path), "--quantization", q, "--cache", cache,
-                           "--repeats", str(a.repeats)]
+            # the first run: none of this checkpoint's entries in the cache (its kernels built already)
+            for old in [*root.glob(f"{path.stem}-*"), *(root / "quantized").glob(f"{path.stem}-*")]:
+                shutil.rmtree(old)
+            common_args = ["--path", str(path), "--quantization", q, "--repeats", str(a.repeats)]
             first = spawn("--child", "specgen", *common_args, "--tokens", "0")
             later = spawn("--child", "specgen", *common_args, "--tokens", str(a.tokens),
                           *(["--costs"] if steps else []))
-            shutil.rmtree(cache, ignore_errors=True)
             rows = [("specgen first", first), ("specgen later", later)]
             if fmt == "q4_1":
                 rows.append(("llama.cpp", spawn("--child", "llama", "--path", str(path), "--tokens",
@@ -301,9 +302,10 @@ def main() -> None:
                 [[n, r.get("load_s"), r.get("base_mb"), r.get("peak_load_mb"), r.get("rss_load_mb"),
                   r.get("peak_mb"), r.get("decode_tok_s"), r.get("job_tok_s")] if "error" not in r
                  else [n, r["error"], "", "", "", "", "", ""] for n, r in rows], digits=1)
-            if fmt == "q4_1" and "error" not in later and "error" not in rows[-1]:
-                print(f"specgen / llama.cpp: decode {later['decode_tok_s'] / rows[-1]['decode_tok_s']:.2f}x, "
-                      f"whole job {later['job_tok_s'] / rows[-1]['job_tok_s']:.2f}x")
+            peer = rows[-1][1]
+            if fmt == "q4_1" and "error" not in later and "error" not in peer:
+                print(f"specgen / llama.cpp: decode {later['decode_tok_s'] / peer['decode_tok_s']:.2f}x, "
+                      f"whole job {later['job_tok_s'] / peer['job_tok_s']:.2f}x")
             if steps and "costs" in later:
                 from specgen.app.bounds import oracle_decode_bound
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from specgen.models.checkpoint import (
     read_range,
 )
 from specgen.models.config import ModelConfig, MoeConfig
+from specgen.models.gguf_header import TensorInfo, read_header
 from specgen.models.tokenizer import TextTokenizer
 
 # general.architecture -> ModelConfig.architecture. Mistral models are written by llama.cpp as "llama".
@@ -158,10 +160,10 @@ def read_gguf(path: str | Path) -> GgufModel:
     if not path.is_file():
         raise CheckpointError(f"GGUF file not found: {path}")
     try:
-        reader = gguf.GGUFReader(path)
-    except (OSError, ValueError, IndexError, KeyError, TypeError) as e:
+        header = read_header(path)
+    except (OSError, ValueError, IndexError, KeyError, TypeError, struct.error) as e:
         raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from e
-    meta = _Metadata(reader, path)
+    meta = _Metadata(header.fields, path)
     arch_name = meta.require("general.architecture")
     if arch_name not in GGUF_ARCHITECTURES:
         raise CheckpointError(
@@ -169,7 +171,7 @@ def read_gguf(path: str | Path) -> GgufModel:
             f"supported: {sorted(GGUF_ARCHITECTURES)}"
         )
     tokens = meta.get("tokenizer.ggml.tokens")
-    stored = _index(reader, path)
+    stored = _index(header.tensors, path)
     shapes = {n: s.shape for n, s in stored.items()}
     config = _build_config(meta, arch_name, shapes, tokens)
     _check_tensors(shapes, config, path)
@@ -198,16 +200,15 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
 class _Metadata:
     """Typed access to the GGUF key/value metadata, with errors naming the file and key."""
 
-    def __init__(self, reader: gguf.GGUFReader, path: Path):
-        self._fields = reader.fields
+    def __init__(self, fields: dict[str, Any], path: Path):
+        self._fields = fields  # gguf_header.read_header's
         self.path = path
 
     def __contains__(self, key: str) -> bool:
         return key in self._fields
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self._fields.get(key)
-        return default if field is None else field.contents()
+        return self._fields.get(key, default)
 
     def require(self, key: str) -> Any:
         value = self.get(key)
@@ -244,11 +245,11 @@ def _check_type(tensor: Any, path: Path) -> None:
         raise CheckpointError(f"{path}: tensor {tensor.name!r} has unsupported type {kind}")
 
 
-def _index(reader: gguf.GGUFReader, path: Path) -> dict[str, StoredTensor]:
+def _index(tensors: list[TensorInfo], path: Path) -> dict[str, StoredTensor]:
     """Each tensor's place in the file under its HF name; a stacked-experts tensor [num_experts, out, in]
     (GGUF ne: in, out, experts) as one entry per expert, model.layers.{i}.mlp.experts.{e}.{proj}.weight."""
     stored: dict[str, StoredTensor] = {}
-    for tensor in reader.tensors:
+    for tensor in tensors:
         hf_name = _hf_name(tensor.name)
         stacked = _stacked(tensor.name)
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists ne0 (the row length) first

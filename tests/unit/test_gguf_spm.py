@@ -14,6 +14,7 @@ from conftest import DATA, TINY
 from test_gguf_ernie import write_ernie_gguf
 
 from specgen import SamplingParams, generate, load_model
+from specgen.models.gguf_header import read_header
 from specgen.models.gguf_loader import _build_tokenizer, _Metadata
 
 spm = pytest.importorskip("sentencepiece")
@@ -72,7 +73,7 @@ def vocab_1000(tmp_path_factory):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return sp, _build_tokenizer(_Metadata(gguf.GGUFReader(path), path), path)
+    return sp, _build_tokenizer(_Metadata(read_header(path).fields, path), path)
 
 
 def test_held_out_text_tokenizes_as_sentencepiece_does(vocab_1000):

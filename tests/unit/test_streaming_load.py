@@ -11,6 +11,7 @@ from safetensors.numpy import load_file, save_file
 from test_gguf_loader import ALL_LINEAR, K_QUANTS, T, write_tiny_gguf
 
 from specgen import load_model
+from specgen.errors import CheckpointError
 from specgen.layers.quant import DeviceBlocks
 from specgen.models import checkpoint, gguf_loader, load_checkpoint
 from specgen.models.checkpoint import SafetensorsFile, write_safetensors
@@ -124,3 +125,40 @@ def test_write_safetensors_is_read_back_by_safetensors(tmp_path):
     assert np.array_equal(got.view(np.uint32), bits.astype(np.uint32) << 16)
     save_file({"z": np.zeros(3, np.float32)}, tmp_path / "z.safetensors")
     assert SafetensorsFile.open(tmp_path / "z.safetensors").read("z").tolist() == [0, 0, 0]
+
+
+def header_matches_gguf_reader(path) -> None:
+    import gguf
+
+    from specgen.models.gguf_header import read_header
+
+    ours, theirs = read_header(path), gguf.GGUFReader(path)
+    fields = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert ours.fields.keys() == fields.keys()
+    for key, value in fields.items():
+        assert ours.fields[key] == value and type(ours.fields[key]) is type(value), key
+    assert [(t.name, t.shape, t.tensor_type, t.data_offset, t.n_bytes) for t in ours.tensors] == [
+        (t.name, tuple(int(d) for d in t.shape), t.tensor_type, int(t.data_offset), int(t.n_bytes))
+        for t in theirs.tensors]
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_1, T.F16], ids=lambda t: t.name)
+def test_gguf_header_reads_what_gguf_reader_reads(tmp_path, qtype):
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, qtype=qtype, quantized=ALL_LINEAR)
+    header_matches_gguf_reader(path)
+    truncated = tmp_path / "t.gguf"
+    truncated.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match="not a readable GGUF file"):
+        load_gguf(truncated)
+
+
+@pytest.mark.realmodel
+def test_gguf_header_of_the_default_model():
+    from conftest import has_default_model
+
+    if not has_default_model():
+        pytest.skip("the default model is not installed")
+    from specgen.models.default_model import default_gguf_path
+
+    header_matches_gguf_reader(default_gguf_path())
