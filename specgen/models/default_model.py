@@ -76,6 +76,7 @@ def load_cached(path: str | Path, cache_root: str | Path) -> Checkpoint:
         _write_entry(entry, model.config, model.tokenizer, lambda tmp: (tmp / _TENSORS).write_text(json.dumps(
             {n: [t.offset, t.nbytes, t.kind, list(t.shape), t.unpermute] for n, t in model.tensors.items()})))
     ckpt = model.checkpoint()
+    ckpt.cache_entry = entry
     ckpt.weights = ckpt.weights.overlay({_EMBED: ckpt.weights.info[_EMBED]},
                                         lambda name: mapped_embedding(entry, model))
     return ckpt
@@ -202,7 +203,8 @@ def read_quantized_entry(entry: Path, source: str) -> Checkpoint:
     dense = {n: dense_shape(kinds[n], blocks.shape(n)) for n in blocks.tensors}
     weights = Lazy({n: floats.shape(n) for n in floats.tensors}, floats.mapped).overlay(
         dense, lambda n: dequantize_rows(rows(n)))
-    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source=source, quantized=quantized)
+    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source=source, quantized=quantized,
+                      cache_entry=entry)
 
 
 def dense_shape(kind: str, block_shape: tuple[int, ...]) -> tuple[int, int]:
