@@ -85,13 +85,7 @@ class Backend(Protocol):
         """Whether projections stored as GGUF blocks are multiplied from their blocks (their float copies are
         then never converted)."""
 
-    def open_panels(self, ckpt: Any) -> Any:
-        """Where this load's packed weights are kept between loads (backends/panel_cache.py), or None."""
-
-    def mapped_bytes(self) -> int:
-        """Bytes of the weights mapped from files rather than held (a KV budget leaves them room)."""
-
-    def prepare_linear(self, lin: Any, name: str = "") -> Any:
+    def prepare_linear(self, lin: Any) -> Any:
         """A block's Linear, as the checkpoint is read (packed, its blocks dropped): returns it."""
 
     def prepare(self, model: ModelView) -> None:

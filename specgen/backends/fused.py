@@ -23,7 +23,6 @@ import paddle
 
 from specgen import kernels
 from specgen.backends.base import ForwardOutput, ModelView, MtpPass, RowSampling
-from specgen.backends.panel_cache import PanelCache, panels_key
 from specgen.backends.reference import reserve
 from specgen.config import EngineConfig
 from specgen.errors import ConfigError
@@ -32,7 +31,6 @@ from specgen.kernels.packing import INT8_KINDS, SCREENED_KINDS, pack_linear, pac
 from specgen.layers.block import DecoderBlock
 from specgen.layers.linear import Linear
 from specgen.models.checkpoint import QuantRows
-from specgen.models.weights import HEAD_KEY
 from specgen.runtime.batch import ForwardBatch
 from specgen.runtime.kv_cache import KVCache
 
@@ -84,7 +82,6 @@ class FusedBackend:
         self._counts_handle: paddle.Tensor | None = None
         self._indices = KeptIndex(self.INDEX_REUSE_SIZES)
         self._no_screen = paddle.zeros([0], dtype="float32")
-        self._panels: PanelCache | None = None  # the load's packed weights in the cache (open_panels)
 
     @property
     def keeps_blocks(self) -> bool:
@@ -102,30 +99,12 @@ class FusedBackend:
             lin.weight = pack_linear(lin.weight, dtype=self.dtype)
         return lin
 
-    def open_panels(self, ckpt: Any) -> PanelCache | None:
-        """The checkpoint's packed weights kept in the cache (panel_cache.py), where it has a cache entry and
-        its blocks are packed as blocks."""
-        self._panels = None
-        if self.keeps_blocks and ckpt.cache_entry is not None and ckpt.quantized:
-            key = panels_key(kernels.build.build_key(self.engine.cpu_target), self.int8_product)
-            self._panels = PanelCache(ckpt.cache_entry, key)
-        return self._panels
-
-    def prepare_linear(self, lin: Linear, name: str = "") -> Linear:
-        """A block's Linear packed as it is read (and kept in the panel cache when packed from blocks); its
-        blocks' memory goes (the LM head's stays: its screen and drafters' heads are made from them)."""
-        if not lin.packed:
-            from_blocks = lin.blocks is not None and self.keeps_blocks
-            self.pack(lin)
-            if from_blocks and self._panels is not None and name:
-                self._panels.put(name, lin.weight)
+    def prepare_linear(self, lin: Linear) -> Linear:
+        """A block's Linear packed as it is read; its blocks' memory goes (the LM head's stays: its screen and
+        drafters' heads are made from them)."""
+        self.pack(lin)
         lin.blocks = None
         return lin
-
-    def mapped_bytes(self) -> int:
-        """Bytes of weights mapped from the cache (the page cache's pages, which the memory a KV budget is
-        taken from counts as free)."""
-        return self._panels.mapped if self._panels is not None else 0
 
     def prepare(self, model: ModelView) -> None:
         weights = model.weights
@@ -140,16 +119,8 @@ class FusedBackend:
         if (self.keeps_blocks and not self.int8_product and q is not None and q.kind in SCREENED_KINDS
                 and self.vnni):
             self.screen = pack_screen(q.kind, q.blocks, self.ops)
-        head = weights.lm_head
-        if not head.packed:
-            from_blocks = head.blocks is not None and self.keeps_blocks
-            self.pack(head)
-            if from_blocks and self._panels is not None:
-                self._panels.put(HEAD_KEY, head.weight)
         for lin in weights.linears():
             self.pack(lin)
-        if self._panels is not None:
-            self._panels.close()
         self._kinds = sorted({lin.weight.kind for lin in weights.linears()})
         cfg = model.config
         self._geometry = args.Geometry(cfg.num_heads, cfg.num_kv_heads, cfg.qk_norm, cfg.rms_norm_eps)
@@ -190,7 +161,7 @@ class FusedBackend:
                 args.bind_experts(self.ops, handle, self._moe_args)
                 self._counts_handle = handle
             self._weights_handle = int(handle.numpy()[0])
-            # at exit too: a binding left to the kernels' static destructors would release mapped tensors
+            # at exit too: a binding left to the kernels' static destructors would release the mapped rows
             # after the interpreter is gone (a hang)
             weakref.finalize(self, unbind_keeping, self.ops, handle, self._model_args, self._moe_args)
         return self._weights_handle
@@ -274,8 +245,8 @@ class FusedBackend:
 
 def unbind_keeping(ops: ModuleType, handle: paddle.Tensor, *bound: Any) -> None:
     """Drop a weights binding while `bound` (the tensors it holds) still has its Python references: the last
-    reference to a tensor over a mapped file (the panel cache's, the embedding's) must go in Python, whose
-    release takes the interpreter lock safely, not inside the kernels' call (measured: a deadlock)."""
+    reference to a tensor over a mapped file (the embedding's rows) must go in Python, whose release takes the
+    interpreter lock safely, not inside the kernels' call or their static destructors (measured: a hang)."""
     args.unbind(ops, handle)
 
 

@@ -37,13 +37,7 @@ class ReferenceBackend:
         (layers/quant.py); otherwise they are float."""
         return self.engine.quantization in ("wint8", "wint4")
 
-    def open_panels(self, ckpt: Any) -> None:
-        return None  # its weights are Paddle's tensors (or DeviceBlocks), made at each load
-
-    def mapped_bytes(self) -> int:
-        return 0
-
-    def prepare_linear(self, lin: Linear, name: str = "") -> Linear:
+    def prepare_linear(self, lin: Linear) -> Linear:
         if lin.weight is None and lin.blocks is not None:
             lin.weight = DeviceBlocks.of(lin.blocks.kind, lin.blocks.blocks)
         if lin.weight is None:

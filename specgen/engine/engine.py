@@ -95,8 +95,7 @@ class Engine:
             raise ConfigError(f"the model was loaded with matmul {loaded!r}, the engine asks for "
                               f"{config.matmul!r}: load it with load_model(..., matmul={config.matmul!r})")
         self.cache = model.new_cache(config.batch_size, self.context_len, config.kv_cache_dtype)
-        # admission checks it
-        self.kv_memory = KvMemory(self.cache, config, self.context_len, model.backend.mapped_bytes())
+        self.kv_memory = KvMemory(self.cache, config, self.context_len)  # admission checks it
         self.table = SlotTable.empty(config.batch_size, 256)
         self.requests: list[Request | None] = [None] * config.batch_size
         self.adaptive, self.max_draft = adaptive, max_draft

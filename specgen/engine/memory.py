@@ -14,11 +14,10 @@ from specgen.runtime.kv_cache import KVCache, available_memory
 ROOM = MAX_DRAFT + 1  # positions past a request's end that a verify block may write
 
 
-def kv_budget(cache: KVCache, config: EngineConfig, mapped: int = 0) -> int:
-    """Bytes the KV cache may take: 90% of the memory available now, less the weights mapped from the cache
-    (`mapped`: their pages count as free page cache there, resident or not, but every step reads them), plus
-    what a zero-filled cache already holds; capped by max_kv_memory."""
-    avail = int(0.9 * max(available_memory() - mapped, 0)) + (cache.nbytes() if cache.zeroed else 0)
+def kv_budget(cache: KVCache, config: EngineConfig) -> int:
+    """Bytes the KV cache may take: 90% of the memory available now (plus what a zero-filled cache already
+    holds), capped by max_kv_memory."""
+    avail = int(0.9 * available_memory()) + (cache.nbytes() if cache.zeroed else 0)
     limit = config.kv_memory_limit()
     return avail if limit is None else min(avail, limit)
 
@@ -35,10 +34,9 @@ class KvMemory:
     """The KV budget of one engine's cache and what its slots hold. A slot's pages stay resident up to the
     longest request it held (and, once the cache grew, up to the rows the growth copied for every slot)."""
 
-    def __init__(self, cache: KVCache, config: EngineConfig, context_len: int, mapped: int = 0):
-        """mapped: bytes of the model's weights mapped from files (Backend.mapped_bytes)."""
+    def __init__(self, cache: KVCache, config: EngineConfig, context_len: int):
         self.cache, self.context_len = cache, context_len
-        self.budget = kv_budget(cache, config, mapped)  # bytes the KV cache may take
+        self.budget = kv_budget(cache, config)  # bytes the KV cache may take
         self.high = np.zeros(cache.num_slots, np.int64)  # [num_slots] the longest request each slot held
 
     def need(self, ends: np.ndarray) -> int:

@@ -96,7 +96,6 @@ class Checkpoint:
     tokenizer: TextTokenizer | None
     source: str  # the path it was loaded from, for messages
     quantized: Lazy[QuantRows] = field(default_factory=dict)
-    cache_entry: Path | None = None  # where converted forms of its weights may be kept (packed panels)
 
     def __post_init__(self):
         self.weights = Lazy.held(self.weights, tensor_shape)

@@ -76,7 +76,6 @@ def load_cached(path: str | Path, cache_root: str | Path) -> Checkpoint:
         _write_entry(entry, model.config, model.tokenizer, lambda tmp: (tmp / _TENSORS).write_text(json.dumps(
             {n: [t.offset, t.nbytes, t.kind, list(t.shape), t.unpermute] for n, t in model.tensors.items()})))
     ckpt = model.checkpoint()
-    ckpt.cache_entry = entry
     ckpt.weights = ckpt.weights.overlay({_EMBED: ckpt.weights.info[_EMBED]},
                                         lambda name: mapped_embedding(entry, model))
     return ckpt
@@ -203,8 +202,7 @@ def read_quantized_entry(entry: Path, source: str) -> Checkpoint:
     dense = {n: dense_shape(kinds[n], blocks.shape(n)) for n in blocks.tensors}
     weights = Lazy({n: floats.shape(n) for n in floats.tensors}, floats.mapped).overlay(
         dense, lambda n: dequantize_rows(rows(n)))
-    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source=source, quantized=quantized,
-                      cache_entry=entry)
+    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source=source, quantized=quantized)
 
 
 def dense_shape(kind: str, block_shape: tuple[int, ...]) -> tuple[int, int]:

@@ -26,10 +26,8 @@ class Model:
         self.source = ckpt.source
         self.dtype = backend.dtype
         self.backend = backend
-        panels = self.backend.open_panels(ckpt)
         self.weights = DecoderWeights.read(ckpt, self.dtype, blocks_only=self.backend.keeps_blocks,
-                                           prepare=self.backend.prepare_linear,
-                                           packed=panels.get if panels is not None else None)
+                                           prepare=self.backend.prepare_linear)
         cfg = self.config
         self.shape = BlockShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
         self.rope = RopeTables.build(cfg, self.dtype)

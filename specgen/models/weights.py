@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import paddle
@@ -17,8 +16,6 @@ from specgen.layers.linear import Linear
 from specgen.layers.moe import Expert, MoeExperts
 from specgen.models.checkpoint import Checkpoint, Lazy, QuantRows, StoredRows, block_kind, tensor_shape
 from specgen.models.config import ModelConfig
-
-HEAD_KEY = "lm_head"  # the LM head's name among packed weights (TensorReader.packed)
 
 
 def interleaved_to_half(w: np.ndarray, num_heads: int, head_dim: int) -> np.ndarray:
@@ -40,15 +37,11 @@ class TensorReader:
 
     def __init__(self, weights: Mapping[str, np.ndarray], source: str, cfg: ModelConfig, dtype: str,
                  quantized: Mapping[str, QuantRows] | None = None,
-                 prepare: Callable[[Linear, str], Linear] | None = None,
-                 packed: Callable[[str], Any] | None = None):
-        """prepare(linear, name of its first weight); packed(that name): the Linear's packed weight where an
-        earlier load kept it (then its blocks are not read), else None."""
+                 prepare: Callable[[Linear], Linear] | None = None):
         self.weights = Lazy.held(weights, tensor_shape)
         self.source, self.cfg, self.dtype = source, cfg, dtype
         self.quantized = Lazy.held(quantized or {}, block_kind)
-        self.prepare = prepare or (lambda lin, name: lin)
-        self.packed = packed or (lambda name: None)
+        self.prepare = prepare or (lambda lin: lin)
         self.block_kinds: set[str] = set()  # the kinds of the blocks the projections were read with
 
     def check(self, name: str, shape: tuple[int, ...]) -> None:
@@ -95,15 +88,8 @@ class TensorReader:
         read (a backend packs the blocks)."""
         for n, s in zip(names, shapes):
             self.check(n, s)
-        weight = quant = None
-        if blocks_only and all(n in self.quantized for n in names):
-            weight = self.packed(HEAD_KEY if head else names[0])
-        if weight is not None:  # packed by an earlier load: the blocks are not read
-            kinds = {self.quantized.info[n] for n in names}
-            self.block_kinds |= kinds
-            quant = StoredRows(kinds.pop() if len(kinds) == 1 else "QX", lambda: self.blocks(names, permute))
-        elif blocks_only:
-            quant = self.blocks(names, permute)
+        quant = self.blocks(names, permute) if blocks_only else None
+        weight = None
         if quant is None:
             permute = permute or [None] * len(names)
             arrays = [self.get(n, s) for n, s in zip(names, shapes)]
@@ -115,10 +101,10 @@ class TensorReader:
             parts = [self.get(n, (s[0],)) for n, s in zip(bias, shapes)]
             permute = permute or [None] * len(parts)
             b = self.to_paddle(np.concatenate([p if f is None else f(p) for p, f in zip(parts, permute)]))
-        if head and isinstance(quant, QuantRows):  # read again when asked for (the screen, drafters' rows)
+        if head and quant is not None:  # read again when asked for: the backend packs it, drafters take rows
             quant = StoredRows(quant.kind, lambda: self.blocks(names, permute))
         lin = Linear(weight, b, quant)
-        return lin if head else self.prepare(lin, names[0])
+        return lin if head else self.prepare(lin)
 
     def mlp(self, p: str, inter: int, blocks_only: bool, bias: bool) -> tuple[Linear, Linear]:
         """A SwiGLU MLP under prefix `p` (e.g. "model.layers.3.mlp."): (gate_up, down)."""
@@ -192,13 +178,12 @@ class DecoderWeights:
 
     @classmethod
     def read(cls, ckpt: Checkpoint, dtype: str, blocks_only: bool = False,
-             prepare: Callable[[Linear, str], Linear] | None = None,
-             packed: Callable[[str], Any] | None = None) -> "DecoderWeights":
+             prepare: Callable[[Linear], Linear] | None = None) -> "DecoderWeights":
         """blocks_only: every projection with raw GGUF blocks is packed from them by the backend, so its
         float32 values are never made. prepare: what the backend does to each block's Linear as it is read
         (the LM head it prepares itself)."""
         cfg = ckpt.config
-        r = TensorReader(ckpt.weights, ckpt.source, cfg, dtype, ckpt.quantized, prepare, packed)
+        r = TensorReader(ckpt.weights, ckpt.source, cfg, dtype, ckpt.quantized, prepare)
         h = cfg.hidden_size
         if "lm_head.bias" in ckpt.weights:
             raise CheckpointError(f"{ckpt.source}: an LM head with a bias (lm_head.bias) is not supported")
