@@ -4,8 +4,9 @@ and by llama.cpp on the same GGUF file.
     OMP_NUM_THREADS=2 python benchmarks/big_models.py --sizes 1.1b 7b --formats q4_1 bf16 --tokens 32
 
 Each checkpoint is made once in --dir (random weights: the speed and memory of a real model of that shape,
-not its text): a GGUF whose projections and embedding are Q4_1 and whose LM head is Q8_0 (SmolLM2's
-tokenizer, 49,152 tokens), and an HF directory of BF16 safetensors loaded with --quantization wint4. Every
+not its text): a GGUF whose projections and embedding are Q4_1 and whose LM head is Q8_0 (q4_1), or Q4_K with
+a Q6_K head (q4_k; random K-quant blocks), with SmolLM2's tokenizer (49,152 tokens), and an HF directory of
+BF16 safetensors loaded with --quantization wint4 (bf16). Every
 measurement runs in a fresh process of its own, one at a time:
 - load: seconds to a loaded model, peak and resident memory (RSS; the process's baseline after importing
   Paddle and specgen given apart), the first run with none of the checkpoint's entries in the cache (its
@@ -70,7 +71,21 @@ def q4_1_blocks(rng: np.random.Generator, out: int, inp: int) -> np.ndarray:
     return b.reshape(out, -1)
 
 
-def make_gguf(path: Path, shape: dict) -> None:
+def k_blocks(rng: np.random.Generator, qtype, out: int, inp: int) -> np.ndarray:
+    """Random K-quant blocks [out, in / 256 * bytes]: random bytes, the super-block scale (and minimum) a sane
+    float16 (0.002)."""
+    import gguf
+
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    b = rng.integers(0, 256, (out, inp // 256, size), dtype=np.uint8)
+    scale = slice(208, 210) if qtype == gguf.GGMLQuantizationType.Q6_K else slice(0, 4)
+    b[..., scale] = np.full((scale.stop - scale.start) // 2, 0.002, np.float16).view(np.uint8)
+    return b.reshape(out, -1)
+
+
+def make_gguf(path: Path, shape: dict, k_quants: bool = False) -> None:
+    """Q4_1 projections and embedding with a Q8_0 LM head; or (k_quants) Q4_K ones with a Q6_K head, as
+    llama.cpp's Q4_K_M keeps its output."""
     import gguf
 
     from specgen.models import default_model
@@ -98,7 +113,7 @@ def make_gguf(path: Path, shape: dict) -> None:
     w.add_bos_token_id(meta.require("tokenizer.ggml.bos_token_id"))
     w.add_eos_token_id(meta.require("tokenizer.ggml.eos_token_id"))
     T = gguf.GGMLQuantizationType
-    Q41, Q80, F32 = T.Q4_1, T.Q8_0, T.F32
+    Q41, Q80, F32 = (T.Q4_K, T.Q6_K, T.F32) if k_quants else (T.Q4_1, T.Q8_0, T.F32)
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
              "mlp.down_proj": "ffn_down"}
@@ -121,8 +136,10 @@ def make_gguf(path: Path, shape: dict) -> None:
     for name, s, t in plan:
         if t == F32:
             w.write_tensor_data(np.ones(s, np.float32))
-        elif t == Q41:
+        elif t == T.Q4_1:
             w.write_tensor_data(q4_1_blocks(rng, *s))
+        elif k_quants:
+            w.write_tensor_data(k_blocks(rng, t, *s))
         else:
             x = rng.uniform(-0.05, 0.05, s).astype(np.float32)
             w.write_tensor_data(gguf.quants.quantize(x, t))
@@ -168,10 +185,14 @@ def make_bf16(directory: Path, shape: dict) -> None:
 
 
 def make(kind: str, size: str, root: Path) -> Path:
-    path = root / (f"random-{size}.Q4_1.gguf" if kind == "q4_1" else f"random-{size}-bf16")
+    path = root / {"q4_1": f"random-{size}.Q4_1.gguf", "q4_k": f"random-{size}.Q4_K.gguf",
+                   "bf16": f"random-{size}-bf16"}[kind]
     if not path.exists():
         tmp = path.with_name(path.name + ".tmp")
-        (make_gguf if kind == "q4_1" else make_bf16)(tmp, SHAPES[size])
+        if kind == "bf16":
+            make_bf16(tmp, SHAPES[size])
+        else:
+            make_gguf(tmp, SHAPES[size], k_quants=kind == "q4_k")
         tmp.rename(path)
     return path
 
@@ -263,7 +284,7 @@ def main() -> None:
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--costs", action="store_true")
     ap.add_argument("--sizes", nargs="+", default=["1.1b"], choices=sorted(SHAPES))
-    ap.add_argument("--formats", nargs="+", default=["q4_1", "bf16"], choices=["q4_1", "bf16"])
+    ap.add_argument("--formats", nargs="+", default=["q4_1", "bf16"], choices=["q4_1", "q4_k", "bf16"])
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bound-prompts", type=int, default=0,
@@ -283,7 +304,7 @@ def main() -> None:
         for fmt in a.formats:
             path = make(fmt, size, a.dir)
             mb = sum(p.stat().st_size for p in ([path] if path.is_file() else path.iterdir())) / 2**20
-            q = "auto" if fmt == "q4_1" else "wint4"
+            q = "wint4" if fmt == "bf16" else "auto"
             # the first run: none of this checkpoint's entries in the cache (its kernels built already)
             for old in [*root.glob(f"{path.stem}-*"), *(root / "quantized").glob(f"{path.stem}-*")]:
                 shutil.rmtree(old)
@@ -292,7 +313,7 @@ def main() -> None:
             later = spawn("--child", "specgen", *common_args, "--tokens", str(a.tokens),
                           *(["--costs"] if steps else []))
             rows = [("specgen first", first), ("specgen later", later)]
-            if fmt == "q4_1":
+            if fmt != "bf16":
                 rows.append(("llama.cpp", spawn("--child", "llama", "--path", str(path), "--tokens",
                                                 str(a.tokens), "--repeats", str(a.repeats))))
             print(f"\n## {size} {fmt} ({mb:.0f} MiB on disk), --quantization {q}")
@@ -303,7 +324,7 @@ def main() -> None:
                   r.get("peak_mb"), r.get("decode_tok_s"), r.get("job_tok_s")] if "error" not in r
                  else [n, r["error"], "", "", "", "", "", ""] for n, r in rows], digits=1)
             peer = rows[-1][1]
-            if fmt == "q4_1" and "error" not in later and "error" not in peer:
+            if fmt != "bf16" and "error" not in later and "error" not in peer:
                 print(f"specgen / llama.cpp: decode {later['decode_tok_s'] / peer['decode_tok_s']:.2f}x, "
                       f"whole job {later['job_tok_s'] / peer['job_tok_s']:.2f}x")
             if steps and "costs" in later:
