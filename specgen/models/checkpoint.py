@@ -1,6 +1,7 @@
 """Checkpoint: what every loader (HF directory, GGUF) hands to the runtime."""
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,8 +160,6 @@ class SafetensorsFile:
             n = int.from_bytes(head, "little")
             if n > size - 8:
                 raise ValueError(f"header of {n} bytes in a file of {size}")
-            import json
-
             header = json.loads(f.read(n))
         if not isinstance(header, dict):
             raise ValueError("header is not a JSON object")
@@ -206,8 +205,6 @@ def write_safetensors(path: Path, specs: dict[str, tuple[str, tuple[int, ...]]],
     """A safetensors file of the tensors `specs` names (name -> (safetensors dtype, shape); BF16 given as
     their uint16 bits), each asked of `read` once and written as it comes: one in memory at a time
     (safetensors.numpy.save_file copies every array to bytes first)."""
-    import json
-
     infos, offset = {}, 0
     for n, (dt, shape) in specs.items():
         size = np.dtype(SAFETENSORS_DTYPES[dt]).itemsize * int(np.prod(shape))
