@@ -63,6 +63,9 @@ def _one_of(name: str, value: Any, valid: tuple) -> None:
         raise ConfigError(f"{name} must be one of {', '.join(map(str, valid))}, got {value!r}")
 
 
+TOP_LOGPROBS_MAX = 20  # OpenAI's bound on top_logprobs
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding parameters. temperature 0 means greedy."""
@@ -76,6 +79,10 @@ class SamplingParams:
     seed: int = opt(0, "Sampling seed (each request's randomness: seed, request id, output position).")
     stop: tuple[str, ...] = opt((), "Stop string (repeat the option for several); the text is cut before it.")
     ignore_eos: bool = opt(False, "Generate past EOS (fixed-length outputs).")
+    logprobs: bool = opt(False, "Write each output token's log-probability (the model's raw log-softmax, the "
+                                "distribution plain decoding samples from before temperature and filters).")
+    top_logprobs: int = opt(0, "With --logprobs: also this many most likely tokens at each output position "
+                               f"(at most {TOP_LOGPROBS_MAX}), with their log-probabilities.")
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -88,6 +95,10 @@ class SamplingParams:
             raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.top_logprobs <= TOP_LOGPROBS_MAX:
+            raise ConfigError(f"top_logprobs must be in [0, {TOP_LOGPROBS_MAX}], got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise ConfigError("top_logprobs needs logprobs (set logprobs to true)")
         if isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
         if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):

@@ -48,6 +48,9 @@ class Handoff:
     kv_bytes: int  # the main cache's share of the parcel
     export_seconds: float  # the prefill worker's copy into shared memory
     sent: float  # time.time() when it was packed
+    # a request asking for log-probabilities: those of its output so far (LogprobTable's rows from its prompt
+    # length to its length): logprob [n], top ids [n, top], top logprobs [n, top]
+    logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 @dataclass(frozen=True)
@@ -90,10 +93,16 @@ class PrefillEngine(Engine):
         row = t.export_row(slot)
         row["prefix_len"] = np.array(0)  # the shared prefix's rows travel as the slot's own
         req = self.requests[slot]
+        logprobs = None
+        if t.logprobs[slot]:
+            lt, top = self.logprob_table, int(t.top_logprobs[slot])
+            out = slice(int(t.prompt_len[slot]), seq_len)
+            logprobs = (lt.logprob[slot, out].copy(), lt.top_ids[slot, out, :top].copy(),
+                        lt.top_logprobs[slot, out, :top].copy())
         t.active[slot] = False
         self.requests[slot] = None
         kv_bytes = sum(p.nbytes for pieces in kv for p in pieces)
-        return Handoff(req, row, parcel, kv_bytes, time.perf_counter() - start, time.time())
+        return Handoff(req, row, parcel, kv_bytes, time.perf_counter() - start, time.time(), logprobs)
 
 
 class DecodeEngine(Engine):
@@ -128,6 +137,9 @@ class DecodeEngine(Engine):
                 load(slot, {k[len("draft."):]: v for k, v in arrays.items() if k.startswith("draft.")},
                      self.config.batch_size)
         self.table.import_row(slot, h.row)
+        if h.logprobs is not None:
+            n, start_pos = len(h.logprobs[0]), int(h.row["prompt_len"])
+            self._logprob_room(req).write(np.full(n, slot), start_pos + np.arange(n), *h.logprobs)
         self.requests[slot] = req
         if self.controller is not None:
             self.controller.reset(slot)

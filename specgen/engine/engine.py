@@ -12,6 +12,7 @@ from specgen.backends.base import RowSampling
 from specgen.config import EngineConfig, SamplingParams
 from specgen.engine.adaptive import Controller, StepReport
 from specgen.engine.adaptive.calibrate import controller_for
+from specgen.engine.logprobs import LogprobTable, row_logprobs
 from specgen.engine.memory import KvMemory
 from specgen.engine.proposers.base import NoProposer, Proposer, SlotView
 from specgen.engine.scheduler import Scheduler
@@ -97,6 +98,7 @@ class Engine:
         self.cache = model.new_cache(config.batch_size, self.context_len, config.kv_cache_dtype)
         self.kv_memory = KvMemory(self.cache, config, self.context_len)  # admission checks it
         self.table = SlotTable.empty(config.batch_size, 256)
+        self.logprob_table: LogprobTable | None = None  # made when a request first asks for log-probabilities
         self.requests: list[Request | None] = [None] * config.batch_size
         self.adaptive, self.max_draft = adaptive, max_draft
         self.controller: Controller | None = None  # with `adaptive`, made when the first run starts
@@ -128,17 +130,33 @@ class Engine:
             if np.array_equal(self.prefix_ids, req.prompt_ids[: len(self.prefix_ids)]):
                 shared = min(len(self.prefix_ids), n - 1)
         self.table.place(slot, req, end, shared)
+        self._logprob_room(req)
         self.requests[slot] = req
         if self.controller is not None:
             self.controller.reset(slot)
+
+    def _logprob_room(self, req: Request) -> LogprobTable | None:
+        """Room in logprob_table for `req` (placed in the slot table already), made the first time a request
+        asks for log-probabilities; None when it does not."""
+        if not req.params.logprobs:
+            return None
+        if self.logprob_table is None:
+            self.logprob_table = LogprobTable.empty(len(self.requests), 0, 0)
+        self.logprob_table.fit(self.table.tokens.shape[1], req.params.top_logprobs)
+        return self.logprob_table
 
     def _finish(self, slot: int, reason: str, text_cut: str | None) -> RequestOutput:
         t, req = self.table, self.requests[slot]
         out_ids = t.output_ids(slot)
         text = text_cut if text_cut is not None else self._decode(out_ids)
+        logprobs = None
+        if t.logprobs[slot]:
+            logprobs = self.logprob_table.entries(slot, int(t.prompt_len[slot]), out_ids,
+                                                  int(t.top_logprobs[slot]), self._piece)
         t.active[slot] = False
         self.requests[slot] = None
-        return RequestOutput(req.id, req.index, text, out_ids, reason, len(req.prompt_ids), t.stats(slot))
+        return RequestOutput(req.id, req.index, text, out_ids, reason, len(req.prompt_ids), t.stats(slot),
+                             logprobs=logprobs, api=req.api)
 
     def _fail(self, slot: int, why: str) -> RequestOutput:
         req = self.requests[slot]
@@ -149,6 +167,12 @@ class Engine:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    def _piece(self, token_id: int) -> str:
+        """One token's text, special tokens included (a log-probability entry's `token`)."""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     # ---- the loop ----
 
@@ -191,8 +215,10 @@ class Engine:
         plan = self._plan()
         blocks = self._blocks(plan)
         slots, t = blocks.slots, self.table
-        # A step whose slots are all greedy needs no logits (a screened LM head skips them).
-        out = self.model.forward(blocks.batch, self.cache, logits=bool(t.temperature[slots].any()))
+        # A step whose slots are all greedy and want no log-probabilities needs no logits (a screened LM head
+        # skips them).
+        out = self.model.forward(blocks.batch, self.cache,
+                                 logits=bool(t.temperature[slots].any() or t.logprobs[slots].any()))
         targets = self._sample(blocks.batch, out)
         forward_seconds = time.perf_counter() - start
         self._tally(out)
@@ -204,6 +230,8 @@ class Engine:
         by_stop, texts = stop_strings(self.tokenizer, self.requests, t, slots, emitted, kept)
         position = t.seq_len[slots] - t.prompt_len[slots]  # [num_seqs] output tokens before this step
         root_rows = t.seq_len[plan.dec] - 1 - t.prefix_len[plan.dec]  # [num_dec] own cache row of each root
+        if t.logprobs[slots].any():
+            self._logprobs(plan, blocks, out.logits, targets, path, kept)
         produced = self._commit(plan, slots, emitted, kept)
         if path is not None:
             self._compact(plan.dec, root_rows, path, kept[: len(plan.dec)])
@@ -253,16 +281,38 @@ class Engine:
                                   + (self.expert_tokens if self.expert_tokens is not None else 0))
 
     @staticmethod
-    def _verify(plan: StepPlan, blocks: StepBlocks, targets: np.ndarray):
+    def _in_blocks(plan: StepPlan, blocks: StepBlocks, rows: np.ndarray) -> np.ndarray:
+        """A value per logit row [num_logits] -> [num_seqs, width + 1] in block order (decoding blocks' rows
+        in the block's order, a prompt's final chunk's one row first; 0 where a block has no row)."""
+        num_dec, dec_mask = len(plan.dec), blocks.dec_mask
+        out = np.zeros((len(blocks.slots), dec_mask.shape[1]), rows.dtype)
+        num_dec_rows = int(dec_mask.sum())  # decode rows are the first sum(num_draft + 1) logit rows
+        out[:num_dec][dec_mask] = rows[:num_dec_rows]
+        out[num_dec:, 0][plan.final] = rows[num_dec_rows:]
+        return out
+
+    def _logprobs(self, plan: StepPlan, blocks: StepBlocks, logits, targets: np.ndarray,
+                  path: np.ndarray | None, kept: np.ndarray) -> None:
+        """The log-probabilities of the tokens the step keeps, for the slots that ask, into logprob_table at
+        the positions the commit will give the tokens."""
+        t, slots = self.table, blocks.slots
+        rows = self._in_blocks(plan, blocks, np.arange(len(targets)))  # [num_seqs, width + 1] logit rows
+        if path is not None:
+            rows[: len(plan.dec)] = np.take_along_axis(rows[: len(plan.dec)], path, axis=1)
+        wanted = (np.arange(rows.shape[1])[None, :] < kept[:, None]) & t.logprobs[slots][:, None]
+        seq, col = np.nonzero(wanted)
+        rows = rows[seq, col]
+        logprob, top_ids, top_lp = row_logprobs(logits, rows, targets[rows], int(t.top_logprobs[slots].max()))
+        self.logprob_table.write(slots[seq], t.seq_len[slots][seq] + col, logprob, top_ids, top_lp)
+
+    @classmethod
+    def _verify(cls, plan: StepPlan, blocks: StepBlocks, targets: np.ndarray):
         """The model's choices back into blocks, and what they accept: (emitted [num_seqs, width + 1] int64
         the tokens each block emits, in order (a tree's along its accepted path); accepted [num_dec] int64
         drafts accepted; path [num_dec, width + 1] int64 a tree's accepted path (block indices), None for
         chains)."""
-        num_dec, dec_mask = len(plan.dec), blocks.dec_mask
-        emitted = np.zeros((len(blocks.slots), dec_mask.shape[1]), np.int64)
-        num_dec_rows = int(dec_mask.sum())  # decode rows are the first sum(num_draft + 1) logit rows
-        emitted[:num_dec][dec_mask] = targets[:num_dec_rows]
-        emitted[num_dec:, 0][plan.final] = targets[num_dec_rows:]
+        num_dec = len(plan.dec)
+        emitted = cls._in_blocks(plan, blocks, targets)
         if plan.depth is None:
             return emitted, accept_lengths(plan.drafts.draft_ids, plan.num_draft, emitted[:num_dec]), None
         accepted, path = walk(plan.drafts.draft_ids, plan.drafts.parents, plan.num_draft, emitted[:num_dec])

@@ -11,7 +11,7 @@ from specgen.layers.sampling import request_key
 
 MAX_DRAFT = 5  # drafts per slot per step at most (FastDeploy's bound on num_speculative_tokens)
 
-_DTYPES = {"active": bool, "prefilled": bool, "ignore_eos": bool, "temperature": np.float64,
+_DTYPES = {"active": bool, "prefilled": bool, "ignore_eos": bool, "logprobs": bool, "temperature": np.float64,
            "top_p": np.float64, "min_p": np.float64, "rng_key": np.uint64}
 
 
@@ -33,6 +33,8 @@ class SlotTable:
     min_p: np.ndarray  # [num_slots] float64
     rng_key: np.ndarray  # [num_slots] uint64
     ignore_eos: np.ndarray  # [num_slots] bool
+    logprobs: np.ndarray  # [num_slots] bool the request asks for its tokens' log-probabilities
+    top_logprobs: np.ndarray  # [num_slots] int64 and for this many most likely tokens' at each position
     num_steps: np.ndarray  # [num_slots] int64
     num_draft: np.ndarray  # [num_slots] int64
     num_accepted: np.ndarray  # [num_slots] int64
@@ -71,6 +73,7 @@ class SlotTable:
         self.min_p[slot] = p.min_p
         self.rng_key[slot] = request_key(p.seed, req.id)
         self.ignore_eos[slot] = p.ignore_eos
+        self.logprobs[slot], self.top_logprobs[slot] = p.logprobs, p.top_logprobs
         for counts in (self.num_steps, self.num_draft, self.num_accepted, self.accepted_per_pos,
                        self.drafted_per_pos, self.num_chunks):
             counts[slot] = 0
@@ -122,7 +125,8 @@ def rejection(req: Request, context_len: int, vocab_size: int) -> str | None:
 
 
 def error_output(req: Request, message: str) -> RequestOutput:
-    return RequestOutput(req.id, req.index, "", [], None, len(req.prompt_ids), RequestStats(), error=message)
+    return RequestOutput(req.id, req.index, "", [], None, len(req.prompt_ids), RequestStats(), error=message,
+                         api=req.api)
 
 
 def common_prefix(prompts: list) -> list[int]:

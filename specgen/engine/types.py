@@ -24,6 +24,7 @@ class Request:
     index: int
     prompt_ids: tuple[int, ...]
     params: "SamplingParams"
+    api: str = ""  # "" a native record; "chat.completion" / "text_completion" an OpenAI Batch line's
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,9 @@ class RequestOutput:
     num_prompt_tokens: int
     stats: RequestStats
     error: str | None = None
+    # with SamplingParams.logprobs: one entry per output token (docs/output-schema.md, `logprobs`)
+    logprobs: list[dict] | None = None
+    api: str = ""  # the request's (Request.api)
 
 
 from specgen.config import SamplingParams  # noqa: E402  (type used in annotations above)

@@ -75,7 +75,8 @@ NOT_COMPARED = ("specgen_version", "model.path", "mixed")
 # What a key missing from a stored manifest stood for when it was written: its setting did not exist yet, and
 # outputs then were made as with this value. (sampling.sampler: the sampler's version, layers/sampling.py; the
 # first had none.)
-ABSENT_MEANS = {"sampling.min_p": 0.0, "sampling.sampler": 1}
+ABSENT_MEANS = {"sampling.min_p": 0.0, "sampling.sampler": 1, "sampling.logprobs": False,
+                "sampling.top_logprobs": 0}
 
 
 def differences(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:

@@ -15,14 +15,15 @@ from typing import Any
 from specgen.errors import InputError
 
 PROMPT_KEYS = ("prompt", "messages", "input_ids")
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs",
+                 "top_logprobs")
 NATIVE_KEYS = ("id", *PROMPT_KEYS, *SAMPLING_KEYS)
 
 OPENAI_KEYS = ("custom_id", "method", "url", "body")
 OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 # body fields specgen reads, and those it accepts without effect (the model is chosen by --model).
 OPENAI_BODY_READ = ("messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-                    "top_k", "min_p", "seed", "stop")
+                    "top_k", "min_p", "seed", "stop", "logprobs", "top_logprobs")
 OPENAI_BODY_IGNORED = ("model", "user", "metadata", "store")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the engine keeps integer sampling fields in int64 arrays
 SHOWN_CHARS = 60  # longest piece of a record's own text quoted in a message
@@ -168,6 +169,17 @@ def _check_sampling(values: dict[str, Any], record_id: str) -> tuple[tuple[str, 
             value = tuple(value)
         elif key in ("temperature", "top_p", "min_p"):
             value = _check_float(key, value, record_id)
+        elif key == "logprobs" and isinstance(value, bool):
+            pass
+        elif key == "logprobs":  # the completions API's logprobs: K, the top K with each token's own
+            if not isinstance(value, int):
+                raise RecordError(f"logprobs must be a boolean or an integer, got {_type_name(value)}",
+                                  record_id)
+            if "top_logprobs" in values:
+                raise RecordError("logprobs is an integer (the completions API's top count) and top_logprobs "
+                                  "is given too: give one", record_id)
+            out.extend([("logprobs", True), ("top_logprobs", value)])
+            continue
         elif isinstance(value, bool) or not isinstance(value, int):
             raise RecordError(f"{key} must be an integer, got {_type_name(value)}", record_id)
         elif not INT64_MIN <= value <= INT64_MAX:

@@ -11,7 +11,7 @@ FIELDS = (
     "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "acceptance_rate",
     "mean_accepted_length", "accepted_per_position", "drafted_per_position", "num_prefill_chunks",
     "num_cached_prompt_tokens", "method",
-    "error",
+    "error", "logprobs",
 )
 
 
@@ -20,6 +20,7 @@ def arrow_schema():
     import pyarrow as pa
 
     i64 = pa.int64()
+    TOKEN = [("token_id", i64), ("token", pa.string()), ("logprob", pa.float64())]
     return pa.schema([
         ("id", pa.string()),
         ("text", pa.string()),
@@ -39,6 +40,7 @@ def arrow_schema():
         ("num_cached_prompt_tokens", i64),
         ("method", pa.string()),
         ("error", pa.string()),
+        ("logprobs", pa.list_(pa.struct([*TOKEN, ("top_logprobs", pa.list_(pa.struct(TOKEN)))]))),
     ])
 
 
@@ -73,6 +75,7 @@ def result_record(out: RequestOutput, spec: SpecConfig, error: str | None = None
         "num_cached_prompt_tokens": s.num_cached_prompt_tokens,
         "method": spec.method.value,
         "error": None,
+        "logprobs": out.logprobs,
     }
 
 
@@ -98,4 +101,5 @@ def error_record(record_id: str, message: str, spec: SpecConfig,
         "num_cached_prompt_tokens": 0,
         "method": spec.method.value,
         "error": message,
+        "logprobs": None,
     }

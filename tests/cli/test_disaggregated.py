@@ -238,3 +238,20 @@ def test_default_model_hand_off(real_model64, method):
     spec = SpecConfig(method=method, adaptive=False, ngram=NgramConfig(pool=0))
     drafts = assert_colocated(real_model64, EngineConfig(batch_size=2, dtype="float64"), spec, requests)
     assert drafts > 0 or method == "ngram"  # the head drafted (these prompts give n-gram lookup nothing)
+
+
+def test_logprobs_travel():
+    """A request asking for log-probabilities: its first token's (the prefill worker's) go with it, and the
+    decode worker's output equals the colocated engine's, entry for entry."""
+    loaded = load_model(TINY / "llama", dtype="float64")
+    requests = [dataclasses.replace(r, params=dataclasses.replace(r.params, logprobs=i % 3 > 0,
+                                                                  top_logprobs=i % 3))
+                for i, r in enumerate(requests_of(loaded, [f"item {i}: " + "x y " * i for i in range(6)]))]
+    engine, spec = EngineConfig(batch_size=3, dtype="float64"), SpecConfig(method="ngram", adaptive=False)
+    one = {o.id: o for o in make_engine(loaded, engine, spec).run(requests)}
+    pd = pipeline(loaded, engine, spec, requests)
+    for i, r in enumerate(requests):
+        assert pd[r.id].token_ids == one[r.id].token_ids
+        assert pd[r.id].logprobs == one[r.id].logprobs
+        assert (one[r.id].logprobs is None) == (i % 3 == 0)
+        assert one[r.id].logprobs is None or len(one[r.id].logprobs) == len(one[r.id].token_ids)

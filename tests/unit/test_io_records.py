@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from specgen.config import SamplingParams
+from specgen.errors import ConfigError
 from specgen.io.records import RecordError, parse_record
 
 
@@ -83,3 +85,26 @@ def test_record_error_carries_the_id_when_known():
     with pytest.raises(RecordError) as info:
         parse_record({"id": "mine", "prompt": ""}, "3")
     assert info.value.record_id == "mine"
+
+
+def test_logprobs_fields():
+    """logprobs: true / false, top_logprobs with it, or the completions API's logprobs: K (= true with top K),
+    in native records and OpenAI Batch bodies alike; ranges are SamplingParams' to check."""
+    over = lambda raw: dict(parse_record(raw, "1").overrides)  # noqa: E731
+    assert over({"prompt": "hi", "logprobs": True, "top_logprobs": 3}) == {"logprobs": True, "top_logprobs": 3}
+    assert over({"prompt": "hi", "logprobs": 5}) == {"logprobs": True, "top_logprobs": 5}
+    assert over({"prompt": "hi", "logprobs": False}) == {"logprobs": False}
+    chat = {"custom_id": "a", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2}}
+    assert over(chat) == {"logprobs": True, "top_logprobs": 2}
+    completion = {"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 4}}
+    assert over(completion) == {"logprobs": True, "top_logprobs": 4}
+    for raw, fragment in [({"prompt": "hi", "logprobs": "yes"}, "logprobs must be a boolean or an integer"),
+                          ({"prompt": "hi", "logprobs": 2, "top_logprobs": 2}, "give one"),
+                          ({"prompt": "hi", "top_logprobs": 1.5}, "top_logprobs must be an integer")]:
+        with pytest.raises(RecordError, match=fragment):
+            parse_record(raw, "1")
+    for bad, fragment in [({"top_logprobs": 21, "logprobs": True}, r"top_logprobs must be in \[0, 20\]"),
+                          ({"top_logprobs": 2}, "top_logprobs needs logprobs")]:
+        with pytest.raises(ConfigError, match=fragment):
+            SamplingParams(**bad)
