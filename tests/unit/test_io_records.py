@@ -91,7 +91,8 @@ def test_logprobs_fields():
     """logprobs: true / false, top_logprobs with it, or the completions API's logprobs: K (= true with top K),
     in native records and OpenAI Batch bodies alike; ranges are SamplingParams' to check."""
     over = lambda raw: dict(parse_record(raw, "1").overrides)  # noqa: E731
-    assert over({"prompt": "hi", "logprobs": True, "top_logprobs": 3}) == {"logprobs": True, "top_logprobs": 3}
+    both = {"logprobs": True, "top_logprobs": 3}
+    assert over({"prompt": "hi", **both}) == both
     assert over({"prompt": "hi", "logprobs": 5}) == {"logprobs": True, "top_logprobs": 5}
     assert over({"prompt": "hi", "logprobs": False}) == {"logprobs": False}
     chat = {"custom_id": "a", "url": "/v1/chat/completions",
