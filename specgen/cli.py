@@ -142,6 +142,9 @@ def run(
     on_error: Annotated[str, typer.Option(
         help="Bad records: skip (write an error record) | fail (exit 2).")] = "skip",
     quiet: Quiet = False, summary_json: SummaryJson = None, input_format: InputFormat = None,
+    output_format: Annotated[str, typer.Option(
+        help="auto: OpenAI Batch input lines get OpenAI Batch output lines, native records native ones | "
+             "openai: every record as an OpenAI Batch output line (.jsonl) | native.")] = "auto",
 ) -> None:
     from specgen.app.job import check_manifest, run_job, run_manifest
     from specgen.io.job_output import plan_job
@@ -150,11 +153,12 @@ def run(
     with exit_codes(f"interrupted: finished records are in {output}; rerun with --resume to complete it",
                     resume=resume_command()):
         cfg = resolve_config(config, speculative_config, flags)
-        plan = plan_job(input, output, input_format, resume, on_error, allow_mismatch)
+        plan = plan_job(input, output, input_format, resume, on_error, allow_mismatch, output_format)
         with plan.lock:
             with sigterm_stops():
                 loaded = _load(model, cfg)
-                for line in check_manifest(plan, run_manifest(loaded, cfg)):
+                manifest = {**run_manifest(loaded, cfg), "output_format": plan.output_style}
+                for line in check_manifest(plan, manifest):
                     typer.echo(f"warning: --allow-mismatch: {line}", err=True)
             with run_progress(quiet) as progress:
                 result = run_job(plan, loaded, cfg, progress)

@@ -66,6 +66,23 @@ def _one_of(name: str, value: Any, valid: tuple) -> None:
 TOP_LOGPROBS_MAX = 20  # OpenAI's bound on top_logprobs
 
 
+def _bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs, from a mapping {id: bias} (OpenAI's, ids as strings),
+    "ID:BIAS" strings (the flag) or pairs; bias in [-100, 100]."""
+    items = bias.items() if isinstance(bias, dict) else bias
+    pairs = {}
+    for item in items:
+        try:
+            tok, value = item.split(":") if isinstance(item, str) else item
+            tok, value = int(tok), float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"logit_bias entries are token id and bias (ID:BIAS), got {item!r}") from None
+        if tok < 0 or not -100 <= value <= 100:
+            raise ConfigError(f"logit_bias: a token id >= 0 with a bias in [-100, 100], got {tok}: {value}")
+        pairs[tok] = value
+    return tuple(sorted(pairs.items()))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding parameters. temperature 0 means greedy."""
@@ -83,6 +100,16 @@ class SamplingParams:
                                 "distribution plain decoding samples from before temperature and filters).")
     top_logprobs: int = opt(0, "With --logprobs: also this many most likely tokens at each output position "
                                f"(at most {TOP_LOGPROBS_MAX}), with their log-probabilities.")
+    repetition_penalty: float = opt(1.0, "Divide the positive logits (multiply the negative ones) of tokens "
+                                         "in the prompt or the output so far by this (transformers' and "
+                                         "vLLM's); 1 is off.")
+    presence_penalty: float = opt(0.0, "Subtract this from the logits of tokens the output holds (OpenAI's; "
+                                       "-2 to 2).")
+    frequency_penalty: float = opt(0.0, "Subtract this times its count in the output from each token's logit "
+                                        "(OpenAI's; -2 to 2).")
+    logit_bias: tuple[Any, ...] = opt((), "ID:BIAS added to a token's logit (repeat the option; OpenAI's "
+                                          "logit_bias, -100 to 100).")
+    min_tokens: int = opt(0, "No EOS before this many output tokens (vLLM's min_tokens).")
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -99,6 +126,14 @@ class SamplingParams:
             raise ConfigError(f"top_logprobs must be in [0, {TOP_LOGPROBS_MAX}], got {self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:
             raise ConfigError("top_logprobs needs logprobs (set logprobs to true)")
+        if not 0 < self.repetition_penalty <= 100:
+            raise ConfigError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ConfigError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.min_tokens < 0:
+            raise ConfigError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
         if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):

@@ -165,7 +165,7 @@ def _ratio(s: Summary, base: Summary) -> float | None:
 
 
 def _source(inp: BenchInput, loaded: Any, cfg: RunConfig, acc: SummaryAccumulator | None):
-    def on_bad(record_id: str, message: str, num_prompt_tokens: int | None) -> None:
+    def on_bad(record_id: str, message: str, num_prompt_tokens: int | None, openai: bool) -> None:
         if acc is not None:
             acc.add(error_record(record_id, message, cfg.spec, num_prompt_tokens))
 

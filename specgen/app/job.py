@@ -17,7 +17,8 @@ from specgen.errors import ConfigError, OutputError, SpecgenError, Stopped, Work
 from specgen.io.interrupts import Interrupts
 from specgen.io.job_output import JobPlan, JobResult, RecordWriter
 from specgen.io.manifest import content_hash, differences, read_manifest, write_sidecar
-from specgen.io.outputs import done_ids, existing_parts
+from specgen.io.openai_output import TEXT, openai_line
+from specgen.io.outputs import done_ids, existing_parts, output_format
 from specgen.io.readers import RawRecord, count_records, iter_records, unit_name
 from specgen.io.report import RunProgress
 from specgen.io.requests import RequestSource
@@ -97,6 +98,9 @@ def run_job(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress) -
             if cfg.parallel.ray:
                 from specgen.distributed.ray_job import run_on_ray
 
+                if plan.output_style == "openai":
+                    raise ConfigError("--output-format openai is not written by --ray (a Parquet output)")
+
                 return run_on_ray(plan, loaded, cfg, progress, interrupts)
             return _run(plan, loaded, cfg, progress, interrupts)
         except Stopped as exc:
@@ -112,8 +116,11 @@ def _run(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress,
     total = count_records(plan.input, plan.input_format)
     writer = RecordWriter(plan, progress, interrupts)
 
-    def on_bad(record_id: str, message: str, num_prompt_tokens: int | None) -> None:
-        writer.add(error_record(record_id, message, cfg.spec, num_prompt_tokens))
+    shaped = _shaper(plan, loaded)
+
+    def on_bad(record_id: str, message: str, num_prompt_tokens: int | None, openai: bool) -> None:
+        record = error_record(record_id, message, cfg.spec, num_prompt_tokens)
+        writer.add(record, shaped(record, TEXT, openai))
 
     source = request_source(plan.input, plan.input_format, loaded, cfg, done_ids=writer.done, on_bad=on_bad)
     start = time.perf_counter()
@@ -122,11 +129,22 @@ def _run(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress,
         with job_engine(loaded, cfg, progress) as engine:
             for out in engine.run(source):
                 message = None if out.error is None else f"{unit} {out.index}: {out.error}"
-                writer.add(result_record(out, cfg.spec, error=message))
+                record = result_record(out, cfg.spec, error=message)
+                writer.add(record, shaped(record, out.api, out.openai))
             memory = engine.memory()
     finally:
         writer.close()
     return JobResult(writer.acc.summary(time.perf_counter() - start, **memory), source.num_skipped)
+
+
+def _shaper(plan: JobPlan, loaded: Any):
+    """(native record, api, from an OpenAI line) -> the line to write in its place, or None (the record):
+    --output-format (JobPlan.output_style). OpenAI lines name the model by its file or folder."""
+    style, model, created = plan.output_style, Path(loaded.source).name, int(time.time())
+    if style == "native" or output_format(plan.output) == "parquet":
+        return lambda record, api, openai: None
+    return lambda record, api, openai: (openai_line(record, api, model, created)
+                                        if openai or style == "openai" else None)
 
 
 @contextmanager

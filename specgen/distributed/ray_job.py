@@ -83,7 +83,7 @@ class Predictor:
                 value = json.loads(row["value"]) if row["value"] is not None else None
                 yield RawRecord(row["number"], value, row["error"])
 
-        def on_bad(record_id: str, message: str, num_prompt_tokens: int | None) -> None:
+        def on_bad(record_id: str, message: str, num_prompt_tokens: int | None, openai: bool) -> None:
             records.append({**error_record(record_id, message, job.spec, num_prompt_tokens),
                             "number": current[0]})
 

@@ -10,6 +10,7 @@ import paddle
 
 from specgen.backends.base import RowSampling
 from specgen.config import EngineConfig, SamplingParams
+from specgen.engine import penalties
 from specgen.engine.adaptive import Controller, StepReport
 from specgen.engine.adaptive.calibrate import controller_for
 from specgen.engine.logprobs import LogprobTable, row_logprobs
@@ -99,6 +100,9 @@ class Engine:
         self.kv_memory = KvMemory(self.cache, config, self.context_len)  # admission checks it
         self.table = SlotTable.empty(config.batch_size, 256)
         self.logprob_table: LogprobTable | None = None  # made when a request first asks for log-probabilities
+        # each slot's logit bias: token ids [num_slots, width] int64 (-1: none) and biases [num_slots, width]
+        # float64; made when a request first has one
+        self.bias_table: tuple[np.ndarray, np.ndarray] | None = None
         self.requests: list[Request | None] = [None] * config.batch_size
         self.adaptive, self.max_draft = adaptive, max_draft
         self.controller: Controller | None = None  # with `adaptive`, made when the first run starts
@@ -131,9 +135,26 @@ class Engine:
                 shared = min(len(self.prefix_ids), n - 1)
         self.table.place(slot, req, end, shared)
         self._logprob_room(req)
+        self._set_bias(slot, req)
         self.requests[slot] = req
         if self.controller is not None:
             self.controller.reset(slot)
+
+    def _set_bias(self, slot: int, req: Request) -> None:
+        """`slot`'s row of bias_table: `req`'s logit bias (the table made or widened when it needs to)."""
+        pairs = req.params.logit_bias
+        if self.bias_table is None and not pairs:
+            return
+        n = len(self.requests)
+        ids, values = self.bias_table or (np.zeros((n, 0), np.int64), np.zeros((n, 0)))
+        if len(pairs) > ids.shape[1]:
+            wider = np.full((len(ids), len(pairs)), -1, np.int64), np.zeros((len(ids), len(pairs)))
+            wider[0][:, : ids.shape[1]], wider[1][:, : ids.shape[1]] = ids, values
+            ids, values = wider
+        ids[slot], values[slot] = -1, 0.0
+        if pairs:
+            ids[slot, : len(pairs)], values[slot, : len(pairs)] = zip(*pairs)
+        self.bias_table = ids, values
 
     def _logprob_room(self, req: Request) -> LogprobTable | None:
         """Room in logprob_table for `req` (placed in the slot table already), made the first time a request
@@ -156,7 +177,7 @@ class Engine:
         t.active[slot] = False
         self.requests[slot] = None
         return RequestOutput(req.id, req.index, text, out_ids, reason, len(req.prompt_ids), t.stats(slot),
-                             logprobs=logprobs, api=req.api)
+                             logprobs=logprobs, api=req.api, openai=req.openai)
 
     def _fail(self, slot: int, why: str) -> RequestOutput:
         req = self.requests[slot]
@@ -215,11 +236,11 @@ class Engine:
         plan = self._plan()
         blocks = self._blocks(plan)
         slots, t = blocks.slots, self.table
-        # A step whose slots are all greedy and want no log-probabilities needs no logits (a screened LM head
-        # skips them).
-        out = self.model.forward(blocks.batch, self.cache,
-                                 logits=bool(t.temperature[slots].any() or t.logprobs[slots].any()))
-        targets = self._sample(blocks.batch, out)
+        # A step whose slots are all greedy, unprocessed and want no log-probabilities needs no logits (a
+        # screened LM head skips them).
+        wants = t.temperature[slots].any() or t.logprobs[slots].any() or t.penalized[slots].any()
+        out = self.model.forward(blocks.batch, self.cache, logits=bool(wants))
+        targets = self._sample(plan, blocks, out)
         forward_seconds = time.perf_counter() - start
         self._tally(out)
         # NaN / Inf: these end in error
@@ -424,10 +445,14 @@ class Engine:
             seq, d = np.nonzero(move)
             self.cache.move_rows(dec[seq], root_rows[seq] + path[seq, d], root_rows[seq] + d)
 
-    def _sample(self, batch, out) -> np.ndarray:
+    def _sample(self, plan: StepPlan, blocks: StepBlocks, out) -> np.ndarray:
         """The main model's own choice at every logit row ([num_logits] int64): greedy, or the counter-based
-        sample of the row's (request, output position), by the backend's sampler."""
-        t = self.table
+        sample of the row's (request, output position), by the backend's sampler; rows of penalized slots
+        processed first (engine/penalties.py)."""
+        t, batch = self.table, blocks.batch
+        logits, greedy = out.logits, out.greedy
+        if t.penalized[blocks.slots].any():
+            logits, greedy = self._penalized(plan, blocks, out)
         row_tok = batch.logit_rows  # [num_logits]
         row_slot = batch.token_slots[row_tok]
         temperature = t.temperature[row_slot]
@@ -435,7 +460,47 @@ class Engine:
         if temperature.any():  # sampled rows: their uniforms
             u = uniforms(t.rng_key[row_slot], batch.model_positions[row_tok] + 1 - t.prompt_len[row_slot])
         rows = RowSampling(temperature, t.top_k[row_slot], t.top_p[row_slot], t.min_p[row_slot], u)
-        return self.model.sample(out.logits, rows, out.greedy)
+        return self.model.sample(logits, rows, greedy)
+
+    def _penalized(self, plan: StepPlan, blocks: StepBlocks, out):
+        """(logits, greedy) with the rows of penalized slots processed, each with the committed tokens and
+        the drafts before it in its block (its path's, in a tree)."""
+        t, slots, logits = self.table, blocks.slots, out.logits
+        rows = self._in_blocks(plan, blocks, np.arange(logits.shape[0]))  # [num_seqs, width + 1] logit rows
+        width = rows.shape[1] - 1
+        fed = np.zeros(rows.shape, bool)
+        fed[: len(plan.dec)] = blocks.dec_mask
+        fed[len(plan.dec):, 0] = plan.final
+        seq, col = np.nonzero(fed & t.penalized[slots][:, None])  # [n] the processed rows' blocks, positions
+        own, k = np.unique(seq, return_inverse=True)  # the penalized blocks; k: each row's among them
+        s, vocab = slots[own], logits.shape[1]
+        out_counts = penalties.slot_counts(t.tokens[s], t.prompt_len[s], t.seq_len[s], vocab)[k]  # [n, vocab]
+        in_prompt = penalties.slot_counts(t.tokens[s], np.zeros(len(s), np.int64), t.prompt_len[s], vocab) > 0
+        dec = seq < len(plan.dec)
+        if dec.any() and width:  # the drafts before each verified position
+            where = np.full(rows.shape, -1)
+            where[seq, col] = np.arange(len(seq))
+            i, b, a = np.nonzero(penalties.on_path(plan.num_draft, plan.drafts.parents, width))
+            at = where[i, b]
+            np.add.at(out_counts, (at[at >= 0], plan.drafts.draft_ids[i[at >= 0], a[at >= 0] - 1]), 1.0)
+        ps = slots[seq]
+        depth = col.copy()  # each row's output tokens after the committed ones (a tree node: its depth)
+        if plan.depth is not None:
+            depth[dec] = plan.depth[seq[dec], col[dec]]
+        no_bias = np.zeros((len(seq), 0), np.int64), np.zeros((len(seq), 0))
+        bias_ids, bias = no_bias if self.bias_table is None else (self.bias_table[0][ps],
+                                                                  self.bias_table[1][ps])
+        p = penalties.RowPenalties(
+            t.repetition_penalty[ps], t.presence_penalty[ps], t.frequency_penalty[ps],
+            t.seq_len[ps] - t.prompt_len[ps] + depth < t.min_tokens[ps], bias_ids, bias, out_counts,
+            in_prompt[k])
+        picked = rows[seq, col]
+        x = penalties.apply(paddle.gather(logits, paddle.to_tensor(picked)).numpy(), p, self.eos_ids)
+        x = x.astype(logits.numpy().dtype if logits.dtype == paddle.float64 else np.float32)
+        greedy = (out.greedy.copy() if out.greedy is not None
+                  else paddle.argmax(logits, axis=-1).numpy().astype(np.int64))
+        greedy[picked] = x.argmax(axis=-1)  # the lowest id on a tie
+        return paddle.scatter(logits, paddle.to_tensor(picked), paddle.to_tensor(x)), greedy
 
     def _commit(self, plan: StepPlan, slots: np.ndarray, emitted: np.ndarray, kept: np.ndarray) -> np.ndarray:
         """Tokens, lengths and statistics of the step; returns [num_seqs] int64: 1 where the block emitted (a

@@ -11,7 +11,9 @@ from specgen.layers.sampling import request_key
 
 MAX_DRAFT = 5  # drafts per slot per step at most (FastDeploy's bound on num_speculative_tokens)
 
-_DTYPES = {"active": bool, "prefilled": bool, "ignore_eos": bool, "logprobs": bool, "temperature": np.float64,
+_DTYPES = {"active": bool, "prefilled": bool, "ignore_eos": bool, "logprobs": bool, "penalized": bool,
+           "repetition_penalty": np.float64, "presence_penalty": np.float64, "frequency_penalty": np.float64,
+           "temperature": np.float64,
            "top_p": np.float64, "min_p": np.float64, "rng_key": np.uint64}
 
 
@@ -35,6 +37,12 @@ class SlotTable:
     ignore_eos: np.ndarray  # [num_slots] bool
     logprobs: np.ndarray  # [num_slots] bool the request asks for its tokens' log-probabilities
     top_logprobs: np.ndarray  # [num_slots] int64 and for this many most likely tokens' at each position
+    penalized: np.ndarray  # [num_slots] bool its rows are processed (engine/penalties.py): any of the below,
+    # or a logit bias
+    repetition_penalty: np.ndarray  # [num_slots] float64
+    presence_penalty: np.ndarray  # [num_slots] float64
+    frequency_penalty: np.ndarray  # [num_slots] float64
+    min_tokens: np.ndarray  # [num_slots] int64
     num_steps: np.ndarray  # [num_slots] int64
     num_draft: np.ndarray  # [num_slots] int64
     num_accepted: np.ndarray  # [num_slots] int64
@@ -74,6 +82,10 @@ class SlotTable:
         self.rng_key[slot] = request_key(p.seed, req.id)
         self.ignore_eos[slot] = p.ignore_eos
         self.logprobs[slot], self.top_logprobs[slot] = p.logprobs, p.top_logprobs
+        self.repetition_penalty[slot], self.presence_penalty[slot] = p.repetition_penalty, p.presence_penalty
+        self.frequency_penalty[slot], self.min_tokens[slot] = p.frequency_penalty, p.min_tokens
+        self.penalized[slot] = (p.repetition_penalty != 1 or p.presence_penalty != 0
+                                or p.frequency_penalty != 0 or p.min_tokens > 0 or bool(p.logit_bias))
         for counts in (self.num_steps, self.num_draft, self.num_accepted, self.accepted_per_pos,
                        self.drafted_per_pos, self.num_chunks):
             counts[slot] = 0
@@ -126,7 +138,7 @@ def rejection(req: Request, context_len: int, vocab_size: int) -> str | None:
 
 def error_output(req: Request, message: str) -> RequestOutput:
     return RequestOutput(req.id, req.index, "", [], None, len(req.prompt_ids), RequestStats(), error=message,
-                         api=req.api)
+                         api=req.api, openai=req.openai)
 
 
 def common_prefix(prompts: list) -> list[int]:

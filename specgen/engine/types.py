@@ -24,7 +24,8 @@ class Request:
     index: int
     prompt_ids: tuple[int, ...]
     params: "SamplingParams"
-    api: str = ""  # "" a native record; "chat.completion" / "text_completion" an OpenAI Batch line's
+    api: str = "text"  # "chat" for messages: the body an OpenAI output line gives it (io/openai_output.py)
+    openai: bool = False  # it came as an OpenAI Batch line
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,8 @@ class RequestOutput:
     error: str | None = None
     # with SamplingParams.logprobs: one entry per output token (docs/output-schema.md, `logprobs`)
     logprobs: list[dict] | None = None
-    api: str = ""  # the request's (Request.api)
+    api: str = "text"  # the request's (Request.api, Request.openai)
+    openai: bool = False
 
 
 from specgen.config import SamplingParams  # noqa: E402  (type used in annotations above)

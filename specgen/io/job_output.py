@@ -11,6 +11,7 @@ from typing import Any
 from specgen.errors import ConfigError, InputError, OutputError
 from specgen.io.interrupts import Interrupts
 from specgen.io.lock import OutputLock
+from specgen.io.openai_output import STYLES
 from specgen.io.outputs import existing_parts, output_format
 from specgen.io.readers import check_input, input_format
 from specgen.io.report import RunProgress
@@ -31,6 +32,9 @@ class JobPlan:
     on_error: str  # skip: bad records become error records; fail: the first one stops the run (exit 2)
     lock: OutputLock  # held: release() (or `with plan.lock`) when the run ends
     allow_mismatch: bool = False  # resume an output whose manifest differs from this run's settings
+    # records as OpenAI Batch output lines: "openai" every one, "auto" those of OpenAI Batch input lines,
+    # "native" none (io/openai_output.py)
+    output_style: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -40,16 +44,20 @@ class JobResult:
 
 
 def plan_job(input: Path, output: Path, fmt: str | None, resume: bool, on_error: str,
-             allow_mismatch: bool = False) -> JobPlan:
+             allow_mismatch: bool = False, output_style: str = "auto") -> JobPlan:
     """Fail fast (before loading a model) on a missing input, an unknown format, an output another run holds,
     an existing output without --resume, or one that cannot be written; takes the output's lock."""
     if on_error not in ON_ERROR:
         raise ConfigError(f"--on-error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
     if allow_mismatch and not resume:
         raise ConfigError("--allow-mismatch only applies with --resume")
+    if output_style not in STYLES:
+        raise ConfigError(f"--output-format must be one of {', '.join(STYLES)}, got {output_style!r}")
     check_input(input)
     fmt = input_format(input, fmt)
-    output_format(output)
+    if output_format(output) == "parquet" and output_style == "openai":
+        raise ConfigError("--output-format openai writes OpenAI's Batch output, JSON lines: "
+                          "use a .jsonl output")
     if not output.parent.is_dir():
         raise ConfigError(f"{output.parent}: the output's folder does not exist")
     lock = OutputLock(output).acquire()
@@ -63,7 +71,7 @@ def plan_job(input: Path, output: Path, fmt: str | None, resume: bool, on_error:
     except BaseException:
         lock.release()
         raise
-    return JobPlan(input, fmt, output, resume, on_error, lock, allow_mismatch)
+    return JobPlan(input, fmt, output, resume, on_error, lock, allow_mismatch, output_style)
 
 
 class RecordWriter:
@@ -77,13 +85,14 @@ class RecordWriter:
         self.acc = SummaryAccumulator()
         self.completed = len(self.done)
 
-    def add(self, record: dict[str, Any]) -> None:
+    def add(self, record: dict[str, Any], line: dict[str, Any] | None = None) -> None:
+        """Write `line` (the record in another shape: an OpenAI Batch output line), or the record itself."""
         if record["error"] is not None:
             if self.fail:
                 raise InputError(record["error"])
             self.progress.record_error(record["error"])
         with self.interrupts.held():
-            self.sink.write(record)
+            self.sink.write(record if line is None else line)
         self.acc.add(record)
         self.completed += 1
         self.progress.update(self.acc, self.completed)

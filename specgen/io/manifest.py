@@ -76,7 +76,10 @@ NOT_COMPARED = ("specgen_version", "model.path", "mixed")
 # outputs then were made as with this value. (sampling.sampler: the sampler's version, layers/sampling.py; the
 # first had none.)
 ABSENT_MEANS = {"sampling.min_p": 0.0, "sampling.sampler": 1, "sampling.logprobs": False,
-                "sampling.top_logprobs": 0}
+                "sampling.top_logprobs": 0, "sampling.repetition_penalty": 1.0,
+                "sampling.presence_penalty": 0.0, "sampling.frequency_penalty": 0.0,
+                "sampling.logit_bias": [], "sampling.min_tokens": 0,
+                "output_format": "auto"}
 
 
 def differences(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:

@@ -13,6 +13,7 @@ from typing import Any
 
 from specgen.errors import ConfigError, InputError
 from specgen.io.ids import SeenIds
+from specgen.io.openai_output import is_openai_line, native_record
 
 OUTPUT_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
                   ".parquet": "parquet", ".pq": "parquet"}
@@ -65,6 +66,8 @@ def _decode(path: Path, number: int, line: bytes, last: bool = False) -> dict[st
         record = json.loads(line) if line.endswith(b"\n") else None
     except (UnicodeDecodeError, json.JSONDecodeError):
         record = None
+    if isinstance(record, dict) and is_openai_line(record):  # an OpenAI Batch output line
+        record = native_record(record)
     if isinstance(record, dict) and isinstance(record.get("id"), str):
         return record
     if last:

@@ -13,17 +13,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from specgen.errors import InputError
+from specgen.io.openai_output import CHAT, TEXT
 
 PROMPT_KEYS = ("prompt", "messages", "input_ids")
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs",
-                 "top_logprobs")
+                 "top_logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
+                 "min_tokens")
+FLOAT_KEYS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 NATIVE_KEYS = ("id", *PROMPT_KEYS, *SAMPLING_KEYS)
 
 OPENAI_KEYS = ("custom_id", "method", "url", "body")
 OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 # body fields specgen reads, and those it accepts without effect (the model is chosen by --model).
 OPENAI_BODY_READ = ("messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-                    "top_k", "min_p", "seed", "stop", "logprobs", "top_logprobs")
+                    "top_k", "min_p", "seed", "stop", "logprobs", "top_logprobs", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens")
 OPENAI_BODY_IGNORED = ("model", "user", "metadata", "store")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the engine keeps integer sampling fields in int64 arrays
 SHOWN_CHARS = 60  # longest piece of a record's own text quoted in a message
@@ -36,6 +40,7 @@ class RecordError(InputError):
         super().__init__(message)
         self.record_id = record_id
         self.num_prompt_tokens = num_prompt_tokens  # known when the prompt was tokenized
+        self.openai = False  # the record is an OpenAI Batch line (its error is written in that shape)
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,8 @@ class InputRecord:
     id: str
     prompt: Any  # str | list[dict] | list[int]
     overrides: tuple[tuple[str, Any], ...]  # (SamplingParams field, value) given by this record
+    api: str = TEXT  # CHAT for messages: the OpenAI body its output gets (io/openai_output.py)
+    openai: bool = False  # an OpenAI Batch line
 
 
 def parse_record(raw: Any, default_id: str) -> InputRecord:
@@ -53,7 +60,11 @@ def parse_record(raw: Any, default_id: str) -> InputRecord:
         raise RecordError(f"expected a JSON object, got {_type_name(raw)}")
     raw = {k: v for k, v in raw.items() if v is not None}
     if "custom_id" in raw or "body" in raw:
-        return _parse_openai(raw)
+        try:
+            return _parse_openai(raw)
+        except RecordError as exc:
+            exc.openai = True
+            raise
     record_id = _parse_id(raw.get("id", default_id), "id")
     unknown = sorted(_show_name(k) for k in raw if k not in NATIVE_KEYS)
     if unknown:
@@ -65,7 +76,7 @@ def parse_record(raw: Any, default_id: str) -> InputRecord:
         raise RecordError(f"need exactly one of prompt, messages, input_ids ({found})", record_id)
     prompt = _check_prompt(given[0], raw[given[0]], record_id)
     overrides = _check_sampling({k: raw[k] for k in SAMPLING_KEYS if k in raw}, record_id)
-    return InputRecord(record_id, prompt, overrides)
+    return InputRecord(record_id, prompt, overrides, CHAT if given[0] == "messages" else TEXT)
 
 
 def _parse_openai(raw: dict[str, Any]) -> InputRecord:
@@ -110,7 +121,8 @@ def _openai_prompt(body: dict[str, Any], url: str | None, record_id: str) -> Inp
         if "max_tokens" in body and not _same_int(body["max_tokens"], body["max_completion_tokens"]):
             raise RecordError("body.max_tokens and body.max_completion_tokens disagree", record_id)
         sampling["max_tokens"] = body["max_completion_tokens"]
-    return InputRecord(record_id, _check_prompt(key, prompt, record_id), _check_sampling(sampling, record_id))
+    return InputRecord(record_id, _check_prompt(key, prompt, record_id), _check_sampling(sampling, record_id),
+                       CHAT if key == "messages" else TEXT, openai=True)
 
 
 def _parse_id(value: Any, name: str) -> str:
@@ -167,8 +179,16 @@ def _check_sampling(values: dict[str, Any], record_id: str) -> tuple[tuple[str, 
             for i, s in enumerate(value):
                 _check_text(s, f"stop[{i}]", record_id)
             value = tuple(value)
-        elif key in ("temperature", "top_p", "min_p"):
+        elif key in FLOAT_KEYS:
             value = _check_float(key, value, record_id)
+        elif key == "logit_bias":
+            if not isinstance(value, dict):
+                raise RecordError(f"logit_bias must be an object of token id: bias, got {_type_name(value)}",
+                                  record_id)
+            for tok, bias in value.items():
+                if not str(tok).isdigit():
+                    raise RecordError(f"logit_bias: {_show(tok)} is not a token id", record_id)
+                _check_float(f"logit_bias[{tok}]", bias, record_id)
         elif key == "logprobs" and isinstance(value, bool):
             pass
         elif key == "logprobs":  # the completions API's logprobs: K, the top K with each token's own

@@ -11,11 +11,12 @@ from specgen.engine.types import Request
 from specgen.errors import ConfigError, InputError
 from specgen.io.ids import SeenIds
 from specgen.io.readers import RawRecord
-from specgen.io.records import RecordError, parse_record
+from specgen.io.records import InputRecord, RecordError, parse_record
 
 Encode = Callable[[Any, str], "tuple[int, ...]"]
-# Called with (record id, message naming the line, number of prompt tokens or None) for each bad record.
-OnBad = Callable[[str, str, "int | None"], None]
+# Called with (record id, message naming the line, number of prompt tokens or None, whether the record is an
+# OpenAI Batch line) for each bad record.
+OnBad = Callable[[str, str, "int | None", bool], None]
 @dataclass
 class RequestSource:
     """Iterable of Requests, pulled lazily by the engine; bad records go to `on_bad` (None: raise InputError).
@@ -45,7 +46,7 @@ class RequestSource:
                 if rid in self.done_ids:
                     self.num_skipped += 1
                     continue
-                self._bad(rid, f"{where}: {exc}", exc.num_prompt_tokens)
+                self._bad(rid, f"{where}: {exc}", exc.num_prompt_tokens, exc.openai)
                 continue
             if req is not None:
                 yield req
@@ -55,6 +56,14 @@ class RequestSource:
         if raw.error is not None:
             raise RecordError(raw.error)
         rec = parse_record(raw.value, default_id)
+        try:
+            return self._checked(rec, raw, where)
+        except RecordError as exc:
+            exc.openai = rec.openai
+            raise
+
+    def _checked(self, rec: InputRecord, raw: RawRecord, where: str) -> Request | None:
+        """_request's checks of a parsed record, and its Request."""
         if rec.id in self.done_ids:
             self.num_skipped += 1
             return None
@@ -72,7 +81,9 @@ class RequestSource:
         except InputError as exc:
             raise RecordError(str(exc).removeprefix(f"{where}: "), rec.id) from None
         self._check_ids(ids, rec.id)
-        return Request(id=rec.id, index=raw.number, prompt_ids=ids, params=params)
+        self._check_params(params, rec.id)
+        return Request(id=rec.id, index=raw.number, prompt_ids=ids, params=params, api=rec.api,
+                       openai=rec.openai)
 
     def _check_ids(self, ids: tuple[int, ...], record_id: str) -> None:
         """The engine's own admission checks, made here so that the message names the line."""
@@ -86,7 +97,13 @@ class RequestSource:
         if bad is not None:
             raise RecordError(f"token id {bad} outside the vocabulary [0, {self.vocab_size})", record_id, n)
 
-    def _bad(self, record_id: str, message: str, num_prompt_tokens: int | None) -> None:
+    def _check_params(self, params: SamplingParams, record_id: str) -> None:
+        bad = next((t for t, _ in params.logit_bias if t >= self.vocab_size), None)
+        if bad is not None:
+            raise RecordError(f"logit_bias: token id {bad} outside the vocabulary [0, {self.vocab_size})",
+                              record_id)
+
+    def _bad(self, record_id: str, message: str, num_prompt_tokens: int | None, openai: bool) -> None:
         if self.on_bad is None:
             raise InputError(message)
-        self.on_bad(record_id, message, num_prompt_tokens)
+        self.on_bad(record_id, message, num_prompt_tokens, openai)

@@ -27,6 +27,12 @@ BAD_RECORDS = [
     ("bad chat message", {"messages": [{"role": "user"}]}, "line 2: messages[0] must be an object"),
     ("openai bad url", {"custom_id": "c", "method": "POST", "url": "/v1/embeddings", "body": {}},
      "line 2: url '/v1/embeddings' is not supported"),
+    ("penalty out of range", {"prompt": "a", "presence_penalty": 3},
+     "line 2: presence_penalty must be in [-2, 2]"),
+    ("logit bias outside the vocabulary", {"prompt": "a", "logit_bias": {"300": 1}},
+     "line 2: logit_bias: token id 300 outside the vocabulary [0, 300)"),
+    ("logit bias not a map", {"prompt": "a", "logit_bias": [1, 2]}, "line 2: logit_bias must be an object"),
+    ("top_logprobs too many", {"prompt": "a", "logprobs": 21}, "line 2: top_logprobs must be in [0, 20]"),
 ]
 
 
@@ -42,7 +48,8 @@ def test_bad_record_fails_with_exit_2(tmp_path, case, line, fragment):
 def test_bad_record_skipped_as_an_error_record(tmp_path, case, line, fragment):
     inp = write_jsonl(tmp_path / "in.jsonl", [GOOD, line, {"id": "after", "prompt": "after"}])
     out = tmp_path / "out.jsonl"
-    result = invoke("run", inp, "-o", out, "--max-tokens", "2", "-q")
+    # native records for every line (OpenAI lines' errors in OpenAI's shape: tests/cli/test_openai_output.py)
+    result = invoke("run", inp, "-o", out, "--max-tokens", "2", "-q", "--output-format", "native")
     assert result.exit_code == EXIT_RECORD_ERRORS, result.output  # finished, with error records
     assert fragment in result.stderr  # errors are shown even with --quiet
     records = read_output(out)

@@ -96,11 +96,12 @@ def test_openai_batch_lines(tmp_path):
     out = tmp_path / "out.jsonl"
     result = invoke("run", inp, "-o", out, "--ignore-eos", "-q")
     assert result.exit_code == 0, result.output
-    records = by_id(read_output(out))
-    assert records["chat-1"]["num_output_tokens"] == 5 and records["comp-1"]["num_output_tokens"] == 3
+    # OpenAI Batch output lines back (tests/cli/test_openai_output.py)
+    usage = {r["custom_id"]: r["response"]["body"]["usage"] for r in read_output(out)}
+    assert usage["chat-1"]["completion_tokens"] == 5 and usage["comp-1"]["completion_tokens"] == 3
     loaded = specgen.api.load_model(TINY_LLAMA)
     chat_ids = specgen.api.encode_prompt(loaded, lines[0]["body"]["messages"])
-    assert records["chat-1"]["num_prompt_tokens"] == len(chat_ids)
+    assert usage["chat-1"]["prompt_tokens"] == len(chat_ids)
 
 
 def test_per_record_overrides_and_stop(tmp_path):

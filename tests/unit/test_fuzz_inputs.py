@@ -60,7 +60,7 @@ def read_all(path: Path, fmt: str, encode) -> tuple[int, list, list[tuple[str, i
     unit = readers.unit_name(fmt)
     log: list[tuple[str, int]] = []
 
-    def on_bad(record_id, message, num_prompt_tokens):
+    def on_bad(record_id, message, num_prompt_tokens, openai):
         m = BAD_PREFIX.match(message)
         assert m and m.group(1) == unit, message
         number = int(m.group(2))
@@ -322,7 +322,7 @@ def bad_messages(path: Path, fmt: str = "jsonl") -> list[str]:
     bad = []
     src = RequestSource(iter_records(path, fmt), encode=encode_bytes, sampling=SamplingParams(max_tokens=4),
                         context_len=CONTEXT_LEN, vocab_size=VOCAB_SIZE, unit=readers.unit_name(fmt),
-                        on_bad=lambda rid, msg, n: bad.append(msg))
+                        on_bad=lambda rid, msg, n, openai: bad.append(msg))
     list(src)
     return bad
 

@@ -83,7 +83,7 @@ def test_bad_records_skip_with_line_numbers(tmp_path):
         json.dumps({"prompt": "w", "top_p": 2.0}),
     ])
     bad = []
-    reqs = list(source(path, on_bad=lambda rid, msg, n: bad.append((rid, msg, n))))
+    reqs = list(source(path, on_bad=lambda rid, msg, n, openai: bad.append((rid, msg, n))))
     assert [r.id for r in reqs] == ["a", "6"]
     assert bad == [
         ("1", "line 1: malformed JSON (Expecting property name enclosed in double quotes at column 2)", None),

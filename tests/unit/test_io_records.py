@@ -109,3 +109,25 @@ def test_logprobs_fields():
                           ({"top_logprobs": 2}, "top_logprobs needs logprobs")]:
         with pytest.raises(ConfigError, match=fragment):
             SamplingParams(**bad)
+
+
+def test_penalty_fields():
+    """Penalties, logit bias (OpenAI's map, ids as strings) and min_tokens, native and in OpenAI bodies."""
+    over = lambda raw: dict(parse_record(raw, "1").overrides)  # noqa: E731
+    fields = {"repetition_penalty": 1.2, "presence_penalty": -0.5, "frequency_penalty": 1, "min_tokens": 3,
+              "logit_bias": {"50": -100, "7": 2.5}}
+    assert over({"prompt": "hi", **fields}) == {**fields, "frequency_penalty": 1.0}
+    body = {"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", **fields}}
+    assert over(body)["logit_bias"] == {"50": -100, "7": 2.5}
+    assert SamplingParams(**over(body)).logit_bias == ((7, 2.5), (50, -100.0))
+    for raw, fragment in [({"logit_bias": {"x": 1}}, "not a token id"),
+                          ({"logit_bias": {"3": "big"}}, r"logit_bias\[3\] must be a number"),
+                          ({"min_tokens": 1.5}, "min_tokens must be an integer")]:
+        with pytest.raises(RecordError, match=fragment):
+            parse_record({"prompt": "hi", **raw}, "1")
+    for bad, fragment in [({"repetition_penalty": 0}, "repetition_penalty must be in"),
+                          ({"frequency_penalty": -2.5}, "frequency_penalty must be in"),
+                          ({"logit_bias": {"3": 101}}, "bias in"), ({"min_tokens": -1}, "min_tokens must be"),
+                          ({"logit_bias": ("3=1",)}, "ID:BIAS")]:
+        with pytest.raises(ConfigError, match=fragment):
+            SamplingParams(**bad)

@@ -71,7 +71,7 @@ def test_line_numbers_are_the_files(tmp_path):
     bad = []
     source = RequestSource(records=records, encode=lambda prompt, where: (1, 2), sampling=SamplingParams(),
                            context_len=64, vocab_size=10,
-                           on_bad=lambda rid, message, n: bad.append((rid, message)))
+                           on_bad=lambda rid, message, n, openai: bad.append((rid, message)))
     ids = [r.id for r in source]
     assert bad == [("11", "line 11: malformed JSON (Expecting property name enclosed in double quotes "
                           "at column 2)")]

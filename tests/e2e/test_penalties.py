@@ -1,0 +1,109 @@
+"""Repetition, presence and frequency penalties, logit bias and min_tokens: greedy outputs equal a
+step-by-step loop over the teacher-forced model's logits that applies them as transformers and OpenAI define
+them, and speculation (chains and token trees, greedy and sampled, batch 1 and 4) changes no token."""
+import numpy as np
+import pytest
+from conftest import TINY
+from test_tree_exact import OracleTree, _run
+
+from specgen import EngineConfig, SamplingParams, SpecConfig, generate, load_model
+from specgen.runtime.batch import build_forward_batch
+
+CASES = {
+    "repetition": dict(repetition_penalty=1.3),
+    "presence+frequency": dict(presence_penalty=0.5, frequency_penalty=0.3),
+    "negative": dict(repetition_penalty=0.7, presence_penalty=-0.4, frequency_penalty=-0.2),
+    "bias": dict(logit_bias={"65": 4.0, "141": -100.0}),
+    "all": dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={"7": 2.5},
+                min_tokens=6),
+}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(3)
+    return [[3 + i] + rng.integers(3, 250, int(n)).tolist() * 2 for i, n in enumerate(rng.integers(3, 20, 9))]
+
+
+def _loop(lm, prompt: list[int], n: int, kw: dict, eos: int) -> list[int]:
+    """Plain greedy decoding by hand: a whole forward over prompt + output each step, the penalties applied
+    one token at a time as their definitions say."""
+    out: list[int] = []
+    bias = {int(k): v for k, v in kw.get("logit_bias", {}).items()}
+    for _ in range(n):
+        ids = prompt + out
+        batch = build_forward_batch(np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([len(ids)]),
+                                    np.array(ids, np.int64), np.ones(1, bool))
+        row = lm.model.forward(batch, lm.model.new_cache(1, 256)).logits.numpy()[-1].astype(np.float64)
+        if len(out) < kw.get("min_tokens", 0):
+            row[eos] = -np.inf
+        for tok, b in bias.items():
+            row[tok] += b
+        p = kw.get("repetition_penalty", 1.0)
+        for tok in set(ids):  # transformers' RepetitionPenaltyLogitsProcessor
+            row[tok] = row[tok] / p if row[tok] > 0 else row[tok] * p
+        for tok in set(out):  # OpenAI's: mu[j] - c[j] * alpha_frequency - (c[j] > 0) * alpha_presence
+            row[tok] -= out.count(tok) * kw.get("frequency_penalty", 0.0) + kw.get("presence_penalty", 0.0)
+        out.append(int(np.argmax(row)))
+        if out[-1] == eos:
+            break
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_equals_the_loop(tiny_models, prompts, case):
+    """float64, fused and reference backends, batch 4; EOS set to a token the model emits often (so that
+    min_tokens has something to hold back)."""
+    kw, ref = CASES[case], tiny_models["reference64"]
+    engine = EngineConfig(batch_size=4, dtype="float64")
+    free = _run(ref, prompts, [SamplingParams(max_tokens=12, ignore_eos=True)] * len(prompts), engine)
+    eos = int(np.bincount(np.array(sum((o.token_ids[2:] for o in free), []))).argmax())
+    sp = [SamplingParams(max_tokens=12, **kw)] * len(prompts)
+    want = [_loop(ref, p, 12, kw, eos) for p in prompts]
+    for name in ("fused64", "reference64"):
+        outs = _run(tiny_models[name], prompts, sp, EngineConfig(batch_size=4, dtype="float64",
+                                                                 backend=name[:-2]), eos=eos)
+        assert [o.token_ids for o in outs] == want, name
+    assert [o.token_ids for o in free] != want  # the penalties changed something
+    if "min_tokens" in kw:
+        assert all(eos not in w[:6] for w in want) and any(eos in o.token_ids[:6] for o in free)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_speculation_keeps_penalized_tokens(tiny_model64, prompts, mode):
+    """n-gram chains and oracle token trees (most drafts right, so whole runs of drafts are verified at once
+    and each position must see the drafts before it) give plain decoding's tokens."""
+    kw = CASES["all"]
+    sp = [SamplingParams(max_tokens=12, temperature=0.8 if mode == "sampled" else 0.0, seed=i, **kw)
+          for i in range(len(prompts))]
+    plain = _run(tiny_model64, prompts, sp, EngineConfig(batch_size=4, dtype="float64"))
+    full = {tuple(p): list(p) + o.token_ids for p, o in zip(prompts, plain)}
+    for batch in (1, 4):
+        engine = EngineConfig(batch_size=batch, dtype="float64")
+        tree = _run(tiny_model64, prompts, sp, engine, OracleTree(full, batch, p_right=0.8))
+        chain = generate(prompts, model=tiny_model64, sampling=sp, engine=engine,
+                         speculative=SpecConfig(method="ngram", num_speculative_tokens=3, adaptive=False))
+        assert [o.token_ids for o in tree] == [o.token_ids for o in plain]
+        assert [o.token_ids for o in chain] == [o.token_ids for o in plain]
+        assert sum(o.stats.num_accepted_tokens for o in tree) > len(prompts)
+
+
+def test_penalized_and_plain_requests_share_a_batch(tiny_model64, prompts):
+    """A penalized request beside plain ones: each gets the tokens it gets alone; the plain ones keep the
+    screened greedy path's tokens."""
+    sp = [SamplingParams(max_tokens=10, **(CASES["all"] if i % 2 else {})) for i in range(len(prompts))]
+    engine = EngineConfig(batch_size=4, dtype="float64")
+    mixed = generate(prompts, model=tiny_model64, sampling=sp, engine=engine)
+    for i, p in enumerate(prompts):
+        alone = generate([p], model=tiny_model64, sampling=sp[i], engine=EngineConfig(batch_size=1,
+                                                                                      dtype="float64"))
+        assert mixed[i].token_ids == alone[0].token_ids
+
+
+def test_float32_speculation_keeps_penalized_tokens(prompts):
+    lm = load_model(TINY / "llama")
+    sp = [SamplingParams(max_tokens=12, temperature=0.7, seed=i, **CASES["all"]) for i in range(len(prompts))]
+    plain = generate(prompts, model=lm, sampling=sp, engine=EngineConfig(batch_size=4))
+    chain = generate(prompts, model=lm, sampling=sp, engine=EngineConfig(batch_size=1),
+                     speculative=SpecConfig(method="ngram", num_speculative_tokens=3, adaptive=False))
+    assert [o.token_ids for o in chain] == [o.token_ids for o in plain]
