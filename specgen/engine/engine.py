@@ -496,7 +496,7 @@ class Engine:
             in_prompt[k])
         picked = rows[seq, col]
         x = penalties.apply(paddle.gather(logits, paddle.to_tensor(picked)).numpy(), p, self.eos_ids)
-        x = x.astype(logits.numpy().dtype if logits.dtype == paddle.float64 else np.float32)
+        x = x.astype(np.float64 if logits.dtype == paddle.float64 else np.float32)  # the sampler's input
         greedy = (out.greedy.copy() if out.greedy is not None
                   else paddle.argmax(logits, axis=-1).numpy().astype(np.int64))
         greedy[picked] = x.argmax(axis=-1)  # the lowest id on a tie
