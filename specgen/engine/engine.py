@@ -472,35 +472,42 @@ class Engine:
         fed[: len(plan.dec)] = blocks.dec_mask
         fed[len(plan.dec):, 0] = plan.final
         seq, col = np.nonzero(fed & t.penalized[slots][:, None])  # [n] the processed rows' blocks, positions
-        own, k = np.unique(seq, return_inverse=True)  # the penalized blocks; k: each row's among them
-        s, vocab = slots[own], logits.shape[1]
-        out_counts = penalties.slot_counts(t.tokens[s], t.prompt_len[s], t.seq_len[s], vocab)[k]  # [n, vocab]
-        in_prompt = penalties.slot_counts(t.tokens[s], np.zeros(len(s), np.int64), t.prompt_len[s], vocab) > 0
+        ps, n, vocab = slots[seq], len(seq), logits.shape[1]
+        tokens = t.tokens[ps]  # [n, capacity] each row's slot's tokens
+        out_row, out_tok = penalties.row_tokens(tokens, t.prompt_len[ps], t.seq_len[ps])
         dec = seq < len(plan.dec)
-        if dec.any() and width:  # the drafts before each verified position
+        if dec.any() and width:  # the drafts on each verified position's path
             where = np.full(rows.shape, -1)
-            where[seq, col] = np.arange(len(seq))
+            where[seq, col] = np.arange(n)
             i, b, a = np.nonzero(penalties.on_path(plan.num_draft, plan.drafts.parents, width))
             at = where[i, b]
-            np.add.at(out_counts, (at[at >= 0], plan.drafts.draft_ids[i[at >= 0], a[at >= 0] - 1]), 1.0)
-        ps = slots[seq]
+            out_row = np.concatenate([out_row, at[at >= 0]])
+            out_tok = np.concatenate([out_tok, plan.drafts.draft_ids[i[at >= 0], a[at >= 0] - 1]])
+        rep = t.repetition_penalty[ps] != 1  # only these rows need their prompt's tokens
+        prompt = penalties.row_tokens(tokens[rep], np.zeros(int(rep.sum()), np.int64), t.prompt_len[ps[rep]])
+        prompt = (np.nonzero(rep)[0][prompt[0]], prompt[1])
+        bias = (np.zeros(0, np.int64),) * 2 + (np.zeros(0),)
+        if self.bias_table is not None:
+            br, bc = np.nonzero(self.bias_table[0][ps] >= 0)
+            bias = (br, self.bias_table[0][ps][br, bc], self.bias_table[1][ps][br, bc])
         depth = col.copy()  # each row's output tokens after the committed ones (a tree node: its depth)
         if plan.depth is not None:
             depth[dec] = plan.depth[seq[dec], col[dec]]
-        no_bias = np.zeros((len(seq), 0), np.int64), np.zeros((len(seq), 0))
-        bias_ids, bias = no_bias if self.bias_table is None else (self.bias_table[0][ps],
-                                                                  self.bias_table[1][ps])
-        p = penalties.RowPenalties(
-            t.repetition_penalty[ps], t.presence_penalty[ps], t.frequency_penalty[ps],
-            t.seq_len[ps] - t.prompt_len[ps] + depth < t.min_tokens[ps], bias_ids, bias, out_counts,
-            in_prompt[k])
-        picked = rows[seq, col]
-        x = penalties.apply(paddle.gather(logits, paddle.to_tensor(picked)).numpy(), p, self.eos_ids)
-        x = x.astype(np.float64 if logits.dtype == paddle.float64 else np.float32)  # the sampler's input
+        no_eos = t.seq_len[ps] - t.prompt_len[ps] + depth < t.min_tokens[ps]
+        eos = (np.repeat(np.nonzero(no_eos)[0], len(self.eos_ids)), np.tile(self.eos_ids, int(no_eos.sum())))
+        touched = penalties.Touched.gather(vocab, (out_row, out_tok), prompt, bias, eos)
+        p = penalties.RowPenalties(t.repetition_penalty[ps], t.presence_penalty[ps], t.frequency_penalty[ps],
+                                   no_eos)
+        picked = rows[seq, col]  # [n] the processed logit rows
+        flat = paddle.to_tensor(picked[touched.row] * vocab + touched.token)
+        x = penalties.apply(paddle.gather(logits.reshape([-1]), flat).numpy(), touched, p, self.eos_ids)
+        x = paddle.to_tensor(x.astype(np.float64 if logits.dtype == paddle.float64 else np.float32))
+        logits = paddle.scatter(logits.reshape([-1]), flat, x, overwrite=True).reshape(logits.shape)
         greedy = (out.greedy.copy() if out.greedy is not None
                   else paddle.argmax(logits, axis=-1).numpy().astype(np.int64))
-        greedy[picked] = x.argmax(axis=-1)  # the lowest id on a tie
-        return paddle.scatter(logits, paddle.to_tensor(picked), paddle.to_tensor(x)), greedy
+        # the lowest id on a tie
+        greedy[picked] = paddle.argmax(paddle.gather(logits, paddle.to_tensor(picked)), axis=-1).numpy()
+        return logits, greedy
 
     def _commit(self, plan: StepPlan, slots: np.ndarray, emitted: np.ndarray, kept: np.ndarray) -> np.ndarray:
         """Tokens, lengths and statistics of the step; returns [num_seqs] int64: 1 where the block emitted (a

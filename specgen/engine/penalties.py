@@ -13,45 +13,65 @@ from dataclasses import dataclass
 
 import numpy as np
 
+Pairs = tuple[np.ndarray, np.ndarray]  # (row [m] int64, token [m] int64)
+
 
 @dataclass(frozen=True)
 class RowPenalties:
-    """What each processed row needs: [n] per row unless noted."""
+    """What each processed row needs: [n] per row."""
 
     repetition: np.ndarray  # float64, 1 = off
     presence: np.ndarray  # float64
     frequency: np.ndarray  # float64
     no_eos: np.ndarray  # bool: the output is shorter than min_tokens
-    bias_ids: np.ndarray  # [n, width] int64 (-1: no entry)
-    bias: np.ndarray  # [n, width] float64
-    out_counts: np.ndarray  # [n, vocab] float64 each token's count in the output before the row
-    in_prompt: np.ndarray  # [n, vocab] bool the token is in the prompt
 
 
-def apply(x: np.ndarray, p: RowPenalties, eos_ids: np.ndarray) -> np.ndarray:
-    """Rows x [n, vocab] (any float dtype) -> the processed rows, float64."""
+@dataclass(frozen=True)
+class Touched:
+    """The (row, token) entries a row's processing can change, each once, sorted by row * vocab + token: the
+    tokens of its history (prompt, output, drafts on its path), its logit bias, EOS."""
+
+    row: np.ndarray  # [m] int64 processed row (0..n-1)
+    token: np.ndarray  # [m] int64
+    out_count: np.ndarray  # [m] float64 the token's count in the output before the row (drafts included)
+    in_prompt: np.ndarray  # [m] bool
+    bias: np.ndarray  # [m] float64 (0: none)
+
+    @classmethod
+    def gather(cls, vocab: int, output: Pairs, prompt: Pairs, bias: tuple[np.ndarray, np.ndarray, np.ndarray],
+               eos: Pairs) -> "Touched":
+        """From (row, token) pairs of the output tokens before each row (repeats counted), of its prompt, of
+        its logit bias (row, token, bias) and of EOS where it is masked."""
+        keys = [r * vocab + t for r, t in (output, prompt, bias[:2], eos)]
+        out_keys, counts = np.unique(keys[0], return_counts=True)
+        key = np.unique(np.concatenate(keys))
+        out_count = np.zeros(len(key))
+        out_count[np.searchsorted(key, out_keys)] = counts
+        in_prompt = np.zeros(len(key), bool)
+        in_prompt[np.searchsorted(key, keys[1])] = True
+        bias_of = np.zeros(len(key))
+        bias_of[np.searchsorted(key, keys[2])] = bias[2]
+        return cls(key // vocab, key % vocab, out_count, in_prompt, bias_of)
+
+
+def apply(x: np.ndarray, touched: Touched, p: RowPenalties, eos_ids: np.ndarray) -> np.ndarray:
+    """The processed values, float64, of the touched entries whose logits are x [m] (every other logit of a
+    row is left as it is: each step below is the identity there)."""
     x = x.astype(np.float64)
-    rows = np.arange(len(x))
-    if p.no_eos.any():
-        x[np.ix_(rows[p.no_eos], eos_ids)] = -np.inf
-    has = p.bias_ids >= 0
-    if has.any():
-        np.add.at(x, (np.nonzero(has)[0], p.bias_ids[has]), p.bias[has])
-    rep = p.repetition[:, None]
-    if (rep != 1).any():
-        seen = p.in_prompt | (p.out_counts > 0)
-        x = np.where(seen, np.where(x > 0, x / rep, x * rep), x)
-    if (p.frequency != 0).any() or (p.presence != 0).any():
-        x -= p.frequency[:, None] * p.out_counts + p.presence[:, None] * (p.out_counts > 0)
-    return x
+    r = touched.row
+    x[p.no_eos[r] & np.isin(touched.token, eos_ids)] = -np.inf
+    x += touched.bias
+    rep = p.repetition[r]
+    seen = touched.in_prompt | (touched.out_count > 0)
+    x = np.where(seen & (rep != 1), np.where(x > 0, x / rep, x * rep), x)
+    return x - (p.frequency[r] * touched.out_count + p.presence[r] * (touched.out_count > 0))
 
 
-def slot_counts(tokens: np.ndarray, start: np.ndarray, end: np.ndarray, vocab: int) -> np.ndarray:
-    """Counts [n, vocab] float64 of tokens[i, start[i]:end[i]] for each row i of tokens [n, capacity]."""
+def row_tokens(tokens: np.ndarray, start: np.ndarray, end: np.ndarray) -> Pairs:
+    """(row, token) of tokens[i, start[i]:end[i]] for each row i of tokens [n, capacity]."""
     col = np.arange(tokens.shape[1])[None, :]
-    inside = (col >= start[:, None]) & (col < end[:, None])
-    flat = (np.nonzero(inside)[0] * vocab + tokens[inside]).astype(np.int64)
-    return np.bincount(flat, minlength=len(tokens) * vocab).reshape(len(tokens), vocab).astype(np.float64)
+    row, c = np.nonzero((col >= start[:, None]) & (col < end[:, None]))
+    return row, tokens[row, c]
 
 
 def on_path(num_draft: np.ndarray, parents: np.ndarray | None, width: int) -> np.ndarray:
