@@ -110,6 +110,8 @@ class SamplingParams:
     logit_bias: tuple[Any, ...] = opt((), "ID:BIAS added to a token's logit (repeat the option; OpenAI's "
                                           "logit_bias, -100 to 100).")
     min_tokens: int = opt(0, "No EOS before this many output tokens (vLLM's min_tokens).")
+    n: int = opt(1, "Samples per prompt (at most the batch size): one record each, with sample_index; they "
+                    "share the prompt's prefill where the method allows it.")
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -133,6 +135,8 @@ class SamplingParams:
                 raise ConfigError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.min_tokens < 0:
             raise ConfigError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.n < 1:
+            raise ConfigError(f"n must be >= 1, got {self.n}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))

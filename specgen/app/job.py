@@ -17,7 +17,7 @@ from specgen.errors import ConfigError, OutputError, SpecgenError, Stopped, Work
 from specgen.io.interrupts import Interrupts
 from specgen.io.job_output import JobPlan, JobResult, RecordWriter
 from specgen.io.manifest import content_hash, differences, read_manifest, write_sidecar
-from specgen.io.openai_output import TEXT, openai_line
+from specgen.io.openai_output import TEXT, SampleGroups, openai_line
 from specgen.io.outputs import done_ids, existing_parts, output_format
 from specgen.io.readers import RawRecord, count_records, iter_records, unit_name
 from specgen.io.report import RunProgress
@@ -84,7 +84,7 @@ def request_source(plan_input: Path, fmt: str, loaded: Any, cfg: RunConfig,
         encode=partial(encode_prompt, loaded),
         sampling=cfg.sampling,
         context_len=context_len(loaded, cfg.engine), vocab_size=loaded.config.vocab_size, unit=unit_name(fmt),
-        **kwargs,
+        max_n=cfg.engine.batch_size, **kwargs,
     )
 
 
@@ -120,7 +120,7 @@ def _run(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress,
 
     def on_bad(record_id: str, message: str, num_prompt_tokens: int | None, openai: bool) -> None:
         record = error_record(record_id, message, cfg.spec, num_prompt_tokens)
-        writer.add(record, shaped(record, TEXT, openai))
+        writer.add(record, shaped(record, TEXT, openai, 1))
 
     source = request_source(plan.input, plan.input_format, loaded, cfg, done_ids=writer.done, on_bad=on_bad)
     start = time.perf_counter()
@@ -130,7 +130,7 @@ def _run(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress,
             for out in engine.run(source):
                 message = None if out.error is None else f"{unit} {out.index}: {out.error}"
                 record = result_record(out, cfg.spec, error=message)
-                writer.add(record, shaped(record, out.api, out.openai))
+                writer.add(record, shaped(record, out.api, out.openai, out.num_samples))
             memory = engine.memory()
     finally:
         writer.close()
@@ -138,13 +138,19 @@ def _run(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress,
 
 
 def _shaper(plan: JobPlan, loaded: Any):
-    """(native record, api, from an OpenAI line) -> the line to write in its place, or None (the record):
-    --output-format (JobPlan.output_style). OpenAI lines name the model by its file or folder."""
+    """(native record, api, from an OpenAI line, the request's samples) -> the lines to write in its place:
+    the record itself, or (--output-format, JobPlan.output_style) an OpenAI line once the request's samples
+    are all done (none before). OpenAI lines name the model by its file or folder."""
     style, model, created = plan.output_style, Path(loaded.source).name, int(time.time())
-    if style == "native" or output_format(plan.output) == "parquet":
-        return lambda record, api, openai: None
-    return lambda record, api, openai: (openai_line(record, api, model, created)
-                                        if openai or style == "openai" else None)
+    groups = SampleGroups()
+
+    def shape(record: dict[str, Any], api: str, openai: bool, num_samples: int) -> list[dict[str, Any]]:
+        if style == "native" or output_format(plan.output) == "parquet" or not (openai or style == "openai"):
+            return [record]
+        done = groups.add(record, num_samples)
+        return [] if done is None else [openai_line(done, api, model, created)]
+
+    return shape
 
 
 @contextmanager

@@ -83,8 +83,8 @@ class CommandChannel:
 
 class ShardCache(KVCache):
     """A rank's KV cache of its KV heads, known to every rank by one id. What the engine does to rank 0's
-    cache besides a forward (clear a slot, move a token tree's accepted rows) it tells the others to do to
-    theirs."""
+    cache besides a forward (clear a slot, move a token tree's accepted rows, copy a prompt's rows to another
+    sample's slot) it tells the others to do to theirs."""
 
     def __init__(self, cache_id: int, mirror, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -100,6 +100,11 @@ class ShardCache(KVCache):
         if self.mirror is not None:
             self.mirror(self.cache_id, "move_rows", (slots, src, dst))
         super().move_rows(slots, src, dst)
+
+    def copy_slot(self, src: int, dst: int, n: int, prefix_len: int = 0) -> None:
+        if self.mirror is not None:
+            self.mirror(self.cache_id, "copy_slot", (src, dst, n, prefix_len))
+        super().copy_slot(src, dst, n, prefix_len)
 
 
 @dataclass

@@ -103,6 +103,9 @@ class Engine:
         # each slot's logit bias: token ids [num_slots, width] int64 (-1: none) and biases [num_slots, width]
         # float64; made when a request first has one
         self.bias_table: tuple[np.ndarray, np.ndarray] | None = None
+        # the slot of each running request's sample 0, for requests of n > 1 samples: the others copy its
+        # prompt's rows once it is prefilled (_source_slot)
+        self.samples_of: dict[str, int] = {}
         self.requests: list[Request | None] = [None] * config.batch_size
         self.adaptive, self.max_draft = adaptive, max_draft
         self.controller: Controller | None = None  # with `adaptive`, made when the first run starts
@@ -134,11 +137,46 @@ class Engine:
             if np.array_equal(self.prefix_ids, req.prompt_ids[: len(self.prefix_ids)]):
                 shared = min(len(self.prefix_ids), n - 1)
         self.table.place(slot, req, end, shared)
+        src = self._source_slot(req)
+        if src is not None and self.table.prefilled[src] and n > 1:  # the prompt but its last token, copied
+            t = self.table
+            prefix = int(t.prefix_len[src]) if self.prefix_ids is not None else 0
+            self.cache.copy_slot(src, slot, n - 1, prefix)
+            t.prefill_pos[slot] = t.num_cached[slot] = n - 1
+            t.prefix_len[slot] = 0
+        if req.params.n > 1 and req.sample_index == 0:
+            self.samples_of[req.id] = slot
         self._logprob_room(req)
         self._set_bias(slot, req)
         self.requests[slot] = req
         if self.controller is not None:
             self.controller.reset(slot)
+
+    def _source_slot(self, req: Request) -> int | None:
+        """The slot of `req`'s sample 0 while it runs, for a later sample that may copy its prompt's rows (a
+        drafter that keeps no state of the prompt); None."""
+        if not req.sample_index or not getattr(self.proposer, "clone_safe", False):
+            return None
+        s = self.samples_of.get(req.id)
+        if s is None or self.requests[s] is None or self.requests[s].id != req.id:
+            return None
+        return s
+
+    def _held(self, req: Request, admitting: list[Request]) -> bool:
+        """Whether `req` waits for its sample 0's prefill, to copy it (the scheduler's hold): sample 0 runs
+        and is not prefilled yet, or is being admitted with it."""
+        if not req.sample_index or not getattr(self.proposer, "clone_safe", False):
+            return False
+        s = self._source_slot(req)
+        return (s is not None and not self.table.prefilled[s]) or any(r.id == req.id for r in admitting)
+
+    def _prefill_cost(self, req: Request) -> int:
+        """Prompt tokens `req` will prefill in its first step: one for a sample that copies the rest."""
+        s = self._source_slot(req)
+        if s is not None and self.table.prefilled[s]:
+            return 1
+        n = len(req.prompt_ids)
+        return min(n, self.config.prefill_chunk) if self.config.prefill_chunk else n
 
     def _set_bias(self, slot: int, req: Request) -> None:
         """`slot`'s row of bias_table: `req`'s logit bias (the table made or widened when it needs to)."""
@@ -176,14 +214,19 @@ class Engine:
                                                   int(t.top_logprobs[slot]), self._piece)
         t.active[slot] = False
         self.requests[slot] = None
+        if self.samples_of.get(req.id) == slot:
+            del self.samples_of[req.id]
         return RequestOutput(req.id, req.index, text, out_ids, reason, len(req.prompt_ids), t.stats(slot),
-                             logprobs=logprobs, api=req.api, openai=req.openai)
+                             logprobs=logprobs, api=req.api, openai=req.openai, sample_index=req.sample_index,
+                             num_samples=req.params.n)
 
     def _fail(self, slot: int, why: str) -> RequestOutput:
         req = self.requests[slot]
         self.cache.clear_slot(slot)
         self.table.active[slot] = False
         self.requests[slot] = None
+        if self.samples_of.get(req.id) == slot:
+            del self.samples_of[req.id]
         return error_output(req, why)
 
     def _decode(self, ids: list[int]) -> str:
@@ -219,7 +262,8 @@ class Engine:
 
     def _scheduler(self, requests: Iterable[Request]) -> Scheduler:
         return Scheduler(requests, self.config.batch_size, self.config.max_prefill_tokens,
-                         self.config.prefill_chunk, ready=self.ready)
+                         self.config.prefill_chunk, ready=self.ready, cost=self._prefill_cost,
+                         hold=self._held)
 
     def _admit(self, slot: int, req: Request) -> RequestOutput | None:
         """Place `req` in `slot`, or return its error record (a prompt the engine cannot run)."""

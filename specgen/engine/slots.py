@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specgen.engine.types import Request, RequestOutput, RequestStats
+from specgen.engine.types import Request, RequestOutput, RequestStats, sample_key
 from specgen.layers.sampling import request_key
 
 MAX_DRAFT = 5  # drafts per slot per step at most (FastDeploy's bound on num_speculative_tokens)
@@ -79,7 +79,7 @@ class SlotTable:
         self.prefill_pos[slot] = self.prefix_len[slot] = self.num_cached[slot] = shared
         self.temperature[slot], self.top_p[slot], self.top_k[slot] = p.temperature, p.top_p, p.top_k
         self.min_p[slot] = p.min_p
-        self.rng_key[slot] = request_key(p.seed, req.id)
+        self.rng_key[slot] = request_key(p.seed, sample_key(req.id, req.sample_index))
         self.ignore_eos[slot] = p.ignore_eos
         self.logprobs[slot], self.top_logprobs[slot] = p.logprobs, p.top_logprobs
         self.repetition_penalty[slot], self.presence_penalty[slot] = p.repetition_penalty, p.presence_penalty
@@ -138,7 +138,8 @@ def rejection(req: Request, context_len: int, vocab_size: int) -> str | None:
 
 def error_output(req: Request, message: str) -> RequestOutput:
     return RequestOutput(req.id, req.index, "", [], None, len(req.prompt_ids), RequestStats(), error=message,
-                         api=req.api, openai=req.openai)
+                         api=req.api, openai=req.openai, sample_index=req.sample_index,
+                         num_samples=req.params.n)
 
 
 def common_prefix(prompts: list) -> list[int]:

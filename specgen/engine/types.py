@@ -16,6 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def sample_key(request_id: str, sample_index: int | None) -> str:
+    """Sample j's name: its random stream's (with the seed) and its key in an output's done ids; sample 0's is
+    the request's id, so n = 1 is the request as it always was."""
+    return request_id if not sample_index else f"{request_id}\x1f{sample_index}"
+
+
 @dataclass(frozen=True)
 class Request:
     """One prompt to complete. `index` is its place in the input; `id` names it in the output."""
@@ -26,6 +32,7 @@ class Request:
     params: "SamplingParams"
     api: str = "text"  # "chat" for messages: the body an OpenAI output line gives it (io/openai_output.py)
     openai: bool = False  # it came as an OpenAI Batch line
+    sample_index: int = 0  # which of the record's params.n samples (its own random stream)
 
 
 @dataclass(frozen=True)
@@ -133,8 +140,10 @@ class RequestOutput:
     error: str | None = None
     # with SamplingParams.logprobs: one entry per output token (docs/output-schema.md, `logprobs`)
     logprobs: list[dict] | None = None
-    api: str = "text"  # the request's (Request.api, Request.openai)
+    api: str = "text"  # the request's (Request.api, Request.openai, Request.sample_index, params.n)
     openai: bool = False
+    sample_index: int = 0
+    num_samples: int = 1
 
 
 from specgen.config import SamplingParams  # noqa: E402  (type used in annotations above)

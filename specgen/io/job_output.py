@@ -85,14 +85,16 @@ class RecordWriter:
         self.acc = SummaryAccumulator()
         self.completed = len(self.done)
 
-    def add(self, record: dict[str, Any], line: dict[str, Any] | None = None) -> None:
-        """Write `line` (the record in another shape: an OpenAI Batch output line), or the record itself."""
+    def add(self, record: dict[str, Any], lines: list[dict[str, Any]] | None = None) -> None:
+        """Write `lines` (the record in another shape: an OpenAI Batch output line, or none until a request's
+        samples are all done), or the record itself."""
         if record["error"] is not None:
             if self.fail:
                 raise InputError(record["error"])
             self.progress.record_error(record["error"])
         with self.interrupts.held():
-            self.sink.write(record if line is None else line)
+            for line in [record] if lines is None else lines:
+                self.sink.write(line)
         self.acc.add(record)
         self.completed += 1
         self.progress.update(self.acc, self.completed)

@@ -78,7 +78,7 @@ NOT_COMPARED = ("specgen_version", "model.path", "mixed")
 ABSENT_MEANS = {"sampling.min_p": 0.0, "sampling.sampler": 1, "sampling.logprobs": False,
                 "sampling.top_logprobs": 0, "sampling.repetition_penalty": 1.0,
                 "sampling.presence_penalty": 0.0, "sampling.frequency_penalty": 0.0,
-                "sampling.logit_bias": [], "sampling.min_tokens": 0,
+                "sampling.logit_bias": [], "sampling.min_tokens": 0, "sampling.n": 1,
                 "output_format": "auto"}
 
 

@@ -25,36 +25,59 @@ def _hash_id(prefix: str, record_id: str) -> str:
     return prefix + hashlib.blake2b(record_id.encode(), digest_size=12).hexdigest()
 
 
-def openai_line(record: dict[str, Any], api: str, model: str, created: int) -> dict[str, Any]:
-    """The Batch output line of a native record (`api`: CHAT or TEXT; `model`: the name in the body)."""
-    rid = record["id"]
-    own = {k: v for k, v in record.items() if k not in _OWN}
+def openai_line(records: list[dict[str, Any]], api: str, model: str, created: int) -> dict[str, Any]:
+    """The Batch output line of a request's native records, one per sample (sample_index order: the choices),
+    `api` CHAT or TEXT, `model` the name in the body. An error in any sample makes the line an error."""
+    rid = records[0]["id"]
+    own = [{k: v for k, v in r.items() if k not in _OWN} for r in records]
     line = {"id": _hash_id("batch_req_", rid), "custom_id": rid,
             "response": {"status_code": 200, "request_id": _hash_id("req_", rid)}, "error": None}
-    if record["error"] is not None:
-        failed = "non-finite" in record["error"]  # the model's output failed, not the request
-        error = {"message": record["error"], "type": "server_error" if failed else "invalid_request_error",
+    own_field = own[0] if len(own) == 1 else own
+    failure = next((r["error"] for r in records if r["error"] is not None), None)
+    if failure is not None:
+        failed = "non-finite" in failure  # the model's output failed, not the request
+        error = {"message": failure, "type": "server_error" if failed else "invalid_request_error",
                  "param": None, "code": None}
-        line["response"] |= {"status_code": 500 if failed else 400, "body": {"error": error, "specgen": own}}
+        line["response"] |= {"status_code": 500 if failed else 400,
+                             "body": {"error": error, "specgen": own_field}}
         return line
-    usage = {"prompt_tokens": record["num_prompt_tokens"], "completion_tokens": record["num_output_tokens"],
-             "total_tokens": record["num_prompt_tokens"] + record["num_output_tokens"]}
-    entries = record.get("logprobs")
+    prompt_tokens = records[0]["num_prompt_tokens"]
+    completion_tokens = sum(r["num_output_tokens"] for r in records)
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
     if api == CHAT:
-        choice = {"index": 0, "message": {"role": "assistant", "content": record["text"], "refusal": None},
-                  "logprobs": None if entries is None else {"content": [_chat_entry(e) for e in entries],
-                                                            "refusal": None},
-                  "finish_reason": record["finish_reason"]}
+        choices = [{"index": i, "message": {"role": "assistant", "content": r["text"], "refusal": None},
+                    "logprobs": None if r.get("logprobs") is None else {
+                        "content": [_chat_entry(e) for e in r["logprobs"]], "refusal": None},
+                    "finish_reason": r["finish_reason"]} for i, r in enumerate(records)]
         body = {"id": _hash_id("chatcmpl-", rid), "object": "chat.completion"}
     else:
-        choice = {"index": 0, "text": record["text"],
-                  "logprobs": None if entries is None else _completion_logprobs(entries),
-                  "finish_reason": record["finish_reason"]}
+        choices = [{"index": i, "text": r["text"],
+                    "logprobs": None if r.get("logprobs") is None else _completion_logprobs(r["logprobs"]),
+                    "finish_reason": r["finish_reason"]} for i, r in enumerate(records)]
         body = {"id": _hash_id("cmpl-", rid), "object": "text_completion"}
-    body |= {"created": created, "model": model, "choices": [choice], "usage": usage,
-             "system_fingerprint": None, "specgen": own}
+    body |= {"created": created, "model": model, "choices": choices, "usage": usage,
+             "system_fingerprint": None, "specgen": own_field}
     line["response"]["body"] = body
     return line
+
+
+class SampleGroups:
+    """A request's samples held until all n are done: the OpenAI line has one choice per sample."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, list[dict[str, Any]]] = {}
+
+    def add(self, record: dict[str, Any], num_samples: int) -> list[dict[str, Any]] | None:
+        """The request's records in sample order once `record` completes them, else None."""
+        if num_samples <= 1 or record.get("sample_index") is None:
+            return [record]
+        group = self._pending.setdefault(record["id"], [])
+        group.append(record)
+        if len(group) < num_samples:
+            return None
+        del self._pending[record["id"]]
+        return sorted(group, key=lambda r: r["sample_index"])
 
 
 def _bytes(token: str) -> list[int] | None:
@@ -84,13 +107,17 @@ def is_openai_line(line: dict[str, Any]) -> bool:
     return "custom_id" in line and "response" in line
 
 
-def native_record(line: dict[str, Any]) -> dict[str, Any] | None:
-    """The native record an OpenAI output line was made from (its text; log-probabilities not rebuilt), or
-    None when the line holds no specgen record."""
+def native_records(line: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The native records an OpenAI output line was made from, one per sample (their text; log-probabilities
+    not rebuilt), or None when the line holds no specgen records."""
     body = (line.get("response") or {}).get("body") or {}
     own = body.get("specgen")
-    if not isinstance(own, dict) or own.get("id") != line.get("custom_id"):
+    own = [own] if isinstance(own, dict) else own
+    ours = isinstance(own, list) and own and all(
+        isinstance(o, dict) and o.get("id") == line.get("custom_id") for o in own)
+    if not ours:
         return None
-    choices = body.get("choices") or [{}]
-    text = choices[0].get("text", (choices[0].get("message") or {}).get("content", ""))
-    return {**own, "text": text or "", "logprobs": None}
+    choices = body.get("choices") or [{}] * len(own)
+    texts = [c.get("text", (c.get("message") or {}).get("content", "")) for c in choices]
+    return [{**o, "text": (texts[i] if i < len(texts) else "") or "", "logprobs": None}
+            for i, o in enumerate(own)]

@@ -11,9 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from specgen.engine.types import sample_key
 from specgen.errors import ConfigError, InputError
 from specgen.io.ids import SeenIds
-from specgen.io.openai_output import is_openai_line, native_record
+from specgen.io.openai_output import is_openai_line, native_records
 
 OUTPUT_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
                   ".parquet": "parquet", ".pq": "parquet"}
@@ -40,20 +41,21 @@ def existing_parts(path: Path) -> list[Path]:
 
 
 def scan_jsonl(path: Path, trim: bool) -> Iterator[dict[str, Any]]:
-    """Records of a JSONL output; a torn last line (a run killed mid-write) is skipped, and cut if `trim`."""
+    """Records of a JSONL output (an OpenAI Batch line's: one per sample); a torn last line (a run killed
+    mid-write) is skipped, and cut if `trim`."""
     with open(path, "rb") as f:
         offset, pending = 0, None  # pending: (offset, number, line) of the line read before this one
         for number, line in enumerate(f, start=1):
             if pending is not None:
-                yield _decode(path, *pending[1:])
+                yield from _decode(path, *pending[1:])
             pending = (offset, number, line)
             offset += len(line)
     if pending is None:
         return
     start, number, line = pending
-    record = _decode(path, number, line, last=True)
-    if record is not None:
-        yield record
+    records = _decode(path, number, line, last=True)
+    if records is not None:
+        yield from records
     elif trim:
         with open(path, "r+b") as f:
             f.truncate(start)
@@ -61,18 +63,24 @@ def scan_jsonl(path: Path, trim: bool) -> Iterator[dict[str, Any]]:
             os.fsync(f.fileno())
 
 
-def _decode(path: Path, number: int, line: bytes, last: bool = False) -> dict[str, Any] | None:
+def _decode(path: Path, number: int, line: bytes, last: bool = False) -> list[dict[str, Any]] | None:
     try:
         record = json.loads(line) if line.endswith(b"\n") else None
     except (UnicodeDecodeError, json.JSONDecodeError):
         record = None
+    records = [record]
     if isinstance(record, dict) and is_openai_line(record):  # an OpenAI Batch output line
-        record = native_record(record)
-    if isinstance(record, dict) and isinstance(record.get("id"), str):
-        return record
+        records = native_records(record) or [None]
+    if all(isinstance(r, dict) and isinstance(r.get("id"), str) for r in records):
+        return records
     if last:
         return None
     raise InputError(f"{path}: line {number} is not an output record; cannot read this output")
+
+
+def record_key(record: dict[str, Any]) -> str:
+    """A record's key among the done ids: its id, and its sample's index past the first (sample_key)."""
+    return sample_key(record["id"], record.get("sample_index"))
 
 
 def done_ids(path: Path) -> SeenIds:
@@ -83,21 +91,24 @@ def done_ids(path: Path) -> SeenIds:
     if output_format(path) == "jsonl":
         if path.exists():
             for r in scan_jsonl(path, trim=True):
-                ids.add(r["id"])
+                ids.add(record_key(r))
         return ids
     if path.exists():
-        for record_id in _parquet_ids(path):
-            ids.add(record_id)
+        for key in _parquet_keys(path):
+            ids.add(key)
     journal = journal_path(path)
     if journal.exists():
         for r in scan_jsonl(journal, trim=True):
-            ids.add(r["id"])
+            ids.add(record_key(r))
     return ids
 
 
-def _parquet_ids(path: Path) -> Iterator[str]:
-    for batch in iter_parquet_batches(path, columns=["id"]):
-        yield from batch.column(0).to_pylist()
+def _parquet_keys(path: Path) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    columns = ["id", "sample_index"] if "sample_index" in pq.read_schema(path).names else ["id"]
+    for batch in iter_parquet_batches(path, columns=columns):
+        yield from (record_key(r) for r in batch.to_pylist())
 
 
 def iter_parquet_batches(path: Path, columns: list[str] | None = None):
@@ -123,10 +134,10 @@ def iter_output_records(path: Path) -> Iterator[dict[str, Any]]:
         for batch in iter_parquet_batches(path):
             for record in batch.to_pylist():
                 if journal.exists():
-                    seen.add(record["id"])
+                    seen.add(record_key(record))
                 yield record
     if journal.exists():
         for record in scan_jsonl(journal, trim=False):
-            if record["id"] not in seen:
-                seen.add(record["id"])
+            if record_key(record) not in seen:
+                seen.add(record_key(record))
                 yield record

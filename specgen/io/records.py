@@ -18,7 +18,7 @@ from specgen.io.openai_output import CHAT, TEXT
 PROMPT_KEYS = ("prompt", "messages", "input_ids")
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs",
                  "top_logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
-                 "min_tokens")
+                 "min_tokens", "n")
 FLOAT_KEYS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 NATIVE_KEYS = ("id", *PROMPT_KEYS, *SAMPLING_KEYS)
 
@@ -27,7 +27,7 @@ OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 # body fields specgen reads, and those it accepts without effect (the model is chosen by --model).
 OPENAI_BODY_READ = ("messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                     "top_k", "min_p", "seed", "stop", "logprobs", "top_logprobs", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens")
+                    "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "n")
 OPENAI_BODY_IGNORED = ("model", "user", "metadata", "store")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the engine keeps integer sampling fields in int64 arrays
 SHOWN_CHARS = 60  # longest piece of a record's own text quoted in a message
@@ -96,12 +96,12 @@ def _parse_openai(raw: dict[str, Any]) -> InputRecord:
     if not isinstance(body, dict):
         raise RecordError("body must be a JSON object", record_id)
     body = {k: v for k, v in body.items() if v is not None}
-    known = OPENAI_BODY_READ + OPENAI_BODY_IGNORED + ("n", "stream")
+    known = OPENAI_BODY_READ + OPENAI_BODY_IGNORED + ("stream",)
     unknown = sorted(_show_name(k) for k in body if k not in known)
     if unknown:
         raise RecordError(f"unsupported field(s) body.{', body.'.join(unknown)}", record_id)
-    if body.get("n", 1) != 1 or body.get("stream", False) is not False:
-        raise RecordError("only n=1 and stream=false are supported", record_id)
+    if body.get("stream", False) is not False:
+        raise RecordError("only stream=false is supported", record_id)
     return _openai_prompt(body, url, record_id)
 
 

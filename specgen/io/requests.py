@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specgen.config import SamplingParams
-from specgen.engine.types import Request
+from specgen.engine.types import Request, sample_key
 from specgen.errors import ConfigError, InputError
 from specgen.io.ids import SeenIds
 from specgen.io.readers import RawRecord
@@ -22,6 +22,8 @@ class RequestSource:
     """Iterable of Requests, pulled lazily by the engine; bad records go to `on_bad` (None: raise InputError).
 
     A record's id defaults to its 1-based line/row number; ids in `done_ids` (a resumed run) are skipped.
+    A record with n samples yields n Requests (sample_index 0..n-1); done_ids holds samples (sample_key), and
+    only those not done are yielded.
     """
 
     records: Iterable[RawRecord]
@@ -32,7 +34,8 @@ class RequestSource:
     unit: str = "line"
     done_ids: Container[str] = frozenset()
     on_bad: OnBad | None = None
-    num_skipped: int = 0  # records skipped because their id was already done
+    max_n: int = 0  # the most samples a record may ask for (the batch size; 0: any)
+    num_skipped: int = 0  # samples skipped because they were already done
     _seen: SeenIds = field(default_factory=SeenIds, repr=False)
 
     def __iter__(self) -> Iterator[Request]:
@@ -49,7 +52,13 @@ class RequestSource:
                 self._bad(rid, f"{where}: {exc}", exc.num_prompt_tokens, exc.openai)
                 continue
             if req is not None:
-                yield req
+                for j in range(req.params.n):
+                    if j and sample_key(req.id, j) in self.done_ids:
+                        self.num_skipped += 1
+                    elif j == 0 and req.id in self.done_ids:
+                        self.num_skipped += 1
+                    else:
+                        yield dataclasses.replace(req, sample_index=j) if j else req
 
     def _request(self, raw: RawRecord, where: str, default_id: str) -> Request | None:
         """None when the record was already done; raises RecordError for a bad one."""
@@ -63,8 +72,8 @@ class RequestSource:
             raise
 
     def _checked(self, rec: InputRecord, raw: RawRecord, where: str) -> Request | None:
-        """_request's checks of a parsed record, and its Request."""
-        if rec.id in self.done_ids:
+        """_request's checks of a parsed record, and its Request (sample 0)."""
+        if rec.id in self.done_ids and not dict(rec.overrides).get("n", self.sampling.n) > 1:
             self.num_skipped += 1
             return None
         if rec.id in self._seen:
@@ -98,6 +107,9 @@ class RequestSource:
             raise RecordError(f"token id {bad} outside the vocabulary [0, {self.vocab_size})", record_id, n)
 
     def _check_params(self, params: SamplingParams, record_id: str) -> None:
+        if self.max_n and params.n > self.max_n:
+            raise RecordError(f"n = {params.n} samples is more than the batch's {self.max_n} slots",
+                              record_id)
         bad = next((t for t, _ in params.logit_bias if t >= self.vocab_size), None)
         if bad is not None:
             raise RecordError(f"logit_bias: token id {bad} outside the vocabulary [0, {self.vocab_size})",

@@ -7,7 +7,8 @@ from specgen.config import Method, SpecConfig
 from specgen.engine.types import RequestOutput
 
 FIELDS = (
-    "id", "text", "token_ids", "finish_reason", "num_prompt_tokens", "num_output_tokens", "num_steps",
+    "id", "sample_index", "text", "token_ids", "finish_reason", "num_prompt_tokens", "num_output_tokens",
+    "num_steps",
     "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "acceptance_rate",
     "mean_accepted_length", "accepted_per_position", "drafted_per_position", "num_prefill_chunks",
     "num_cached_prompt_tokens", "method",
@@ -23,6 +24,7 @@ def arrow_schema():
     TOKEN = [("token_id", i64), ("token", pa.string()), ("logprob", pa.float64())]
     return pa.schema([
         ("id", pa.string()),
+        ("sample_index", i64),
         ("text", pa.string()),
         ("token_ids", pa.list_(i64)),
         ("finish_reason", pa.string()),
@@ -58,6 +60,7 @@ def result_record(out: RequestOutput, spec: SpecConfig, error: str | None = None
     drafted = list(s.drafted_per_position or [])[: num_positions(spec)]
     return {
         "id": out.id,
+        "sample_index": out.sample_index,
         "text": out.text,
         "token_ids": [int(t) for t in out.token_ids],
         "finish_reason": out.finish_reason,
@@ -84,6 +87,7 @@ def error_record(record_id: str, message: str, spec: SpecConfig,
     """A request that produced nothing: empty text and counts, null rates, `error` says why."""
     return {
         "id": record_id,
+        "sample_index": None,
         "text": "",
         "token_ids": [],
         "finish_reason": None,

@@ -18,7 +18,14 @@ from typing import Any, Protocol
 from specgen.errors import ConfigError, InputError, OutputError
 from specgen.io.ids import SeenIds
 from specgen.io.manifest import PARQUET_KEY, read_manifest, sidecar_path
-from specgen.io.outputs import existing_parts, iter_parquet_batches, journal_path, output_format, scan_jsonl
+from specgen.io.outputs import (
+    existing_parts,
+    iter_parquet_batches,
+    journal_path,
+    output_format,
+    record_key,
+    scan_jsonl,
+)
 
 SYNC_EVERY_RECORDS = 64
 SYNC_EVERY_SECONDS = 1.0
@@ -217,13 +224,13 @@ def _merge_parquet(path: Path, tmp: Path) -> None:
                     table = _with_new_columns(pa.Table.from_batches([batch]), schema).cast(schema)
                 except (pa.ArrowException, ValueError) as exc:
                     raise InputError(f"{path}: not a specgen output ({exc})") from None
-                seen.update(table.column("id").to_pylist())
+                seen.update(record_key(r) for r in table.select(["id", "sample_index"]).to_pylist())
                 writer.write_table(table)
         if journal.exists():
             chunk: list[dict[str, Any]] = []
             for record in scan_jsonl(journal, trim=False):
-                if record["id"] not in seen:
-                    seen.add(record["id"])
+                if record_key(record) not in seen:
+                    seen.add(record_key(record))
                     chunk.append(record)
                 if len(chunk) >= PARQUET_ROW_GROUP:
                     writer.write_table(pa.Table.from_pylist(chunk, schema))

@@ -130,6 +130,12 @@ class KVCache:
             return [[x] for x in own]
         return [[p, x] for p, x in zip(self.prefix._slot_rows(0, prefix_len), own)]
 
+    def copy_slot(self, src: int, dst: int, n: int, prefix_len: int = 0) -> None:
+        """`dst`'s own rows [0, n) take the K and V of `src`'s positions [0, n) (its first `prefix_len` read
+        from the shared prefix): the samples of one prompt share its prefill. `dst` reads no shared prefix
+        afterwards."""
+        self.import_slot(dst, self.export_slot(src, n, prefix_len))
+
     def _slot_rows(self, slot: int, n: int) -> list[np.ndarray]:
         """[num_kv_heads, n, head_dim] rows [0, n) of `slot`, per tensor (K layers, then V layers)."""
         KV, cap, D = self.num_kv_heads, self.capacity, self.head_dim

@@ -46,6 +46,7 @@ class NoProposer:
 
     acceptance_hint = None
     idle_when_detached = False
+    clone_safe = True  # keeps no state of a slot's prompt: a sample may copy another's prompt rows
 
     def propose(self, view: SlotView) -> DraftTokens:
         return DraftTokens.none(len(view.slots), 0)
