@@ -9,6 +9,8 @@ decoding, and whether speculation keeps its gain under them.
    the repeats' ratios; the first repeat a warm-up).
 2. MBPP code rewrites at batch 1: ngram (k 5) over plain decoding, without and with the penalties (the same
    penalties in both arms of each ratio), so the two speedups compare.
+3. n samples (--samples, T 0.8, ignore_eos) of each Spec-Bench summarization and RAG prompt (--per-set each)
+   at batch n: one record with n against the same job written as n copies of each prompt (n prefills).
 """
 from __future__ import annotations
 
@@ -22,13 +24,15 @@ PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.3, frequency_penalty
 
 
 def alternated(lm, ids, arms: dict, repeats: int) -> dict[str, list[float]]:
-    """tok/s of each arm (name -> (SamplingParams, EngineConfig, SpecConfig)) per repeat, alternated."""
+    """tok/s of each arm (name -> (SamplingParams, EngineConfig, SpecConfig[, its own prompts])) per repeat,
+    alternated."""
     from specgen import generate
 
     tok_s: dict[str, list[float]] = {a: [] for a in arms}
     for rep in range(repeats + 1):
-        for name, (sp, engine, spec) in arms.items():
-            outs, wall = timed(lambda: generate(ids, model=lm, sampling=sp, engine=engine,
+        for name, (sp, engine, spec, *own) in arms.items():
+            prompts_ = own[0] if own else ids
+            outs, wall = timed(lambda: generate(prompts_, model=lm, sampling=sp, engine=engine,
                                                 speculative=spec))
             if rep:
                 tok_s[name].append(sum(len(o.token_ids) for o in outs) / wall)
@@ -45,6 +49,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--mbpp", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--per-set", type=int, default=2)
     args = ap.parse_args()
     from specgen import EngineConfig, SamplingParams, SpecConfig, load_model
 
@@ -76,6 +82,20 @@ def main() -> None:
                 [["no penalties", float(np.median(tok_s["plain"])), ratio(tok_s, "ngram", "plain")],
                  ["penalties", float(np.median(tok_s["plain+pen"])),
                   ratio(tok_s, "ngram+pen", "plain+pen")]], 3)
+    print(flush=True)
+    sets = load_sets(args.per_set, 0)
+    n, rows = args.samples, []
+    for name in ("summarization", "rag"):
+        chats = [list(lm.tokenizer.encode_chat(m)) for m in sets[name]]
+        sampled = dict(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.8, seed=1)
+        engine = EngineConfig(batch_size=n, max_prefill_tokens=8192)
+        copies = [c for c in chats for _ in range(n)]
+        tok_s = alternated(lm, chats, {"n": (SamplingParams(**sampled, n=n), engine, plain),
+                                       "copies": (SamplingParams(**sampled), engine, plain, copies)},
+                           args.repeats)
+        rows.append([name, len(chats), float(np.median(tok_s["copies"])), float(np.median(tok_s["n"])),
+                     ratio(tok_s, "n", "copies")])
+    print_table(["set", "prompts", f"{n} copies tok/s", f"n = {n} tok/s", "n / copies"], rows, 3)
 
 
 if __name__ == "__main__":

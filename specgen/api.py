@@ -17,7 +17,8 @@ def generate(
     speculative: SpecConfig | None = None,
     ids: Sequence[str] | None = None,
 ):
-    """Complete every prompt; returns RequestOutputs in input order.
+    """Complete every prompt; returns RequestOutputs in input order (a prompt's n samples one after another,
+    by sample_index).
 
     `prompts`: text, chat messages, or token-id lists. `sampling`: one SamplingParams for all, or one each.
     """
@@ -33,11 +34,11 @@ def generate(
         if len(params) != len(prompts):
             raise InputError(f"got {len(params)} sampling params for {len(prompts)} prompts")
     ids = [str(i) for i in (ids if ids is not None else range(len(prompts)))]
-    requests = [
-        Request(id=ids[i], index=i, prompt_ids=encode_prompt(loaded, p, f"prompt {i}"), params=params[i])
-        for i, p in enumerate(prompts)
-    ]
-    return sorted(make_engine(loaded, engine, speculative).run(requests), key=lambda o: o.index)
+    encoded = [encode_prompt(loaded, p, f"prompt {i}") for i, p in enumerate(prompts)]
+    requests = [Request(id=ids[i], index=i, prompt_ids=encoded[i], params=params[i], sample_index=j)
+                for i in range(len(prompts)) for j in range(params[i].n)]
+    outs = make_engine(loaded, engine, speculative).run(requests)
+    return sorted(outs, key=lambda o: (o.index, o.sample_index))
 
 
 def iter_generate(loaded: LoadedModel, requests: Iterable, engine: EngineConfig, speculative: SpecConfig):
