@@ -102,6 +102,12 @@ class Backend(Protocol):
         """[num_logits] int64 each row's token: greedy rows keep `greedy` (the forward's argmax), sampled rows
         sample logits [num_logits, vocab] by the rule of layers/sampling.py."""
 
+    def logprobs(self, logits: paddle.Tensor, rows: np.ndarray, tokens: np.ndarray,
+                 top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The log-softmax of logits rows `rows` at `tokens` (float64 [n]) and their `top` most likely tokens
+        (int64 and float64 [n, top]; most likely first, the lower id first on a tie): layers/logprobs.py's
+        rule."""
+
     def new_cache(self, model: ModelView, num_slots: int, max_capacity: int, kv_dtype: str,
                   num_layers: int | None = None) -> KVCache:
         """A KV cache for this backend (kv_dtype: auto, the model's dtype, or float16)."""

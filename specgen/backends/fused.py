@@ -223,6 +223,14 @@ class FusedBackend:
         return args.sample(self.ops, logits, args.SampleArgs(s.temperature, s.top_k, s.top_p, s.min_p, s.u,
                                                              greedy)).numpy()
 
+    def logprobs(self, logits: paddle.Tensor, rows: np.ndarray, tokens: np.ndarray,
+                 top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """specgen_logprobs: every row in one operator, one pass for the normalizer and one for the top
+        (the reference's rule: layers/logprobs.py)."""
+        picked = paddle.gather(logits, paddle.to_tensor(rows))
+        lp, ids, top_lp = args.logprobs(self.ops, picked, paddle.to_tensor(tokens.astype(np.int64)), top)
+        return lp.numpy(), ids.numpy(), top_lp.numpy()
+
     def new_cache(self, model: ModelView, num_slots: int, max_capacity: int, kv_dtype: str = "auto",
                   num_layers: int | None = None) -> KVCache:
         dtype = self.dtype if kv_dtype == "auto" else kv_dtype

@@ -16,6 +16,7 @@ from specgen.errors import CheckpointError, ConfigError
 from specgen.layers.attention import AttentionIndex
 from specgen.layers.block import block_forward
 from specgen.layers.linear import Linear
+from specgen.layers.logprobs import row_logprobs
 from specgen.layers.norm import rms_norm
 from specgen.layers.quant import DeviceBlocks
 from specgen.layers.sampling import sample
@@ -88,6 +89,10 @@ class ReferenceBackend:
 
     def sample(self, logits: paddle.Tensor | None, s: RowSampling, greedy: np.ndarray) -> np.ndarray:
         return sample(logits, s.temperature, s.top_k, s.top_p, s.u, greedy, s.min_p)
+
+    def logprobs(self, logits: paddle.Tensor, rows: np.ndarray, tokens: np.ndarray,
+                 top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return row_logprobs(logits, rows, tokens, top)
 
     def new_cache(self, model: ModelView, num_slots: int, max_capacity: int, kv_dtype: str = "auto",
                   num_layers: int | None = None) -> KVCache:

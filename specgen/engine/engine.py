@@ -13,7 +13,7 @@ from specgen.config import EngineConfig, SamplingParams
 from specgen.engine import penalties
 from specgen.engine.adaptive import Controller, StepReport
 from specgen.engine.adaptive.calibrate import controller_for
-from specgen.engine.logprobs import LogprobTable, row_logprobs
+from specgen.engine.logprobs import LogprobTable
 from specgen.engine.memory import KvMemory
 from specgen.engine.proposers.base import NoProposer, Proposer, SlotView
 from specgen.engine.scheduler import Scheduler
@@ -367,7 +367,8 @@ class Engine:
         wanted = (np.arange(rows.shape[1])[None, :] < kept[:, None]) & t.logprobs[slots][:, None]
         seq, col = np.nonzero(wanted)
         rows = rows[seq, col]
-        logprob, top_ids, top_lp = row_logprobs(logits, rows, targets[rows], int(t.top_logprobs[slots].max()))
+        logprob, top_ids, top_lp = self.model.logprobs(logits, rows, targets[rows],
+                                                       int(t.top_logprobs[slots].max()))
         self.logprob_table.write(slots[seq], t.seq_len[slots][seq] + col, logprob, top_ids, top_lp)
 
     @classmethod

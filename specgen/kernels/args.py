@@ -262,6 +262,13 @@ def sample(ops: ModuleType, logits: Tensor, a: SampleArgs) -> Tensor:
     return _first(ops.specgen_sample(logits, paddle.to_tensor(params)))
 
 
+def logprobs(ops: ModuleType, logits: Tensor, tokens: Tensor, top: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Each logits row's log-softmax at its token (float64 [rows]) and its `top` most likely tokens (int64 and
+    float64 [rows, top]), sampling.cc's specgen_logprobs."""
+    lp, ids, top_lp = ops.specgen_logprobs(logits, tokens, top)
+    return lp, ids, top_lp
+
+
 def argmax(ops: ModuleType, x: Tensor) -> Tensor:
     """int64 [rows]: each row's largest value's index, the lowest on a tie."""
     return _first(ops.specgen_argmax(x))

@@ -1,4 +1,5 @@
 // The sampling operator: each logit row's token, in one pass over the vocabulary where the row's filters allow.
+// And the log-probabilities operator (specgen_logprobs, below): each row's log-softmax at a token and its top K.
 // Its reference is specgen/layers/sampling.py's `sample` (Paddle's operators), which computes the same rule:
 //   greedy rows (temperature 0) keep the argmax the forward computed (the lowest id on a tie);
 //   sampled rows weigh each token by exp((x - max) / temperature), keep the top_k largest logits (ties kept),
@@ -237,6 +238,123 @@ std::vector<paddle::Tensor> Sample(const paddle::Tensor& logits, const paddle::T
   return {out};
 }
 
+// exp(x) for x <= 0 in double precision (x below -708 is taken as -708), within about 1 ulp: x = k ln2 + r,
+// |r| <= ln2 / 2, exp(r) by its Taylor series to degree 13 (the next term is below 2e-17 of it), scaled by 2^k
+// through the exponent bits; branch-free, so a loop over a row vectorizes.
+inline double exp_nonpositive_d(double x) {
+  constexpr double kShift = 6755399441055744.0;  // 1.5 * 2^52
+  x = x < -708.0 ? -708.0 : x;
+  const double shifted = x * 1.4426950408889634 + kShift;
+  int64_t k_bits;
+  std::memcpy(&k_bits, &shifted, sizeof k_bits);
+  const double k = shifted - kShift;
+  const double r = (x - k * 0.6931471803691238) - k * 1.9082149292705877e-10;  // ln2 in two parts
+  double p = 1.0 / 6227020800.0;
+  p = p * r + 1.0 / 479001600.0;
+  p = p * r + 1.0 / 39916800.0;
+  p = p * r + 1.0 / 3628800.0;
+  p = p * r + 1.0 / 362880.0;
+  p = p * r + 1.0 / 40320.0;
+  p = p * r + 1.0 / 5040.0;
+  p = p * r + 1.0 / 720.0;
+  p = p * r + 1.0 / 120.0;
+  p = p * r + 1.0 / 24.0;
+  p = p * r + 1.0 / 6.0;
+  p = p * r + 0.5;
+  p = p * r + 1.0;
+  p = p * r + 1.0;
+  const int64_t scale_bits = ((k_bits - 0x4338000000000000LL) + 1023) << 52;  // k + 1023 in the exponent
+  double scale;
+  std::memcpy(&scale, &scale_bits, sizeof scale);
+  return p * scale;
+}
+
+struct Scored {
+  double value;
+  int64_t id;
+};
+
+// a before b in the top list: more likely, or as likely with a lower id
+inline bool before(const Scored& a, const Scored& b) {
+  return a.value > b.value || (a.value == b.value && a.id < b.id);
+}
+
+// One row's log-softmax at `token` and its `top` most likely tokens (most likely first, the lower id first on a
+// tie), in double: max, then the sum of exp(x - max) in token order, 8 partial sums; the top by a heap of the
+// best so far, whose worst is on top (a token equal to it comes later in id order, so it never enters).
+template <typename T>
+double logprob_row(const T* x, int64_t v, int64_t token, int64_t top, int64_t* top_ids, double* top_lp,
+                   std::vector<Scored>& heap) {
+  double m = static_cast<double>(x[0]);
+  for (int64_t i = 1; i < v; ++i) m = static_cast<double>(x[i]) > m ? static_cast<double>(x[i]) : m;
+  double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= v; i += 8) {
+    for (int lane = 0; lane < 8; ++lane) part[lane] += exp_nonpositive_d(static_cast<double>(x[i + lane]) - m);
+  }
+  for (; i < v; ++i) part[0] += exp_nonpositive_d(static_cast<double>(x[i]) - m);
+  const double sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+  const double lse = m + std::log(sum);
+  if (top > 0) {
+    heap.clear();
+    for (int64_t j = 0; j < v; ++j) {
+      const Scored s{static_cast<double>(x[j]), j};
+      if (static_cast<int64_t>(heap.size()) < top) {
+        heap.push_back(s);
+        std::push_heap(heap.begin(), heap.end(), before);
+      } else if (s.value > heap.front().value) {
+        std::pop_heap(heap.begin(), heap.end(), before);
+        heap.back() = s;
+        std::push_heap(heap.begin(), heap.end(), before);
+      }
+    }
+    std::sort(heap.begin(), heap.end(), before);
+    for (int64_t k = 0; k < top; ++k) {
+      top_ids[k] = heap[k].id;
+      top_lp[k] = heap[k].value - lse;
+    }
+  }
+  return static_cast<double>(x[token]) - lse;
+}
+
+template <typename T>
+void logprob_rows(const T* x, int64_t n, int64_t v, const int64_t* tok, int64_t top, double* out, int64_t* id,
+                  double* tl) {
+  // rows round robin over the threads; each row on one thread, so its sums do not depend on the batch
+#pragma omp parallel for schedule(static, 1) if (n > 1)
+  for (int64_t r = 0; r < n; ++r) {
+    static thread_local std::vector<Scored> heap;
+    out[r] = logprob_row<T>(x + r * v, v, tok[r], top, id + r * top, tl + r * top, heap);
+  }
+}
+
+std::vector<paddle::Tensor> Logprobs(const paddle::Tensor& logits, const paddle::Tensor& tokens, int64_t top) {
+  PD_CHECK(logits.is_cpu() && tokens.is_cpu(), "specgen_logprobs: CPU tensors only");
+  PD_CHECK(logits.shape().size() == 2, "specgen_logprobs: logits must be [rows, vocab]");
+  const int64_t n = logits.shape()[0], v = logits.shape()[1];
+  PD_CHECK(tokens.dtype() == paddle::DataType::INT64 && tokens.shape().size() == 1 && tokens.shape()[0] == n,
+           "specgen_logprobs: tokens must be int64 [rows]");
+  PD_CHECK(top >= 0 && top <= v, "specgen_logprobs: top out of range");
+  auto lp = paddle::empty({n}, paddle::DataType::FLOAT64, logits.place());
+  auto ids = paddle::empty({n, top}, paddle::DataType::INT64, logits.place());
+  auto tlp = paddle::empty({n, top}, paddle::DataType::FLOAT64, logits.place());
+  const int64_t* tok = tokens.data<int64_t>();
+  for (int64_t r = 0; r < n; ++r) PD_CHECK(tok[r] >= 0 && tok[r] < v, "specgen_logprobs: token out of range");
+  double* out = lp.data<double>();
+  int64_t* id = ids.data<int64_t>();
+  double* tl = tlp.data<double>();
+  PD_DISPATCH_FLOATING_TYPES(logits.type(), "specgen_logprobs", ([&] {
+    logprob_rows<data_t>(logits.data<data_t>(), n, v, tok, top, out, id, tl);
+  }));
+  return {lp, ids, tlp};
+}
+
 }  // namespace
+
+PD_BUILD_OP(specgen_logprobs)
+    .Inputs({"Logits", "Tokens"})
+    .Outputs({"Logprob", "TopIds", "TopLogprobs"})
+    .Attrs({"top: int64_t"})
+    .SetKernelFn(PD_KERNEL(Logprobs));
 
 PD_BUILD_OP(specgen_sample).Inputs({"Logits", "Params"}).Outputs({"Out"}).SetKernelFn(PD_KERNEL(Sample));

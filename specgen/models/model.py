@@ -57,6 +57,11 @@ class Model:
         """[num_logits] int64 each logit row's token (greedy, or sampled by the backend's sampler)."""
         return self.backend.sample(logits, rows, greedy)
 
+    def logprobs(self, logits: paddle.Tensor, rows: np.ndarray, tokens: np.ndarray,
+                 top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Log-probabilities of `tokens` at logits rows `rows`, and the top `top` (the backend's operator)."""
+        return self.backend.logprobs(logits, rows, tokens, top)
+
     def cost_key(self) -> str:
         """What a step's cost depends on in this model (the step-cost tables are kept per key): its shape,
         dtype, backend and weights' formats."""
