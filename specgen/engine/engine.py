@@ -544,14 +544,14 @@ class Engine:
         p = penalties.RowPenalties(t.repetition_penalty[ps], t.presence_penalty[ps], t.frequency_penalty[ps],
                                    no_eos)
         picked = rows[seq, col]  # [n] the processed logit rows
-        flat = paddle.to_tensor(picked[touched.row] * vocab + touched.token)
-        x = penalties.apply(paddle.gather(logits.reshape([-1]), flat).numpy(), touched, p, self.eos_ids)
-        x = paddle.to_tensor(x.astype(np.float64 if logits.dtype == paddle.float64 else np.float32))
-        logits = paddle.scatter(logits.reshape([-1]), flat, x, overwrite=True).reshape(logits.shape)
+        x = logits.numpy()[picked]  # [n, vocab] (a copy)
+        at = (touched.row, touched.token)
+        x[at] = penalties.apply(x[at], touched, p, self.eos_ids)  # rounded to the model's dtype
         greedy = (out.greedy.copy() if out.greedy is not None
                   else paddle.argmax(logits, axis=-1).numpy().astype(np.int64))
-        # the lowest id on a tie
-        greedy[picked] = paddle.argmax(paddle.gather(logits, paddle.to_tensor(picked)), axis=-1).numpy()
+        greedy[picked] = x.argmax(axis=-1)  # the lowest id on a tie
+        if t.temperature[ps].any():  # sampled rows: the sampler reads the processed rows
+            logits = paddle.scatter(logits, paddle.to_tensor(picked), paddle.to_tensor(x))
         return logits, greedy
 
     def _commit(self, plan: StepPlan, slots: np.ndarray, emitted: np.ndarray, kept: np.ndarray) -> np.ndarray:

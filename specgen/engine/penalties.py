@@ -59,7 +59,7 @@ def apply(x: np.ndarray, touched: Touched, p: RowPenalties, eos_ids: np.ndarray)
     row is left as it is: each step below is the identity there)."""
     x = x.astype(np.float64)
     r = touched.row
-    x[p.no_eos[r] & np.isin(touched.token, eos_ids)] = -np.inf
+    x[p.no_eos[r] & (touched.token[:, None] == eos_ids[None, :]).any(axis=1)] = -np.inf
     x += touched.bias
     rep = p.repetition[r]
     seen = touched.in_prompt | (touched.out_count > 0)
