@@ -109,7 +109,9 @@ class SamplingParams:
                                         "(OpenAI's; -2 to 2).")
     logit_bias: tuple[Any, ...] = opt((), "ID:BIAS added to a token's logit (repeat the option; OpenAI's "
                                           "logit_bias, -100 to 100).")
-    min_tokens: int = opt(0, "No EOS before this many output tokens (vLLM's min_tokens).")
+    min_tokens: int = opt(0, "No EOS (nor stop token id) before this many output tokens (vLLM's min_tokens).")
+    stop_token_ids: tuple[Any, ...] = opt((), "A token id that ends the output as EOS does, kept in it "
+                                              "(repeat the option for several; vLLM's stop_token_ids).")
     n: int = opt(1, "Samples per prompt (at most the batch size): one record each, with sample_index; they "
                     "share the prompt's prefill where the method allows it.")
 
@@ -138,6 +140,13 @@ class SamplingParams:
         if self.n < 1:
             raise ConfigError(f"n must be >= 1, got {self.n}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        try:
+            stops = tuple(int(t) for t in self.stop_token_ids)
+        except (TypeError, ValueError):
+            raise ConfigError(f"stop_token_ids must be token ids, got {self.stop_token_ids!r}") from None
+        if any(t < 0 for t in stops):
+            raise ConfigError(f"stop_token_ids must be >= 0, got {stops}")
+        object.__setattr__(self, "stop_token_ids", stops)
         if isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
         if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):

@@ -137,7 +137,7 @@ class DecodeEngine(Engine):
                 load(slot, {k[len("draft."):]: v for k, v in arrays.items() if k.startswith("draft.")},
                      self.config.batch_size)
         self.table.import_row(slot, h.row)
-        self._set_bias(slot, req)
+        self._set_lists(slot, req)
         if h.logprobs is not None:
             n, start_pos = len(h.logprobs[0]), int(h.row["prompt_len"])
             self._logprob_room(req).write(np.full(n, slot), start_pos + np.arange(n), *h.logprobs)

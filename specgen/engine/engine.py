@@ -17,7 +17,7 @@ from specgen.engine.logprobs import LogprobTable
 from specgen.engine.memory import KvMemory
 from specgen.engine.proposers.base import NoProposer, Proposer, SlotView
 from specgen.engine.scheduler import Scheduler
-from specgen.engine.slots import MAX_DRAFT, SlotTable, common_prefix, error_output, rejection
+from specgen.engine.slots import MAX_DRAFT, SlotLists, SlotTable, common_prefix, error_output, rejection
 from specgen.engine.stops import stop_strings
 from specgen.engine.tree import CAUSAL, main_chain, node_values, offer, reach, tree_layout, walk
 from specgen.engine.types import DraftTokens, Request, RequestOutput, SlotSampling, StepUpdate
@@ -100,9 +100,9 @@ class Engine:
         self.kv_memory = KvMemory(self.cache, config, self.context_len)  # admission checks it
         self.table = SlotTable.empty(config.batch_size, 256)
         self.logprob_table: LogprobTable | None = None  # made when a request first asks for log-probabilities
-        # each slot's logit bias: token ids [num_slots, width] int64 (-1: none) and biases [num_slots, width]
-        # float64; made when a request first has one
-        self.bias_table: tuple[np.ndarray, np.ndarray] | None = None
+        # each slot's logit bias and its stop token ids, made when a request first has one
+        self.bias_table: SlotLists | None = None
+        self.stop_table: SlotLists | None = None
         # the slot of each running request's sample 0, for requests of n > 1 samples: the others copy its
         # prompt's rows once it is prefilled (_source_slot)
         self.samples_of: dict[str, int] = {}
@@ -147,7 +147,7 @@ class Engine:
         if req.params.n > 1 and req.sample_index == 0:
             self.samples_of[req.id] = slot
         self._logprob_room(req)
-        self._set_bias(slot, req)
+        self._set_lists(slot, req)
         self.requests[slot] = req
         if self.controller is not None:
             self.controller.reset(slot)
@@ -178,21 +178,16 @@ class Engine:
         n = len(req.prompt_ids)
         return min(n, self.config.prefill_chunk) if self.config.prefill_chunk else n
 
-    def _set_bias(self, slot: int, req: Request) -> None:
-        """`slot`'s row of bias_table: `req`'s logit bias (the table made or widened when it needs to)."""
-        pairs = req.params.logit_bias
-        if self.bias_table is None and not pairs:
-            return
-        n = len(self.requests)
-        ids, values = self.bias_table or (np.zeros((n, 0), np.int64), np.zeros((n, 0)))
-        if len(pairs) > ids.shape[1]:
-            wider = np.full((len(ids), len(pairs)), -1, np.int64), np.zeros((len(ids), len(pairs)))
-            wider[0][:, : ids.shape[1]], wider[1][:, : ids.shape[1]] = ids, values
-            ids, values = wider
-        ids[slot], values[slot] = -1, 0.0
-        if pairs:
-            ids[slot, : len(pairs)], values[slot, : len(pairs)] = zip(*pairs)
-        self.bias_table = ids, values
+    def _set_lists(self, slot: int, req: Request) -> None:
+        """`slot`'s rows of bias_table and stop_table: `req`'s logit bias and stop token ids (each table made
+        when a request first has one)."""
+        pairs, stops = req.params.logit_bias, req.params.stop_token_ids
+        if self.bias_table is not None or pairs:
+            self.bias_table = self.bias_table or SlotLists.empty(len(self.requests))
+            self.bias_table.set(slot, [t for t, _ in pairs], [b for _, b in pairs])
+        if self.stop_table is not None or stops:
+            self.stop_table = self.stop_table or SlotLists.empty(len(self.requests))
+            self.stop_table.set(slot, list(stops))
 
     def _logprob_room(self, req: Request) -> LogprobTable | None:
         """Room in logprob_table for `req` (placed in the slot table already), made the first time a request
@@ -291,7 +286,9 @@ class Engine:
         broken = np.isin(slots, nonfinite_slots(out, blocks.batch))  # [num_seqs]
         emitted, accepted, path = self._verify(plan, blocks, targets)
         num_emitted = np.concatenate([accepted + 1, plan.final.astype(np.int64)])  # a mid-prompt chunk: none
-        kept, by_eos = first_stop(emitted, num_emitted, self.eos_ids, plan.room[slots], t.ignore_eos[slots])
+        stop_ids = None if self.stop_table is None else self.stop_table.ids[slots]
+        kept, by_eos = first_stop(emitted, num_emitted, self.eos_ids, plan.room[slots], t.ignore_eos[slots],
+                                  stop_ids)
         by_stop, texts = stop_strings(self.tokenizer, self.requests, t, slots, emitted, kept)
         position = t.seq_len[slots] - t.prompt_len[slots]  # [num_seqs] output tokens before this step
         root_rows = t.seq_len[plan.dec] - 1 - t.prefix_len[plan.dec]  # [num_dec] own cache row of each root
@@ -533,20 +530,24 @@ class Engine:
         prompt = (np.nonzero(rep)[0][prompt[0]], prompt[1])
         bias = (np.zeros(0, np.int64),) * 2 + (np.zeros(0),)
         if self.bias_table is not None:
-            br, bc = np.nonzero(self.bias_table[0][ps] >= 0)
-            bias = (br, self.bias_table[0][ps][br, bc], self.bias_table[1][ps][br, bc])
+            br, bc = np.nonzero(self.bias_table.ids[ps] >= 0)
+            bias = (br, self.bias_table.ids[ps][br, bc], self.bias_table.values[ps][br, bc])
         depth = col.copy()  # each row's output tokens after the committed ones (a tree node: its depth)
         if plan.depth is not None:
             depth[dec] = plan.depth[seq[dec], col[dec]]
-        no_eos = t.seq_len[ps] - t.prompt_len[ps] + depth < t.min_tokens[ps]
-        eos = (np.repeat(np.nonzero(no_eos)[0], len(self.eos_ids)), np.tile(self.eos_ids, int(no_eos.sum())))
+        # rows short of min_tokens: EOS and their stop ids masked
+        held = np.nonzero(t.seq_len[ps] - t.prompt_len[ps] + depth < t.min_tokens[ps])[0]
+        eos = (np.repeat(held, len(self.eos_ids)), np.tile(self.eos_ids, len(held)))
+        if self.stop_table is not None:
+            stops = self.stop_table.ids[ps[held]]
+            sr, sc = np.nonzero(stops >= 0)
+            eos = (np.concatenate([eos[0], held[sr]]), np.concatenate([eos[1], stops[sr, sc]]))
         touched = penalties.Touched.gather(vocab, (out_row, out_tok), prompt, bias, eos)
-        p = penalties.RowPenalties(t.repetition_penalty[ps], t.presence_penalty[ps], t.frequency_penalty[ps],
-                                   no_eos)
+        p = penalties.RowPenalties(t.repetition_penalty[ps], t.presence_penalty[ps], t.frequency_penalty[ps])
         picked = rows[seq, col]  # [n] the processed logit rows
         x = logits.numpy()[picked]  # [n, vocab] (a copy)
         at = (touched.row, touched.token)
-        x[at] = penalties.apply(x[at], touched, p, self.eos_ids)  # rounded to the model's dtype
+        x[at] = penalties.apply(x[at], touched, p)  # rounded to the model's dtype
         greedy = (out.greedy.copy() if out.greedy is not None
                   else paddle.argmax(logits, axis=-1).numpy().astype(np.int64))
         greedy[picked] = x.argmax(axis=-1)  # the lowest id on a tie

@@ -23,25 +23,26 @@ class RowPenalties:
     repetition: np.ndarray  # float64, 1 = off
     presence: np.ndarray  # float64
     frequency: np.ndarray  # float64
-    no_eos: np.ndarray  # bool: the output is shorter than min_tokens
 
 
 @dataclass(frozen=True)
 class Touched:
     """The (row, token) entries a row's processing can change, each once, sorted by row * vocab + token: the
-    tokens of its history (prompt, output, drafts on its path), its logit bias, EOS."""
+    tokens of its history (prompt, output, drafts on its path), its logit bias, EOS and its stop ids while
+    min_tokens holds them back."""
 
     row: np.ndarray  # [m] int64 processed row (0..n-1)
     token: np.ndarray  # [m] int64
     out_count: np.ndarray  # [m] float64 the token's count in the output before the row (drafts included)
     in_prompt: np.ndarray  # [m] bool
     bias: np.ndarray  # [m] float64 (0: none)
+    held: np.ndarray  # [m] bool EOS or a stop id the row may not choose yet (min_tokens)
 
     @classmethod
     def gather(cls, vocab: int, output: Pairs, prompt: Pairs, bias: tuple[np.ndarray, np.ndarray, np.ndarray],
                eos: Pairs) -> "Touched":
         """From (row, token) pairs of the output tokens before each row (repeats counted), of its prompt, of
-        its logit bias (row, token, bias) and of EOS where it is masked."""
+        its logit bias (row, token, bias) and of the stop tokens it may not choose yet."""
         keys = [r * vocab + t for r, t in (output, prompt, bias[:2], eos)]
         out_keys, counts = np.unique(keys[0], return_counts=True)
         key = np.unique(np.concatenate(keys))
@@ -51,15 +52,17 @@ class Touched:
         in_prompt[np.searchsorted(key, keys[1])] = True
         bias_of = np.zeros(len(key))
         bias_of[np.searchsorted(key, keys[2])] = bias[2]
-        return cls(key // vocab, key % vocab, out_count, in_prompt, bias_of)
+        held = np.zeros(len(key), bool)
+        held[np.searchsorted(key, keys[3])] = True
+        return cls(key // vocab, key % vocab, out_count, in_prompt, bias_of, held)
 
 
-def apply(x: np.ndarray, touched: Touched, p: RowPenalties, eos_ids: np.ndarray) -> np.ndarray:
+def apply(x: np.ndarray, touched: Touched, p: RowPenalties) -> np.ndarray:
     """The processed values, float64, of the touched entries whose logits are x [m] (every other logit of a
     row is left as it is: each step below is the identity there)."""
     x = x.astype(np.float64)
     r = touched.row
-    x[p.no_eos[r] & (touched.token[:, None] == eos_ids[None, :]).any(axis=1)] = -np.inf
+    x[touched.held] = -np.inf
     x += touched.bias
     rep = p.repetition[r]
     seen = touched.in_prompt | (touched.out_count > 0)

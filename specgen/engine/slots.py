@@ -122,6 +122,31 @@ class SlotTable:
                 getattr(self, name)[slot] = value
 
 
+@dataclass
+class SlotLists:
+    """A short list per slot (token ids, with a value each): padded rows, -1 past a slot's entries; grown to
+    the longest list set, never shrunk (a request's logit bias, its stop token ids)."""
+
+    ids: np.ndarray  # [num_slots, width] int64
+    values: np.ndarray  # [num_slots, width] float64
+
+    @classmethod
+    def empty(cls, num_slots: int) -> "SlotLists":
+        return cls(np.zeros((num_slots, 0), np.int64), np.zeros((num_slots, 0)))
+
+    def set(self, slot: int, ids, values=None) -> None:
+        """`slot`'s list: ids [m] (values [m], default 0)."""
+        m, (n, w) = len(ids), self.ids.shape
+        if m > w:
+            ids_, values_ = np.full((n, m), -1, np.int64), np.zeros((n, m))
+            ids_[:, :w], values_[:, :w] = self.ids, self.values
+            self.ids, self.values = ids_, values_
+        self.ids[slot], self.values[slot] = -1, 0.0
+        self.ids[slot, :m] = ids
+        if values is not None:
+            self.values[slot, :m] = values
+
+
 def rejection(req: Request, context_len: int, vocab_size: int) -> str | None:
     """Why `req` cannot run (an empty prompt, no room in the context, a token outside the vocabulary), or
     None."""

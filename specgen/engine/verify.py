@@ -28,15 +28,20 @@ def first_stop(
     eos_ids: np.ndarray,  # [num_eos] int64
     room: np.ndarray,  # [num_seqs] int64 tokens the request may still emit (max_tokens and context)
     ignore_eos: np.ndarray,  # [num_seqs] bool
+    stop_ids: np.ndarray | None = None,  # [num_seqs, width] int64 each request's stop token ids (-1: none)
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Cut each emitted run at the first EOS or when the request runs out of room.
+    """Cut each emitted run at the first EOS (unless ignore_eos) or stop token id, or when the request runs
+    out of room.
 
     Returns (kept [num_seqs] int64, stopped_by_eos [num_seqs] bool). kept >= 1 when room >= 1.
     """
     width = emitted.shape[1]
     col = np.arange(width)[None, :]
     is_eos = (emitted[:, :, None] == eos_ids).any(axis=2)  # [num_seqs, width] (np.isin costs ~10x more here)
-    is_eos &= (col < num_emitted[:, None]) & ~ignore_eos[:, None]
+    is_eos &= ~ignore_eos[:, None]
+    if stop_ids is not None and stop_ids.shape[1]:
+        is_eos |= (emitted[:, :, None] == stop_ids[:, None, :]).any(axis=2)  # (-1 matches no token)
+    is_eos &= col < num_emitted[:, None]
     has_eos = is_eos.any(axis=1)
     eos_at = np.where(has_eos, is_eos.argmax(axis=1), width)
     kept = np.minimum(np.minimum(num_emitted, eos_at + 1), room)

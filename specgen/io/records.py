@@ -18,7 +18,7 @@ from specgen.io.openai_output import CHAT, TEXT
 PROMPT_KEYS = ("prompt", "messages", "input_ids")
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs",
                  "top_logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
-                 "min_tokens", "n")
+                 "min_tokens", "n", "stop_token_ids", "ignore_eos")
 FLOAT_KEYS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 NATIVE_KEYS = ("id", *PROMPT_KEYS, *SAMPLING_KEYS)
 
@@ -27,7 +27,8 @@ OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 # body fields specgen reads, and those it accepts without effect (the model is chosen by --model).
 OPENAI_BODY_READ = ("messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                     "top_k", "min_p", "seed", "stop", "logprobs", "top_logprobs", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "n")
+                    "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "n",
+                    "stop_token_ids", "ignore_eos")
 OPENAI_BODY_IGNORED = ("model", "user", "metadata", "store")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the engine keeps integer sampling fields in int64 arrays
 SHOWN_CHARS = 60  # longest piece of a record's own text quoted in a message
@@ -189,8 +190,15 @@ def _check_sampling(values: dict[str, Any], record_id: str) -> tuple[tuple[str, 
                 if not str(tok).isdigit():
                     raise RecordError(f"logit_bias: {_show(tok)} is not a token id", record_id)
                 _check_float(f"logit_bias[{tok}]", bias, record_id)
-        elif key == "logprobs" and isinstance(value, bool):
+        elif key in ("logprobs", "ignore_eos") and isinstance(value, bool):
             pass
+        elif key == "ignore_eos":
+            raise RecordError(f"ignore_eos must be a boolean, got {_type_name(value)}", record_id)
+        elif key == "stop_token_ids":
+            if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                      for t in value):
+                raise RecordError("stop_token_ids must be a list of integers", record_id)
+            value = tuple(value)
         elif key == "logprobs":  # the completions API's logprobs: K, the top K with each token's own
             if not isinstance(value, int):
                 raise RecordError(f"logprobs must be a boolean or an integer, got {_type_name(value)}",

@@ -110,6 +110,10 @@ class RequestSource:
         if self.max_n and params.n > self.max_n:
             raise RecordError(f"n = {params.n} samples is more than the batch's {self.max_n} slots",
                               record_id)
+        bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise RecordError(f"stop_token_ids: token id {bad} outside the vocabulary [0, {self.vocab_size})",
+                              record_id)
         bad = next((t for t, _ in params.logit_bias if t >= self.vocab_size), None)
         if bad is not None:
             raise RecordError(f"logit_bias: token id {bad} outside the vocabulary [0, {self.vocab_size})",

@@ -33,6 +33,8 @@ BAD_RECORDS = [
      "line 2: logit_bias: token id 300 outside the vocabulary [0, 300)"),
     ("logit bias not a map", {"prompt": "a", "logit_bias": [1, 2]}, "line 2: logit_bias must be an object"),
     ("top_logprobs too many", {"prompt": "a", "logprobs": 21}, "line 2: top_logprobs must be in [0, 20]"),
+    ("stop token outside the vocabulary", {"prompt": "a", "stop_token_ids": [7, 300]},
+     "line 2: stop_token_ids: token id 300 outside the vocabulary [0, 300)"),
 ]
 
 

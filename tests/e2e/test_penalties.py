@@ -27,8 +27,9 @@ def prompts():
 
 def _loop(lm, prompt: list[int], n: int, kw: dict, eos: int) -> list[int]:
     """Plain greedy decoding by hand: a whole forward over prompt + output each step, the penalties applied
-    one token at a time as their definitions say."""
+    one token at a time as their definitions say; EOS and the stop token ids end it (kept)."""
     out: list[int] = []
+    stops = {eos, *kw.get("stop_token_ids", ())}
     bias = {int(k): v for k, v in kw.get("logit_bias", {}).items()}
     for _ in range(n):
         ids = prompt + out
@@ -36,7 +37,7 @@ def _loop(lm, prompt: list[int], n: int, kw: dict, eos: int) -> list[int]:
                                     np.array(ids, np.int64), np.ones(1, bool))
         row = lm.model.forward(batch, lm.model.new_cache(1, 256)).logits.numpy()[-1].astype(np.float64)
         if len(out) < kw.get("min_tokens", 0):
-            row[eos] = -np.inf
+            row[list(stops)] = -np.inf
         for tok, b in bias.items():
             row[tok] += b
         p = kw.get("repetition_penalty", 1.0)
@@ -45,7 +46,7 @@ def _loop(lm, prompt: list[int], n: int, kw: dict, eos: int) -> list[int]:
         for tok in set(out):  # OpenAI's: mu[j] - c[j] * alpha_frequency - (c[j] > 0) * alpha_presence
             row[tok] -= out.count(tok) * kw.get("frequency_penalty", 0.0) + kw.get("presence_penalty", 0.0)
         out.append(int(np.argmax(row)))
-        if out[-1] == eos:
+        if out[-1] in stops:
             break
     return out
 
@@ -145,3 +146,29 @@ def test_learned_drafters_keep_penalized_tokens_and_logprobs(tiny_model64, promp
         assert [o.token_ids for o in spec_out] == [o.token_ids for o in plain]
         assert [o.logprobs for o in spec_out] == [o.logprobs for o in plain]
         assert sum(o.stats.num_draft_tokens for o in spec_out) > 0
+
+
+def test_stop_token_ids(tiny_models, prompts):
+    """stop_token_ids end an output as EOS does (kept, finish_reason stop), min_tokens holds them back too;
+    the same under speculation."""
+    ref = tiny_models["reference64"]
+    engine = EngineConfig(batch_size=4, dtype="float64")
+    free = _run(ref, prompts, [SamplingParams(max_tokens=12, ignore_eos=True)] * len(prompts), engine)
+    common = np.bincount(np.array(sum((o.token_ids[1:] for o in free), []))).argsort()[::-1]
+    eos, stop = int(common[0]), int(common[1])
+    kw = dict(stop_token_ids=(stop,), min_tokens=3)
+    want = [_loop(ref, p, 12, kw, eos) for p in prompts]
+    sp = [SamplingParams(max_tokens=12, **kw)] * len(prompts)
+    for name in ("fused64", "reference64"):
+        outs = _run(tiny_models[name], prompts, sp, EngineConfig(batch_size=4, dtype="float64",
+                                                                 backend=name[:-2]), eos=eos)
+        assert [o.token_ids for o in outs] == want, name
+        assert [o.finish_reason for o in outs] == ["stop" if w[-1] in (eos, stop) else "length" for w in want]
+    assert any(w[-1] == stop for w in want) and all(stop not in w[:3] for w in want)
+    full = {tuple(p): list(p) + o.token_ids for p, o in zip(prompts, free)}
+    tree = _run(tiny_models["fused64"], prompts, sp, engine, OracleTree(full, 2, p_right=0.9), eos=eos)
+    assert [o.token_ids for o in tree] == want
+    no_min = [SamplingParams(max_tokens=12, stop_token_ids=(stop,), ignore_eos=True)] * len(prompts)
+    cut = _run(tiny_models["fused64"], prompts, no_min, engine)  # ignore_eos leaves stop ids working
+    assert all(o.token_ids[-1] == stop or len(o.token_ids) == 12 for o in cut)
+    assert any(o.finish_reason == "stop" for o in cut)

@@ -69,7 +69,7 @@ BAD = [
     ("openai body field",
      {"custom_id": "x", "body": {"messages": [{"role": "u", "content": "c"}], "tools": []}},
      "unsupported field(s) body.tools"),
-    ("openai n", {"custom_id": "x", "body": {"prompt": "a", "n": 2}}, "only n=1"),
+    ("openai stream", {"custom_id": "x", "body": {"prompt": "a", "stream": True}}, "only stream=false"),
     ("openai no id", {"body": {"prompt": "a"}}, "without custom_id"),
 ]
 
@@ -123,6 +123,12 @@ def test_penalty_fields():
     for raw, fragment in [({"logit_bias": {"x": 1}}, "not a token id"),
                           ({"logit_bias": {"3": "big"}}, r"logit_bias\[3\] must be a number"),
                           ({"min_tokens": 1.5}, "min_tokens must be an integer")]:
+        with pytest.raises(RecordError, match=fragment):
+            parse_record({"prompt": "hi", **raw}, "1")
+    assert over({"prompt": "hi", "stop_token_ids": [5, 7], "ignore_eos": True}) == {
+        "stop_token_ids": (5, 7), "ignore_eos": True}
+    for raw, fragment in [({"stop_token_ids": 5}, "stop_token_ids must be a list of integers"),
+                          ({"ignore_eos": 1}, "ignore_eos must be a boolean")]:
         with pytest.raises(RecordError, match=fragment):
             parse_record({"prompt": "hi", **raw}, "1")
     for bad, fragment in [({"repetition_penalty": 0}, "repetition_penalty must be in"),
