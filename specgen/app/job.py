@@ -116,7 +116,7 @@ def _run(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress,
     total = count_records(plan.input, plan.input_format)
     writer = RecordWriter(plan, progress, interrupts)
 
-    shaped = _shaper(plan, loaded)
+    shaped = _Shaper(plan, loaded)
 
     def on_bad(record_id: str, message: str, num_prompt_tokens: int | None, openai: bool) -> None:
         record = error_record(record_id, message, cfg.spec, num_prompt_tokens)
@@ -131,26 +131,38 @@ def _run(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress,
                 message = None if out.error is None else f"{unit} {out.index}: {out.error}"
                 record = result_record(out, cfg.spec, error=message)
                 writer.add(record, shaped(record, out.api, out.openai, out.num_samples))
+            writer.write_lines(shaped.rest())
             memory = engine.memory()
     finally:
         writer.close()
     return JobResult(writer.acc.summary(time.perf_counter() - start, **memory), source.num_skipped)
 
 
-def _shaper(plan: JobPlan, loaded: Any):
+class _Shaper:
     """(native record, api, from an OpenAI line, the request's samples) -> the lines to write in its place:
     the record itself, or (--output-format, JobPlan.output_style) an OpenAI line once the request's samples
     are all done (none before). OpenAI lines name the model by its file or folder."""
-    style, model, created = plan.output_style, Path(loaded.source).name, int(time.time())
-    groups = SampleGroups()
 
-    def shape(record: dict[str, Any], api: str, openai: bool, num_samples: int) -> list[dict[str, Any]]:
-        if style == "native" or output_format(plan.output) == "parquet" or not (openai or style == "openai"):
+    def __init__(self, plan: JobPlan, loaded: Any):
+        self.native = plan.output_style == "native" or output_format(plan.output) == "parquet"
+        self.every = plan.output_style == "openai"
+        self.model, self.created = Path(loaded.source).name, int(time.time())
+        self.groups, self.apis = SampleGroups(), {}
+
+    def __call__(self, record: dict[str, Any], api: str, openai: bool,
+                 num_samples: int) -> list[dict[str, Any]]:
+        if self.native or not (openai or self.every):
             return [record]
-        done = groups.add(record, num_samples)
-        return [] if done is None else [openai_line(done, api, model, created)]
+        done = self.groups.add(record, num_samples)
+        self.apis[record["id"]] = api
+        if done is None:
+            return []
+        return [openai_line(done, self.apis.pop(record["id"]), self.model, self.created)]
 
-    return shape
+    def rest(self) -> list[dict[str, Any]]:
+        """The lines of requests whose samples never all came (SampleGroups.rest)."""
+        return [openai_line(g, self.apis.pop(g[0]["id"], TEXT), self.model, self.created)
+                for g in self.groups.rest()]
 
 
 @contextmanager

@@ -21,6 +21,7 @@ from specgen.errors import ConfigError, WorkerError
 from specgen.io.ids import SeenIds
 from specgen.io.interrupts import Interrupts
 from specgen.io.job_output import JobPlan, JobResult, RecordWriter
+from specgen.io.outputs import record_key
 from specgen.io.readers import Chunk, RawRecord, chunks, count_records, iter_chunk, unit_name
 from specgen.io.report import RunProgress
 from specgen.io.requests import RequestSource
@@ -90,7 +91,7 @@ class Predictor:
         source = RequestSource(records=numbered(), encode=partial(encode_prompt, self.loaded),
                                sampling=job.sampling, context_len=context_len(self.loaded, job.engine),
                                vocab_size=self.loaded.config.vocab_size, unit=job.unit, done_ids=job.done,
-                               on_bad=on_bad)
+                               on_bad=on_bad, max_n=job.engine.batch_size)
         for out in self.engine.run(source):
             message = None if out.error is None else f"{job.unit} {out.index}: {out.error}"
             records.append({**result_record(out, job.spec, error=message), "number": out.index})
@@ -129,10 +130,10 @@ def run_on_ray(plan: JobPlan, loaded: Any, cfg: RunConfig, progress: RunProgress
                                                                            batch_format="pyarrow"):
             for record in batch.to_pylist():
                 number = record.pop("number")
-                if record["id"] in written:
+                if record_key(record) in written:  # (a record's samples share its id)
                     record = error_record(record["id"], f"{unit} {number}: duplicate id {record['id']!r}",
                                           cfg.spec)
-                written.add(record["id"], number)
+                written.add(record_key(record), number)
                 writer.add(record)
     except ray.exceptions.RayError as exc:
         raise WorkerError(f"a Ray worker failed: {str(exc).strip().splitlines()[0]}") from None

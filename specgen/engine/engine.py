@@ -105,7 +105,7 @@ class Engine:
         self.stop_table: SlotLists | None = None
         # the slot of each running request's sample 0, for requests of n > 1 samples: the others copy its
         # prompt's rows once it is prefilled (_source_slot)
-        self.samples_of: dict[str, int] = {}
+        self.samples_of: dict[tuple[str, int], int] = {}  # by (id, index)
         self.requests: list[Request | None] = [None] * config.batch_size
         self.adaptive, self.max_draft = adaptive, max_draft
         self.controller: Controller | None = None  # with `adaptive`, made when the first run starts
@@ -145,7 +145,7 @@ class Engine:
             t.prefill_pos[slot] = t.num_cached[slot] = n - 1
             t.prefix_len[slot] = 0
         if req.params.n > 1 and req.sample_index == 0:
-            self.samples_of[req.id] = slot
+            self.samples_of[(req.id, req.index)] = slot
         self._logprob_room(req)
         self._set_lists(slot, req)
         self.requests[slot] = req
@@ -157,10 +157,10 @@ class Engine:
         drafter that keeps no state of the prompt); None."""
         if not req.sample_index or not getattr(self.proposer, "clone_safe", False):
             return None
-        s = self.samples_of.get(req.id)
-        if s is None or self.requests[s] is None or self.requests[s].id != req.id:
-            return None
-        return s
+        key = (req.id, req.index)
+        s = self.samples_of.get(key)
+        running = None if s is None else self.requests[s]
+        return s if running is not None and (running.id, running.index) == key else None
 
     def _held(self, req: Request, admitting: list[Request]) -> bool:
         """Whether `req` waits for its sample 0's prefill, to copy it (the scheduler's hold): sample 0 runs
@@ -168,7 +168,8 @@ class Engine:
         if not req.sample_index or not getattr(self.proposer, "clone_safe", False):
             return False
         s = self._source_slot(req)
-        return (s is not None and not self.table.prefilled[s]) or any(r.id == req.id for r in admitting)
+        return (s is not None and not self.table.prefilled[s]) or any(
+            (r.id, r.index, r.sample_index) == (req.id, req.index, 0) for r in admitting)
 
     def _prefill_cost(self, req: Request) -> int:
         """Prompt tokens `req` will prefill in its first step: one for a sample that copies the rest."""
@@ -205,12 +206,12 @@ class Engine:
         text = text_cut if text_cut is not None else self._decode(out_ids)
         logprobs = None
         if t.logprobs[slot]:
-            logprobs = self.logprob_table.entries(slot, int(t.prompt_len[slot]), out_ids,
-                                                  int(t.top_logprobs[slot]), self._piece)
+            top = min(int(t.top_logprobs[slot]), self.model.config.vocab_size)
+            logprobs = self.logprob_table.entries(slot, int(t.prompt_len[slot]), out_ids, top, self._piece)
         t.active[slot] = False
         self.requests[slot] = None
-        if self.samples_of.get(req.id) == slot:
-            del self.samples_of[req.id]
+        if self.samples_of.get((req.id, req.index)) == slot:
+            del self.samples_of[(req.id, req.index)]
         return RequestOutput(req.id, req.index, text, out_ids, reason, len(req.prompt_ids), t.stats(slot),
                              logprobs=logprobs, api=req.api, openai=req.openai, sample_index=req.sample_index,
                              num_samples=req.params.n)
@@ -220,8 +221,8 @@ class Engine:
         self.cache.clear_slot(slot)
         self.table.active[slot] = False
         self.requests[slot] = None
-        if self.samples_of.get(req.id) == slot:
-            del self.samples_of[req.id]
+        if self.samples_of.get((req.id, req.index)) == slot:
+            del self.samples_of[(req.id, req.index)]
         return error_output(req, why)
 
     def _decode(self, ids: list[int]) -> str:
@@ -363,9 +364,11 @@ class Engine:
             rows[: len(plan.dec)] = np.take_along_axis(rows[: len(plan.dec)], path, axis=1)
         wanted = (np.arange(rows.shape[1])[None, :] < kept[:, None]) & t.logprobs[slots][:, None]
         seq, col = np.nonzero(wanted)
+        if not len(seq):  # (a slot mid-prompt)
+            return
         rows = rows[seq, col]
-        logprob, top_ids, top_lp = self.model.logprobs(logits, rows, targets[rows],
-                                                       int(t.top_logprobs[slots].max()))
+        top = min(int(t.top_logprobs[slots].max()), logits.shape[1])
+        logprob, top_ids, top_lp = self.model.logprobs(logits, rows, targets[rows], top)
         self.logprob_table.write(slots[seq], t.seq_len[slots][seq] + col, logprob, top_ids, top_lp)
 
     @classmethod

@@ -158,6 +158,12 @@ def rejection(req: Request, context_len: int, vocab_size: int) -> str | None:
     bad = [t for t in req.prompt_ids if not 0 <= t < vocab_size]
     if bad:
         return f"token id {bad[0]} outside the vocabulary [0, {vocab_size})"
+    p = req.params
+    bad = [t for t in [*p.stop_token_ids, *(t for t, _ in p.logit_bias)] if not 0 <= t < vocab_size]
+    if bad:
+        return f"logit_bias or stop_token_ids: token id {bad[0]} outside the vocabulary [0, {vocab_size})"
+    if req.params.n > 1 and req.sample_index >= req.params.n:
+        return f"sample_index {req.sample_index} of n = {req.params.n}"
     return None
 
 

@@ -11,7 +11,8 @@ def stop_strings(tokenizer: TextTokenizer | None, requests: list, t: SlotTable, 
                  emitted: np.ndarray, kept: np.ndarray) -> tuple[np.ndarray, dict[int, str]]:
     """Cut runs at the first token after which the output text contains a stop string.
 
-    Only requests that have stop strings are looked at (a per-request loop over that subset). Modifies `kept`
+    Only requests that have stop strings are looked at (a per-request loop over that subset); none stops an
+    output shorter than its min_tokens (vLLM's rule). Modifies `kept`
     ([num_seqs] int64) in place; returns (stopped [num_seqs] bool, {slot: text cut before the stop})."""
     stopped = np.zeros(len(slots), bool)
     texts: dict[int, str] = {}
@@ -23,6 +24,8 @@ def stop_strings(tokenizer: TextTokenizer | None, requests: list, t: SlotTable, 
             continue
         prior = t.output_ids(s)
         for j in range(int(kept[i])):
+            if len(prior) + j + 1 < requests[s].params.min_tokens:
+                continue
             text = tokenizer.decode(prior + emitted[i, : j + 1].tolist())
             hits = [text.find(x) for x in stops if x in text]
             if hits:

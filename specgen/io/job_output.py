@@ -99,6 +99,12 @@ class RecordWriter:
         self.completed += 1
         self.progress.update(self.acc, self.completed)
 
+    def write_lines(self, lines: list[dict[str, Any]]) -> None:
+        """Lines of records already added (a request's samples held for one OpenAI line)."""
+        with self.interrupts.held():
+            for line in lines:
+                self.sink.write(line)
+
     def close(self) -> None:
         # a Parquet merge: the first signal waits for it, a second aborts
         with self.interrupts.held(abortable=True):

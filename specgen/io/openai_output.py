@@ -79,6 +79,13 @@ class SampleGroups:
         del self._pending[record["id"]]
         return sorted(group, key=lambda r: r["sample_index"])
 
+    def rest(self) -> list[list[dict[str, Any]]]:
+        """The groups still short of their n (a resumed output whose other samples were written before, in
+        another format): written as they are when the job ends, rather than lost."""
+        groups = [sorted(g, key=lambda r: r["sample_index"]) for g in self._pending.values()]
+        self._pending.clear()
+        return groups
+
 
 def _bytes(token: str) -> list[int] | None:
     """A token's UTF-8 bytes; None for a piece of a multi-byte character (its text is U+FFFD, not its

@@ -60,3 +60,20 @@ def test_ray_job_writes_the_local_records_and_resumes(tmp_path, local_ray):
     done = by_id(read_output(out))
     assert sorted(done) == sorted(want)
     assert all(done[rid]["token_ids"] == w["token_ids"] for rid, w in want.items())
+
+
+def test_ray_writes_every_sample(tmp_path, local_ray):
+    """A record's n samples share its id: each is written once, as the one-engine run writes them."""
+    records = [{"id": "a", "prompt": "tell me", "n": 3, "temperature": 0.9}, {"id": "b", "prompt": "once"}]
+    inp = write_parquet(tmp_path / "in.parquet", records)
+    res, _ = run(inp, tmp_path / "local.parquet")
+    assert res.exit_code == 0, res.output
+    res, _ = run(inp, tmp_path / "ray.parquet", "--ray", "auto", "--threads", "1")
+    assert res.exit_code == 0, res.output
+
+    def by_sample(path):
+        return {(r["id"], r["sample_index"]): r["token_ids"] for r in read_output(path)}
+
+    local = by_sample(tmp_path / "local.parquet")
+    assert sorted(local) == [("a", 0), ("a", 1), ("a", 2), ("b", 0)]
+    assert by_sample(tmp_path / "ray.parquet") == local

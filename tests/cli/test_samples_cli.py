@@ -62,3 +62,21 @@ def test_openai_line_gets_n_choices(tmp_path):
     assert body.usage.completion_tokens == sum(r["num_output_tokens"] for r in samples)
     stats = invoke("stats", out, "--summary-json", tmp_path / "s.json")
     assert stats.exit_code == 0 and json.loads((tmp_path / "s.json").read_text())["num_requests"] == 5
+
+
+def test_a_resume_in_openai_format_writes_the_samples_it_ran(tmp_path):
+    """Samples 0 and 2 of a record written natively; a resume with --output-format openai (allowed to mix)
+    runs sample 1 alone, and its OpenAI line is written at the end rather than held for ever."""
+    inp = write_jsonl(tmp_path / "in.jsonl", RECORDS[:1])
+    out = tmp_path / "out.jsonl"
+    args = ("run", inp, "-o", out, "--max-tokens", "4", "--temperature", "0.9", "--batch-size", "4", "-q")
+    assert invoke(*args, "--output-format", "native").exit_code == 0
+    native = read_output(out)
+    out.write_text("".join(json.dumps(r) + "\n" for r in native if r["sample_index"] != 1))
+    result = invoke(*args, "--output-format", "openai", "--resume", "--allow-mismatch")
+    assert result.exit_code == 0, result.output
+    lines = read_output(out)
+    assert len(lines) == 3 and lines[-1]["custom_id"] == "a"
+    own = lines[-1]["response"]["body"]["specgen"]
+    sample_1 = next(r for r in native if r["sample_index"] == 1)
+    assert own["sample_index"] == 1 and own["token_ids"] == sample_1["token_ids"]

@@ -172,3 +172,26 @@ def test_stop_token_ids(tiny_models, prompts):
     cut = _run(tiny_models["fused64"], prompts, no_min, engine)  # ignore_eos leaves stop ids working
     assert all(o.token_ids[-1] == stop or len(o.token_ids) == 12 for o in cut)
     assert any(o.finish_reason == "stop" for o in cut)
+
+
+def test_api_checks_token_ids_and_min_tokens_holds_stop_strings(tiny_model64, prompts):
+    """generate() refuses a logit bias or stop id outside the vocabulary (an error output, the others run);
+    a stop string is not looked for before min_tokens (vLLM's rule)."""
+    engine = EngineConfig(batch_size=4, dtype="float64")
+    outs = generate(prompts[:3], model=tiny_model64, engine=engine,
+                    sampling=[SamplingParams(max_tokens=4, logit_bias={"303": 5.0}),
+                              SamplingParams(max_tokens=4, stop_token_ids=(300,)),
+                              SamplingParams(max_tokens=4, repetition_penalty=1.2)])
+    assert "token id 303 outside the vocabulary [0, 300)" in outs[0].error
+    assert "token id 300 outside" in outs[1].error
+    assert outs[2].error is None and len(outs[2].token_ids) == 4
+    free = generate(prompts, model=tiny_model64, engine=engine,
+                    sampling=SamplingParams(max_tokens=12, ignore_eos=True))
+    i, o = next((i, o) for i, o in enumerate(free) if len(o.text) >= 2)
+    stop = o.text[:2]  # in the output from its first tokens on
+    early = generate([prompts[i]], model=tiny_model64, engine=engine,
+                     sampling=SamplingParams(max_tokens=12, ignore_eos=True, stop=(stop,)))[0]
+    held = generate([prompts[i]], model=tiny_model64, engine=engine,
+                    sampling=SamplingParams(max_tokens=12, ignore_eos=True, stop=(stop,), min_tokens=6))[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) < 6
+    assert len(held.token_ids) >= 6

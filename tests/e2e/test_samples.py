@@ -68,3 +68,20 @@ def test_drafters_that_keep_prompt_state_prefill_each_sample(tiny_model64, promp
     out = _run(tiny_model64, prompts, 3, 8, proposer=Stateful())
     assert all(o.stats.num_cached_prompt_tokens == 0 for o in out)
     assert [o.token_ids for o in out] == [o.token_ids for o in _run(tiny_model64, prompts, 3, 8)]
+
+
+def test_samples_enter_together_and_ids_may_repeat(tiny_model64, prompts):
+    """Once sample 0 is prefilled its n - 1 siblings enter in one step (not one a step); two prompts under one
+    id each copy their own rows."""
+    eng = Engine(tiny_model64.model, None, EngineConfig(batch_size=8, dtype="float64"))
+    sp = SamplingParams(max_tokens=6, temperature=0.9, n=4, ignore_eos=True)
+    outs = list(eng.run([Request("a", 0, tuple(prompts[0]), sp, sample_index=j) for j in range(4)]))
+    assert eng.num_steps == 7  # sample 0's prefill, then 6 steps with all four (three prefill 1 token)
+    assert sorted(o.stats.num_cached_prompt_tokens for o in outs) == [0] + [len(prompts[0]) - 1] * 3
+    from specgen import generate
+
+    same_id = generate(prompts[:2], model=tiny_model64, sampling=sp, ids=["q", "q"],
+                       engine=EngineConfig(batch_size=8, dtype="float64"))
+    apart = [generate([p], model=tiny_model64, sampling=sp, ids=["q"],
+                      engine=EngineConfig(batch_size=8, dtype="float64")) for p in prompts[:2]]
+    assert [o.token_ids for o in same_id] == [o.token_ids for o in apart[0] + apart[1]]
