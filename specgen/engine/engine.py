@@ -171,13 +171,11 @@ class Engine:
         return (s is not None and not self.table.prefilled[s]) or any(
             (r.id, r.index, r.sample_index) == (req.id, req.index, 0) for r in admitting)
 
-    def _prefill_cost(self, req: Request) -> int:
-        """Prompt tokens `req` will prefill in its first step: one for a sample that copies the rest."""
+    def _prefill_cost(self, req: Request) -> int | None:
+        """Prompt tokens `req` will prefill in its first step: one for a sample that copies the rest; None:
+        the scheduler's own count."""
         s = self._source_slot(req)
-        if s is not None and self.table.prefilled[s]:
-            return 1
-        n = len(req.prompt_ids)
-        return min(n, self.config.prefill_chunk) if self.config.prefill_chunk else n
+        return 1 if s is not None and self.table.prefilled[s] else None
 
     def _set_lists(self, slot: int, req: Request) -> None:
         """`slot`'s rows of bias_table and stop_table: `req`'s logit bias and stop token ids (each table made

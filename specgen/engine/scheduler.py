@@ -12,12 +12,13 @@ class Scheduler:
 
     def __init__(self, requests: Iterable[Request], num_slots: int, max_prefill_tokens: int,
                  prefill_chunk: int = 0, ready: Callable[[], bool] | None = None,
-                 cost: Callable[[Request], int] | None = None,
+                 cost: Callable[[Request], int | None] | None = None,
                  hold: Callable[[Request, list[Request]], bool] | None = None):
         """ready: whether the source yields its next item without waiting (a queue fed by another process);
         with it, free slots take only what is there while slots are running, and wait for more only when
         none is.
-        cost: an item's prompt tokens to prefill (default: its prompt's, or a chunk of it).
+        cost: an item's prompt tokens to prefill (default, or where it gives None: its prompt's, or a chunk
+        of it).
         hold: whether the next item waits (and those after it) though a slot is free, given the items this
         admission took already: a sample waiting for its first sample's prefill, to copy it."""
         self._source: Iterator[Request] = iter(requests)
@@ -57,12 +58,10 @@ class Scheduler:
             req = self._peek(wait=len(self.free) == self.num_slots and not admitted)
             if req is None or (self.hold is not None and self.hold(req, [r for _, r in admitted])):
                 break
-            if self.cost is not None:
-                cost = self.cost(req)
-            elif self.prefill_chunk:
-                cost = min(len(req.prompt_ids), self.prefill_chunk)
-            else:
-                cost = len(req.prompt_ids)
+            cost = self.cost(req) if self.cost is not None else None
+            if cost is None:
+                cost = (min(len(req.prompt_ids), self.prefill_chunk) if self.prefill_chunk
+                        else len(req.prompt_ids))
             if admitted and cost > budget:
                 break
             self._pending.popleft()
