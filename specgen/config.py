@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import os
 import typing
 from dataclasses import dataclass, field
@@ -114,6 +115,11 @@ class SamplingParams:
                                               "(repeat the option for several; vLLM's stop_token_ids).")
     n: int = opt(1, "Samples per prompt (at most the batch size): one record each, with sample_index; they "
                     "share the prompt's prefill where the method allows it.")
+    response_format: str = opt("", "Structured output for records without their own: OpenAI's "
+                                   "response_format ({\"type\": \"json_schema\", \"json_schema\": "
+                                   "{\"schema\": ...}} or {\"type\": \"json_object\"}), a bare JSON schema, "
+                                   "or {\"type\": \"regex\" | \"choice\" | \"grammar\", ...}; inline JSON or "
+                                   "a file.")
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -151,6 +157,63 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError("stop must be a list of non-empty strings")
+        object.__setattr__(self, "response_format", response_format(self.response_format))
+        if self.response_format and self.ignore_eos:
+            raise ConfigError("response_format with ignore_eos: a constrained output ends where its grammar "
+                              "does, at EOS")
+
+
+GUIDED_TEXT = ("regex", "grammar")  # constraint kinds given as one string (a regex; a Lark or GBNF grammar)
+
+
+def response_format(value: Any) -> str:
+    """A structured-output constraint in its one canonical form, compact JSON:
+    {"type": "json_schema", "schema": {...}} | {"type": "json_object"} | {"type": "regex", "regex": str} |
+    {"type": "choice", "choice": [str, ...]} | {"type": "grammar", "grammar": str}; "" for none. Takes
+    OpenAI's response_format object ({"type": "text"} is none), a bare JSON schema, the canonical form, or a
+    string holding any of them as JSON or naming a file that does. Whether a schema, regex or grammar compiles
+    is engine/grammar.py's to say (it needs the grammar engine)."""
+    if value is None or value == "":
+        return ""
+    if isinstance(value, str):
+        text, where = value, "response_format"
+        if not value.lstrip().startswith("{"):
+            try:
+                text, where = Path(value).read_text(encoding="utf-8"), value
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError("response_format: neither a JSON object nor a readable file "
+                                  f"({exc})") from None
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{where}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"response_format must be a JSON object, got {type(value).__name__}")
+    kind = value.get("type")
+    if kind == "text":
+        return ""
+    if kind == "json_object":
+        spec: dict[str, Any] = {"type": "json_object"}
+    elif kind == "json_schema":
+        inner = value.get("json_schema", value)  # OpenAI's nests the schema; the canonical form does not
+        schema = inner.get("schema") if isinstance(inner, dict) else None
+        if not isinstance(schema, (dict, bool)):
+            raise ConfigError('response_format of type json_schema needs "json_schema": {"schema": {...}}')
+        spec = {"type": "json_schema", "schema": schema}
+    elif kind in GUIDED_TEXT:
+        if not isinstance(value.get(kind), str) or not value[kind]:
+            raise ConfigError(f'response_format of type {kind} needs "{kind}": a non-empty string')
+        spec = {"type": kind, kind: value[kind]}
+    elif kind == "choice":
+        choice = value.get("choice")
+        if not isinstance(choice, list) or not choice or not all(isinstance(c, str) and c for c in choice):
+            raise ConfigError('response_format of type choice needs "choice": a list of non-empty strings')
+        spec = {"type": "choice", "choice": choice}
+    else:  # a bare JSON schema
+        spec = {"type": "json_schema", "schema": value}
+    # the schema's own key order kept: llguidance writes an object's properties in the order its schema lists
+    # them (OpenAI's structured outputs do too)
+    return json.dumps(spec, separators=(",", ":"), ensure_ascii=False)
 
 
 def default_threads() -> int:
@@ -190,6 +253,9 @@ class EngineConfig:
                                  "take the cache past it (or past 90% of the memory available at start) "
                                  "stops the run with advice, instead of the kernel killing it. Empty: the "
                                  "memory available.")
+    forced_drafts: bool = opt(True, "Where a response_format's grammar allows one continuation only, draft "
+                                    "it (no drafter call; verified as any draft), ahead of the method's "
+                                    "drafts.")
     max_prefill_tokens: int = opt(4096, "Prompt tokens admitted (and prefilled) per step.")
     prefill_chunk: int = opt(0, "Prefill prompts longer than this many tokens in chunks, mixed into decode "
                                 "steps (0: whole prompts).")

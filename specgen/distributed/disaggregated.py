@@ -138,6 +138,7 @@ class DecodeEngine(Engine):
                      self.config.batch_size)
         self.table.import_row(slot, h.row)
         self._set_lists(slot, req)
+        self._constrain(slot, req)  # its grammar advanced by the first token
         if h.logprobs is not None:
             n, start_pos = len(h.logprobs[0]), int(h.row["prompt_len"])
             self._logprob_room(req).write(np.full(n, slot), start_pos + np.arange(n), *h.logprobs)

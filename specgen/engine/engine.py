@@ -1,6 +1,7 @@
 """The step loop: admit, propose, one packed forward, sample + verify all slots at once, commit."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
@@ -13,6 +14,7 @@ from specgen.config import EngineConfig, SamplingParams
 from specgen.engine import penalties
 from specgen.engine.adaptive import Controller, StepReport
 from specgen.engine.adaptive.calibrate import controller_for
+from specgen.engine.grammar import ForcedDrafts, Grammars, ahead, grammar_error
 from specgen.engine.logprobs import LogprobTable
 from specgen.engine.memory import KvMemory
 from specgen.engine.proposers.base import NoProposer, Proposer, SlotView
@@ -58,6 +60,7 @@ class StepPlan:
     depth: np.ndarray | None = None  # [num_dec, width + 1] int64 a tree block's depths (tree.tree_layout);
     # None: chains
     mask: np.ndarray | None = None  # [num_dec, width + 1] int64 a tree block's attention masks
+    forced: np.ndarray | None = None  # [num_dec] int64 leading drafts a grammar forced (None: none)
     # a plain step, the proposer and the controller not called: speculation ruled out for good
     # (Controller.off), or every slot detached from a drafter idle for detached slots
     # (Proposer.idle_when_detached)
@@ -103,6 +106,8 @@ class Engine:
         # each slot's logit bias and its stop token ids, made when a request first has one
         self.bias_table: SlotLists | None = None
         self.stop_table: SlotLists | None = None
+        # constrained slots' grammar matchers, made when a request first has a response_format
+        self.grammars: Grammars | None = None
         # the slot of each running request's sample 0, for requests of n > 1 samples: the others copy its
         # prompt's rows once it is prefilled (_source_slot)
         self.samples_of: dict[tuple[str, int], int] = {}  # by (id, index)
@@ -148,9 +153,32 @@ class Engine:
             self.samples_of[(req.id, req.index)] = slot
         self._logprob_room(req)
         self._set_lists(slot, req)
+        self._constrain(slot, req)
         self.requests[slot] = req
         if self.controller is not None:
             self.controller.reset(slot)
+
+    def _grammar_rejection(self, req: Request) -> str | None:
+        """Why `req`'s response_format cannot constrain it (no tokenizer, a grammar that does not compile)."""
+        if not req.params.response_format:
+            return None
+        if self.tokenizer is None:
+            return "response_format needs the model's tokenizer (this engine has none)"
+        return grammar_error(req.params.response_format)
+
+    def _constrain(self, slot: int, req: Request) -> None:
+        """`slot`'s grammar matcher for `req` (placed in the slot table already, with any output it has),
+        made with the grammar table the first time a request has a response_format; releases the slot's
+        otherwise."""
+        if self.grammars is not None:
+            self.grammars.release(slot)
+        if not req.params.response_format:
+            return
+        if self.grammars is None:
+            self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_ids,
+                                     len(self.requests))
+        why = self.grammars.place(slot, req.params.response_format, self.table.output_ids(slot))
+        assert why is None, why  # admission checked it
 
     def _source_slot(self, req: Request) -> int | None:
         """The slot of `req`'s sample 0 while it runs, for a later sample that may copy its prompt's rows (a
@@ -206,11 +234,15 @@ class Engine:
         if t.logprobs[slot]:
             top = min(int(t.top_logprobs[slot]), self.model.config.vocab_size)
             logprobs = self.logprob_table.entries(slot, int(t.prompt_len[slot]), out_ids, top, self._piece)
+        stats = t.stats(slot)
+        if self.grammars is not None and self.grammars.active[slot]:
+            stats.num_forced_tokens = int(self.grammars.num_forced[slot])
+            self.grammars.release(slot)
         t.active[slot] = False
         self.requests[slot] = None
         if self.samples_of.get((req.id, req.index)) == slot:
             del self.samples_of[(req.id, req.index)]
-        return RequestOutput(req.id, req.index, text, out_ids, reason, len(req.prompt_ids), t.stats(slot),
+        return RequestOutput(req.id, req.index, text, out_ids, reason, len(req.prompt_ids), stats,
                              logprobs=logprobs, api=req.api, openai=req.openai, sample_index=req.sample_index,
                              num_samples=req.params.n)
 
@@ -218,6 +250,8 @@ class Engine:
         req = self.requests[slot]
         self.cache.clear_slot(slot)
         self.table.active[slot] = False
+        if self.grammars is not None:
+            self.grammars.release(slot)
         self.requests[slot] = None
         if self.samples_of.get((req.id, req.index)) == slot:
             del self.samples_of[(req.id, req.index)]
@@ -261,7 +295,7 @@ class Engine:
 
     def _admit(self, slot: int, req: Request) -> RequestOutput | None:
         """Place `req` in `slot`, or return its error record (a prompt the engine cannot run)."""
-        why = rejection(req, self.context_len, self.model.config.vocab_size)
+        why = rejection(req, self.context_len, self.model.config.vocab_size) or self._grammar_rejection(req)
         if why is not None:
             return error_output(req, why)
         self._place(slot, req)
@@ -276,7 +310,8 @@ class Engine:
         slots, t = blocks.slots, self.table
         # A step whose slots are all greedy, unprocessed and want no log-probabilities needs no logits (a
         # screened LM head skips them).
-        wants = t.temperature[slots].any() or t.logprobs[slots].any() or t.penalized[slots].any()
+        wants = (t.temperature[slots].any() or t.logprobs[slots].any() or t.penalized[slots].any()
+                 or self._constrained(slots))
         out = self.model.forward(blocks.batch, self.cache, logits=bool(wants))
         targets = self._sample(plan, blocks, out)
         forward_seconds = time.perf_counter() - start
@@ -294,6 +329,10 @@ class Engine:
         if t.logprobs[slots].any():
             self._logprobs(plan, blocks, out.logits, targets, path, kept)
         produced = self._commit(plan, slots, emitted, kept)
+        failed = {}  # {slot: why} (a grammar the kept tokens broke: never expected)
+        if self._constrained(slots):
+            failed = self.grammars.commit(slots, emitted, kept, plan.forced)
+            broken |= np.isin(slots, list(failed))
         if path is not None:
             self._compact(plan.dec, root_rows, path, kept[: len(plan.dec)])
         done = by_eos | by_stop | (t.seq_len[slots] >= t.max_len[slots]) | broken
@@ -301,7 +340,7 @@ class Engine:
             observe_seconds = self._observe(plan, blocks, produced, kept, done, out.hidden, broken, path)
             if self.controller is not None:
                 self._report(plan, blocks, emitted, kept, accepted, forward_seconds, observe_seconds)
-        return self._finished(slots, done, broken, by_eos | by_stop, texts, position)
+        return self._finished(slots, done, broken, by_eos | by_stop, texts, position, failed)
 
     def _blocks(self, plan: StepPlan) -> StepBlocks:
         """The step's packed forward: decoding blocks [last, drafts...] first, then the new slots' prompt
@@ -397,13 +436,16 @@ class Engine:
             num_tokens=len(blocks.batch.token_ids), forward_seconds=forward_seconds,
             draft_seconds=plan.draft_seconds + observe_seconds, rated=self._rated(plan, accepted)))
 
-    def _finished(self, slots, done, broken, stopped, texts, position) -> list[tuple[RequestOutput, int]]:
+    def _finished(self, slots, done, broken, stopped, texts, position,
+                  failed: dict[int, str]) -> list[tuple[RequestOutput, int]]:
         """The outputs of the requests the step ended (one Python iteration per finished request, not per
         slot)."""
         finished = []
         for i in np.nonzero(done)[0]:
             s = int(slots[i])
-            if broken[i]:
+            if s in failed:
+                finished.append((self._fail(s, failed[s]), s))
+            elif broken[i]:
                 why = ("non-finite values (NaN or Inf) in the model's output at engine step "
                        f"{self.num_steps}, output token {int(position[i])}")
                 finished.append((self._fail(s, why), s))
@@ -420,24 +462,49 @@ class Engine:
         room = t.max_len - t.seq_len  # [num_slots]
         final = t.prefill_pos[new] + chunk == t.prompt_len[new]
         c = self.controller
+        view = SlotView(dec, t.tokens, t.seq_len[dec], np.minimum(room[dec] - 1, MAX_DRAFT))
+        forced = self._forced(view)
         # Nothing to draft: speculation is ruled out for good (copies included), or every slot is detached
-        # from a drafter that then offers nothing (with copies, detached slots still copy).
+        # from a drafter that then offers nothing (with copies, detached slots still copy); a grammar's forced
+        # tokens are still drafted.
         if c is not None and (c.off or getattr(self.proposer, "idle_when_detached", False)
                               and c.detached(np.concatenate([dec, new])).all()):
-            none = np.zeros(len(dec), np.int64)
-            return StepPlan(dec, new, chunk, final, room, DraftTokens.none(len(dec), 0), none, none, 0.0,
-                            idle=True)
-        view = SlotView(dec, t.tokens, t.seq_len[dec], np.minimum(room[dec] - 1, MAX_DRAFT))
+            drafts = DraftTokens.none(len(dec), 0) if forced is None else DraftTokens(forced.ids, forced.num)
+            return StepPlan(dec, new, chunk, final, room, drafts, drafts.num_draft, drafts.num_draft, 0.0,
+                            idle=True, forced=None if forced is None else forced.num)
         draft_start = time.perf_counter()
-        drafts = self.proposer.propose(view)
+        if forced is None:
+            drafts = self.proposer.propose(view)
+        else:  # the drafter drafts after the forced tokens, placed past each slot's length (scratch room)
+            width = forced.ids.shape[1]
+            t.tokens[dec[:, None], t.seq_len[dec][:, None] + np.arange(width)] = forced.ids
+            drafts = ahead(forced, self.proposer.propose(SlotView(dec, t.tokens, view.seq_lens + forced.num,
+                                                                  view.max_draft - forced.num)))
         draft_seconds = time.perf_counter() - draft_start
+        if self._constrained(dec):  # up to the first draft the grammar rejects
+            drafts = dataclasses.replace(drafts, num_draft=self.grammars.cut(dec, drafts))
+        least = np.zeros(len(dec), np.int64) if forced is None else forced.num  # forced drafts are verified
         if drafts.parents is not None:
-            return self._plan_tree(dec, new, chunk, final, room, view, drafts, draft_seconds)
+            return self._plan_tree(dec, new, chunk, final, room, view, drafts, draft_seconds, least)
         num_avail = np.minimum(drafts.num_draft, view.max_draft)  # [num_dec]
         num_draft = num_avail
         if c is not None:
             num_draft = np.minimum(num_avail, c.choose(dec, num_avail, int(chunk.sum()), drafts.source))
-        return StepPlan(dec, new, chunk, final, room, drafts, num_avail, num_draft, draft_seconds)
+        num_draft = np.maximum(num_draft, np.minimum(least, num_avail))
+        return StepPlan(dec, new, chunk, final, room, drafts, num_avail, num_draft, draft_seconds,
+                        forced=None if forced is None else np.minimum(least, num_draft))
+
+    def _constrained(self, slots: np.ndarray) -> bool:
+        return self.grammars is not None and bool(self.grammars.active[slots].any())
+
+    def _forced(self, view: SlotView) -> ForcedDrafts | None:
+        """The tokens the grammars of the decoding slots force next, where forced drafts are on and the
+        drafter drafts from a slot's text alone (it then drafts after them); None where none is forced."""
+        if not (self.config.forced_drafts and getattr(self.proposer, "context_only", False)
+                and self._constrained(view.slots)):
+            return None
+        forced = self.grammars.forced(view.slots, view.max_draft)
+        return forced if forced.num.any() else None
 
     @staticmethod
     def _rated(plan: StepPlan, accepted: np.ndarray) -> tuple[float, float] | None:
@@ -453,7 +520,7 @@ class Engine:
                 float(np.where(verified & own[:, None], scores, 0.0).sum()))
 
     def _plan_tree(self, dec, new, chunk, final, room, view: SlotView, drafts: DraftTokens,
-                   draft_seconds: float) -> StepPlan:
+                   draft_seconds: float, least: np.ndarray) -> StepPlan:
         """_plan for token trees (tree.offer cuts what a step may verify); the controller's node budget keeps
         a prefix of each tree."""
         drafts, num_avail = offer(drafts, view.max_draft,
@@ -466,6 +533,7 @@ class Engine:
             gains = node_values(drafts, c.acceptance.rate(source, dec), lambda scores: c.calibrated(scores))
             num_draft = np.minimum(num_avail,
                                    c.choose(dec, num_avail, int(chunk.sum()), drafts.source, gains))
+        num_draft = np.maximum(num_draft, np.minimum(least, num_avail))  # forced nodes: a chain from the root
         # every node offered stays in the plan: the controller scores the tree's main chain against what came
         # out even where it verified fewer nodes (shadow acceptance; with none kept, a budget of 0 would
         # stick)
@@ -474,7 +542,7 @@ class Engine:
                              None if drafts.scores is None else drafts.scores[:, :width])
         depth, mask = tree_layout(drafts.parents)
         return StepPlan(dec, new, chunk, final, room, drafts, num_avail, num_draft, draft_seconds, depth,
-                        mask)
+                        mask, forced=np.minimum(least, num_draft) if least.any() else None)
 
     def _compact(self, dec: np.ndarray, root_rows: np.ndarray, path: np.ndarray, kept: np.ndarray) -> None:
         """Tree blocks were written at root row + block index; the accepted path's K/V move to
@@ -491,10 +559,10 @@ class Engine:
     def _sample(self, plan: StepPlan, blocks: StepBlocks, out) -> np.ndarray:
         """The main model's own choice at every logit row ([num_logits] int64): greedy, or the counter-based
         sample of the row's (request, output position), by the backend's sampler; rows of penalized slots
-        processed first (engine/penalties.py)."""
+        processed first (engine/penalties.py), rows of constrained slots masked by their grammars."""
         t, batch = self.table, blocks.batch
         logits, greedy = out.logits, out.greedy
-        if t.penalized[blocks.slots].any():
+        if t.penalized[blocks.slots].any() or self._constrained(blocks.slots):
             logits, greedy = self._penalized(plan, blocks, out)
         row_tok = batch.logit_rows  # [num_logits]
         row_slot = batch.token_slots[row_tok]
@@ -507,14 +575,19 @@ class Engine:
 
     def _penalized(self, plan: StepPlan, blocks: StepBlocks, out):
         """(logits, greedy) with the rows of penalized slots processed, each with the committed tokens and
-        the drafts before it in its block (its path's, in a tree)."""
+        the drafts before it in its block (its path's, in a tree); the rows of constrained slots masked by
+        their grammars' states there (the grammar wins over min_tokens: a row it would leave empty keeps the
+        grammar's tokens)."""
         t, slots, logits = self.table, blocks.slots, out.logits
+        constrained = (np.zeros(len(slots), bool) if self.grammars is None
+                       else self.grammars.active[slots])  # [num_seqs]
         rows = self._in_blocks(plan, blocks, np.arange(logits.shape[0]))  # [num_seqs, width + 1] logit rows
         width = rows.shape[1] - 1
         fed = np.zeros(rows.shape, bool)
         fed[: len(plan.dec)] = blocks.dec_mask
         fed[len(plan.dec):, 0] = plan.final
-        seq, col = np.nonzero(fed & t.penalized[slots][:, None])  # [n] the processed rows' blocks, positions
+        # [n] the processed rows' blocks, positions
+        seq, col = np.nonzero(fed & (t.penalized[slots] | constrained)[:, None])
         ps, n, vocab = slots[seq], len(seq), logits.shape[1]
         tokens = t.tokens[ps]  # [n, capacity] each row's slot's tokens
         out_row, out_tok = penalties.row_tokens(tokens, t.prompt_len[ps], t.seq_len[ps])
@@ -549,12 +622,38 @@ class Engine:
         x = logits.numpy()[picked]  # [n, vocab] (a copy)
         at = (touched.row, touched.token)
         x[at] = penalties.apply(x[at], touched, p)  # rounded to the model's dtype
+        if constrained.any():
+            self._mask(plan, blocks, rows, fed, constrained, seq, col, x, logits)
         greedy = (out.greedy.copy() if out.greedy is not None
                   else paddle.argmax(logits, axis=-1).numpy().astype(np.int64))
         greedy[picked] = x.argmax(axis=-1)  # the lowest id on a tie
         if t.temperature[ps].any():  # sampled rows: the sampler reads the processed rows
             logits = paddle.scatter(logits, paddle.to_tensor(picked), paddle.to_tensor(x))
         return logits, greedy
+
+    def _mask(self, plan: StepPlan, blocks: StepBlocks, rows, fed, constrained, seq, col, x, logits) -> None:
+        """Mask the processed rows `x` [n, vocab] ((seq, col): their blocks and positions) of constrained
+        slots: -inf where the grammar's state at the row disallows a token."""
+        num_dec = len(plan.dec)
+        blk = np.nonzero(constrained & fed[:, 0])[0]  # [m] constrained blocks with rows
+        drafts = [plan.drafts.draft_ids[b, : plan.num_draft[b]].tolist() if b < num_dec else [] for b in blk]
+        parents = None
+        if plan.drafts.parents is not None:
+            parents = np.zeros((len(blk), plan.drafts.parents.shape[1]), np.int64)
+            parents[blk < num_dec] = plan.drafts.parents[blk[blk < num_dec]]
+        lens = np.array([len(d) + 1 for d in drafts], np.int64)
+        first = np.cumsum(lens) - lens  # [m] each block's first mask row
+        allowed = self.grammars.masks(blocks.slots[blk], first, drafts, parents, int(lens.sum()))
+        offset = np.full(len(blocks.slots), -1, np.int64)
+        offset[blk] = first
+        pick = np.nonzero(offset[seq] >= 0)[0]  # processed rows of constrained blocks
+        at = offset[seq[pick]] + col[pick]  # their mask rows
+        masked = np.where(allowed[at], x[pick], -np.inf)
+        empty = np.isneginf(masked).all(axis=1)
+        if empty.any():  # min_tokens held back what alone the grammar allows (EOS): the grammar wins
+            raw = logits.numpy()[rows[seq[pick[empty]], col[pick[empty]]]]  # (rare: a copy of all rows)
+            masked[empty] = np.where(allowed[at[empty]], raw, -np.inf)
+        x[pick] = masked
 
     def _commit(self, plan: StepPlan, slots: np.ndarray, emitted: np.ndarray, kept: np.ndarray) -> np.ndarray:
         """Tokens, lengths and statistics of the step; returns [num_seqs] int64: 1 where the block emitted (a

@@ -116,6 +116,7 @@ class RequestStats:
     drafted_per_position: list[int] | None = None  # [max_draft] how often a draft at position i was verified
     num_prefill_chunks: int = 0  # forwards its prompt was prefilled in (1 without chunking)
     num_cached_prompt_tokens: int = 0  # prompt tokens read from the shared prefix instead of prefilled
+    num_forced_tokens: int = 0  # accepted drafts its response_format's grammar forced (no drafter call)
 
     @property
     def acceptance_rate(self) -> float | None:

@@ -8,6 +8,7 @@ A field whose value is null counts as absent (Parquet rows carry nulls for colum
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -18,9 +19,12 @@ from specgen.io.openai_output import CHAT, TEXT
 PROMPT_KEYS = ("prompt", "messages", "input_ids")
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs",
                  "top_logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
-                 "min_tokens", "n", "stop_token_ids", "ignore_eos")
+                 "min_tokens", "n", "stop_token_ids", "ignore_eos", "response_format")
+# vLLM's guided decoding fields: each is a response_format of one kind (at most one per record)
+GUIDED_KEYS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+               "guided_grammar": "grammar"}
 FLOAT_KEYS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-NATIVE_KEYS = ("id", *PROMPT_KEYS, *SAMPLING_KEYS)
+NATIVE_KEYS = ("id", *PROMPT_KEYS, *SAMPLING_KEYS, *GUIDED_KEYS)
 
 OPENAI_KEYS = ("custom_id", "method", "url", "body")
 OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
@@ -28,7 +32,7 @@ OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 OPENAI_BODY_READ = ("messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                     "top_k", "min_p", "seed", "stop", "logprobs", "top_logprobs", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "n",
-                    "stop_token_ids", "ignore_eos")
+                    "stop_token_ids", "ignore_eos", "response_format", *GUIDED_KEYS)
 OPENAI_BODY_IGNORED = ("model", "user", "metadata", "store")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the engine keeps integer sampling fields in int64 arrays
 SHOWN_CHARS = 60  # longest piece of a record's own text quoted in a message
@@ -76,7 +80,7 @@ def parse_record(raw: Any, default_id: str) -> InputRecord:
         found = f"got {', '.join(given)}" if given else "got none"
         raise RecordError(f"need exactly one of prompt, messages, input_ids ({found})", record_id)
     prompt = _check_prompt(given[0], raw[given[0]], record_id)
-    overrides = _check_sampling({k: raw[k] for k in SAMPLING_KEYS if k in raw}, record_id)
+    overrides = _check_sampling({k: raw[k] for k in (*SAMPLING_KEYS, *GUIDED_KEYS) if k in raw}, record_id)
     return InputRecord(record_id, prompt, overrides, CHAT if given[0] == "messages" else TEXT)
 
 
@@ -117,7 +121,7 @@ def _openai_prompt(body: dict[str, Any], url: str | None, record_id: str) -> Inp
     prompt = body[key]
     if key == "prompt" and isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         key = "input_ids"  # the completions API takes token ids as the prompt
-    sampling = {k: body[k] for k in SAMPLING_KEYS if k in body}
+    sampling = {k: body[k] for k in (*SAMPLING_KEYS, *GUIDED_KEYS) if k in body}
     if "max_completion_tokens" in body:
         if "max_tokens" in body and not _same_int(body["max_tokens"], body["max_completion_tokens"]):
             raise RecordError("body.max_tokens and body.max_completion_tokens disagree", record_id)
@@ -172,8 +176,16 @@ def _check_prompt(key: str, value: Any, record_id: str) -> Any:
 def _check_sampling(values: dict[str, Any], record_id: str) -> tuple[tuple[str, Any], ...]:
     """Type-check per-request sampling fields; the ranges are SamplingParams' to check."""
     out = []
+    guided = [k for k in ("response_format", *GUIDED_KEYS) if k in values]
+    if len(guided) > 1:
+        raise RecordError(f"{' and '.join(guided)}: give one structured-output field", record_id)
     for key, value in values.items():
-        if key == "stop":
+        if key in GUIDED_KEYS:
+            key, value = "response_format", _guided(key, value, record_id)
+        if key == "response_format":
+            if not isinstance(value, dict):
+                raise RecordError(f"response_format must be an object, got {_type_name(value)}", record_id)
+        elif key == "stop":
             value = [value] if isinstance(value, str) else value
             if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
                 raise RecordError("stop must be a string or a list of strings", record_id)
@@ -214,6 +226,25 @@ def _check_sampling(values: dict[str, Any], record_id: str) -> tuple[tuple[str, 
             raise RecordError(f"{key} must be a 64-bit integer, got one outside [-2**63, 2**63)", record_id)
         out.append((key, value))
     return tuple(out)
+
+
+def _guided(key: str, value: Any, record_id: str) -> dict[str, Any]:
+    """A vLLM guided_* field as the response_format it stands for (SamplingParams checks its shape)."""
+    kind = GUIDED_KEYS[key]
+    if kind == "json_schema":
+        if isinstance(value, str):  # vLLM takes the schema as JSON text too
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise RecordError(f"guided_json is not valid JSON ({exc})", record_id) from None
+        if not isinstance(value, dict):
+            raise RecordError(f"guided_json must be a JSON schema object, got {_type_name(value)}", record_id)
+        return {"type": "json_schema", "json_schema": {"schema": value}}
+    if kind == "choice" and not (isinstance(value, list) and all(isinstance(c, str) for c in value)):
+        raise RecordError(f"guided_choice must be a list of strings, got {_type_name(value)}", record_id)
+    if kind != "choice" and not isinstance(value, str):
+        raise RecordError(f"{key} must be a string, got {_type_name(value)}", record_id)
+    return {"type": kind, kind: value}
 
 
 def _check_float(key: str, value: Any, record_id: str) -> float:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specgen.config import SamplingParams
+from specgen.engine.grammar import grammar_error
 from specgen.engine.types import Request, sample_key
 from specgen.errors import ConfigError, InputError
 from specgen.io.ids import SeenIds
@@ -107,6 +108,9 @@ class RequestSource:
             raise RecordError(f"token id {bad} outside the vocabulary [0, {self.vocab_size})", record_id, n)
 
     def _check_params(self, params: SamplingParams, record_id: str) -> None:
+        why = grammar_error(params.response_format) if params.response_format else None
+        if why is not None:
+            raise RecordError(why, record_id)
         if self.max_n and params.n > self.max_n:
             raise RecordError(f"n = {params.n} samples is more than the batch's {self.max_n} slots",
                               record_id)

@@ -47,6 +47,7 @@ class NoProposer:
     acceptance_hint = None
     idle_when_detached = False
     clone_safe = True  # keeps no state of a slot's prompt: a sample may copy another's prompt rows
+    context_only = True  # drafts from the slot's tokens alone: it may draft after a grammar's forced tokens
 
     def propose(self, view: SlotView) -> DraftTokens:
         return DraftTokens.none(len(view.slots), 0)

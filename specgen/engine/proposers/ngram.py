@@ -98,6 +98,7 @@ class NgramProposer:
     acceptance_hint = None
     idle_when_detached = False  # drafts from the text, whatever the controller detached
     clone_safe = True  # its state is the slot's tokens: a sample may copy another's prompt rows
+    context_only = True  # drafts from the slot's tokens (and the pool): it may draft after forced tokens
     SOURCE_DECAY = 0.998  # per step: the estimates follow a job whose kind of text changes
     POOL_MIN_RATE = 0.25  # a pool draft is offered only above this: guesses from other requests' text that
     # miss most of the time (summarization: 0.1) would lower the slot's acceptance estimate, and with it k for
