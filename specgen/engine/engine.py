@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 import numpy as np
@@ -11,13 +10,14 @@ import paddle
 
 from specgen.backends.base import RowSampling
 from specgen.config import EngineConfig, SamplingParams
-from specgen.engine import penalties
 from specgen.engine.adaptive import Controller, StepReport
 from specgen.engine.adaptive.calibrate import controller_for
 from specgen.engine.grammar import ForcedDrafts, Grammars, ahead, grammar_error
 from specgen.engine.logprobs import LogprobTable
 from specgen.engine.memory import KvMemory
+from specgen.engine.plan import StepBlocks, StepPlan, in_blocks
 from specgen.engine.proposers.base import NoProposer, Proposer, SlotView
+from specgen.engine.rows import Processing, processed
 from specgen.engine.scheduler import Scheduler
 from specgen.engine.slots import MAX_DRAFT, SlotLists, SlotTable, common_prefix, error_output, rejection
 from specgen.engine.stops import stop_strings
@@ -28,7 +28,7 @@ from specgen.errors import ConfigError
 from specgen.layers.sampling import uniforms
 from specgen.models.model import Model
 from specgen.models.tokenizer import TextTokenizer
-from specgen.runtime.batch import ForwardBatch, build_forward_batch
+from specgen.runtime.batch import build_forward_batch
 
 
 def nonfinite_slots(out, batch) -> np.ndarray:
@@ -41,41 +41,6 @@ def nonfinite_slots(out, batch) -> np.ndarray:
         return np.empty(0, np.int64)
     bad = ~paddle.isfinite(out.hidden).all(axis=1).numpy()  # [num_tokens]
     return np.unique(batch.token_slots[bad])
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """Who takes part in a step and with what: decoding slots with their drafts, prefilling slots
-    with a chunk."""
-
-    dec: np.ndarray  # [num_dec] int64 decoding slots
-    new: np.ndarray  # [num_new] int64 slots prefilling this step
-    chunk: np.ndarray  # [num_new] int64 prompt tokens each feeds
-    final: np.ndarray  # [num_new] bool the chunk ends the prompt: its last row is sampled
-    room: np.ndarray  # [num_slots] int64 tokens each slot may still emit (>= 1 while active)
-    drafts: DraftTokens  # what the proposer offers the decoding slots
-    num_avail: np.ndarray  # [num_dec] int64 drafts offered, capped by room
-    num_draft: np.ndarray  # [num_dec] int64 drafts verified (a tree's nodes)
-    draft_seconds: float  # the proposer's propose
-    depth: np.ndarray | None = None  # [num_dec, width + 1] int64 a tree block's depths (tree.tree_layout);
-    # None: chains
-    mask: np.ndarray | None = None  # [num_dec, width + 1] int64 a tree block's attention masks
-    forced: np.ndarray | None = None  # [num_dec] int64 leading drafts a grammar forced (None: none)
-    # a plain step, the proposer and the controller not called: speculation ruled out for good
-    # (Controller.off), or every slot detached from a drafter idle for detached slots
-    # (Proposer.idle_when_detached)
-    idle: bool = False
-
-
-@dataclass(frozen=True)
-class StepBlocks:
-    """The step's packed forward and where its blocks are: decoding slots first, then prefilling ones."""
-
-    batch: ForwardBatch
-    slots: np.ndarray  # [num_seqs] int64 each block's slot
-    starts: np.ndarray  # [num_seqs] int64 position of each block's first token
-    lens: np.ndarray  # [num_seqs] int64 tokens in each block
-    dec_mask: np.ndarray  # [num_dec, width + 1] bool the rows of each decoding block that are fed
 
 
 class Engine:
@@ -380,23 +345,12 @@ class Engine:
             self.expert_tokens = (out.expert_counts
                                   + (self.expert_tokens if self.expert_tokens is not None else 0))
 
-    @staticmethod
-    def _in_blocks(plan: StepPlan, blocks: StepBlocks, rows: np.ndarray) -> np.ndarray:
-        """A value per logit row [num_logits] -> [num_seqs, width + 1] in block order (decoding blocks' rows
-        in the block's order, a prompt's final chunk's one row first; 0 where a block has no row)."""
-        num_dec, dec_mask = len(plan.dec), blocks.dec_mask
-        out = np.zeros((len(blocks.slots), dec_mask.shape[1]), rows.dtype)
-        num_dec_rows = int(dec_mask.sum())  # decode rows are the first sum(num_draft + 1) logit rows
-        out[:num_dec][dec_mask] = rows[:num_dec_rows]
-        out[num_dec:, 0][plan.final] = rows[num_dec_rows:]
-        return out
-
     def _logprobs(self, plan: StepPlan, blocks: StepBlocks, logits, targets: np.ndarray,
                   path: np.ndarray | None, kept: np.ndarray) -> None:
         """The log-probabilities of the tokens the step keeps, for the slots that ask, into logprob_table at
         the positions the commit will give the tokens."""
         t, slots = self.table, blocks.slots
-        rows = self._in_blocks(plan, blocks, np.arange(len(targets)))  # [num_seqs, width + 1] logit rows
+        rows = in_blocks(plan, blocks, np.arange(len(targets)))  # [num_seqs, width + 1] logit rows
         if path is not None:
             rows[: len(plan.dec)] = np.take_along_axis(rows[: len(plan.dec)], path, axis=1)
         wanted = (np.arange(rows.shape[1])[None, :] < kept[:, None]) & t.logprobs[slots][:, None]
@@ -415,7 +369,7 @@ class Engine:
         drafts accepted; path [num_dec, width + 1] int64 a tree's accepted path (block indices), None for
         chains)."""
         num_dec = len(plan.dec)
-        emitted = cls._in_blocks(plan, blocks, targets)
+        emitted = in_blocks(plan, blocks, targets)
         if plan.depth is None:
             return emitted, accept_lengths(plan.drafts.draft_ids, plan.num_draft, emitted[:num_dec]), None
         accepted, path = walk(plan.drafts.draft_ids, plan.drafts.parents, plan.num_draft, emitted[:num_dec])
@@ -563,7 +517,8 @@ class Engine:
         t, batch = self.table, blocks.batch
         logits, greedy = out.logits, out.greedy
         if t.penalized[blocks.slots].any() or self._constrained(blocks.slots):
-            logits, greedy = self._penalized(plan, blocks, out)
+            logits, greedy = processed(Processing(t, self.eos_ids, self.bias_table, self.stop_table,
+                                                  self.grammars), plan, blocks, out)
         row_tok = batch.logit_rows  # [num_logits]
         row_slot = batch.token_slots[row_tok]
         temperature = t.temperature[row_slot]
@@ -572,88 +527,6 @@ class Engine:
             u = uniforms(t.rng_key[row_slot], batch.model_positions[row_tok] + 1 - t.prompt_len[row_slot])
         rows = RowSampling(temperature, t.top_k[row_slot], t.top_p[row_slot], t.min_p[row_slot], u)
         return self.model.sample(logits, rows, greedy)
-
-    def _penalized(self, plan: StepPlan, blocks: StepBlocks, out):
-        """(logits, greedy) with the rows of penalized slots processed, each with the committed tokens and
-        the drafts before it in its block (its path's, in a tree); the rows of constrained slots masked by
-        their grammars' states there (the grammar wins over min_tokens: a row it would leave empty keeps the
-        grammar's tokens)."""
-        t, slots, logits = self.table, blocks.slots, out.logits
-        constrained = (np.zeros(len(slots), bool) if self.grammars is None
-                       else self.grammars.active[slots])  # [num_seqs]
-        rows = self._in_blocks(plan, blocks, np.arange(logits.shape[0]))  # [num_seqs, width + 1] logit rows
-        width = rows.shape[1] - 1
-        fed = np.zeros(rows.shape, bool)
-        fed[: len(plan.dec)] = blocks.dec_mask
-        fed[len(plan.dec):, 0] = plan.final
-        # [n] the processed rows' blocks, positions
-        seq, col = np.nonzero(fed & (t.penalized[slots] | constrained)[:, None])
-        ps, n, vocab = slots[seq], len(seq), logits.shape[1]
-        tokens = t.tokens[ps]  # [n, capacity] each row's slot's tokens
-        out_row, out_tok = penalties.row_tokens(tokens, t.prompt_len[ps], t.seq_len[ps])
-        dec = seq < len(plan.dec)
-        if dec.any() and width:  # the drafts on each verified position's path
-            where = np.full(rows.shape, -1)
-            where[seq, col] = np.arange(n)
-            i, b, a = np.nonzero(penalties.on_path(plan.num_draft, plan.drafts.parents, width))
-            at = where[i, b]
-            out_row = np.concatenate([out_row, at[at >= 0]])
-            out_tok = np.concatenate([out_tok, plan.drafts.draft_ids[i[at >= 0], a[at >= 0] - 1]])
-        rep = t.repetition_penalty[ps] != 1  # only these rows need their prompt's tokens
-        prompt = penalties.row_tokens(tokens[rep], np.zeros(int(rep.sum()), np.int64), t.prompt_len[ps[rep]])
-        prompt = (np.nonzero(rep)[0][prompt[0]], prompt[1])
-        bias = (np.zeros(0, np.int64),) * 2 + (np.zeros(0),)
-        if self.bias_table is not None:
-            br, bc = np.nonzero(self.bias_table.ids[ps] >= 0)
-            bias = (br, self.bias_table.ids[ps][br, bc], self.bias_table.values[ps][br, bc])
-        depth = col.copy()  # each row's output tokens after the committed ones (a tree node: its depth)
-        if plan.depth is not None:
-            depth[dec] = plan.depth[seq[dec], col[dec]]
-        # rows short of min_tokens: EOS and their stop ids masked
-        held = np.nonzero(t.seq_len[ps] - t.prompt_len[ps] + depth < t.min_tokens[ps])[0]
-        eos = (np.repeat(held, len(self.eos_ids)), np.tile(self.eos_ids, len(held)))
-        if self.stop_table is not None:
-            stops = self.stop_table.ids[ps[held]]
-            sr, sc = np.nonzero(stops >= 0)
-            eos = (np.concatenate([eos[0], held[sr]]), np.concatenate([eos[1], stops[sr, sc]]))
-        touched = penalties.Touched.gather(vocab, (out_row, out_tok), prompt, bias, eos)
-        p = penalties.RowPenalties(t.repetition_penalty[ps], t.presence_penalty[ps], t.frequency_penalty[ps])
-        picked = rows[seq, col]  # [n] the processed logit rows
-        x = logits.numpy()[picked]  # [n, vocab] (a copy)
-        at = (touched.row, touched.token)
-        x[at] = penalties.apply(x[at], touched, p)  # rounded to the model's dtype
-        if constrained.any():
-            self._mask(plan, blocks, rows, fed, constrained, seq, col, x, logits)
-        greedy = (out.greedy.copy() if out.greedy is not None
-                  else paddle.argmax(logits, axis=-1).numpy().astype(np.int64))
-        greedy[picked] = x.argmax(axis=-1)  # the lowest id on a tie
-        if t.temperature[ps].any():  # sampled rows: the sampler reads the processed rows
-            logits = paddle.scatter(logits, paddle.to_tensor(picked), paddle.to_tensor(x))
-        return logits, greedy
-
-    def _mask(self, plan: StepPlan, blocks: StepBlocks, rows, fed, constrained, seq, col, x, logits) -> None:
-        """Mask the processed rows `x` [n, vocab] ((seq, col): their blocks and positions) of constrained
-        slots: -inf where the grammar's state at the row disallows a token."""
-        num_dec = len(plan.dec)
-        blk = np.nonzero(constrained & fed[:, 0])[0]  # [m] constrained blocks with rows
-        drafts = [plan.drafts.draft_ids[b, : plan.num_draft[b]].tolist() if b < num_dec else [] for b in blk]
-        parents = None
-        if plan.drafts.parents is not None:
-            parents = np.zeros((len(blk), plan.drafts.parents.shape[1]), np.int64)
-            parents[blk < num_dec] = plan.drafts.parents[blk[blk < num_dec]]
-        lens = np.array([len(d) + 1 for d in drafts], np.int64)
-        first = np.cumsum(lens) - lens  # [m] each block's first mask row
-        allowed = self.grammars.masks(blocks.slots[blk], first, drafts, parents, int(lens.sum()))
-        offset = np.full(len(blocks.slots), -1, np.int64)
-        offset[blk] = first
-        pick = np.nonzero(offset[seq] >= 0)[0]  # processed rows of constrained blocks
-        at = offset[seq[pick]] + col[pick]  # their mask rows
-        masked = np.where(allowed[at], x[pick], -np.inf)
-        empty = np.isneginf(masked).all(axis=1)
-        if empty.any():  # min_tokens held back what alone the grammar allows (EOS): the grammar wins
-            raw = logits.numpy()[rows[seq[pick[empty]], col[pick[empty]]]]  # (rare: a copy of all rows)
-            masked[empty] = np.where(allowed[at[empty]], raw, -np.inf)
-        x[pick] = masked
 
     def _commit(self, plan: StepPlan, slots: np.ndarray, emitted: np.ndarray, kept: np.ndarray) -> np.ndarray:
         """Tokens, lengths and statistics of the step; returns [num_seqs] int64: 1 where the block emitted (a
