@@ -79,7 +79,7 @@ ABSENT_MEANS = {"sampling.min_p": 0.0, "sampling.sampler": 1, "sampling.logprobs
                 "sampling.top_logprobs": 0, "sampling.repetition_penalty": 1.0,
                 "sampling.presence_penalty": 0.0, "sampling.frequency_penalty": 0.0,
                 "sampling.logit_bias": [], "sampling.min_tokens": 0, "sampling.n": 1,
-                "sampling.stop_token_ids": [],
+                "sampling.stop_token_ids": [], "sampling.response_format": "",
                 "output_format": "auto"}
 
 

@@ -255,3 +255,18 @@ def test_logprobs_travel():
         assert pd[r.id].logprobs == one[r.id].logprobs
         assert (one[r.id].logprobs is None) == (i % 3 == 0)
         assert one[r.id].logprobs is None or len(one[r.id].logprobs) == len(one[r.id].token_ids)
+
+
+def test_constrained_requests_travel():
+    """A request with a response_format: the decode worker's grammar starts after the first token (the
+    prefill worker's), and its output equals the colocated engine's (greedy and sampled, forced drafts on)."""
+    loaded = load_model(TINY / "llama", dtype="float64")
+    fmt = {"type": "regex", "regex": "[a-c]{1,4}(-[0-9]{2}){1,3}"}
+    requests = [dataclasses.replace(r, params=dataclasses.replace(r.params, max_tokens=20,
+                                                                  response_format=fmt))
+                for r in requests_of(loaded, [f"item {i}: " + "x y " * i for i in range(6)])]
+    engine, spec = EngineConfig(batch_size=3, dtype="float64"), SpecConfig(method="ngram", adaptive=False)
+    assert_colocated(loaded, engine, spec, requests)
+    one = list(make_engine(loaded, engine, spec).run(requests))
+    assert all(o.finish_reason == "stop" for o in one)
+    assert sum(o.stats.num_forced_tokens for o in one) > 0
