@@ -129,10 +129,11 @@ def _mask(p: Processing, plan: StepPlan, blocks: StepBlocks, pick: Picked, const
     offset[blk] = first
     rows = np.nonzero(offset[seq] >= 0)[0]  # processed rows of constrained blocks
     at = offset[seq[rows]] + col[rows]  # their mask rows
-    masked = x[rows]
-    np.copyto(masked, -np.inf, where=~allowed[at])
+    masked, ok = x[rows], allowed[at]  # [r, vocab]
+    # (a row after a draft that ends the grammar, EOS, allows nothing: it is never kept, and stays unmasked)
+    np.copyto(masked, -np.inf, where=~ok & ok.any(axis=1)[:, None])
     empty = np.isneginf(masked).all(axis=1)
     if empty.any():  # min_tokens held back what alone the grammar allows (EOS): the grammar wins
         raw = paddle.gather(logits, paddle.to_tensor(pick.rows[seq[rows[empty]], col[rows[empty]]])).numpy()
-        masked[empty] = np.where(allowed[at[empty]], raw, -np.inf)
+        masked[empty] = np.where(ok[empty], raw, -np.inf)
     x[rows] = masked
