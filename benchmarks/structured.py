@@ -99,16 +99,16 @@ def run(lm, items, batch: int, method: str, forced: bool, max_tokens: int):
 
 class GrammarClock:
     """Seconds spent in the grammar's work: the matchers' calls, and processing the constrained rows
-    (Engine._penalized: the rows copied out of the logits, masked, scattered back for sampling; no penalties
-    in this job)."""
+    (engine/rows.py `processed`: the rows copied out of the logits, masked, scattered back for sampling; no
+    penalties in this job)."""
 
     def __init__(self):
-        from specgen.engine.engine import Engine
+        import specgen.engine.engine as engine
         from specgen.engine.grammar import Grammars
 
         self.seconds = 0.0
         self.patched = [(Grammars, n) for n in ("forced", "cut", "commit", "place")]
-        self.patched.append((Engine, "_penalized"))
+        self.patched.append((engine, "processed"))
         self.saved = [getattr(cls, n) for cls, n in self.patched]
         for (cls, name), fn in zip(self.patched, self.saved):
             setattr(cls, name, self._timed(fn))

@@ -197,8 +197,9 @@ def response_format(value: Any) -> str:
     elif kind == "json_schema":
         inner = value.get("json_schema", value)  # OpenAI's nests the schema; the canonical form does not
         schema = inner.get("schema") if isinstance(inner, dict) else None
-        if not isinstance(schema, (dict, bool)):
-            raise ConfigError('response_format of type json_schema needs "json_schema": {"schema": {...}}')
+        if not isinstance(schema, dict):
+            raise ConfigError('response_format of type json_schema needs "json_schema": {"schema": {...}} '
+                              "(a schema object)")
         spec = {"type": "json_schema", "schema": schema}
     elif kind in GUIDED_TEXT:
         if not isinstance(value.get(kind), str) or not value[kind]:

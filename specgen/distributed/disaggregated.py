@@ -101,6 +101,8 @@ class PrefillEngine(Engine):
                         lt.top_logprobs[slot, out, :top].copy())
         t.active[slot] = False
         self.requests[slot] = None
+        if self.grammars is not None:
+            self.grammars.release(slot)
         kv_bytes = sum(p.nbytes for pieces in kv for p in pieces)
         return Handoff(req, row, parcel, kv_bytes, time.perf_counter() - start, time.time(), logprobs)
 
@@ -138,7 +140,10 @@ class DecodeEngine(Engine):
                      self.config.batch_size)
         self.table.import_row(slot, h.row)
         self._set_lists(slot, req)
-        self._constrain(slot, req)  # its grammar advanced by the first token
+        self.requests[slot] = req
+        why = self._constrain(slot, req)  # its grammar advanced by the first token
+        if why is not None:
+            return self._fail(slot, why)
         if h.logprobs is not None:
             n, start_pos = len(h.logprobs[0]), int(h.row["prompt_len"])
             self._logprob_room(req).write(np.full(n, slot), start_pos + np.arange(n), *h.logprobs)

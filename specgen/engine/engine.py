@@ -9,7 +9,7 @@ import numpy as np
 import paddle
 
 from specgen.backends.base import RowSampling
-from specgen.config import EngineConfig, SamplingParams
+from specgen.config import EngineConfig, SamplingParams, default_threads
 from specgen.engine.adaptive import Controller, StepReport
 from specgen.engine.adaptive.calibrate import controller_for
 from specgen.engine.grammar import ForcedDrafts, Grammars, ahead, grammar_error
@@ -41,6 +41,12 @@ def nonfinite_slots(out, batch) -> np.ndarray:
         return np.empty(0, np.int64)
     bad = ~paddle.isfinite(out.hidden).all(axis=1).numpy()  # [num_tokens]
     return np.unique(batch.token_slots[bad])
+
+
+def shifted(a: np.ndarray, by: np.ndarray) -> np.ndarray:
+    """Each row of a [n, w] moved left by by[i] columns (the last column repeated past the end)."""
+    col = np.minimum(np.arange(a.shape[1])[None, :] + by[:, None], a.shape[1] - 1)
+    return np.take_along_axis(a, col, axis=1) if a.shape[1] else a
 
 
 class Engine:
@@ -118,32 +124,37 @@ class Engine:
             self.samples_of[(req.id, req.index)] = slot
         self._logprob_room(req)
         self._set_lists(slot, req)
-        self._constrain(slot, req)
+        why = self._constrain(slot, req)
+        assert why is None, why  # admission checked the grammar; the slot holds no output yet
         self.requests[slot] = req
         if self.controller is not None:
             self.controller.reset(slot)
 
     def _grammar_rejection(self, req: Request) -> str | None:
-        """Why `req`'s response_format cannot constrain it (no tokenizer, a grammar that does not compile)."""
-        if not req.params.response_format:
+        """Why `req`'s response_format cannot constrain it (no tokenizer, a grammar that does not compile
+        or not over this model's vocabulary); the grammar table is made the first time a request has one."""
+        spec = req.params.response_format
+        if not spec:
             return None
         if self.tokenizer is None:
             return "response_format needs the model's tokenizer (this engine has none)"
-        return grammar_error(req.params.response_format)
+        if self.grammars is None:
+            try:
+                self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_ids,
+                                         len(self.requests), self.config.threads or default_threads())
+            except ValueError as exc:
+                return f"response_format: the grammar engine cannot read this model's tokenizer ({exc})"
+        return grammar_error(spec) or self.grammars.compile_error(spec)
 
-    def _constrain(self, slot: int, req: Request) -> None:
-        """`slot`'s grammar matcher for `req` (placed in the slot table already, with any output it has),
-        made with the grammar table the first time a request has a response_format; releases the slot's
-        otherwise."""
+    def _constrain(self, slot: int, req: Request) -> str | None:
+        """`slot`'s grammar matcher for `req` (placed in the slot table already, with any output it has:
+        a hand-off's first token), or the slot's released; returns why the output breaks the grammar."""
         if self.grammars is not None:
             self.grammars.release(slot)
         if not req.params.response_format:
-            return
-        if self.grammars is None:
-            self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_ids,
-                                     len(self.requests))
-        why = self.grammars.place(slot, req.params.response_format, self.table.output_ids(slot))
-        assert why is None, why  # admission checked it
+            return None
+        return self._grammar_rejection(req) or self.grammars.place(slot, req.params.response_format,
+                                                                   self.table.output_ids(slot))
 
     def _source_slot(self, req: Request) -> int | None:
         """The slot of `req`'s sample 0 while it runs, for a later sample that may copy its prompt's rows (a
@@ -273,10 +284,9 @@ class Engine:
         plan = self._plan()
         blocks = self._blocks(plan)
         slots, t = blocks.slots, self.table
-        # A step whose slots are all greedy, unprocessed and want no log-probabilities needs no logits (a
-        # screened LM head skips them).
-        wants = (t.temperature[slots].any() or t.logprobs[slots].any() or t.penalized[slots].any()
-                 or self._constrained(slots))
+        # A step whose slots are all greedy, unpenalized and want no log-probabilities needs no logits (a
+        # screened LM head skips them; a grammar's rows that refuse the greedy token get theirs: rows.py).
+        wants = t.temperature[slots].any() or t.logprobs[slots].any() or t.penalized[slots].any()
         out = self.model.forward(blocks.batch, self.cache, logits=bool(wants))
         targets = self._sample(plan, blocks, out)
         forward_seconds = time.perf_counter() - start
@@ -295,12 +305,12 @@ class Engine:
             self._logprobs(plan, blocks, out.logits, targets, path, kept)
         produced = self._commit(plan, slots, emitted, kept)
         failed = {}  # {slot: why} (a grammar the kept tokens broke: never expected)
-        if self._constrained(slots):
-            failed = self.grammars.commit(slots, emitted, kept, plan.forced)
-            broken |= np.isin(slots, list(failed))
+        if self._constrained(slots):  # (a broken slot's tokens are not the grammar's to judge)
+            failed = self.grammars.commit(slots, emitted, np.where(broken, 0, kept), plan.forced)
         if path is not None:
             self._compact(plan.dec, root_rows, path, kept[: len(plan.dec)])
-        done = by_eos | by_stop | (t.seq_len[slots] >= t.max_len[slots]) | broken
+        done = (by_eos | by_stop | (t.seq_len[slots] >= t.max_len[slots]) | broken
+                | np.isin(slots, list(failed)))
         if not plan.idle:
             observe_seconds = self._observe(plan, blocks, produced, kept, done, out.hidden, broken, path)
             if self.controller is not None:
@@ -384,9 +394,14 @@ class Engine:
         offered, num_offered = plan.drafts.draft_ids, plan.num_avail
         if plan.depth is not None:
             offered, num_offered = main_chain(offered, plan.drafts.parents, plan.num_avail)
+        emitted, kept, num_draft = emitted[:num_dec], kept[:num_dec], plan.num_draft
+        if plan.forced is not None:  # the drafter's own drafts only: a grammar's forced ones teach nothing
+            f = plan.forced  # [num_dec] (a tree's forced nodes are its trunk: its main chain's first)
+            offered, emitted = shifted(offered, f), shifted(emitted, f)
+            num_offered, num_draft, kept = (np.maximum(v - f, 0) for v in (num_offered, num_draft, kept))
         self.controller.end_step(StepReport(
-            slots=plan.dec, draft_ids=offered, num_avail=num_offered, num_draft=plan.num_draft,
-            source=plan.drafts.source, emitted=emitted[:num_dec], kept=kept[:num_dec],
+            slots=plan.dec, draft_ids=offered, num_avail=num_offered, num_draft=num_draft,
+            source=plan.drafts.source, emitted=emitted, kept=kept,
             num_tokens=len(blocks.batch.token_ids), forward_seconds=forward_seconds,
             draft_seconds=plan.draft_seconds + observe_seconds, rated=self._rated(plan, accepted)))
 
@@ -517,8 +532,8 @@ class Engine:
         t, batch = self.table, blocks.batch
         logits, greedy = out.logits, out.greedy
         if t.penalized[blocks.slots].any() or self._constrained(blocks.slots):
-            logits, greedy = processed(Processing(t, self.eos_ids, self.bias_table, self.stop_table,
-                                                  self.grammars), plan, blocks, out)
+            logits, greedy = processed(Processing(t, self.model.logits, self.eos_ids, self.bias_table,
+                                                  self.stop_table, self.grammars), plan, blocks, out)
         row_tok = batch.logit_rows  # [num_logits]
         row_slot = batch.token_slots[row_tok]
         temperature = t.temperature[row_slot]

@@ -7,6 +7,7 @@ no token. Rows of other slots are left as the model gave them (their greedy choi
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,10 +21,12 @@ from specgen.engine.slots import SlotLists, SlotTable
 
 @dataclass(frozen=True)
 class Processing:
-    """What processes rows: the slot table (penalties, min_tokens, sampling), the EOS ids, and the tables made
-    when a request first has a logit bias, stop token ids or a grammar (None before)."""
+    """What processes rows: the slot table (penalties, min_tokens, sampling), the model's LM head, the EOS
+    ids, and the tables made when a request first has a logit bias, stop token ids or a grammar (None
+    before)."""
 
     table: SlotTable
+    head: Callable[[paddle.Tensor], paddle.Tensor]  # the LM head: final normed hidden rows -> logits
     eos_ids: np.ndarray  # [num_eos] int64
     bias_table: SlotLists | None
     stop_table: SlotLists | None
@@ -42,23 +45,37 @@ class Picked:
 
 def processed(p: Processing, plan: StepPlan, blocks: StepBlocks, out):
     """(logits, greedy) with the rows of penalized and constrained slots processed (the grammar wins over
-    min_tokens: a row it would leave empty keeps the grammar's tokens)."""
+    min_tokens: a row it would leave empty keeps the grammar's tokens). A step without logits (every
+    processed row constrained and greedy, none penalized): the model's greedy token stands where the grammar
+    allows it (the argmax over all allowed tokens then), and only the rows where it does not get their logits
+    from the LM head (returned logits None)."""
     t, slots, logits = p.table, blocks.slots, out.logits
     constrained = np.zeros(len(slots), bool) if p.grammars is None else p.grammars.active[slots]  # [num_seqs]
-    rows = in_blocks(plan, blocks, np.arange(logits.shape[0]))  # [num_seqs, width + 1] logit rows
+    rows = in_blocks(plan, blocks, np.arange(len(blocks.batch.logit_rows)))  # [num_seqs, width + 1]
     fed = np.zeros(rows.shape, bool)
     fed[: len(plan.dec)] = blocks.dec_mask
     fed[len(plan.dec):, 0] = plan.final
     seq, col = np.nonzero(fed & (t.penalized[slots] | constrained)[:, None])  # [n]
     pick = Picked(seq, col, rows, fed)
     picked = rows[seq, col]  # [n] the processed logit rows
+    if logits is None:
+        return None, _lazy_greedy(p, plan, blocks, pick, constrained, out)
     whole = np.array_equal(picked, np.arange(logits.shape[0]))
     # [n, vocab] a copy of the processed rows (gathered first unless all are)
     x = logits.numpy() if whole else paddle.gather(logits, paddle.to_tensor(picked)).numpy()
     if t.penalized[slots[seq]].any():
         _penalize(p, plan, blocks, pick, x)
     if constrained.any():
-        _mask(p, plan, blocks, pick, constrained, x, logits)
+        at, ok = _allowed(p, plan, blocks, pick, constrained)
+        masked = x[at]  # [r, vocab]
+        # (a row after a draft that ends the grammar, EOS, allows nothing: it is never kept, and stays
+        # unmasked)
+        np.copyto(masked, -np.inf, where=~ok & ok.any(axis=1)[:, None])
+        empty = np.isneginf(masked).all(axis=1)
+        if empty.any():  # min_tokens held back what alone the grammar allows (EOS): the grammar wins
+            raw = paddle.gather(logits, paddle.to_tensor(picked[at[empty]])).numpy()
+            masked[empty] = np.where(ok[empty], raw, -np.inf)
+        x[at] = masked
     if out.greedy is not None:
         greedy = out.greedy.copy()
     elif whole:
@@ -69,6 +86,22 @@ def processed(p: Processing, plan: StepPlan, blocks: StepBlocks, out):
     if t.temperature[slots[seq]].any():  # sampled rows: the sampler reads the processed rows
         logits = paddle.scatter(logits, paddle.to_tensor(picked), paddle.to_tensor(x))
     return logits, greedy
+
+
+def _lazy_greedy(p: Processing, plan: StepPlan, blocks: StepBlocks, pick: Picked, constrained: np.ndarray,
+                 out) -> np.ndarray:
+    """Greedy tokens of a step without logits whose processed rows are all constrained: the model's own
+    where the grammar allows it (it is the lowest-id argmax over all tokens, so over the allowed ones too),
+    else the argmax of the row's logits (the LM head over its hidden state) over the allowed tokens."""
+    greedy = out.greedy.copy()  # [num_logits]
+    at, ok = _allowed(p, plan, blocks, pick, constrained)
+    rows = pick.rows[pick.seq[at], pick.col[at]]  # [r] logit rows
+    redo = ~ok[np.arange(len(at)), greedy[rows]] & ok.any(axis=1)  # [r]
+    if redo.any():
+        hidden = paddle.gather(out.hidden, paddle.to_tensor(blocks.batch.logit_rows[rows[redo]]))
+        x = p.head(hidden).numpy()  # [redo, vocab]
+        greedy[rows[redo]] = np.where(ok[redo], x, -np.inf).argmax(axis=-1)
+    return greedy
 
 
 def _penalize(p: Processing, plan: StepPlan, blocks: StepBlocks, pick: Picked, x: np.ndarray) -> None:
@@ -111,10 +144,10 @@ def _penalize(p: Processing, plan: StepPlan, blocks: StepBlocks, pick: Picked, x
     x[at] = penalties.apply(x[at], touched, factors)  # rounded to the model's dtype
 
 
-def _mask(p: Processing, plan: StepPlan, blocks: StepBlocks, pick: Picked, constrained: np.ndarray,
-          x: np.ndarray, logits) -> None:
-    """-inf into the processed rows `x` of constrained slots where the grammar's state at the row disallows a
-    token."""
+def _allowed(p: Processing, plan: StepPlan, blocks: StepBlocks, pick: Picked,
+             constrained: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The processed rows of constrained slots (at [r]: indices into pick's rows) and the tokens the
+    grammar's state at each allows (ok [r, vocab] bool)."""
     num_dec, seq, col = len(plan.dec), pick.seq, pick.col
     blk = np.nonzero(constrained & pick.fed[:, 0])[0]  # [m] constrained blocks with rows
     drafts = [plan.drafts.draft_ids[b, : plan.num_draft[b]].tolist() if b < num_dec else [] for b in blk]
@@ -127,13 +160,5 @@ def _mask(p: Processing, plan: StepPlan, blocks: StepBlocks, pick: Picked, const
     allowed = p.grammars.masks(blocks.slots[blk], first, drafts, parents, int(lens.sum()))
     offset = np.full(len(blocks.slots), -1, np.int64)
     offset[blk] = first
-    rows = np.nonzero(offset[seq] >= 0)[0]  # processed rows of constrained blocks
-    at = offset[seq[rows]] + col[rows]  # their mask rows
-    masked, ok = x[rows], allowed[at]  # [r, vocab]
-    # (a row after a draft that ends the grammar, EOS, allows nothing: it is never kept, and stays unmasked)
-    np.copyto(masked, -np.inf, where=~ok & ok.any(axis=1)[:, None])
-    empty = np.isneginf(masked).all(axis=1)
-    if empty.any():  # min_tokens held back what alone the grammar allows (EOS): the grammar wins
-        raw = paddle.gather(logits, paddle.to_tensor(pick.rows[seq[rows[empty]], col[rows[empty]]])).numpy()
-        masked[empty] = np.where(ok[empty], raw, -np.inf)
-    x[rows] = masked
+    at = np.nonzero(offset[seq] >= 0)[0]  # processed rows of constrained blocks
+    return at, allowed[offset[seq[at]] + col[at]]

@@ -160,13 +160,16 @@ def test_bad_constraints_are_error_records(tiny_model):
 
     bad = [{"type": "regex", "regex": "a(b"},
            {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}},
-           {"type": "grammar", "grammar": "start: nothing_defined"}]
-    outs = generate([[5, 6, 7]] * 3, model=tiny_model,
+           {"type": "grammar", "grammar": "start: nothing_defined"},
+           {"type": "grammar", "grammar": 'start: "a" <[5000]>'}]  # a token id past this vocabulary
+    outs = generate([[5, 6, 7]] * 4, model=tiny_model,
                     sampling=[SamplingParams(max_tokens=4, response_format=b) for b in bad])
     assert all(o.error and o.error.startswith("response_format: ") for o in outs)
     assert "unclosed group" in outs[0].error
     with pytest.raises(ConfigError, match="ignore_eos"):
         SamplingParams(ignore_eos=True, response_format={"type": "json_object"})
+    with pytest.raises(ConfigError, match="schema object"):
+        SamplingParams(response_format={"type": "json_schema", "json_schema": {"schema": True}})
     with pytest.raises(ConfigError, match="choice"):
         SamplingParams(response_format={"type": "choice", "choice": []})
     assert SamplingParams(response_format={"type": "text"}).response_format == ""

@@ -116,7 +116,7 @@ class NgramProposer:
         self.sources = AcceptanceEstimator(2, n_max + 1, self.SOURCE_DECAY)
         # candidates of the last propose, scored in observe: slots, first draft and match length per source
         # [num_seqs], [2, num_seqs] x 2
-        self._pending: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._pending: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._lib = lib if max(k, n_max) <= host.NATIVE_MAX else None
         self._rule = host.NgramRule(k, n_min, n_max)
         self._rates = host.SourceRates(self.sources.hits.ctypes.data, self.sources.seen.ctypes.data,
@@ -144,7 +144,8 @@ class NgramProposer:
         text, _keep = host.SlotText.of(view.tokens, view.slots, view.seq_lens)
         out = host.ngram_propose(self._lib, text, view.max_draft, self._rule, self.pool.view, self._rates)
         k = self.k
-        self._pending = (view.slots.copy(), out[:, [k + 1, k + 3]].T, out[:, [k + 2, k + 4]].T)
+        self._pending = (view.slots.copy(), out[:, [k + 1, k + 3]].T, out[:, [k + 2, k + 4]].T,
+                         view.seq_lens.copy())
         return DraftTokens(out[:, :k], out[:, k])
 
     def propose_reference(self, view: SlotView) -> DraftTokens:
@@ -162,7 +163,7 @@ class NgramProposer:
             draft_ids = np.where(take[:, None], pool_ids, draft_ids)
             num_draft = np.where(take, pool_num, num_draft)
             self._pending = (view.slots.copy(), np.stack([own.draft_ids[:, 0], pool_ids[:, 0]]),
-                             np.stack([own_len, pool_len]))
+                             np.stack([own_len, pool_len]), view.seq_lens.copy())
         return DraftTokens(draft_ids, np.minimum(num_draft, view.max_draft))
 
     def observe(self, update: StepUpdate) -> None:
@@ -175,12 +176,14 @@ class NgramProposer:
             self.pool.add_batch(update.tokens[update.slots[update.finished], : lens.max()], lens)
 
     def _score(self, update: StepUpdate) -> None:
-        """Both candidates' first drafts against the first token each decoding slot emitted."""
-        slots, first, match_len = self._pending  # [num_seqs], [2, num_seqs], [2, num_seqs]
+        """Both candidates' first drafts against the token the step committed at their position (the slot's
+        length as the proposer saw it: past a grammar's forced tokens, engine/grammar.py), where it did."""
+        # [num_seqs], [2, num_seqs], [2, num_seqs], [num_seqs]
+        slots, first, match_len, at = self._pending
         n = len(slots)
         assert (update.slots[:n] == slots).all(), "decode blocks come first in a step"
-        known = update.num_valid[:n] >= 1  # [num_seqs]
-        truth = update.tokens[slots, update.first_pos[:n] + 1]  # [num_seqs]
+        known = (update.num_valid[:n] >= 1) & (update.seq_lens[:n] > at)  # [num_seqs]
+        truth = update.tokens[slots, np.minimum(at, update.tokens.shape[1] - 1)]  # [num_seqs]
         scored = (match_len > 0) & known[None, :]  # [2, num_seqs]
         source = np.broadcast_to(np.arange(2)[:, None], scored.shape)
         self.sources.add(source[scored], match_len[scored], (first == truth[None, :])[scored])
