@@ -9,9 +9,11 @@ each a chat prompt with its JSON schema as the request's response_format, on the
 
 1. Validity: every output that stops parses and validates against its schema (the jsonschema package); how
    many reached --max-tokens instead.
-2. Speed at batch 1, arms alternated in each repeat (medians of the repeats' ratios): constrained plain
-   decoding (method none, no forced drafts), forced drafts alone (none), ngram without them, ngram with them
-   (the default), as tok/s per group and over the set; every arm's tokens must equal plain's.
+2. Speed at batch 1, each group's arms back to back in each repeat (medians of the repeats' ratios):
+   constrained plain decoding (method none, no forced drafts), forced drafts alone (none), ngram without them,
+   ngram with them (the default), as tok/s per group and over the set; every arm's tokens must equal plain's.
+   The prompts' prefill is timed alone (max_tokens 1): the decode ratio is each job's less it, and the bound
+   is the whole-job ratio decoding in no time would reach (these jobs' prompts are long, their outputs short).
 3. The grammar's share of the job at batch 1 and 32 (ngram with forced drafts, and plain): seconds in the
    matchers (masks, forced tokens, draft cuts, commits) and in processing the rows (copied out of the logits,
    masked), over the job's wall time. Not counted: the LM head's full logits, which a greedy job without a
@@ -166,36 +168,51 @@ def main() -> None:
     print_table(["group", "prompts", "stopped", "valid JSON of its schema", "reached max_tokens",
                  "mean tokens"], rows, digits=1)
 
-    # 2. speed at batch 1, arms alternated
-    tok_s = {(a, g): [] for a in ARMS for g in sets}
-    totals = {a: [] for a in ARMS}
+    # 2. speed at batch 1: each group's arms back to back in each repeat (the machine's drift between them
+    # small), the prompts' prefill timed alone (max_tokens 1) to split each job into prefill and decode
+    wall = {(a, g): [] for a in (*ARMS, "prefill") for g in sets}
+    tokens = {}
     forced_share = {}
     for rep in range(args.repeats + 1):
-        for arm, (method, forced) in ARMS.items():
-            tokens = wall_sum = 0.0
-            for g, items in sets.items():
-                outs, wall = timed(lambda: run(lm, items, 1, method, forced, args.max_tokens))
+        for g, items in sets.items():
+            for arm, (method, forced) in (*ARMS.items(), ("prefill", ("none", False))):
+                max_tokens = 1 if arm == "prefill" else args.max_tokens
+                outs, seconds = timed(lambda: run(lm, items, 1, method, forced, max_tokens))
+                if arm == "prefill":
+                    if rep:
+                        wall[(arm, g)].append(seconds)
+                    continue
                 assert [o.token_ids for o in outs] == [o.token_ids for o in plain[g]], (arm, g)
                 n = sum(len(o.token_ids) for o in outs)
+                tokens[g] = n
                 if rep:
-                    tok_s[(arm, g)].append(n / wall)
-                tokens, wall_sum = tokens + n, wall_sum + wall
+                    wall[(arm, g)].append(seconds)
                 forced_share[(arm, g)] = (sum(o.stats.num_forced_tokens for o in outs) / n,
                                           n / sum(o.stats.num_steps for o in outs))
-            if rep:
-                totals[arm].append(tokens / wall_sum)
-    print("\n2. batch 1 tok/s (median of repeats) and ratio to plain constrained decoding (median of "
-          "ratios); forced: share of output tokens that were forced drafts; tok/step")
+    print("\n2. batch 1: tok/s (median of repeats), whole-job ratio to constrained plain decoding (median of "
+          "the repeats' ratios), decode ratio (each job less its prompts' prefill, timed alone), bound (the "
+          "whole-job ratio if decoding took no time); ngram+forced: share of output tokens that were forced "
+          "drafts, tokens per step")
+
+    def med(values):
+        return float(np.median(values))
+
     rows = []
     for g in [*sets, "all"]:
+        groups = list(sets) if g == "all" else [g]
+        per_rep = {a: [sum(wall[(a, h)][r] for h in groups) for r in range(args.repeats)]
+                   for a in (*ARMS, "prefill")}
+        n = sum(tokens[h] for h in groups)
         row = [g]
         for arm in ARMS:
-            series = totals[arm] if g == "all" else tok_s[(arm, g)]
-            base = totals["plain"] if g == "all" else tok_s[("plain", g)]
-            row += [float(np.median(series)), float(np.median([x / y for x, y in zip(series, base)]))]
+            row += [n / med(per_rep[arm]), med([p / a for p, a in zip(per_rep["plain"], per_rep[arm])]),
+                    med([(p - f) / (a - f) for p, a, f in zip(per_rep["plain"], per_rep[arm],
+                                                               per_rep["prefill"])])]
+        row.append(med([p / f for p, f in zip(per_rep["plain"], per_rep["prefill"])]))
         row += list(forced_share[("ngram+forced", g)]) if g != "all" else [None, None]
         rows.append(row)
-    print_table(["group"] + [f"{a} {c}" for a in ARMS for c in ("tok/s", "x")] + ["forced", "tok/step"], rows)
+    print_table(["group"] + [f"{a} {c}" for a in ARMS for c in ("tok/s", "x", "decode x")]
+                + ["bound", "forced", "tok/step"], rows)
 
     # 3. the grammar's share of the job
     print("\n3. the grammar's share of the job's wall time (matchers + masking rows)")
