@@ -457,9 +457,10 @@ class Engine:
             return self._plan_tree(dec, new, chunk, final, room, view, drafts, draft_seconds, least)
         num_avail = np.minimum(drafts.num_draft, view.max_draft)  # [num_dec]
         num_draft = num_avail
-        if c is not None:
-            num_draft = np.minimum(num_avail, c.choose(dec, num_avail, int(chunk.sum()), drafts.source))
-        num_draft = np.maximum(num_draft, np.minimum(least, num_avail))
+        if c is not None:  # how many of the drafter's own drafts, after the forced ones (what it learns from)
+            least = np.minimum(least, num_avail)
+            own = num_avail - least
+            num_draft = least + np.minimum(own, c.choose(dec, own, int(chunk.sum()), drafts.source))
         return StepPlan(dec, new, chunk, final, room, drafts, num_avail, num_draft, draft_seconds,
                         forced=None if forced is None else np.minimum(least, num_draft))
 
