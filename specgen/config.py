@@ -163,6 +163,23 @@ class SamplingParams:
                               "does, at EOS")
 
 
+def json_object(name: str, value: str) -> tuple[dict[str, Any], str]:
+    """A JSON object given inline, or in the file `value` names: (the object, where it was read)."""
+    text, where = value, name
+    if not value.lstrip().startswith("{"):
+        try:
+            text, where = Path(value).read_text(encoding="utf-8"), value
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{name}: neither a JSON object nor a readable file ({exc})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a JSON object")
+    return data, where
+
+
 GUIDED_TEXT = ("regex", "grammar")  # constraint kinds given as one string (a regex; a Lark or GBNF grammar)
 
 
@@ -176,17 +193,7 @@ def response_format(value: Any) -> str:
     if value is None or value == "":
         return ""
     if isinstance(value, str):
-        text, where = value, "response_format"
-        if not value.lstrip().startswith("{"):
-            try:
-                text, where = Path(value).read_text(encoding="utf-8"), value
-            except (OSError, UnicodeDecodeError) as exc:
-                raise ConfigError("response_format: neither a JSON object nor a readable file "
-                                  f"({exc})") from None
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{where}: not valid JSON ({exc})") from None
+        value, _ = json_object("response_format", value)
     if not isinstance(value, dict):
         raise ConfigError(f"response_format must be a JSON object, got {type(value).__name__}")
     kind = value.get("type")

@@ -50,3 +50,29 @@ def random_eagle(cfg, seed: int, input_norm: bool = False, norm: bool = False, s
                                     axis=1)
     w["fc.bias"] = rng.normal(0, std, h)
     return {k: v.astype(np.float32) for k, v in w.items()}
+
+
+def learned_spec(method: str, model, path):
+    """A random learned drafter written to `path` for `model` (a loaded float64 tiny model), and the
+    SpecConfig that drafts with it, every draft verified: an MTP head's chain (k 2), EAGLE's dynamic trees
+    (top-2, 6 nodes, no copies) or Medusa's static trees."""
+    from specgen.config import EagleConfig, MedusaConfig, MtpConfig, SpecConfig
+    from specgen.engine.proposers.eagle import save_eagle
+    from specgen.engine.proposers.medusa import save_medusa
+    from specgen.engine.proposers.mtp_head import random_mtp_weights, save_mtp
+
+    cfg, rng = model.config, np.random.default_rng(1)
+    if method == "mtp":
+        save_mtp(path, random_mtp_weights(cfg, seed=0, std=0.02))
+        return SpecConfig(method="mtp", num_speculative_tokens=2, adaptive=False,
+                          mtp=MtpConfig(model=str(path)))
+    if method == "eagle":
+        save_eagle(path, random_eagle(cfg, 3, norm=True), cfg)
+        return SpecConfig(method="eagle", draft_model=str(path), adaptive=False, num_speculative_tokens=3,
+                          eagle=EagleConfig(topk=2, nodes=6, copy=0))
+    lm = model.model.weights.lm_head.dense().numpy().T
+    layers = [[(rng.normal(0, 0.02, (cfg.hidden_size,) * 2), rng.normal(0, 0.02, cfg.hidden_size))]
+              for _ in range(3)]
+    save_medusa(path, layers, [lm] * 3)
+    return SpecConfig(method="medusa", draft_model=str(path), adaptive=False,
+                      medusa=MedusaConfig(topk=2, tree_choices=("0,0,0", "1", "0,1", "1,0")))

@@ -15,7 +15,6 @@ a method's field with the method as prefix (--ngram-pool, --mtp-model).
 from __future__ import annotations
 
 import dataclasses
-import json
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from specgen.config import (
     SamplingParams,
     SpecConfig,
     from_mapping,
+    json_object,
 )
 from specgen.errors import ConfigError
 
@@ -110,21 +110,7 @@ def parse_speculative_config(value: str) -> dict[str, Any]:
     {"method": "mtp", "num_speculative_tokens": 1, "model": path} ("model" is the drafter's checkpoint:
     resolve() makes it the resolved method's own `model` setting); otherwise the speculative section's keys,
     methods' settings nested ({"method": "ngram", "ngram": {"pool": 0}})."""
-    text, where = value, "--speculative-config"
-    if not value.lstrip().startswith("{"):
-        p = Path(value)
-        try:
-            text, where = p.read_text(encoding="utf-8"), str(p)
-        except OSError as exc:
-            raise ConfigError("--speculative-config: neither a JSON object nor a readable file "
-                              f"({exc})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{where}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a JSON object")
-    data = dict(data)
+    data, where = json_object("--speculative-config", value)
     if "model" in data and not isinstance(data["model"], str):
         raise ConfigError(f"{where}: \"model\" must be a checkpoint path")
     # unknown keys and bad values: an error naming them, now

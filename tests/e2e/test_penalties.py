@@ -114,29 +114,9 @@ def test_float32_speculation_keeps_penalized_tokens(prompts):
 def test_learned_drafters_keep_penalized_tokens_and_logprobs(tiny_model64, prompts, method, tmp_path):
     """Random learned drafters (an MTP head's chain, EAGLE's dynamic trees, Medusa's static ones), every draft
     verified: penalized tokens and their log-probabilities equal plain decoding's, greedy and sampled."""
-    from heads import random_eagle
+    from heads import learned_spec
 
-    from specgen.config import EagleConfig, MedusaConfig, MtpConfig
-    from specgen.engine.proposers.eagle import save_eagle
-    from specgen.engine.proposers.medusa import save_medusa
-    from specgen.engine.proposers.mtp_head import random_mtp_weights, save_mtp
-
-    cfg, rng = tiny_model64.config, np.random.default_rng(1)
-    if method == "mtp":
-        save_mtp(tmp_path, random_mtp_weights(cfg, seed=0, std=0.02))
-        spec = SpecConfig(method="mtp", num_speculative_tokens=2, adaptive=False,
-                          mtp=MtpConfig(model=str(tmp_path)))
-    elif method == "eagle":
-        save_eagle(tmp_path, random_eagle(cfg, 3, norm=True), cfg)
-        spec = SpecConfig(method="eagle", draft_model=str(tmp_path), adaptive=False, num_speculative_tokens=3,
-                          eagle=EagleConfig(topk=2, nodes=6, copy=0))
-    else:
-        lm = tiny_model64.model.weights.lm_head.dense().numpy().T
-        layers = [[(rng.normal(0, 0.02, (cfg.hidden_size,) * 2), rng.normal(0, 0.02, cfg.hidden_size))]
-                  for _ in range(3)]
-        save_medusa(tmp_path, layers, [lm] * 3)
-        spec = SpecConfig(method="medusa", draft_model=str(tmp_path), adaptive=False,
-                          medusa=MedusaConfig(topk=2, tree_choices=("0,0,0", "1", "0,1", "1,0")))
+    spec = learned_spec(method, tiny_model64, tmp_path)
     engine = EngineConfig(batch_size=3, dtype="float64")
     for temperature in (0.0, 0.8):
         sp = [SamplingParams(max_tokens=10, temperature=temperature, seed=i, logprobs=True, top_logprobs=2,
