@@ -240,10 +240,12 @@ def _guided(key: str, value: Any, record_id: str) -> dict[str, Any]:
         if not isinstance(value, dict):
             raise RecordError(f"guided_json must be a JSON schema object, got {_type_name(value)}", record_id)
         return {"type": "json_schema", "json_schema": {"schema": value}}
-    if kind == "choice" and not (isinstance(value, list) and all(isinstance(c, str) for c in value)):
-        raise RecordError(f"guided_choice must be a list of strings, got {_type_name(value)}", record_id)
-    if kind != "choice" and not isinstance(value, str):
-        raise RecordError(f"{key} must be a string, got {_type_name(value)}", record_id)
+    if kind == "choice" and not (isinstance(value, list) and value and all(isinstance(c, str) and c
+                                                                           for c in value)):
+        raise RecordError(f"guided_choice must be a non-empty list of non-empty strings, got {_show(value)}",
+                          record_id)
+    if kind != "choice" and not (isinstance(value, str) and value):
+        raise RecordError(f"{key} must be a non-empty string, got {_show(value)}", record_id)
     return {"type": kind, kind: value}
 
 

@@ -25,6 +25,7 @@ RECORDS = [
                                                             "json_schema": {"schema": {"type": "nope"}}}},
     {"id": "two", "prompt": "x", "guided_regex": "a", "guided_choice": ["a"]},
     {"id": "ignore-eos", "prompt": "x", "guided_regex": "a", "ignore_eos": True},
+    {"id": "empty-choice", "prompt": "x", "guided_choice": []},
     {"custom_id": "openai", "method": "POST", "url": "/v1/chat/completions", "body": {
         "model": "m", "messages": [{"role": "user", "content": "rate it"}],
         "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}}},
@@ -52,6 +53,7 @@ def test_constraints_in_records(tmp_path):
     assert recs["bad-schema"]["error"].startswith("line 7: response_format: ")
     assert "give one structured-output field" in recs["two"]["error"]
     assert "ignore_eos" in recs["ignore-eos"]["error"]
+    assert "guided_choice must be a non-empty list" in recs["empty-choice"]["error"]
 
 
 def test_response_format_flag_for_the_job(tmp_path):
