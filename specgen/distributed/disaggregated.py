@@ -141,7 +141,8 @@ class DecodeEngine(Engine):
         self.table.import_row(slot, h.row)
         self._set_lists(slot, req)
         self.requests[slot] = req
-        why = self._constrain(slot, req)  # its grammar advanced by the first token
+        # its grammar advanced by the first token
+        why = self._grammar_rejection(req) or self._constrain(slot, req)
         if why is not None:
             return self._fail(slot, why)
         if h.logprobs is not None:

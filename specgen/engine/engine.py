@@ -147,14 +147,14 @@ class Engine:
         return grammar_error(spec) or self.grammars.compile_error(spec)
 
     def _constrain(self, slot: int, req: Request) -> str | None:
-        """`slot`'s grammar matcher for `req` (placed in the slot table already, with any output it has:
-        a hand-off's first token), or the slot's released; returns why the output breaks the grammar."""
+        """`slot`'s grammar matcher for `req` (admitted: _grammar_rejection found nothing; placed in the slot
+        table already, with any output it has: a hand-off's first token), or the slot's released; returns why
+        the output breaks the grammar."""
         if self.grammars is not None:
             self.grammars.release(slot)
         if not req.params.response_format:
             return None
-        return self._grammar_rejection(req) or self.grammars.place(slot, req.params.response_format,
-                                                                   self.table.output_ids(slot))
+        return self.grammars.place(slot, req.params.response_format, self.table.output_ids(slot))
 
     def _source_slot(self, req: Request) -> int | None:
         """The slot of `req`'s sample 0 while it runs, for a later sample that may copy its prompt's rows (a
