@@ -119,16 +119,28 @@ def parse_config(directory: Path) -> ModelConfig:
 
 
 def _weight_files(directory: Path) -> list[Path]:
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(_read_json(index).get("weight_map", {}).values()))
-        if not names:
-            raise CheckpointError(f"{index}: empty weight_map")
-        return [directory / n for n in names]
-    single = directory / "model.safetensors"
-    if single.exists():
-        return [single]
-    raise CheckpointError(f"{directory}: no model.safetensors or model.safetensors.index.json")
+    """The checkpoint's weight files: model.safetensors (or its shards), else pytorch_model.bin (or its
+    shards), which models/torch_file.py reads without running code from them."""
+    for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        if (directory / index).exists():
+            names = sorted(set(_read_json(directory / index).get("weight_map", {}).values()))
+            if not names:
+                raise CheckpointError(f"{directory / index}: empty weight_map")
+            return [directory / n for n in names]
+        if (directory / single).exists():
+            return [directory / single]
+    raise CheckpointError(f"{directory}: no model.safetensors or pytorch_model.bin (or their "
+                          ".index.json)")
+
+
+def read_weights(files: list[Path]) -> Lazy[np.ndarray]:
+    """The tensors of safetensors files or of torch.save files (.bin, .pt, .pth), by the files' suffix."""
+    from specgen.models.torch_file import TORCH_SUFFIXES, read_torch_files
+
+    if files and all(f.suffix in TORCH_SUFFIXES for f in files):
+        return read_torch_files(files)
+    return read_safetensors(files)
 
 
 def read_safetensors(files: list[Path]) -> Lazy[np.ndarray]:
@@ -184,6 +196,6 @@ def load_hf_dir(directory: str | Path) -> Checkpoint:
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a directory")
     config = parse_config(directory)
-    weights = read_safetensors(_weight_files(directory))
+    weights = read_weights(_weight_files(directory))
     return Checkpoint(config=config, weights=weights, tokenizer=load_tokenizer(directory),
                       source=str(directory))

@@ -214,6 +214,48 @@ def test_ernie_layout_gives_the_same_drafts(tiny_model64, tmp_path):
     assert a == b
 
 
+def _paddle_layout(ernie: dict) -> dict:
+    """ERNIE-4.5 HF-layout MTP weights as Paddle checkpoints store them: `ernie.` names, [in, out], q/k/v and
+    gate/up fused."""
+    out = {}
+    for name, w in ernie.items():
+        n = "ernie." + name[len("model."):]
+        if ".self_attn.k_proj." in n or ".self_attn.v_proj." in n or ".mlp.up_proj." in n:
+            continue
+        if ".self_attn.q_proj." in n:
+            parts = [ernie[name.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
+            out[n.replace("q_proj", "qkv_proj")] = np.concatenate([p.T for p in parts], axis=1)
+        elif ".mlp.gate_proj." in n:
+            parts = [ernie[name.replace("gate_proj", p)] for p in ("gate_proj", "up_proj")]
+            out[n.replace("gate_proj", "up_gate_proj")] = np.concatenate([p.T for p in parts], axis=1)
+        else:
+            out[n] = w.T.copy() if w.ndim == 2 else w
+    return out
+
+
+def test_ernie_paddle_naming_gives_the_same_drafts(tiny_model64, tmp_path):
+    """FastDeploy's Paddle checkpoints (ernie.mtp_*, [in, out], fused qkv and up_gate), read through a
+    directory with the main model's tensors beside them."""
+    cfg = tiny_model64.config
+    ds = random_mtp_weights(cfg, seed=2, std=0.3)
+    p = f"model.layers.{cfg.num_layers}."
+    names = {"enorm.weight": "model.mtp_emb_norm.0.weight", "hnorm.weight": "model.mtp_hidden_norm.0.weight",
+             "eh_proj.weight": "model.mtp_linear_proj.0.weight"}
+    ernie = {names.get(n[len(p):], "model.mtp_block.0." + n[len(p):]): w for n, w in ds.items()
+             if not n[len(p):].startswith("shared_head")}
+    paddle_names = _paddle_layout(ernie)
+    assert "ernie.mtp_block.0.self_attn.qkv_proj.weight" in paddle_names
+    paddle_names["ernie.layers.0.self_attn.qkv_proj.weight"] = np.zeros((cfg.hidden_size, 8), np.float32)
+    save_mtp(tmp_path / "paddle", paddle_names)
+    from specgen.engine.proposers.mtp_head import load_mtp_weights
+
+    weights = load_mtp_weights(tmp_path / "paddle")
+    seq = [5, 9, 31, 7, 5, 9, 44, 12]
+    a = reference_drafts(tiny_model64, prepared(tiny_model64, ds), seq, 2)
+    b = reference_drafts(tiny_model64, prepared(tiny_model64, weights), seq, 2)
+    assert a == b
+
+
 def test_mtp_through_the_api_and_missing_head(tiny_model64, tmp_path):
     save_mtp(tmp_path / "head", random_mtp_weights(tiny_model64.config, std=0.3))
     prompts = [[5, 6, 7, 8], [9, 10]]

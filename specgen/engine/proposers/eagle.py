@@ -116,22 +116,20 @@ def read_eagle(weights: dict[str, np.ndarray], source: str, main: Model,
 
 
 def load_eagle(path: str | Path, main: Model) -> EagleWeights:
-    """An EAGLE checkpoint: a directory with model.safetensors (or its index), or one .safetensors file, and
-    an optional draft_vocab.npy beside it."""
-    from specgen.models.hf_loader import _weight_files, read_safetensors
+    """An EAGLE checkpoint: a directory with model.safetensors or pytorch_model.bin (SafeAILab's layout; or
+    their shards), or one such file, and an optional draft_vocab.npy beside it."""
+    from specgen.models.hf_loader import _weight_files, read_weights
+    from specgen.models.torch_file import TORCH_SUFFIXES
 
     p = Path(path)
-    if p.is_file() and p.suffix == ".safetensors":
+    if p.is_file() and p.suffix in (".safetensors", *TORCH_SUFFIXES):
         files, d = [p], p.parent
     elif p.is_dir():
-        if (p / "pytorch_model.bin").is_file() and not (p / "model.safetensors").is_file():
-            raise CheckpointError(f"{p}: pytorch_model.bin is not read; convert it to model.safetensors "
-                                  "(safetensors.torch.save_file(torch.load(...)))")
         files, d = _weight_files(p), p
     else:
-        raise CheckpointError(f"{p}: no EAGLE checkpoint (a directory with model.safetensors, or a "
-                              ".safetensors file)")
-    return read_eagle(read_safetensors(files), str(p), main, load_draft_vocab(d))
+        raise CheckpointError(f"{p}: no EAGLE checkpoint (a directory with model.safetensors or "
+                              "pytorch_model.bin, or such a file)")
+    return read_eagle(read_weights(files), str(p), main, load_draft_vocab(d))
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,12 @@ so the tree is built head by head: depth d + 1's guesses are made under each dep
 
 The public layout (zankner/Hydra, `hydra_head_arch: "mlp"`, `grounded_heads: true`): `config.json`
 (hydra_num_heads, hydra_num_layers) and the head's state dict, `hydra_lm_head.safetensors` (or the
-repository's `hydra_lm_head.pt`, read when torch is installed): `hydra_mlp.{d}.0.linear.*` and
-`.res_connection.*` ([hidden, (d + 2) hidden]: res(x) + SiLU(linear(x)) over [hidden state; emb(root);
-emb(draft 1); ...; emb(draft d)]), `hydra_mlp.{d}.{j}.linear.*` for the later residual blocks
-x + SiLU(linear(x)), and `hydra_lm_head.{d}.weight` / `.bias`. Heads without `hydra_lm_head.*` share the
-main model's LM head (as `specgen train-head --kind hydra` saves them), and `draft_vocab.npy` restricts
-guesses as for Medusa.
+repository's `hydra_lm_head.pt`; its `input_embed_fn.weight` is the main model's embedding, not read):
+`hydra_mlp.{d}.0.linear.*` and `.res_connection.*` ([hidden, (d + 2) hidden]: res(x) + SiLU(linear(x)) over
+[hidden state; emb(root); emb(draft 1); ...; emb(draft d)]), `hydra_mlp.{d}.{j}.linear.*` for the later
+residual blocks x + SiLU(linear(x)), and `hydra_lm_head.{d}.weight` / `.bias`. Heads without
+`hydra_lm_head.*` share the main model's LM head (as `specgen train-head --kind hydra` saves them), and
+`draft_vocab.npy` restricts guesses as for Medusa.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from specgen.errors import CheckpointError
 
 WEIGHTS = "hydra_lm_head.safetensors"
 TORCH_WEIGHTS = "hydra_lm_head.pt"
+EMBED = "input_embed_fn.weight"  # the main model's embedding in a saved head's state dict (not read)
 _KEY = re.compile(r"^hydra_(?:mlp\.(\d+)\.(\d+)\.(linear|res_connection)|lm_head\.(\d+))\.(weight|bias)$")
 
 
@@ -60,19 +61,13 @@ class HydraHeads(MedusaHeads):
 
 
 def _read_state(directory: Path) -> dict[str, np.ndarray]:
-    if (directory / WEIGHTS).is_file():
-        from safetensors.numpy import load_file
+    """The heads' tensors (safetensors in any float type, or the repository's torch state dict, read without
+    running code from it)."""
+    from specgen.models.hf_loader import read_weights
 
-        return load_file(str(directory / WEIGHTS))
-    if (directory / TORCH_WEIGHTS).is_file():
-        try:
-            import torch
-        except ImportError:
-            raise CheckpointError(f"{directory / TORCH_WEIGHTS}: reading a torch state dict needs torch; or "
-                                  f"convert it once to {WEIGHTS} (safetensors.torch.save_file of the same "
-                                  "dict)") from None
-        return {k: v.float().numpy()
-                for k, v in torch.load(directory / TORCH_WEIGHTS, map_location="cpu").items()}
+    for name in (WEIGHTS, TORCH_WEIGHTS):
+        if (directory / name).is_file():
+            return read_weights([directory / name])
     raise CheckpointError(f"{directory}: no Hydra heads ({WEIGHTS} or {TORCH_WEIGHTS} beside a config.json)")
 
 
@@ -93,7 +88,11 @@ def load_hydra(path: str | Path, hidden: int, vocab: int, dtype: str) -> HydraHe
                               f"{config.get('hidden_state_offset')})")
     state = _read_state(path)
     for key in state:
-        if _KEY.match(key) is None:
+        if key == EMBED:  # the main model's embedding, which the saved head holds as a submodule
+            if tuple(state.info[key]) != (vocab, hidden):
+                raise CheckpointError(f"{path}: {EMBED} should be {[vocab, hidden]} (the main model's "
+                                      f"embedding), got {list(state.info[key])}")
+        elif _KEY.match(key) is None:
             raise CheckpointError(f"{path}: {key!r} is not a Hydra mlp head weight")
     K, layers = int(config.get("hydra_num_heads", 0)), int(config.get("hydra_num_layers", 0))
     if K < 1 or layers < 1:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import paddle
 from specgen.errors import CheckpointError
 from specgen.layers.block import DecoderBlock
 from specgen.layers.linear import Linear
+from specgen.models.checkpoint import Lazy, tensor_shape
 from specgen.models.config import ModelConfig
 from specgen.models.model import Model
 from specgen.models.weights import TensorReader
@@ -55,8 +57,11 @@ class MtpHeadWeights:
                      draft_vocab: np.ndarray | None = None) -> list["MtpHeadWeights"]:
         """Every MTP module of a checkpoint, in order: the DeepSeek-V3 layout (`model.layers.{L + i}.eh_proj`,
         `enorm`, `hnorm`, `shared_head.*`, the block under the same prefix) or the ERNIE-4.5 layout
-        (`model.mtp_linear_proj.{i}`, `mtp_emb_norm.{i}`, `mtp_hidden_norm.{i}`, `mtp_block.{i}.*`). Module i
+        (`model.mtp_linear_proj.{i}`, `mtp_emb_norm.{i}`, `mtp_hidden_norm.{i}`, `mtp_block.{i}.*`; or in
+        Paddle's naming, `ernie.mtp_*`: from_paddle_layout). Module i
         takes module i - 1's output hidden state and drafts position i + 1."""
+        if any(n.startswith("ernie.mtp_") for n in weights):
+            weights = from_paddle_layout(weights, main.config)
         ds = sorted({int(m.group(1)) for n in weights
                      if (m := re.match(r"model\.layers\.(\d+)\.eh_proj\.weight$", n))})
         if ds:
@@ -110,6 +115,42 @@ class MtpHeadWeights:
             lm_head=r.linear([head], [(cfg.vocab_size, h)]) if head in weights else None,
             draft_vocab=ids,
         )
+
+
+def from_paddle_layout(weights: Mapping[str, np.ndarray], cfg: ModelConfig) -> Lazy[np.ndarray]:
+    """ERNIE-4.5's MTP weights as its Paddle checkpoints name and store them (FastDeploy's: `ernie.mtp_*`,
+    linear weights [in, out], q/k/v fused as `qkv_proj` [hidden, q | k | v] and gate/up as `up_gate_proj`
+    [hidden, gate | up]) under the HF names of the ERNIE-4.5 layout (`model.mtp_*`, [out, in], q/k/v and
+    gate/up apart), each converted when read. Other tensors (the main model's) are left out."""
+    weights = Lazy.held(weights, tensor_shape)
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    info: dict[str, tuple[int, ...]] = {}
+    how: dict[str, tuple[str, int, int | None]] = {}  # HF name -> (Paddle name, first column, end column)
+    for name in weights:
+        if not name.startswith("ernie.mtp_"):
+            continue
+        shape = tuple(weights.info[name])
+        hf = "model." + name[len("ernie."):]
+        parts: list[tuple[str, int, int | None]] = [(hf, 0, None)]
+        if ".qkv_proj." in name:
+            parts = [(hf.replace(".qkv_proj.", f".{p}_proj."), a, b)
+                     for p, a, b in (("q", 0, q), ("k", q, q + kv), ("v", q + kv, q + 2 * kv))]
+        elif ".up_gate_proj." in name:
+            half = shape[-1] // 2
+            parts = [(hf.replace(".up_gate_proj.", ".gate_proj."), 0, half),
+                     (hf.replace(".up_gate_proj.", ".up_proj."), half, shape[-1])]
+        for n, a, b in parts:
+            how[n] = (name, a, b)
+            cols = (shape[-1] if b is None else b) - a
+            info[n] = (cols, shape[0]) if len(shape) == 2 else (cols,)
+
+    def read(n: str) -> np.ndarray:
+        name, a, b = how[n]
+        w = weights[name]
+        w = w[..., a:b]
+        return np.ascontiguousarray(w.T) if w.ndim == 2 else np.ascontiguousarray(w)
+
+    return Lazy(info, read)
 
 
 def _block_config(cfg: ModelConfig, weights: dict[str, np.ndarray]) -> ModelConfig:
@@ -176,12 +217,12 @@ def save_mtp(directory: str | Path, weights: dict[str, np.ndarray],
 
 
 def load_mtp_weights(directory: str | Path) -> dict[str, np.ndarray]:
-    from specgen.models.hf_loader import _weight_files, read_safetensors
+    from specgen.models.hf_loader import _weight_files, read_weights
 
     d = Path(directory)
     if not d.is_dir():
         raise CheckpointError(f"{d}: MTP model directory not found")
-    return read_safetensors(_weight_files(d))
+    return read_weights(_weight_files(d))
 
 
 def load_draft_vocab(directory: str | Path) -> np.ndarray | None:

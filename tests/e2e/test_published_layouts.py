@@ -1,0 +1,121 @@
+"""Drafter checkpoints as their projects publish them (issue 60): SafeAILab's EAGLE pytorch_model.bin (with
+its copy of the embedding), Medusa's medusa_lm_head.pt and bfloat16 safetensors, vLLM's converted Medusa
+heads (blocks.*, lm_heads.*, a token_map), Hydra's hydra_lm_head.pt (with input_embed_fn.weight) and
+bfloat16 safetensors. Each is the same random drafter as a canonical safetensors checkpoint (values exact in
+bfloat16): on a tiny float64 main model, with every draft verified, its tokens are plain decoding's and its
+drafts and acceptances are the canonical checkpoint's, token for token."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+from conftest import TINY
+from heads import random_eagle, random_hydra, random_medusa
+from torch_files import save_torch
+
+from specgen import EngineConfig, SamplingParams, SpecConfig, generate, load_model
+from specgen.config import EagleConfig, MedusaConfig
+from specgen.engine.proposers.eagle import save_eagle
+from specgen.engine.proposers.hydra import save_hydra
+from specgen.engine.proposers.medusa import save_medusa
+from specgen.models.checkpoint import write_safetensors
+from specgen.models.hf_loader import read_safetensors
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    """float32 values exact in bfloat16 (the top half of each one's bits)."""
+    return (np.asarray(a, np.float32).view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+
+
+def _save_bf16(path, tensors):
+    write_safetensors(path, {n: ("BF16", a.shape) for n, a in tensors.items()},
+                      lambda n: (tensors[n].view(np.uint32) >> 16).astype(np.uint16))
+
+
+def _canonical(method, model, d):
+    """The drafter written in specgen's layout at d (values exact in bfloat16): (weights file, tensors)."""
+    cfg = model.config
+    if method == "eagle":
+        save_eagle(d, random_eagle(cfg, 1), cfg)
+        name = "model.safetensors"
+    elif method == "medusa":
+        lm = model.model.weights.lm_head.dense().numpy().T
+        save_medusa(d, *random_medusa(cfg, 3, 1, lm))
+        name = "medusa_lm_head.safetensors"
+    else:
+        save_hydra(d, *random_hydra(cfg, 3, 5))
+        name = "hydra_lm_head.safetensors"
+    tensors = {n: _bf16(a) for n, a in read_safetensors([d / name]).items()}
+    (d / name).unlink()
+    write_safetensors(d / name, {n: ("F32", a.shape) for n, a in tensors.items()}, tensors.__getitem__)
+    return name, tensors
+
+
+def _published(layout, model, canonical, tensors, d):
+    """The same drafter at d in a published layout."""
+    shutil.copytree(canonical, d)
+    for f in d.glob("*.safetensors"):
+        f.unlink()
+    embed = np.asarray(model.model.weights.embed.numpy(), np.float32)
+    if layout == "eagle-bin":  # SafeAILab's: a torch state dict holding the embedding too
+        save_torch(d / "pytorch_model.bin", {**tensors, "embed_tokens.weight": embed}, views=True)
+    elif layout == "eagle-bin-bf16":
+        save_torch(d / "pytorch_model.bin", {**tensors, "embed_tokens.weight": _bf16(embed)}, bf16=True)
+    elif layout == "medusa-pt":
+        save_torch(d / "medusa_lm_head.pt", tensors)
+    elif layout == "medusa-bf16":
+        _save_bf16(d / "medusa_lm_head.safetensors", tensors)
+    elif layout == "medusa-vllm":  # vLLM's names, its heads' vocabulary truncated to a token_map
+        vocab = model.config.vocab_size
+        token_map = np.sort(np.random.default_rng(4).permutation(vocab)[: vocab * 3 // 4])
+        np.save(canonical / "draft_vocab.npy", token_map)  # the same restriction, in specgen's layout
+        conv = {"token_map": token_map.astype(np.int64)}
+        for h in range(3):
+            conv[f"blocks.{h}.layers.0.weight"] = tensors[f"{h}.0.linear.weight"]
+            conv[f"blocks.{h}.layers.0.bias"] = tensors[f"{h}.0.linear.bias"]
+            conv[f"lm_heads.{h}.weight"] = tensors[f"{h}.1.weight"][token_map]
+        write_safetensors(d / "model.safetensors",
+                          {n: ("I64" if a.dtype == np.int64 else "F32", a.shape) for n, a in conv.items()},
+                          conv.__getitem__)
+        (d / "config.json").write_text(json.dumps({"num_heads": 3, "num_hidden_layers": 1,
+                                                   "vocab_size": vocab, "medusa_fc_bias": True,
+                                                   "truncated_vocab_size": len(token_map)}))
+    elif layout == "hydra-pt":  # the repository's hydra_head.state_dict(), the embedding a submodule
+        save_torch(d / "hydra_lm_head.pt", {**tensors, "input_embed_fn.weight": embed})
+    elif layout == "hydra-bf16":
+        _save_bf16(d / "hydra_lm_head.safetensors", tensors)
+
+
+def _spec(method, path):
+    if method == "eagle":
+        return SpecConfig(method="eagle", draft_model=str(path), adaptive=False, num_speculative_tokens=3,
+                          eagle=EagleConfig(topk=3, nodes=8, copy=0))
+    return SpecConfig(method=method, draft_model=str(path), adaptive=False,
+                      medusa=MedusaConfig(topk=2, tree_choices=("0,0,0", "1", "0,1", "1,0")))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(TINY / "llama", dtype="float64")
+
+
+@pytest.mark.parametrize("layout", ["eagle-bin", "eagle-bin-bf16", "medusa-pt", "medusa-bf16", "medusa-vllm",
+                                    "hydra-pt", "hydra-bf16"])
+def test_published_layout_drafts_as_the_canonical_one(layout, model, tmp_path):
+    method = layout.split("-")[0]
+    name, tensors = _canonical(method, model, tmp_path / "canonical")
+    _published(layout, model, tmp_path / "canonical", tensors, tmp_path / "published")
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 250, int(n)).tolist() for n in rng.integers(4, 30, 5)]
+    sp = [SamplingParams(max_tokens=12, seed=i, temperature=0.8 * (i % 2)) for i in range(len(prompts))]
+    engine = EngineConfig(batch_size=3, dtype="float64")
+    plain = generate(prompts, model=model, sampling=sp, engine=engine)
+    runs = {which: generate(prompts, model=model, sampling=sp, engine=engine,
+                            speculative=_spec(method, tmp_path / which))
+            for which in ("canonical", "published")}
+    for out in runs.values():
+        assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    stats = {which: [(o.stats.num_draft_tokens, o.stats.num_accepted_tokens) for o in out]
+             for which, out in runs.items()}
+    assert stats["published"] == stats["canonical"]
+    assert sum(n for n, _ in stats["published"]) > 0
