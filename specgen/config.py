@@ -392,7 +392,7 @@ class EagleConfig:
     topk: int = opt(4, "Children drafted per expanded node; a dynamic tree expands this many nodes per "
                        "depth.")
     nodes: int = opt(16, "Nodes offered per tree (the most probable ones; the controller verifies a prefix), "
-                         "at most 32.")
+                         "at most 64.")
     tree_choices: tuple[str, ...] = opt((), "A static tree shape instead of a dynamic one: its paths "
                                             "(Medusa's choices), each the ranks of its nodes among their "
                                             "siblings, comma-joined; repeat the option per path. Empty: "
@@ -407,10 +407,10 @@ class EagleConfig:
         if not 0 <= self.copy <= 8:
             raise ConfigError(f"eagle copy must be in 0..8 tokens (0: the layer's trees only), "
                               f"got {self.copy}")
-        if not 1 <= self.topk <= 8:
-            raise ConfigError(f"eagle topk must be in [1, 8], got {self.topk}")
-        if not 1 <= self.nodes <= 32:
-            raise ConfigError(f"eagle nodes must be in [1, 32], got {self.nodes}")
+        if not 1 <= self.topk <= 10:
+            raise ConfigError(f"eagle topk must be in [1, 10], got {self.topk}")
+        if not 1 <= self.nodes <= 64:
+            raise ConfigError(f"eagle nodes must be in [1, 64], got {self.nodes}")
         tree_paths(self.tree_choices, self.topk, "eagle tree_choices", "topk")
 
     def tree_paths(self) -> tuple[tuple[int, ...], ...]:

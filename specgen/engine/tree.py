@@ -17,7 +17,9 @@ from specgen.engine.types import DraftTokens
 
 # a tree mask with every bit set: every earlier row of the block is visible (not a tree)
 CAUSAL = np.int64(-1)
-MAX_TREE_NODES = 32  # nodes of one slot's tree at most (a mask bit per row back: a block of at most 64 rows)
+# nodes of one slot's tree at most: a node's mask has a bit per row back up to 63; its root, 64 rows back at
+# most, is seen as the committed context past them is (EAGLE-2's trees: 60 nodes)
+MAX_TREE_NODES = 64
 _ONE = np.uint64(1)
 
 

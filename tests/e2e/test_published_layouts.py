@@ -119,3 +119,66 @@ def test_published_layout_drafts_as_the_canonical_one(layout, model, tmp_path):
              for which, out in runs.items()}
     assert stats["published"] == stats["canonical"]
     assert sum(n for n, _ in stats["published"]) > 0
+
+
+def _widest_offer(monkeypatch):
+    """Records the most nodes any slot was offered in one step (tree.offer, as the engine calls it)."""
+    import specgen.engine.engine as engine_module
+
+    seen = [0]
+    offer = engine_module.offer
+
+    def recording(drafts, max_depth, rows_left):
+        out = offer(drafts, max_depth, rows_left)
+        seen[0] = max(seen[0], int(out[1].max(initial=0)))
+        return out
+
+    monkeypatch.setattr(engine_module, "offer", recording)
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+def test_trees_of_64_nodes_top_10(backend, tmp_path, monkeypatch):
+    """EAGLE-2's tree sizes (60 nodes, top-10): dynamic EAGLE trees of 64 nodes and static Medusa trees of 64
+    nodes, every node verified, give plain decoding's tokens on both backends."""
+    model = load_model(TINY / "llama", dtype="float64", backend=backend)
+    cfg = model.config
+    save_eagle(tmp_path / "eagle", random_eagle(cfg, 1), cfg)
+    lm = model.model.weights.lm_head.dense().numpy().T
+    save_medusa(tmp_path / "medusa", *random_medusa(cfg, 3, 1, lm))
+    # 10 + 30 + 24 = 64 nodes (paths of sibling ranks): every top-10 guess at depth 1, 3 children under each,
+    # 8 under each of (0, 0), (1, 0) and (2, 0)
+    choices = [f"{a}" for a in range(10)] + [f"{a},{b}" for a in range(10) for b in range(3)] + \
+        [f"{a},{b},{c}" for a in range(3) for b in range(1) for c in range(8)]
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, 250, int(n)).tolist() for n in rng.integers(4, 30, 4)]
+    sp = [SamplingParams(max_tokens=10, seed=i, temperature=0.8 * (i % 2)) for i in range(len(prompts))]
+    engine = EngineConfig(batch_size=2, dtype="float64", max_model_len=128)
+    plain = generate(prompts, model=model, sampling=sp, engine=engine)
+    specs = [SpecConfig(method="eagle", draft_model=str(tmp_path / "eagle"), adaptive=False,
+                        num_speculative_tokens=5, eagle=EagleConfig(topk=10, nodes=64, copy=0)),
+             SpecConfig(method="medusa", draft_model=str(tmp_path / "medusa"), adaptive=False,
+                        num_speculative_tokens=3,
+                        medusa=MedusaConfig(topk=10, tree_choices=tuple(choices)))]
+    for spec in specs:
+        seen = _widest_offer(monkeypatch)
+        out = generate(prompts, model=model, sampling=sp, engine=engine, speculative=spec)
+        assert [o.token_ids for o in out] == [o.token_ids for o in plain], spec.method
+        assert seen[0] > 32, (spec.method, seen[0])
+
+
+@pytest.mark.parametrize("method", ["medusa", "hydra"])
+def test_num_speculative_tokens_is_the_tree_depth(method, model, tmp_path):
+    from specgen.engine.proposers.hydra import build_hydra_proposer
+    from specgen.engine.proposers.medusa import build_medusa_proposer
+
+    if method == "medusa":
+        save_medusa(tmp_path, *random_medusa(model.config, 4, 1))
+    else:
+        save_hydra(tmp_path, *random_hydra(model.config, 4, 5))
+    build = build_medusa_proposer if method == "medusa" else build_hydra_proposer
+    for k, depth in ((1, 1), (2, 2), (5, 4)):  # 4 heads: at most 4 deep
+        spec = SpecConfig(method=method, draft_model=str(tmp_path), num_speculative_tokens=k,
+                          medusa=MedusaConfig(tree_choices=("0,0,0,0,0", "1", "0,1")))
+        p = build(spec, model.model)
+        assert int(p.head.max()) + 1 == depth and len(p.head) == depth + 2 - (k == 1), (k, p.head)

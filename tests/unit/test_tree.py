@@ -103,8 +103,9 @@ def test_offer_cuts_trees_to_depth_rows_and_width():
     cut, num_avail = offer(drafts, np.array([2, 5]), np.array([10, 3]))
     assert num_avail.tolist() == [4, 3]  # node 5 is at depth 3; three rows left
     assert cut.draft_ids.shape == (2, 6) and cut.parents is not None and cut.scores is None
-    wide = np.zeros((1, MAX_TREE_NODES + 8), np.int64)  # a star of 40 children under the root
-    cut, num_avail = offer(DraftTokens(wide, np.array([40]), None, wide), np.array([5]), np.array([100]))
+    wide = np.zeros((1, MAX_TREE_NODES + 8), np.int64)  # a star of MAX_TREE_NODES + 8 children under the root
+    cut, num_avail = offer(DraftTokens(wide, np.array([MAX_TREE_NODES + 8]), None, wide), np.array([5]),
+                           np.array([100]))
     assert cut.draft_ids.shape == (1, MAX_TREE_NODES) and num_avail.tolist() == [MAX_TREE_NODES]
 
 

@@ -29,6 +29,7 @@ from specgen.engine.proposers.medusa import (
     checked_vocab,
     shared_lm_head,
     shipped_heads,
+    tree_to_depth,
 )
 from specgen.errors import CheckpointError
 
@@ -219,7 +220,7 @@ def build_hydra_proposer(spec, model) -> HydraProposer:
         raise CheckpointError(f"--method hydra needs --draft-model PATH (Hydra heads: a directory with "
                               f"{WEIGHTS}; `specgen train-head --kind hydra` trains them); heads ship for "
                               "the default model only")
-    paths = spec.medusa.tree_paths()
+    paths = tree_to_depth(spec.medusa.tree_paths(), spec.num_speculative_tokens)
 
     def make() -> HydraProposer:
         heads = load_hydra(path, cfg.hidden_size, cfg.vocab_size, model.dtype)

@@ -174,6 +174,12 @@ def save_medusa(path: str | Path, blocks: list[list[tuple[np.ndarray, np.ndarray
                                                  indent=2))
 
 
+def tree_to_depth(paths: tuple[tuple[int, ...], ...], depth: int) -> tuple[tuple[int, ...], ...]:
+    """A static tree's paths cut to `depth` (--num-speculative-tokens: every tree method's depth), in order,
+    without repeats."""
+    return tuple(dict.fromkeys(p[:depth] for p in paths))
+
+
 def tree_template(paths: tuple[tuple[int, ...], ...], num_heads: int, topk: int):
     """(head [n] int64, rank [n] int64, parents [n] int64) of the nodes of `paths` (and their prefixes) that
     the heads can fill (depth <= num_heads, rank < topk), parents first."""
@@ -317,7 +323,7 @@ def build_medusa_proposer(spec, model) -> MedusaProposer:
         raise CheckpointError("--method medusa needs --draft-model PATH (Medusa heads: a directory with "
                               f"{WEIGHTS}; `specgen train-head --kind medusa` trains them); heads ship for "
                               "the default model only")
-    paths = spec.medusa.tree_paths()
+    paths = tree_to_depth(spec.medusa.tree_paths(), spec.num_speculative_tokens)
 
     def make() -> MedusaProposer:
         heads = load_medusa(path, cfg.hidden_size, cfg.vocab_size, model.dtype)
