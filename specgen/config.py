@@ -24,6 +24,7 @@ class Method(str, enum.Enum):
     MEDUSA = "medusa"
     EAGLE = "eagle"
     HYDRA = "hydra"
+    EAGLE3 = "eagle3"
 
     @classmethod
     def parse(cls, value: str | "Method") -> "Method":
@@ -557,7 +558,7 @@ def parse_pd(text: str) -> tuple[int, int]:
 
 # The SpecConfig section holding each method's own settings (a method without one has none).
 METHOD_SECTIONS: dict[Method, str] = {Method.NGRAM: "ngram", Method.MTP: "mtp", Method.MEDUSA: "medusa",
-                                      Method.HYDRA: "medusa", Method.EAGLE: "eagle"}
+                                      Method.HYDRA: "medusa", Method.EAGLE: "eagle", Method.EAGLE3: "eagle"}
 
 
 def _nested_type(cls: type, name: str) -> type | None:

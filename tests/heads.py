@@ -76,3 +76,27 @@ def learned_spec(method: str, model, path):
     save_medusa(path, layers, [lm] * 3)
     return SpecConfig(method="medusa", draft_model=str(path), adaptive=False,
                       medusa=MedusaConfig(topk=2, tree_choices=("0,0,0", "1", "0,1", "1,0")))
+
+
+def random_eagle3(cfg, seed: int, lm: np.ndarray, draft_vocab: np.ndarray, std: float = 0.05) -> dict:
+    """An EAGLE-3 layer (its public names, HF [out, in]) reading three depths, whose fc passes the last
+    feature through plus noise, with an LM head of `lm`'s rows [vocab, hidden] for the tokens `draft_vocab`
+    (sorted token ids; d2t maps them back)."""
+    rng = np.random.default_rng(seed)
+    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    shapes = {"self_attn.q_proj.weight": (cfg.num_heads * hd, 2 * h),
+              "self_attn.k_proj.weight": (cfg.num_kv_heads * hd, 2 * h),
+              "self_attn.v_proj.weight": (cfg.num_kv_heads * hd, 2 * h),
+              "self_attn.o_proj.weight": (h, cfg.num_heads * hd),
+              "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
+              "mlp.down_proj.weight": (h, inter)}
+    w = {"midlayer." + n: rng.normal(0, std, s) for n, s in shapes.items()}
+    for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        w[f"midlayer.{n}.weight"] = 1 + rng.normal(0, 0.1, h)
+    w["norm.weight"] = 1 + rng.normal(0, 0.1, h)
+    w["fc.weight"] = np.concatenate([rng.normal(0, std, (h, 2 * h)), np.eye(h) + rng.normal(0, std, (h, h))],
+                                    axis=1)
+    w["lm_head.weight"] = lm[draft_vocab]
+    w = {k: v.astype(np.float32) for k, v in w.items()}
+    w["d2t"] = (np.asarray(draft_vocab) - np.arange(len(draft_vocab))).astype(np.int64)
+    return w

@@ -122,7 +122,8 @@ def parse_speculative_config(value: str) -> dict[str, Any]:
 
 
 # Methods that draft with a checkpoint (SpecConfig.draft_model; mtp also reads its own mtp.model).
-CHECKPOINT_METHODS = (Method.MTP, Method.DRAFT_MODEL, Method.MEDUSA, Method.HYDRA, Method.EAGLE)
+CHECKPOINT_METHODS = (Method.MTP, Method.DRAFT_MODEL, Method.MEDUSA, Method.HYDRA, Method.EAGLE,
+                      Method.EAGLE3)
 
 
 def _with_model(model: str, method: Method) -> None:

@@ -37,6 +37,8 @@ class ForwardOutput:
     greedy: np.ndarray  # [num_logits] int64 each logit row's argmax (the lowest id on a tie)
     expert_counts: np.ndarray | None = None  # [num_routed_blocks, num_experts] int64 tokens each expert took
     # ... (MoE)
+    features: paddle.Tensor | None = None  # [num_tokens, C hidden] the inputs of the C blocks asked for (the
+    # last block's output for index num_layers), side by side: EAGLE-3's features; None when none were asked
 
 
 @dataclass(frozen=True)
@@ -91,9 +93,11 @@ class Backend(Protocol):
     def prepare(self, model: ModelView) -> None:
         """Bring the model's weights into the form this backend's products read (in place)."""
 
-    def forward(self, model: ModelView, batch: ForwardBatch, cache: KVCache, logits: bool) -> ForwardOutput:
+    def forward(self, model: ModelView, batch: ForwardBatch, cache: KVCache, logits: bool,
+                features: tuple[int, ...] = ()) -> ForwardOutput:
         """One packed forward; writes the tokens' K/V. With `logits` False the caller needs the greedy tokens
-        only (the logits may then be skipped)."""
+        only (the logits may then be skipped); `features`: the blocks whose inputs ForwardOutput.features
+        holds."""
 
     def logits(self, model: ModelView, hidden: paddle.Tensor) -> paddle.Tensor:
         """The LM head over final normed hidden rows [rows, hidden] -> [rows, vocab]."""

@@ -23,7 +23,7 @@ import paddle
 
 from specgen import kernels
 from specgen.backends.base import ForwardOutput, ModelView, MtpPass, RowSampling
-from specgen.backends.reference import reserve
+from specgen.backends.reference import Eagle3Pass, reserve
 from specgen.config import EngineConfig
 from specgen.errors import ConfigError
 from specgen.kernels import args
@@ -192,7 +192,7 @@ class FusedBackend:
         return self._indices.tensors((index,))[0]
 
     def forward(self, model: ModelView, batch: ForwardBatch, cache: KVCache,
-                logits: bool = True) -> ForwardOutput:
+                logits: bool = True, features: tuple[int, ...] = ()) -> ForwardOutput:
         reserve(batch, cache)
         n = len(batch.token_ids)
         plen = batch.token_prefix_len
@@ -204,13 +204,13 @@ class FusedBackend:
         screened = not logits and self.screen is not None
         screen, bound = (self.screen.panels.panels, self.screen.bound) if screened else (self._no_screen,) * 2
         pre = cache.prefix
-        out, hidden, greedy = args.forward_bound(self.ops, args.StepArgs(
+        out, hidden, greedy, feats = args.forward_bound(self.ops, args.StepArgs(
             index=self._index(index), num_tokens=n, weights=self._weights(model),
             caches=self._caches(model, cache),
             capacity=cache.capacity, prefix_capacity=pre.capacity if pre is not None else 0, screen=screen,
-            bound=bound, geometry=self._geometry, vocab=model.weights.lm_head.weight.n, tree=tree))
+            bound=bound, geometry=self._geometry, vocab=model.weights.lm_head.weight.n, tree=tree), features)
         counts = args.take_expert_counts(self.ops, self._counts_handle).numpy() if self._moe_args else None
-        return ForwardOutput(None if screened else out, hidden, greedy.numpy(), counts)
+        return ForwardOutput(None if screened else out, hidden, greedy.numpy(), counts, feats)
 
     def logits(self, model: ModelView, hidden: paddle.Tensor) -> paddle.Tensor:
         lm = model.weights.lm_head.weight
@@ -244,7 +244,11 @@ class FusedBackend:
     def prepare_head(self, model: ModelView, head: Any, quantize: bool) -> "FusedHead":
         return FusedHead(self, model, head, quantize)
 
-    def prepare_eagle(self, model: ModelView, weights: Any, quantize: bool) -> "FusedEagle":
+    def prepare_eagle(self, model: ModelView, weights: Any, quantize: bool) -> Any:
+        """EAGLE's layer as one operator (FusedEagle); EAGLE-3's in Paddle's operators (the reference
+        pass)."""
+        if getattr(weights, "features", None):
+            return Eagle3Pass(model, weights)
         return FusedEagle(self, model, weights, quantize)
 
     def describe(self) -> list:

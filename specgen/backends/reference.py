@@ -14,7 +14,7 @@ from specgen.backends.base import ForwardOutput, ModelView, MtpPass, RowSampling
 from specgen.config import EngineConfig
 from specgen.errors import CheckpointError, ConfigError
 from specgen.layers.attention import AttentionIndex
-from specgen.layers.block import block_forward
+from specgen.layers.block import attention, block_forward, mlp_forward
 from specgen.layers.linear import Linear
 from specgen.layers.logprobs import row_logprobs
 from specgen.layers.norm import rms_norm
@@ -51,20 +51,25 @@ class ReferenceBackend:
             self.prepare_linear(lin)
 
     def forward(self, model: ModelView, batch: ForwardBatch, cache: KVCache,
-                logits: bool = True) -> ForwardOutput:
+                logits: bool = True, features: tuple[int, ...] = ()) -> ForwardOutput:
         w = model.weights
         reserve(batch, cache)
         att = AttentionIndex(batch, cache, model.rope, model.shape.num_heads, self.dtype)
         x = self.embed(batch.token_ids, w.embed)  # [num_tokens, hidden]
         moe = model.config.moe
         counts = np.zeros((len(moe.layers), moe.num_experts), np.int64) if moe is not None else None
+        captured = {}  # block index -> its input [num_tokens, hidden]
         for i, block in enumerate(w.blocks):
+            if i in features:
+                captured[i] = x
             routed = counts[moe.layers.index(i)] if block.moe is not None else None
             x = block_forward(x, block, model.shape, att, i, cache.k[i], cache.v[i], routed,
                               reduce=self.reduce)
+        captured[len(w.blocks)] = x
         hidden = rms_norm(x, w.final_norm, model.shape.eps)  # [num_tokens, hidden]
         out, greedy = self.head(model, hidden, batch.logit_rows, logits)
-        return ForwardOutput(out, hidden, greedy, counts)
+        feats = paddle.concat([captured[i] for i in features], axis=-1) if features else None
+        return ForwardOutput(out, hidden, greedy, counts, feats)
 
     # ---- the forward's hooks ----
     # a tensor-parallel rank (distributed/tensor_parallel.py) sums and gathers in them
@@ -110,8 +115,9 @@ class ReferenceBackend:
         return ReferenceHead(model, head)
 
     def prepare_eagle(self, model: ModelView, weights: Any, quantize: bool):
-        """An EAGLE layer's pass in Paddle's operators."""
-        return EaglePass(model, weights)
+        """An EAGLE layer's pass in Paddle's operators (EAGLE-3's: its weights name the main model's blocks
+        it reads, `features`)."""
+        return Eagle3Pass(model, weights) if getattr(weights, "features", None) else EaglePass(model, weights)
 
     def describe(self) -> list:
         return [self.name]
@@ -211,5 +217,44 @@ class EaglePass:
         if not len(logit_rows):
             return feat, np.zeros((0, topk)), np.zeros((0, topk), np.int64)
         logp = F.log_softmax(self.lm_head(paddle.gather(feat, paddle.to_tensor(logit_rows))), axis=-1)
+        vals, cols = paddle.topk(logp, topk, axis=-1)  # [num_logits, topk], largest first
+        return feat, vals.numpy().astype(np.float64), self.token_ids(cols.numpy().astype(np.int64))
+
+
+class Eagle3Pass(EaglePass):
+    """One pass of an EAGLE-3 layer (Eagle3Weights, engine/proposers/eagle3.py), in Paddle's operators (any
+    backend, any device). run() as EaglePass.run, but the input features at `rows` are either the main
+    model's (C hidden wide: folded by fc) or the layer's own outputs at a tree node's parent (hidden wide),
+    and the output features are the layer's outputs before its norm."""
+
+    def __init__(self, model: ModelView, weights: Any):
+        self.rope, self.shape, self.dtype, self.w = model.rope, model.shape, model.dtype, weights
+        self.lm_head = weights.lm_head  # [hidden] -> [draft vocab], its own
+        self.token_ids = weights.token_ids
+        self.features = weights.features
+        cfg = model.config
+        self.hidden_size = cfg.hidden_size
+        self.cache_shape = (cfg.num_kv_heads, cfg.head_dim, model.max_len)
+
+    def run(self, cache: KVCache, slots: np.ndarray, starts: np.ndarray, lens: np.ndarray,
+            token_ids: np.ndarray, hidden: paddle.Tensor, rows: np.ndarray, logit_rows: np.ndarray,
+            topk: int, rope: np.ndarray | None = None, mask: np.ndarray | None = None):
+        w, eps = self.w, self.shape.eps
+        depth = None if rope is None else rope - np.repeat(starts, lens)
+        batch = build_forward_batch(slots, starts, lens, token_ids, np.zeros(len(slots), bool),
+                                    tree_depth=depth, tree_mask=mask)
+        reserve(batch, cache)
+        emb = F.embedding(paddle.to_tensor(batch.token_ids), w.embed)  # [num_tokens, hidden]
+        h = paddle.gather(hidden, paddle.to_tensor(rows))  # [num_tokens, C hidden] or [num_tokens, hidden]
+        if h.shape[1] != self.hidden_size:
+            h = w.fc(h)
+        att = AttentionIndex(batch, cache, self.rope, self.shape.num_heads, self.dtype)
+        inp = paddle.concat([rms_norm(emb, w.input_norm, eps), rms_norm(h, w.hidden_norm, eps)], axis=-1)
+        x = h + attention(inp, w.block, self.shape, att, 0, cache.k[0], cache.v[0])
+        feat = x + mlp_forward(rms_norm(x, w.block.mlp_norm, eps), w.block)  # [num_tokens, hidden]
+        if not len(logit_rows):
+            return feat, np.zeros((0, topk)), np.zeros((0, topk), np.int64)
+        out = rms_norm(paddle.gather(feat, paddle.to_tensor(logit_rows)), w.norm, eps)
+        logp = F.log_softmax(self.lm_head(out), axis=-1)
         vals, cols = paddle.topk(logp, topk, axis=-1)  # [num_logits, topk], largest first
         return feat, vals.numpy().astype(np.float64), self.token_ids(cols.numpy().astype(np.int64))

@@ -200,12 +200,12 @@ class TensorParallelBackend(ReferenceBackend):
         self._send(CACHE_CALL, cache_id, (method, args))
 
     def forward(self, model: ModelView, batch: ForwardBatch, cache: ShardCache,
-                logits: bool = True) -> ForwardOutput:
+                logits: bool = True, features: tuple[int, ...] = ()) -> ForwardOutput:
         """The reference forward over this rank's shard, every rank's hooks meeting in the same collectives;
         rank 0 first sends the forward to the others."""
         prefix = cache.prefix.cache_id if cache.prefix is not None else -1
         self._send(FORWARD, cache.cache_id, (batch, logits, prefix))
-        return super().forward(model, batch, cache, logits)
+        return super().forward(model, batch, cache, logits, features)  # (capturing needs no collective)
 
     def head(self, model: ModelView, hidden: paddle.Tensor, rows: np.ndarray,
              logits: bool) -> tuple[paddle.Tensor | None, np.ndarray]:
@@ -373,7 +373,7 @@ def load_rank(job: RankJob, rank: int, world_size: int, threads: int) -> tuple[A
 
 
 # drafters reading the main model's weights
-HEADS_ON_MAIN = (Method.MTP, Method.EAGLE, Method.MEDUSA, Method.HYDRA)
+HEADS_ON_MAIN = (Method.MTP, Method.EAGLE, Method.EAGLE3, Method.MEDUSA, Method.HYDRA)
 
 
 def serve_rank(worker: Worker, job: RankJob) -> dict[str, int]:

@@ -63,6 +63,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.proposer = proposer or NoProposer()
+        # main-model blocks whose inputs the proposer reads as its features (EAGLE-3's), in place of the final
+        # hidden states
+        self.features: tuple[int, ...] = tuple(getattr(self.proposer, "features", ()))
         ctx = model.config.max_position_embeddings
         self.context_len = min(ctx, config.max_model_len) if config.max_model_len else ctx
         self.eos_ids = np.array(model.config.eos_token_ids, dtype=np.int64)
@@ -287,7 +290,7 @@ class Engine:
         # A step whose slots are all greedy, unpenalized and want no log-probabilities needs no logits (a
         # screened LM head skips them; a grammar's rows that refuse the greedy token get theirs: rows.py).
         wants = t.temperature[slots].any() or t.logprobs[slots].any() or t.penalized[slots].any()
-        out = self.model.forward(blocks.batch, self.cache, logits=bool(wants))
+        out = self.model.forward(blocks.batch, self.cache, logits=bool(wants), features=self.features)
         targets = self._sample(plan, blocks, out)
         forward_seconds = time.perf_counter() - start
         self._tally(out)
@@ -312,7 +315,8 @@ class Engine:
         done = (by_eos | by_stop | (t.seq_len[slots] >= t.max_len[slots]) | broken
                 | np.isin(slots, list(failed)))
         if not plan.idle:
-            observe_seconds = self._observe(plan, blocks, produced, kept, done, out.hidden, broken, path)
+            feats = out.hidden if out.features is None else out.features  # the drafter's catch-up input
+            observe_seconds = self._observe(plan, blocks, produced, kept, done, feats, broken, path)
             if self.controller is not None:
                 self._report(plan, blocks, emitted, kept, accepted, forward_seconds, observe_seconds)
         return self._finished(slots, done, broken, by_eos | by_stop, texts, position, failed)
@@ -616,9 +620,10 @@ class Engine:
         pre = self.model.new_cache(1, n, self.config.kv_cache_dtype)
         batch = build_forward_batch(np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([n]), ids,
                                     np.zeros(1, bool))
-        hidden = self.model.forward(batch, pre).hidden
+        out = self.model.forward(batch, pre, features=self.features)
         self.cache.prefix = pre
-        self.prefix_ids, self.prefix_hidden = ids, hidden  # hidden [n, hidden]: the MTP head's catch-up input
+        # [n, hidden] the drafter's catch-up input (EAGLE-3: its features [n, C hidden])
+        self.prefix_ids, self.prefix_hidden = ids, out.hidden if out.features is None else out.features
         return n
 
     def memory(self) -> dict[str, Any]:

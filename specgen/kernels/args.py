@@ -140,14 +140,15 @@ class StepArgs:
     tree: bool = False  # the index holds ForwardBatch.rope_positions and tree_mask
 
 
-def forward_bound(ops: ModuleType, a: StepArgs) -> tuple[Tensor, Tensor, Tensor]:
+def forward_bound(ops: ModuleType, a: StepArgs,
+                  capture: tuple[int, ...] = ()) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """-> (logits [num_logits, vocab] (screened: [0, vocab]), hidden [num_tokens, hidden], greedy
-    [num_logits])."""
+    [num_logits], features [num_tokens, len(capture) hidden]: the inputs of blocks `capture`, or None)."""
     g = a.geometry
-    logits, hidden, greedy = ops.specgen_forward_bound(a.index, a.screen, a.bound, a.num_tokens, a.weights,
-                                                       a.caches, g.num_heads, g.num_kv_heads, a.capacity,
-                                                       g.qk_norm, g.eps, a.prefix_capacity, a.vocab, a.tree)
-    return logits, hidden, greedy
+    logits, hidden, greedy, features = ops.specgen_forward_bound(
+        a.index, a.screen, a.bound, a.num_tokens, a.weights, a.caches, g.num_heads, g.num_kv_heads,
+        a.capacity, g.qk_norm, g.eps, a.prefix_capacity, a.vocab, a.tree, list(capture))
+    return logits, hidden, greedy, features if capture else None
 
 
 @dataclass(frozen=True)

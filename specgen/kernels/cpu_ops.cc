@@ -1218,19 +1218,35 @@ Blocks collect_blocks(const StepInputs<T>& a, int64_t hid, const Tensors& attn_n
   return b;
 }
 
+// capture (with features [n, C hidden]): the input of block capture[c] (the output of the last block for
+// capture[c] == L), for every token, into features' columns [c hidden, (c + 1) hidden) (EAGLE-3's features).
+template <typename T>
+void capture_rows(const T* in, int64_t n, int64_t hid, size_t layer, const std::vector<int64_t>* capture,
+                  T* features) {
+  if (capture == nullptr) return;
+  const int64_t C = static_cast<int64_t>(capture->size());
+  for (int64_t c = 0; c < C; ++c) {
+    if ((*capture)[c] != static_cast<int64_t>(layer)) continue;
+    for (int64_t t = 0; t < n; ++t) std::copy(in + t * hid, in + (t + 1) * hid, features + (t * C + c) * hid);
+  }
+}
+
 // out [n, hid] = the blocks applied one after the other to x [n, hid] (n > 0).
 template <typename T>
-void run_blocks(const T* x, T* out, int64_t n, int64_t hid, const Blocks& b, const StepInputs<T>& a) {
+void run_blocks(const T* x, T* out, int64_t n, int64_t hid, const Blocks& b, const StepInputs<T>& a,
+                const std::vector<int64_t>* capture = nullptr, T* features = nullptr) {
   static thread_local std::vector<T> ping, pong;  // block outputs between blocks
   ping.resize(n * hid);
   pong.resize(n * hid);
   const size_t L = b.tensors.size();
   const T* in = x;
   for (size_t i = 0; i < L; ++i) {
+    capture_rows(in, n, hid, i, capture, features);
     T* dst = i + 1 == L ? out : (i % 2 == 0 ? ping.data() : pong.data());
     block_forward(in, dst, n, hid, b.tensors[i], b.weights[i], a, b.moe.empty() ? nullptr : b.moe[i]);
     in = dst;
   }
+  capture_rows(in, n, hid, L, capture, features);
 }
 
 }  // namespace
@@ -1277,7 +1293,7 @@ std::vector<paddle::Tensor> ForwardImpl(
     const paddle::Tensor& logit_rows, const paddle::Tensor& lm_head, const paddle::Tensor& lm_screen,
     const paddle::Tensor& lm_bound, int num_heads, int num_kv_heads, int64_t capacity, bool qk_norm, double eps,
     int64_t prefix_capacity, int64_t vocab, const std::vector<const specgen::ExpertBlock*>* moe,
-    const int64_t* tree = nullptr) {
+    const int64_t* tree = nullptr, const std::vector<int64_t>* capture = nullptr) {
   check_cpu(embed, "embed");
   PD_CHECK(embed.shape().size() == 2, "specgen_forward: embedding [vocab, hidden]");
   return with_activations(embed, "specgen_forward", [&](auto type) -> std::vector<paddle::Tensor> {
@@ -1289,6 +1305,11 @@ std::vector<paddle::Tensor> ForwardImpl(
              "specgen_forward: one position, slot and prefix length per token");
     PD_CHECK(final_norm.numel() == hid, "specgen_forward: final_norm must be [hidden]");
     auto hidden = paddle::empty({n, hid}, embed.dtype(), embed.place());
+    const int64_t C = capture != nullptr ? static_cast<int64_t>(capture->size()) : 0;
+    if (capture != nullptr)
+      for (int64_t l : *capture)
+        PD_CHECK(l >= 0 && l <= static_cast<int64_t>(w_qkv.size()), "specgen_forward: capture layer out of range");
+    auto features = paddle::empty({C ? n : 0, C * hid}, embed.dtype(), embed.place());
     StepInputs<T> a = step_inputs<T>(hidden, cos, sin, positions, slots, prefix_len, num_heads, num_kv_heads,
                                      capacity, qk_norm, eps, prefix_capacity);
     if (tree != nullptr) {  // [2 n]: positions, then masks
@@ -1314,7 +1335,7 @@ std::vector<paddle::Tensor> ForwardImpl(
     }
     auto logits = paddle::empty({screened ? 0 : m, vocab}, embed.dtype(), embed.place());
     auto greedy = paddle::empty({m}, paddle::DataType::INT64, embed.place());
-    if (n == 0) return {logits, hidden, greedy};
+    if (n == 0) return {logits, hidden, greedy, features};
     static thread_local std::vector<T> x, y, rows;
     x.resize(n * hid);
     y.resize(n * hid);
@@ -1324,10 +1345,10 @@ std::vector<paddle::Tensor> ForwardImpl(
       PD_CHECK(tok[t] >= 0 && tok[t] < V, "specgen_forward: token id out of range");
       std::copy(emb + tok[t] * hid, emb + (tok[t] + 1) * hid, x.data() + t * hid);
     }
-    run_blocks(x.data(), y.data(), n, hid, b, a);
+    run_blocks(x.data(), y.data(), n, hid, b, a, C ? capture : nullptr, C ? features.data<T>() : nullptr);
     T* h = hidden.data<T>();
     rms_norm_rows<T>(y.data(), final_norm.data<T>(), h, n, hid, static_cast<T>(eps));
-    if (m == 0) return {logits, hidden, greedy};
+    if (m == 0) return {logits, hidden, greedy, features};
     rows.resize(m * hid);
     for (int64_t r = 0; r < m; ++r) {
       PD_CHECK(lr[r] >= 0 && lr[r] < n, "specgen_forward: logit row out of range");
@@ -1338,12 +1359,12 @@ std::vector<paddle::Tensor> ForwardImpl(
         const specgen::PackedWeight screen = specgen::packed_weight(lm_screen, hid, vocab, "lm_screen");
         specgen::screened_argmax(rows.data(), m, hid, lm, screen, lm_bound.data<float>(), vocab,
                                  greedy.data<int64_t>());
-        return {logits, hidden, greedy};
+        return {logits, hidden, greedy, features};
       }
     }
     specgen::packed_linear(rows.data(), m, hid, lm, logits.data<T>(), vocab);
     argmax_rows<T>(logits.data<T>(), m, vocab, greedy.data<int64_t>());
-    return {logits, hidden, greedy};
+    return {logits, hidden, greedy, features};
   });
 }
 
@@ -1358,10 +1379,12 @@ std::vector<paddle::Tensor> Forward(
     const paddle::Tensor& logit_rows, const paddle::Tensor& lm_head, const paddle::Tensor& lm_screen,
     const paddle::Tensor& lm_bound, int num_heads, int num_kv_heads, int64_t capacity, bool qk_norm, double eps,
     int64_t prefix_capacity, int64_t vocab) {
-  return ForwardImpl(token_ids, embed, attn_norm, w_qkv, b_qkv, w_o, b_o, mlp_norm, w_gu, b_gu, w_down, b_down, cos,
-                     sin, positions, slots, k_cache, v_cache, q_norm, k_norm, prefix_len, prefix_k, prefix_v,
-                     final_norm, logit_rows, lm_head, lm_screen, lm_bound, num_heads, num_kv_heads, capacity, qk_norm,
-                     eps, prefix_capacity, vocab, nullptr);
+  auto out = ForwardImpl(token_ids, embed, attn_norm, w_qkv, b_qkv, w_o, b_o, mlp_norm, w_gu, b_gu, w_down, b_down,
+                         cos, sin, positions, slots, k_cache, v_cache, q_norm, k_norm, prefix_len, prefix_k, prefix_v,
+                         final_norm, logit_rows, lm_head, lm_screen, lm_bound, num_heads, num_kv_heads, capacity,
+                         qk_norm, eps, prefix_capacity, vocab, nullptr);
+  out.pop_back();  // no features
+  return out;
 }
 
 namespace {
@@ -1514,7 +1537,8 @@ std::vector<paddle::Tensor> Unbind(const paddle::Tensor& handle) {
 std::vector<paddle::Tensor> ForwardBound(const paddle::Tensor& index, const paddle::Tensor& lm_screen,
                                          const paddle::Tensor& lm_bound, int64_t num_tokens, int64_t weights,
                                          int64_t caches, int num_heads, int num_kv_heads, int64_t capacity,
-                                         bool qk_norm, double eps, int64_t prefix_capacity, int64_t vocab, bool tree) {
+                                         bool qk_norm, double eps, int64_t prefix_capacity, int64_t vocab, bool tree,
+                                         const std::vector<int64_t>& capture) {
   check_cpu(index, "index");
   const int64_t n = num_tokens, parts = tree ? 6 : 4;
   PD_CHECK(index.dtype() == paddle::DataType::INT64 && index.shape().size() == 1 && n >= 0 &&
@@ -1551,7 +1575,7 @@ std::vector<paddle::Tensor> ForwardBound(const paddle::Tensor& index, const padd
                      prefix_len, c->prefix_k, c->prefix_v, w->final_norm, logit_rows, w->lm_head, lm_screen, lm_bound,
                      num_heads, num_kv_heads, capacity, qk_norm, eps, prefix_capacity, vocab,
                      w->experts ? &w->experts->blocks : nullptr,
-                     tree && n ? index.data<int64_t>() + 4 * n : nullptr);
+                     tree && n ? index.data<int64_t>() + 4 * n : nullptr, &capture);
 }
 
 // An MTP head's whole pass for a step (see MtpProposer in specgen/engine/proposers/mtp.py, which runs the same
@@ -1853,8 +1877,8 @@ PD_BUILD_OP(specgen_unbind).Inputs({"Handle"}).Outputs({"Dropped"}).SetKernelFn(
 
 PD_BUILD_OP(specgen_forward_bound)
     .Inputs({"Index", "LmScreen", "LmBound"})
-    .Outputs({"Logits", "Hidden", "Greedy"})
+    .Outputs({"Logits", "Hidden", "Greedy", "Features"})
     .Attrs({"num_tokens: int64_t", "weights: int64_t", "caches: int64_t", "num_heads: int", "num_kv_heads: int",
             "capacity: int64_t", "qk_norm: bool", "eps: double", "prefix_capacity: int64_t", "vocab: int64_t",
-            "tree: bool"})
+            "tree: bool", "capture: std::vector<int64_t>"})
     .SetKernelFn(PD_KERNEL(ForwardBound));

@@ -55,19 +55,33 @@ def block_forward(x: paddle.Tensor, w: DecoderBlock, shape: BlockShape, att: Att
     sum over the ranks of its row-parallel outputs (o and down hold its rows;
     specgen/distributed/tp_shard.py), told which ("attention" or "mlp": an expert-parallel rank's experts and
     shared-expert columns are summed in the latter)."""
-    n, H, KV, D, eps = x.shape[0], shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.eps
-    qkv = w.qkv(rms_norm(x, w.attn_norm, eps) if w.attn_norm is not None else x)  # [num_tokens, (H + 2 KV) D]
+    inp = rms_norm(x, w.attn_norm, shape.eps) if w.attn_norm is not None else x
+    attn = attention(inp, w, shape, att, layer, k_cache, v_cache)  # [num_tokens, hidden]
+    x = x + (attn if reduce is None else reduce(attn, "attention"))
+    mlp = mlp_forward(rms_norm(x, w.mlp_norm, shape.eps), w, counts)
+    return x + (mlp if reduce is None else reduce(mlp, "mlp"))
+
+
+def attention(inp: paddle.Tensor, w: DecoderBlock, shape: BlockShape, att: AttentionIndex, layer: int,
+              k_cache: paddle.Tensor, v_cache: paddle.Tensor) -> paddle.Tensor:
+    """The block's attention over its (normed) input inp [num_tokens, in] -> o's output [num_tokens, hidden];
+    writes the tokens' K/V. (in: the hidden size; an EAGLE-3 layer's 2 hidden.)"""
+    n, H, KV, D, eps = inp.shape[0], shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.eps
+    qkv = w.qkv(inp)  # [num_tokens, (H + 2 KV) D]
     q, k, v = paddle.split(qkv, [H * D, KV * D, KV * D], axis=-1)
     q, k, v = q.reshape([n, H, D]), k.reshape([n, KV, D]), v.reshape([n, KV, D])
     if w.q_norm is not None:
         q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
     q, k = rotate(q, att.cos, att.sin), rotate(k, att.cos, att.sin)
-    attn = w.o(att.attend(q, k, v, layer, k_cache, v_cache))  # [num_tokens, hidden]
-    x = x + (attn if reduce is None else reduce(attn, "attention"))
-    h = rms_norm(x, w.mlp_norm, eps)
+    return w.o(att.attend(q, k, v, layer, k_cache, v_cache))
+
+
+def mlp_forward(h: paddle.Tensor, w: DecoderBlock, counts: np.ndarray | None = None) -> paddle.Tensor:
+    """The block's MLP (routed experts and / or the dense one) over its normed input h [num_tokens,
+    hidden]."""
     mlp = moe_forward(h, w.moe, counts) if w.moe is not None else None
     if w.gate_up is not None:
         gate, up = paddle.split(w.gate_up(h), 2, axis=-1)
         dense = w.down(F.silu(gate) * up)
         mlp = dense if mlp is None else mlp + dense
-    return x + (mlp if reduce is None else reduce(mlp, "mlp"))
+    return mlp

@@ -39,9 +39,11 @@ class Model:
         """Whether products quantize their inputs to int8 (EngineConfig.matmul int8)."""
         return self.backend.int8_product
 
-    def forward(self, batch: ForwardBatch, cache: KVCache, logits: bool = True) -> ForwardOutput:
-        """One packed forward over `batch`; with `logits` False only the greedy tokens are needed."""
-        return self.backend.forward(self, batch, cache, logits)
+    def forward(self, batch: ForwardBatch, cache: KVCache, logits: bool = True,
+                features: tuple[int, ...] = ()) -> ForwardOutput:
+        """One packed forward over `batch`; with `logits` False only the greedy tokens are needed; `features`:
+        the blocks whose inputs ForwardOutput.features holds (EAGLE-3's)."""
+        return self.backend.forward(self, batch, cache, logits, features)
 
     def new_cache(self, num_slots: int, max_capacity: int, kv_dtype: str = "auto",
                   num_layers: int | None = None) -> KVCache:

@@ -49,6 +49,12 @@ def _eagle(spec: SpecConfig, model: Model, lib, main) -> Proposer:
     return build_eagle_proposer(spec, model, lib)
 
 
+def _eagle3(spec: SpecConfig, model: Model, lib, main) -> Proposer:
+    from specgen.engine.proposers.eagle import build_eagle_proposer
+
+    return build_eagle_proposer(spec, model, lib, eagle3=True)
+
+
 # method -> factory(spec, model, ngram.cc's library or None, the main LoadedModel or None)
 REGISTRY: dict[Method, Callable[[SpecConfig, Model, object, object], Proposer]] = {
     Method.NONE: _none,
@@ -58,6 +64,7 @@ REGISTRY: dict[Method, Callable[[SpecConfig, Model, object, object], Proposer]] 
     Method.MEDUSA: _medusa,
     Method.EAGLE: _eagle,
     Method.HYDRA: _hydra,
+    Method.EAGLE3: _eagle3,
 }
 assert set(REGISTRY) == set(Method), "every method needs a proposer"
 

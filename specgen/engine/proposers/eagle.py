@@ -115,9 +115,11 @@ def read_eagle(weights: dict[str, np.ndarray], source: str, main: Model,
         lm_head=main.weights.lm_head, draft_vocab=draft_vocab)
 
 
-def load_eagle(path: str | Path, main: Model) -> EagleWeights:
+def load_eagle(path: str | Path, main: Model):
     """An EAGLE checkpoint: a directory with model.safetensors or pytorch_model.bin (SafeAILab's layout; or
-    their shards), or one such file, and an optional draft_vocab.npy beside it."""
+    their shards), or one such file, and an optional draft_vocab.npy beside it; an EAGLE-3 one (midlayer.*)
+    gives Eagle3Weights."""
+    from specgen.engine.proposers.eagle3 import configured_features, is_eagle3, read_eagle3
     from specgen.models.hf_loader import _weight_files, read_weights
     from specgen.models.torch_file import TORCH_SUFFIXES
 
@@ -129,7 +131,10 @@ def load_eagle(path: str | Path, main: Model) -> EagleWeights:
     else:
         raise CheckpointError(f"{p}: no EAGLE checkpoint (a directory with model.safetensors or "
                               "pytorch_model.bin, or such a file)")
-    return read_eagle(read_weights(files), str(p), main, load_draft_vocab(d))
+    weights = read_weights(files)
+    if is_eagle3(weights):
+        return read_eagle3(weights, str(p), main, configured_features(d, main.config.num_layers))
+    return read_eagle(weights, str(p), main, load_draft_vocab(d))
 
 
 @dataclass(frozen=True)
@@ -160,6 +165,9 @@ class EagleProposer(MtpProposer):
         copy_min > 0: MtpProposer's copies, offered as a chain in place of the slot's tree
         (DraftTokens.source 1)."""
         self.runner = runner
+        # EAGLE-3: the main model's blocks whose inputs are the layer's features (the engine hands them over
+        # in place of the final hidden states)
+        self.features = tuple(getattr(runner, "features", ()))
         super().__init__(model, [self.runner], k, acceptance_hint, copy_min=copy_min,
                          prompt_window=prompt_window, lib=lib)
         self.shape = shape
@@ -316,16 +324,21 @@ class EagleProposer(MtpProposer):
         return out_ids, out_parents, np.isfinite(kept).sum(axis=1).astype(np.int64), out_score
 
 
-def build_eagle_proposer(spec: SpecConfig, model: Model, lib=None) -> EagleProposer:
-    """--method eagle: the layer at --draft-model (default: the one shipped for the default model)."""
-    path = spec.draft_model or shipped_eagle(str(model.source))
+def build_eagle_proposer(spec: SpecConfig, model: Model, lib=None, eagle3: bool = False) -> EagleProposer:
+    """--method eagle: the layer at --draft-model (default: the one shipped for the default model), EAGLE-3's
+    when the checkpoint is; --method eagle3 (eagle3): an EAGLE-3 layer at --draft-model."""
+    path = spec.draft_model or (None if eagle3 else shipped_eagle(str(model.source)))
     if path is None:
-        raise CheckpointError("--method eagle needs --draft-model PATH (an EAGLE layer: fc.weight, "
-                              "layers.0.*; `specgen train-head --kind eagle` trains one); none ships for "
-                              "this model")
+        raise CheckpointError(f"--method {spec.method.value} needs --draft-model PATH (an EAGLE layer: "
+                              "fc.weight, layers.0.* or EAGLE-3's midlayer.*; `specgen train-head --kind "
+                              f"{spec.method.value}` trains one); none ships for this model")
     d = Path(path) if Path(path).is_dir() else Path(path).parent
     e = spec.eagle
-    return EagleProposer(model, prepare_eagle(model, path, e.quantize), spec.num_speculative_tokens,
+    runner = prepare_eagle(model, path, e.quantize)
+    if eagle3 and not getattr(runner, "features", None):
+        raise CheckpointError(f"{path}: --method eagle3 needs an EAGLE-3 layer (midlayer.*, fc over several "
+                              "depths); this is an EAGLE-1/2 layer: use --method eagle")
+    return EagleProposer(model, runner, spec.num_speculative_tokens,
                          TreeShape(e.topk, e.nodes, e.tree_paths()), training_setting(d, "eval_acc"),
                          prompt_window(d), e.copy, lib)
 

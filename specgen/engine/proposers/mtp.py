@@ -203,6 +203,7 @@ class MtpProposer:
             return None
         slots, first, nv = update.slots[live], update.first_pos[live], update.num_valid[live]
         copying = copying[live]
+        index = np.nonzero(live)[0]  # [num_seqs] each sequence's index in the update
         # A slot's first block after a shared prefix also catches up the prefix positions (the head's own
         # cache is per slot), from the prefix's hidden states, kept once, appended after the forward's rows.
         pre = update.prefix_len[live] if update.prefix_len is not None else np.zeros(len(slots), np.int64)
@@ -224,14 +225,21 @@ class MtpProposer:
             keep = total > 0
             if not keep.any():
                 return None
-            slots, first, nv, copying, shift, start, total, block_start, seq_lens = (
-                x[keep] for x in (slots, first, nv, copying, shift, start, total, block_start, seq_lens))
+            slots, first, nv, copying, shift, start, total, block_start, seq_lens, index = (
+                x[keep] for x in (slots, first, nv, copying, shift, start, total, block_start, seq_lens,
+                                  index))
         seq = np.repeat(np.arange(len(slots)), total)  # [num_tokens] block of each catch-up token
         # [num_tokens] main-model position of each catch-up token
         pos = start[seq] + np.arange(len(seq)) - np.concatenate([[0], np.cumsum(total)[:-1]])[seq]
         num_rows = int(update.hidden.shape[0])
+        offset = pos - first[seq]  # [num_tokens] block index (< 0: a shared-prefix position)
+        if update.tree_path is not None:  # a tree's accepted path: its positions' rows are the path's nodes
+            tp = update.tree_path  # [num_dec, width + 1]
+            on = (index[seq] < len(tp)) & (offset >= 0)
+            node = tp[np.minimum(index[seq], len(tp) - 1), np.clip(offset, 0, tp.shape[1] - 1)]
+            offset = np.where(on, node, offset)
         rows = np.where(pos < first[seq], num_rows + pos,  # a shared-prefix position -> its prefix row
-                        block_start[seq] + pos - first[seq])  # rows of the main forward
+                        block_start[seq] + offset)  # rows of the main forward
         next_ids = update.tokens[slots[seq], pos + 1]  # token i+1 for position i
         hidden = update.hidden if not pre.any() else paddle.concat([update.hidden, update.prefix_hidden])
         depth = max(1, min(self.k, update.max_draft_next))  # chained drafts worth computing for the next step
