@@ -204,21 +204,32 @@ class EaglePass:
         positions RoPE sees and mask [num_tokens] int64 each token's tree mask (None: rows are positions,
         causal). Returns (output features [num_tokens, hidden], top-k log-probabilities [num_logits, topk] and
         token ids [num_logits, topk] at logit_rows [num_logits])."""
-        w, eps = self.w, self.shape.eps
         depth = None if rope is None else rope - np.repeat(starts, lens)
         batch = build_forward_batch(slots, starts, lens, token_ids, np.zeros(len(slots), bool),
                                     tree_depth=depth, tree_mask=mask)
         reserve(batch, cache)
-        emb = F.embedding(paddle.to_tensor(batch.token_ids), w.embed)  # [num_tokens, hidden]
-        x = w.fc(paddle.concat([emb, paddle.gather(hidden, paddle.to_tensor(rows))], axis=-1))
+        emb = F.embedding(paddle.to_tensor(batch.token_ids), self.w.embed)  # [num_tokens, hidden]
         att = AttentionIndex(batch, cache, self.rope, self.shape.num_heads, self.dtype)
-        x = block_forward(x, w.block, self.shape, att, 0, cache.k[0], cache.v[0])
-        feat = rms_norm(x, w.norm, eps) if w.norm is not None else x  # [num_tokens, hidden]
+        # [num_tokens, hidden]
+        feat = self.layer(emb, paddle.gather(hidden, paddle.to_tensor(rows)), att, cache)
         if not len(logit_rows):
             return feat, np.zeros((0, topk)), np.zeros((0, topk), np.int64)
-        logp = F.log_softmax(self.lm_head(paddle.gather(feat, paddle.to_tensor(logit_rows))), axis=-1)
+        logp = F.log_softmax(self.lm_head(self.head_input(paddle.gather(feat, paddle.to_tensor(logit_rows)))),
+                             axis=-1)
         vals, cols = paddle.topk(logp, topk, axis=-1)  # [num_logits, topk], largest first
         return feat, vals.numpy().astype(np.float64), self.token_ids(cols.numpy().astype(np.int64))
+
+    def layer(self, emb: paddle.Tensor, h: paddle.Tensor, att: AttentionIndex,
+              cache: KVCache) -> paddle.Tensor:
+        """The layer over embeddings emb [num_tokens, hidden] and input features h [num_tokens, hidden]: its
+        output features (the next depth's input, and the LM head's through head_input)."""
+        w = self.w
+        x = block_forward(w.fc(paddle.concat([emb, h], axis=-1)), w.block, self.shape, att, 0, cache.k[0],
+                          cache.v[0])
+        return rms_norm(x, w.norm, self.shape.eps) if w.norm is not None else x
+
+    def head_input(self, feat: paddle.Tensor) -> paddle.Tensor:
+        return feat
 
 
 class Eagle3Pass(EaglePass):
@@ -236,25 +247,14 @@ class Eagle3Pass(EaglePass):
         self.hidden_size = cfg.hidden_size
         self.cache_shape = (cfg.num_kv_heads, cfg.head_dim, model.max_len)
 
-    def run(self, cache: KVCache, slots: np.ndarray, starts: np.ndarray, lens: np.ndarray,
-            token_ids: np.ndarray, hidden: paddle.Tensor, rows: np.ndarray, logit_rows: np.ndarray,
-            topk: int, rope: np.ndarray | None = None, mask: np.ndarray | None = None):
+    def layer(self, emb: paddle.Tensor, h: paddle.Tensor, att: AttentionIndex,
+              cache: KVCache) -> paddle.Tensor:
         w, eps = self.w, self.shape.eps
-        depth = None if rope is None else rope - np.repeat(starts, lens)
-        batch = build_forward_batch(slots, starts, lens, token_ids, np.zeros(len(slots), bool),
-                                    tree_depth=depth, tree_mask=mask)
-        reserve(batch, cache)
-        emb = F.embedding(paddle.to_tensor(batch.token_ids), w.embed)  # [num_tokens, hidden]
-        h = paddle.gather(hidden, paddle.to_tensor(rows))  # [num_tokens, C hidden] or [num_tokens, hidden]
-        if h.shape[1] != self.hidden_size:
+        if h.shape[1] != self.hidden_size:  # [num_tokens, C hidden] the main model's features
             h = w.fc(h)
-        att = AttentionIndex(batch, cache, self.rope, self.shape.num_heads, self.dtype)
         inp = paddle.concat([rms_norm(emb, w.input_norm, eps), rms_norm(h, w.hidden_norm, eps)], axis=-1)
         x = h + attention(inp, w.block, self.shape, att, 0, cache.k[0], cache.v[0])
-        feat = x + mlp_forward(rms_norm(x, w.block.mlp_norm, eps), w.block)  # [num_tokens, hidden]
-        if not len(logit_rows):
-            return feat, np.zeros((0, topk)), np.zeros((0, topk), np.int64)
-        out = rms_norm(paddle.gather(feat, paddle.to_tensor(logit_rows)), w.norm, eps)
-        logp = F.log_softmax(self.lm_head(out), axis=-1)
-        vals, cols = paddle.topk(logp, topk, axis=-1)  # [num_logits, topk], largest first
-        return feat, vals.numpy().astype(np.float64), self.token_ids(cols.numpy().astype(np.int64))
+        return x + mlp_forward(rms_norm(x, w.block.mlp_norm, eps), w.block)
+
+    def head_input(self, feat: paddle.Tensor) -> paddle.Tensor:
+        return rms_norm(feat, self.w.norm, self.shape.eps)
