@@ -393,7 +393,8 @@ def train_head(
         requests = read_requests(data, fmt, loaded, cfg)
         cache = data_dir or output / "data"
         with train_progress(quiet) as progress:
-            generate_data(loaded, requests, cache, cfg, progress.generating)
+            generate_data(loaded, requests, cache, cfg, progress.generating,
+                          features=entry.features(loaded.config) if entry.features else ())
             trainer = entry.trainer(loaded, output, cfg, cache)
             trainer.run(progress.training)
         if not quiet:

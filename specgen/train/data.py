@@ -107,11 +107,18 @@ class HiddenRecorder:
 
     acceptance_hint = None
 
-    def __init__(self, logits: Callable[[Any], Any], first_pos: Callable[[int], int]):
+    def __init__(self, logits: Callable[[Any], Any], first_pos: Callable[[int], int],
+                 features: tuple[int, ...] = (), rows: Callable[[Any], Any] | None = None):
+        """features: blocks whose inputs are kept beside each hidden state (EAGLE-3's): the engine hands
+        over the inputs of blocks `features` after the last block's output, and rows() turns them into the
+        rows kept, [final normed hidden state; the blocks' inputs]."""
         self.logits = logits  # hidden rows [n, hidden] -> the main model's logits [n, vocab]
         self.first_pos = first_pos  # prompt length -> first position kept
+        self.features = features
+        self.rows = rows or (lambda x: x)
         # slot -> the request it serves (the engine's)
         self.request_of: Callable[[int], Request] | None = None
+        self.hidden_size = 0  # the final hidden state's columns of a row (set by generate_data)
         self._slots: dict[int, _SlotRecord] = {}
         # request id -> (first_pos, rows, greedy)
         self.finished: dict[str, tuple[int, np.ndarray, list[int]]] = {}
@@ -121,7 +128,7 @@ class HiddenRecorder:
         return DraftTokens(np.zeros((n, 0), np.int64), np.zeros(n, np.int64))
 
     def observe(self, update: StepUpdate) -> None:
-        hidden = update.hidden.numpy()  # [num_tokens, hidden] one host copy per step
+        hidden = self.rows(update.hidden).numpy()  # [num_tokens, width] one host copy per step
         prefix_len = (update.prefix_len if update.prefix_len is not None
                       else np.zeros(len(update.slots), np.int64))
         for j, slot in enumerate(update.slots.tolist()):
@@ -134,7 +141,7 @@ class HiddenRecorder:
                 end = len(req.prompt_ids) - 1 if req.params.temperature == 0 else np.iinfo(np.int64).max
                 self._slots[slot] = _SlotRecord(req.id, len(req.prompt_ids), keep, keep, [], [], end)
                 if pre > keep:
-                    self._add(self._slots[slot], keep, update.prefix_hidden[keep:pre].numpy())
+                    self._add(self._slots[slot], keep, self.rows(update.prefix_hidden[keep:pre]).numpy())
             self._add(self._slots[slot], first, hidden[start:start + nv])
             if update.finished[j]:
                 rec = self._slots.pop(slot)
@@ -151,7 +158,7 @@ class HiddenRecorder:
         assert pos == rec.next_pos, (pos, rec.next_pos)
         num_labelled = max(0, min(len(rows), rec.greedy_end - pos))  # rows whose greedy choice is recorded
         for lo in range(0, num_labelled, GREEDY_CHUNK):
-            block = paddle.to_tensor(rows[lo:min(lo + GREEDY_CHUNK, num_labelled)])
+            block = paddle.to_tensor(rows[lo:min(lo + GREEDY_CHUNK, num_labelled), :self.hidden_size])
             rec.greedy += paddle.argmax(self.logits(block), axis=-1).numpy().tolist()
         rec.rows.append(rows.astype(np.float16))
         rec.next_pos = pos + len(rows)
@@ -216,32 +223,48 @@ def _complete_lines(path: Path) -> list[str]:
     return [x for x in data[:end].decode("utf-8").splitlines() if x.strip()]
 
 
-def data_meta(loaded: Any, cfg: TrainConfig) -> dict[str, Any]:
-    return {"format": DATA_FORMAT, "model": str(loaded.source), "hidden_size": loaded.config.hidden_size,
+def data_meta(loaded: Any, cfg: TrainConfig, features: tuple[int, ...] = ()) -> dict[str, Any]:
+    """hidden_size: a row's width (the hidden state, and the inputs of blocks `features` after it)."""
+    meta = {"format": DATA_FORMAT, "model": str(loaded.source),
+            "hidden_size": loaded.config.hidden_size * (1 + len(features)),
             "vocab_size": loaded.config.vocab_size, "gen_max_tokens": cfg.gen_max_tokens,
             "context_tokens": cfg.context_tokens, "prompt_examples": cfg.prompt_examples,
             "gen_temperature": cfg.gen_temperature}
+    return {**meta, "features": list(features)} if features else meta
 
 
 def generate_data(loaded: Any, requests: list[Request], directory: Path, cfg: TrainConfig,
                   on_done: Callable[[int, int, int], None] | None = None,
-                  engine_config: EngineConfig | None = None) -> SequenceStore:
+                  engine_config: EngineConfig | None = None, features: tuple[int, ...] = ()) -> SequenceStore:
     """Generate what `directory` lacks; on_done(num_done, num_total, num_tokens_generated) after each
     sequence. engine_config: the engine's settings [default: the engine's defaults with cfg.gen_batch_size
-    slots]."""
-    from specgen.engine.engine import Engine
+    slots]. features: main-model blocks whose inputs each row keeps after the hidden state (EAGLE-3's)."""
+    import paddle
 
-    store = SequenceStore.open(directory, data_meta(loaded, cfg))
+    from specgen.engine.engine import Engine
+    from specgen.layers.norm import rms_norm
+
+    store = SequenceStore.open(directory, data_meta(loaded, cfg, features))
     todo = [r for r in requests if r.id not in store.done]
     num_done, num_tokens = len(requests) - len(todo), 0
     if on_done is not None:
         on_done(num_done, len(requests), num_tokens)
     if not todo:
         return store
+
     def first_pos(prompt_len: int) -> int:
         return 0 if cfg.prompt_examples else max(0, prompt_len - 1 - cfg.context_tokens)
 
-    recorder = HiddenRecorder(loaded.model.logits, first_pos)
+    model, h = loaded.model, loaded.config.hidden_size
+    if features:  # the engine hands over [last block's output; the features]: its norm is the hidden state
+        def kept_rows(x):
+            return paddle.concat([rms_norm(x[:, :h], model.weights.final_norm, model.shape.eps), x[:, h:]],
+                                 axis=-1)
+
+        recorder = HiddenRecorder(model.logits, first_pos, (model.config.num_layers, *features), kept_rows)
+    else:
+        recorder = HiddenRecorder(model.logits, first_pos)
+    recorder.hidden_size = h
     engine = Engine(loaded.model, loaded.tokenizer,
                     engine_config or EngineConfig(batch_size=cfg.gen_batch_size), recorder)
     recorder.request_of = lambda slot: engine.requests[slot]

@@ -111,7 +111,7 @@ class TrainableBlock(paddle.nn.Layer):
         cfg = self.cfg
         B, L = x.shape[0], x.shape[1]
         H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = paddle.matmul(rms_norm(x, self.attn_norm, self.eps), self.w_qkv)  # [B, L, (H + 2 KV) D]
+        qkv = paddle.matmul(self.attn_input(x), self.w_qkv)  # [B, L, (H + 2 KV) D]
         if self._p("b_qkv") is not None:
             qkv = qkv + self.b_qkv
         q, k, v = paddle.split(qkv, [H * D, KV * D, KV * D], axis=-1)
@@ -125,13 +125,21 @@ class TrainableBlock(paddle.nn.Layer):
         k, v = (paddle.repeat_interleave(t, H // KV, axis=2) for t in (k, v))
         return (t.transpose([0, 2, 1, 3]) for t in (q, k, v))
 
+    def attn_input(self, x: paddle.Tensor) -> paddle.Tensor:
+        """What the attention's projections read of the block input x: its norm."""
+        return rms_norm(x, self.attn_norm, self.eps)
+
+    def residual(self, x: paddle.Tensor) -> paddle.Tensor:
+        """The residual stream the block adds to: the block input x itself."""
+        return x
+
     def _finish(self, x: paddle.Tensor, attn: paddle.Tensor) -> paddle.Tensor:
         """Output projection, residual, MLP: attn [batch, heads, seq_len, D] -> [batch, seq_len, hidden]."""
         B, H, L, D = attn.shape
         o = paddle.matmul(attn.transpose([0, 2, 1, 3]).reshape([B, L, H * D]), self.w_o)
         if self._p("b_o") is not None:
             o = o + self.b_o
-        x = x + o
+        x = self.residual(x) + o
         gu = paddle.matmul(rms_norm(x, self.mlp_norm, self.eps), self.w_gate_up)  # [B, L, 2 intermediate]
         if self._p("b_gate_up") is not None:
             gu = gu + self.b_gate_up

@@ -20,6 +20,9 @@ class HeadKind:
     method: str  # the --method that drafts with the saved head (--draft-model OUTPUT)
     saves: str  # the file the head is saved in, inside OUTPUT
     help: str  # one line for --help
+    # main-model blocks whose inputs the training data keeps after each hidden state, for a model of config
+    # `cfg` (EAGLE-3's features); None: the hidden state only
+    features: Callable[[Any], tuple[int, ...]] | None = None
 
 
 def _mtp(loaded: Any, out_dir: Path, cfg: TrainConfig, data_dir: Path | None = None):
@@ -46,6 +49,18 @@ def _eagle(loaded: Any, out_dir: Path, cfg: TrainConfig, data_dir: Path | None =
     return EagleTrainer(loaded, out_dir, cfg, data_dir)
 
 
+def _eagle3(loaded: Any, out_dir: Path, cfg: TrainConfig, data_dir: Path | None = None):
+    from specgen.train.eagle3 import Eagle3Trainer
+
+    return Eagle3Trainer(loaded, out_dir, cfg, data_dir)
+
+
+def _eagle3_features(config: Any) -> tuple[int, ...]:
+    from specgen.engine.proposers.eagle3 import default_features
+
+    return default_features(config.num_layers)
+
+
 KINDS: dict[str, HeadKind] = {
     "mtp": HeadKind(_mtp, "mtp", "model.safetensors",
                     "a DeepSeek-V3 MTP head: one decoder block over [embedding of the next token; "
@@ -53,6 +68,10 @@ KINDS: dict[str, HeadKind] = {
     "eagle": HeadKind(_eagle, "eagle", "model.safetensors",
                       "an EAGLE layer: fc over [embedding of the next token; feature], one decoder layer, "
                       "its output the next feature (dynamic token trees)"),
+    "eagle3": HeadKind(_eagle3, "eagle3", "model.safetensors",
+                       "an EAGLE-3 layer: fc over the main model's states at three depths, one decoder layer "
+                       "over [embedding; feature], trained on its own outputs (dynamic token trees)",
+                       _eagle3_features),
     "medusa": HeadKind(_medusa, "medusa", "medusa_lm_head.safetensors",
                        "--heads Medusa heads, residual blocks on the last hidden state, sharing the LM head"),
     "hydra": HeadKind(_hydra, "hydra", "hydra_lm_head.safetensors",

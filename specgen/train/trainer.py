@@ -214,7 +214,8 @@ class Trainer:
             return F.cross_entropy(logits, labels.unsqueeze(-1)).mean()
         with paddle.no_grad():
             # [num, hidden]
-            teacher = paddle.to_tensor(np.asarray(self.set.data.hidden[teacher_rows], np.float32))
+            h = self.loaded.config.hidden_size  # (a row may hold features after the hidden state: EAGLE-3's)
+            teacher = paddle.to_tensor(np.asarray(self.set.data.hidden[teacher_rows, :h], np.float32))
             target = d * F.softmax(paddle.matmul(teacher, self.lm_train), axis=-1) \
                 + (1 - d) * F.one_hot(labels, logits.shape[-1])  # [num, V']
         return F.cross_entropy(logits, target, soft_label=True).mean()
