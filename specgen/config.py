@@ -556,9 +556,31 @@ def parse_pd(text: str) -> tuple[int, int]:
     return p, d
 
 
-# The SpecConfig section holding each method's own settings (a method without one has none).
-METHOD_SECTIONS: dict[Method, str] = {Method.NGRAM: "ngram", Method.MTP: "mtp", Method.MEDUSA: "medusa",
-                                      Method.HYDRA: "medusa", Method.EAGLE: "eagle", Method.EAGLE3: "eagle"}
+@dataclass(frozen=True)
+class Drafter:
+    """A method as the rest of specgen knows it (DRAFTERS): adding a drafter is its entry there, its proposer
+    and, for a learned one, its module in specgen/drafters (docs/design.md, "Adding a drafter")."""
+
+    factory: str  # "module:function" making its proposer from a Drafting (engine/proposers/base.py),
+    # imported when a job builds one
+    section: str | None = None  # its own SpecConfig section (the settings only it reads), if any
+    checkpoint: bool = False  # drafts with a checkpoint (SpecConfig.draft_model)
+    on_main: bool = False  # reads the main model's weights (a tensor-parallel job runs it on rank 0 beside a
+    # full copy)
+
+
+_P = "specgen.engine.proposers."
+DRAFTERS: dict[Method, Drafter] = {
+    Method.NONE: Drafter(_P + "base:build_none"),
+    Method.NGRAM: Drafter(_P + "ngram:build_ngram_proposer", "ngram"),
+    Method.MTP: Drafter(_P + "mtp:build_mtp_proposer", "mtp", checkpoint=True, on_main=True),
+    Method.DRAFT_MODEL: Drafter(_P + "draft_model:build_draft_model_proposer", "draft", checkpoint=True),
+    Method.MEDUSA: Drafter(_P + "medusa:build_medusa_proposer", "medusa", checkpoint=True, on_main=True),
+    Method.HYDRA: Drafter(_P + "hydra:build_hydra_proposer", "medusa", checkpoint=True, on_main=True),
+    Method.EAGLE: Drafter(_P + "eagle:build_eagle_proposer", "eagle", checkpoint=True, on_main=True),
+    Method.EAGLE3: Drafter(_P + "eagle:build_eagle3_proposer", "eagle", checkpoint=True, on_main=True),
+}
+assert set(DRAFTERS) == set(Method), "every method needs its DRAFTERS entry"
 
 
 def _nested_type(cls: type, name: str) -> type | None:
@@ -600,5 +622,5 @@ class RunConfig:
 
 
 __all__ = ["Method", "SamplingParams", "EngineConfig", "SpecConfig", "NgramConfig", "MtpConfig",
-           "MedusaConfig", "EagleConfig", "ParallelConfig", "RunConfig", "METHOD_SECTIONS", "from_mapping",
-           "default_threads", "opt", "DEVICES", "BACKENDS"]
+           "MedusaConfig", "EagleConfig", "ParallelConfig", "RunConfig", "DRAFTERS", "Drafter",
+           "from_mapping", "default_threads", "opt", "DEVICES", "BACKENDS"]

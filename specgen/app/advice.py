@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from specgen.config import METHOD_SECTIONS, Method, RunConfig
+from specgen.config import DRAFTERS, Method, RunConfig
 from specgen.io.bench_rows import BenchRow
 
 
@@ -101,8 +101,9 @@ def config_yaml(cfg: RunConfig, method: Method, k: int | None, batch_size: int) 
     if method is not Method.NONE:
         speculative["num_speculative_tokens"] = k
         speculative.update({k: v for k, v in _changed(cfg.spec).items()
-                            if k not in ("method", "num_speculative_tokens", *METHOD_SECTIONS.values())})
-        section = METHOD_SECTIONS.get(method)
+                            if k not in ("method", "num_speculative_tokens",
+                                         *(d.section for d in DRAFTERS.values() if d.section))})
+        section = DRAFTERS[method].section
         if section and _changed(getattr(cfg.spec, section)):
             speculative[section] = _changed(getattr(cfg.spec, section))
     return yaml.safe_dump({"sampling": sampling, "engine": engine, "speculative": speculative},

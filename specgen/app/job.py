@@ -12,7 +12,7 @@ from typing import Any
 
 from specgen import __version__
 from specgen.api import encode_prompt, make_engine
-from specgen.config import METHOD_SECTIONS, RunConfig, SpecConfig
+from specgen.config import DRAFTERS, RunConfig, SpecConfig
 from specgen.errors import ConfigError, OutputError, SpecgenError, Stopped, WorkerError
 from specgen.io.interrupts import Interrupts
 from specgen.io.job_output import JobPlan, JobResult, RecordWriter
@@ -51,7 +51,7 @@ def method_settings(spec: SpecConfig) -> dict[str, Any]:
     """The method, its bound on drafts and its own settings (not those of the methods not run, nor `adaptive`,
     which chooses among drafts and cannot change a token)."""
     out: dict[str, Any] = {"method": spec.method.value, "num_speculative_tokens": spec.num_speculative_tokens}
-    section = METHOD_SECTIONS.get(spec.method)
+    section = DRAFTERS[spec.method].section
     if section is not None:
         out[section] = dataclasses.asdict(getattr(spec, section))
     if spec.draft_model is not None:

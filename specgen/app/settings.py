@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from specgen.config import (
-    METHOD_SECTIONS,
+    DRAFTERS,
     EngineConfig,
     Method,
     ParallelConfig,
@@ -121,17 +121,12 @@ def parse_speculative_config(value: str) -> dict[str, Any]:
     return data
 
 
-# Methods that draft with a checkpoint (SpecConfig.draft_model; mtp also reads its own mtp.model).
-CHECKPOINT_METHODS = (Method.MTP, Method.DRAFT_MODEL, Method.MEDUSA, Method.HYDRA, Method.EAGLE,
-                      Method.EAGLE3)
-
-
 def _with_model(model: str, method: Method) -> None:
     """Check that the method takes a checkpoint (FastDeploy JSON's "model")."""
-    if method not in CHECKPOINT_METHODS:
+    if not DRAFTERS[method].checkpoint:
+        names = ", ".join(m.value for m, d in DRAFTERS.items() if d.checkpoint)
         raise ConfigError(f"--speculative-config: \"model\" ({model}) needs a method that drafts with a "
-                          "checkpoint (mtp, draft_model, medusa, hydra, eagle), "
-                          f"the method is {method.value!r}")
+                          f"checkpoint ({names}), the method is {method.value!r}")
 
 
 def resolve(yaml_sections: Mapping[str, Mapping[str, Any]] | None, flags: Mapping[str, Any],
@@ -192,7 +187,7 @@ def _check_contradictions(spec: SpecConfig, explicit: set[tuple[str, ...]],
     """Speculative settings given on the command line that the methods run would silently ignore (`adaptive`
     is harmless anywhere)."""
     methods = methods or {spec.method}
-    sections = {METHOD_SECTIONS.get(m) for m in methods}
+    sections = {DRAFTERS[m].section for m in methods}
     named = ", ".join(sorted(m.value for m in methods))
     for path in sorted(explicit):
         if path[0] != "speculative" or len(path) < 2 or path[1] in ("method", "adaptive"):
@@ -204,5 +199,5 @@ def _check_contradictions(spec: SpecConfig, explicit: set[tuple[str, ...]],
                               " or drop the option")
         if len(path) > 2 and path[1] not in sections:
             raise ConfigError(f"{name} needs method {path[1]!r} (the method is {named!r})")
-        if path[1] == "draft_model" and not methods & set(CHECKPOINT_METHODS):
+        if path[1] == "draft_model" and not any(DRAFTERS[m].checkpoint for m in methods):
             raise ConfigError(f"draft_model needs method draft_model or mtp (the method is {named!r})")

@@ -35,7 +35,7 @@ import paddle.nn.functional as F
 
 from specgen.backends.base import ForwardOutput, ModelView
 from specgen.backends.reference import ReferenceBackend
-from specgen.config import EngineConfig, Method, SpecConfig
+from specgen.config import DRAFTERS, EngineConfig, SpecConfig
 from specgen.distributed.data_parallel import WorkerEngine, worker_engines
 from specgen.distributed.launch import Worker, WorkerGroup
 from specgen.distributed.tp_shard import RankShard, check_tensor_parallel, plan_shard, shard_weights
@@ -372,10 +372,6 @@ def load_rank(job: RankJob, rank: int, world_size: int, threads: int) -> tuple[A
     return Model(ckpt, backend), ckpt, load
 
 
-# drafters reading the main model's weights
-HEADS_ON_MAIN = (Method.MTP, Method.EAGLE, Method.EAGLE3, Method.MEDUSA, Method.HYDRA)
-
-
 def serve_rank(worker: Worker, job: RankJob) -> dict[str, int]:
     """A rank: rank 0 runs the engine over the requests it takes, sending each output as it finishes; the
     others follow it. Returns the rank's KV cache peak."""
@@ -391,7 +387,7 @@ def serve_rank(worker: Worker, job: RankJob) -> dict[str, int]:
     # MTP, EAGLE, Medusa and Hydra heads read the main model's full embedding or LM head (a rank holds a slice
     # of the vocabulary): rank 0 keeps a full copy for them (replicated, run here only). n-gram needs no
     # model; a draft model loads its own checkpoint whole.
-    drafting = load_model(job.model, load) if job.spec.method in HEADS_ON_MAIN else loaded
+    drafting = load_model(job.model, load) if DRAFTERS[job.spec.method].on_main else loaded
     engine = make_engine(loaded, job.engine, job.spec, drafting=drafting)
     worker.ready()
     try:

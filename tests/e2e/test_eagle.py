@@ -179,14 +179,14 @@ def test_copies_replace_the_tree_where_the_text_repeats(model64, tmp_path):
     """With --eagle-copy N a slot whose last N+ tokens occurred before drafts what followed there, as a chain
     of source 1 (priced from the slot's acceptance of copies, not the layer's probabilities); another slot
     keeps its tree."""
+    from specgen.engine.proposers import build_proposer
     from specgen.engine.proposers.base import SlotView
-    from specgen.engine.proposers.eagle import build_eagle_proposer
 
     cfg = model64.config
     save_eagle(tmp_path, random_eagle(cfg, 3), cfg)
     spec = SpecConfig(method="eagle", draft_model=str(tmp_path), num_speculative_tokens=3,
                       eagle=EagleConfig(topk=2, nodes=6, copy=2))
-    p = build_eagle_proposer(spec, model64.model)
+    p = build_proposer(spec, model64.model)
     p._ensure(2)
     (p.tree_ids[1, :3], p.tree_parents[1, :3], p.num_drafts[1],
      p.tree_probs[1, :3]) = [40, 41, 42], [0, 0, 1], 3, .5
@@ -203,7 +203,7 @@ def test_copies_replace_the_tree_where_the_text_repeats(model64, tmp_path):
     assert d.draft_ids[0].tolist() == [7, 8, 5]
     # state untouched
     assert p.tree_ids[1, :3].tolist() == [40, 41, 42] and p.tree_parents[0].tolist() == [0] * 6
-    off = build_eagle_proposer(dataclasses.replace(spec, eagle=EagleConfig(topk=2, nodes=6, copy=0)),
+    off = build_proposer(dataclasses.replace(spec, eagle=EagleConfig(topk=2, nodes=6, copy=0)),
                                model64.model)
     off._ensure(2)
     assert off.propose(SlotView(np.array([0]), tokens, np.array([6]), np.array([3]))).source is None
@@ -238,9 +238,9 @@ def test_a_prepared_layer_is_reused_and_does_not_keep_its_model_alive(backend, t
     m = load_model(TINY / "llama", dtype="float64", backend=backend).model
     save_eagle(tmp_path, random_eagle(m.config, 5), m.config)
     spec = SpecConfig(method="eagle", draft_model=str(tmp_path), num_speculative_tokens=2)
-    from specgen.engine.proposers.eagle import build_eagle_proposer
+    from specgen.engine.proposers import build_proposer
 
-    first, second = build_eagle_proposer(spec, m), build_eagle_proposer(spec, m)
+    first, second = build_proposer(spec, m), build_proposer(spec, m)
     assert first.runner is second.runner and first is not second
     alive = weakref.ref(m)
     del m, first, second

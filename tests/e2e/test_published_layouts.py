@@ -169,16 +169,14 @@ def test_trees_of_64_nodes_top_10(backend, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("method", ["medusa", "hydra"])
 def test_num_speculative_tokens_is_the_tree_depth(method, model, tmp_path):
-    from specgen.engine.proposers.hydra import build_hydra_proposer
-    from specgen.engine.proposers.medusa import build_medusa_proposer
+    from specgen.engine.proposers import build_proposer
 
     if method == "medusa":
         save_medusa(tmp_path, *random_medusa(model.config, 4, 1))
     else:
         save_hydra(tmp_path, *random_hydra(model.config, 4, 5))
-    build = build_medusa_proposer if method == "medusa" else build_hydra_proposer
     for k, depth in ((1, 1), (2, 2), (5, 4)):  # 4 heads: at most 4 deep
         spec = SpecConfig(method=method, draft_model=str(tmp_path), num_speculative_tokens=k,
                           medusa=MedusaConfig(tree_choices=("0,0,0,0,0", "1", "0,1")))
-        p = build(spec, model.model)
+        p = build_proposer(spec, model.model)
         assert int(p.head.max()) + 1 == depth and len(p.head) == depth + 2 - (k == 1), (k, p.head)

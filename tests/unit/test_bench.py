@@ -16,7 +16,7 @@ from specgen.app.advice import advise
 from specgen.app.bench import BenchInput, Choice, parse_batch_sizes, parse_methods, run_bench
 from specgen.app.settings import load_yaml, resolve
 from specgen.config import Method, SamplingParams
-from specgen.engine import proposers
+from specgen.engine.proposers import ngram
 from specgen.engine.types import DraftTokens
 from specgen.errors import ConfigError
 
@@ -60,8 +60,7 @@ def bench(tiny_model, tmp_path: Path, monkeypatch, max_tokens: int, right: int, 
     plain = generate(PROMPTS, model=tiny_model, sampling=sampling)
     texts = [np.array(p + o.token_ids) for p, o in zip(PROMPTS, plain)]
     vocab = tiny_model.config.vocab_size
-    monkeypatch.setitem(proposers.REGISTRY, Method.NGRAM,
-                        lambda spec, model, lib, main: ScriptedProposer(texts, right, vocab))
+    monkeypatch.setattr(ngram, "build_ngram_proposer", lambda d: ScriptedProposer(texts, right, vocab))
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps({"id": f"r{i}", "input_ids": p}) + "\n"
                             for i, p in enumerate(PROMPTS)))

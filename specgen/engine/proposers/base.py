@@ -41,6 +41,23 @@ class Proposer(Protocol):
         """Called after each commit; stateless proposers ignore it."""
 
 
+@dataclass(frozen=True)
+class Drafting:
+    """What a method's proposer factory (config.DRAFTERS[method].factory) is given."""
+
+    method: Any  # config.Method
+    k: int  # drafts per slot per step at most (--num-speculative-tokens; a token tree's depth)
+    section: Any  # the method's own SpecConfig section (config.DRAFTERS[method].section), or None
+    draft_model: str | None  # --draft-model
+    model: Any  # models.model.Model: the model its drafts are verified by
+    lib: Any = None  # ngram.cc's library (specgen.kernels.host_lib()); None: the numpy references
+    main: Any = None  # the api.LoadedModel of `model` (a draft model loads with its settings)
+
+
+def build_none(d: Drafting) -> "NoProposer":
+    return NoProposer()
+
+
 class NoProposer:
     """Plain decoding: no drafts."""
 

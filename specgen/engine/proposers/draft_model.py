@@ -23,8 +23,8 @@ import numpy as np
 import paddle
 
 from specgen.backends.base import RowSampling
-from specgen.config import EngineConfig, SpecConfig
-from specgen.engine.proposers.base import SlotView, checkpoint_key, prepared_once
+from specgen.config import EngineConfig
+from specgen.engine.proposers.base import Drafting, SlotView, checkpoint_key, prepared_once
 from specgen.engine.types import DraftTokens, SlotSampling, StepUpdate
 from specgen.errors import CheckpointError
 from specgen.layers.sampling import uniforms
@@ -228,12 +228,12 @@ def check_vocabulary(main: TextTokenizer | None, draft: TextTokenizer | None, ma
                                   "model's vocabulary")
 
 
-def build_draft_model_proposer(spec: SpecConfig, model: Model, main) -> DraftModelProposer:
-    """The draft checkpoint (spec.draft_model) loaded beside `model` with the main model's load settings
-    (backend, dtype, quantization, threads: `main`, its api.LoadedModel; defaults without one), its vocabulary
+def build_draft_model_proposer(d: Drafting) -> DraftModelProposer:
+    """The draft checkpoint (d.draft_model) loaded beside d.model with the main model's load settings
+    (backend, dtype, quantization, threads: d.main, its api.LoadedModel; defaults without one), its vocabulary
     checked against the main model's; loaded once per main model."""
-
-    path = str(spec.draft_model)
+    model, main = d.model, d.main
+    path = str(d.draft_model)
 
     def make() -> Model:
         settings = main.engine if main is not None else EngineConfig(dtype=model.dtype)
@@ -243,7 +243,7 @@ def build_draft_model_proposer(spec: SpecConfig, model: Model, main) -> DraftMod
         return loaded.model
 
     draft = prepared_once(model, checkpoint_key(path, "draft_model"), make)
-    proposer = DraftModelProposer(draft, spec.num_speculative_tokens, spec.draft.prompt_window)
+    proposer = DraftModelProposer(draft, d.k, d.section.prompt_window)
     proposer.acceptance_hint = recorded_acceptance(Path(path))
     return proposer
 

@@ -36,8 +36,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from specgen.config import SpecConfig
-from specgen.engine.proposers.base import SlotView, checkpoint_key, prepared_once
+from specgen.engine.proposers.base import Drafting, SlotView, checkpoint_key, prepared_once
 from specgen.engine.proposers.medusa import tree_template
 from specgen.engine.proposers.mtp import CatchUp, MtpProposer
 from specgen.engine.proposers.mtp_head import _block_config, load_draft_vocab, prompt_window, training_setting
@@ -324,23 +323,27 @@ class EagleProposer(MtpProposer):
         return out_ids, out_parents, np.isfinite(kept).sum(axis=1).astype(np.int64), out_score
 
 
-def build_eagle_proposer(spec: SpecConfig, model: Model, lib=None, eagle3: bool = False) -> EagleProposer:
+def build_eagle_proposer(d: Drafting, eagle3: bool = False) -> EagleProposer:
     """--method eagle: the layer at --draft-model (default: the one shipped for the default model), EAGLE-3's
-    when the checkpoint is; --method eagle3 (eagle3): an EAGLE-3 layer at --draft-model."""
-    path = spec.draft_model or (None if eagle3 else shipped_eagle(str(model.source)))
+    when the checkpoint is one."""
+    model, e = d.model, d.section
+    path = d.draft_model or (None if eagle3 else shipped_eagle(str(model.source)))
     if path is None:
-        raise CheckpointError(f"--method {spec.method.value} needs --draft-model PATH (an EAGLE layer: "
+        raise CheckpointError(f"--method {d.method.value} needs --draft-model PATH (an EAGLE layer: "
                               "fc.weight, layers.0.* or EAGLE-3's midlayer.*; `specgen train-head --kind "
-                              f"{spec.method.value}` trains one); none ships for this model")
-    d = Path(path) if Path(path).is_dir() else Path(path).parent
-    e = spec.eagle
+                              f"{d.method.value}` trains one); none ships for this model")
+    where = Path(path) if Path(path).is_dir() else Path(path).parent
     runner = prepare_eagle(model, path, e.quantize)
     if eagle3 and not getattr(runner, "features", None):
         raise CheckpointError(f"{path}: --method eagle3 needs an EAGLE-3 layer (midlayer.*, fc over several "
                               "depths); this is an EAGLE-1/2 layer: use --method eagle")
-    return EagleProposer(model, runner, spec.num_speculative_tokens,
-                         TreeShape(e.topk, e.nodes, e.tree_paths()), training_setting(d, "eval_acc"),
-                         prompt_window(d), e.copy, lib)
+    return EagleProposer(model, runner, d.k, TreeShape(e.topk, e.nodes, e.tree_paths()),
+                         training_setting(where, "eval_acc"), prompt_window(where), e.copy, d.lib)
+
+
+def build_eagle3_proposer(d: Drafting) -> EagleProposer:
+    """--method eagle3: an EAGLE-3 layer at --draft-model (EAGLE-2's trees, the eagle section's shape)."""
+    return build_eagle_proposer(d, eagle3=True)
 
 
 def prepare_eagle(model: Model, path: str | Path, quantize: bool = True):

@@ -22,7 +22,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from specgen.engine.proposers.base import checkpoint_key, prepared_once
+from specgen.engine.proposers.base import Drafting, checkpoint_key, prepared_once
 from specgen.engine.proposers.medusa import (
     MedusaHeads,
     MedusaProposer,
@@ -211,20 +211,21 @@ class HydraProposer(MedusaProposer):
         return self.ids(paddle.concat(columns, axis=1).numpy())  # one host copy; nodes are depth-ordered
 
 
-def build_hydra_proposer(spec, model) -> HydraProposer:
-    """--method hydra: the heads at spec.draft_model (or the package's for the default model), trees of
-    spec.medusa's shape."""
+def build_hydra_proposer(d: Drafting) -> HydraProposer:
+    """--method hydra: the heads at --draft-model (or the package's for the default model), trees of the
+    medusa section's shape, k deep at most."""
+    model, c = d.model, d.section
     cfg = model.config
-    path = spec.draft_model or shipped_heads("hydra", str(model.source))
+    path = d.draft_model or shipped_heads("hydra", str(model.source))
     if path is None:
         raise CheckpointError(f"--method hydra needs --draft-model PATH (Hydra heads: a directory with "
                               f"{WEIGHTS}; `specgen train-head --kind hydra` trains them); heads ship for "
                               "the default model only")
-    paths = tree_to_depth(spec.medusa.tree_paths(), spec.num_speculative_tokens)
+    paths = tree_to_depth(c.tree_paths(), d.k)
 
     def make() -> HydraProposer:
         heads = load_hydra(path, cfg.hidden_size, cfg.vocab_size, model.dtype)
-        return HydraProposer(heads, spec.medusa.topk, paths, model.weights.embed.astype(model.dtype),
+        return HydraProposer(heads, c.topk, paths, model.weights.embed.astype(model.dtype),
                              shared_lm_head(model, heads.lm_heads))
 
-    return prepared_once(model, checkpoint_key(path, "hydra", spec.medusa.topk, paths), make).fresh()
+    return prepared_once(model, checkpoint_key(path, "hydra", c.topk, paths), make).fresh()

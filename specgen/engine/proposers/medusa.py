@@ -22,7 +22,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from specgen.engine.proposers.base import SlotView, checkpoint_key, prepared_once
+from specgen.engine.proposers.base import Drafting, SlotView, checkpoint_key, prepared_once
 from specgen.engine.types import DraftTokens, StepUpdate
 from specgen.errors import CheckpointError
 
@@ -315,21 +315,22 @@ def _blocks(x: paddle.Tensor, layers) -> paddle.Tensor:
     return x
 
 
-def build_medusa_proposer(spec, model) -> MedusaProposer:
-    """--method medusa: the heads at spec.draft_model, trees of spec.medusa's shape."""
+def build_medusa_proposer(d: Drafting) -> MedusaProposer:
+    """--method medusa: the heads at --draft-model, trees of the medusa section's shape, k deep at most."""
+    model, c = d.model, d.section
     cfg = model.config
-    path = spec.draft_model or shipped_heads("medusa", str(model.source))
+    path = d.draft_model or shipped_heads("medusa", str(model.source))
     if path is None:
         raise CheckpointError("--method medusa needs --draft-model PATH (Medusa heads: a directory with "
                               f"{WEIGHTS}; `specgen train-head --kind medusa` trains them); heads ship for "
                               "the default model only")
-    paths = tree_to_depth(spec.medusa.tree_paths(), spec.num_speculative_tokens)
+    paths = tree_to_depth(c.tree_paths(), d.k)
 
     def make() -> MedusaProposer:
         heads = load_medusa(path, cfg.hidden_size, cfg.vocab_size, model.dtype)
-        return MedusaProposer(heads, spec.medusa.topk, paths, shared_lm_head(model, heads.lm_heads))
+        return MedusaProposer(heads, c.topk, paths, shared_lm_head(model, heads.lm_heads))
 
-    return prepared_once(model, checkpoint_key(path, "medusa", spec.medusa.topk, paths), make).fresh()
+    return prepared_once(model, checkpoint_key(path, "medusa", c.topk, paths), make).fresh()
 
 
 def shared_lm_head(model, lm_heads) -> paddle.Tensor | None:

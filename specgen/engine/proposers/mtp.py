@@ -25,8 +25,7 @@ import numpy as np
 import paddle
 
 from specgen.backends.base import MtpPass, PreparedHead
-from specgen.config import SpecConfig
-from specgen.engine.proposers.base import SlotView, checkpoint_key, prepared_once
+from specgen.engine.proposers.base import Drafting, SlotView, checkpoint_key, prepared_once
 from specgen.engine.proposers.mtp_head import (
     MtpHeadWeights,
     load_draft_vocab,
@@ -306,18 +305,19 @@ class MtpProposer:
 
 
 
-def build_mtp_proposer(spec: SpecConfig, model: Model, lib=None) -> MtpProposer:
+def build_mtp_proposer(d: Drafting) -> MtpProposer:
     """The head comes from speculative.mtp.model (--mtp-model) or speculative.draft_model (--draft-model),
     else from the package when it ships one for this main model."""
-    path = spec.mtp.model or spec.draft_model or shipped_head(str(model.source))
+    c, model = d.section, d.model
+    path = c.model or d.draft_model or shipped_head(str(model.source))
     if path is None:
         raise CheckpointError("--method mtp needs an MTP head: give --mtp-model DIR (DeepSeek-V3 or "
                               "ERNIE-4.5 layout; `specgen train-mtp` trains one); "
                               "the main checkpoint has none")
-    d = Path(path).resolve()
-    heads = prepared_once(model, checkpoint_key(d, "mtp", spec.mtp.quantize), lambda: [
-        model.backend.prepare_head(model, m, spec.mtp.quantize)
+    where = Path(path).resolve()
+    heads = prepared_once(model, checkpoint_key(where, "mtp", c.quantize), lambda: [
+        model.backend.prepare_head(model, m, c.quantize)
         for m in MtpHeadWeights.read_modules(load_mtp_weights(path), str(path), model,
                                              load_draft_vocab(path))])
-    return MtpProposer(model, heads, spec.num_speculative_tokens, training_setting(d, "eval_acc"),
-                       spec.mtp.copy, prompt_window(d), lib)
+    return MtpProposer(model, heads, d.k, training_setting(where, "eval_acc"), c.copy, prompt_window(where),
+                       d.lib)

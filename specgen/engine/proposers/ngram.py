@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from specgen.engine.adaptive.estimator import PRIOR_HITS, PRIOR_SEEN, AcceptanceEstimator
-from specgen.engine.proposers.base import SlotView
+from specgen.engine.proposers.base import Drafting, SlotView
 from specgen.engine.proposers.ngram_pool import NgramPool
 from specgen.engine.proposers.ngram_tree import ngram_tree, path_keys
 from specgen.engine.types import DraftTokens, StepUpdate
@@ -187,3 +187,9 @@ class NgramProposer:
         scored = (match_len > 0) & known[None, :]  # [2, num_seqs]
         source = np.broadcast_to(np.arange(2)[:, None], scored.shape)
         self.sources.add(source[scored], match_len[scored], (first == truth[None, :])[scored])
+
+
+def build_ngram_proposer(d: Drafting) -> NgramProposer:
+    """--method ngram (d: base.Drafting, its section an NgramConfig)."""
+    c = d.section
+    return NgramProposer(d.k, c.min, c.max, c.pool, d.lib, c.branches, c.tree_paths())
