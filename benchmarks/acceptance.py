@@ -28,7 +28,7 @@ def truncated_head(path: Path, n: int, work: Path) -> Path:
     """A copy of the head at `path` with its first n modules only."""
     from safetensors.numpy import save_file
 
-    from specgen.engine.proposers.mtp_head import load_mtp_weights
+    from specgen.drafters.mtp import load_mtp_weights
 
     weights = load_mtp_weights(path)
     layers = sorted({int(k.split(".")[2]) for k in weights if k.endswith("eh_proj.weight")})
@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     from specgen import EngineConfig, Method, MtpConfig, SamplingParams, SpecConfig, generate, load_model
-    from specgen.engine.proposers.mtp_head import SHIPPED_HEAD
+    from specgen.drafters.mtp import SHIPPED_HEAD
     from specgen.models import load_checkpoint
     from specgen.models.export import first_layers, save_hf
 

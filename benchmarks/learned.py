@@ -137,7 +137,7 @@ def main() -> None:
     args = ap.parse_args()
     from specgen import Method, SamplingParams, SpecConfig, load_model
     from specgen.app import bounds
-    from specgen.engine.proposers.mtp_head import load_mtp_weights
+    from specgen.drafters.mtp import load_mtp_weights
 
     print(machine())
     lm = load_model(None)

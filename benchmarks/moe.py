@@ -183,7 +183,7 @@ def main() -> None:
     import dataclasses
 
     from specgen import load_model
-    from specgen.engine.proposers.mtp_head import random_mtp_weights, save_mtp
+    from specgen.drafters.mtp import random_mtp_weights, save_mtp
 
     print(machine())
     work = Path(tempfile.mkdtemp(prefix="specgen-moe-"))

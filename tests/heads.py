@@ -57,9 +57,9 @@ def learned_spec(method: str, model, path):
     SpecConfig that drafts with it, every draft verified: an MTP head's chain (k 2), EAGLE's dynamic trees
     (top-2, 6 nodes, no copies) or Medusa's static trees."""
     from specgen.config import EagleConfig, MedusaConfig, MtpConfig, SpecConfig
-    from specgen.engine.proposers.eagle import save_eagle
-    from specgen.engine.proposers.medusa import save_medusa
-    from specgen.engine.proposers.mtp_head import random_mtp_weights, save_mtp
+    from specgen.drafters.eagle import save_eagle
+    from specgen.drafters.medusa import save_medusa
+    from specgen.drafters.mtp import random_mtp_weights, save_mtp
 
     cfg, rng = model.config, np.random.default_rng(1)
     if method == "mtp":

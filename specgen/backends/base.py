@@ -116,11 +116,10 @@ class Backend(Protocol):
                   num_layers: int | None = None) -> KVCache:
         """A KV cache for this backend (kv_dtype: auto, the model's dtype, or float16)."""
 
-    def prepare_head(self, model: ModelView, head: Any, quantize: bool) -> PreparedHead:
-        """An MTP head's weights (MtpHeadWeights) ready to run beside `model`."""
-
-    def prepare_eagle(self, model: ModelView, weights: Any, quantize: bool) -> Any:
-        """An EAGLE layer's weights (EagleWeights) ready to run beside `model` (EaglePass.run's interface)."""
+    def prepare_drafter(self, model: ModelView, weights: Any, quantize: bool) -> Any:
+        """A learned drafter's weights (specgen/drafters: an MTP module, an EAGLE or EAGLE-3 layer) ready to
+        run beside `model`: a PreparedHead for an MTP module, EaglePass.run's interface for an EAGLE layer.
+        `quantize`: its projections as Q8_0 blocks beside a main model kept in GGUF blocks."""
 
     def describe(self) -> list:
         """What a step's cost depends on besides the model's shape (cost tables are kept per description)."""

@@ -23,7 +23,7 @@ import paddle
 
 from specgen import kernels
 from specgen.backends.base import ForwardOutput, ModelView, MtpPass, RowSampling
-from specgen.backends.reference import Eagle3Pass, reserve
+from specgen.backends.reference import reserve
 from specgen.config import EngineConfig
 from specgen.errors import ConfigError
 from specgen.kernels import args
@@ -241,15 +241,11 @@ class FusedBackend:
         return KVCache(cfg.num_layers if num_layers is None else num_layers, num_slots, cfg.num_kv_heads,
                        cfg.head_dim, dtype, max_capacity, zeroed=False)
 
-    def prepare_head(self, model: ModelView, head: Any, quantize: bool) -> "FusedHead":
-        return FusedHead(self, model, head, quantize)
-
-    def prepare_eagle(self, model: ModelView, weights: Any, quantize: bool) -> Any:
-        """EAGLE's layer as one operator (FusedEagle); EAGLE-3's in Paddle's operators (the reference
-        pass)."""
-        if getattr(weights, "features", None):
-            return Eagle3Pass(model, weights)
-        return FusedEagle(self, model, weights, quantize)
+    def prepare_drafter(self, model: ModelView, weights: Any, quantize: bool) -> Any:
+        """A learned drafter's pass: the fused kernel its weights name (`fused`: an MTP head's
+        specgen_mtp_draft, an EAGLE layer's specgen_eagle_pass), else its reference pass (EAGLE-3)."""
+        fused = {"mtp": FusedHead, "eagle": FusedEagle}.get(getattr(weights, "fused", None))
+        return fused(self, model, weights, quantize) if fused is not None else weights.reference_pass(model)
 
     def describe(self) -> list:
         return [self.name, self.int8_product, self.screen is not None, self._kinds]

@@ -224,12 +224,9 @@ class TensorParallelBackend(ReferenceBackend):
         self._send(LOGITS, -1, hidden.numpy())
         return self._gather_vocab(model.weights.lm_head(hidden))
 
-    def prepare_head(self, model: ModelView, head: Any, quantize: bool) -> Any:
-        raise ConfigError("an MTP head runs on rank 0 beside the full model, not on a tensor-parallel shard")
-
-    def prepare_eagle(self, model: ModelView, weights: Any, quantize: bool) -> Any:
-        raise ConfigError("an EAGLE layer runs on rank 0 beside the full model, "
-                          "not on a tensor-parallel shard")
+    def prepare_drafter(self, model: ModelView, weights: Any, quantize: bool) -> Any:
+        raise ConfigError("a learned drafter runs on rank 0 beside the full model, not on a tensor-parallel "
+                          "shard")
 
     def describe(self) -> list:
         return [self.name, self.world_size]

@@ -186,7 +186,7 @@ class EagleTrainer(Trainer):
     def save(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         from safetensors.numpy import save_file
 
-        from specgen.engine.proposers.eagle import eagle_config
+        from specgen.drafters.eagle import eagle_config
         from specgen.train.plot import plot_loss
 
         cfg, s = self.cfg, self.set

@@ -103,7 +103,7 @@ class Eagle3Trainer(EagleTrainer):
     KIND = "eagle3"
 
     def __init__(self, loaded: Any, out_dir: Path, cfg: Any, data_dir: Path | None = None):
-        from specgen.engine.proposers.eagle3 import default_features
+        from specgen.drafters.eagle3 import default_features
 
         self.features = default_features(loaded.config.num_layers)
         super().__init__(loaded, out_dir, cfg, data_dir)
@@ -159,7 +159,7 @@ class Eagle3Trainer(EagleTrainer):
     def save(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         from safetensors.numpy import save_file
 
-        from specgen.engine.proposers.eagle3 import eagle3_config
+        from specgen.drafters.eagle3 import eagle3_config
         from specgen.train.plot import plot_loss
 
         cfg, s = self.cfg, self.set

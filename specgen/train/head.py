@@ -13,7 +13,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from specgen.engine.proposers.mtp_head import random_mtp_weights
+from specgen.drafters.mtp import random_mtp_weights
 from specgen.errors import ConfigError
 from specgen.layers.attention import AttentionIndex
 from specgen.layers.block import DecoderBlock, block_forward

@@ -56,7 +56,7 @@ def _eagle3(loaded: Any, out_dir: Path, cfg: TrainConfig, data_dir: Path | None 
 
 
 def _eagle3_features(config: Any) -> tuple[int, ...]:
-    from specgen.engine.proposers.eagle3 import default_features
+    from specgen.drafters.eagle3 import default_features
 
     return default_features(config.num_layers)
 

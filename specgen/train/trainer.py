@@ -355,7 +355,7 @@ class Trainer:
             w.writerows({k: ("" if r.get(k) is None else r[k]) for k in COLUMNS} for r in rows)
 
     def save(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        from specgen.engine.proposers.mtp_head import save_mtp
+        from specgen.drafters.mtp import save_mtp
         from specgen.train.plot import plot_loss
 
         cfg, s = self.cfg, self.set

@@ -185,7 +185,7 @@ class TreeHeadTrainer(Trainer):
         return meta
 
     def save_heads(self, arrays: list[list[dict[str, np.ndarray]]], meta: dict[str, Any]) -> None:
-        from specgen.engine.proposers.medusa import save_medusa
+        from specgen.drafters.medusa import save_medusa
 
         dtype = self.cfg.save_dtype
         save_medusa(self.out_dir, [[(d["w"].astype(dtype), d["b"].astype(dtype)) for d in blocks]
@@ -197,7 +197,7 @@ class HydraTrainer(TreeHeadTrainer):
     KIND = "hydra"
 
     def save_heads(self, arrays: list[list[dict[str, np.ndarray]]], meta: dict[str, Any]) -> None:
-        from specgen.engine.proposers.hydra import save_hydra
+        from specgen.drafters.hydra import save_hydra
 
         save_hydra(self.out_dir, [[{k: v.astype(self.cfg.save_dtype) for k, v in d.items()} for d in blocks]
                                   for blocks in arrays], None, extra=meta)

@@ -17,10 +17,10 @@ from conftest import TINY
 from heads import random_eagle, random_hydra, random_medusa
 
 from specgen.distributed.launch import thread_shares
-from specgen.engine.proposers.eagle import save_eagle
-from specgen.engine.proposers.hydra import save_hydra
-from specgen.engine.proposers.medusa import save_medusa
-from specgen.engine.proposers.mtp_head import random_mtp_weights, save_mtp
+from specgen.drafters.eagle import save_eagle
+from specgen.drafters.hydra import save_hydra
+from specgen.drafters.medusa import save_medusa
+from specgen.drafters.mtp import random_mtp_weights, save_mtp
 from specgen.models import load_checkpoint
 from specgen.models.export import first_layers, save_hf
 

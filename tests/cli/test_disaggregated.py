@@ -194,7 +194,7 @@ def test_medusa_guesses_travel(tmp_path):
     """Medusa's guesses made at the prompt's last position go with the request (fused fp64, controller off:
     the same trees verified as in the colocated engine)."""
     from specgen.config import MedusaConfig
-    from specgen.engine.proposers.medusa import save_medusa
+    from specgen.drafters.medusa import save_medusa
 
     loaded = load_model(TINY / "llama", dtype="float64")
     cfg, rng = loaded.config, np.random.default_rng(1)
@@ -216,7 +216,7 @@ def test_eagle_trees_travel(tmp_path):
     from heads import random_eagle
 
     from specgen.config import EagleConfig
-    from specgen.engine.proposers.eagle import save_eagle
+    from specgen.drafters.eagle import save_eagle
 
     loaded = load_model(TINY / "llama", dtype="float64")
     save_eagle(tmp_path, random_eagle(loaded.config, 3, norm=True), loaded.config)

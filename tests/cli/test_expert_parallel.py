@@ -20,7 +20,7 @@ from test_data_parallel import assert_complete, spawn, wait_for_lines, workers_o
 from test_tensor_parallel import RECORDS, assert_same_tokens
 
 from specgen.distributed.tp_shard import plan_shard, shard_block
-from specgen.engine.proposers.mtp_head import random_mtp_weights, save_mtp
+from specgen.drafters.mtp import random_mtp_weights, save_mtp
 from specgen.layers.moe import moe_forward
 from specgen.models import load_checkpoint
 from specgen.models.model import Model

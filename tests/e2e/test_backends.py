@@ -6,7 +6,7 @@ import pytest
 from conftest import TINY, TINY_ARCHS
 
 from specgen import EngineConfig, MtpConfig, SamplingParams, SpecConfig, generate, load_model
-from specgen.engine.proposers.mtp_head import random_mtp_weights, save_mtp
+from specgen.drafters.mtp import random_mtp_weights, save_mtp
 from specgen.runtime.batch import build_forward_batch
 
 BACKENDS = ("fused", "reference")
@@ -59,7 +59,7 @@ def test_mtp_drafts_agree_between_backends(pair, tmp_path):
     """The head's pass (catch-up, chained drafts over a draft vocabulary) on the fused kernels and on Paddle's
     operators: the same drafts in float64."""
     from specgen.backends.base import MtpPass
-    from specgen.engine.proposers.mtp_head import MtpHeadWeights
+    from specgen.drafters.mtp import MtpHeadWeights
 
     cfg = next(iter(pair.values())).config
     weights = random_mtp_weights(cfg, seed=5, std=0.3)
@@ -69,7 +69,7 @@ def test_mtp_drafts_agree_between_backends(pair, tmp_path):
     drafts = {}
     for backend, lm in pair.items():
         m = lm.model
-        runner = m.backend.prepare_head(m, MtpHeadWeights.read(weights, "random", m, vocab), quantize=True)
+        runner = m.backend.prepare_drafter(m, MtpHeadWeights.read(weights, "random", m, vocab), quantize=True)
         got = []
         for seq in seqs:
             n = len(seq) - 1

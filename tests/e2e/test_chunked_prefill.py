@@ -7,7 +7,7 @@ import pytest
 from conftest import TINY
 
 from specgen import EngineConfig, MtpConfig, SamplingParams, SpecConfig, generate, load_model
-from specgen.engine.proposers.mtp_head import random_mtp_weights, save_mtp
+from specgen.drafters.mtp import random_mtp_weights, save_mtp
 
 
 @pytest.fixture(scope="module", params=["fused", "reference"])

@@ -12,17 +12,10 @@ from conftest import TINY
 from heads import random_eagle
 
 from specgen import EngineConfig, SamplingParams, SpecConfig, generate, load_model
-from specgen.backends.reference import EaglePass
 from specgen.config import EagleConfig
-from specgen.engine.proposers.eagle import (
-    EagleProposer,
-    TreeShape,
-    load_eagle,
-    prepare_eagle,
-    read_eagle,
-    save_eagle,
-    shipped_eagle,
-)
+from specgen.drafters.eagle import load_eagle, read_eagle, save_eagle, shipped_eagle
+from specgen.drafters.eagle_pass import EaglePass
+from specgen.engine.proposers.eagle import EagleProposer, TreeShape, prepare_eagle
 from specgen.errors import CheckpointError
 
 

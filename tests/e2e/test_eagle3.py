@@ -11,8 +11,8 @@ from heads import random_eagle, random_eagle3
 
 from specgen import EngineConfig, SamplingParams, SpecConfig, generate, load_model
 from specgen.config import EagleConfig
-from specgen.engine.proposers.eagle import load_eagle, save_eagle
-from specgen.engine.proposers.eagle3 import default_features, save_eagle3
+from specgen.drafters.eagle import load_eagle, save_eagle
+from specgen.drafters.eagle3 import default_features, save_eagle3
 from specgen.errors import CheckpointError
 from specgen.layers.rotary import inv_freq
 from specgen.runtime.batch import build_forward_batch
@@ -100,7 +100,7 @@ def test_the_layer_drafts_as_the_numpy_layer(backend, tmp_path):
     lm = load_model(TINY / "llama", dtype="float64", backend=backend)
     m, cfg = lm.model, lm.config
     weights, vocab = _save(lm, tmp_path)
-    runner = m.backend.prepare_eagle(m, load_eagle(tmp_path, m), True)
+    runner = m.backend.prepare_drafter(m, load_eagle(tmp_path, m), True)
     assert runner.features == FEATURES
     seq = np.array([5, 9, 31, 7, 5, 9, 44, 12, 3, 4, 17], np.int64)
     n = len(seq) - 1

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from specgen import EngineConfig, SamplingParams, SpecConfig, generate, load_model
 from specgen.config import MedusaConfig
-from specgen.engine.proposers.hydra import HydraProposer, load_hydra, save_hydra
+from specgen.drafters.hydra import load_hydra, save_hydra
+from specgen.engine.proposers.hydra import HydraProposer
 from specgen.engine.proposers.medusa import tree_template
 from specgen.errors import CheckpointError
 
@@ -184,7 +185,7 @@ def test_training_resumes_exactly(trained, tmp_path):
 def test_method_alone_finds_the_shipped_heads(tiny_model64, monkeypatch, trained):
     """Without --draft-model the default model gets the package's heads; any other model an error
     naming it."""
-    from specgen.engine.proposers import medusa
+    from specgen.drafters import medusa
     from specgen.models.default_model import DEFAULT_GGUF
 
     for kind in ("medusa", "hydra"):
@@ -203,7 +204,7 @@ def test_method_alone_finds_the_shipped_heads(tiny_model64, monkeypatch, trained
 def test_shipped_heads_run_alone_on_the_default_model(kind, real_model):
     """`--method medusa` / `--method hydra` alone: the package's trained heads draft for the default model,
     and the output is plain decoding's."""
-    from specgen.engine.proposers.medusa import shipped_heads
+    from specgen.drafters.medusa import shipped_heads
 
     path = shipped_heads(kind, str(real_model.model.source))
     assert path is not None, f"no {kind} heads shipped for the default model"

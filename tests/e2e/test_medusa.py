@@ -10,7 +10,8 @@ from heads import random_hydra, random_medusa
 
 from specgen import EngineConfig, SamplingParams, SpecConfig, generate, load_model
 from specgen.config import MedusaConfig
-from specgen.engine.proposers.medusa import load_medusa, save_medusa, tree_template
+from specgen.drafters.medusa import load_medusa, save_medusa
+from specgen.engine.proposers.medusa import tree_template
 from specgen.errors import CheckpointError
 
 
@@ -66,8 +67,9 @@ def test_detached_slots_stop_drafting(method, tmp_path, monkeypatch):
     """A slot the controller detached (its drafts stopped paying for the heads' time) gets no more head
     passes: with every slot detached from the start the heads draft no row (without a controller, one a step),
     and the tokens stay plain decoding's."""
+    from specgen.drafters.hydra import save_hydra
     from specgen.engine.adaptive import Controller
-    from specgen.engine.proposers.hydra import HydraProposer, save_hydra
+    from specgen.engine.proposers.hydra import HydraProposer
     from specgen.engine.proposers.medusa import MedusaProposer
 
     model = load_model(TINY / "llama", dtype="float64")

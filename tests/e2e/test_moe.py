@@ -10,10 +10,10 @@ from conftest import TINY
 from heads import random_eagle, random_hydra, random_medusa
 
 from specgen import EngineConfig, MtpConfig, SamplingParams, SpecConfig, generate, load_model
-from specgen.engine.proposers.eagle import save_eagle
-from specgen.engine.proposers.hydra import save_hydra
-from specgen.engine.proposers.medusa import save_medusa
-from specgen.engine.proposers.mtp_head import random_mtp_weights, save_mtp
+from specgen.drafters.eagle import save_eagle
+from specgen.drafters.hydra import save_hydra
+from specgen.drafters.medusa import save_medusa
+from specgen.drafters.mtp import random_mtp_weights, save_mtp
 from specgen.layers.linear import Linear
 from specgen.layers.moe import MoeExperts, route
 from specgen.runtime.batch import build_forward_batch

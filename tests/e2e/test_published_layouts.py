@@ -15,9 +15,9 @@ from torch_files import save_torch
 
 from specgen import EngineConfig, SamplingParams, SpecConfig, generate, load_model
 from specgen.config import EagleConfig, MedusaConfig
-from specgen.engine.proposers.eagle import save_eagle
-from specgen.engine.proposers.hydra import save_hydra
-from specgen.engine.proposers.medusa import save_medusa
+from specgen.drafters.eagle import save_eagle
+from specgen.drafters.hydra import save_hydra
+from specgen.drafters.medusa import save_medusa
 from specgen.models.checkpoint import write_safetensors
 from specgen.models.hf_loader import read_safetensors
 

@@ -2,7 +2,7 @@
 import pytest
 
 from specgen import EngineConfig, MtpConfig, SamplingParams, SpecConfig, generate
-from specgen.engine.proposers.mtp_head import random_mtp_weights, save_mtp
+from specgen.drafters.mtp import random_mtp_weights, save_mtp
 
 pytestmark = [pytest.mark.realmodel, pytest.mark.slow]
 

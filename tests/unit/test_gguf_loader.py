@@ -370,7 +370,7 @@ def test_quantized_weights_stay_blocks_and_give_the_same_bits(tmp_path, qtype, q
     each block set dequantizes (as packed for specgen_linear) to exactly the loaded weight, and a float32
     model that multiplies by the blocks gives logits bit-identical to one over the dequantized weights."""
     from specgen import kernels
-    from specgen.engine.proposers.mtp_head import MtpHeadWeights, random_mtp_weights
+    from specgen.drafters.mtp import MtpHeadWeights, random_mtp_weights
     from specgen.runtime.batch import build_forward_batch
 
     path = tmp_path / "tiny.gguf"
@@ -418,7 +418,7 @@ def test_quantized_weights_stay_blocks_and_give_the_same_bits(tmp_path, qtype, q
         # an MTP head sharing the LM head over a draft vocabulary: those rows of the blocks, or of the float32
         # head
         head = MtpHeadWeights.read(random_mtp_weights(ckpt.config, 5), "random", m, np.arange(3, 200, 7))
-        lm_head = m.backend.prepare_head(m, head, quantize=True).lm_head.weight
+        lm_head = m.backend.prepare_drafter(m, head, quantize=True).lm_head.weight
         assert lm_head.kind == (kinds["lm_head"] if keep == "1" else "F32")
         results[-1].append(lm_head.numpy())
     for a, b in zip(*results):

@@ -151,7 +151,7 @@ def test_uninitialized_cache_rows_are_never_read(tiny_model, tmp_path, monkeypat
     """On the fused kernels the KV caches (the model's and the MTP head's) start, and grow, uninitialized
     (KVCache(zeroed=False): no memset of the allocation). Filled with NaN instead, every output is still the
     one a zero-filled cache gives: prefill, ngram and MTP verify blocks, batching, growth mid-decode."""
-    from specgen.engine.proposers.mtp_head import random_mtp_weights, save_mtp
+    from specgen.drafters.mtp import random_mtp_weights, save_mtp
     from specgen.runtime import kv_cache
 
     save_mtp(tmp_path / "head", random_mtp_weights(tiny_model.config, std=0.3))

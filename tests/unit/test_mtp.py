@@ -5,10 +5,10 @@ import pytest
 
 from specgen import EngineConfig, MtpConfig, SamplingParams, SpecConfig, generate
 from specgen.backends.base import MtpPass
+from specgen.drafters.mtp import MtpHeadWeights, random_mtp_weights, save_mtp
 from specgen.engine.engine import Engine
 from specgen.engine.proposers.base import SlotView
 from specgen.engine.proposers.mtp import MtpProposer
-from specgen.engine.proposers.mtp_head import MtpHeadWeights, random_mtp_weights, save_mtp
 from specgen.engine.types import Request
 from specgen.errors import CheckpointError
 from specgen.runtime.batch import build_forward_batch
@@ -17,7 +17,7 @@ from specgen.runtime.batch import build_forward_batch
 def prepared(lm, weights, vocab=None, quantize=True):
     """A head read from `weights` and prepared for lm's backend."""
     head = MtpHeadWeights.read(weights, "random", lm.model, vocab)
-    return lm.model.backend.prepare_head(lm.model, head, quantize)
+    return lm.model.backend.prepare_drafter(lm.model, head, quantize)
 
 
 class Recording(MtpProposer):
@@ -155,7 +155,7 @@ def test_multi_layer_drafts_equal_reference(tiny_models, model, modules, k, orac
     lm = tiny_models[model]
     dtype = lm.model.dtype
     weights = random_mtp_weights(lm.config, seed=3, std=0.3, num_modules=modules)
-    heads = [lm.model.backend.prepare_head(lm.model, h, True)
+    heads = [lm.model.backend.prepare_drafter(lm.model, h, True)
              for h in MtpHeadWeights.read_modules(weights, "random", lm.model)]
     assert len(heads) == modules
     reqs, full = random_requests(lm, 7, 16, 24, 1, oracle)
@@ -181,7 +181,7 @@ def test_prompt_window_follows_the_heads_training(tmp_path):
     positions (the shipped head: 256); a head trained elsewhere sees the whole prompt."""
     import json
 
-    from specgen.engine.proposers import mtp_head as mtp
+    from specgen.drafters import mtp
 
     for name, config, window in [("trained", {"specgen_training": {"seq_len": 64}}, 128),
                                  ("external", {"architectures": ["DeepseekV3MTP"]}, 0),
@@ -247,7 +247,7 @@ def test_ernie_paddle_naming_gives_the_same_drafts(tiny_model64, tmp_path):
     assert "ernie.mtp_block.0.self_attn.qkv_proj.weight" in paddle_names
     paddle_names["ernie.layers.0.self_attn.qkv_proj.weight"] = np.zeros((cfg.hidden_size, 8), np.float32)
     save_mtp(tmp_path / "paddle", paddle_names)
-    from specgen.engine.proposers.mtp_head import load_mtp_weights
+    from specgen.drafters.mtp import load_mtp_weights
 
     weights = load_mtp_weights(tmp_path / "paddle")
     seq = [5, 9, 31, 7, 5, 9, 44, 12]
@@ -326,7 +326,7 @@ def test_head_projections_are_q8_0_blocks_beside_a_quantized_main_model(real_mod
     heads = {}
     for quantize in (True, False):
         head = MtpHeadWeights.read(weights, "random", m)
-        heads[quantize] = (head, m.backend.prepare_head(m, head, quantize))
+        heads[quantize] = (head, m.backend.prepare_drafter(m, head, quantize))
     (q_head, q_run), (f_head, f_run) = heads[True], heads[False]
     assert q_run.int8_product == kernels.has_vnni() and not f_run.int8_product
     for q, f in zip(q_head.linears(), f_head.linears()):
@@ -353,5 +353,5 @@ def test_head_beside_a_float_model_stays_float(tiny_model):
     if not isinstance(m.backend, FusedBackend):
         pytest.skip("packed head projections need the fused backend")
     head = MtpHeadWeights.read(random_mtp_weights(tiny_model.config, seed=4, std=0.3), "random", m)
-    m.backend.prepare_head(m, head, True)
+    m.backend.prepare_drafter(m, head, True)
     assert {lin.weight.kind for lin in head.linears()} == {"F32"}

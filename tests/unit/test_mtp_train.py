@@ -9,7 +9,7 @@ import pytest
 from conftest import TINY
 
 from specgen import MtpConfig, SamplingParams, SpecConfig, generate, load_model
-from specgen.engine.proposers.mtp_head import MtpHeadWeights, load_mtp_weights, save_mtp
+from specgen.drafters.mtp import MtpHeadWeights, load_mtp_weights, save_mtp
 from specgen.runtime.batch import build_forward_batch
 from specgen.train.config import TrainConfig
 from specgen.train.data import generate_data, load_data, read_requests
@@ -51,7 +51,7 @@ def fresh_run(data_dir, tmp_path, name):
 
 def reference_head(m, weights, vocab=None):
     """The head on the reference backend (its `_pass` gives block outputs and drafts) and a one-slot cache."""
-    head = m.backend.prepare_head(m, MtpHeadWeights.read(weights, "exported", m, vocab), quantize=False)
+    head = m.backend.prepare_drafter(m, MtpHeadWeights.read(weights, "exported", m, vocab), quantize=False)
     return head, m.backend.new_cache(m, 1, m.max_len, "auto", num_layers=1)
 
 
@@ -477,7 +477,8 @@ def test_cli_train_then_run_with_the_head(tmp_path):
 def test_method_mtp_finds_the_shipped_head_for_the_default_model(lm, tmp_path, monkeypatch):
     """Without --mtp-model, the default model (its GGUF file name) gets the head shipped in the package; any
     other model, or a package without a head, gets the error naming --mtp-model."""
-    from specgen.engine.proposers import mtp, mtp_head
+    from specgen.drafters import mtp as mtp_head
+    from specgen.engine.proposers import mtp
     from specgen.errors import CheckpointError
     from specgen.models.default_model import DEFAULT_GGUF
 

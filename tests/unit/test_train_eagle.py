@@ -9,9 +9,9 @@ from conftest import TINY
 from test_mtp_train import SMALL, write_prompts
 
 from specgen import EngineConfig, SamplingParams, SpecConfig, generate, load_model
-from specgen.backends.reference import EaglePass
 from specgen.config import EagleConfig
-from specgen.engine.proposers.eagle import load_eagle
+from specgen.drafters.eagle import load_eagle
+from specgen.drafters.eagle_pass import EaglePass
 from specgen.train.config import TrainConfig
 from specgen.train.data import generate_data, read_requests
 from specgen.train.eagle import EagleTrainer

@@ -12,8 +12,8 @@ from test_mtp_train import SMALL, write_prompts
 
 from specgen import EngineConfig, SamplingParams, SpecConfig, generate, load_model
 from specgen.config import EagleConfig
-from specgen.engine.proposers.eagle import load_eagle
-from specgen.engine.proposers.eagle3 import default_features
+from specgen.drafters.eagle import load_eagle
+from specgen.drafters.eagle3 import default_features
 from specgen.runtime.batch import build_forward_batch
 from specgen.train.config import TrainConfig
 from specgen.train.data import generate_data, load_data, read_requests
@@ -79,7 +79,7 @@ def test_engine_pass_equals_the_training_forward(trained):
     train1 = paddle.nn.functional.log_softmax(trainer.head.logits(x1, rows, lm_draft), axis=-1).numpy()
     x2 = trainer.head.unroll(x1, kv, [paddle.to_tensor(b.after_ids)], positions)[0]
     train2 = paddle.nn.functional.log_softmax(trainer.head.logits(x2, rows, lm_draft), axis=-1).numpy()
-    runner = lm.model.backend.prepare_eagle(lm.model, w, True)
+    runner = lm.model.backend.prepare_drafter(lm.model, w, True)
     cache = runner.new_cache(1)
     pos0 = int(b.positions[0, 0])
     h = lm.config.hidden_size

@@ -1,5 +1,5 @@
-"""MTP drafting: an MTP head (mtp_head.py) drafts the next tokens of each slot, its own KV cache brought up to
-date after every step; where the slot's text repeats itself, drafts are copied from it instead.
+"""MTP drafting: an MTP head (specgen/drafters/mtp.py) drafts the next tokens of each slot, its own KV cache
+brought up to date after every step; where the slot's text repeats itself, drafts are copied from it instead.
 
 Cache invariant: after each step the head's cache holds exact entries for every position whose main-model
 hidden state was verified from the slot's window on (positions [shift, seq_len - 1), stored at head positions
@@ -25,8 +25,7 @@ import numpy as np
 import paddle
 
 from specgen.backends.base import MtpPass, PreparedHead
-from specgen.engine.proposers.base import Drafting, SlotView, checkpoint_key, prepared_once
-from specgen.engine.proposers.mtp_head import (
+from specgen.drafters.mtp import (
     MtpHeadWeights,
     load_draft_vocab,
     load_mtp_weights,
@@ -34,6 +33,7 @@ from specgen.engine.proposers.mtp_head import (
     shipped_head,
     training_setting,
 )
+from specgen.engine.proposers.base import Drafting, SlotView, checkpoint_key, prepared_once
 from specgen.engine.proposers.ngram import ngram_match, ngram_match_native
 from specgen.engine.types import DraftTokens, StepUpdate
 from specgen.errors import CheckpointError, EngineError
@@ -316,7 +316,7 @@ def build_mtp_proposer(d: Drafting) -> MtpProposer:
                               "the main checkpoint has none")
     where = Path(path).resolve()
     heads = prepared_once(model, checkpoint_key(where, "mtp", c.quantize), lambda: [
-        model.backend.prepare_head(model, m, c.quantize)
+        model.backend.prepare_drafter(model, m, c.quantize)
         for m in MtpHeadWeights.read_modules(load_mtp_weights(path), str(path), model,
                                              load_draft_vocab(path))])
     return MtpProposer(model, heads, d.k, training_setting(where, "eval_acc"), c.copy, prompt_window(where),

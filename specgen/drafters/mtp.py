@@ -1,5 +1,6 @@
 """An MTP head's weights (DeepSeek-V3 section 2.2): reading them in either public layout, writing and
-making them.
+making them, and its reference pass (Paddle's operators, any backend; the fused backend runs
+specgen_mtp_draft). The drafting (catch-up, copies) is engine/proposers/mtp.py's.
 
 At position i the head combines RMSNorm(embedding of token i+1) and RMSNorm(main model's final hidden state at
 i) through a projection, runs one decoder block with its own KV cache, and the (shared) LM head predicts token
@@ -17,14 +18,21 @@ from typing import Any
 
 import numpy as np
 import paddle
+import paddle.nn.functional as F
 
+from specgen.backends.base import ModelView, MtpPass
+from specgen.backends.reference import reserve
 from specgen.errors import CheckpointError
-from specgen.layers.block import DecoderBlock
+from specgen.layers.attention import AttentionIndex
+from specgen.layers.block import DecoderBlock, block_forward
 from specgen.layers.linear import Linear
+from specgen.layers.norm import rms_norm
 from specgen.models.checkpoint import Lazy, tensor_shape
 from specgen.models.config import ModelConfig
 from specgen.models.model import Model
 from specgen.models.weights import TensorReader
+from specgen.runtime.batch import build_forward_batch
+from specgen.runtime.kv_cache import KVCache
 
 
 @dataclass
@@ -45,8 +53,13 @@ class MtpHeadWeights:
     lm_head: Linear | None  # [hidden] -> [vocab], its own; None: the main model's
     draft_vocab: np.ndarray | None  # [draft_vocab] int64 token id of each LM-head column, when restricted
 
+    fused = "mtp"  # the fused backend's own pass for it (specgen_mtp_draft)
+
     def linears(self) -> list[Linear]:
         return [self.eh_proj, *self.block.linears()] + ([self.lm_head] if self.lm_head is not None else [])
+
+    def reference_pass(self, model: ModelView) -> "ReferenceHead":
+        return ReferenceHead(model, self)
 
     def token_ids(self, columns: np.ndarray) -> np.ndarray:
         """LM-head columns -> token ids."""
@@ -238,7 +251,7 @@ def load_draft_vocab(directory: str | Path) -> np.ndarray | None:
 
 # The head shipped with the package for the default model, trained by `specgen train-mtp`
 # (scripts/make_mtp_train_prompts.py writes its training prompts).
-SHIPPED_HEAD = Path(__file__).resolve().parents[2] / "assets" / "mtp" / "smollm2-135m-instruct"
+SHIPPED_HEAD = Path(__file__).resolve().parents[1] / "assets" / "mtp" / "smollm2-135m-instruct"
 
 
 def shipped_head(source: str) -> Path | None:
@@ -271,3 +284,51 @@ def prompt_window(directory: Path) -> int:
     have learned to attend as far back as the main model."""
     seq_len = training_setting(directory, "seq_len")
     return int(WINDOW_PER_SEQ_LEN * seq_len) if seq_len else 0
+
+
+class ReferenceHead:
+    """An MTP head's pass in Paddle's operators: the catch-up tokens through the head, then chained drafts."""
+
+    def __init__(self, model: ModelView, head: Any):
+        # what the pass reads of the model (not the model itself: the head is cached per model, weakly)
+        self.rope, self.shape, self.dtype, self.head = model.rope, model.shape, model.dtype, head
+        lm = head.lm_head or model.weights.lm_head  # its own LM head, or the main model's
+        if head.draft_vocab is not None:  # drafts from these tokens only: their columns
+            lm = Linear(paddle.gather(lm.dense(), paddle.to_tensor(head.draft_vocab), axis=1))
+        self.lm_head = lm  # [hidden] -> [draft vocabulary]
+
+    def _pass(self, cache: KVCache, slots, starts, lens, token_ids, prev_hidden):
+        """One packed pass of the head over blocks (slots, starts, lens): (block output at each block's end
+        [num_seqs, hidden], argmax token there [num_seqs], the block output of every token
+        [num_tokens, hidden])."""
+        hd = self.head
+        batch = build_forward_batch(slots, starts, lens, token_ids, np.zeros(len(slots), bool))
+        reserve(batch, cache)
+        eps = self.shape.eps
+        emb = F.embedding(paddle.to_tensor(batch.token_ids), hd.embed)  # [num_tokens, hidden]
+        x = hd.eh_proj(paddle.concat([rms_norm(emb, hd.enorm, eps), rms_norm(prev_hidden, hd.hnorm, eps)],
+                                     axis=-1))
+        att = AttentionIndex(batch, cache, self.rope, self.shape.num_heads, self.dtype)
+        x = block_forward(x, hd.block, self.shape, att, 0, cache.k[0], cache.v[0])
+        last = paddle.gather(x, paddle.to_tensor(batch.logit_rows))  # [num_seqs, hidden]
+        drafts = paddle.argmax(self.lm_head(rms_norm(last, hd.final_norm, eps)), axis=-1).numpy()
+        return last, hd.token_ids(drafts), x
+
+    def run(self, cache: KVCache, p: MtpPass) -> tuple[np.ndarray, paddle.Tensor]:
+        first = np.concatenate([[0], np.cumsum(p.seq_lens)[:-1]]).astype(np.int64)  # [num_seqs]
+        h_main = paddle.gather(p.hidden, paddle.to_tensor(p.rows))  # [num_tokens, hidden]
+        x, d, rows = self._pass(cache, p.token_slots[first], p.positions[first], p.seq_lens, p.token_ids,
+                                h_main)
+        out = np.zeros((len(p.last_rows), p.depth), np.int64)
+        if not len(p.last_rows):
+            return out, rows
+        # the sequences that want drafts: their blocks' ends are catch-up tokens p.last_rows
+        wanted = np.searchsorted(first, p.last_rows, side="right") - 1  # [num_wanted] their sequence
+        x = paddle.gather(x, paddle.to_tensor(wanted))
+        out[:, 0] = d = d[wanted]
+        slots, last_pos = p.token_slots[p.last_rows], p.positions[p.last_rows]
+        ones = np.ones(len(slots), np.int64)
+        for i in range(1, p.depth):
+            x, d, _ = self._pass(cache, slots, last_pos + i, ones, d, x)
+            out[:, i] = d
+        return out, rows

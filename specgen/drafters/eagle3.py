@@ -1,5 +1,6 @@
 """EAGLE-3 (Li et al., 2025): an EAGLE layer that reads the main model's hidden states at several depths, with
-its own LM head over a draft vocabulary. The trees are EAGLE-2's (EagleProposer); only the layer differs.
+its own LM head over a draft vocabulary: its weights, loading, saving and pass (Paddle's operators, on both
+backends). The trees are EAGLE-2's (engine/proposers/eagle.py's EagleProposer); only the layer differs.
 
 The layer (public layout, SafeAILab's and what vLLM / SGLang serve): at a committed position i the features
 are the inputs of the main model's blocks `features` (by default the reference's choice: blocks 2, L // 2 and
@@ -21,6 +22,8 @@ from typing import Any
 import numpy as np
 import paddle
 
+from specgen.backends.base import ModelView
+from specgen.drafters.eagle_pass import Eagle3Pass
 from specgen.errors import CheckpointError
 from specgen.layers.block import DecoderBlock
 from specgen.layers.linear import Linear
@@ -45,8 +48,13 @@ class Eagle3Weights:
     draft_vocab: np.ndarray | None  # [draft vocab] int64 token id of each LM-head column; None: all
     features: tuple[int, ...]  # main-model blocks whose inputs fc reads, in fc's order
 
+    fused = None  # no fused pass: both backends run the reference pass
+
     def token_ids(self, columns: np.ndarray) -> np.ndarray:
         return columns if self.draft_vocab is None else self.draft_vocab[columns]
+
+    def reference_pass(self, model: ModelView) -> "Eagle3Pass":
+        return Eagle3Pass(model, self)
 
 
 def is_eagle3(weights) -> bool:
@@ -148,3 +156,5 @@ def save_eagle3(directory: str | Path, weights: dict[str, np.ndarray], cfg, feat
     save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(d / "model.safetensors"))
     config = {**eagle3_config(cfg, features, int(weights["lm_head.weight"].shape[0])), **(extra or {})}
     (d / "config.json").write_text(json.dumps(config, indent=2))
+
+
