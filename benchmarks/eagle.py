@@ -2,8 +2,8 @@
 the MTP head on Spec-Bench's categories and MBPP rewriting; and the tree against the chain of the same layer
 at the same verify budget (every node verified).
 
-    python benchmarks/eagle.py [--eagle DIR] [--sets ...] [--per-set 3] [--max-tokens 64] [--repeats 2]
-                               [--batch-size 1]
+    python benchmarks/eagle.py [--eagle DIR] [--eagle3 DIR] [--sets ...] [--per-set 3] [--max-tokens 64]
+                               [--repeats 2] [--batch-size 1]
 
 Greedy (or --temperature T, seed 0), the default model, float32, the fused backend, batch --batch-size (1).
 Speed arms run with the adaptive controller (it picks each slot's k or node budget); they alternate within
@@ -25,7 +25,7 @@ STATIC = ("0", "1", "2", "0,0", "0,1", "1,0", "0,0,0", "0,0,1", "0,0,0,0")  # 9 
 MAX_CHAIN = 5  # SpecConfig.num_speculative_tokens at most
 
 
-def arms(eagle: str | None, budgets: list[int], budget_topk: int = 8) -> dict:
+def arms(eagle: str | None, budgets: list[int], budget_topk: int = 8, eagle3: str | None = None) -> dict:
     """label -> (SpecConfig, speed arm?)"""
     from specgen import SpecConfig
     from specgen.config import EagleConfig
@@ -43,6 +43,18 @@ def arms(eagle: str | None, budgets: list[int], budget_topk: int = 8) -> dict:
     for b in budgets:  # the layer alone (no copies); a chain is at most MAX_CHAIN long
         out[f"chain B={min(b, MAX_CHAIN)}"] = (e(min(b, MAX_CHAIN), adaptive=False, topk=1, copy=0), False)
         out[f"tree B={b}"] = (e(min(b, MAX_CHAIN), adaptive=False, topk=budget_topk, nodes=b, copy=0), False)
+    if eagle3 is not None:  # an EAGLE-3 layer in the same arms
+        def e3(k, adaptive=True, **kw):
+            return SpecConfig(method="eagle3", draft_model=eagle3, num_speculative_tokens=k,
+                              adaptive=adaptive, eagle=EagleConfig(**kw))
+
+        out["eagle3 dynamic 4x4"] = (e3(4, topk=4, nodes=16), True)
+        out["eagle3 dynamic no copy"] = (e3(4, topk=4, nodes=16, copy=0), True)
+        for b in budgets:
+            chain = e3(min(b, MAX_CHAIN), adaptive=False, topk=1, copy=0)
+            out[f"eagle3 chain B={min(b, MAX_CHAIN)}"] = (chain, False)
+            out[f"eagle3 tree B={b}"] = (e3(min(b, MAX_CHAIN), adaptive=False, topk=budget_topk, nodes=b,
+                                            copy=0), False)
     return out
 
 
@@ -81,6 +93,7 @@ def per_depth(outs) -> str:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--eagle", default=None, help="EAGLE layer directory [default: the shipped one]")
+    p.add_argument("--eagle3", default=None, help="an EAGLE-3 layer directory: its arms beside EAGLE's")
     p.add_argument("--sets", nargs="+", default=CATEGORIES)
     p.add_argument("--per-set", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -97,7 +110,7 @@ def main() -> None:
     print(machine())
     model = load_model(None)
     sets = load_sets(args.per_set, args.per_set)
-    all_arms = arms(args.eagle, args.budgets, args.budget_topk)
+    all_arms = arms(args.eagle, args.budgets, args.budget_topk, args.eagle3)
     names = args.arms or list(all_arms)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
     rows = []
