@@ -11,13 +11,15 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from cli_support import TINY_LLAMA, by_id, invoke, read_output, write_jsonl
 from conftest import TINY
-from heads import random_eagle, random_hydra, random_medusa
+from heads import random_eagle, random_eagle3, random_hydra, random_medusa
 
 from specgen.distributed.launch import thread_shares
 from specgen.drafters.eagle import save_eagle
+from specgen.drafters.eagle3 import save_eagle3
 from specgen.drafters.hydra import save_hydra
 from specgen.drafters.medusa import save_medusa
 from specgen.drafters.mtp import random_mtp_weights, save_mtp
@@ -42,10 +44,14 @@ def drafters(tmp_path_factory) -> dict[str, list[str]]:
     save_medusa(d / "medusa", *random_medusa(ckpt.config, 3, 0))
     save_hydra(d / "hydra", *random_hydra(ckpt.config, 3, 0))  # the model's own LM head, shared
     save_eagle(d / "eagle", random_eagle(ckpt.config, 0), ckpt.config)
+    lm = np.asarray(ckpt.weights["lm_head.weight"], np.float32)  # [vocab, hidden]
+    vocab = np.arange(0, ckpt.config.vocab_size, 2)  # a draft vocabulary of every other token
+    save_eagle3(d / "eagle3", random_eagle3(ckpt.config, 0, lm, vocab), ckpt.config, (0, 1, 2))
     return {"none": [], "ngram": ["--method", "ngram"],
             "mtp": ["--method", "mtp", "--mtp-model", str(d / "mtp")],
             "draft_model": ["--method", "draft_model", "--draft-model", str(d / "cut")],
-            **{m: ["--method", m, "--draft-model", str(d / m)] for m in ("medusa", "hydra", "eagle")}}
+            **{m: ["--method", m, "--draft-model", str(d / m)]
+               for m in ("medusa", "hydra", "eagle", "eagle3")}}
 
 
 def test_thread_shares():

@@ -213,19 +213,26 @@ def test_eagle_trees_travel(tmp_path):
     the request, beside the layer's cache (fused fp64, controller off: the same trees verified and accepted as
     in the colocated engine; without the tree arrays the decode side verified an empty tree on its first
     step)."""
-    from heads import random_eagle
+    from heads import random_eagle, random_eagle3
 
     from specgen.config import EagleConfig
     from specgen.drafters.eagle import save_eagle
+    from specgen.drafters.eagle3 import save_eagle3
 
     loaded = load_model(TINY / "llama", dtype="float64")
     save_eagle(tmp_path, random_eagle(loaded.config, 3, norm=True), loaded.config)
     requests = requests_of(loaded, [f"item {i}: " + "x y " * i for i in range(8)])
-    # the trees alone (these prompts repeat: with copies most slots copy), and with copies
-    for copy in (0, 2):
-        spec = SpecConfig(method="eagle", draft_model=str(tmp_path), adaptive=False, num_speculative_tokens=3,
+    # the trees alone (these prompts repeat: with copies most slots copy), and with copies; an EAGLE-3 layer
+    # (its features, the main model's block inputs, handed over by each side's forward)
+    lm = loaded.model.weights.lm_head.dense().numpy().T
+    vocab = np.arange(0, loaded.config.vocab_size, 2)
+    save_eagle3(tmp_path / "e3", random_eagle3(loaded.config, 1, lm, vocab), loaded.config, (0, 1, 2))
+    for method, path, copy in (("eagle", tmp_path, 0), ("eagle", tmp_path, 2),
+                               ("eagle3", tmp_path / "e3", 0)):
+        spec = SpecConfig(method=method, draft_model=str(path), adaptive=False, num_speculative_tokens=3,
                           eagle=EagleConfig(topk=2, nodes=6, copy=copy))
-        assert assert_colocated(loaded, EngineConfig(batch_size=3, dtype="float64"), spec, requests) > 0, copy
+        assert assert_colocated(loaded, EngineConfig(batch_size=3, dtype="float64"), spec, requests) > 0, \
+            (method, copy)
 
 
 @pytest.mark.realmodel

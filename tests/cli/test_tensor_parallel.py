@@ -110,8 +110,8 @@ def assert_same_tokens(one: dict[str, dict], tp: dict[str, dict]) -> None:
 @pytest.mark.parametrize("arch, method, ranks", [
     ("llama", "none", 2), ("llama", "ngram", 2), ("llama", "mtp", 2), ("llama", "draft_model", 2),
     # token-tree heads: rank 0 drafts beside a full copy of the model (Medusa's and Hydra's shared LM head,
-    # EAGLE's)
-    ("llama", "medusa", 2), ("llama", "hydra", 2), ("llama", "eagle", 2),
+    # EAGLE's; EAGLE-3's features come from the ranks' forward)
+    ("llama", "medusa", 2), ("llama", "hydra", 2), ("llama", "eagle", 2), ("llama", "eagle3", 2),
     # 4 heads, 2 KV heads, 300 tokens over 3 ranks: heads 2 / 1 / 1, each KV head on the ranks of its group;
     # qwen2's q/k/v biases go with their columns
     ("qwen2", "ngram", 3)])
