@@ -1,4 +1,4 @@
-"""An EAGLE-3 layer's training (`specgen train-head --kind eagle3`): the layer of engine/proposers/eagle3.py
+"""An EAGLE-3 layer's training (`specgen train-head --kind eagle3`): the layer of specgen/drafters/eagle3.py
 on the self-distillation data every head trains on, its rows holding the main model's features (the inputs
 of blocks 2, L // 2 and L - 3) after the hidden state (train/data.py, `features`).
 
