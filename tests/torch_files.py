@@ -102,3 +102,23 @@ def save_pickle_archive(path: Path, obj, archive: str = "archive") -> None:
     with zipfile.ZipFile(path, "w") as z:
         z.writestr(f"{archive}/data.pkl", pickle.dumps(obj, protocol=2))
         z.writestr(f"{archive}/version", "3\n")
+
+
+def save_pickle_tensor(path: Path, size: tuple, stride: tuple) -> None:
+    """A one-tensor archive whose tensor claims `size` and `stride` over a 1-element float32 storage."""
+    with _stand_in_torch() as torch:
+        storage = _StorageRef("FloatStorage", "0", 1)
+        rebuild = torch._utils._rebuild_tensor_v2
+        state = collections.OrderedDict(t=_TensorRef(storage, 0, size, stride, rebuild))
+
+        class _Pickler(pickle.Pickler):
+            def persistent_id(self, obj):
+                if isinstance(obj, _StorageRef):
+                    return ("storage", torch.FloatStorage, obj.key, "cpu", obj.numel)
+                return None
+
+        buf = io.BytesIO()
+        _Pickler(buf, protocol=2).dump(state)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", buf.getvalue())
+        z.writestr("archive/data/0", np.zeros(1, np.float32).tobytes())

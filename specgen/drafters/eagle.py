@@ -50,6 +50,7 @@ class EagleWeights:
     def reference_pass(self, model: ModelView) -> "EaglePass":
         return EaglePass(model, self)
 
+
 def eagle_config(cfg: ModelConfig) -> dict:
     """config.json of an EAGLE layer for a main model of config `cfg` (a one-layer Llama, EAGLE's)."""
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
@@ -58,6 +59,7 @@ def eagle_config(cfg: ModelConfig) -> dict:
             "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
             "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size,
             "bias": True}
+
 
 def read_eagle(weights: dict[str, np.ndarray], source: str, main: Model,
                draft_vocab: np.ndarray | None = None) -> EagleWeights:
@@ -93,6 +95,7 @@ def read_eagle(weights: dict[str, np.ndarray], source: str, main: Model,
         block=block, norm=r.param("norm.weight", (h,)) if "norm.weight" in weights else None,
         lm_head=main.weights.lm_head, draft_vocab=draft_vocab)
 
+
 def load_eagle(path: str | Path, main: Model):
     """An EAGLE checkpoint: a directory with model.safetensors or pytorch_model.bin (SafeAILab's layout; or
     their shards), or one such file, and an optional draft_vocab.npy beside it; an EAGLE-3 one (midlayer.*)
@@ -114,6 +117,7 @@ def load_eagle(path: str | Path, main: Model):
         return read_eagle3(weights, str(p), main, configured_features(d, main.config.num_layers))
     return read_eagle(weights, str(p), main, load_draft_vocab(d))
 
+
 SHIPPED = Path(__file__).resolve().parents[1] / "assets" / "eagle" / "smollm2-135m-instruct"
 
 def shipped_eagle(source: str) -> Path | None:
@@ -123,6 +127,7 @@ def shipped_eagle(source: str) -> Path | None:
     if Path(source).name != DEFAULT_GGUF or not (SHIPPED / "model.safetensors").is_file():
         return None
     return SHIPPED
+
 
 def save_eagle(directory: str | Path, weights: dict[str, np.ndarray], cfg: ModelConfig,
                extra: dict | None = None):

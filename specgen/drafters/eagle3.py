@@ -62,8 +62,9 @@ def is_eagle3(weights) -> bool:
 
 
 def default_features(num_layers: int) -> tuple[int, ...]:
-    """The reference's blocks: the inputs of blocks 2, L // 2 and L - 3 (within the model's blocks)."""
-    return tuple(int(np.clip(i, 0, num_layers - 1)) for i in (2, num_layers // 2, num_layers - 3))
+    """The reference's blocks: the inputs of blocks 2, L // 2 and L - 3 (within the model's blocks), in
+    ascending order (as the reference collects them walking the layers)."""
+    return tuple(sorted(int(np.clip(i, 0, num_layers - 1)) for i in (2, num_layers // 2, num_layers - 3)))
 
 
 def configured_features(directory: Path | None, num_layers: int) -> tuple[int, ...]:
@@ -81,7 +82,7 @@ def configured_features(directory: Path | None, num_layers: int) -> tuple[int, .
     if not all(isinstance(i, int) and 0 <= i <= num_layers for i in ids):
         raise CheckpointError(f"{directory}: eagle_aux_hidden_state_layer_ids {ids} must be block indices in "
                               f"[0, {num_layers}]")
-    return tuple(ids)
+    return tuple(sorted(ids))  # the reference collects them walking the layers: fc reads them in that order
 
 
 def read_eagle3(weights, source: str, main: Model, features: tuple[int, ...]) -> Eagle3Weights:
@@ -96,14 +97,18 @@ def read_eagle3(weights, source: str, main: Model, features: tuple[int, ...]) ->
     for name in ("fc.weight", "lm_head.weight", PREFIX + "mlp.gate_proj.weight"):
         if name not in weights:
             raise CheckpointError(f"{source}: not an EAGLE-3 layer ({name} missing)")
-    extra = sorted(n for n in weights if n.startswith("layers."))
-    if extra:
-        raise CheckpointError(f"{source}: an EAGLE-3 layer has no layers.* ({extra[0]})")
+    a, m = PREFIX + "self_attn.", PREFIX + "mlp."
+    norms = ("input_layernorm", "hidden_norm", "post_attention_layernorm")
+    known = {"fc.weight", "fc.bias", "norm.weight", "lm_head.weight", "d2t", "t2d", "embed_tokens.weight",
+             *(a + f"{n}_proj.weight" for n in "qkvo"), *(PREFIX + f"{n}.weight" for n in norms),
+             *(m + f"{n}_proj.weight" for n in ("gate", "up", "down"))}
+    extra = sorted(set(weights) - known)
+    if extra:  # (attention biases, a second layer, ...: not what the layer runs)
+        raise CheckpointError(f"{source}: {extra[0]!r} is not a weight of an EAGLE-3 layer")
     inter = int(weights.info[PREFIX + "mlp.gate_proj.weight"][0])
     draft = int(weights.info["lm_head.weight"][0])
     r = TensorReader(weights, source, cfg, main.dtype)
     q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    a, m = PREFIX + "self_attn.", PREFIX + "mlp."
     block = DecoderBlock(
         attn_norm=None,
         qkv=r.linear([a + f"{n}_proj.weight" for n in "qkv"],

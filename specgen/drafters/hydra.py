@@ -26,9 +26,11 @@ WEIGHTS = "hydra_lm_head.safetensors"
 
 TORCH_WEIGHTS = "hydra_lm_head.pt"
 
+
 EMBED = "input_embed_fn.weight"  # the main model's embedding in a saved head's state dict (not read)
 
 _KEY = re.compile(r"^hydra_(?:mlp\.(\d+)\.(\d+)\.(linear|res_connection)|lm_head\.(\d+))\.(weight|bias)$")
+
 
 @dataclass(frozen=True)
 class HydraBlock:
@@ -44,11 +46,13 @@ class HydraBlock:
         res = x if self.rw is None else paddle.matmul(x, self.rw) + self.rb
         return res + F.silu(paddle.matmul(x, self.w) + self.b)
 
+
 @dataclass(frozen=True)
 class HydraHeads(MedusaHeads):
     """MedusaHeads whose blocks are HydraBlocks and whose LM heads may have biases."""
 
     lm_bias: list[paddle.Tensor] | None = None  # [K] [vocab]
+
 
 def _read_state(directory: Path) -> dict[str, np.ndarray]:
     """The heads' tensors (safetensors in any float type, or the repository's torch state dict, read without
@@ -59,6 +63,7 @@ def _read_state(directory: Path) -> dict[str, np.ndarray]:
         if (directory / name).is_file():
             return read_weights([directory / name])
     raise CheckpointError(f"{directory}: no Hydra heads ({WEIGHTS} or {TORCH_WEIGHTS} beside a config.json)")
+
 
 def load_hydra(path: str | Path, hidden: int, vocab: int, dtype: str) -> HydraHeads:
     """The heads of a Hydra checkpoint directory, checked against its config and the main model's sizes."""
@@ -108,7 +113,8 @@ def load_hydra(path: str | Path, hidden: int, vocab: int, dtype: str) -> HydraHe
     lm = None if shared else [tensor(f"hydra_lm_head.{d}.weight", (vocab, hidden)) for d in range(K)]
     bias = None if shared or "hydra_lm_head.0.bias" not in state else \
         [tensor(f"hydra_lm_head.{d}.bias", (vocab,)) for d in range(K)]
-    return HydraHeads(blocks, lm, checked_vocab(load_draft_vocab(path), vocab, path), bias)
+    return HydraHeads(blocks, lm, checked_vocab(load_draft_vocab(path), vocab, path), lm_bias=bias)
+
 
 def save_hydra(path: str | Path, blocks: list[list[dict[str, np.ndarray]]],
                lm_heads: list[np.ndarray] | None, extra: dict | None = None) -> None:

@@ -22,11 +22,13 @@ WEIGHTS = "medusa_lm_head.safetensors"
 # the other files a Medusa checkpoint comes as: the repository's torch state dict, and vLLM's conversion
 FILES = (WEIGHTS, "medusa_lm_head.pt", "model.safetensors", "pytorch_model.bin")
 
+
 _KEY = re.compile(r"^(?:medusa_head\.)?(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
 
 # vLLM's names: blocks.{head}.layers.{layer}.weight / .bias, lm_heads.{head}.weight, token_map
 _VLLM_KEY = re.compile(r"^(?:medusa_heads\.)?(?:blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)"
                        r"|lm_heads\.(\d+)\.weight|(token_map))$")
+
 
 @dataclass(frozen=True)
 class MedusaHeads:
@@ -41,6 +43,7 @@ class MedusaHeads:
     @property
     def num_heads(self) -> int:
         return len(self.blocks)
+
 
 def load_medusa(path: str | Path, hidden: int, vocab: int, dtype: str) -> MedusaHeads:
     """The heads of a Medusa checkpoint (a directory holding one of FILES, or such a file: FasterDecoding's
@@ -93,6 +96,7 @@ def load_medusa(path: str | Path, hidden: int, vocab: int, dtype: str) -> Medusa
         lm_heads=None if shared else [tensor(h, layers, "weight", (lm_rows, hidden)) for h in heads],
         draft_vocab=draft_vocab, lm_draft_columns=token_map is not None and not shared)
 
+
 def _config(directory: Path) -> dict:
     import json
 
@@ -101,6 +105,7 @@ def _config(directory: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return config if isinstance(config, dict) else {}
+
 
 def _vllm_names(weights, file: Path, config: dict) -> tuple[dict, np.ndarray | None]:
     """vLLM's converted heads as FasterDecoding's (head, layer, kind) keys, and its token_map (the token id of
@@ -131,6 +136,7 @@ def _vllm_names(weights, file: Path, config: dict) -> tuple[dict, np.ndarray | N
         token_map = None if np.array_equal(token_map, np.arange(len(token_map))) else token_map
     return found, token_map
 
+
 def checked_vocab(ids: np.ndarray | None, vocab: int, source: Path) -> np.ndarray | None:
     """A draft vocabulary's token ids, refused unless they are ids of the main model's vocabulary."""
     if ids is None:
@@ -139,6 +145,7 @@ def checked_vocab(ids: np.ndarray | None, vocab: int, source: Path) -> np.ndarra
     if ids.ndim != 1 or not len(ids) or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab:
         raise CheckpointError(f"{source}: the draft vocabulary must be token ids in [0, {vocab})")
     return ids.astype(np.int64)
+
 
 def save_medusa(path: str | Path, blocks: list[list[tuple[np.ndarray, np.ndarray]]],
                 lm_heads: list[np.ndarray] | None, extra: dict | None = None):
@@ -163,6 +170,7 @@ def save_medusa(path: str | Path, blocks: list[list[tuple[np.ndarray, np.ndarray
 
 # Heads shipped with the package for the default model, trained by `specgen train-head --kind KIND`.
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
 
 def shipped_heads(kind: str, source: str) -> Path | None:
     """The package's heads of `kind` (medusa, hydra) when the main model is the default one and they are

@@ -80,12 +80,14 @@ ABSENT_MEANS = {"sampling.min_p": 0.0, "sampling.sampler": 1, "sampling.logprobs
                 "sampling.presence_penalty": 0.0, "sampling.frequency_penalty": 0.0,
                 "sampling.logit_bias": [], "sampling.min_tokens": 0, "sampling.n": 1,
                 "sampling.stop_token_ids": [], "sampling.response_format": "",
-                "output_format": "auto"}
+                "output_format": "auto", "speculative.draft.prompt_window": 256}
 
 
 def differences(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """One line per setting that differs: `key: stored (output) -> current (this run)`."""
-    a, b = {**ABSENT_MEANS, **_flatten(stored)}, _flatten(current)
+    b = _flatten(current)
+    # a setting added since the output was written: its absence there means its old (default) behaviour
+    a = {**{k: v for k, v in ABSENT_MEANS.items() if k in b}, **_flatten(stored)}
     out = []
     for key in sorted(set(a) | set(b)):
         if key in NOT_COMPARED or a.get(key) == b.get(key):

@@ -107,7 +107,7 @@ class HiddenRecorder:
 
     acceptance_hint = None
 
-    def __init__(self, logits: Callable[[Any], Any], first_pos: Callable[[int], int],
+    def __init__(self, logits: Callable[[Any], Any], first_pos: Callable[[int], int], hidden_size: int,
                  features: tuple[int, ...] = (), rows: Callable[[Any], Any] | None = None):
         """features: blocks whose inputs are kept beside each hidden state (EAGLE-3's): the engine hands
         over the inputs of blocks `features` after the last block's output, and rows() turns them into the
@@ -118,7 +118,7 @@ class HiddenRecorder:
         self.rows = rows or (lambda x: x)
         # slot -> the request it serves (the engine's)
         self.request_of: Callable[[int], Request] | None = None
-        self.hidden_size = 0  # the final hidden state's columns of a row (set by generate_data)
+        self.hidden_size = hidden_size  # the final hidden state's columns of a row
         self._slots: dict[int, _SlotRecord] = {}
         # request id -> (first_pos, rows, greedy)
         self.finished: dict[str, tuple[int, np.ndarray, list[int]]] = {}
@@ -261,10 +261,9 @@ def generate_data(loaded: Any, requests: list[Request], directory: Path, cfg: Tr
             return paddle.concat([rms_norm(x[:, :h], model.weights.final_norm, model.shape.eps), x[:, h:]],
                                  axis=-1)
 
-        recorder = HiddenRecorder(model.logits, first_pos, (model.config.num_layers, *features), kept_rows)
+        recorder = HiddenRecorder(model.logits, first_pos, h, (model.config.num_layers, *features), kept_rows)
     else:
-        recorder = HiddenRecorder(model.logits, first_pos)
-    recorder.hidden_size = h
+        recorder = HiddenRecorder(model.logits, first_pos, h)
     engine = Engine(loaded.model, loaded.tokenizer,
                     engine_config or EngineConfig(batch_size=cfg.gen_batch_size), recorder)
     recorder.request_of = lambda slot: engine.requests[slot]

@@ -168,6 +168,12 @@ def test_checkpoint_checks(model, tmp_path):
     (tmp_path / "ok" / "config.json").write_text(json.dumps(config))
     assert load_eagle(tmp_path / "ok", model.model).features == default_features(cfg.num_layers)
     assert default_features(32) == (2, 16, 29)
+    save_eagle3(tmp_path / "order", weights, cfg, (2, 0, 1))  # listed out of order: fc reads them ascending
+    assert load_eagle(tmp_path / "order", model.model).features == (0, 1, 2)
+    biased = {**weights, "midlayer.self_attn.q_proj.bias": np.zeros(cfg.num_heads * cfg.head_dim, np.float32)}
+    save_eagle3(tmp_path / "bias", biased, cfg, FEATURES)
+    with pytest.raises(CheckpointError, match="not a weight of an EAGLE-3 layer"):
+        load_eagle(tmp_path / "bias", model.model)
 
 
 @pytest.mark.parametrize("backend, shared, chunk", [("fused", "off", 0), ("fused", "auto", 5),

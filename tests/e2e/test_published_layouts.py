@@ -180,3 +180,28 @@ def test_num_speculative_tokens_is_the_tree_depth(method, model, tmp_path):
                           medusa=MedusaConfig(tree_choices=("0,0,0,0,0", "1", "0,1")))
         p = build_proposer(spec, model.model)
         assert int(p.head.max()) + 1 == depth and len(p.head) == depth + 2 - (k == 1), (k, p.head)
+
+
+def test_hydra_lm_heads_with_biases(model, tmp_path):
+    """Hydra's own LM heads keep their biases (hydra_lm_head.{d}.bias), with a draft vocabulary too."""
+    from specgen.drafters.hydra import load_hydra
+
+    cfg = model.config
+    lm = model.model.weights.lm_head.dense().numpy().T
+    blocks, lms = random_hydra(cfg, 2, 5, lm=lm)
+    save_hydra(tmp_path, blocks, lms)
+    bias = np.random.default_rng(1).normal(0, 1, cfg.vocab_size).astype(np.float32)
+    tensors = read_safetensors([tmp_path / "hydra_lm_head.safetensors"])
+    tensors = {**{n: tensors[n] for n in tensors}, **{f"hydra_lm_head.{d}.bias": bias for d in range(2)}}
+    specs = {n: ("F32", a.shape) for n, a in tensors.items()}
+    write_safetensors(tmp_path / "hydra_lm_head.safetensors", specs, tensors.__getitem__)
+    np.save(tmp_path / "draft_vocab.npy", np.arange(0, cfg.vocab_size, 3))
+    heads = load_hydra(tmp_path, cfg.hidden_size, cfg.vocab_size, "float64")
+    assert heads.lm_bias is not None and not heads.lm_draft_columns
+    np.testing.assert_array_equal(heads.lm_bias[1].numpy(), bias)
+    spec = SpecConfig(method="hydra", draft_model=str(tmp_path), adaptive=False,
+                      medusa=MedusaConfig(topk=2, tree_choices=("0,0", "1")))
+    sp = SamplingParams(max_tokens=8)
+    plain = generate([[5, 6, 7, 8, 9]], model=model, sampling=sp)
+    out = generate([[5, 6, 7, 8, 9]], model=model, sampling=sp, speculative=spec)
+    assert out[0].token_ids == plain[0].token_ids and out[0].stats.num_draft_tokens > 0

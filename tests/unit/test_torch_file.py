@@ -2,7 +2,6 @@
 files that would run code refused before anything runs."""
 import collections
 import os
-import sys
 import zipfile
 from pathlib import Path
 
@@ -12,9 +11,8 @@ from torch_files import save_pickle_archive, save_torch
 
 from specgen.errors import CheckpointError
 from specgen.models.hf_loader import _weight_files, read_weights
-from specgen.models.torch_file import read_torch_files
-
-pytestmark = pytest.mark.skipif("torch" in sys.modules, reason="the restricted reader runs without torch")
+from specgen.models.torch_file import read_archives as read_torch_files
+from specgen.models.torch_file import read_torch_files as read_any
 
 
 def _tensors():
@@ -46,7 +44,7 @@ def test_sharded_bin_directory(tmp_path):
     save_torch(tmp_path / "pytorch_model-00002-of-00002.bin", {n: want[n] for n in names[2:]})
     (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps(
         {"weight_map": {n: f"pytorch_model-0000{1 + (i >= 2)}-of-00002.bin" for i, n in enumerate(names)}}))
-    got = read_weights(_weight_files(tmp_path))
+    got = read_weights(_weight_files(tmp_path))  # (torch's own reader where torch >= 2.6 is installed)
     assert all(np.array_equal(got[n], want[n]) for n in names)
 
 
@@ -101,3 +99,47 @@ def test_truncated_storage(tmp_path):
             z.writestr(n, b)
     with pytest.raises(CheckpointError, match="truncated"):
         read_torch_files([tmp_path / "cut.bin"])["a"]
+
+
+def test_a_pickle_cannot_change_the_reader_for_later_files(tmp_path):
+    """BUILD on the objects the reader hands out (a storage type, a rebuild function) reaches only this load's
+    objects: a later float32 file still reads as float32."""
+    # GLOBAL torch FloatStorage; {"numpy": "<f8"}; BUILD; then an empty dict as the result
+    body = b"\x80\x02ctorch\nFloatStorage\n}X\x05\x00\x00\x00numpyX\x03\x00\x00\x00<f8sb0}."
+    with zipfile.ZipFile(tmp_path / "odd.bin", "w") as z:
+        z.writestr("archive/data.pkl", body)
+    try:
+        read_torch_files([tmp_path / "odd.bin"])
+    except CheckpointError:
+        pass  # refused or read as an empty state dict: either way nothing else changes
+    save_torch(tmp_path / "w.bin", {"a": np.arange(6, dtype=np.float32)})
+    assert read_torch_files([tmp_path / "w.bin"])["a"].tolist() == list(range(6))
+
+
+@pytest.mark.parametrize("size, stride", [((1 << 20, 1 << 10), (0, 0)), ((-1,), (1,)), ((2.5,), (1,))])
+def test_a_tensor_larger_than_its_storage_is_refused(tmp_path, size, stride):
+    """A few bytes of storage claiming a huge (or malformed) tensor: refused before anything is allocated."""
+    from torch_files import save_pickle_tensor
+
+    save_pickle_tensor(tmp_path / "big.bin", size, stride)
+    with pytest.raises(CheckpointError, match="refused"):
+        read_torch_files([tmp_path / "big.bin"])
+
+
+def test_a_compressed_pickle_is_refused(tmp_path):
+    save_torch(tmp_path / "w.bin", {"a": np.ones(4, np.float32)})
+    with zipfile.ZipFile(tmp_path / "w.bin") as z:
+        entries = {n: z.read(n) for n in z.namelist()}
+    with zipfile.ZipFile(tmp_path / "zipped.bin", "w", zipfile.ZIP_DEFLATED) as z:
+        for n, b in entries.items():
+            z.writestr(n, b)
+    with pytest.raises(CheckpointError, match="compressed"):
+        read_torch_files([tmp_path / "zipped.bin"])
+
+
+def test_without_safe_torch_the_restricted_reader_is_used(tmp_path, monkeypatch):
+    import specgen.models.torch_file as tf
+
+    monkeypatch.setattr(tf, "_safe_torch", lambda: None)
+    save_torch(tmp_path / "w.bin", {"a": np.arange(3, dtype=np.float32)})
+    assert read_any([tmp_path / "w.bin"])["a"].tolist() == [0, 1, 2]
