@@ -143,3 +143,24 @@ def test_without_safe_torch_the_restricted_reader_is_used(tmp_path, monkeypatch)
     monkeypatch.setattr(tf, "_safe_torch", lambda: None)
     save_torch(tmp_path / "w.bin", {"a": np.arange(3, dtype=np.float32)})
     assert read_any([tmp_path / "w.bin"])["a"].tolist() == [0, 1, 2]
+
+
+def test_a_main_model_as_pytorch_model_bin(tmp_path):
+    """An HF directory with pytorch_model.bin (no safetensors) loads as the same model: the same tokens."""
+    import shutil
+
+    from conftest import TINY
+
+    from specgen import SamplingParams, generate, load_model
+    from specgen.models.hf_loader import read_safetensors
+
+    src = TINY / "llama"
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            shutil.copy(f, tmp_path / f.name)
+    tensors = read_safetensors([src / "model.safetensors"])
+    save_torch(tmp_path / "pytorch_model.bin", {n: tensors[n] for n in tensors}, views=True)
+    prompts, sp = [[5, 9, 31, 7], [40, 41]], SamplingParams(max_tokens=8)
+    want = generate(prompts, model=load_model(src, dtype="float64"), sampling=sp)
+    got = generate(prompts, model=load_model(tmp_path, dtype="float64"), sampling=sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
