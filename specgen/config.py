@@ -102,6 +102,10 @@ class SamplingParams:
                                 "distribution plain decoding samples from before temperature and filters).")
     top_logprobs: int = opt(0, "With --logprobs: also this many most likely tokens at each output position "
                                f"(at most {TOP_LOGPROBS_MAX}), with their log-probabilities.")
+    logprobs_mode: str = opt("raw", "With --logprobs: raw (the model's log-softmax, vLLM's default) or "
+                                    "processed (of the distribution the token was sampled from: after "
+                                    "penalties, logit bias, the grammar's mask, temperature, top-k, top-p "
+                                    "and min-p; tokens filtered out are not listed).")
     repetition_penalty: float = opt(1.0, "Divide the positive logits (multiply the negative ones) of tokens "
                                          "in the prompt or the output so far by this (transformers' and "
                                          "vLLM's); 1 is off.")
@@ -137,6 +141,8 @@ class SamplingParams:
             raise ConfigError(f"top_logprobs must be in [0, {TOP_LOGPROBS_MAX}], got {self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:
             raise ConfigError("top_logprobs needs logprobs (set logprobs to true)")
+        if self.logprobs_mode not in ("raw", "processed"):
+            raise ConfigError(f"logprobs_mode must be raw or processed, got {self.logprobs_mode!r}")
         if not 0 < self.repetition_penalty <= 100:
             raise ConfigError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -25,6 +25,7 @@ from specgen.engine.tree import CAUSAL, main_chain, node_values, offer, reach, t
 from specgen.engine.types import DraftTokens, Request, RequestOutput, SlotSampling, StepUpdate
 from specgen.engine.verify import accept_lengths, first_stop
 from specgen.errors import ConfigError
+from specgen.layers.logprobs import processed_logprobs
 from specgen.layers.sampling import uniforms
 from specgen.models.model import Model
 from specgen.models.tokenizer import TextTokenizer
@@ -291,7 +292,7 @@ class Engine:
         # screened LM head skips them; a grammar's rows that refuse the greedy token get theirs: rows.py).
         wants = t.temperature[slots].any() or t.logprobs[slots].any() or t.penalized[slots].any()
         out = self.model.forward(blocks.batch, self.cache, logits=bool(wants), features=self.features)
-        targets = self._sample(plan, blocks, out)
+        targets, sampled_from = self._sample(plan, blocks, out)
         forward_seconds = time.perf_counter() - start
         self._tally(out)
         # NaN / Inf: these end in error
@@ -305,7 +306,7 @@ class Engine:
         position = t.seq_len[slots] - t.prompt_len[slots]  # [num_seqs] output tokens before this step
         root_rows = t.seq_len[plan.dec] - 1 - t.prefix_len[plan.dec]  # [num_dec] own cache row of each root
         if t.logprobs[slots].any():
-            self._logprobs(plan, blocks, out.logits, targets, path, kept)
+            self._logprobs(plan, blocks, out.logits, sampled_from, targets, path, kept)
         produced = self._commit(plan, slots, emitted, kept)
         failed = {}  # {slot: why} (a grammar the kept tokens broke: never expected)
         if self._constrained(slots):  # (a broken slot's tokens are not the grammar's to judge)
@@ -359,10 +360,12 @@ class Engine:
             self.expert_tokens = (out.expert_counts
                                   + (self.expert_tokens if self.expert_tokens is not None else 0))
 
-    def _logprobs(self, plan: StepPlan, blocks: StepBlocks, logits, targets: np.ndarray,
+    def _logprobs(self, plan: StepPlan, blocks: StepBlocks, logits, sampled_from, targets: np.ndarray,
                   path: np.ndarray | None, kept: np.ndarray) -> None:
         """The log-probabilities of the tokens the step keeps, for the slots that ask, into logprob_table at
-        the positions the commit will give the tokens."""
+        the positions the commit will give the tokens: of the raw logits, or (logprobs_mode processed) of the
+        distribution each row was sampled from (the processed rows `sampled_from`, temperature and
+        filters)."""
         t, slots = self.table, blocks.slots
         rows = in_blocks(plan, blocks, np.arange(len(targets)))  # [num_seqs, width + 1] logit rows
         if path is not None:
@@ -373,8 +376,18 @@ class Engine:
             return
         rows = rows[seq, col]
         top = min(int(t.top_logprobs[slots].max()), logits.shape[1])
-        logprob, top_ids, top_lp = self.model.logprobs(logits, rows, targets[rows], top)
-        self.logprob_table.write(slots[seq], t.seq_len[slots][seq] + col, logprob, top_ids, top_lp)
+        processed = t.processed_logprobs[slots[seq]]  # [n]
+        if not processed.all():
+            raw = ~processed
+            logprob, top_ids, top_lp = self.model.logprobs(logits, rows[raw], targets[rows[raw]], top)
+            self.logprob_table.write(slots[seq[raw]], t.seq_len[slots][seq[raw]] + col[raw], logprob, top_ids,
+                                     top_lp)
+        if processed.any():
+            s, r = slots[seq[processed]], rows[processed]
+            x = paddle.gather(sampled_from, paddle.to_tensor(r)).numpy()
+            logprob, top_ids, top_lp = processed_logprobs(x, t.temperature[s], t.top_k[s], t.top_p[s],
+                                                          t.min_p[s], targets[r], top)
+            self.logprob_table.write(s, t.seq_len[s] + col[processed], logprob, top_ids, top_lp)
 
     @classmethod
     def _verify(cls, plan: StepPlan, blocks: StepBlocks, targets: np.ndarray):
@@ -530,10 +543,11 @@ class Engine:
             seq, d = np.nonzero(move)
             self.cache.move_rows(dec[seq], root_rows[seq] + path[seq, d], root_rows[seq] + d)
 
-    def _sample(self, plan: StepPlan, blocks: StepBlocks, out) -> np.ndarray:
+    def _sample(self, plan: StepPlan, blocks: StepBlocks, out):
         """The main model's own choice at every logit row ([num_logits] int64): greedy, or the counter-based
         sample of the row's (request, output position), by the backend's sampler; rows of penalized slots
-        processed first (engine/penalties.py), rows of constrained slots masked by their grammars."""
+        processed first (engine/penalties.py), rows of constrained slots masked by their grammars. Returns
+        (the choices, the logits they were made from: processed where a slot's are)."""
         t, batch = self.table, blocks.batch
         logits, greedy = out.logits, out.greedy
         if t.penalized[blocks.slots].any() or self._constrained(blocks.slots):
@@ -546,7 +560,7 @@ class Engine:
         if temperature.any():  # sampled rows: their uniforms
             u = uniforms(t.rng_key[row_slot], batch.model_positions[row_tok] + 1 - t.prompt_len[row_slot])
         rows = RowSampling(temperature, t.top_k[row_slot], t.top_p[row_slot], t.min_p[row_slot], u)
-        return self.model.sample(logits, rows, greedy)
+        return self.model.sample(logits, rows, greedy), logits
 
     def _commit(self, plan: StepPlan, slots: np.ndarray, emitted: np.ndarray, kept: np.ndarray) -> np.ndarray:
         """Tokens, lengths and statistics of the step; returns [num_seqs] int64: 1 where the block emitted (a

@@ -57,7 +57,8 @@ class LogprobTable:
         for j, tok in enumerate(token_ids):
             p = start + j
             tops = [{"token_id": int(i), "token": piece(int(i)), "logprob": float(v)}
-                    for i, v in zip(self.top_ids[slot, p, :top], self.top_logprobs[slot, p, :top])]
+                    for i, v in zip(self.top_ids[slot, p, :top], self.top_logprobs[slot, p, :top])
+                    if np.isfinite(v)]  # (processed: tokens the filters left out are not listed)
             out.append({"token_id": int(tok), "token": piece(int(tok)),
                         "logprob": float(self.logprob[slot, p]), "top_logprobs": tops})
         return out

@@ -83,7 +83,8 @@ def processed(p: Processing, plan: StepPlan, blocks: StepBlocks, out):
     else:
         greedy = paddle.argmax(logits, axis=-1).numpy().astype(np.int64)
     greedy[picked] = x.argmax(axis=-1)  # the lowest id on a tie
-    if t.temperature[slots[seq]].any():  # sampled rows: the sampler reads the processed rows
+    # sampled rows: the sampler reads the processed rows (so do processed log-probabilities)
+    if (t.temperature[slots[seq]] > 0).any() or (t.logprobs & t.processed_logprobs)[slots[seq]].any():
         logits = paddle.scatter(logits, paddle.to_tensor(picked), paddle.to_tensor(x))
     return logits, greedy
 

@@ -80,7 +80,8 @@ ABSENT_MEANS = {"sampling.min_p": 0.0, "sampling.sampler": 1, "sampling.logprobs
                 "sampling.presence_penalty": 0.0, "sampling.frequency_penalty": 0.0,
                 "sampling.logit_bias": [], "sampling.min_tokens": 0, "sampling.n": 1,
                 "sampling.stop_token_ids": [], "sampling.response_format": "",
-                "output_format": "auto", "speculative.draft.prompt_window": 256}
+                "output_format": "auto", "speculative.draft.prompt_window": 256,
+                "sampling.logprobs_mode": "raw"}
 
 
 def differences(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:

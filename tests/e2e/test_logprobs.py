@@ -113,3 +113,78 @@ def test_logprobs_off_and_mixed(tiny_model64, prompts):
         else:
             assert len(o.logprobs) == len(o.token_ids)
             assert all(len(e["top_logprobs"]) == (2 if i % 3 == 2 else 0) for e in o.logprobs)
+
+
+def _sampled_from(logits: np.ndarray, t: float, k: int, p: float, min_p: float) -> np.ndarray:
+    """The log-probabilities of the distribution a row is sampled from (layers/sampling.py's rule, written
+    again here from its description): logits / t; the k largest kept (ties at the k-th kept); softmax; the
+    most likely tokens kept until their mass reaches p (ties at the threshold kept); then those at least min_p
+    as likely as the most likely one; renormalized. Filtered tokens at -inf."""
+    z = logits.astype(np.float64) / t
+    if k:
+        z = np.where(z >= np.sort(z)[-k], z, -np.inf)
+    q = np.exp(z - z.max())
+    q /= q.sum()
+    order = np.sort(q)[::-1]
+    mass_before = np.cumsum(order) - order
+    threshold = order[max(1, int((mass_before < p).sum())) - 1]
+    q = np.where(q >= threshold, q, 0.0)
+    q = np.where(q >= q.max() * min_p, q, 0.0)
+    with np.errstate(divide="ignore"):
+        return np.log(q / q.sum())
+
+
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+def test_processed_logprobs_are_of_the_sampled_distribution(tiny_models, prompts, backend):
+    """--logprobs-mode processed, sampled with temperature, top-k, top-p and min-p: each token's logprob and
+    the top tokens are those of the filtered distribution it was drawn from (1e-9); tokens the filters left
+    out are not listed; the tokens are raw mode's."""
+    ref = tiny_models["reference64"]
+    lm = tiny_models[f"{backend}64"]
+    filters = dict(temperature=0.8, top_k=30, top_p=0.9, min_p=0.02)
+    sp = [SamplingParams(max_tokens=6, seed=i, logprobs=True, top_logprobs=20, logprobs_mode="processed",
+                         **filters) for i in range(len(prompts))]
+    engine = EngineConfig(batch_size=4, dtype="float64", backend=backend)
+    outs = generate(prompts, model=lm, sampling=sp, engine=engine)
+    raw = generate(prompts, model=lm, sampling=[SamplingParams(**{**s.__dict__, "logprobs_mode": "raw"})
+                                                for s in sp], engine=engine)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in raw]
+    short = 0
+    for p, o in zip(prompts, outs):
+        ids = p + o.token_ids
+        n = len(ids)
+        batch = build_forward_batch(np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([n]),
+                                    np.array(ids, np.int64), np.ones(1, bool))
+        logits = ref.model.forward(batch, ref.model.new_cache(1, 256)).logits.numpy()[len(p) - 1: -1]
+        for j, (e, tok) in enumerate(zip(o.logprobs, o.token_ids)):
+            want = _sampled_from(logits[j], filters["temperature"], filters["top_k"], filters["top_p"],
+                                 filters["min_p"])
+            assert np.isfinite(e["logprob"]) and abs(e["logprob"] - want[tok]) < 1e-9
+            kept = np.lexsort((np.arange(len(want)), -want))[: np.isfinite(want).sum()][:20]
+            assert [t["token_id"] for t in e["top_logprobs"]] == kept.tolist()
+            assert np.allclose([t["logprob"] for t in e["top_logprobs"]], want[kept], atol=1e-9, rtol=0)
+            short += len(e["top_logprobs"]) < 20
+    assert short > 0  # the filters left fewer than 20 tokens somewhere
+
+
+def test_processed_logprobs_under_speculation_and_penalties(prompts):
+    """Processed log-probabilities (greedy with a repetition penalty: the penalized row's log-softmax; sampled
+    with filters) are plain decoding's with n-gram chains and token trees, batch 1 and 4, float64."""
+    lm = load_model(TINY / "llama", dtype="float64")
+    for mode in ("greedy", "sampled"):
+        sp = [SamplingParams(max_tokens=4 + (i * 3) % 9, seed=i, logprobs=True, top_logprobs=3,
+                             logprobs_mode="processed", ignore_eos=True, repetition_penalty=1.3,
+                             **(dict(temperature=0.8, top_p=0.9) if mode == "sampled" else {}))
+              for i in range(len(prompts))]
+        plain = _run(lm, prompts, sp, EngineConfig(batch_size=4, dtype="float64"))
+        if mode == "greedy":  # the chosen token is the most likely one of the penalized row
+            assert all(e["top_logprobs"][0]["token_id"] == e["token_id"] for o in plain for e in o.logprobs)
+        full = {tuple(p): list(p) + o.token_ids for p, o in zip(prompts, plain)}
+        for batch in (1, 4):
+            engine = EngineConfig(batch_size=batch, dtype="float64")
+            tree = _run(lm, prompts, sp, engine, OracleTree(full, batch, p_right=0.8))
+            chain = generate(prompts, model=lm, sampling=sp, engine=engine,
+                             speculative=SpecConfig(method="ngram", num_speculative_tokens=3, adaptive=False))
+            for out in (tree, chain):
+                assert [o.token_ids for o in out] == [o.token_ids for o in plain], (mode, batch)
+                assert [o.logprobs for o in out] == [o.logprobs for o in plain], (mode, batch)

@@ -72,7 +72,7 @@ def test_bad_speculative_json(value, fragment):
 @pytest.mark.parametrize("text,fragment", [
     ("sampling:\n  max_token: 3\n",
      "sampling: unknown key(s) max_token (valid: frequency_penalty, ignore_eos, logit_bias, logprobs, "
-     "max_tokens"),
+     "logprobs_mode, max_tokens"),
     ("speculative:\n  ngram:\n    maximum: 3\n",
      "speculative.ngram: unknown key(s) maximum (valid: branches, max, min, pool, tree_choices)"),
     ("decoding:\n  x: 1\n", "unknown section(s) decoding (valid: sampling, engine, speculative, parallel)"),
