@@ -64,18 +64,20 @@ def processed_logprobs(
     s = temperature > 0
     if s.any():
         z = x[s] / temperature[s, None]
-        ks = top_k[s]
-        for i in np.nonzero(ks > 0)[0]:
-            k = min(int(ks[i]), z.shape[1])
-            kth = np.partition(z[i], -k)[-k]
-            z[i][z[i] < kth] = -np.inf
+        rows = np.arange(len(z))
+        ks = np.clip(top_k[s], 0, z.shape[1])
+        if (ks > 0).any():  # the k-th largest of each row (all rows at once; k = 0: off)
+            kth = -np.sort(-z, axis=1)[rows, np.maximum(ks, 1) - 1]
+            z[(ks[:, None] > 0) & (z < kth[:, None])] = -np.inf
         e = np.exp(z - z.max(axis=1, keepdims=True))
         p = e / e.sum(axis=1, keepdims=True)  # (top-k's tokens at 0)
-        for i in np.nonzero(top_p[s] < 1)[0]:
-            vals = np.sort(p[i])[::-1]
-            before = np.cumsum(vals) - vals
-            kept = max(1, int((before < top_p[s][i]).sum()))
-            p[i][p[i] < vals[kept - 1]] = 0.0
+        ps = top_p[s]
+        if (ps < 1).any():  # the smallest probability kept: the most likely until their mass reaches top_p
+            vals = -np.sort(-p, axis=1)
+            before = np.cumsum(vals, axis=1) - vals
+            kept = np.maximum(1, (before < ps[:, None]).sum(axis=1))
+            threshold = np.where(ps < 1, vals[rows, kept - 1], 0.0)
+            p[p < threshold[:, None]] = 0.0
         mp = min_p[s]
         if (mp > 0).any():
             floor = p.max(axis=1, keepdims=True) * mp[:, None]
