@@ -25,7 +25,9 @@ def _annotation(s: Setting) -> Any:
         return Annotated[bool | None, typer.Option(f"{name}/--no-{name[2:]}", help=s.help + shown)]
     if typing.get_origin(t) is tuple:
         return Annotated[list[str] | None, typer.Option(name, help=s.help)]
-    if (isinstance(t, type) and issubclass(t, enum.Enum)
+    if typing.get_args(t) == (int, type(None)):
+        t = int  # an optional count
+    elif (isinstance(t, type) and issubclass(t, enum.Enum)
             or typing.get_origin(t) in (typing.Union, type(str | None))):
         t = str  # methods by name; an optional path
     return Annotated[t | None, typer.Option(name, help=s.help + shown)]

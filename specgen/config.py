@@ -106,6 +106,10 @@ class SamplingParams:
                                     "processed (of the distribution the token was sampled from: after "
                                     "penalties, logit bias, the grammar's mask, temperature, top-k, top-p "
                                     "and min-p; tokens filtered out are not listed).")
+    prompt_logprobs: int | None = opt(None, "Also write each prompt token's log-probability given the tokens "
+                                            "before it (vLLM's prompt_logprobs; the raw log-softmax) with "
+                                            f"this many most likely tokens (0 to {TOP_LOGPROBS_MAX}); the "
+                                            "prompt is then prefilled whole, not read from a shared prefix.")
     repetition_penalty: float = opt(1.0, "Divide the positive logits (multiply the negative ones) of tokens "
                                          "in the prompt or the output so far by this (transformers' and "
                                          "vLLM's); 1 is off.")
@@ -143,6 +147,9 @@ class SamplingParams:
             raise ConfigError("top_logprobs needs logprobs (set logprobs to true)")
         if self.logprobs_mode not in ("raw", "processed"):
             raise ConfigError(f"logprobs_mode must be raw or processed, got {self.logprobs_mode!r}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= TOP_LOGPROBS_MAX:
+            raise ConfigError(f"prompt_logprobs must be in [0, {TOP_LOGPROBS_MAX}], "
+                              f"got {self.prompt_logprobs}")
         if not 0 < self.repetition_penalty <= 100:
             raise ConfigError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):

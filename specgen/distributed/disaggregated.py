@@ -49,8 +49,10 @@ class Handoff:
     export_seconds: float  # the prefill worker's copy into shared memory
     sent: float  # time.time() when it was packed
     # a request asking for log-probabilities: those of its output so far (LogprobTable's rows from its prompt
-    # length to its length): logprob [n], top ids [n, top], top logprobs [n, top]
+    # length to its length; from position 1, its prompt's too, for prompt_logprobs): logprob [n], top ids
+    # [n, top], top logprobs [n, top]
     logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    logprobs_from: int = 0  # the position of the first
 
 
 @dataclass(frozen=True)
@@ -93,10 +95,10 @@ class PrefillEngine(Engine):
         row = t.export_row(slot)
         row["prefix_len"] = np.array(0)  # the shared prefix's rows travel as the slot's own
         req = self.requests[slot]
-        logprobs = None
-        if t.logprobs[slot]:
-            lt, top = self.logprob_table, int(t.top_logprobs[slot])
-            out = slice(int(t.prompt_len[slot]), seq_len)
+        logprobs, first = None, 1 if t.prompt_logprobs[slot] else int(t.prompt_len[slot])
+        if t.logprobs[slot] or t.prompt_logprobs[slot]:
+            lt, top = self.logprob_table, max(int(t.top_logprobs[slot]), int(t.prompt_top[slot]))
+            out = slice(first, seq_len)
             logprobs = (lt.logprob[slot, out].copy(), lt.top_ids[slot, out, :top].copy(),
                         lt.top_logprobs[slot, out, :top].copy())
         t.active[slot] = False
@@ -104,7 +106,7 @@ class PrefillEngine(Engine):
         if self.grammars is not None:
             self.grammars.release(slot)
         kv_bytes = sum(p.nbytes for pieces in kv for p in pieces)
-        return Handoff(req, row, parcel, kv_bytes, time.perf_counter() - start, time.time(), logprobs)
+        return Handoff(req, row, parcel, kv_bytes, time.perf_counter() - start, time.time(), logprobs, first)
 
 
 class DecodeEngine(Engine):
@@ -146,8 +148,8 @@ class DecodeEngine(Engine):
         if why is not None:
             return self._fail(slot, why)
         if h.logprobs is not None:
-            n, start_pos = len(h.logprobs[0]), int(h.row["prompt_len"])
-            self._logprob_room(req).write(np.full(n, slot), start_pos + np.arange(n), *h.logprobs)
+            n = len(h.logprobs[0])
+            self._logprob_room(req).write(np.full(n, slot), h.logprobs_from + np.arange(n), *h.logprobs)
         self.requests[slot] = req
         if self.controller is not None:
             self.controller.reset(slot)

@@ -31,6 +31,8 @@ from specgen.models.model import Model
 from specgen.models.tokenizer import TextTokenizer
 from specgen.runtime.batch import build_forward_batch
 
+PROMPT_ROWS = 256  # prompt rows whose logits prompt_logprobs computes at once (49 MB at 49,152 tokens)
+
 
 def nonfinite_slots(out, batch) -> np.ndarray:
     """Slots with a NaN or Inf in the step's final hidden states: [n] int64, most often empty. One reduction
@@ -113,10 +115,13 @@ class Engine:
         # A prompt that starts with the shared prefix skips it
         # (keeping at least one token of its own to prefill).
         shared = 0
-        if self.prefix_ids is not None and n > 1 and len(self.prefix_ids) <= n:
+        # (not a prompt whose log-probabilities are asked for: each of its positions is prefilled)
+        if (self.prefix_ids is not None and n > 1 and len(self.prefix_ids) <= n
+                and req.params.prompt_logprobs is None):
             if np.array_equal(self.prefix_ids, req.prompt_ids[: len(self.prefix_ids)]):
                 shared = min(len(self.prefix_ids), n - 1)
         self.table.place(slot, req, end, shared)
+        room = self._logprob_room(req)
         src = self._source_slot(req)
         if src is not None and self.table.prefilled[src] and n > 1:  # the prompt but its last token, copied
             t = self.table
@@ -124,9 +129,10 @@ class Engine:
             self.cache.copy_slot(src, slot, n - 1, prefix)
             t.prefill_pos[slot] = t.num_cached[slot] = n - 1
             t.prefix_len[slot] = 0
+            if t.prompt_logprobs[slot]:  # (the prompt's, computed by sample 0's prefill)
+                room.copy(src, slot, 1, n)
         if req.params.n > 1 and req.sample_index == 0:
             self.samples_of[(req.id, req.index)] = slot
-        self._logprob_room(req)
         self._set_lists(slot, req)
         why = self._constrain(slot, req)
         assert why is None, why  # admission checked the grammar; the slot holds no output yet
@@ -199,11 +205,12 @@ class Engine:
     def _logprob_room(self, req: Request) -> LogprobTable | None:
         """Room in logprob_table for `req` (placed in the slot table already), made the first time a request
         asks for log-probabilities; None when it does not."""
-        if not req.params.logprobs:
+        p = req.params
+        if not p.logprobs and p.prompt_logprobs is None:
             return None
         if self.logprob_table is None:
             self.logprob_table = LogprobTable.empty(len(self.requests), 0, 0)
-        self.logprob_table.fit(self.table.tokens.shape[1], req.params.top_logprobs)
+        self.logprob_table.fit(self.table.tokens.shape[1], max(p.top_logprobs, p.prompt_logprobs or 0))
         return self.logprob_table
 
     def _finish(self, slot: int, reason: str, text_cut: str | None) -> RequestOutput:
@@ -214,6 +221,11 @@ class Engine:
         if t.logprobs[slot]:
             top = min(int(t.top_logprobs[slot]), self.model.config.vocab_size)
             logprobs = self.logprob_table.entries(slot, int(t.prompt_len[slot]), out_ids, top, self._piece)
+        prompt_logprobs = None
+        if t.prompt_logprobs[slot]:  # (the first prompt token has none: nothing comes before it)
+            top = min(int(t.prompt_top[slot]), self.model.config.vocab_size)
+            prompt_logprobs = [None, *self.logprob_table.entries(slot, 1, list(req.prompt_ids[1:]), top,
+                                                                 self._piece)]
         stats = t.stats(slot)
         if self.grammars is not None and self.grammars.active[slot]:
             stats.num_forced_tokens = int(self.grammars.num_forced[slot])
@@ -223,8 +235,8 @@ class Engine:
         if self.samples_of.get((req.id, req.index)) == slot:
             del self.samples_of[(req.id, req.index)]
         return RequestOutput(req.id, req.index, text, out_ids, reason, len(req.prompt_ids), stats,
-                             logprobs=logprobs, api=req.api, openai=req.openai, sample_index=req.sample_index,
-                             num_samples=req.params.n)
+                             logprobs=logprobs, prompt_logprobs=prompt_logprobs, api=req.api,
+                             openai=req.openai, sample_index=req.sample_index, num_samples=req.params.n)
 
     def _fail(self, slot: int, why: str) -> RequestOutput:
         req = self.requests[slot]
@@ -307,6 +319,8 @@ class Engine:
         root_rows = t.seq_len[plan.dec] - 1 - t.prefix_len[plan.dec]  # [num_dec] own cache row of each root
         if t.logprobs[slots].any():
             self._logprobs(plan, blocks, out.logits, sampled_from, targets, path, kept)
+        if t.prompt_logprobs[plan.new].any():
+            self._prompt_logprobs(plan, blocks, out.hidden)
         produced = self._commit(plan, slots, emitted, kept)
         failed = {}  # {slot: why} (a grammar the kept tokens broke: never expected)
         if self._constrained(slots):  # (a broken slot's tokens are not the grammar's to judge)
@@ -388,6 +402,28 @@ class Engine:
             logprob, top_ids, top_lp = processed_logprobs(x, t.temperature[s], t.top_k[s], t.top_p[s],
                                                           t.min_p[s], targets[r], top)
             self.logprob_table.write(s, t.seq_len[s] + col[processed], logprob, top_ids, top_lp)
+
+    def _prompt_logprobs(self, plan: StepPlan, blocks: StepBlocks, hidden) -> None:
+        """The log-probabilities of the prompt tokens the step's prompt chunks predict (each row's next
+        token, where it is still the prompt's), for the slots that ask, into logprob_table at the positions
+        of those tokens: the LM head over the rows' final hidden states, PROMPT_ROWS rows at a time."""
+        t, num_dec = self.table, len(plan.dec)
+        want = np.nonzero(t.prompt_logprobs[plan.new])[0]  # [m] indices into plan.new
+        lens = plan.chunk[want]
+        block_start = np.cumsum(blocks.lens) - blocks.lens  # [num_seqs] packed row of each block's first
+        off = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)  # [r] index in the chunk
+        rows = np.repeat(block_start[num_dec + want], lens) + off  # [r] packed rows
+        slot = np.repeat(plan.new[want], lens)  # [r]
+        pos = np.repeat(t.prefill_pos[plan.new[want]], lens) + off  # [r] each row's position
+        keep = pos + 1 < t.prompt_len[slot]  # (a prompt's last row predicts its first output token)
+        rows, slot, pos = rows[keep], slot[keep], pos[keep]
+        top = min(int(t.prompt_top[slot].max(initial=0)), self.model.config.vocab_size)
+        for a in range(0, len(rows), PROMPT_ROWS):
+            b = slice(a, a + PROMPT_ROWS)
+            logits = self.model.logits(paddle.gather(hidden, paddle.to_tensor(rows[b])))
+            logprob, top_ids, top_lp = self.model.logprobs(logits, np.arange(len(rows[b])),
+                                                           t.tokens[slot[b], pos[b] + 1], top)
+            self.logprob_table.write(slot[b], pos[b] + 1, logprob, top_ids, top_lp)
 
     @classmethod
     def _verify(cls, plan: StepPlan, blocks: StepBlocks, targets: np.ndarray):

@@ -1,4 +1,5 @@
-"""Log-probabilities of the output tokens, kept per slot and position (the backend computes them from the
+"""Log-probabilities of the output tokens (and of the prompt's, where asked), kept per slot and position (the
+backend computes them from the
 step's logit rows: layers/logprobs.py, kernels/sampling.cc).
 
 A token's log-probability is the model's raw log-softmax at the row the token was chosen from (vLLM's
@@ -48,6 +49,11 @@ class LogprobTable:
         top = top_ids.shape[1]
         self.top_ids[slots, positions, :top] = top_ids
         self.top_logprobs[slots, positions, :top] = top_logprobs
+
+    def copy(self, src: int, dst: int, start: int, stop: int) -> None:
+        """Positions [start, stop) of slot `src` into slot `dst` (a sample given its sample 0's prompt)."""
+        for a in (self.logprob, self.top_ids, self.top_logprobs):
+            a[dst, start:stop] = a[src, start:stop]
 
     def entries(self, slot: int, start: int, token_ids: list[int], top: int,
                 piece: Callable[[int], str]) -> list[dict]:

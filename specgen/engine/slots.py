@@ -12,7 +12,7 @@ from specgen.layers.sampling import request_key
 MAX_DRAFT = 5  # drafts per slot per step at most (FastDeploy's bound on num_speculative_tokens)
 
 _DTYPES = {"active": bool, "prefilled": bool, "ignore_eos": bool, "logprobs": bool, "penalized": bool,
-           "processed_logprobs": bool,
+           "processed_logprobs": bool, "prompt_logprobs": bool,
            "repetition_penalty": np.float64, "presence_penalty": np.float64, "frequency_penalty": np.float64,
            "temperature": np.float64,
            "top_p": np.float64, "min_p": np.float64, "rng_key": np.uint64}
@@ -39,6 +39,8 @@ class SlotTable:
     logprobs: np.ndarray  # [num_slots] bool the request asks for its tokens' log-probabilities
     top_logprobs: np.ndarray  # [num_slots] int64 and for this many most likely tokens' at each position
     processed_logprobs: np.ndarray  # [num_slots] bool of the distribution sampled from (logprobs_mode)
+    prompt_logprobs: np.ndarray  # [num_slots] bool the request asks for its prompt tokens' log-probabilities
+    prompt_top: np.ndarray  # [num_slots] int64 and for this many most likely tokens' at each prompt position
     penalized: np.ndarray  # [num_slots] bool its rows are processed (engine/penalties.py): any of the below,
     # or a logit bias
     repetition_penalty: np.ndarray  # [num_slots] float64
@@ -85,6 +87,8 @@ class SlotTable:
         self.ignore_eos[slot] = p.ignore_eos
         self.logprobs[slot], self.top_logprobs[slot] = p.logprobs, p.top_logprobs
         self.processed_logprobs[slot] = p.logprobs_mode == "processed"
+        self.prompt_logprobs[slot] = p.prompt_logprobs is not None
+        self.prompt_top[slot] = p.prompt_logprobs or 0
         self.repetition_penalty[slot], self.presence_penalty[slot] = p.repetition_penalty, p.presence_penalty
         self.frequency_penalty[slot], self.min_tokens[slot] = p.frequency_penalty, p.min_tokens
         self.penalized[slot] = (p.repetition_penalty != 1 or p.presence_penalty != 0

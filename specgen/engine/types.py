@@ -141,6 +141,8 @@ class RequestOutput:
     error: str | None = None
     # with SamplingParams.logprobs: one entry per output token (docs/output-schema.md, `logprobs`)
     logprobs: list[dict] | None = None
+    # with SamplingParams.prompt_logprobs: one per prompt token, the same entries (None for the first)
+    prompt_logprobs: list[dict | None] | None = None
     api: str = "text"  # the request's (Request.api, Request.openai, Request.sample_index, params.n)
     openai: bool = False
     sample_index: int = 0

@@ -81,7 +81,7 @@ ABSENT_MEANS = {"sampling.min_p": 0.0, "sampling.sampler": 1, "sampling.logprobs
                 "sampling.logit_bias": [], "sampling.min_tokens": 0, "sampling.n": 1,
                 "sampling.stop_token_ids": [], "sampling.response_format": "",
                 "output_format": "auto", "speculative.draft.prompt_window": 256,
-                "sampling.logprobs_mode": "raw"}
+                "sampling.logprobs_mode": "raw", "sampling.prompt_logprobs": None}
 
 
 def differences(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:

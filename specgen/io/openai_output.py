@@ -5,7 +5,8 @@ for a request, and back.
      "response": {"status_code": 200, "request_id": ..., "body": BODY}}
 
 BODY is a `chat.completion` (a request of messages) or a `text_completion` (a prompt of text or token ids),
-with one choice, `usage`, and the choice's `logprobs` in that API's shape when the request asked for them. The
+with one choice, `usage`, and the choice's `logprobs` in that API's shape when the request asked for them
+(and `prompt_logprobs` in vLLM's shape, for a request that asked for those). The
 native record, less the text and log-probabilities the body holds, is the body's `specgen` field (OpenAI's
 types keep fields they do not know): statistics for `specgen stats`, the id for --resume. A bad record or a
 request that failed is a response with status 400 (or 500 for a failure of the model's output) whose body is
@@ -18,7 +19,7 @@ from typing import Any
 
 STYLES = ("auto", "native", "openai")  # --output-format: auto writes each record in its input line's form
 CHAT, TEXT = "chat", "text"  # which body a request gets: messages -> chat.completion, else text_completion
-_OWN = ("text", "logprobs")  # native fields the body itself holds
+_OWN = ("text", "logprobs", "prompt_logprobs")  # native fields the body itself holds
 
 
 def _hash_id(prefix: str, record_id: str) -> str:
@@ -58,6 +59,8 @@ def openai_line(records: list[dict[str, Any]], api: str, model: str, created: in
         body = {"id": _hash_id("cmpl-", rid), "object": "text_completion"}
     body |= {"created": created, "model": model, "choices": choices, "usage": usage,
              "system_fingerprint": None, "specgen": own_field}
+    if records[0].get("prompt_logprobs") is not None:
+        body["prompt_logprobs"] = [_vllm_prompt_entry(e) for e in records[0]["prompt_logprobs"]]
     line["response"]["body"] = body
     return line
 
@@ -85,6 +88,18 @@ class SampleGroups:
         groups = [sorted(g, key=lambda r: r["sample_index"]) for g in self._pending.values()]
         self._pending.clear()
         return groups
+
+
+def _vllm_prompt_entry(e: dict[str, Any] | None) -> dict[str, dict[str, Any]] | None:
+    """A prompt position's log-probabilities in vLLM's shape (its OpenAI server's `prompt_logprobs`): token id
+    (a string, as JSON keys are) -> {logprob, rank, decoded_token}, the prompt's token and the top ones; rank
+    is the place among the top (1 the most likely), null for a prompt token outside it."""
+    if e is None:
+        return None
+    out = {str(t["token_id"]): {"logprob": t["logprob"], "rank": r, "decoded_token": t["token"]}
+           for r, t in enumerate(e["top_logprobs"], 1)}
+    return {str(e["token_id"]): out.get(str(e["token_id"]), {"logprob": e["logprob"], "rank": None,
+                                                             "decoded_token": e["token"]}), **out}
 
 
 def _bytes(token: str) -> list[int] | None:

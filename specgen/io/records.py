@@ -19,7 +19,7 @@ from specgen.io.openai_output import CHAT, TEXT
 PROMPT_KEYS = ("prompt", "messages", "input_ids")
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs",
                  "top_logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
-                 "min_tokens", "n", "stop_token_ids", "ignore_eos", "response_format")
+                 "min_tokens", "n", "stop_token_ids", "ignore_eos", "response_format", "prompt_logprobs")
 # vLLM's guided decoding fields: each is a response_format of one kind (at most one per record)
 GUIDED_KEYS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
                "guided_grammar": "grammar"}
@@ -32,7 +32,7 @@ OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 OPENAI_BODY_READ = ("messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                     "top_k", "min_p", "seed", "stop", "logprobs", "top_logprobs", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "n",
-                    "stop_token_ids", "ignore_eos", "response_format", *GUIDED_KEYS)
+                    "stop_token_ids", "ignore_eos", "response_format", "prompt_logprobs", *GUIDED_KEYS)
 OPENAI_BODY_IGNORED = ("model", "user", "metadata", "store")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the engine keeps integer sampling fields in int64 arrays
 SHOWN_CHARS = 60  # longest piece of a record's own text quoted in a message
@@ -204,6 +204,8 @@ def _check_sampling(values: dict[str, Any], record_id: str) -> tuple[tuple[str, 
                 _check_float(f"logit_bias[{tok}]", bias, record_id)
         elif key in ("logprobs", "ignore_eos") and isinstance(value, bool):
             pass
+        elif key == "prompt_logprobs" and value is None:  # vLLM's default: off
+            continue
         elif key == "ignore_eos":
             raise RecordError(f"ignore_eos must be a boolean, got {_type_name(value)}", record_id)
         elif key == "stop_token_ids":

@@ -12,7 +12,7 @@ FIELDS = (
     "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "acceptance_rate",
     "mean_accepted_length", "accepted_per_position", "drafted_per_position", "num_prefill_chunks",
     "num_cached_prompt_tokens", "num_forced_tokens", "method",
-    "error", "logprobs",
+    "error", "logprobs", "prompt_logprobs",
 )
 
 
@@ -44,6 +44,7 @@ def arrow_schema():
         ("method", pa.string()),
         ("error", pa.string()),
         ("logprobs", pa.list_(pa.struct([*TOKEN, ("top_logprobs", pa.list_(pa.struct(TOKEN)))]))),
+        ("prompt_logprobs", pa.list_(pa.struct([*TOKEN, ("top_logprobs", pa.list_(pa.struct(TOKEN)))]))),
     ])
 
 
@@ -81,6 +82,7 @@ def result_record(out: RequestOutput, spec: SpecConfig, error: str | None = None
         "method": spec.method.value,
         "error": None,
         "logprobs": out.logprobs,
+        "prompt_logprobs": out.prompt_logprobs,
     }
 
 
@@ -109,4 +111,5 @@ def error_record(record_id: str, message: str, spec: SpecConfig,
         "method": spec.method.value,
         "error": message,
         "logprobs": None,
+        "prompt_logprobs": None,
     }

@@ -248,11 +248,13 @@ def test_default_model_hand_off(real_model64, method):
 
 
 def test_logprobs_travel():
-    """A request asking for log-probabilities: its first token's (the prefill worker's) go with it, and the
-    decode worker's output equals the colocated engine's, entry for entry."""
+    """A request asking for log-probabilities: its first token's (the prefill worker's) go with it, its
+    prompt's too (prompt_logprobs), and the decode worker's output equals the colocated engine's, entry for
+    entry."""
     loaded = load_model(TINY / "llama", dtype="float64")
     requests = [dataclasses.replace(r, params=dataclasses.replace(r.params, logprobs=i % 3 > 0,
-                                                                  top_logprobs=i % 3))
+                                                                  top_logprobs=i % 3,
+                                                                  prompt_logprobs=(3, 0, None)[i % 3]))
                 for i, r in enumerate(requests_of(loaded, [f"item {i}: " + "x y " * i for i in range(6)]))]
     engine, spec = EngineConfig(batch_size=3, dtype="float64"), SpecConfig(method="ngram", adaptive=False)
     one = {o.id: o for o in make_engine(loaded, engine, spec).run(requests)}
@@ -262,6 +264,9 @@ def test_logprobs_travel():
         assert pd[r.id].logprobs == one[r.id].logprobs
         assert (one[r.id].logprobs is None) == (i % 3 == 0)
         assert one[r.id].logprobs is None or len(one[r.id].logprobs) == len(one[r.id].token_ids)
+        assert pd[r.id].prompt_logprobs == one[r.id].prompt_logprobs
+        assert (one[r.id].prompt_logprobs is None) == (r.params.prompt_logprobs is None)
+    assert sum(r.params.prompt_logprobs is not None for r in requests) >= 3
 
 
 def test_constrained_requests_travel():

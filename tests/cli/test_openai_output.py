@@ -30,6 +30,7 @@ LINES = [
     batch_line("bad-range", CHAT, messages=[{"role": "user", "content": "x"}], logprobs=True,
                top_logprobs=21),
     {"id": "native", "prompt": "a native record", "max_tokens": 3},
+    batch_line("text-plp", "/v1/completions", prompt="hello there you", max_tokens=2, prompt_logprobs=2),
 ]
 
 
@@ -77,6 +78,16 @@ def test_openai_lines_get_openai_batch_output(tmp_path):
     assert all(len(top) <= 2 for top in text_lp.top_logprobs)
     assert text_lp.text_offset[0] == 0
     assert text_lp.tokens == [e["token"] for e in native["text-lp"]["logprobs"]]
+    # prompt_logprobs: the body's own field in vLLM's shape (the prompt's token and the top 2 by id)
+    plp = lines["text-plp"]["response"]["body"]["prompt_logprobs"]
+    entries = native["text-plp"]["prompt_logprobs"]
+    assert Completion.model_validate(lines["text-plp"]["response"]["body"]).choices[0].text is not None
+    assert plp[0] is None and entries[0] is None and len(plp) == native["text-plp"]["num_prompt_tokens"] > 2
+    for got, e in zip(plp[1:], entries[1:]):
+        assert got[str(e["token_id"])]["logprob"] == e["logprob"]
+        assert [got[str(t["token_id"])]["rank"] for t in e["top_logprobs"]] == [1, 2]
+        assert set(got) == {str(e["token_id"])} | {str(t["token_id"]) for t in e["top_logprobs"]}
+    assert "prompt_logprobs" not in lines["text-plp"]["response"]["body"]["specgen"]
     for cid, fragment in (("bad-field", "frequency_penalty"), ("bad-range", "top_logprobs")):
         response = lines[cid]["response"]
         assert response["status_code"] == 400

@@ -105,8 +105,15 @@ def test_logprobs_fields():
                           ({"prompt": "hi", "top_logprobs": 1.5}, "top_logprobs must be an integer")]:
         with pytest.raises(RecordError, match=fragment):
             parse_record(raw, "1")
+    # prompt_logprobs (vLLM's): K, or null for off
+    assert over({"prompt": "hi", "prompt_logprobs": 3}) == {"prompt_logprobs": 3}
+    assert over({"prompt": "hi", "prompt_logprobs": None}) == {}
+    assert over({**completion, "body": {"prompt": "x", "prompt_logprobs": 0}}) == {"prompt_logprobs": 0}
+    with pytest.raises(RecordError, match="prompt_logprobs must be an integer"):
+        parse_record({"prompt": "hi", "prompt_logprobs": True}, "1")
     for bad, fragment in [({"top_logprobs": 21, "logprobs": True}, r"top_logprobs must be in \[0, 20\]"),
-                          ({"top_logprobs": 2}, "top_logprobs needs logprobs")]:
+                          ({"top_logprobs": 2}, "top_logprobs needs logprobs"),
+                          ({"prompt_logprobs": 21}, r"prompt_logprobs must be in \[0, 20\]")]:
         with pytest.raises(ConfigError, match=fragment):
             SamplingParams(**bad)
 
