@@ -129,6 +129,9 @@ class Engine:
             self.cache.copy_slot(src, slot, n - 1, prefix)
             t.prefill_pos[slot] = t.num_cached[slot] = n - 1
             t.prefix_len[slot] = 0
+            copy_prompt = getattr(self.proposer, "copy_prompt", None)  # the drafter's state of the prompt
+            if copy_prompt is not None:
+                copy_prompt(src, slot, n)
             if t.prompt_logprobs[slot]:  # (the prompt's, computed by sample 0's prefill)
                 room.copy(src, slot, 1, n)
         if req.params.n > 1 and req.sample_index == 0:
@@ -168,7 +171,7 @@ class Engine:
 
     def _source_slot(self, req: Request) -> int | None:
         """The slot of `req`'s sample 0 while it runs, for a later sample that may copy its prompt's rows (a
-        drafter that keeps no state of the prompt); None."""
+        drafter that keeps no state of the prompt, or copies it: Proposer.clone_safe); None."""
         if not req.sample_index or not getattr(self.proposer, "clone_safe", False):
             return None
         key = (req.id, req.index)

@@ -57,9 +57,86 @@ def test_greedy_samples_agree_and_penalties_hold(tiny_model64, prompts):
     assert out[1].stats.num_cached_prompt_tokens == len(prompts[0]) - 1
 
 
+@pytest.fixture(scope="module")
+def drafter_specs(tmp_path_factory) -> dict[str, SpecConfig]:
+    """Random drafters of every learned kind for the tiny model, each as its SpecConfig."""
+    from heads import random_eagle, random_eagle3, random_hydra, random_medusa
+
+    from specgen.config import EagleConfig, MtpConfig
+    from specgen.drafters.eagle import save_eagle
+    from specgen.drafters.eagle3 import save_eagle3
+    from specgen.drafters.hydra import save_hydra
+    from specgen.drafters.medusa import save_medusa
+    from specgen.drafters.mtp import random_mtp_weights, save_mtp
+    from specgen.models import load_checkpoint
+    from specgen.models.export import first_layers, save_hf
+
+    d = tmp_path_factory.mktemp("drafters")
+    ckpt = load_checkpoint(TINY / "llama")
+    save_mtp(d / "mtp", random_mtp_weights(ckpt.config, seed=0, std=0.02))
+    save_hf(first_layers(ckpt, 1), d / "cut")
+    save_medusa(d / "medusa", *random_medusa(ckpt.config, 3, 0))
+    save_hydra(d / "hydra", *random_hydra(ckpt.config, 3, 0))
+    save_eagle(d / "eagle", random_eagle(ckpt.config, 0), ckpt.config)
+    lm = np.asarray(ckpt.weights["lm_head.weight"], np.float32)
+    save_eagle3(d / "eagle3", random_eagle3(ckpt.config, 0, lm, np.arange(0, ckpt.config.vocab_size, 2)),
+                ckpt.config, (0, 1, 2))
+    common = dict(num_speculative_tokens=3, adaptive=False)
+    tree = EagleConfig(topk=2, nodes=6, copy=0)
+    return {"mtp": SpecConfig(method="mtp", mtp=MtpConfig(model=str(d / "mtp")), **common),
+            "draft_model": SpecConfig(method="draft_model", draft_model=str(d / "cut"), **common),
+            **{m: SpecConfig(method=m, draft_model=str(d / m), **common) for m in ("medusa", "hydra")},
+            **{m: SpecConfig(method=m, draft_model=str(d / m), eagle=tree, **common)
+               for m in ("eagle", "eagle3")}}
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft_model", "medusa", "hydra", "eagle", "eagle3"])
+def test_drafters_with_prompt_state_share_the_prefill(tiny_model64, prompts, drafter_specs, method):
+    """Drafters that keep state of the prompt (a head's or layer's cache, a draft model's, Medusa's guesses)
+    copy sample 0's too: later samples prefill one token, and their tokens, every draft offered (the adaptive
+    controller off: the drafts are the drafter's state alone) and drafting statistics equal those of samples
+    that prefilled their whole prompt (batch 1), greedy (every sample the same tokens) and sampled, with
+    chunked prefill."""
+    from specgen.api import make_engine
+
+    spec = drafter_specs[method]
+    stats = ("num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "drafted_per_position")
+
+    def run(batch, temperature, chunk=0):
+        eng = make_engine(tiny_model64, EngineConfig(batch_size=batch, dtype="float64", prefill_chunk=chunk),
+                          spec)
+        drafted, propose = {}, eng.proposer.propose
+
+        def recording(view):  # {(request, sample, length): the drafts offered}
+            d = propose(view)
+            for i, slot in enumerate(view.slots):
+                r = eng.requests[slot]
+                key = (r.id, r.sample_index, int(view.seq_lens[i]))
+                drafted[key] = d.draft_ids[i, : d.num_draft[i]].tolist()
+            return d
+
+        eng.proposer.propose = recording
+        sp = SamplingParams(max_tokens=10, temperature=temperature, seed=5, n=3, ignore_eos=True)
+        reqs = [Request(str(i), i, tuple(p), sp, sample_index=j) for i, p in enumerate(prompts)
+                for j in range(3)]
+        out = sorted(eng.run(reqs), key=lambda o: (o.index, o.sample_index))
+        return out, [(o.token_ids, *(getattr(o.stats, k) for k in stats)) for o in out], drafted
+
+    for temperature in (0.0, 0.9):
+        shared, got, drafts = run(9, temperature)
+        alone, want, drafts_alone = run(1, temperature)
+        assert got == want
+        assert drafts == drafts_alone and sum(map(len, drafts.values())) > 0
+        assert [o.stats.num_cached_prompt_tokens for o in shared] == [
+            len(prompts[o.index]) - 1 if o.sample_index else 0 for o in shared]
+        assert all(o.stats.num_cached_prompt_tokens == 0 for o in alone)
+        assert sum(o.stats.num_draft_tokens for o in shared) > 0
+    assert run(6, 0.9, chunk=8)[1:] == (want, drafts_alone)
+
+
 def test_drafters_that_keep_prompt_state_prefill_each_sample(tiny_model64, prompts):
-    """A drafter that keeps state of the prompt (here a head drafting from hidden states) is not given copied
-    rows: each sample prefills, with the same tokens."""
+    """A drafter that keeps state of the prompt and cannot copy it (clone_safe False: multi-module MTP) is not
+    given copied rows: each sample prefills, with the same tokens."""
     from specgen.engine.proposers.base import NoProposer
 
     class Stateful(NoProposer):

@@ -33,6 +33,10 @@ class Proposer(Protocol):
     # batch-1 step: 0.95x).
     # MTP with copies keeps copying for detached slots.
     idle_when_detached: bool
+    # A later sample of a request may copy its sample 0's prompt rows (the engine's n samples): the drafter
+    # keeps no state of the prompt, or gives the sample sample 0's by an optional
+    # copy_prompt(src slot, dst slot, prompt length). False: each sample prefills its prompt.
+    clone_safe: bool
 
     def propose(self, view: SlotView) -> DraftTokens:
         """Drafts for the decoding slots of the coming step."""

@@ -68,6 +68,23 @@ class DraftModelProposer:
             self.drafts = np.zeros((num_slots, self.k), np.int64)
             self.num_drafts = np.zeros(num_slots, np.int64)
 
+    clone_safe = True  # copy_prompt gives a sample its sample 0's rows of the prompt
+
+    def copy_prompt(self, src: int, dst: int, n: int) -> None:
+        """`dst` takes `src`'s draft cache rows of a prompt of `n` tokens (the draft's KV of a position
+        depends on the tokens up to it: the prompt's alone), a shared prefix's rows as its own, as the engine
+        copies the main cache's (a sample given its sample 0's prefill); the draft feeds the rest at dst's
+        first step."""
+        if self.cache is None:  # (nothing observed yet: speculation ruled out before any step)
+            return
+        shift = int(self.shift[src])
+        end = min(n, int(self.valid[src]))  # main-model positions [.., end) exact in src's rows
+        pre = int(self.prefix_lens[src]) if self.cache.prefix is not None else 0
+        if end - shift > 0:
+            self.cache.copy_slot(src, dst, end - shift, pre)
+        self.shift[dst], self.valid[dst], self.prefix_lens[dst] = shift, max(end, shift), 0
+        self.num_drafts[dst] = 0
+
     def export_slot(self, slot: int, seq_len: int) -> dict:
         """`slot`'s drafting state, for a hand-off to another engine (import_slot): the draft cache's rows up
         to the last one its chain may have written (its positions [0, seq_len - shift + k)), a shared prefix's

@@ -97,6 +97,10 @@ class MedusaProposer:
         num = np.where(self.ready[view.slots], width, 0).astype(np.int64)
         return DraftTokens(ids, num, None, np.broadcast_to(self.parents, (n, width)).copy())
 
+    # its state is the guesses from a slot's last hidden state: a sample that copies its prompt's rows and
+    # prefills the last token makes its own
+    clone_safe = True
+
     def export_slot(self, slot: int, seq_len: int) -> dict:
         """`slot`'s guesses for its next step, for a hand-off to another engine (import_slot)."""
         self._grow(slot + 1)

@@ -147,6 +147,26 @@ class MtpProposer:
             self.copy_at = np.full(num_slots, -1, np.int64)
             self.shift = np.zeros(num_slots, np.int64)  # [num_slots] main position - head position
 
+    @property
+    def clone_safe(self) -> bool:
+        """A sample may copy another's prompt rows (copy_prompt gives it the head's too): with one module
+        (module i >= 1 is exact i positions behind module 0, its boundary and carried row those of the
+        sample's own tokens: several modules prefill each sample)."""
+        return len(self.heads) == 1
+
+    def copy_prompt(self, src: int, dst: int, n: int) -> None:
+        """`dst` takes `src`'s head cache rows of a prompt of `n` tokens but its last (the rows of positions
+        [shift, n - 1): the prompt's alone; position n - 1 pairs with the sample's own first token), as the
+        engine copies the main cache's (a sample given its sample 0's prefill); the head catches up the rest
+        at dst's first step."""
+        if self.cache is None:  # (nothing observed yet: speculation ruled out before any step)
+            return
+        shift = int(self.shift[src])
+        if n - 1 - shift > 0:
+            self.cache.copy_slot(src, dst, n - 1 - shift)
+        self.shift[dst], self.valid[:, dst] = shift, shift
+        self.num_drafts[dst], self.copy_at[dst] = 0, -1
+
     def export_slot(self, slot: int, seq_len: int) -> dict:
         """`slot`'s drafting state, for a hand-off to another engine (import_slot): each module's cache rows
         up to the last one its chained drafts may have written (head positions [0, seq_len - shift + k)), its
