@@ -5,12 +5,14 @@ decoding, and whether speculation keeps its gain under them.
 
 1. Plain decoding on the default model (fused backend), Spec-Bench prompts, exactly --max-tokens tokens each
    (ignore_eos): greedy; greedy with logprobs and 5 top_logprobs; greedy with repetition_penalty 1.1, presence
-   0.3, frequency 0.3; each as tok/s and as a ratio to greedy, arms alternated within each repeat (medians of
-   the repeats' ratios; the first repeat a warm-up).
+   0.3, frequency 0.3; each as tok/s and as a ratio to greedy; and sampled (T 0.8, top-p 0.95) with and
+   without logprobs (what they cost where the logits are computed anyway); arms alternated within each
+   repeat (medians of the repeats' ratios; the first repeat a warm-up).
 2. MBPP code rewrites at batch 1: ngram (k 5) over plain decoding, without and with the penalties (the same
    penalties in both arms of each ratio), so the two speedups compare.
 3. n samples (--samples, T 0.8, ignore_eos) of each Spec-Bench summarization and RAG prompt (--per-set each)
-   at batch n: one record with n against the same job written as n copies of each prompt (n prefills).
+   at batch n: one record with n against the same job written as n copies of each prompt (n prefills), for
+   each of --sample-methods (the shipped drafters: their state of the prompt is copied with the KV rows).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from common import load_sets, machine, print_table, timed
 from plain import prompts
 
 PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.3, frequency_penalty=0.3)
+SAMPLED = dict(temperature=0.8, top_p=0.95, seed=1)
 
 
 def alternated(lm, ids, arms: dict, repeats: int) -> dict[str, list[float]]:
@@ -51,6 +54,8 @@ def main() -> None:
     ap.add_argument("--mbpp", type=int, default=4)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--per-set", type=int, default=2)
+    ap.add_argument("--sample-methods", nargs="+", default=["none", "mtp", "eagle"])
+    ap.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3], help="which of the three to run")
     args = ap.parse_args()
     from specgen import EngineConfig, SamplingParams, SpecConfig, load_model
 
@@ -59,18 +64,24 @@ def main() -> None:
     base = dict(max_tokens=args.max_tokens, ignore_eos=True)
     plain, ngram = SpecConfig(), SpecConfig(method="ngram", num_speculative_tokens=5)
     rows = []
-    for bs in args.batch_sizes:
+    for bs in args.batch_sizes if 1 in args.parts else []:
         n = 4 if bs == 1 else bs
         ids = [list(lm.tokenizer.encode_chat(m)) for m in prompts(n)]
         engine = EngineConfig(batch_size=bs, max_prefill_tokens=8192)
         arms = {"greedy": (SamplingParams(**base), engine, plain),
                 "logprobs": (SamplingParams(**base, logprobs=True, top_logprobs=5), engine, plain),
-                "penalties": (SamplingParams(**base, **PENALTIES), engine, plain)}
+                "penalties": (SamplingParams(**base, **PENALTIES), engine, plain),
+                "sampled": (SamplingParams(**base, **SAMPLED), engine, plain),
+                "sampled+lp": (SamplingParams(**base, **SAMPLED, logprobs=True, top_logprobs=5), engine,
+                               plain)}
         tok_s = alternated(lm, ids, arms, args.repeats)
         rows.append([bs, n, float(np.median(tok_s["greedy"])), ratio(tok_s, "logprobs", "greedy"),
-                     ratio(tok_s, "penalties", "greedy")])
-    print_table(["batch", "requests", "greedy tok/s", "logprobs / greedy", "penalties / greedy"], rows, 3)
+                     ratio(tok_s, "penalties", "greedy"), ratio(tok_s, "sampled+lp", "sampled")])
+    print_table(["batch", "requests", "greedy tok/s", "logprobs / greedy", "penalties / greedy",
+                 "sampled: logprobs / none"], rows, 3)
     print(flush=True)
+    if 2 not in args.parts:
+        return samples(lm, args) if 3 in args.parts else None
     code = [list(lm.tokenizer.encode_chat(m)) for m in load_sets(0, args.mbpp)["code_rewrite"]]
     engine = EngineConfig(batch_size=1)
     sp = SamplingParams(max_tokens=args.max_tokens)
@@ -83,6 +94,14 @@ def main() -> None:
                  ["penalties", float(np.median(tok_s["plain+pen"])),
                   ratio(tok_s, "ngram+pen", "plain+pen")]], 3)
     print(flush=True)
+    if 3 in args.parts:
+        samples(lm, args)
+
+
+def samples(lm, args) -> None:
+    """Part 3: n samples against n copies of each prompt, per method."""
+    from specgen import EngineConfig, SamplingParams, SpecConfig
+
     sets = load_sets(args.per_set, 0)
     n, rows = args.samples, []
     for name in ("summarization", "rag"):
@@ -90,12 +109,14 @@ def main() -> None:
         sampled = dict(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.8, seed=1)
         engine = EngineConfig(batch_size=n, max_prefill_tokens=8192)
         copies = [c for c in chats for _ in range(n)]
-        tok_s = alternated(lm, chats, {"n": (SamplingParams(**sampled, n=n), engine, plain),
-                                       "copies": (SamplingParams(**sampled), engine, plain, copies)},
-                           args.repeats)
-        rows.append([name, len(chats), float(np.median(tok_s["copies"])), float(np.median(tok_s["n"])),
-                     ratio(tok_s, "n", "copies")])
-    print_table(["set", "prompts", f"{n} copies tok/s", f"n = {n} tok/s", "n / copies"], rows, 3)
+        for method in args.sample_methods:
+            spec = SpecConfig(method=method)
+            tok_s = alternated(lm, chats, {"n": (SamplingParams(**sampled, n=n), engine, spec),
+                                           "copies": (SamplingParams(**sampled), engine, spec, copies)},
+                               args.repeats)
+            rows.append([name, method, len(chats), float(np.median(tok_s["copies"])),
+                         float(np.median(tok_s["n"])), ratio(tok_s, "n", "copies")])
+    print_table(["set", "method", "prompts", f"{n} copies tok/s", f"n = {n} tok/s", "n / copies"], rows, 3)
 
 
 if __name__ == "__main__":

@@ -227,7 +227,8 @@ class FusedBackend:
                  top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """specgen_logprobs: every row in one operator, one pass for the normalizer and one for the top
         (the reference's rule: layers/logprobs.py)."""
-        picked = paddle.gather(logits, paddle.to_tensor(rows))
+        whole = len(rows) == logits.shape[0] and np.array_equal(rows, np.arange(len(rows)))
+        picked = logits if whole else paddle.gather(logits, paddle.to_tensor(rows))  # (every row: no copy)
         lp, ids, top_lp = args.logprobs(self.ops, picked, paddle.to_tensor(tokens.astype(np.int64)), top)
         return lp.numpy(), ids.numpy(), top_lp.numpy()
 

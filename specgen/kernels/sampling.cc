@@ -279,14 +279,42 @@ inline bool before(const Scored& a, const Scored& b) {
   return a.value > b.value || (a.value == b.value && a.id < b.id);
 }
 
+constexpr int64_t kMaxBlock = 64;  // tokens per block of the row's block maxima (logprob_row)
+
+// The largest of x[0..len), 16 lanes at a time where the block is whole (a loop the compiler vectorizes; the
+// largest value is the same in any order).
+template <typename T>
+T block_max(const T* x, int64_t len) {
+  T best = x[0];
+  if (len == kMaxBlock) {
+    T lanes[16];
+    for (int l = 0; l < 16; ++l) lanes[l] = x[l];
+    for (int64_t i = 16; i < kMaxBlock; i += 16) {
+      for (int l = 0; l < 16; ++l) lanes[l] = x[i + l] > lanes[l] ? x[i + l] : lanes[l];
+    }
+    for (int l = 0; l < 16; ++l) best = lanes[l] > best ? lanes[l] : best;
+    return best;
+  }
+  for (int64_t i = 1; i < len; ++i) best = x[i] > best ? x[i] : best;
+  return best;
+}
+
 // One row's log-softmax at `token` and its `top` most likely tokens (most likely first, the lower id first on a
-// tie), in double: max, then the sum of exp(x - max) in token order, 8 partial sums; the top by a heap of the
-// best so far, whose worst is on top (a token equal to it comes later in id order, so it never enters).
+// tie), in double: the maximum of every block of 64 tokens (the row's max is theirs), then the sum of
+// exp(x - max) in token order, 8 partial sums; the top by a heap of the best so far, whose worst is on top (a
+// token equal to it comes later in id order, so it never enters), skipping the blocks whose maximum cannot
+// enter a full heap.
 template <typename T>
 double logprob_row(const T* x, int64_t v, int64_t token, int64_t top, int64_t* top_ids, double* top_lp,
-                   std::vector<Scored>& heap) {
-  double m = static_cast<double>(x[0]);
-  for (int64_t i = 1; i < v; ++i) m = static_cast<double>(x[i]) > m ? static_cast<double>(x[i]) : m;
+                   std::vector<Scored>& heap, std::vector<T>& maxima) {
+  const int64_t num_blocks = (v + kMaxBlock - 1) / kMaxBlock;
+  maxima.resize(num_blocks);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    maxima[b] = block_max<T>(x + b * kMaxBlock, std::min(kMaxBlock, v - b * kMaxBlock));
+  }
+  T row_max = maxima[0];
+  for (int64_t b = 1; b < num_blocks; ++b) row_max = maxima[b] > row_max ? maxima[b] : row_max;
+  const double m = static_cast<double>(row_max);
   double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;
   for (; i + 8 <= v; i += 8) {
@@ -297,15 +325,21 @@ double logprob_row(const T* x, int64_t v, int64_t token, int64_t top, int64_t* t
   const double lse = m + std::log(sum);
   if (top > 0) {
     heap.clear();
-    for (int64_t j = 0; j < v; ++j) {
-      const Scored s{static_cast<double>(x[j]), j};
-      if (static_cast<int64_t>(heap.size()) < top) {
-        heap.push_back(s);
-        std::push_heap(heap.begin(), heap.end(), before);
-      } else if (s.value > heap.front().value) {
-        std::pop_heap(heap.begin(), heap.end(), before);
-        heap.back() = s;
-        std::push_heap(heap.begin(), heap.end(), before);
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      // (a full heap takes only values above its worst, which only rises)
+      if (static_cast<int64_t>(heap.size()) == top && !(static_cast<double>(maxima[b]) > heap.front().value)) {
+        continue;
+      }
+      for (int64_t j = b * kMaxBlock; j < std::min(v, (b + 1) * kMaxBlock); ++j) {
+        const Scored s{static_cast<double>(x[j]), j};
+        if (static_cast<int64_t>(heap.size()) < top) {
+          heap.push_back(s);
+          std::push_heap(heap.begin(), heap.end(), before);
+        } else if (s.value > heap.front().value) {
+          std::pop_heap(heap.begin(), heap.end(), before);
+          heap.back() = s;
+          std::push_heap(heap.begin(), heap.end(), before);
+        }
       }
     }
     std::sort(heap.begin(), heap.end(), before);
@@ -324,7 +358,8 @@ void logprob_rows(const T* x, int64_t n, int64_t v, const int64_t* tok, int64_t 
 #pragma omp parallel for schedule(static, 1) if (n > 1)
   for (int64_t r = 0; r < n; ++r) {
     static thread_local std::vector<Scored> heap;
-    out[r] = logprob_row<T>(x + r * v, v, tok[r], top, id + r * top, tl + r * top, heap);
+    static thread_local std::vector<T> maxima;
+    out[r] = logprob_row<T>(x + r * v, v, tok[r], top, id + r * top, tl + r * top, heap, maxima);
   }
 }
 

@@ -24,10 +24,11 @@ from specgen.models import load_checkpoint
 
 # Half the records sample (their own temperature), half are greedy. The first batch's prompts share a long
 # prefix (computed once into its own cache: cascade attention, Engine.share_prefix); prompts are prefilled 16
-# tokens a step.
+# tokens a step. Two ask for their prompt's log-probabilities.
 PREFIX = "You are a careful assistant. Answer briefly and exactly, in one line, without a preamble. "
 RECORDS = [{"id": f"r{i}", "prompt": (PREFIX if i < 3 else "") + f"request {i}: " + "abc " * (i % 5),
-            "max_tokens": 6 + i % 7, **({"temperature": 0.9} if i % 2 else {})} for i in range(10)]
+            "max_tokens": 6 + i % 7, **({"temperature": 0.9} if i % 2 else {}),
+            **({"prompt_logprobs": 2} if i in (1, 5) else {})} for i in range(10)]
 
 
 def test_kv_heads_sharded_replicated_or_padded():
@@ -105,6 +106,12 @@ def assert_same_tokens(one: dict[str, dict], tp: dict[str, dict]) -> None:
     assert sorted(tp) == sorted(one)
     for rid, rec in one.items():
         assert (tp[rid]["token_ids"], tp[rid]["text"]) == (rec["token_ids"], rec["text"]), rid
+        assert (tp[rid]["prompt_logprobs"] is None) == (rec["prompt_logprobs"] is None), rid
+        if rec["prompt_logprobs"] is not None:  # (the ranks' LM head reduces in another order)
+            for a, b in zip(tp[rid]["prompt_logprobs"][1:], rec["prompt_logprobs"][1:], strict=True):
+                assert a["token_id"] == b["token_id"] and abs(a["logprob"] - b["logprob"]) < 1e-9, rid
+                assert [t["token_id"] for t in a["top_logprobs"]] == [t["token_id"]
+                                                                      for t in b["top_logprobs"]]
 
 
 @pytest.mark.parametrize("arch, method, ranks", [
