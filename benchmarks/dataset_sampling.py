@@ -7,7 +7,9 @@ decoding, and whether speculation keeps its gain under them.
    (ignore_eos): greedy; greedy with logprobs and 5 top_logprobs; greedy with repetition_penalty 1.1, presence
    0.3, frequency 0.3; each as tok/s and as a ratio to greedy; and sampled (T 0.8, top-p 0.95) with and
    without logprobs (what they cost where the logits are computed anyway); arms alternated within each
-   repeat (medians of the repeats' ratios; the first repeat a warm-up).
+   repeat (medians of the repeats' ratios; the first repeat a warm-up). Then one decode step of that many
+   slots at position 300: the forward without logits (greedy's screened LM head) and with them, and the
+   log-probabilities operator (top 5) on its rows: what log-probabilities add to a step.
 2. MBPP code rewrites at batch 1: ngram (k 5) over plain decoding, without and with the penalties (the same
    penalties in both arms of each ratio), so the two speedups compare.
 3. n samples (--samples, T 0.8, ignore_eos) of each Spec-Bench summarization and RAG prompt (--per-set each)
@@ -40,6 +42,34 @@ def alternated(lm, ids, arms: dict, repeats: int) -> dict[str, list[float]]:
             if rep:
                 tok_s[name].append(sum(len(o.token_ids) for o in outs) / wall)
     return tok_s
+
+
+def step_costs(lm, batch: int, repeats: int, position: int = 300) -> list:
+    """[batch, decode step ms (no logits), + logits ms, + operator ms, share]: medians over alternated
+    repeats of one decode step of `batch` slots at `position`."""
+    import time
+
+    from specgen.runtime.batch import build_forward_batch
+
+    m, rng = lm.model, np.random.default_rng(0)
+    cache = m.new_cache(batch, position + 16)
+    slots = np.arange(batch)
+    prompts = rng.integers(0, m.config.vocab_size, batch * position)
+    m.forward(build_forward_batch(slots, np.zeros(batch, np.int64), np.full(batch, position), prompts,
+                                  np.zeros(batch, bool)), cache, logits=False)
+    step = build_forward_batch(slots, np.full(batch, position), np.ones(batch, np.int64),
+                               rng.integers(0, m.config.vocab_size, batch), np.zeros(batch, bool))
+    times: dict[str, list[float]] = {"plain": [], "logits": [], "op": []}
+    for _ in range(repeats):
+        for name in ("plain", "logits"):
+            start = time.perf_counter()
+            out = m.forward(step, cache, logits=name == "logits")
+            times[name].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        m.logprobs(out.logits, slots, out.greedy, 5)
+        times["op"].append(time.perf_counter() - start)
+    plain, logits, op = (1e3 * float(np.median(times[k])) for k in ("plain", "logits", "op"))
+    return [batch, plain, logits - plain, op, (logits - plain + op) / plain]
 
 
 def ratio(tok_s: dict[str, list[float]], a: str, b: str) -> float:
@@ -80,6 +110,10 @@ def main() -> None:
     print_table(["batch", "requests", "greedy tok/s", "logprobs / greedy", "penalties / greedy",
                  "sampled: logprobs / none"], rows, 3)
     print(flush=True)
+    if 1 in args.parts:
+        print_table(["batch", "step ms", "logits ms", "operator ms", "share of the step"],
+                    [step_costs(lm, bs, 9 * args.repeats + 12) for bs in args.batch_sizes], 3)
+        print(flush=True)
     if 2 not in args.parts:
         return samples(lm, args) if 3 in args.parts else None
     code = [list(lm.tokenizer.encode_chat(m)) for m in load_sets(0, args.mbpp)["code_rewrite"]]

@@ -80,6 +80,7 @@ class Engine:
         self.kv_memory = KvMemory(self.cache, config, self.context_len)  # admission checks it
         self.table = SlotTable.empty(config.batch_size, 256)
         self.logprob_table: LogprobTable | None = None  # made when a request first asks for log-probabilities
+        self.pieces: dict[int, str] = {}  # each token's text, as a log-probability entry names it (_piece)
         # each slot's logit bias and its stop token ids, made when a request first has one
         self.bias_table: SlotLists | None = None
         self.stop_table: SlotLists | None = None
@@ -256,10 +257,15 @@ class Engine:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
     def _piece(self, token_id: int) -> str:
-        """One token's text, special tokens included (a log-probability entry's `token`)."""
+        """One token's text, special tokens included (a log-probability entry's `token`); each kept once
+        decoded (a job's entries name the same tokens again and again: 12,288 decodes were 0.9% of a
+        32-request job with top_logprobs 5)."""
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        piece = self.pieces.get(token_id)
+        if piece is None:
+            piece = self.pieces[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return piece
 
     # ---- the loop ----
 
