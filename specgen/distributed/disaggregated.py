@@ -50,8 +50,8 @@ class Handoff:
     sent: float  # time.time() when it was packed
     # a request asking for log-probabilities: those of its output so far (LogprobTable's rows from its prompt
     # length to its length; from position 1, its prompt's too, for prompt_logprobs): logprob [n], top ids
-    # [n, top], top logprobs [n, top]
-    logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    # [n, top], top logprobs [n, top], ranks [n]
+    logprobs: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
     logprobs_from: int = 0  # the position of the first
 
 
@@ -100,7 +100,7 @@ class PrefillEngine(Engine):
             lt, top = self.logprob_table, max(int(t.top_logprobs[slot]), int(t.prompt_top[slot]))
             out = slice(first, seq_len)
             logprobs = (lt.logprob[slot, out].copy(), lt.top_ids[slot, out, :top].copy(),
-                        lt.top_logprobs[slot, out, :top].copy())
+                        lt.top_logprobs[slot, out, :top].copy(), lt.rank[slot, out].copy())
         t.active[slot] = False
         self.requests[slot] = None
         if self.grammars is not None:

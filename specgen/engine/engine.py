@@ -178,7 +178,16 @@ class Engine:
         key = (req.id, req.index)
         s = self.samples_of.get(key)
         running = None if s is None else self.requests[s]
-        return s if running is not None and (running.id, running.index) == key else None
+        if running is None or (running.id, running.index) != key:
+            return None
+        # A drafter that copies its state of the prompt has none for a slot the controller placed detached
+        # (it never caught up): the sample prefills its prompt (unless speculation is off for good: then no
+        # drafter state is ever read)
+        c = self.controller
+        if (getattr(self.proposer, "copy_prompt", None) is not None and c is not None and not c.off
+                and c.detached(np.array([s]))[0]):
+            return None
+        return s
 
     def _held(self, req: Request, admitting: list[Request]) -> bool:
         """Whether `req` waits for its sample 0's prefill, to copy it (the scheduler's hold): sample 0 runs
@@ -229,7 +238,7 @@ class Engine:
         if t.prompt_logprobs[slot]:  # (the first prompt token has none: nothing comes before it)
             top = min(int(t.prompt_top[slot]), self.model.config.vocab_size)
             prompt_logprobs = [None, *self.logprob_table.entries(slot, 1, list(req.prompt_ids[1:]), top,
-                                                                 self._piece)]
+                                                                 self._piece, ranked=True)]
         stats = t.stats(slot)
         if self.grammars is not None and self.grammars.active[slot]:
             stats.num_forced_tokens = int(self.grammars.num_forced[slot])
@@ -415,7 +424,8 @@ class Engine:
     def _prompt_logprobs(self, plan: StepPlan, blocks: StepBlocks, hidden) -> None:
         """The log-probabilities of the prompt tokens the step's prompt chunks predict (each row's next
         token, where it is still the prompt's), for the slots that ask, into logprob_table at the positions
-        of those tokens: the LM head over the rows' final hidden states, PROMPT_ROWS rows at a time."""
+        of those tokens, with their ranks (1 + the tokens more likely: vLLM's): the LM head over the rows'
+        final hidden states, PROMPT_ROWS rows at a time."""
         t, num_dec = self.table, len(plan.dec)
         want = np.nonzero(t.prompt_logprobs[plan.new])[0]  # [m] indices into plan.new
         lens = plan.chunk[want]
@@ -430,9 +440,11 @@ class Engine:
         for a in range(0, len(rows), PROMPT_ROWS):
             b = slice(a, a + PROMPT_ROWS)
             logits = self.model.logits(paddle.gather(hidden, paddle.to_tensor(rows[b])))
-            logprob, top_ids, top_lp = self.model.logprobs(logits, np.arange(len(rows[b])),
-                                                           t.tokens[slot[b], pos[b] + 1], top)
-            self.logprob_table.write(slot[b], pos[b] + 1, logprob, top_ids, top_lp)
+            target = t.tokens[slot[b], pos[b] + 1]
+            logprob, top_ids, top_lp = self.model.logprobs(logits, np.arange(len(rows[b])), target, top)
+            own = paddle.take_along_axis(logits, paddle.to_tensor(target[:, None]), axis=1)  # [r, 1]
+            rank = 1 + paddle.sum((logits > own).astype("int64"), axis=1).numpy()
+            self.logprob_table.write(slot[b], pos[b] + 1, logprob, top_ids, top_lp, rank)
 
     @classmethod
     def _verify(cls, plan: StepPlan, blocks: StepBlocks, targets: np.ndarray):

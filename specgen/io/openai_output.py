@@ -92,14 +92,14 @@ class SampleGroups:
 
 def _vllm_prompt_entry(e: dict[str, Any] | None) -> dict[str, dict[str, Any]] | None:
     """A prompt position's log-probabilities in vLLM's shape (its OpenAI server's `prompt_logprobs`): token id
-    (a string, as JSON keys are) -> {logprob, rank, decoded_token}, the prompt's token and the top ones; rank
-    is the place among the top (1 the most likely), null for a prompt token outside it."""
+    (a string, as JSON keys are) -> {logprob, rank, decoded_token}, the prompt's token (its rank in the
+    vocabulary) and the top ones (their place in the top)."""
     if e is None:
         return None
-    out = {str(t["token_id"]): {"logprob": t["logprob"], "rank": r, "decoded_token": t["token"]}
-           for r, t in enumerate(e["top_logprobs"], 1)}
-    return {str(e["token_id"]): out.get(str(e["token_id"]), {"logprob": e["logprob"], "rank": None,
-                                                             "decoded_token": e["token"]}), **out}
+    out = {str(e["token_id"]): {"logprob": e["logprob"], "rank": e["rank"], "decoded_token": e["token"]}}
+    for r, t in enumerate(e["top_logprobs"], 1):
+        out.setdefault(str(t["token_id"]), {"logprob": t["logprob"], "rank": r, "decoded_token": t["token"]})
+    return out
 
 
 def _bytes(token: str) -> list[int] | None:
@@ -141,5 +141,5 @@ def native_records(line: dict[str, Any]) -> list[dict[str, Any]] | None:
         return None
     choices = body.get("choices") or [{}] * len(own)
     texts = [c.get("text", (c.get("message") or {}).get("content", "")) for c in choices]
-    return [{**o, "text": (texts[i] if i < len(texts) else "") or "", "logprobs": None}
-            for i, o in enumerate(own)]
+    return [{**o, "text": (texts[i] if i < len(texts) else "") or "", "logprobs": None,
+             "prompt_logprobs": None} for i, o in enumerate(own)]

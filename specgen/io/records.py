@@ -204,8 +204,6 @@ def _check_sampling(values: dict[str, Any], record_id: str) -> tuple[tuple[str, 
                 _check_float(f"logit_bias[{tok}]", bias, record_id)
         elif key in ("logprobs", "ignore_eos") and isinstance(value, bool):
             pass
-        elif key == "prompt_logprobs" and value is None:  # vLLM's default: off
-            continue
         elif key == "ignore_eos":
             raise RecordError(f"ignore_eos must be a boolean, got {_type_name(value)}", record_id)
         elif key == "stop_token_ids":

@@ -44,7 +44,8 @@ def arrow_schema():
         ("method", pa.string()),
         ("error", pa.string()),
         ("logprobs", pa.list_(pa.struct([*TOKEN, ("top_logprobs", pa.list_(pa.struct(TOKEN)))]))),
-        ("prompt_logprobs", pa.list_(pa.struct([*TOKEN, ("top_logprobs", pa.list_(pa.struct(TOKEN)))]))),
+        ("prompt_logprobs", pa.list_(pa.struct([*TOKEN, ("rank", i64),
+                                                ("top_logprobs", pa.list_(pa.struct(TOKEN)))]))),
     ])
 
 

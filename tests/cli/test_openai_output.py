@@ -85,6 +85,7 @@ def test_openai_lines_get_openai_batch_output(tmp_path):
     assert plp[0] is None and entries[0] is None and len(plp) == native["text-plp"]["num_prompt_tokens"] > 2
     for got, e in zip(plp[1:], entries[1:]):
         assert got[str(e["token_id"])]["logprob"] == e["logprob"]
+        assert got[str(e["token_id"])]["rank"] == e["rank"] >= 1
         assert [got[str(t["token_id"])]["rank"] for t in e["top_logprobs"]] == [1, 2]
         assert set(got) == {str(e["token_id"])} | {str(t["token_id"]) for t in e["top_logprobs"]}
     assert "prompt_logprobs" not in lines["text-plp"]["response"]["body"]["specgen"]
@@ -125,3 +126,20 @@ def test_openai_format_refuses_parquet_and_a_changed_format_on_resume(tmp_path):
     assert result.exit_code == 0, result.output
     result, _ = _run(tmp_path, "--output-format", "openai", "--resume", lines=LINES[:1])
     assert result.exit_code == 2 and "output_format" in result.output
+
+
+def test_prompt_logprobs_flag_and_a_record_of_its_own(tmp_path):
+    """--prompt-logprobs K gives every record its prompt's entries (ranked, K top tokens each) but one whose
+    own field says otherwise; null is not given (the run's K); Parquet holds the same."""
+    lines = [{"id": "a", "prompt": "one two three four", "max_tokens": 2, "prompt_logprobs": None},
+             {"id": "b", "prompt": "five six seven", "max_tokens": 2, "prompt_logprobs": 3}]
+    for name in ("out.jsonl", "out.parquet"):
+        result, out = _run(tmp_path, "--prompt-logprobs", "1", name=name, lines=lines)
+        assert result.exit_code == 0, result.output
+        recs = {r["id"]: r for r in read_output(out)}
+        a = recs["a"]["prompt_logprobs"]
+        assert len(a) == recs["a"]["num_prompt_tokens"] > 2 and a[0] is None
+        assert all(len(e["top_logprobs"]) == 1 and e["rank"] >= 1 and e["logprob"] <= 0 for e in a[1:])
+        assert all((e["rank"] == 1) == (e["top_logprobs"][0]["token_id"] == e["token_id"]) for e in a[1:])
+        b = recs["b"]["prompt_logprobs"]
+        assert [len(e["top_logprobs"]) for e in b[1:]] == [3] * (recs["b"]["num_prompt_tokens"] - 1)

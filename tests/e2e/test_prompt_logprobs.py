@@ -18,13 +18,14 @@ def prompts():
 
 
 def _check(ref, prompt, entries, top):
-    """`entries` are the prompt's: None first, then each token's log-probability and the `top` most likely
-    at its position, as the teacher-forced log-softmax gives them (1e-9)."""
+    """`entries` are the prompt's: None first, then each token's log-probability, its rank and the `top` most
+    likely at its position, as the teacher-forced log-softmax gives them (1e-9)."""
     assert len(entries) == len(prompt) and entries[0] is None
     lsm = _teacher_forced(ref, prompt)[:-1]  # row j predicts prompt token j + 1
     for j, e in enumerate(entries[1:]):
         assert e["token_id"] == prompt[j + 1]
         assert abs(e["logprob"] - lsm[j, prompt[j + 1]]) < 1e-9
+        assert e["rank"] == 1 + int((lsm[j] > lsm[j, prompt[j + 1]]).sum())  # (vLLM's rank)
         order = np.lexsort((np.arange(lsm.shape[1]), -lsm[j]))[:top]
         assert [t["token_id"] for t in e["top_logprobs"]] == order.tolist()
         assert np.allclose([t["logprob"] for t in e["top_logprobs"]], lsm[j, order], atol=1e-9, rtol=0)

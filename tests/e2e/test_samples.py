@@ -90,13 +90,30 @@ def drafter_specs(tmp_path_factory) -> dict[str, SpecConfig]:
                for m in ("eagle", "eagle3")}}
 
 
-@pytest.mark.parametrize("method", ["mtp", "draft_model", "medusa", "hydra", "eagle", "eagle3"])
-def test_drafters_with_prompt_state_share_the_prefill(tiny_model64, prompts, drafter_specs, method):
+def _recording(eng) -> dict:
+    """Record every draft the engine's proposer offers: {(request, sample, length): drafts}."""
+    drafted, propose = {}, eng.proposer.propose
+
+    def recording(view):
+        d = propose(view)
+        for i, slot in enumerate(view.slots):
+            r = eng.requests[slot]
+            drafted[(r.id, r.sample_index, int(view.seq_lens[i]))] = d.draft_ids[i, : d.num_draft[i]].tolist()
+        return d
+
+    eng.proposer.propose = recording
+    return drafted
+
+
+@pytest.mark.parametrize("method, window", [("mtp", 0), ("mtp", 8), ("draft_model", 0), ("draft_model", 8),
+                                            ("medusa", 0), ("hydra", 0), ("eagle", 0), ("eagle3", 0)])
+def test_drafters_with_prompt_state_share_the_prefill(tiny_model64, prompts, drafter_specs, method, window):
     """Drafters that keep state of the prompt (a head's or layer's cache, a draft model's, Medusa's guesses)
     copy sample 0's too: later samples prefill one token, and their tokens, every draft offered (the adaptive
     controller off: the drafts are the drafter's state alone) and drafting statistics equal those of samples
     that prefilled their whole prompt (batch 1), greedy (every sample the same tokens) and sampled, with
-    chunked prefill."""
+    chunked prefill; with a prompt window (the drafter reads a prompt's last 8 positions: its rows start
+    there)."""
     from specgen.api import make_engine
 
     spec = drafter_specs[method]
@@ -105,17 +122,9 @@ def test_drafters_with_prompt_state_share_the_prefill(tiny_model64, prompts, dra
     def run(batch, temperature, chunk=0):
         eng = make_engine(tiny_model64, EngineConfig(batch_size=batch, dtype="float64", prefill_chunk=chunk),
                           spec)
-        drafted, propose = {}, eng.proposer.propose
-
-        def recording(view):  # {(request, sample, length): the drafts offered}
-            d = propose(view)
-            for i, slot in enumerate(view.slots):
-                r = eng.requests[slot]
-                key = (r.id, r.sample_index, int(view.seq_lens[i]))
-                drafted[key] = d.draft_ids[i, : d.num_draft[i]].tolist()
-            return d
-
-        eng.proposer.propose = recording
+        if window:
+            eng.proposer.prompt_window = window
+        drafted = _recording(eng)
         sp = SamplingParams(max_tokens=10, temperature=temperature, seed=5, n=3, ignore_eos=True)
         reqs = [Request(str(i), i, tuple(p), sp, sample_index=j) for i, p in enumerate(prompts)
                 for j in range(3)]
@@ -132,6 +141,44 @@ def test_drafters_with_prompt_state_share_the_prefill(tiny_model64, prompts, dra
         assert all(o.stats.num_cached_prompt_tokens == 0 for o in alone)
         assert sum(o.stats.num_draft_tokens for o in shared) > 0
     assert run(6, 0.9, chunk=8)[1:] == (want, drafts_alone)
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft_model"])
+def test_a_detached_sample_0_gives_no_drafter_state(tiny_model64, prompts, drafter_specs, method,
+                                                    monkeypatch):
+    """Under the adaptive controller, a sample 0 placed detached never caught its drafter up on the prompt:
+    its later (attached) samples prefill their prompts rather than copy, and draft what they draft when they
+    prefill alone (the first draft at each length: the controller's depth differs between the runs)."""
+    import dataclasses
+
+    from specgen.api import make_engine
+    from specgen.engine.adaptive.controller import Controller
+
+    reset = Controller.reset
+    spec = dataclasses.replace(drafter_specs[method], adaptive=True)
+
+    def run(batch):
+        eng = make_engine(tiny_model64, EngineConfig(batch_size=batch, dtype="float64"), spec)
+
+        def detach_sample_0(self, slot):  # sample 0 placed detached, the others attached
+            reset(self, slot)
+            self.idle[slot] = self.DETACH_AFTER if eng.requests[slot].sample_index == 0 else 0
+
+        monkeypatch.setattr(Controller, "reset", detach_sample_0)
+        drafted = _recording(eng)
+        sp = SamplingParams(max_tokens=8, temperature=0.9, seed=5, n=2, ignore_eos=True)
+        reqs = [Request(str(i), i, tuple(p), sp, sample_index=j) for i, p in enumerate(prompts[:2])
+                for j in range(2)]
+        out = sorted(eng.run(reqs), key=lambda o: (o.index, o.sample_index))
+        first = {key: d[:1] for key, d in drafted.items() if key[1] == 1 and d}
+        return out, first
+
+    shared, first = run(4)
+    alone, first_alone = run(1)
+    assert [o.token_ids for o in shared] == [o.token_ids for o in alone]
+    assert all(o.stats.num_cached_prompt_tokens == 0 for o in shared)  # no copy from a detached sample 0
+    common = first.keys() & first_alone.keys()
+    assert len(common) >= 4 and all(first[key] == first_alone[key] for key in common)
 
 
 def test_drafters_that_keep_prompt_state_prefill_each_sample(tiny_model64, prompts):

@@ -105,7 +105,7 @@ def test_logprobs_fields():
                           ({"prompt": "hi", "top_logprobs": 1.5}, "top_logprobs must be an integer")]:
         with pytest.raises(RecordError, match=fragment):
             parse_record(raw, "1")
-    # prompt_logprobs (vLLM's): K, or null for off
+    # prompt_logprobs (vLLM's): K; null, as every null field, is not given (a Parquet column's empty cells)
     assert over({"prompt": "hi", "prompt_logprobs": 3}) == {"prompt_logprobs": 3}
     assert over({"prompt": "hi", "prompt_logprobs": None}) == {}
     assert over({**completion, "body": {"prompt": "x", "prompt_logprobs": 0}}) == {"prompt_logprobs": 0}
