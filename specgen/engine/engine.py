@@ -326,7 +326,8 @@ class Engine:
         forward_seconds = time.perf_counter() - start
         self._tally(out)
         # NaN / Inf: these end in error
-        broken = np.isin(slots, nonfinite_slots(out, blocks.batch))  # [num_seqs]
+        bad = nonfinite_slots(out, blocks.batch)
+        broken = np.isin(slots, bad) if len(bad) else np.zeros(len(slots), bool)  # [num_seqs]
         emitted, accepted, path = self._verify(plan, blocks, targets)
         num_emitted = np.concatenate([accepted + 1, plan.final.astype(np.int64)])  # a mid-prompt chunk: none
         stop_ids = None if self.stop_table is None else self.stop_table.ids[slots]
@@ -346,7 +347,7 @@ class Engine:
         if path is not None:
             self._compact(plan.dec, root_rows, path, kept[: len(plan.dec)])
         done = (by_eos | by_stop | (t.seq_len[slots] >= t.max_len[slots]) | broken
-                | np.isin(slots, list(failed)))
+                | (np.isin(slots, list(failed)) if failed else False))
         if not plan.idle:
             feats = out.hidden if out.features is None else out.features  # the drafter's catch-up input
             observe_seconds = self._observe(plan, blocks, produced, kept, done, feats, broken, path)
