@@ -108,8 +108,7 @@ class SamplingParams:
                                     "and min-p; tokens filtered out are not listed).")
     prompt_logprobs: int | None = opt(None, "Also write each prompt token's log-probability given the tokens "
                                             "before it (vLLM's prompt_logprobs; the raw log-softmax) with "
-                                            f"this many most likely tokens (0 to {TOP_LOGPROBS_MAX}); the "
-                                            "prompt is then prefilled whole, not read from a shared prefix.")
+                                            f"this many most likely tokens (0 to {TOP_LOGPROBS_MAX}).")
     repetition_penalty: float = opt(1.0, "Divide the positive logits (multiply the negative ones) of tokens "
                                          "in the prompt or the output so far by this (transformers' and "
                                          "vLLM's); 1 is off.")

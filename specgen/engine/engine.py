@@ -9,7 +9,7 @@ import numpy as np
 import paddle
 
 from specgen.backends.base import RowSampling
-from specgen.config import EngineConfig, SamplingParams, default_threads
+from specgen.config import TOP_LOGPROBS_MAX, EngineConfig, SamplingParams, default_threads
 from specgen.engine.adaptive import Controller, StepReport
 from specgen.engine.adaptive.calibrate import controller_for
 from specgen.engine.grammar import ForcedDrafts, Grammars, ahead, grammar_error
@@ -94,6 +94,9 @@ class Engine:
         self.controller: Controller | None = None  # with `adaptive`, made when the first run starts
         self.prefix_ids: np.ndarray | None = None  # [prefix_tokens] the shared prefix, once computed
         self.prefix_hidden = None  # paddle [prefix_tokens, hidden]
+        # prompt_logprobs of the prefix's own tokens, scored once (_prefix_logprobs): logprob, top ids, top
+        # logprobs, rank of positions 1 .. prefix_tokens - 1
+        self.prefix_scores: tuple[np.ndarray, ...] | None = None
         self.num_steps = 0  # steps run (named in a non-finite request's error)
         # tokens each expert took (MoE)
         self.expert_tokens: np.ndarray | None = None  # [num_routed_blocks, num_experts]
@@ -116,13 +119,16 @@ class Engine:
         # A prompt that starts with the shared prefix skips it
         # (keeping at least one token of its own to prefill).
         shared = 0
-        # (not a prompt whose log-probabilities are asked for: each of its positions is prefilled)
+        # (a prompt whose log-probabilities are asked for reads the prefix's from its final hidden states: not
+        # where they are an EAGLE-3 layer's features instead)
         if (self.prefix_ids is not None and n > 1 and len(self.prefix_ids) <= n
-                and req.params.prompt_logprobs is None):
+                and (req.params.prompt_logprobs is None or not self.features)):
             if np.array_equal(self.prefix_ids, req.prompt_ids[: len(self.prefix_ids)]):
                 shared = min(len(self.prefix_ids), n - 1)
         self.table.place(slot, req, end, shared)
         room = self._logprob_room(req)
+        if shared and self.table.prompt_logprobs[slot]:
+            self._prefix_logprobs(slot, req, shared)
         src = self._source_slot(req)
         if src is not None and self.table.prefilled[src] and n > 1:  # the prompt but its last token, copied
             t = self.table
@@ -425,8 +431,7 @@ class Engine:
     def _prompt_logprobs(self, plan: StepPlan, blocks: StepBlocks, hidden) -> None:
         """The log-probabilities of the prompt tokens the step's prompt chunks predict (each row's next
         token, where it is still the prompt's), for the slots that ask, into logprob_table at the positions
-        of those tokens, with their ranks (1 + the tokens more likely: vLLM's): the LM head over the rows'
-        final hidden states, PROMPT_ROWS rows at a time."""
+        of those tokens, with their ranks: the LM head over the rows' final hidden states (_scored)."""
         t, num_dec = self.table, len(plan.dec)
         want = np.nonzero(t.prompt_logprobs[plan.new])[0]  # [m] indices into plan.new
         lens = plan.chunk[want]
@@ -437,15 +442,40 @@ class Engine:
         pos = np.repeat(t.prefill_pos[plan.new[want]], lens) + off  # [r] each row's position
         keep = pos + 1 < t.prompt_len[slot]  # (a prompt's last row predicts its first output token)
         rows, slot, pos = rows[keep], slot[keep], pos[keep]
-        top = min(int(t.prompt_top[slot].max(initial=0)), self.model.config.vocab_size)
+        if len(rows):
+            top = min(int(t.prompt_top[slot].max()), self.model.config.vocab_size)
+            self.logprob_table.write(slot, pos + 1, *self._scored(hidden, rows, t.tokens[slot, pos + 1], top))
+
+    def _prefix_logprobs(self, slot: int, req: Request, shared: int) -> None:
+        """The prompt entries of positions [1, shared] of `slot`, whose prompt reads its first `shared`
+        positions from the shared prefix: those the prefix's own tokens hold, scored once for every request
+        (with the most top tokens a request may ask), and where the prompt goes past the prefix, its first
+        own token's, from the prefix's last row."""
+        p, vocab = len(self.prefix_ids), self.model.config.vocab_size
+        if self.prefix_scores is None:  # rows 0 .. p - 2 predict the prefix's tokens 1 .. p - 1
+            self.prefix_scores = self._scored(self.prefix_hidden, np.arange(p - 1), self.prefix_ids[1:],
+                                              min(TOP_LOGPROBS_MAX, vocab))
+        top, m = min(req.params.prompt_logprobs, vocab), min(shared, p - 1)
+        logprob, top_ids, top_lp, rank = self.prefix_scores
+        self.logprob_table.write(np.full(m, slot), np.arange(1, m + 1), logprob[:m], top_ids[:m, :top],
+                                 top_lp[:m, :top], rank[:m])
+        if shared == p:  # (the request's token after the prefix)
+            self.logprob_table.write(np.array([slot]), np.array([p]), *self._scored(
+                self.prefix_hidden, np.array([p - 1]), np.array([req.prompt_ids[p]]), top))
+
+    def _scored(self, hidden, rows: np.ndarray, targets: np.ndarray, top: int):
+        """(logprob [r], top ids [r, top], top logprobs [r, top], rank [r]) of each target token at the LM
+        head over hidden[rows] (r >= 1; rank: 1 + the tokens more likely, vLLM's), PROMPT_ROWS rows at a
+        time."""
+        parts = []
         for a in range(0, len(rows), PROMPT_ROWS):
             b = slice(a, a + PROMPT_ROWS)
             logits = self.model.logits(paddle.gather(hidden, paddle.to_tensor(rows[b])))
-            target = t.tokens[slot[b], pos[b] + 1]
-            logprob, top_ids, top_lp = self.model.logprobs(logits, np.arange(len(rows[b])), target, top)
-            own = paddle.take_along_axis(logits, paddle.to_tensor(target[:, None]), axis=1)  # [r, 1]
+            logprob, top_ids, top_lp = self.model.logprobs(logits, np.arange(len(rows[b])), targets[b], top)
+            own = paddle.take_along_axis(logits, paddle.to_tensor(targets[b][:, None]), axis=1)  # [r, 1]
             rank = 1 + paddle.sum((logits > own).astype("int64"), axis=1).numpy()
-            self.logprob_table.write(slot[b], pos[b] + 1, logprob, top_ids, top_lp, rank)
+            parts.append((logprob, top_ids, top_lp, rank))
+        return tuple(np.concatenate(x) for x in zip(*parts))
 
     @classmethod
     def _verify(cls, plan: StepPlan, blocks: StepBlocks, targets: np.ndarray):
@@ -693,7 +723,7 @@ class Engine:
         batch = build_forward_batch(np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([n]), ids,
                                     np.zeros(1, bool))
         out = self.model.forward(batch, pre, features=self.features)
-        self.cache.prefix = pre
+        self.cache.prefix, self.prefix_scores = pre, None
         # [n, hidden] the drafter's catch-up input (EAGLE-3: its features [n, C hidden])
         self.prefix_ids, self.prefix_hidden = ids, out.hidden if out.features is None else out.features
         return n

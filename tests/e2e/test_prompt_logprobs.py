@@ -54,14 +54,15 @@ def test_prompt_logprobs_are_the_teacher_forced_log_softmax(tiny_models, prompts
 
 
 def test_prompt_logprobs_with_shared_prefix_samples_and_speculation(tiny_model64, tiny_ref64):
-    """Prompts sharing a prefix (shared_prefix auto): one that asks prefills its whole prompt (its first
-    positions too), the others still read the prefix; n = 3 samples (later samples copy sample 0's rows and
-    its prompt entries); n-gram speculation: the same entries and tokens as plain decoding at batch 1."""
+    """Prompts sharing a prefix (shared_prefix auto), those that ask too: their entries of the prefix's
+    positions come from its hidden states (scored once), the first past it from its last row, one prompt that
+    is the prefix itself; n = 3 samples (later samples copy sample 0's rows and its prompt entries); n-gram
+    speculation: the same entries and tokens as plain decoding at batch 1."""
     rng = np.random.default_rng(9)
     prefix = rng.integers(3, 250, 70).tolist()
-    prompts = [prefix + rng.integers(3, 250, 5 + i).tolist() for i in range(4)]
+    prompts = [prefix + rng.integers(3, 250, 5 + i).tolist() for i in range(4)] + [prefix]
     sp = [SamplingParams(max_tokens=6, temperature=0.8, seed=1, n=3 if i == 1 else 1,
-                         prompt_logprobs=3 if i % 2 else None) for i in range(4)]
+                         prompt_logprobs=3 if i % 2 or i == 4 else None) for i in range(5)]
     base = generate(prompts, model=tiny_model64, sampling=[dataclasses.replace(s, prompt_logprobs=None)
                                                           for s in sp],
                     engine=EngineConfig(batch_size=1, dtype="float64"))
@@ -77,14 +78,13 @@ def test_prompt_logprobs_with_shared_prefix_samples_and_speculation(tiny_model64
             assert (o.prompt_logprobs is None) == (sp[i].prompt_logprobs is None)
             if o.prompt_logprobs is not None:
                 _check(tiny_ref64, prompts[i], o.prompt_logprobs, 3)
-                assert o.sample_index or o.stats.num_cached_prompt_tokens == 0  # prefilled whole
                 by_prompt.setdefault(i, []).append(o)
-            else:
-                assert o.stats.num_cached_prompt_tokens == 70 or spec is not None  # read from the prefix
+            if spec is None and not o.sample_index:  # read from the prefix (all but one token of its own)
+                assert o.stats.num_cached_prompt_tokens == min(70, len(prompts[i]) - 1), i
         assert len(by_prompt[1]) == 3 and {o.sample_index for o in by_prompt[1]} == {0, 1, 2}
         if spec is None:  # samples 1 and 2 copied the prompt's rows (and its entries)
             cached = sorted(o.stats.num_cached_prompt_tokens for o in by_prompt[1])
-            assert cached == [0] + [len(prompts[1]) - 1] * 2
+            assert cached == [70] + [len(prompts[1]) - 1] * 2
 
 
 def test_prompt_logprobs_range():
@@ -92,3 +92,29 @@ def test_prompt_logprobs_range():
     for bad in (-1, 21):
         with pytest.raises(ConfigError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
+
+
+def test_prompt_logprobs_beside_an_eagle3_layer_and_a_shared_prefix(tiny_model64, tiny_ref64, tmp_path):
+    """With EAGLE-3 the shared prefix keeps the layer's features, not the final hidden states: a prompt that
+    asks prefills its whole prompt, and its entries are still the teacher-forced ones."""
+    from conftest import TINY
+    from heads import random_eagle3
+
+    from specgen.config import EagleConfig
+    from specgen.drafters.eagle3 import save_eagle3
+    from specgen.models import load_checkpoint
+
+    ckpt = load_checkpoint(TINY / "llama")
+    lm = np.asarray(ckpt.weights["lm_head.weight"], np.float32)
+    save_eagle3(tmp_path, random_eagle3(ckpt.config, 0, lm, np.arange(0, ckpt.config.vocab_size, 2)),
+                ckpt.config, (0, 1, 2))
+    rng = np.random.default_rng(4)
+    prefix = rng.integers(3, 250, 70).tolist()
+    prompts = [prefix + rng.integers(3, 250, 4 + i).tolist() for i in range(3)]
+    sp = [SamplingParams(max_tokens=5, prompt_logprobs=2 if i == 1 else None) for i in range(3)]
+    spec = SpecConfig(method="eagle3", draft_model=str(tmp_path), adaptive=False, num_speculative_tokens=3,
+                      eagle=EagleConfig(topk=2, nodes=6, copy=0))
+    outs = generate(prompts, model=tiny_model64, sampling=sp, speculative=spec,
+                    engine=EngineConfig(batch_size=3, dtype="float64"))
+    _check(tiny_ref64, prompts[1], outs[1].prompt_logprobs, 2)
+    assert [o.stats.num_cached_prompt_tokens for o in outs] == [70, 0, 70]
