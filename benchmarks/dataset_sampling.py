@@ -15,6 +15,8 @@ decoding, and whether speculation keeps its gain under them.
 3. n samples (--samples, T 0.8, ignore_eos) of each Spec-Bench summarization and RAG prompt (--per-set each)
    at batch n: one record with n against the same job written as n copies of each prompt (n prefills), for
    each of --sample-methods (the shipped drafters: their state of the prompt is copied with the KV rows).
+4. Scoring prompts: --per-set Spec-Bench prompts of every set, one output token each at batch 8, with
+   prompt_logprobs 5 and 0 against none (the LM head over every prompt row is what scoring costs).
 """
 from __future__ import annotations
 
@@ -85,7 +87,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--per-set", type=int, default=2)
     ap.add_argument("--sample-methods", nargs="+", default=["none", "mtp", "eagle"])
-    ap.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3], help="which of the three to run")
+    ap.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4], help="which parts to run")
     args = ap.parse_args()
     from specgen import EngineConfig, SamplingParams, SpecConfig, load_model
 
@@ -115,7 +117,9 @@ def main() -> None:
                     [step_costs(lm, bs, 9 * args.repeats + 12) for bs in args.batch_sizes], 3)
         print(flush=True)
     if 2 not in args.parts:
-        return samples(lm, args) if 3 in args.parts else None
+        if 3 in args.parts:
+            samples(lm, args)
+        return scoring(lm, args) if 4 in args.parts else None
     code = [list(lm.tokenizer.encode_chat(m)) for m in load_sets(0, args.mbpp)["code_rewrite"]]
     engine = EngineConfig(batch_size=1)
     sp = SamplingParams(max_tokens=args.max_tokens)
@@ -130,6 +134,22 @@ def main() -> None:
     print(flush=True)
     if 3 in args.parts:
         samples(lm, args)
+    if 4 in args.parts:
+        scoring(lm, args)
+
+
+def scoring(lm, args) -> None:
+    """Part 4: prompt_logprobs against plain prefill (one output token a prompt)."""
+    from specgen import EngineConfig, SamplingParams, SpecConfig
+
+    chats = [list(lm.tokenizer.encode_chat(m)) for s in load_sets(args.per_set, 0).values() for m in s]
+    engine, plain = EngineConfig(batch_size=8, max_prefill_tokens=8192), SpecConfig()
+    tok_s = alternated(lm, chats, {k: (SamplingParams(max_tokens=1, prompt_logprobs=v), engine, plain)
+                                   for k, v in (("plain", None), ("top 5", 5), ("top 0", 0))}, args.repeats)
+    print_table(["prompts", "prompt tokens", "speed: prompt_logprobs 5 / none", "prompt_logprobs 0 / none"],
+                [[len(chats), sum(map(len, chats)), ratio(tok_s, "top 5", "plain"),
+                  ratio(tok_s, "top 0", "plain")]], 3)
+    print(flush=True)
 
 
 def samples(lm, args) -> None:

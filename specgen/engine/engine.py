@@ -90,6 +90,9 @@ class Engine:
         # prompt's rows once it is prefilled (_source_slot)
         self.samples_of: dict[tuple[str, int], int] = {}  # by (id, index)
         self.requests: list[Request | None] = [None] * config.batch_size
+        # [num_slots] the drafter caught up on the slot's prompt: the slot was attached when placed (a slot's
+        # prefill verifies no drafts, so the controller detaches none then), or copied a caught-up sample 0's
+        self.caught = np.zeros(config.batch_size, bool)
         self.adaptive, self.max_draft = adaptive, max_draft
         self.controller: Controller | None = None  # with `adaptive`, made when the first run starts
         self.prefix_ids: np.ndarray | None = None  # [prefix_tokens] the shared prefix, once computed
@@ -127,9 +130,8 @@ class Engine:
                 shared = min(len(self.prefix_ids), n - 1)
         self.table.place(slot, req, end, shared)
         room = self._logprob_room(req)
-        if shared and self.table.prompt_logprobs[slot]:
-            self._prefix_logprobs(slot, req, shared)
         src = self._source_slot(req)
+        blind = False  # the slot copies a prompt its drafter has no state of
         if src is not None and self.table.prefilled[src] and n > 1:  # the prompt but its last token, copied
             t = self.table
             prefix = int(t.prefix_len[src]) if self.prefix_ids is not None else 0
@@ -137,18 +139,25 @@ class Engine:
             t.prefill_pos[slot] = t.num_cached[slot] = n - 1
             t.prefix_len[slot] = 0
             copy_prompt = getattr(self.proposer, "copy_prompt", None)  # the drafter's state of the prompt
-            if copy_prompt is not None:
+            if copy_prompt is not None and self.caught[src]:
                 copy_prompt(src, slot, n)
+            blind = copy_prompt is not None and not self.caught[src]
             if t.prompt_logprobs[slot]:  # (the prompt's, computed by sample 0's prefill)
                 room.copy(src, slot, 1, n)
+        elif shared and self.table.prompt_logprobs[slot]:
+            self._prefix_logprobs(slot, req, shared)
         if req.params.n > 1 and req.sample_index == 0:
             self.samples_of[(req.id, req.index)] = slot
         self._set_lists(slot, req)
         why = self._constrain(slot, req)
         assert why is None, why  # admission checked the grammar; the slot holds no output yet
         self.requests[slot] = req
-        if self.controller is not None:
-            self.controller.reset(slot)
+        c = self.controller
+        if c is not None:
+            c.reset(slot)
+            if blind:  # (its sample 0 was placed detached: the drafter never caught up on the prompt)
+                c.detach(slot)
+        self.caught[slot] = c is None or not c.detached(np.array([slot]))[0]
 
     def _grammar_rejection(self, req: Request) -> str | None:
         """Why `req`'s response_format cannot constrain it (no tokenizer, a grammar that does not compile
@@ -184,16 +193,7 @@ class Engine:
         key = (req.id, req.index)
         s = self.samples_of.get(key)
         running = None if s is None else self.requests[s]
-        if running is None or (running.id, running.index) != key:
-            return None
-        # A drafter that copies its state of the prompt has none for a slot the controller placed detached
-        # (it never caught up): the sample prefills its prompt (unless speculation is off for good: then no
-        # drafter state is ever read)
-        c = self.controller
-        if (getattr(self.proposer, "copy_prompt", None) is not None and c is not None and not c.off
-                and c.detached(np.array([s]))[0]):
-            return None
-        return s
+        return s if running is not None and (running.id, running.index) == key else None
 
     def _held(self, req: Request, admitting: list[Request]) -> bool:
         """Whether `req` waits for its sample 0's prefill, to copy it (the scheduler's hold): sample 0 runs
@@ -452,13 +452,14 @@ class Engine:
         (with the most top tokens a request may ask), and where the prompt goes past the prefix, its first
         own token's, from the prefix's last row."""
         p, vocab = len(self.prefix_ids), self.model.config.vocab_size
-        if self.prefix_scores is None:  # rows 0 .. p - 2 predict the prefix's tokens 1 .. p - 1
-            self.prefix_scores = self._scored(self.prefix_hidden, np.arange(p - 1), self.prefix_ids[1:],
-                                              min(TOP_LOGPROBS_MAX, vocab))
         top, m = min(req.params.prompt_logprobs, vocab), min(shared, p - 1)
-        logprob, top_ids, top_lp, rank = self.prefix_scores
-        self.logprob_table.write(np.full(m, slot), np.arange(1, m + 1), logprob[:m], top_ids[:m, :top],
-                                 top_lp[:m, :top], rank[:m])
+        if m:
+            if self.prefix_scores is None:  # rows 0 .. p - 2 predict the prefix's tokens 1 .. p - 1
+                self.prefix_scores = self._scored(self.prefix_hidden, np.arange(p - 1), self.prefix_ids[1:],
+                                                  min(TOP_LOGPROBS_MAX, vocab))
+            logprob, top_ids, top_lp, rank = self.prefix_scores
+            self.logprob_table.write(np.full(m, slot), np.arange(1, m + 1), logprob[:m], top_ids[:m, :top],
+                                     top_lp[:m, :top], rank[:m])
         if shared == p:  # (the request's token after the prefix)
             self.logprob_table.write(np.array([slot]), np.array([p]), *self._scored(
                 self.prefix_hidden, np.array([p - 1]), np.array([req.prompt_ids[p]]), top))
@@ -473,7 +474,7 @@ class Engine:
             logits = self.model.logits(paddle.gather(hidden, paddle.to_tensor(rows[b])))
             logprob, top_ids, top_lp = self.model.logprobs(logits, np.arange(len(rows[b])), targets[b], top)
             own = paddle.take_along_axis(logits, paddle.to_tensor(targets[b][:, None]), axis=1)  # [r, 1]
-            rank = 1 + paddle.sum((logits > own).astype("int64"), axis=1).numpy()
+            rank = 1 + paddle.count_nonzero(logits > own, axis=1).numpy()
             parts.append((logprob, top_ids, top_lp, rank))
         return tuple(np.concatenate(x) for x in zip(*parts))
 

@@ -97,8 +97,8 @@ def _vllm_prompt_entry(e: dict[str, Any] | None) -> dict[str, dict[str, Any]] | 
     if e is None:
         return None
     out = {str(e["token_id"]): {"logprob": e["logprob"], "rank": e["rank"], "decoded_token": e["token"]}}
-    for r, t in enumerate(e["top_logprobs"], 1):
-        out.setdefault(str(t["token_id"]), {"logprob": t["logprob"], "rank": r, "decoded_token": t["token"]})
+    for r, t in enumerate(e["top_logprobs"], 1):  # (a prompt token in the top: its place there, as vLLM's)
+        out[str(t["token_id"])] = {"logprob": t["logprob"], "rank": r, "decoded_token": t["token"]}
     return out
 
 

@@ -249,13 +249,14 @@ def test_default_model_hand_off(real_model64, method):
 
 def test_logprobs_travel():
     """A request asking for log-probabilities: its first token's (the prefill worker's) go with it, its
-    prompt's too (prompt_logprobs), and the decode worker's output equals the colocated engine's, entry for
-    entry."""
+    prompt's too (prompt_logprobs; the prompts share a prefix, whose entries are scored once), and the decode
+    worker's output equals the colocated engine's, entry for entry."""
     loaded = load_model(TINY / "llama", dtype="float64")
     requests = [dataclasses.replace(r, params=dataclasses.replace(r.params, logprobs=i % 3 > 0,
                                                                   top_logprobs=i % 3,
                                                                   prompt_logprobs=(3, 0, None)[i % 3]))
-                for i, r in enumerate(requests_of(loaded, [f"item {i}: " + "x y " * i for i in range(6)]))]
+                for i, r in enumerate(requests_of(loaded, [PREFIX + f"item {i}: " + "x y " * i
+                                                           for i in range(6)]))]
     engine, spec = EngineConfig(batch_size=3, dtype="float64"), SpecConfig(method="ngram", adaptive=False)
     one = {o.id: o for o in make_engine(loaded, engine, spec).run(requests)}
     pd = pipeline(loaded, engine, spec, requests)
@@ -267,6 +268,8 @@ def test_logprobs_travel():
         assert pd[r.id].prompt_logprobs == one[r.id].prompt_logprobs
         assert (one[r.id].prompt_logprobs is None) == (r.params.prompt_logprobs is None)
     assert sum(r.params.prompt_logprobs is not None for r in requests) >= 3
+    assert any(r.params.prompt_logprobs is not None and one[r.id].stats.num_cached_prompt_tokens > 0
+               for r in requests)  # (entries of the shared prefix's positions)
 
 
 def test_constrained_requests_travel():

@@ -110,6 +110,7 @@ def assert_same_tokens(one: dict[str, dict], tp: dict[str, dict]) -> None:
         if rec["prompt_logprobs"] is not None:  # (the ranks' LM head reduces in another order)
             for a, b in zip(tp[rid]["prompt_logprobs"][1:], rec["prompt_logprobs"][1:], strict=True):
                 assert a["token_id"] == b["token_id"] and abs(a["logprob"] - b["logprob"]) < 1e-9, rid
+                assert a["rank"] == b["rank"], rid
                 assert [t["token_id"] for t in a["top_logprobs"]] == [t["token_id"]
                                                                       for t in b["top_logprobs"]]
 

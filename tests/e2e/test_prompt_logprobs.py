@@ -118,3 +118,14 @@ def test_prompt_logprobs_beside_an_eagle3_layer_and_a_shared_prefix(tiny_model64
                     engine=EngineConfig(batch_size=3, dtype="float64"))
     _check(tiny_ref64, prompts[1], outs[1].prompt_logprobs, 2)
     assert [o.stats.num_cached_prompt_tokens for o in outs] == [70, 0, 70]
+
+
+def test_prompt_logprobs_past_a_one_token_prefix(tiny_model64, tiny_ref64):
+    """A shared prefix of one token (min_shared_prefix 1): nothing of the prefix's own to score, the first
+    entry from its only row."""
+    prompts = [[7, 20, 31, 44], [7, 52, 60], [7, 99]]
+    outs = generate(prompts, model=tiny_model64, sampling=SamplingParams(max_tokens=3, prompt_logprobs=1),
+                    engine=EngineConfig(batch_size=3, dtype="float64", min_shared_prefix=1))
+    for p, o in zip(prompts, outs):
+        _check(tiny_ref64, p, o.prompt_logprobs, 1)
+    assert [o.stats.num_cached_prompt_tokens for o in outs] == [1, 1, 1]

@@ -156,6 +156,10 @@ class Controller:
         request."""
         return (self.idle[slots] >= self.DETACH_AFTER) | self.off
 
+    def detach(self, slot: int) -> None:
+        """`slot` drafts no more until it takes a new request (its drafter has no state of its prompt)."""
+        self.idle[slot] = self.DETACH_AFTER
+
     def reset(self, slot: int) -> None:
         """A new request in `slot`: attached to the drafter unless the job's drafts so far
         could not pay for it."""
