@@ -4,9 +4,9 @@ trees), batch size and backend."""
 import numpy as np
 import pytest
 from conftest import TINY
-from test_tree_exact import OracleTree, _run
+from test_tree_exact import _run, speculated
 
-from specgen import EngineConfig, SamplingParams, SpecConfig, generate, load_model
+from specgen import EngineConfig, SamplingParams, generate, load_model
 from specgen.runtime.batch import build_forward_batch
 
 
@@ -86,12 +86,7 @@ def test_speculation_keeps_logprobs(prompts, mode, dtype):
     lm = load_model(TINY / "llama", dtype=dtype)
     sp = _params(len(prompts), mode)
     plain = _run(lm, prompts, sp, EngineConfig(batch_size=4, dtype=dtype))
-    full = {tuple(p): list(p) + o.token_ids for p, o in zip(prompts, plain)}
-    for batch in (1, 4):
-        engine = EngineConfig(batch_size=batch, dtype=dtype)
-        tree = _run(lm, prompts, sp, engine, OracleTree(full, batch, p_right=0.8))
-        chain = generate(prompts, model=lm, sampling=sp, engine=engine,
-                         speculative=SpecConfig(method="ngram", num_speculative_tokens=3, adaptive=False))
+    for _, tree, chain in speculated(lm, prompts, sp, plain, dtype):
         for out in (tree, chain):
             assert [o.token_ids for o in out] == [o.token_ids for o in plain]
             assert [o.logprobs for o in out] == [o.logprobs for o in plain]
@@ -179,12 +174,7 @@ def test_processed_logprobs_under_speculation_and_penalties(prompts):
         plain = _run(lm, prompts, sp, EngineConfig(batch_size=4, dtype="float64"))
         if mode == "greedy":  # the chosen token is the most likely one of the penalized row
             assert all(e["top_logprobs"][0]["token_id"] == e["token_id"] for o in plain for e in o.logprobs)
-        full = {tuple(p): list(p) + o.token_ids for p, o in zip(prompts, plain)}
-        for batch in (1, 4):
-            engine = EngineConfig(batch_size=batch, dtype="float64")
-            tree = _run(lm, prompts, sp, engine, OracleTree(full, batch, p_right=0.8))
-            chain = generate(prompts, model=lm, sampling=sp, engine=engine,
-                             speculative=SpecConfig(method="ngram", num_speculative_tokens=3, adaptive=False))
+        for batch, tree, chain in speculated(lm, prompts, sp, plain):
             for out in (tree, chain):
                 assert [o.token_ids for o in out] == [o.token_ids for o in plain], (mode, batch)
                 assert [o.logprobs for o in out] == [o.logprobs for o in plain], (mode, batch)

@@ -4,7 +4,7 @@ them, and speculation (chains and token trees, greedy and sampled, batch 1 and 4
 import numpy as np
 import pytest
 from conftest import TINY
-from test_tree_exact import OracleTree, _run
+from test_tree_exact import OracleTree, _run, speculated
 
 from specgen import EngineConfig, SamplingParams, SpecConfig, generate, load_model
 from specgen.runtime.batch import build_forward_batch
@@ -78,12 +78,7 @@ def test_speculation_keeps_penalized_tokens(tiny_model64, prompts, mode):
     sp = [SamplingParams(max_tokens=12, temperature=0.8 if mode == "sampled" else 0.0, seed=i, **kw)
           for i in range(len(prompts))]
     plain = _run(tiny_model64, prompts, sp, EngineConfig(batch_size=4, dtype="float64"))
-    full = {tuple(p): list(p) + o.token_ids for p, o in zip(prompts, plain)}
-    for batch in (1, 4):
-        engine = EngineConfig(batch_size=batch, dtype="float64")
-        tree = _run(tiny_model64, prompts, sp, engine, OracleTree(full, batch, p_right=0.8))
-        chain = generate(prompts, model=tiny_model64, sampling=sp, engine=engine,
-                         speculative=SpecConfig(method="ngram", num_speculative_tokens=3, adaptive=False))
+    for _, tree, chain in speculated(tiny_model64, prompts, sp, plain):
         assert [o.token_ids for o in tree] == [o.token_ids for o in plain]
         assert [o.token_ids for o in chain] == [o.token_ids for o in plain]
         assert sum(o.stats.num_accepted_tokens for o in tree) > len(prompts)

@@ -65,6 +65,18 @@ def _sampling(n, mode):
                            top_p=0.95, seed=7 + i) for i in range(n)]
 
 
+def speculated(model, prompts, sampling, plain, dtype="float64"):
+    """(batch, oracle-tree outputs, n-gram chain outputs) at batch 1 and 4: the tree an oracle of `plain`'s
+    outputs grows (p_right 0.8), the chain n-gram's (k 3, the controller off)."""
+    full = {tuple(p): list(p) + o.token_ids for p, o in zip(prompts, plain)}
+    for batch in (1, 4):
+        engine = EngineConfig(batch_size=batch, dtype=dtype)
+        tree = _run(model, prompts, sampling, engine, OracleTree(full, batch, p_right=0.8))
+        chain = generate(prompts, model=model, sampling=sampling, engine=engine,
+                         speculative=SpecConfig(method="ngram", num_speculative_tokens=3, adaptive=False))
+        yield batch, tree, chain
+
+
 def _run(model, prompts, sampling, engine, proposer=None, adaptive=False, ids=None, eos=None):
     from specgen.engine.engine import Engine
 
