@@ -59,20 +59,26 @@ constexpr int64_t kBlock = 32;    // inputs per quantization block
 // Block formats of a packed weight, per panel and block of 32 inputs: GGUF's quantized ones, told apart by their
 // size in bytes, and weights that are exactly 16-bit floats (a bf16 or fp16 checkpoint), 32 x 32 of them input by
 // input, widened exactly: kF16's code is its size plus one.
-// GGUF's K-quants (super-blocks of 256 weights with 6- or 8-bit sub-block scales) are repacked per block of 32
-// inputs with each column's float32 scales, the products gguf.quants forms from them (exact in float32): Q4_K as
-// Q4_1 with float32 d = d * sc and m = -(dmin * m), so w = fma(d, q, m) rounds d q - dmin m once, as numpy does;
-// Q6_K as Q8_0 (q - 32 in int8) with two float32 scales d * sc, for inputs 0-15 and 16-31, and w = d q exact.
+// GGUF's K-quants (super-blocks of 256 inputs with 6- or 8-bit sub-block scales) keep their own scales, so a
+// panel reads ~4.6 (Q4_K) or ~8.6 (Q6_K) bits a weight, not the 6 and 10 of float32 scale products: per panel
+// and super-block of 256 inputs, the 32 columns' fp16 super-block scales (Q4_K: d, then dmin; Q6_K: d), then its
+// 8 blocks of 32 inputs, each the columns' scale bytes and the quants. Q4_K block: sc and m (6-bit, a byte each,
+// per column), Q4 nibbles; w = fma(d * sc, q, -(dmin * m)). Q6_K block: the int8 scales of inputs 0-15, then
+// of inputs 16-31, per column, then q - 32 as int8 (Q8_0's rows); w = (d * sc) q. Each scale product is exact in
+// float32 (an fp16 times an integer below 2^8), so the weights are the ones gguf.quants dequantizes, bit for
+// bit. A K-quant's code is its bytes per block of 32 inputs on average (block_stride + the super-block's
+// scales / 8); its blocks are found with block_at.
 // kQX, any of these formats (specgen.kernels.block_parts): float32 d and m of each half of the inputs, int8 q,
 // w = fma(d, q, m) (m = -0 where the format has no offset), for Q5_K and for fused projections of mixed formats.
 enum class Quant {
-  kQ4_0 = 64 + 512, kQ4_1 = 128 + 512, kQ8_0 = 64 + 1024, kQ4_K = 256 + 512, kQ6_K = 256 + 1024,
+  kQ4_0 = 64 + 512, kQ4_1 = 128 + 512, kQ8_0 = 64 + 1024, kQ4_K = 64 + 512 + 128 / 8, kQ6_K = 64 + 1024 + 64 / 8,
   kQX = 512 + 1024, kBF16 = 2048, kF16 = 2048 + 1
 };
 
 constexpr int64_t quant_bytes(Quant q) { return q == Quant::kF16 ? 2048 : static_cast<int64_t>(q); }
 constexpr bool is_half(Quant q) { return q == Quant::kBF16 || q == Quant::kF16; }
-constexpr bool is_k(Quant q) { return q == Quant::kQ4_K || q == Quant::kQ6_K || q == Quant::kQX; }
+constexpr bool is_super(Quant q) { return q == Quant::kQ4_K || q == Quant::kQ6_K; }  // K-quant super-blocks
+constexpr int64_t kSuper = 8;  // blocks of 32 inputs per K-quant super-block
 // f(std::integral_constant<Quant, Q>) for the format q of the float32 products (not F32 panels): the one switch
 // the paths' run-time dispatches share.
 template <typename F>
@@ -90,7 +96,19 @@ inline void with_quant(Quant q, F&& f) {
 }
 // Bytes of scales before a block's quants.
 constexpr int64_t quant_head(Quant q) {
-  return is_half(q) ? 0 : q == Quant::kQX ? 512 : is_k(q) ? 256 : q == Quant::kQ4_1 ? 128 : 64;
+  return is_half(q) ? 0 : q == Quant::kQX ? 512 : q == Quant::kQ4_1 ? 128 : 64;
+}
+// Bytes of a K-quant super-block's own scales (fp16 per column: Q4_K d and dmin, Q6_K d), before its blocks.
+constexpr int64_t super_head(Quant q) { return q == Quant::kQ4_K ? 128 : q == Quant::kQ6_K ? 64 : 0; }
+// Bytes from one block of 32 inputs to the next within a panel (a K-quant's, within its super-block).
+constexpr int64_t block_stride(Quant q) { return quant_bytes(q) - super_head(q) / kSuper; }
+// Block b of the panel at p (all its blocks: k / 32 of them), and its super-block's scales (K-quants).
+inline const uint8_t* block_at(Quant q, const uint8_t* p, int64_t b) {
+  if (!is_super(q)) return p + b * quant_bytes(q);
+  return p + b / kSuper * kSuper * quant_bytes(q) + super_head(q) + b % kSuper * block_stride(q);
+}
+inline const uint8_t* super_at(Quant q, const uint8_t* p, int64_t b) {
+  return p + b / kSuper * kSuper * quant_bytes(q);
 }
 
 inline float bf16_to_float(uint16_t h) {
@@ -125,20 +143,27 @@ inline float rebuilt_weight(const uint8_t* qs, Quant q, float d, float m, int64_
 // The dequantized panel [k, 32] of one quantized panel, in scalar code: the quantized path of builds without
 // AVX-512 (with AVX-512, block_weights and qpanel_rows below do the same with vectors).
 void dequant_panel_ref(const uint8_t* p, int64_t k, Quant q, float* out) {
-  const int64_t bytes = quant_bytes(q);
-  for (int64_t b = 0; b < k / kBlock; ++b, p += bytes) {
-    const uint16_t* scales = reinterpret_cast<const uint16_t*>(p);
-    float wide[4 * kPanel];  // K-quants and QX: the column scales, float32
-    if (is_k(q)) std::memcpy(wide, p, (q == Quant::kQX ? 4 : 2) * kPanel * sizeof(float));
-    const uint8_t* qs = p + quant_head(q);
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const uint8_t* blk = block_at(q, p, b);
+    const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk);
+    const uint16_t* sup = reinterpret_cast<const uint16_t*>(super_at(q, p, b));  // K-quants: fp16 d (and dmin)
+    float wide[4 * kPanel];  // QX: the column scales, float32
+    if (q == Quant::kQX) std::memcpy(wide, blk, 4 * kPanel * sizeof(float));
+    const uint8_t* qs = blk + quant_head(q);
     for (int64_t i = 0; i < kBlock; ++i) {
       float* w = out + (b * kBlock + i) * kPanel;
       for (int64_t c = 0; c < kPanel; ++c) {
         float d = 0.f, m = 0.f;
-        if (q == Quant::kQ4_K) d = wide[c], m = wide[kPanel + c];
-        else if (q == Quant::kQ6_K) d = wide[(i < 16 ? 0 : kPanel) + c];
-        else if (q == Quant::kQX) d = wide[(i < 16 ? 0 : kPanel) + c], m = wide[(i < 16 ? 2 : 3) * kPanel + c];
-        else if (!is_half(q)) d = specgen::half_to_float(scales[c]);
+        if (q == Quant::kQ4_K) {  // d * sc and -(dmin * m), exact
+          d = specgen::half_to_float(sup[c]) * static_cast<float>(blk[c]);
+          m = -(specgen::half_to_float(sup[kPanel + c]) * static_cast<float>(blk[kPanel + c]));
+        } else if (q == Quant::kQ6_K) {
+          d = specgen::half_to_float(sup[c]) * static_cast<float>(static_cast<int8_t>(blk[(i < 16 ? 0 : kPanel) + c]));
+        } else if (q == Quant::kQX) {
+          d = wide[(i < 16 ? 0 : kPanel) + c], m = wide[(i < 16 ? 2 : 3) * kPanel + c];
+        } else if (!is_half(q)) {
+          d = specgen::half_to_float(scales[c]);
+        }
         if (q == Quant::kQ4_1) m = specgen::half_to_float(scales[kPanel + c]);
         w[c] = rebuilt_weight(qs, q, d, m, i, c);
       }
@@ -262,18 +287,31 @@ void panel_all(const float* x, int64_t m, int64_t k, const float* p, float* y, i
   panel_groups(x, m, k, p, y, n, c0, 0, 0, (m + kGroup - 1) / kGroup);
 }
 
+// The column scales of the block at p (columns 0-15 in d0 and m0, 16-31 in d1 and m1); K-quants: products with
+// their super-block's fp16 scales at sup, exact (Q6_K: the scales of inputs 0-15 in d, of inputs 16-31 in m).
 template <Quant Q>
-inline void block_scales(const uint8_t* p, __m512& d0, __m512& d1, __m512& m0, __m512& m1) {
-  if constexpr (is_k(Q)) {  // float32: Q4_K d, then m; Q6_K d of inputs 0-15, then of inputs 16-31 (in m)
-    const float* f = reinterpret_cast<const float*>(p);
-    d0 = _mm512_load_ps(f), d1 = _mm512_load_ps(f + 16), m0 = _mm512_load_ps(f + 32), m1 = _mm512_load_ps(f + 48);
+inline void block_scales(const uint8_t* p, const uint8_t* sup, __m512& d0, __m512& d1, __m512& m0, __m512& m1) {
+  auto half16 = [](const uint8_t* a) { return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(a))); };
+  auto byte16 = [](const uint8_t* a) {  // 16 scale bytes, unsigned (Q4_K) or signed (Q6_K), as float32
+    const __m128i v = _mm_load_si128(reinterpret_cast<const __m128i*>(a));
+    return _mm512_cvtepi32_ps(Q == Quant::kQ4_K ? _mm512_cvtepu8_epi32(v) : _mm512_cvtepi8_epi32(v));
+  };
+  if constexpr (Q == Quant::kQ4_K) {  // d sc; -(dmin m), the FNMA's -0 addend keeps the negation's zero sign
+    const __m512 z = _mm512_set1_ps(-0.f);
+    d0 = _mm512_mul_ps(half16(sup), byte16(p)), d1 = _mm512_mul_ps(half16(sup + 32), byte16(p + 16));
+    m0 = _mm512_fnmadd_ps(half16(sup + 64), byte16(p + 32), z);
+    m1 = _mm512_fnmadd_ps(half16(sup + 96), byte16(p + 48), z);
     return;
   }
-  d0 = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p)));
-  d1 = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p + 32)));
+  if constexpr (Q == Quant::kQ6_K) {
+    const __m512 s0 = half16(sup), s1 = half16(sup + 32);
+    d0 = _mm512_mul_ps(s0, byte16(p)), d1 = _mm512_mul_ps(s1, byte16(p + 16));
+    m0 = _mm512_mul_ps(s0, byte16(p + 32)), m1 = _mm512_mul_ps(s1, byte16(p + 48));
+    return;
+  }
+  d0 = half16(p), d1 = half16(p + 32);
   if constexpr (Q == Quant::kQ4_1) {
-    m0 = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p + 64)));
-    m1 = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p + 96)));
+    m0 = half16(p + 64), m1 = half16(p + 96);
   } else {
     m0 = m1 = _mm512_setzero_ps();
   }
@@ -281,11 +319,11 @@ inline void block_scales(const uint8_t* p, __m512& d0, __m512& d1, __m512& m0, _
 
 constexpr int64_t kQuantAhead = 4096;  // prefetch distance in bytes of a quantized panel
 
-// f(i, w0, w1) for the inputs i of the quantized block at p, in order: the weights of panel row i (columns 0-15
-// in w0, 16-31 in w1), rebuilt in float32 as gguf.quants dequantizes them. Par 2: all 32 inputs; 0 or 1: the
-// even or the odd ones only (one chain's pass).
+// f(i, w0, w1) for the inputs i of the quantized block at p (K-quants: of the super-block whose scales are at
+// sup), in order: the weights of panel row i (columns 0-15 in w0, 16-31 in w1), rebuilt in float32 as
+// gguf.quants dequantizes them. Par 2: all 32 inputs; 0 or 1: the even or the odd ones only (one chain's pass).
 template <Quant Q, int Par, typename F>
-inline void block_weights(const uint8_t* p, F&& f) {
+inline void block_weights(const uint8_t* p, const uint8_t* sup, F&& f) {
   constexpr int64_t first = Par == 2 ? 0 : Par, step = Par == 2 ? 1 : 2;
   if constexpr (is_half(Q)) {  // 32 16-bit weights per input, widened exactly
 #pragma GCC unroll 2
@@ -317,7 +355,7 @@ inline void block_weights(const uint8_t* p, F&& f) {
     return;
   }
   __m512 d0, d1, m0, m1;
-  block_scales<Q>(p, d0, d1, m0, m1);
+  block_scales<Q>(p, sup, d0, d1, m0, m1);
   const uint8_t* qs = p + quant_head(Q);
   if constexpr (Q == Quant::kQ8_0 || Q == Quant::kQ6_K) {
 #pragma GCC unroll 2
@@ -360,12 +398,12 @@ inline void block_weights(const uint8_t* p, F&& f) {
 template <Quant Q, int G, int Par, bool Keep>
 inline void qpanel_chain(const float* x, int64_t k, const uint8_t* p, float* keep, __m512* a0, __m512* a1,
                          __m512* b0, __m512* b1) {
-  constexpr int64_t bytes = quant_bytes(Q);
-  for (int64_t b = 0; b < k / kBlock; ++b, p += bytes) {
+  constexpr int64_t bytes = quant_bytes(Q);  // on average, per block
+  for (int64_t b = 0; b < k / kBlock; ++b) {
     if constexpr (Par != 1)  // the odd inputs' pass reads what the even inputs' pass brought in
       for (int64_t off = 0; off < bytes; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(p + kQuantAhead + off), _MM_HINT_T0);
-    block_weights<Q, Par>(p, [&](int64_t i, __m512 w0, __m512 w1) {
+        _mm_prefetch(reinterpret_cast<const char*>(p + b * bytes + kQuantAhead + off), _MM_HINT_T0);
+    block_weights<Q, Par>(block_at(Q, p, b), super_at(Q, p, b), [&](int64_t i, __m512 w0, __m512 w1) {
       if constexpr (Keep) {
         _mm512_store_ps(keep + (b * kBlock + i) * kPanel, w0);
         _mm512_store_ps(keep + (b * kBlock + i) * kPanel + 16, w1);
@@ -613,9 +651,10 @@ inline void store_chains2(__m256 (&a)[G][2 * V], float* y, int64_t n, int64_t c0
   }
 }
 
-// The quantized block at blk rebuilt as float32 into out [32, 32] (row stride os).
+// The quantized block at blk (K-quants: of the super-block whose scales are at sup) rebuilt as float32 into out
+// [32, 32] (row stride os).
 template <Quant Q>
-inline void rebuild_block(const uint8_t* blk, float* out, int64_t os) {
+inline void rebuild_block(const uint8_t* blk, const uint8_t* sup, float* out, int64_t os) {
   if constexpr (is_half(Q)) {  // 32 16-bit weights per input, widened exactly
     for (int64_t i = 0; i < kBlock; ++i)
       for (int c = 0; c < kPanel; c += 8) {
@@ -626,8 +665,8 @@ inline void rebuild_block(const uint8_t* blk, float* out, int64_t os) {
     return;
   }
   const uint8_t* qs = blk + quant_head(Q);
-  const float* wide = reinterpret_cast<const float*>(blk);  // K-quants' float32 scales
   if constexpr (Q == Quant::kQX) {  // d of inputs 0-15, of 16-31, then m of each: w = fma(d, q, m)
+    const float* wide = reinterpret_cast<const float*>(blk);
     for (int c = 0; c < kPanel; c += 8)
       for (int64_t i = 0; i < kBlock; ++i) {
         const int64_t h = i < 16 ? 0 : kPanel;
@@ -637,19 +676,27 @@ inline void rebuild_block(const uint8_t* blk, float* out, int64_t os) {
       }
     return;
   }
+  auto half8 = [](const uint8_t* a) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))); };
+  auto byte8 = [](const uint8_t* a) {  // 8 scale bytes, unsigned (Q4_K) or signed (Q6_K), as float32
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a));
+    return _mm256_cvtepi32_ps(Q == Quant::kQ4_K ? _mm256_cvtepu8_epi32(v) : _mm256_cvtepi8_epi32(v));
+  };
   for (int c = 0; c < kPanel; c += 8) {  // columns c .. c + 7
-    const __m256 d = is_k(Q) ? _mm256_loadu_ps(wide + c)
-                             : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * c)));
+    // K-quants: the exact products of the super-block's scales with the block's (block_scales)
+    const __m256 d = Q == Quant::kQ4_K || Q == Quant::kQ6_K ? _mm256_mul_ps(half8(sup + 2 * c), byte8(blk + c))
+                                                            : half8(blk + 2 * c);
     if constexpr (Q == Quant::kQ8_0 || Q == Quant::kQ6_K) {
-      const __m256 d1 = Q == Quant::kQ6_K ? _mm256_loadu_ps(wide + kPanel + c) : d;  // Q6_K: inputs 16-31's
+      // Q6_K: inputs 16-31's scale
+      const __m256 d1 = Q == Quant::kQ6_K ? _mm256_mul_ps(half8(sup + 2 * c), byte8(blk + kPanel + c)) : d;
       for (int64_t i = 0; i < kBlock; ++i) {
         const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + i * kPanel + c)));
         _mm256_storeu_ps(out + i * os + c, _mm256_mul_ps(_mm256_cvtepi32_ps(q), i < 16 ? d : d1));
       }
     } else {
       // per group of 8 inputs, the 8 columns' 32-bit lanes at 4 c (q4_nibble): input j in bits 4j .. 4j + 3
-      const __m256 m = Q == Quant::kQ4_1   ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 64 + 2 * c)))
-                       : Q == Quant::kQ4_K ? _mm256_loadu_ps(wide + kPanel + c)
+      const __m256 m = Q == Quant::kQ4_1   ? half8(blk + 64 + 2 * c)
+                       : Q == Quant::kQ4_K ? _mm256_fnmadd_ps(half8(sup + 64 + 2 * c), byte8(blk + kPanel + c),
+                                                              _mm256_set1_ps(-0.f))  // -(dmin m)
                                            : _mm256_set1_ps(8.f);
       const __m256i low = _mm256_set1_epi32(0xF);
       for (int64_t g = 0; g < kBlock / 8; ++g) {
@@ -790,7 +837,7 @@ void qpanel_all(const float* x, int64_t m, int64_t k, const uint8_t* p, float* y
     for (int64_t b = 0; b < k / kBlock; ++b) {
       for (int64_t off = 0; off < bytes; off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(p + b * bytes + kQuantAhead2 + off), _MM_HINT_T0);
-      rebuild_block<Q>(p + b * bytes, wb, kPanel);
+      rebuild_block<Q>(block_at(Q, p, b), super_at(Q, p, b), wb, kPanel);
       chains<1, 4>(x + b * kBlock, k, 0, kBlock, wb, kPanel, a);
     }
     return store_chains2<1, 4>(a, y, n, c0, width);
@@ -799,13 +846,14 @@ void qpanel_all(const float* x, int64_t m, int64_t k, const uint8_t* p, float* y
     return unit_any(m, x, k, [&](int64_t b) {
       for (int64_t off = 0; off < bytes; off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(p + b * bytes + kQuantAhead2 + off), _MM_HINT_T0);
-      rebuild_block<Q>(p + b * bytes, wb, kPanel);
+      rebuild_block<Q>(block_at(Q, p, b), super_at(Q, p, b), wb, kPanel);
       return static_cast<const float*>(wb);
     }, y, n, c0, width);
   }
   static thread_local std::vector<float> scratch;  // the rebuilt panel [k, 32]
   scratch.resize(k * kPanel);
-  for (int64_t b = 0; b < k / kBlock; ++b) rebuild_block<Q>(p + b * bytes, scratch.data() + b * kBlock * kPanel, kPanel);
+  for (int64_t b = 0; b < k / kBlock; ++b)
+    rebuild_block<Q>(block_at(Q, p, b), super_at(Q, p, b), scratch.data() + b * kBlock * kPanel, kPanel);
   units(x, m, k, [&](int64_t b) { return static_cast<const float*>(scratch.data()) + b * kBlock * kPanel; }, y, n,
         c0, width);
 }
@@ -1002,7 +1050,7 @@ inline void ipanel_rows(const QuantRows& a, int64_t r0, const uint8_t* p, float*
       }
     }
     __m512 d0, d1, m0, m1;
-    block_scales<Q>(p, d0, d1, m0, m1);
+    block_scales<Q>(p, nullptr, d0, d1, m0, m1);  // (integer products: Q4_0, Q4_1, Q8_0)
     __m512 cb0, cb1;
     if constexpr (Screen) {
       cb0 = _mm512_loadu_ps(sp->bound + b * kPanel);
@@ -1217,13 +1265,15 @@ PackedWeight packed_weight(const paddle::Tensor& w, int64_t k, int64_t n, const 
   }
   const int64_t bytes = w.shape()[2];
   const bool int8_product = w.dtype() == paddle::DataType::INT8;
-  const bool k_quant = bytes == static_cast<int64_t>(Quant::kQ4_K) || bytes == static_cast<int64_t>(Quant::kQ6_K) ||
-                       bytes == static_cast<int64_t>(Quant::kQX);
+  const bool super = is_super(static_cast<Quant>(bytes));  // K-quants: whole super-blocks of 8 blocks
+  const bool k_quant = super || bytes == static_cast<int64_t>(Quant::kQX);
   PD_CHECK((w.dtype() == paddle::DataType::UINT8 || int8_product) && k % kBlock == 0 && w.shape()[1] == k / kBlock &&
+               (!super || (k / kBlock) % kSuper == 0) &&
                (bytes == static_cast<int64_t>(Quant::kQ4_0) || bytes == static_cast<int64_t>(Quant::kQ4_1) ||
                 bytes == static_cast<int64_t>(Quant::kQ8_0) || (k_quant && !int8_product)),
            name, ": not a quantized [ceil(n / 32), ", k / kBlock,
-           ", 576 | 640 | 1088 | 768 | 1280 | 1536] uint8 (or, but the last three, int8) weight");
+           ", 576 | 640 | 1088 | 592 | 1096 | 1536] uint8 (or, but the last three, int8) weight (592, 1096: k a "
+           "multiple of 256)");
   return {w.data(), w.shape()[0], bytes, int8_product};
 }
 

@@ -86,12 +86,14 @@ def pack_linear(w, halves: bool = True, dtype: str = "float32") -> Packed:
 
 # Bytes per panel (32 output columns) and block of 32 inputs in specgen_linear's quantized layout: the 32
 # columns' fp16 scales d (Q4_1: then their fp16 minimums m), then the quants (Q8_0: 32 rows, one per input;
-# Q4: nibbles grouped by 8 inputs, see _q4_lanes). K-quants' scales are float32: Q4_K d and -m (then nibbles),
-# Q6_K d of inputs 0-15 and of inputs 16-31 (then q - 32 as int8, as Q8_0's), Q5_K as QX (see qx_rows and
-# _pack_k_numpy).
-QUANT_PANEL_BYTES = {"Q4_0": 64 + 512, "Q4_1": 128 + 512, "Q8_0": 64 + 1024, "Q4_K": 256 + 512,
-                     "Q6_K": 256 + 1024,
+# Q4: nibbles grouped by 8 inputs, see _q4_lanes). K-quants keep GGUF's super-blocks of 256 inputs (their
+# bytes per block on average; see _pack_super): per super-block the columns' fp16 d (Q4_K: and dmin), then 8
+# blocks, each the columns' scale bytes (Q4_K: 6-bit sc, then m; Q6_K: int8 scales of inputs 0-15, then of
+# 16-31) and the quants (Q4_K nibbles; Q6_K q - 32 as int8, as Q8_0's). Q5_K is packed as QX (see qx_rows).
+QUANT_PANEL_BYTES = {"Q4_0": 64 + 512, "Q4_1": 128 + 512, "Q8_0": 64 + 1024, "Q4_K": 64 + 512 + 128 // 8,
+                     "Q6_K": 64 + 1024 + 64 // 8,
                      "QX": 512 + 1024, "Q5_K": 512 + 1024}  # QX: d of each half, m of each half, int8 quants
+SUPER_KINDS = {"Q4_K": 128, "Q6_K": 64}  # K-quant kinds packed by super-block: bytes of its own scales
 INT8_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # kinds with integer products (int8_product)
 
 
@@ -166,6 +168,32 @@ def _pack_quantized_numpy(kind: str, blocks: np.ndarray, int8_product: bool = Fa
     return Packed(paddle.to_tensor(packed), kb * 32, n, kind)
 
 
+def _k_pieces(kind: str, blocks: np.ndarray) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """GGUF Q4_K / Q6_K super-blocks [n, k / 256, block bytes] -> their fp16 super-block scales ([n, k / 256]
+    each: Q4_K d and dmin, Q6_K d), the two scale bytes of each block of 32 inputs [n, k / 32, 2] (Q4_K: sc
+    and m, 0-63; Q6_K: the int8 scales of inputs 0-15 and 16-31, as uint8) and the quants [n, k / 32, 32]
+    (int8: Q4_K 0-15, Q6_K q - 32), as gguf.quants reads them."""
+    from gguf.quants import Q4_K
+
+    n, nb, _ = blocks.shape
+    kb = nb * 8
+
+    def f16(a: np.ndarray) -> np.ndarray:  # fp16 bytes [..., 2] -> [...]
+        return np.ascontiguousarray(a).view(np.float16)[..., 0]
+
+    if kind == "Q4_K":
+        sc, mn = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))  # [n nb, 8] each
+        scales = np.stack([sc.reshape(n, kb), mn.reshape(n, kb)], axis=-1).astype(np.uint8)
+        qs = blocks[..., 16:].reshape(n, nb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+        q = (qs & 0xF).reshape(n, kb, 32).astype(np.int8)
+        return [f16(blocks[..., 0:2]), f16(blocks[..., 2:4])], scales, q
+    ql, qh = blocks[..., :128], blocks[..., 128:192]
+    low = (ql.reshape(n, nb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 0xF
+    high = (qh.reshape(n, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)) & 0x3
+    q = (low.reshape(n, nb, 8, 32) | (high.reshape(n, nb, 8, 32) << 4)).astype(np.int8) - np.int8(32)
+    return [f16(blocks[..., 208:210])], blocks[..., 192:208].reshape(n, kb, 2), q.reshape(n, kb, 32)
+
+
 def block_parts(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """GGUF blocks [n, k / block weights, block bytes] of `kind` -> per block of 32 inputs and half of it
     (inputs 0-15, 16-31): scales d [n, k / 32, 2] and offsets m [n, k / 32, 2] (float32) and quants q
@@ -192,29 +220,24 @@ def block_parts(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
              else np.full((n, kb, 2), -0.0, np.float32))
         return d, m, q
     kb = nb * 8
-    if kind in ("Q4_K", "Q5_K"):
+    if kind in ("Q4_K", "Q6_K"):
+        supers, scales, q = _k_pieces(kind, blocks)
+        up = [np.repeat(s.astype(np.float32), 8, axis=-1)[..., None] for s in supers]  # [n, kb, 1]
+        if kind == "Q6_K":  # a scale per 16 inputs
+            return up[0] * scales.view(np.int8).astype(np.float32), np.full((n, kb, 2), -0.0, np.float32), q
+        scale = up[0] * scales[..., :1].astype(np.float32)
+        offset = -(up[1] * scales[..., 1:].astype(np.float32))
+        return np.repeat(scale, 2, axis=-1), np.repeat(offset, 2, axis=-1), q
+    if kind == "Q5_K":  # gguf.quants' Q5_K: Q4_K's scales, 32 bytes of fifth bits, then nibbles
         d, dmin = f16(blocks[..., 0:2]), f16(blocks[..., 2:4])  # [n, nb, 1]
         sc, mn = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))  # [n nb, 8] each
         scale = (d * sc.reshape(n, nb, 8).astype(np.float32)).reshape(n, kb, 1)
         offset = -(dmin * mn.reshape(n, nb, 8).astype(np.float32)).reshape(n, kb, 1)
-        if kind == "Q4_K":
-            qs = (blocks[..., 16:].reshape(n, nb, 4, 1, 32)
-                  >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1))
-            q = (qs & 0xF).reshape(n, kb, 32)
-        else:  # gguf.quants' Q5_K: 32 bytes of fifth bits, then nibbles
-            qh, qs = blocks[..., 16:48], blocks[..., 48:]
-            low = (qs.reshape(n, nb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 0xF
-            high = (qh.reshape(n, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
-            q = (low.reshape(n, nb, 8, 32) | (high << 4)).reshape(n, kb, 32)
+        qh, qs = blocks[..., 16:48], blocks[..., 48:]
+        low = (qs.reshape(n, nb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 0xF
+        high = (qh.reshape(n, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+        q = (low.reshape(n, nb, 8, 32) | (high << 4)).reshape(n, kb, 32)
         return np.repeat(scale, 2, axis=-1), np.repeat(offset, 2, axis=-1), q.astype(np.int8)
-    if kind == "Q6_K":  # as gguf.quants dequantizes it: a scale per 16 inputs
-        ql, qh = blocks[..., :128], blocks[..., 128:192]
-        scales = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)  # [n, nb, 16]
-        d = (f16(blocks[..., 208:210]) * scales).reshape(n, kb, 2)
-        low = (ql.reshape(n, nb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 0xF
-        high = (qh.reshape(n, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)) & 0x3
-        q = (low.reshape(n, nb, 8, 32) | (high.reshape(n, nb, 8, 32) << 4)).astype(np.int8) - np.int8(32)
-        return d, np.full((n, kb, 2), -0.0, np.float32), q.reshape(n, kb, 32)
     raise ValueError(f"no block parts for {kind!r}")
 
 
@@ -232,37 +255,64 @@ def qx_rows(kind: str, blocks: np.ndarray) -> np.ndarray:
 
 
 def _pack_k_numpy(kind: str, blocks: np.ndarray) -> Packed:
-    """GGUF Q4_K / Q6_K / Q5_K super-blocks, or QX rows, -> Packed [k, n] in blocks of 32 inputs (the layouts
-    of QUANT_PANEL_BYTES; Q5_K as QX): each weight rebuilds to the value gguf.quants dequantizes."""
+    """GGUF Q4_K / Q6_K super-blocks (_pack_super), or Q5_K super-blocks or QX rows, -> Packed [k, n] (Q5_K as
+    QX: per block of 32 inputs the float32 scales and offsets of each half, int8 quants): each weight rebuilds
+    to the value gguf.quants dequantizes."""
     import paddle
 
+    if kind in SUPER_KINDS:
+        return _pack_super(kind, blocks)
     if kind == "QX":
         head = blocks[..., :16].copy().view(np.float32)  # [n, kb, 4]: d of each half, then m
         d, m, q = head[..., :2], head[..., 2:], blocks[..., 16:].view(np.int8)
     else:
         d, m, q = block_parts(kind, blocks)
     n, kb, _ = q.shape
-    if kind == "Q5_K":
-        kind = "QX"
-    panels = -(-n // PANEL)
-    pad = panels * PANEL - n  # zero columns: zero scales, zero weights
+    by_panel = _by_panel(n, kb)
+    cols = by_panel(q).swapaxes(2, 3)  # [panels, kb, 32 inputs, 32 columns]
+    # [panels, kb, 128] each
+    head = [np.ascontiguousarray(by_panel(h), np.float32).view(np.uint8)
+            for h in (d[..., 0], d[..., 1], m[..., 0], m[..., 1])]
+    quants = cols.reshape(*cols.shape[:2], 1024)
+    packed = np.concatenate(head + [np.ascontiguousarray(quants).view(np.uint8)], axis=-1)
+    return Packed(paddle.to_tensor(np.ascontiguousarray(packed)), kb * 32, n, "QX")
 
-    def by_panel(a: np.ndarray) -> np.ndarray:  # [n, kb, ...] -> [panels, kb, 32 columns, ...]
+
+def _by_panel(n: int, kb: int):
+    """[n, kb, ...] -> [panels, kb, 32 columns, ...], zero columns padding n to a multiple of 32 (zero
+    scales: zero weights)."""
+    panels = -(-n // PANEL)
+    pad = panels * PANEL - n
+
+    def by_panel(a: np.ndarray) -> np.ndarray:
         a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
         return a.reshape(panels, PANEL, kb, *a.shape[2:]).swapaxes(1, 2)
+    return by_panel
 
+
+def _pack_super(kind: str, blocks: np.ndarray) -> Packed:
+    """GGUF Q4_K / Q6_K super-blocks [n, k / 256, bytes] -> Packed [k, n] whose panels keep them: per panel
+    and super-block, SUPER_KINDS[kind] bytes of the 32 columns' fp16 scales (Q4_K: d, then dmin), then 8
+    blocks of 32 inputs, each 64 bytes of the columns' scale bytes (Q4_K: sc, then m; Q6_K: the int8 scales
+    of inputs 0-15, then of 16-31) and the quants (Q4_K: 512 bytes of nibbles as _q4_lanes; Q6_K: q - 32 as
+    int8, 32 inputs x 32 columns). The array is [panels, k / 32, QUANT_PANEL_BYTES[kind]]: 8 of its rows
+    are a super-block."""
+    import paddle
+
+    supers, scales, q = _k_pieces(kind, blocks)
+    n, kb, _ = q.shape
+    nb = kb // 8
+    by_panel = _by_panel(n, kb)
+    by_super = _by_panel(n, nb)
+    head = [np.ascontiguousarray(by_super(s)).view(np.uint8) for s in supers]  # [panels, nb, 64] each
     cols = by_panel(q).swapaxes(2, 3)  # [panels, kb, 32 inputs, 32 columns]
-    if kind == "Q4_K":
-        head, quants = [d[..., 0], m[..., 0]], _q4_lanes(cols.astype(np.uint8))
-    elif kind == "Q6_K":
-        head, quants = [d[..., 0], d[..., 1]], cols.reshape(panels, kb, 1024)
-    else:  # QX
-        head, quants = [d[..., 0], d[..., 1], m[..., 0], m[..., 1]], cols.reshape(panels, kb, 1024)
-    # [panels, kb, 128] each
-    head = [np.ascontiguousarray(by_panel(h), np.float32).view(np.uint8) for h in head]
-    packed = np.ascontiguousarray(np.concatenate(head + [np.ascontiguousarray(quants).view(np.uint8)],
-                                                 axis=-1))
-    return Packed(paddle.to_tensor(packed), kb * 32, n, kind)
+    panels = cols.shape[0]
+    quants = (_q4_lanes(cols.astype(np.uint8)) if kind == "Q4_K"
+              else cols.reshape(panels, kb, 1024).view(np.uint8))
+    sc = by_panel(scales).swapaxes(2, 3).reshape(panels, kb, 64)  # [.., scale j, column c]
+    blk = np.concatenate([sc, quants], axis=-1).reshape(panels, nb, -1)  # 8 blocks a super-block
+    packed = np.ascontiguousarray(np.concatenate([*[h.reshape(panels, nb, 64) for h in head], blk], axis=-1))
+    return Packed(paddle.to_tensor(packed.reshape(panels, kb, QUANT_PANEL_BYTES[kind])), kb * 32, n, kind)
 
 
 # Block kinds whose LM head specgen_forward can screen for greedy tokens (linear.cc, "Greedy tokens without
@@ -349,14 +399,20 @@ def _dequantize_panels(p: np.ndarray, kind: str) -> np.ndarray:
         q = p[..., 512:].copy().view(np.int8).reshape(panels, kb, 32, 32).astype(np.float32)
         w = np.concatenate([q[:, :, :16] * d0 + m0, q[:, :, 16:] * d1 + m1], axis=2)
         return w.reshape(panels, kb * 32, PANEL)
-    if kind in ("Q4_K", "Q6_K"):  # float32 scales [panels, kb, 1, 32] x 2
-        d, e = (p[..., a:a + 128].copy().view(np.float32)[:, :, None, :] for a in (0, 128))
-        if kind == "Q4_K":
-            w = d * _q4_nibbles(p[..., -512:]).astype(np.float32) + e  # e = -(dmin * m)
-        else:
-            q = p[..., 256:].copy().view(np.int8).reshape(panels, kb, 32, 32).astype(np.float32)
-            w = q * np.concatenate([np.broadcast_to(d, (panels, kb, 16, 32)),
-                                    np.broadcast_to(e, (panels, kb, 16, 32))], axis=2)
+    if kind in SUPER_KINDS:  # _pack_super's layout
+        head = SUPER_KINDS[kind]
+        s = p.reshape(panels, kb // 8, -1)
+        sup = s[..., :head].copy().view(np.float16).astype(np.float32).reshape(panels, kb // 8, 1, -1, 32)
+        blk = s[..., head:].reshape(panels, kb, -1)  # [.., 64 scale bytes, quants]
+        sc = blk[..., :64].reshape(panels, kb // 8, 8, 2, 32)  # [.., block, scale j, column]
+        if kind == "Q4_K":  # d sc, -(dmin m): exact products
+            d = (sup[..., 0, :] * sc[..., 0, :]).reshape(panels, kb, 1, 32)
+            e = -(sup[..., 1, :] * sc[..., 1, :]).reshape(panels, kb, 1, 32)
+            w = d * _q4_nibbles(blk[..., 64:]).astype(np.float32) + e
+        else:  # (d sc) q, a scale per 16 inputs
+            d = (sup * sc.view(np.int8).astype(np.float32)).reshape(panels, kb, 2, 1, 32)
+            q = blk[..., 64:].view(np.int8).reshape(panels, kb, 2, 16, 32).astype(np.float32)
+            w = q * d
         return w.reshape(panels, kb * 32, PANEL)
     d = p[..., :64].copy().view(np.float16).astype(np.float32)[:, :, None, :]  # [panels, kb, 1, 32]
     if kind == "Q8_0":

@@ -179,31 +179,41 @@ def test_packed_linear_matches_numpy_and_rows_do_not_depend_on_each_other(k, n):
     assert K.specgen_linear(paddle.to_tensor(x[:0]), p.panels, n).shape == [0, n]
 
 
+def _random_blocks(rng: np.random.Generator, kind: str, k: int, n: int, tiny: float = 0.0) -> np.ndarray:
+    """Random GGUF blocks of `kind` [n, k / block weights, block bytes] whose fp16 scales (d; Q4_1: and m;
+    Q4_K: and dmin) are finite values of either sign, a `tiny` fraction of them subnormal."""
+    from specgen.models.checkpoint import QUANT_BLOCK_BYTES, QUANT_BLOCK_WEIGHTS
+
+    nb = k // QUANT_BLOCK_WEIGHTS[kind]
+    blocks = rng.integers(0, 256, (n, nb, QUANT_BLOCK_BYTES[kind]), dtype=np.uint8)
+    at = {"Q4_1": slice(0, 4), "Q4_K": slice(0, 4), "Q6_K": slice(208, 210)}.get(kind, slice(0, 2))
+    count = (at.stop - at.start) // 2
+    halves = (rng.standard_normal((n, nb, count)) * np.where(rng.random((n, nb, 1)) < tiny, 1e-6, 0.05))
+    blocks[..., at] = halves.astype(np.float16).view(np.uint8).reshape(n, nb, 2 * count)
+    return blocks
+
+
 @pytest.mark.parametrize("kind,k,n", [("Q4_1", 576, 960), ("Q4_1", 64, 45), ("Q4_0", 96, 70),
-                                      ("Q8_0", 576, 33)])
+                                      ("Q8_0", 576, 33), ("Q4_K", 512, 70), ("Q6_K", 768, 45)])
 def test_quantized_linear_equals_float32_over_the_dequantized_weight(kind, k, n):
     """specgen_linear over GGUF blocks packed by pack_quantized: the packed blocks dequantize to exactly what
     gguf.quants gives, and every product (1 to 41 rows: the in-register path up to 8 rows; beyond, a first
     group in registers that keeps the rebuilt panel and balanced groups over it) is bit-identical to
-    specgen_linear over that float32 weight."""
+    specgen_linear over that float32 weight. K-quants keep their super-blocks (fp16 scales per 256 inputs,
+    scale bytes per 32): ~4.6 bits a weight for Q4_K, ~8.6 for Q6_K."""
     import gguf
     from gguf.quants import dequantize
 
     from specgen.kernels import pack_linear, pack_quantized
-    from specgen.models.checkpoint import QUANT_BLOCK_BYTES
 
     rng = np.random.default_rng(k + n)
-    blocks = rng.integers(0, 256, (n, k // 32, QUANT_BLOCK_BYTES[kind]), dtype=np.uint8)
-    scales = 4 if kind == "Q4_1" else 2  # fp16 d (and m): finite values of either sign, some subnormal
-    halves = (rng.standard_normal((n, k // 32, scales // 2))
-              * np.where(rng.random((n, k // 32, 1)) < 0.1, 1e-6, 0.05))
-    blocks[..., :scales] = halves.astype(np.float16).view(np.uint8).reshape(n, k // 32, scales)
+    blocks = _random_blocks(rng, kind, k, n, tiny=0.1)
     w = dequantize(blocks.reshape(n, -1), gguf.GGMLQuantizationType[kind]).reshape(n, k).T.astype(np.float32)
     q = pack_quantized(kind, blocks)
-    assert (q.panels.dtype == paddle.uint8
-            and q.panels.shape == [-(-n // 32), k // 32, {"Q4_0": 576, "Q4_1": 640, "Q8_0": 1088}[kind]])
-    assert np.array_equal(q.numpy(), w)
-    f = pack_linear(w)
+    bytes_per_block = {"Q4_0": 576, "Q4_1": 640, "Q8_0": 1088, "Q4_K": 592, "Q6_K": 1096}[kind]
+    assert q.panels.dtype == paddle.uint8 and q.panels.shape == [-(-n // 32), k // 32, bytes_per_block]
+    assert np.array_equal(q.numpy().view(np.uint32), w.view(np.uint32))  # zeros' signs too
+    f = pack_linear(w, halves=False)
     x = rng.standard_normal((41, k)).astype(np.float32)
     y = K.specgen_linear(paddle.to_tensor(x), q.panels, n).numpy()
     assert np.array_equal(y, K.specgen_linear(paddle.to_tensor(x), f.panels, n).numpy())
@@ -216,7 +226,8 @@ def test_quantized_linear_equals_float32_over_the_dequantized_weight(kind, k, n)
 
 
 @pytest.mark.parametrize("kind,k,n", [("float32", 576, 960), ("float32", 64, 45), ("Q4_1", 576, 70),
-                                       ("Q8_0", 96, 33), ("Q4_0", 64, 32)])
+                                       ("Q8_0", 96, 33), ("Q4_0", 64, 32), ("Q4_K", 256, 70),
+                                       ("Q6_K", 256, 33)])
 def test_wide_linear_equals_the_one_panel_path(kind, k, n):
     """Past 16 rows specgen_linear multiplies two panels at a time in chunks of 48 rows (wide_linear); its
     products for 130 rows (three chunks; an odd panel count, a partial last panel, one panel alone) are
@@ -226,17 +237,13 @@ def test_wide_linear_equals_the_one_panel_path(kind, k, n):
     from gguf.quants import dequantize
 
     from specgen.kernels import pack_linear, pack_quantized
-    from specgen.models.checkpoint import QUANT_BLOCK_BYTES
 
     rng = np.random.default_rng(k + n)
     if kind == "float32":
         w = rng.standard_normal((k, n)).astype(np.float32)
         panels = pack_linear(paddle.to_tensor(w)).panels
     else:
-        blocks = rng.integers(0, 256, (n, k // 32, QUANT_BLOCK_BYTES[kind]), dtype=np.uint8)
-        scales = 4 if kind == "Q4_1" else 2
-        blocks[..., :scales] = (rng.standard_normal((n, k // 32, scales // 2)) * 0.05).astype(np.float16) \
-            .view(np.uint8).reshape(n, k // 32, scales)
+        blocks = _random_blocks(rng, kind, k, n)
         w = dequantize(blocks.reshape(n, -1),
                        gguf.GGMLQuantizationType[kind]).reshape(n, k).T.astype(np.float32)
         panels = pack_quantized(kind, blocks).panels
