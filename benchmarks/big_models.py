@@ -2,10 +2,14 @@
 and by llama.cpp on the same GGUF file.
 
     OMP_NUM_THREADS=2 python benchmarks/big_models.py --sizes 1.1b 7b --formats q4_1 bf16 --tokens 32
+    OMP_NUM_THREADS=2 python benchmarks/big_models.py --sizes 1.1b --formats q4_k --matmul float32 int8 \
+        --rates
 
 Each checkpoint is made once in --dir (random weights: the speed and memory of a real model of that shape,
-not its text): a GGUF whose projections and embedding are Q4_1 and whose LM head is Q8_0 (q4_1), or Q4_K with
-a Q6_K head (q4_k; random K-quant blocks), with SmolLM2's tokenizer (49,152 tokens), and an HF directory of
+not its text): a GGUF whose projections and embedding are Q4_1 and whose LM head is Q8_0 (q4_1), or Q4_K
+with a Q6_K head (q4_k; random K-quant blocks), or llama.cpp's Q4_K_M mix (q4_k_m: as q4_k, with attn_v and
+ffn_down in Q6_K in the layers llama.cpp gives more bits: the first and last eighth, and every third
+between), with SmolLM2's tokenizer (49,152 tokens), and an HF directory of
 BF16 safetensors loaded with --quantization wint4 (bf16). Every
 measurement runs in a fresh process of its own, one at a time:
 - load: seconds to a loaded model, peak and resident memory (RSS; the process's baseline after importing
@@ -83,9 +87,15 @@ def k_blocks(rng: np.random.Generator, qtype, out: int, inp: int) -> np.ndarray:
     return b.reshape(out, -1)
 
 
-def make_gguf(path: Path, shape: dict, k_quants: bool = False) -> None:
+def more_bits(i: int, layers: int) -> bool:
+    """Whether llama.cpp's Q4_K_M stores layer i's attn_v and ffn_down in Q6_K (its use_more_bits)."""
+    return i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
+
+
+def make_gguf(path: Path, shape: dict, k_quants: bool = False, mix: bool = False) -> None:
     """Q4_1 projections and embedding with a Q8_0 LM head; or (k_quants) Q4_K ones with a Q6_K head, as
-    llama.cpp's Q4_K_M keeps its output."""
+    llama.cpp's Q4_K_M keeps its output, and (mix) its attn_v and ffn_down in Q6_K where it gives more
+    bits."""
     import gguf
 
     from specgen.models import default_model
@@ -120,7 +130,9 @@ def make_gguf(path: Path, shape: dict, k_quants: bool = False) -> None:
     plan = [("token_embd.weight", (vocab, h), Q41)]
     for i in range(shape["layers"]):
         plan += [(f"blk.{i}.attn_norm.weight", (h,), F32), (f"blk.{i}.ffn_norm.weight", (h,), F32)]
-        plan += [(f"blk.{i}.{names[n]}.weight", s, Q41) for n, s in layer_tensors(shape).items()]
+        more = {"attn_v", "ffn_down"} if mix and more_bits(i, shape["layers"]) else set()
+        plan += [(f"blk.{i}.{names[n]}.weight", s, Q80 if names[n] in more else Q41)
+                 for n, s in layer_tensors(shape).items()]
     plan += [("output_norm.weight", (h,), F32), ("output.weight", (vocab, h), Q80)]
     rng = np.random.default_rng(0)
     for name, s, t in plan:
@@ -186,13 +198,13 @@ def make_bf16(directory: Path, shape: dict) -> None:
 
 def make(kind: str, size: str, root: Path) -> Path:
     path = root / {"q4_1": f"random-{size}.Q4_1.gguf", "q4_k": f"random-{size}.Q4_K.gguf",
-                   "bf16": f"random-{size}-bf16"}[kind]
+                   "q4_k_m": f"random-{size}.Q4_K_M.gguf", "bf16": f"random-{size}-bf16"}[kind]
     if not path.exists():
         tmp = path.with_name(path.name + ".tmp")
         if kind == "bf16":
             make_bf16(tmp, SHAPES[size])
         else:
-            make_gguf(tmp, SHAPES[size], k_quants=kind == "q4_k")
+            make_gguf(tmp, SHAPES[size], k_quants=kind.startswith("q4_k"), mix=kind == "q4_k_m")
         tmp.rename(path)
     return path
 
@@ -207,14 +219,16 @@ def child_specgen(a: argparse.Namespace) -> dict:
 
     base = rss_mb()
     start = time.perf_counter()
-    loaded = specgen.load_model(a.path, quantization=a.quantization)
+    matmul = a.matmul[0]  # (one per child)
+    loaded = specgen.load_model(a.path, quantization=a.quantization, matmul=matmul)
     out = {"load_s": time.perf_counter() - start, "base_mb": base, "peak_load_mb": peak_mb(),
            "rss_load_mb": rss_mb()}
     if a.tokens:
         def job(n: int) -> float:
             t = time.perf_counter()
             generate([PROMPT], model=loaded, sampling=SamplingParams(max_tokens=n),
-                     engine=EngineConfig(batch_size=1, max_model_len=256), speculative=SpecConfig())
+                     engine=EngineConfig(batch_size=1, max_model_len=256, matmul=matmul),
+                     speculative=SpecConfig())
             return time.perf_counter() - t
         job(4)
         t1 = statistics.median(job(1) for _ in range(a.repeats))
@@ -224,6 +238,38 @@ def child_specgen(a: argparse.Namespace) -> dict:
         from specgen.app.bounds import step_costs
 
         out["costs"] = step_costs(loaded.model, 128, list(range(1, 7)), repeats=a.repeats * 3)
+    return out
+
+
+def child_rates(a: argparse.Namespace) -> dict:
+    """G weights/s of one row's product over Q4_K weights of 2048 x 5632 (a 1.1B gate projection; its
+    super-blocks kept), float32 products (exact) and integer ones (matmul int8, with VNNI), with this
+    process's threads: one weight again and again (6.6 MB: it stays in the L3 cache, so this is the kernel's
+    arithmetic alone, its bound) and 16 in turn (106 MB: read from memory, as a step reads the model)."""
+    import gguf
+    import paddle
+
+    from specgen.kernels import has_vnni, ops, pack_quantized
+
+    K = ops()
+    rng = np.random.default_rng(0)
+    n, k = 5632, 2048
+    blocks = [k_blocks(rng, gguf.GGMLQuantizationType.Q4_K, n, k).reshape(n, k // 256, -1) for _ in range(16)]
+    x = paddle.to_tensor(rng.standard_normal((1, k)).astype(np.float32))
+    out = {}
+    for int8 in (False, True) if has_vnni() else (False,):
+        weights = [pack_quantized("Q4_K", b, int8, K).panels for b in blocks]
+        for place, ws in (("in cache", weights[:1] * 16), ("from memory", weights)):
+            def run() -> float:
+                t = time.perf_counter()
+                for _ in range(4):
+                    for w in ws:
+                        K.specgen_linear(x, w, n)
+                return (time.perf_counter() - t) / (4 * len(ws))
+
+            run()
+            best = min(run() for _ in range(a.repeats))
+            out[f"{place}, {'int8' if int8 else 'float32'}"] = k * n / best / 1e9
     return out
 
 
@@ -251,7 +297,12 @@ def child_llama(a: argparse.Namespace) -> dict:
 
 
 def spawn(*args: str) -> dict:
-    p = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+    return spawn_env({}, *args)
+
+
+def spawn_env(env: dict, *args: str) -> dict:
+    p = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
+                       env={**os.environ, **env})
     if p.returncode:
         return {"error": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit {p.returncode}"}
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -279,20 +330,25 @@ def replayed_steps(per_set: int) -> dict[str, list[int]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--child", choices=["specgen", "llama"])
+    ap.add_argument("--child", choices=["specgen", "llama", "rates"])
     ap.add_argument("--path", type=Path)
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--costs", action="store_true")
     ap.add_argument("--sizes", nargs="+", default=["1.1b"], choices=sorted(SHAPES))
-    ap.add_argument("--formats", nargs="+", default=["q4_1", "bf16"], choices=["q4_1", "q4_k", "bf16"])
+    ap.add_argument("--formats", nargs="+", default=["q4_1", "bf16"],
+                    choices=["q4_1", "q4_k", "q4_k_m", "bf16"])
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bound-prompts", type=int, default=0,
                     help="prompts per set for the oracle bound (0: skip)")
     ap.add_argument("--dir", type=Path, default=Path.home() / ".cache" / "specgen-bench")
+    ap.add_argument("--matmul", nargs="+", default=["float32"], choices=["float32", "int8"],
+                    help="specgen's products, each its own run (int8: AVX-512 VNNI, as llama.cpp)")
+    ap.add_argument("--rates", action="store_true",
+                    help="also the product's G weights/s over a Q4_K weight in L2 and from memory")
     a = ap.parse_args()
     if a.child:
-        print(json.dumps((child_specgen if a.child == "specgen" else child_llama)(a)))
+        print(json.dumps({"specgen": child_specgen, "llama": child_llama, "rates": child_rates}[a.child](a)))
         return
     from specgen import EngineConfig
 
@@ -300,6 +356,13 @@ def main() -> None:
     print(f"# big_models: {common.machine()}")
     a.dir.mkdir(parents=True, exist_ok=True)
     steps = replayed_steps(a.bound_prompts) if a.bound_prompts else {}
+    if a.rates:  # one process per thread count (OpenMP reads it at start)
+        rates = {t: spawn_env({"OMP_NUM_THREADS": str(t)}, "--child", "rates", "--repeats", str(a.repeats))
+                 for t in (1, 2)}
+        print("\n## One row's product over Q4_K weights (2048 x 5632), G weights/s")
+        common.print_table(["weight, products", "1 thread", "2 threads"],
+                           [[key, rates[1].get(key), rates[2][key]] for key in rates[2] if key != "error"],
+                           digits=1)
     for size in a.sizes:
         for fmt in a.formats:
             path = make(fmt, size, a.dir)
@@ -310,9 +373,12 @@ def main() -> None:
                 shutil.rmtree(old)
             common_args = ["--path", str(path), "--quantization", q, "--repeats", str(a.repeats)]
             first = spawn("--child", "specgen", *common_args, "--tokens", "0")
-            later = spawn("--child", "specgen", *common_args, "--tokens", str(a.tokens),
-                          *(["--costs"] if steps else []))
-            rows = [("specgen first", first), ("specgen later", later)]
+            rows = [("specgen first", first)]
+            for matmul in a.matmul:
+                later = spawn("--child", "specgen", *common_args, "--tokens", str(a.tokens), "--matmul",
+                              matmul, *(["--costs"] if steps and matmul == a.matmul[0] else []))
+                rows.append((f"specgen later, {matmul}", later))
+            runs = rows[1:]
             if fmt != "bf16":
                 rows.append(("llama.cpp", spawn("--child", "llama", "--path", str(path), "--tokens",
                                                 str(a.tokens), "--repeats", str(a.repeats))))
@@ -324,9 +390,11 @@ def main() -> None:
                   r.get("peak_mb"), r.get("decode_tok_s"), r.get("job_tok_s")] if "error" not in r
                  else [n, r["error"], "", "", "", "", "", ""] for n, r in rows], digits=1)
             peer = rows[-1][1]
-            if fmt != "bf16" and "error" not in later and "error" not in peer:
-                print(f"specgen / llama.cpp: decode {later['decode_tok_s'] / peer['decode_tok_s']:.2f}x, "
-                      f"whole job {later['job_tok_s'] / peer['job_tok_s']:.2f}x")
+            for name, run in runs:
+                if fmt != "bf16" and "error" not in run and "error" not in peer:
+                    print(f"{name} / llama.cpp: decode {run['decode_tok_s'] / peer['decode_tok_s']:.2f}x, "
+                          f"whole job {run['job_tok_s'] / peer['job_tok_s']:.2f}x")
+            later = runs[0][1]
             if steps and "costs" in later:
                 from specgen.app.bounds import oracle_decode_bound
 

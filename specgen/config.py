@@ -290,8 +290,8 @@ class EngineConfig:
                                      "dequantized); wint8 / wint4: quantized at load in blocks of 32 inputs "
                                      "(Q8_0 / Q4_1), cached.")
     matmul: str = opt("float32", "float32 | int8. int8: inputs quantized to int8 per block of 32 for integer "
-                                 "products with block weights (GGUF Q4_0/Q4_1/Q8_0, --quantization wint8 / "
-                                 "wint4; AVX-512 VNNI), as llama.cpp does.")
+                                 "products with block weights (GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q6_K, --quantization "
+                                 "wint8 / wint4; AVX-512 VNNI), as llama.cpp does.")
 
     def __post_init__(self) -> None:
         if not 1 <= self.batch_size <= 256:

@@ -27,7 +27,14 @@ from specgen.backends.reference import reserve
 from specgen.config import EngineConfig
 from specgen.errors import ConfigError
 from specgen.kernels import args
-from specgen.kernels.packing import INT8_KINDS, SCREENED_KINDS, pack_linear, pack_quantized, pack_screen
+from specgen.kernels.packing import (
+    INT8_KINDS,
+    SCREENED_KINDS,
+    pack_linear,
+    pack_parts,
+    pack_quantized,
+    pack_screen,
+)
 from specgen.layers.block import DecoderBlock
 from specgen.layers.linear import Linear
 from specgen.models.checkpoint import QuantRows
@@ -94,7 +101,9 @@ class FusedBackend:
             return lin
         if lin.blocks is not None and self.keeps_blocks:
             int8 = self.int8_product if int8_product is None else int8_product
-            lin.weight = pack_quantized(lin.blocks.kind, lin.blocks.blocks, int8, self.ops)
+            parts = getattr(lin.blocks, "parts", ())  # rows of several formats: each run in its own
+            lin.weight = (pack_parts([(p.kind, p.blocks) for p in parts], int8, self.ops) if parts
+                          else pack_quantized(lin.blocks.kind, lin.blocks.blocks, int8, self.ops))
         else:
             lin.weight = pack_linear(lin.weight, dtype=self.dtype)
         return lin
@@ -111,8 +120,8 @@ class FusedBackend:
         if self.int8_product:
             has_blocks = bool(weights.block_kinds & set(INT8_KINDS))
             if not (has_blocks and self.vnni and self.dtype == "float32"):
-                raise ConfigError("matmul int8 needs block weights (GGUF Q4_0 / Q4_1 / Q8_0, or "
-                                  "--quantization wint8 | wint4), a float32 model and a CPU with AVX-512 "
+                raise ConfigError("matmul int8 needs block weights (GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K, "
+                                  "or --quantization wint8 | wint4), a float32 model and a CPU with AVX-512 "
                                   f"VNNI (here: blocks {'yes' if has_blocks else 'no'}, {self.dtype}, VNNI "
                                   f"{'yes' if self.vnni else 'no'})")
         q = weights.lm_head.blocks

@@ -25,6 +25,7 @@ from specgen.kernels.packing import (
     dense,
     half_kind,
     pack_linear,
+    pack_parts,
     pack_quantized,
     pack_screen,
     qx_rows,
@@ -53,4 +54,4 @@ def _default_root() -> Path:
 
 __all__ = ["ops", "host_lib", "has_vnni", "packs", "Packed", "Screen", "PANEL", "HALF_KINDS", "INT8_KINDS",
            "QUANT_PANEL_BYTES", "SCREENED_KINDS", "block_parts", "dense", "half_kind", "pack_linear",
-           "pack_quantized", "pack_screen", "qx_rows"]
+           "pack_parts", "pack_quantized", "pack_screen", "qx_rows"]

@@ -140,31 +140,39 @@ inline float rebuilt_weight(const uint8_t* qs, Quant q, float d, float m, int64_
   return q == Quant::kQ4_0 ? d * static_cast<float>(nib - 8) : std::fma(d, static_cast<float>(nib), m);
 }
 
+// Column c's scales for the inputs of half h (0: inputs 0-15, 1: 16-31) of the block at blk (K-quants: of the
+// super-block whose scales are at sup), as the weights use them: w = fma(d, q, m), m = 0 where the format has
+// no offset (Q4_0's q is the nibble - 8; 16-bit formats have no scales).
+inline void block_scale_ref(Quant q, const uint8_t* blk, const uint8_t* sup, int64_t c, int h, float& d, float& m) {
+  const uint16_t* halfs = reinterpret_cast<const uint16_t*>(q == Quant::kQ4_K || q == Quant::kQ6_K ? sup : blk);
+  d = m = 0.f;
+  if (q == Quant::kQ4_K) {  // d * sc and -(dmin * m), exact
+    d = specgen::half_to_float(halfs[c]) * static_cast<float>(blk[c]);
+    m = -(specgen::half_to_float(halfs[kPanel + c]) * static_cast<float>(blk[kPanel + c]));
+  } else if (q == Quant::kQ6_K) {
+    d = specgen::half_to_float(halfs[c]) * static_cast<float>(static_cast<int8_t>(blk[h * kPanel + c]));
+  } else if (q == Quant::kQX) {
+    float wide[2];
+    std::memcpy(&wide[0], blk + (h * kPanel + c) * sizeof(float), sizeof(float));
+    std::memcpy(&wide[1], blk + ((2 + h) * kPanel + c) * sizeof(float), sizeof(float));
+    d = wide[0], m = wide[1];
+  } else if (!is_half(q)) {
+    d = specgen::half_to_float(halfs[c]);
+    if (q == Quant::kQ4_1) m = specgen::half_to_float(halfs[kPanel + c]);
+  }
+}
+
 // The dequantized panel [k, 32] of one quantized panel, in scalar code: the quantized path of builds without
-// AVX-512 (with AVX-512, block_weights and qpanel_rows below do the same with vectors).
+// AVX-512 or AVX2 (with AVX-512, block_weights and qpanel_rows below do the same with vectors).
 void dequant_panel_ref(const uint8_t* p, int64_t k, Quant q, float* out) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const uint8_t* blk = block_at(q, p, b);
-    const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk);
-    const uint16_t* sup = reinterpret_cast<const uint16_t*>(super_at(q, p, b));  // K-quants: fp16 d (and dmin)
-    float wide[4 * kPanel];  // QX: the column scales, float32
-    if (q == Quant::kQX) std::memcpy(wide, blk, 4 * kPanel * sizeof(float));
     const uint8_t* qs = blk + quant_head(q);
     for (int64_t i = 0; i < kBlock; ++i) {
       float* w = out + (b * kBlock + i) * kPanel;
       for (int64_t c = 0; c < kPanel; ++c) {
-        float d = 0.f, m = 0.f;
-        if (q == Quant::kQ4_K) {  // d * sc and -(dmin * m), exact
-          d = specgen::half_to_float(sup[c]) * static_cast<float>(blk[c]);
-          m = -(specgen::half_to_float(sup[kPanel + c]) * static_cast<float>(blk[kPanel + c]));
-        } else if (q == Quant::kQ6_K) {
-          d = specgen::half_to_float(sup[c]) * static_cast<float>(static_cast<int8_t>(blk[(i < 16 ? 0 : kPanel) + c]));
-        } else if (q == Quant::kQX) {
-          d = wide[(i < 16 ? 0 : kPanel) + c], m = wide[(i < 16 ? 2 : 3) * kPanel + c];
-        } else if (!is_half(q)) {
-          d = specgen::half_to_float(scales[c]);
-        }
-        if (q == Quant::kQ4_1) m = specgen::half_to_float(scales[kPanel + c]);
+        float d, m;
+        block_scale_ref(q, blk, super_at(q, p, b), c, i < 16 ? 0 : 1, d, m);
         w[c] = rebuilt_weight(qs, q, d, m, i, c);
       }
     }
@@ -557,7 +565,7 @@ void qpanel_keep(const float* x, int64_t rows, int64_t k, const uint8_t* p, Quan
 // its first item (whose first kGroup rows run qpanel_rows with Keep, streaming the blocks with prefetch). A last
 // panel without a partner takes the one-panel path on each chunk.
 void wide_linear(const float* x, int64_t m, int64_t k, const void* data, int64_t panels, int64_t kind,
-                 float* y, int64_t n) {
+                 float* y, int64_t n, int64_t c_base) {
   const int64_t pairs = (panels + 1) / 2, threads = omp_get_max_threads();
   int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
   // Few items that the threads cannot share evenly (9 pairs of a 576-column weight, 32 rows: 5 against 4):
@@ -578,7 +586,7 @@ void wide_linear(const float* x, int64_t m, int64_t k, const void* data, int64_t
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < pairs * chunks; ++item) {
       const int64_t pi = item / chunks, r0 = item % chunks * chunk_rows, rows = std::min(chunk_rows, m - r0);
-      const int64_t p0 = 2 * pi, c0 = p0 * kPanel;
+      const int64_t p0 = 2 * pi, c0 = c_base + p0 * kPanel;
       const float* xr = x + r0 * k;
       float* yr = y + r0 * n;
       if (p0 + 1 == panels) {  // the last panel, alone
@@ -891,7 +899,9 @@ void qpanel_any(const float* x, int64_t m, int64_t k, const uint8_t* p, Quant q,
 // scales d (Q4_1: then their fp16 minimums m), then the quants as unsigned bytes u = q + offset (Q4_0: the
 // nibble itself, q + 8; Q8_0: q + 128; Q4_1: q), grouped by 4 consecutive inputs: group g (inputs 4g .. 4g + 3)
 // is 128 bytes, column c's 4 bytes at 4c (c < 16) and 64 + 4 (c - 16). Q4 kinds store a group in 64 bytes,
-// columns c and c + 16 in the low and high nibble of one byte.
+// columns c and c + 16 in the low and high nibble of one byte. K-quants keep their super-blocks and scale bytes
+// (block_at, block_scales) with these quants (Q4_K: as Q4_1's; Q6_K: q + 32 as Q8_0's); Q6_K's two halves of
+// a block are two sums, each with its own scale and offset 32 times its half's sxq.
 //
 // Each input row is quantized per block of 32 as a GGUF Q8_0 block would be: dx = max |x| / 127,
 // xq = round-to-even(x * (1 / dx)) (a float32 reciprocal), with sxq = sum xq and sx = sum x (in input order). Then for every output column
@@ -904,11 +914,12 @@ struct QuantRows {   // m input rows quantized per block of 32
   const int8_t* q;   // [m, k]
   const float* d;    // [m, k / 32] dx
   const int32_t* s;  // [m, k / 32] sxq
+  const int32_t* h;  // [m, k / 32] sxq of the block's inputs 0-15 (Q6_K's halves)
   const float* sx;   // [m, k / 32]
   int64_t k;
 };
 
-void quantize_row(const float* x, int64_t k, int8_t* q, float* d, int32_t* s, float* sx) {
+void quantize_row(const float* x, int64_t k, int8_t* q, float* d, int32_t* s, int32_t* h, float* sx) {
   for (int64_t b = 0; b < k / kBlock; ++b, x += kBlock, q += kBlock) {
     float amax = 0.f, sum = 0.f;
     for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
@@ -919,6 +930,7 @@ void quantize_row(const float* x, int64_t k, int8_t* q, float* d, int32_t* s, fl
       const float v = std::min(127.f, std::max(-127.f, std::nearbyint(x[i] * inv)));
       q[i] = static_cast<int8_t>(v);
       qsum += q[i];
+      if (i == 15) h[b] = qsum;
     }
     d[b] = dx;
     s[b] = qsum;
@@ -931,47 +943,62 @@ void quantize_row(const float* x, int64_t k, int8_t* q, float* d, int32_t* s, fl
 QuantRows quantize_rows(const float* x, int64_t m, int64_t k) {
   static thread_local std::vector<int8_t> q;
   static thread_local std::vector<float> d, sx;
-  static thread_local std::vector<int32_t> s;
+  static thread_local std::vector<int32_t> s, h;
   const int64_t kb = k / kBlock;
   q.resize(m * k);
   d.resize(m * kb);
   sx.resize(m * kb);
   s.resize(m * kb);
+  h.resize(m * kb);
   int8_t* qp = q.data();  // (thread_local names would be the other threads' own buffers inside the loop)
   float *dp = d.data(), *sxp = sx.data();
-  int32_t* sp = s.data();
+  int32_t *sp = s.data(), *hp = h.data();
 #pragma omp parallel for schedule(static) if (m >= 8)
-  for (int64_t r = 0; r < m; ++r) quantize_row(x + r * k, k, qp + r * k, dp + r * kb, sp + r * kb, sxp + r * kb);
-  return {qp, dp, sp, sxp, k};
+  for (int64_t r = 0; r < m; ++r)
+    quantize_row(x + r * k, k, qp + r * k, dp + r * kb, sp + r * kb, hp + r * kb, sxp + r * kb);
+  return {qp, dp, sp, hp, sxp, k};
 }
 
-constexpr int32_t quant_offset(Quant q) { return q == Quant::kQ4_0 ? 8 : q == Quant::kQ8_0 ? 128 : 0; }
+constexpr int32_t quant_offset(Quant q) {
+  return q == Quant::kQ4_0 ? 8 : q == Quant::kQ8_0 ? 128 : q == Quant::kQ6_K ? 32 : 0;
+}
+constexpr bool byte_quants(Quant q) { return q == Quant::kQ8_0 || q == Quant::kQ6_K; }  // a byte each, else nibbles
 
 // Unsigned quant of input i (of 32), column c (of 32) in a block's repacked quants.
 inline int32_t repacked_quant(const uint8_t* qs, Quant q, int64_t i, int64_t c) {
   const int64_t g = i / 4, j = i % 4;
-  if (q == Quant::kQ8_0) return qs[g * 128 + (c / 16) * 64 + (c % 16) * 4 + j];
+  if (byte_quants(q)) return qs[g * 128 + (c / 16) * 64 + (c % 16) * 4 + j];
   const uint8_t byte = qs[g * 64 + (c % 16) * 4 + j];
   return c < 16 ? byte & 0xF : byte >> 4;
 }
 
+// The integer sum's offset term of row r's block b: -offset * sxq of the block's inputs (Q6_K: of half h's).
+inline int32_t offset_sum(const QuantRows& a, Quant q, int64_t r, int64_t b, int h) {
+  const int64_t at = r * (a.k / kBlock) + b;
+  const int32_t sxq = q != Quant::kQ6_K ? a.s[at] : h == 0 ? a.h[at] : a.s[at] - a.h[at];
+  return -quant_offset(q) * sxq;
+}
+
 // y[r, c0 .. c0 + 32) for the m rows of a, in scalar code (builds without AVX-512 VNNI).
 void ipanel_ref(const QuantRows& a, int64_t m, const uint8_t* p, Quant q, float* y, int64_t n, int64_t c0) {
-  const int64_t bytes = static_cast<int64_t>(q), qoff = q == Quant::kQ4_1 ? 128 : 64, kb = a.k / kBlock;
-  const int64_t width = std::min<int64_t>(kPanel, n - c0);
+  const int64_t kb = a.k / kBlock, halves = q == Quant::kQ6_K ? 2 : 1, width = std::min<int64_t>(kPanel, n - c0);
   float acc[kPanel];
   for (int64_t r = 0; r < m; ++r) {
     std::fill(acc, acc + kPanel, 0.f);
-    const uint8_t* blk = p;
-    for (int64_t b = 0; b < kb; ++b, blk += bytes) {
-      const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk);
+    for (int64_t b = 0; b < kb; ++b) {
+      const uint8_t* blk = block_at(q, p, b);
       const int8_t* xq = a.q + r * a.k + b * kBlock;
       const float dx = a.d[r * kb + b];
       for (int64_t c = 0; c < kPanel; ++c) {
-        int32_t sum = -quant_offset(q) * a.s[r * kb + b];
-        for (int64_t i = 0; i < kBlock; ++i) sum += repacked_quant(blk + qoff, q, i, c) * xq[i];
-        acc[c] = std::fma(static_cast<float>(sum), specgen::half_to_float(scales[c]) * dx, acc[c]);
-        if (q == Quant::kQ4_1) acc[c] = std::fma(specgen::half_to_float(scales[kPanel + c]), a.sx[r * kb + b], acc[c]);
+        for (int h = 0; h < halves; ++h) {  // Q6_K: inputs 0-15, then 16-31, each with its scale
+          float d, mn;
+          block_scale_ref(q, blk, super_at(q, p, b), c, h, d, mn);
+          int32_t sum = offset_sum(a, q, r, b, h);
+          for (int64_t i = h * kBlock / halves; i < (h + 1) * kBlock / halves; ++i)
+            sum += repacked_quant(blk + quant_head(q), q, i, c) * xq[i];
+          acc[c] = std::fma(static_cast<float>(sum), d * dx, acc[c]);
+          if (q == Quant::kQ4_1 || q == Quant::kQ4_K) acc[c] = std::fma(mn, a.sx[r * kb + b], acc[c]);
+        }
       }
     }
     for (int64_t c = 0; c < width; ++c) y[r * n + c0 + c] = acc[c];
@@ -1017,55 +1044,60 @@ inline void screen_store(__m512 a0, __m512 a1, __m512 e0, __m512 e1, float* h, i
 template <Quant Q, int G, bool Screen = false>
 inline void ipanel_rows(const QuantRows& a, int64_t r0, const uint8_t* p, float* y, int64_t n, int64_t c0,
                         int64_t width, const ScreenPanel* sp = nullptr) {
-  constexpr int64_t bytes = static_cast<int64_t>(Q), qoff = Q == Quant::kQ4_1 ? 128 : 64;
+  constexpr int64_t bytes = quant_bytes(Q);  // on average, per block
+  constexpr int halves = Q == Quant::kQ6_K ? 2 : 1;  // Q6_K: a sum and a scale per 16 inputs
+  constexpr bool offsets = Q == Quant::kQ4_1 || Q == Quant::kQ4_K;  // acc += m sx
   const int64_t kb = a.k / kBlock;
   __m512 acc0[G], acc1[G], e0[Screen ? G : 1], e1[Screen ? G : 1];
   for (int r = 0; r < G; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
   if constexpr (Screen)
     for (int r = 0; r < G; ++r) e0[r] = e1[r] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  for (int64_t b = 0; b < kb; ++b, p += bytes) {
+  for (int64_t b = 0; b < kb; ++b) {
     for (int64_t off = 0; off < bytes; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(p + kQuantAhead + off), _MM_HINT_T0);
-    __m512i s0[G], s1[G];
-    for (int r = 0; r < G; ++r) s0[r] = s1[r] = _mm512_set1_epi32(-quant_offset(Q) * a.s[(r0 + r) * kb + b]);
-    const uint8_t* qs = p + qoff;
+      _mm_prefetch(reinterpret_cast<const char*>(p + b * bytes + kQuantAhead + off), _MM_HINT_T0);
+    const uint8_t* blk = block_at(Q, p, b);
+    const uint8_t* qs = blk + quant_head(Q);
     const int8_t* xq = a.q + r0 * a.k + b * kBlock;
-    for (int64_t g = 0; g < 8; ++g) {
-      __m512i w0, w1;
-      if constexpr (Q == Quant::kQ8_0) {
-        w0 = _mm512_loadu_si512(qs + g * 128);
-        w1 = _mm512_loadu_si512(qs + g * 128 + 64);
-      } else {
-        const __m512i v = _mm512_loadu_si512(qs + g * 64);
-        w0 = _mm512_and_si512(v, nibble);
-        w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-      }
-      for (int r = 0; r < G; ++r) {
-        int32_t four;
-        std::memcpy(&four, xq + r * a.k + g * 4, 4);
-        const __m512i x = _mm512_set1_epi32(four);
-        s0[r] = _mm512_dpbusd_epi32(s0[r], w0, x);
-        s1[r] = _mm512_dpbusd_epi32(s1[r], w1, x);
-      }
-    }
     __m512 d0, d1, m0, m1;
-    block_scales<Q>(p, nullptr, d0, d1, m0, m1);  // (integer products: Q4_0, Q4_1, Q8_0)
-    __m512 cb0, cb1;
-    if constexpr (Screen) {
-      cb0 = _mm512_loadu_ps(sp->bound + b * kPanel);
-      cb1 = _mm512_loadu_ps(sp->bound + b * kPanel + 16);
-    }
-    for (int r = 0; r < G; ++r) {
-      const __m512 dx = _mm512_set1_ps(a.d[(r0 + r) * kb + b]);
-      acc0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[r]), _mm512_mul_ps(d0, dx), acc0[r]);
-      acc1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[r]), _mm512_mul_ps(d1, dx), acc1[r]);
-      if constexpr (Q == Quant::kQ4_1) {
-        const __m512 sx = _mm512_set1_ps(a.sx[(r0 + r) * kb + b]);
-        acc0[r] = _mm512_fmadd_ps(m0, sx, acc0[r]);
-        acc1[r] = _mm512_fmadd_ps(m1, sx, acc1[r]);
+    block_scales<Q>(blk, super_at(Q, p, b), d0, d1, m0, m1);
+    for (int h = 0; h < halves; ++h) {
+      __m512i s0[G], s1[G];
+      for (int r = 0; r < G; ++r) s0[r] = s1[r] = _mm512_set1_epi32(offset_sum(a, Q, r0 + r, b, h));
+      for (int64_t g = h * 8 / halves; g < (h + 1) * 8 / halves; ++g) {
+        __m512i w0, w1;
+        if constexpr (byte_quants(Q)) {
+          w0 = _mm512_loadu_si512(qs + g * 128);
+          w1 = _mm512_loadu_si512(qs + g * 128 + 64);
+        } else {
+          const __m512i v = _mm512_loadu_si512(qs + g * 64);
+          w0 = _mm512_and_si512(v, nibble);
+          w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        }
+        for (int r = 0; r < G; ++r) {
+          int32_t four;
+          std::memcpy(&four, xq + r * a.k + g * 4, 4);
+          const __m512i x = _mm512_set1_epi32(four);
+          s0[r] = _mm512_dpbusd_epi32(s0[r], w0, x);
+          s1[r] = _mm512_dpbusd_epi32(s1[r], w1, x);
+        }
       }
-      if constexpr (Screen) {
+      const __m512 sc0 = h == 0 ? d0 : m0, sc1 = h == 0 ? d1 : m1;  // Q6_K: inputs 16-31's scales in m
+      for (int r = 0; r < G; ++r) {
+        const __m512 dx = _mm512_set1_ps(a.d[(r0 + r) * kb + b]);
+        acc0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[r]), _mm512_mul_ps(sc0, dx), acc0[r]);
+        acc1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[r]), _mm512_mul_ps(sc1, dx), acc1[r]);
+        if constexpr (offsets) {
+          const __m512 sx = _mm512_set1_ps(a.sx[(r0 + r) * kb + b]);
+          acc0[r] = _mm512_fmadd_ps(m0, sx, acc0[r]);
+          acc1[r] = _mm512_fmadd_ps(m1, sx, acc1[r]);
+        }
+      }
+    }
+    if constexpr (Screen) {  // (Q4_0, Q8_0)
+      const __m512 cb0 = _mm512_loadu_ps(sp->bound + b * kPanel), cb1 = _mm512_loadu_ps(sp->bound + b * kPanel + 16);
+      for (int r = 0; r < G; ++r) {
+        const __m512 dx = _mm512_set1_ps(a.d[(r0 + r) * kb + b]);
         e0[r] = _mm512_fmadd_ps(dx, cb0, e0[r]);
         e1[r] = _mm512_fmadd_ps(dx, cb1, e1[r]);
       }
@@ -1114,6 +1146,12 @@ void ipanel_any(const QuantRows& a, int64_t m, const uint8_t* p, Quant q, float*
     case Quant::kQ8_0:
       return sp ? ipanel_all<Quant::kQ8_0, true>(a, m, p, y, n, c0, sp)
                 : ipanel_all<Quant::kQ8_0, false>(a, m, p, y, n, c0, sp);
+    case Quant::kQ4_K:  // (K-quants are not screened)
+      return ipanel_all<Quant::kQ4_K, false>(a, m, p, y, n, c0, sp);
+    case Quant::kQ6_K:
+      return ipanel_all<Quant::kQ6_K, false>(a, m, p, y, n, c0, sp);
+    default:
+      PD_THROW("integer products of this block format are not built");
   }
 }
 #else
@@ -1244,7 +1282,33 @@ void f64_tail(const double* x, int64_t rows, int64_t k, const double* p, double*
 
 namespace specgen {
 
+// One part of a weight of parts (see kParts), its header checked against the tensor's `size` bytes; PD_CHECKs
+// name `name`.
+PackedWeight packed_part(const uint8_t* base, int64_t size, const int64_t* h, int64_t k, const char* name) {
+  const int64_t panels = h[0], kind = h[1], offset = h[3];
+  const bool int8_product = h[2] != 0;
+  const Quant q = static_cast<Quant>(kind);
+  const bool known = kind == static_cast<int64_t>(Quant::kQ4_0) || kind == static_cast<int64_t>(Quant::kQ4_1) ||
+                     kind == static_cast<int64_t>(Quant::kQ8_0) || is_super(q) ||
+                     (kind == static_cast<int64_t>(Quant::kQX) && !int8_product);
+  PD_CHECK(known && panels > 0 && k % kBlock == 0 && (!is_super(q) || (k / kBlock) % kSuper == 0) && offset % 64 == 0 &&
+               offset >= 0 && offset + panels * (k / kBlock) * quant_bytes(q) <= size,
+           name, ": a part of a weight of parts that is not a quantized weight of ", k, " inputs within it");
+  return {base + offset, panels, kind, int8_product};
+}
+
 PackedWeight packed_weight(const paddle::Tensor& w, int64_t k, int64_t n, const char* name) {
+  if (w.is_cpu() && w.shape().size() == 1 && w.dtype() == paddle::DataType::UINT8) {  // kParts
+    const int64_t size = w.shape()[0];
+    const int64_t* h = reinterpret_cast<const int64_t*>(w.data<uint8_t>());
+    PD_CHECK(size >= 8 && h[0] >= 1 && h[0] <= kMaxParts && size >= 8 * (1 + 4 * h[0]), name,
+             ": not a packed weight of parts");
+    int64_t panels = 0;
+    for (int64_t i = 0; i < h[0]; ++i) panels += packed_part(w.data<uint8_t>(), size, h + 1 + 4 * i, k, name).panels;
+    PD_CHECK(panels == (n + kPanel - 1) / kPanel, name, ": a weight of parts of ", panels * kPanel,
+             " output columns, not ", n);
+    return {w.data<uint8_t>(), panels, kParts, false, h};
+  }
   PD_CHECK(w.is_cpu() && w.shape().size() == 3 && w.shape()[0] == (n + kPanel - 1) / kPanel, name,
            ": not a packed weight of ", n, " output columns");
   if (w.dtype() == paddle::DataType::FLOAT32) {
@@ -1270,23 +1334,23 @@ PackedWeight packed_weight(const paddle::Tensor& w, int64_t k, int64_t n, const 
   PD_CHECK((w.dtype() == paddle::DataType::UINT8 || int8_product) && k % kBlock == 0 && w.shape()[1] == k / kBlock &&
                (!super || (k / kBlock) % kSuper == 0) &&
                (bytes == static_cast<int64_t>(Quant::kQ4_0) || bytes == static_cast<int64_t>(Quant::kQ4_1) ||
-                bytes == static_cast<int64_t>(Quant::kQ8_0) || (k_quant && !int8_product)),
+                bytes == static_cast<int64_t>(Quant::kQ8_0) || super || (k_quant && !int8_product)),
            name, ": not a quantized [ceil(n / 32), ", k / kBlock,
-           ", 576 | 640 | 1088 | 592 | 1096 | 1536] uint8 (or, but the last three, int8) weight (592, 1096: k a "
+           ", 576 | 640 | 1088 | 592 | 1096 | 1536] uint8 (or, but the last, int8) weight (592, 1096: k a "
            "multiple of 256)");
   return {w.data(), w.shape()[0], bytes, int8_product};
 }
 
-void packed_linear(const float* x, int64_t m, int64_t k, const PackedWeight& w, float* y, int64_t n) {
-  PD_CHECK(w.kind != kFloat64Panels, "packed_linear: float64 panels need float64 inputs");
-  if (m == 0) return;
+// y[:, c_base .. c_base + 32 w.panels) of x @ W for a weight of one format (a whole weight, or a part of one).
+void packed_columns(const float* x, int64_t m, int64_t k, const PackedWeight& w, float* y, int64_t n,
+                    int64_t c_base) {
 #if defined(__AVX512F__)
-  if (m >= kWideMin && !w.int8_product) return wide_linear(x, m, k, w.data, w.panels, w.kind, y, n);
+  if (m >= kWideMin && !w.int8_product) return wide_linear(x, m, k, w.data, w.panels, w.kind, y, n, c_base);
 #endif
   if (w.kind == 0) {
     const float* f = static_cast<const float*>(w.data);
 #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < w.panels; ++p) panel_all(x, m, k, f + p * k * kPanel, y, n, p * kPanel);
+    for (int64_t p = 0; p < w.panels; ++p) panel_all(x, m, k, f + p * k * kPanel, y, n, c_base + p * kPanel);
     return;
   }
   const uint8_t* q = static_cast<const uint8_t*>(w.data);
@@ -1295,11 +1359,23 @@ void packed_linear(const float* x, int64_t m, int64_t k, const PackedWeight& w, 
   if (w.int8_product) {
     const QuantRows a = quantize_rows(x, m, k);
 #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < w.panels; ++p) ipanel_any(a, m, q + p * panel_bytes, kind, y, n, p * kPanel);
+    for (int64_t p = 0; p < w.panels; ++p) ipanel_any(a, m, q + p * panel_bytes, kind, y, n, c_base + p * kPanel);
     return;
   }
 #pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < w.panels; ++p) qpanel_any(x, m, k, q + p * panel_bytes, kind, y, n, p * kPanel);
+  for (int64_t p = 0; p < w.panels; ++p) qpanel_any(x, m, k, q + p * panel_bytes, kind, y, n, c_base + p * kPanel);
+}
+
+void packed_linear(const float* x, int64_t m, int64_t k, const PackedWeight& w, float* y, int64_t n) {
+  PD_CHECK(w.kind != kFloat64Panels, "packed_linear: float64 panels need float64 inputs");
+  if (m == 0) return;
+  if (w.kind != kParts) return packed_columns(x, m, k, w, y, n, 0);
+  const uint8_t* base = static_cast<const uint8_t*>(w.data);
+  for (int64_t i = 0, c_base = 0; i < w.parts[0]; ++i) {  // each part's columns, in its own format
+    const int64_t* h = w.parts + 1 + 4 * i;
+    packed_columns(x, m, k, {base + h[3], h[0], h[1], h[2] != 0}, y, n, c_base);
+    c_base += h[0] * kPanel;
+  }
 }
 
 void packed_linear(const double* x, int64_t m, int64_t k, const PackedWeight& w, double* y, int64_t n) {

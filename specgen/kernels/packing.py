@@ -19,12 +19,15 @@ class Packed:
     panels: object  # paddle.Tensor
     k: int
     n: int
-    kind: str = "F32"  # or "F64", one of HALF_KINDS, or a key of QUANT_PANEL_BYTES
+    kind: str = "F32"  # or "F64", one of HALF_KINDS, a key of QUANT_PANEL_BYTES, or parts' joined by "+"
     int8_product: bool = False  # quantized only: int8 panels, multiplied with the inputs quantized to int8
 
     def numpy(self) -> np.ndarray:
         """The dense [k, n] weight, float32 (16-bit: widened; quantized: rebuilt as the GGUF reader does) or
         float64."""
+        if "+" in self.kind:  # a weight of parts (pack_parts)
+            return np.concatenate([part.numpy() for part in _parts(self.panels.numpy(), self.k)],
+                                  axis=1)[:, :self.n]
         p = self.panels.numpy()
         if self.int8_product:
             p = _dequantize_panels(_float_layout(p.view(np.uint8), self.kind), self.kind)
@@ -94,7 +97,7 @@ QUANT_PANEL_BYTES = {"Q4_0": 64 + 512, "Q4_1": 128 + 512, "Q8_0": 64 + 1024, "Q4
                      "Q6_K": 64 + 1024 + 64 // 8,
                      "QX": 512 + 1024, "Q5_K": 512 + 1024}  # QX: d of each half, m of each half, int8 quants
 SUPER_KINDS = {"Q4_K": 128, "Q6_K": 64}  # K-quant kinds packed by super-block: bytes of its own scales
-INT8_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # kinds with integer products (int8_product)
+INT8_KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")  # kinds with integer products (int8_product)
 
 
 def cpu_view(a: np.ndarray):
@@ -122,7 +125,9 @@ def pack_quantized(kind: str, blocks: np.ndarray, int8_product: bool = False,
 
     if kind not in QUANT_PANEL_BYTES:
         raise ValueError(f"unsupported quantization {kind!r}")
-    if kind not in INT8_KINDS:  # K-quants: float32 products only
+    if kind in SUPER_KINDS:
+        return _pack_super(kind, blocks, int8_product)
+    if kind not in INT8_KINDS:  # Q5_K and QX: float32 products only
         return _pack_k_numpy(kind, blocks)
     if ops is not None:  # the same bytes in one C++ pass (numpy's below: ~0.5 s for the default model)
         from specgen.kernels.args import pack_blocks
@@ -151,11 +156,7 @@ def _pack_quantized_numpy(kind: str, blocks: np.ndarray, int8_product: bool = Fa
             u = (qs.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
         else:
             u = np.concatenate([qs & 0xF, qs >> 4], axis=-1)
-        # [panels, kb, column half h, column c, group g, input j] -> [.., g, h, c, j]
-        u = u.reshape(panels, kb, 2, 16, 8, 4).transpose(0, 1, 4, 2, 3, 5)
-        if kind != "Q8_0":  # columns c and c + 16 share a byte
-            u = u[:, :, :, 0] | (u[:, :, :, 1] << 4)
-        parts.append(u.reshape(panels, kb, -1))
+        parts.append(_int8_lanes(u, nibbles=kind != "Q8_0"))
         packed = np.ascontiguousarray(np.concatenate(parts, axis=-1)).view(np.int8)
         return Packed(paddle.to_tensor(packed), kb * 32, n, kind, int8_product=True)
     if kind == "Q8_0":
@@ -290,13 +291,26 @@ def _by_panel(n: int, kb: int):
     return by_panel
 
 
-def _pack_super(kind: str, blocks: np.ndarray) -> Packed:
+def _int8_lanes(u: np.ndarray, nibbles: bool) -> np.ndarray:
+    """Unsigned quants [panels, kb, 32 columns, 32 inputs] -> the integer-product layout's bytes per block
+    [panels, kb, 1024] (nibbles: 512): per group g of 4 inputs, columns 0-15 then 16-31, each column's 4
+    inputs in 4 bytes (nibbles: columns c and c + 16 share a byte, c in the low nibble)."""
+    panels, kb = u.shape[:2]
+    # [panels, kb, column half h, column c, group g, input j] -> [.., g, h, c, j]
+    u = u.reshape(panels, kb, 2, 16, 8, 4).transpose(0, 1, 4, 2, 3, 5)
+    if nibbles:
+        u = u[:, :, :, 0] | (u[:, :, :, 1] << 4)
+    return u.reshape(panels, kb, -1)
+
+
+def _pack_super(kind: str, blocks: np.ndarray, int8_product: bool = False) -> Packed:
     """GGUF Q4_K / Q6_K super-blocks [n, k / 256, bytes] -> Packed [k, n] whose panels keep them: per panel
     and super-block, SUPER_KINDS[kind] bytes of the 32 columns' fp16 scales (Q4_K: d, then dmin), then 8
     blocks of 32 inputs, each 64 bytes of the columns' scale bytes (Q4_K: sc, then m; Q6_K: the int8 scales
     of inputs 0-15, then of 16-31) and the quants (Q4_K: 512 bytes of nibbles as _q4_lanes; Q6_K: q - 32 as
     int8, 32 inputs x 32 columns). The array is [panels, k / 32, QUANT_PANEL_BYTES[kind]]: 8 of its rows
-    are a super-block."""
+    are a super-block. With int8_product the quants are laid out for integer products (_int8_lanes; Q6_K's
+    as q + 32) and the array is int8."""
     import paddle
 
     supers, scales, q = _k_pieces(kind, blocks)
@@ -307,12 +321,72 @@ def _pack_super(kind: str, blocks: np.ndarray) -> Packed:
     head = [np.ascontiguousarray(by_super(s)).view(np.uint8) for s in supers]  # [panels, nb, 64] each
     cols = by_panel(q).swapaxes(2, 3)  # [panels, kb, 32 inputs, 32 columns]
     panels = cols.shape[0]
-    quants = (_q4_lanes(cols.astype(np.uint8)) if kind == "Q4_K"
-              else cols.reshape(panels, kb, 1024).view(np.uint8))
+    if int8_product:  # [panels, kb, 32 columns, 32 inputs], unsigned
+        u = by_panel(q).astype(np.uint8) if kind == "Q4_K" else (by_panel(q) + np.int8(32)).view(np.uint8)
+        quants = _int8_lanes(u, nibbles=kind == "Q4_K")
+    else:
+        quants = (_q4_lanes(cols.astype(np.uint8)) if kind == "Q4_K"
+                  else cols.reshape(panels, kb, 1024).view(np.uint8))
     sc = by_panel(scales).swapaxes(2, 3).reshape(panels, kb, 64)  # [.., scale j, column c]
     blk = np.concatenate([sc, quants], axis=-1).reshape(panels, nb, -1)  # 8 blocks a super-block
     packed = np.ascontiguousarray(np.concatenate([*[h.reshape(panels, nb, 64) for h in head], blk], axis=-1))
-    return Packed(paddle.to_tensor(packed.reshape(panels, kb, QUANT_PANEL_BYTES[kind])), kb * 32, n, kind)
+    packed = packed.reshape(panels, kb, QUANT_PANEL_BYTES[kind])
+    return Packed(paddle.to_tensor(packed.view(np.int8) if int8_product else packed), kb * 32, n, kind,
+                  int8_product=int8_product)
+
+
+# A weight of parts (linear.cc, kParts): runs of output columns in different formats, one uint8 tensor: a
+# header of int64 count, then per part panels, kind (its block bytes), int8_product and the byte offset of its
+# panels, then each part's panels from a 64-aligned offset.
+MAX_PARTS = 4
+KIND_CODES = {kind: size for kind, size in QUANT_PANEL_BYTES.items() if kind != "Q5_K"}
+
+
+def pack_parts(parts: list[tuple[str, np.ndarray]], int8_product: bool = False,
+               ops: ModuleType | None = None) -> Packed:
+    """Row runs of a fused projection stored in different formats, [(kind, GGUF blocks [rows, k / block
+    weights, bytes])], in output order (every run but the last a multiple of 32 rows), -> one Packed weight
+    of parts: each run packed in its own format (pack_quantized; integer products for the kinds that have them
+    with int8_product), so a Q4_K_M file's QKV reads Q4_K's and Q6_K's bytes instead of QX's 12 bits a
+    weight."""
+    import paddle
+
+    if not 1 <= len(parts) <= MAX_PARTS or any(len(b) % PANEL for _, b in parts[:-1]):
+        raise ValueError("a weight of parts needs 1 to 4 runs, each but the last of whole panels")
+    packed = [pack_quantized(kind, blocks, int8_product and kind in INT8_KINDS, ops)
+              for kind, blocks in parts]
+    header = 8 * (1 + 4 * len(packed))
+    offset = -(-header // 64) * 64
+    head, chunks = [len(packed)], []
+    for p in packed:
+        raw = p.panels.numpy().view(np.uint8).reshape(-1)
+        head += [p.panels.shape[0], KIND_CODES[p.kind], int(p.int8_product), offset]
+        chunks.append(raw)
+        offset += -(-raw.size // 64) * 64
+    out = np.zeros(offset, np.uint8)
+    out[:header] = np.array(head, np.int64).view(np.uint8)
+    for chunk, at in zip(chunks, head[4::4]):
+        out[at:at + chunk.size] = chunk
+    return Packed(paddle.to_tensor(out), packed[0].k, sum(len(b) for _, b in parts),
+                  "+".join(p.kind for p in packed))
+
+
+def _parts(raw: np.ndarray, k: int) -> list[Packed]:
+    """The parts of a weight of parts' bytes (pack_parts), each as a Packed over a copy of its panels (whole
+    panels: 32 columns each)."""
+    import paddle
+
+    count = int(raw[:8].view(np.int64)[0])
+    head = raw[8:8 * (1 + 4 * count)].view(np.int64).reshape(count, 4)
+    kinds = {code: kind for kind, code in KIND_CODES.items()}
+    out = []
+    for panels, code, int8, at in head.tolist():
+        kind = kinds[code]
+        size = panels * (k // 32) * code
+        p = raw[at:at + size].reshape(panels, k // 32, code)
+        out.append(Packed(paddle.to_tensor(p.view(np.int8) if int8 else p.copy()), k, panels * PANEL, kind,
+                          int8_product=bool(int8)))
+    return out
 
 
 # Block kinds whose LM head specgen_forward can screen for greedy tokens (linear.cc, "Greedy tokens without
@@ -377,10 +451,16 @@ def _q4_nibbles(raw: np.ndarray) -> np.ndarray:
 def _float_layout(p: np.ndarray, kind: str) -> np.ndarray:
     """Integer-product panels (as uint8) -> the same weights in the float32-product layout."""
     panels, kb, _ = p.shape
+    if kind in SUPER_KINDS:  # each block's 64 scale bytes and quants as a Q4_0 / Q8_0 block's head and quants
+        head = SUPER_KINDS[kind]
+        s = p.reshape(panels, kb // 8, -1)
+        blk = s[..., head:].reshape(panels, kb, -1)
+        blk = _float_layout(blk, "Q4_0" if kind == "Q4_K" else "Q6_K blocks")
+        return np.concatenate([s[..., :head], blk.reshape(panels, kb // 8, -1)], axis=-1).reshape(p.shape)
     head = p[..., :128 if kind == "Q4_1" else 64]
-    if kind == "Q8_0":
+    if kind in ("Q8_0", "Q6_K blocks"):
         u = p[..., 64:].reshape(panels, kb, 8, 2, 16, 4)  # [.., g, h, c, j]
-        q = (u.astype(np.int16) - 128).astype(np.int8).view(np.uint8)
+        q = (u.astype(np.int16) - (128 if kind == "Q8_0" else 32)).astype(np.int8).view(np.uint8)
         q = q.transpose(0, 1, 2, 5, 3, 4).reshape(panels, kb, 1024)  # [.., input 4g + j, column 16h + c]
         return np.concatenate([head, q], axis=-1)
     raw = p[..., -512:].reshape(panels, kb, 8, 16, 4)  # [.., g, c, j]

@@ -16,12 +16,18 @@ namespace specgen {
 // integer products with the inputs quantized to 8 bits (int8_product); or exactly 16-bit weights, bfloat16 /
 // float16 [panels, k / 32, 1024] (kind: linear.cc's Quant::kBF16 / kF16).
 constexpr int64_t kFloat64Panels = 1;  // below every block kind's size in bytes (576 and up)
+// A weight of parts: runs of output columns in different block formats (a QKV projection fused from Q4_K and
+// Q6_K rows), one uint8 tensor: int64 count, then per part its panels, kind, int8_product and the byte offset
+// of its panels in the tensor (64-aligned), then the parts' panels. Every part but the last has whole panels.
+constexpr int64_t kParts = 2;
+constexpr int64_t kMaxParts = 4;
 
 struct PackedWeight {
   const void* data;
   int64_t panels;
   int64_t kind;
   bool int8_product;
+  const int64_t* parts = nullptr;  // kParts: the tensor's header (count, then 4 values per part)
 };
 
 // Checks that w is a packed weight of k inputs and n outputs (errors name `name`) and describes it.

@@ -23,10 +23,12 @@ QUANT_BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 
 class QuantRows:
     """A Linear weight [out, in] as its GGUF file stores it (or, fused from rows of several formats, as QX):
     uint8 blocks [out, in / QUANT_BLOCK_WEIGHTS[kind], QUANT_BLOCK_BYTES[kind]] of `kind`. Dequantized, they
-    are the float32 weight the checkpoint also holds."""
+    are the float32 weight the checkpoint also holds. Fused from rows of several formats, `parts` also holds
+    the runs of rows of one format as stored, in order (the fused kernels multiply each in its own format)."""
 
     kind: str
     blocks: np.ndarray  # [out, in / QUANT_BLOCK_WEIGHTS[kind], QUANT_BLOCK_BYTES[kind]] uint8
+    parts: tuple["QuantRows", ...] = ()
 
 
 class StoredRows:

@@ -10,7 +10,7 @@ import numpy as np
 import paddle
 
 from specgen.errors import CheckpointError
-from specgen.kernels.packing import qx_rows
+from specgen.kernels.packing import MAX_PARTS, PANEL, qx_rows
 from specgen.layers.block import DecoderBlock
 from specgen.layers.linear import Linear
 from specgen.layers.moe import Expert, MoeExperts
@@ -69,17 +69,27 @@ class TensorReader:
 
     def blocks(self, names: list[str], permute=None) -> QuantRows | None:
         """The raw blocks of HF [out, in] weights `names`, each reordered by `permute` (None: kept) and
-        concatenated along out (rows of different formats converted to QX first); None unless every one is
-        stored block-quantized."""
+        concatenated along out; rows of different formats are converted to QX, with the runs of one format
+        kept as `parts` where the fused kernels can take them (at most MAX_PARTS runs, each but the last of
+        whole panels). None unless every one is stored block-quantized."""
         if any(n not in self.quantized for n in names):
             return None
         rows = [self.quantized[n] for n in names]
         self.block_kinds |= {q.kind for q in rows}
-        kind = rows[0].kind if len({q.kind for q in rows}) == 1 else "QX"
         permute = permute or [None] * len(rows)
-        blocks = [q.blocks if kind == q.kind else qx_rows(q.kind, q.blocks) for q in rows]
-        blocks = [b if f is None else f(b) for b, f in zip(blocks, permute)]
-        return QuantRows(kind, np.concatenate(blocks))
+        blocks = [q.blocks if f is None else f(q.blocks) for q, f in zip(rows, permute)]
+        if len({q.kind for q in rows}) == 1:
+            return QuantRows(rows[0].kind, np.concatenate(blocks))
+        runs: list[tuple[str, list[np.ndarray]]] = []  # consecutive rows of one format
+        for q, b in zip(rows, blocks):
+            if runs and runs[-1][0] == q.kind:
+                runs[-1][1].append(b)
+            else:
+                runs.append((q.kind, [b]))
+        parts = tuple(QuantRows(kind, np.concatenate(bs)) for kind, bs in runs)
+        if len(parts) > MAX_PARTS or any(len(p.blocks) % PANEL for p in parts[:-1]):
+            parts = ()
+        return QuantRows("QX", np.concatenate([qx_rows(q.kind, b) for q, b in zip(rows, blocks)]), parts)
 
     def linear(self, names: list[str], shapes: list[tuple[int, int]], bias: list[str] | None = None,
                permute=None, blocks_only: bool = False, head: bool = False) -> Linear:

@@ -249,8 +249,8 @@ def test_matmul_int8_needs_block_weights(jsonl_in, tmp_path):
     says what it needs; an engine asked for int8 over a float32-loaded model is refused too."""
     result = invoke("run", jsonl_in, "-o", tmp_path / "int8.jsonl", "--matmul", "int8")
     assert result.exit_code == 2, result.output
-    assert ("matmul int8 needs block weights (GGUF Q4_0 / Q4_1 / Q8_0, or --quantization wint8 | wint4)"
-            in result.output)
+    assert ("matmul int8 needs block weights (GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K, or --quantization "
+            "wint8 | wint4)" in result.output)
     assert not (tmp_path / "int8.jsonl").exists() or not (tmp_path / "int8.jsonl").read_text()
     from specgen import EngineConfig, generate, load_model
     from specgen.errors import ConfigError

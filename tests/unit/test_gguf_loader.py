@@ -359,7 +359,7 @@ def models_with_and_without_blocks(ckpt):
     (T.Q8_0, QUANTIZED, "llama"),
     # K, V and up F32: fused QKV and gate/up stay float32
     (T.Q4_1, ("attn_q", "ffn_gate", "ffn_down"), "llama"),
-    # K-quants: super-blocks of 256 repacked per 32 inputs with float32 scales (attn_output's 64 inputs: F32)
+    # K-quants: their super-blocks of 256 inputs kept (attn_output's 64 inputs: F32)
     (T.Q4_K, tuple(n for n in ALL_LINEAR if n != "attn_output"), "llama"),
     (T.Q6_K, tuple(n for n in ALL_LINEAR if n != "attn_output"), "llama"),
     (T.Q5_K, tuple(n for n in ALL_LINEAR if n != "attn_output"), "llama"),  # multiplied as QX
@@ -426,28 +426,76 @@ def test_quantized_weights_stay_blocks_and_give_the_same_bits(tmp_path, qtype, q
 
 
 
-def test_a_fused_projection_of_mixed_formats_is_multiplied_as_qx(tmp_path):
-    """A Q4_K_M-like file (Q4_K, with attn_v and ffn_down in Q6_K): the fused QKV's rows of both formats are
-    converted to QX and stay blocks, the other projections keep their own format, and the logits and hidden
-    states are bit-identical to float32 panels over the dequantized weights."""
+@pytest.mark.parametrize("qtypes,qkv", [
+    ({"attn_v": T.Q6_K, "ffn_down": T.Q6_K}, "Q4_K+Q6_K"),  # llama.cpp's Q4_K_M in its more-bits layers
+    ({"attn_k": T.Q6_K}, "Q4_K+Q6_K+Q4_K"),
+    ({"attn_v": T.Q5_K}, "Q4_K+QX"),  # Q5_K is multiplied as QX
+], ids=["q4_k_m", "three-runs", "q5_k"])
+def test_a_fused_projection_of_mixed_formats_is_multiplied_in_parts(tmp_path, qtypes, qkv):
+    """A fused QKV whose rows a file stores in different formats (Q4_K_M: attn_v in Q6_K beside Q4_K attn_q
+    and attn_k) is packed as a weight of parts, each run of rows in its own format, not all in QX (12 bits a
+    weight); the other projections keep their own format; logits and hidden states are bit-identical to
+    float32 panels over the dequantized weights, and the loaded blocks still hold the QX union (the
+    reference backend's)."""
     from specgen.runtime.batch import build_forward_batch
 
     path = tmp_path / "mixed.gguf"
     write_tiny_gguf(path, qtype=T.Q4_K, quantized=tuple(n for n in ALL_LINEAR if n != "attn_output"),
-                    qtypes={"attn_v": T.Q6_K, "ffn_down": T.Q6_K})
+                    qtypes=qtypes)
     ckpt = load_gguf(path)
-    assert {q.kind for q in ckpt.quantized.values()} == {"Q4_K", "Q6_K"}
+    assert {q.kind for q in ckpt.quantized.values()} == {"Q4_K"} | {t.name for t in qtypes.values()}
     batch = build_forward_batch(np.arange(2), np.zeros(2, np.int64), np.array([9, 14]),
                                 np.random.default_rng(4).integers(3, 200, 23), np.zeros(2, bool))
     results = []
     for keep, m, kinds in models_with_and_without_blocks(ckpt):
-        want = {"w_qkv": "QX", "w_o": "F32", "w_gate_up": "Q4_K", "w_down": "Q6_K", "lm_head": "Q4_K"} \
+        down = "Q6_K" if "ffn_down" in qtypes else "Q4_K"
+        want = {"w_qkv": qkv, "w_o": "F32", "w_gate_up": "Q4_K", "w_down": down, "lm_head": "Q4_K"} \
             if keep == "1" else dict.fromkeys(kinds, "F32")
         assert kinds == want
         out = m.forward(batch, m.new_cache(2, 32))
         results.append([out.logits.numpy(), out.hidden.numpy()])
     for a, b in zip(*results):
         assert np.array_equal(a, b)
+    from specgen.models.weights import TensorReader
+
+    reader = TensorReader(ckpt.weights, "mixed", ckpt.config, "float32", ckpt.quantized)
+    names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+    rows = reader.blocks(names)
+    assert rows.kind == "QX" and "+".join(p.kind for p in rows.parts) == qkv.replace("QX", "Q5_K")
+
+
+def test_k_quants_take_integer_products_with_matmul_int8(tmp_path):
+    """With matmul int8 on a VNNI CPU, Q4_K and Q6_K projections and LM head are packed for integer products
+    (their super-blocks kept): logits within the inputs' 8-bit rounding of the float32 model's, and each row's
+    logits the same whether its prompt runs alone or beside another."""
+    from specgen import kernels
+    from specgen.backends import select_backend
+    from specgen.backends.fused import FusedBackend
+    from specgen.config import EngineConfig
+    from specgen.models.model import Model
+    from specgen.runtime.batch import build_forward_batch
+
+    if not kernels.has_vnni():
+        pytest.skip("integer products need AVX-512 VNNI")
+    path = tmp_path / "k.gguf"
+    write_tiny_gguf(path, qtype=T.Q4_K, quantized=tuple(n for n in ALL_LINEAR if n != "attn_output"),
+                    qtypes={"ffn_down": T.Q6_K})
+    ckpt = load_gguf(path)
+    int8, f32 = (Model(ckpt, select_backend(EngineConfig(matmul=m))) for m in ("int8", "float32"))
+    if not isinstance(int8.backend, FusedBackend):
+        pytest.skip("packed linear needs the fused kernels")
+    b = int8.weights.blocks[0]
+    assert [(lin.weight.kind, lin.weight.int8_product) for lin in (b.gate_up, b.down, int8.weights.lm_head)] \
+        == [("Q4_K", True), ("Q6_K", True), ("Q4_K", True)]
+    ids = np.random.default_rng(5).integers(3, 200, 23)
+    both = build_forward_batch(np.arange(2), np.zeros(2, np.int64), np.array([9, 14]), ids, np.zeros(2, bool))
+    got = int8.forward(both, int8.new_cache(2, 32)).logits.numpy()
+    want = f32.forward(both, f32.new_cache(2, 32)).logits.numpy()
+    assert 0 < np.abs(got - want).max() < 0.05 * np.abs(want).max()
+    alone = build_forward_batch(np.array([0]), np.zeros(1, np.int64), np.array([14]), ids[9:],
+                                np.zeros(1, bool))  # the second prompt alone: its last row's logits
+    assert np.array_equal(int8.forward(alone, int8.new_cache(1, 32)).logits.numpy(), got[1:])
+
 
 def test_default_path_missing_package_gives_install_hint(monkeypatch):
     monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)

@@ -263,10 +263,12 @@ def _int8_product_reference(x: np.ndarray, blocks: np.ndarray, kind: str) -> np.
     """The integer product's definition (linear.cc, "Integer products") in numpy: x [m, k] float32 quantized
     per block of 32 inputs (dx = max |x| / 127, xq = round-to-even(x / dx) through a float32 reciprocal, sx =
     the block's sum in input order); then per block, in block order, acc = fma(sum u xq - offset sum xq, d dx,
-    acc) (Q4_1: then acc = fma(m, sx, acc)). An FMA is emulated in float64, where a product of two float32s is
-    exact."""
-    n, kb, _ = blocks.shape
+    acc) (Q4_1: then acc = fma(m, sx, acc)); K-quants with their scale products (Q4_K: m = -(dmin m);
+    Q6_K: per half of the block). An FMA is emulated in float64, where a product of two float32s is exact."""
+    from specgen.kernels import block_parts
+
     m_rows = x.shape[0]
+    kb = x.shape[1] // 32
     xb = x.reshape(m_rows, kb, 32)
     dx = (np.abs(xb).max(axis=-1) / np.float32(127)).astype(np.float32)  # [m, kb]
     inv = np.where(dx > 0, np.float32(1) / np.where(dx > 0, dx, np.float32(1)),
@@ -275,6 +277,22 @@ def _int8_product_reference(x: np.ndarray, blocks: np.ndarray, kind: str) -> np.
     sx = np.zeros((m_rows, kb), np.float32)
     for i in range(32):  # in input order, as the kernel adds
         sx = (sx + xb[..., i]).astype(np.float32)
+    if kind in ("Q4_K", "Q6_K"):  # scales d sc (Q4_K: offsets -(dmin m)); Q6_K a sum and scale per 16 inputs
+        # [n, kb, 2], [n, kb, 2], [n, kb, 32] (Q4_K 0..15, Q6_K -32..31)
+        d, mins, qk = block_parts(kind, blocks)
+        n = d.shape[0]
+        halves = 2 if kind == "Q6_K" else 1
+        acc = np.zeros((m_rows, n), np.float32)
+        for b in range(kb):
+            for h in range(halves):
+                span = slice(h * 32 // halves, (h + 1) * 32 // halves)
+                sums = np.einsum("ci,ri->rc", qk[:, b, span].astype(np.int64), xq[:, b, span])  # exact
+                scale = (d[None, :, b, h] * dx[:, b, None]).astype(np.float32)
+                acc = (sums.astype(np.float32).astype(np.float64) * scale + acc).astype(np.float32)
+                if kind == "Q4_K":
+                    acc = (mins[None, :, b, 0].astype(np.float64) * sx[:, b, None] + acc).astype(np.float32)
+        return acc
+    n = blocks.shape[0]
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [n, kb]
     if kind == "Q8_0":
         u, offset = blocks[..., 2:].view(np.int8).astype(np.int64) + 128, 128
@@ -293,32 +311,27 @@ def _int8_product_reference(x: np.ndarray, blocks: np.ndarray, kind: str) -> np.
 
 
 @pytest.mark.parametrize("kind,k,n", [("Q4_1", 576, 70), ("Q4_0", 96, 45), ("Q8_0", 160, 33),
-                                      ("Q4_1", 64, 32)])
+                                      ("Q4_1", 64, 32), ("Q4_K", 512, 70), ("Q6_K", 256, 45)])
 def test_int8_products_equal_their_definition(kind, k, n):
     """specgen_linear over blocks packed for integer products (pack_quantized(..., int8_product=True)): the
     repacked quants still rebuild the GGUF reader's float32 weight, every product equals the definition in
     numpy bit for bit (row groups of 1 to 6 and their tails, rows of zeros, a row with one huge input), each
     row's result is the same whatever rows it is computed with, and it stays within the inputs' rounding of
-    the float32 product."""
+    the float32 product. K-quants keep their super-blocks; Q6_K sums each half of a block apart."""
     if not has_vnni():
         pytest.skip("integer products need AVX-512 VNNI")
     import gguf
     from gguf.quants import dequantize
 
     from specgen.kernels import pack_quantized
-    from specgen.models.checkpoint import QUANT_BLOCK_BYTES
 
     rng = np.random.default_rng(k + n)
-    blocks = rng.integers(0, 256, (n, k // 32, QUANT_BLOCK_BYTES[kind]), dtype=np.uint8)
-    scales = 4 if kind == "Q4_1" else 2
-    halves = (rng.standard_normal((n, k // 32, scales // 2))
-              * np.where(rng.random((n, k // 32, 1)) < 0.1, 1e-6, 0.05))
-    blocks[..., :scales] = halves.astype(np.float16).view(np.uint8).reshape(n, k // 32, scales)
+    blocks = _random_blocks(rng, kind, k, n, tiny=0.1)
     w = dequantize(blocks.reshape(n, -1), gguf.GGMLQuantizationType[kind]).reshape(n, k).T.astype(np.float32)
     q = pack_quantized(kind, blocks, int8_product=True)
     assert q.int8_product and q.panels.dtype == paddle.int8 and q.panels.shape == [-(-n // 32), k // 32, {
-        "Q4_0": 576, "Q4_1": 640, "Q8_0": 1088}[kind]]
-    assert np.array_equal(q.numpy(), w)
+        "Q4_0": 576, "Q4_1": 640, "Q8_0": 1088, "Q4_K": 592, "Q6_K": 1096}[kind]]
+    assert np.array_equal(q.numpy().view(np.uint32), w.view(np.uint32))
     x = rng.standard_normal((20, k)).astype(np.float32)
     x[3] = 0.0  # dx = 0: the row's products are 0
     x[7, 5] = 1e4  # one outlier: its block's other inputs round to 0
@@ -334,6 +347,48 @@ def test_int8_products_equal_their_definition(kind, k, n):
     assert 0 < err < 0.02  # the inputs' 8-bit rounding: not float32's, but close
     with pytest.raises(OSError, match="not a quantized"):
         K.specgen_linear(paddle.to_tensor(x[:, :k - 32]), q.panels, n)
+
+
+def test_a_weight_of_parts_multiplies_each_run_in_its_own_format():
+    """pack_parts: runs of output columns in Q4_K, Q6_K and Q8_0 (the last run a partial panel) in one packed
+    weight: it dequantizes to the runs' weights side by side; its float32 products (1 to 130 rows: the
+    one-panel and the wide paths) are bit-identical to float32 panels over that weight; with integer products
+    each run's columns equal that run's own integer product; a malformed header is refused."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from specgen.kernels import pack_linear, pack_parts, pack_quantized
+
+    rng = np.random.default_rng(1)
+    k = 512
+    parts = [(kind, _random_blocks(rng, kind, k, n, tiny=0.1)) for kind, n in (("Q4_K", 64), ("Q6_K", 32),
+                                                                               ("Q8_0", 45))]
+    w = np.concatenate([dequantize(b.reshape(len(b), -1), gguf.GGMLQuantizationType[kind]).reshape(len(b), k)
+                        for kind, b in parts]).T.astype(np.float32)
+    n = w.shape[1]
+    p = pack_parts(parts)
+    assert p.kind == "Q4_K+Q6_K+Q8_0" and p.n == n and p.panels.dtype == paddle.uint8
+    assert np.array_equal(p.numpy().view(np.uint32), w.view(np.uint32))
+    f = pack_linear(w, halves=False)
+    x = rng.standard_normal((130, k)).astype(np.float32)
+    for m in (1, 5, 8, 9, 17, 41, 130):
+        assert np.array_equal(K.specgen_linear(paddle.to_tensor(x[:m]), p.panels, n).numpy(),
+                              K.specgen_linear(paddle.to_tensor(x[:m]), f.panels, n).numpy()), m
+    if has_vnni():
+        q = pack_parts(parts, int8_product=True)
+        assert np.array_equal(q.numpy().view(np.uint32), w.view(np.uint32))
+        y = K.specgen_linear(paddle.to_tensor(x[:20]), q.panels, n).numpy()
+        assert np.array_equal(y, np.concatenate([
+            K.specgen_linear(paddle.to_tensor(x[:20]), pack_quantized(kind, b, True).panels, len(b)).numpy()
+            for kind, b in parts], axis=1))
+    with pytest.raises(OSError, match="output columns"):
+        K.specgen_linear(paddle.to_tensor(x[:1]), p.panels, n + 32)
+    bad = p.panels.numpy().copy()
+    bad[8 * 4:8 * 5] = np.array([7], np.int64).view(np.uint8)  # the first part's offset: not 64-aligned
+    with pytest.raises(OSError, match="part of a weight of parts"):
+        K.specgen_linear(paddle.to_tensor(x[:1]), paddle.to_tensor(bad), n)
+    with pytest.raises(ValueError, match="whole panels"):
+        pack_parts([parts[2], parts[0]])  # a first run of 45 rows
 
 
 def test_packed_float32_model_rows_equal_whatever_the_block():
