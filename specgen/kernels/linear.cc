@@ -1498,16 +1498,79 @@ PD_BUILD_OP(specgen_screened_argmax)
 // Input i's nibble in a GGUF Q4 block's 16 quant bytes: byte j holds input j (low) and input j + 16 (high).
 inline int gguf_nibble(const uint8_t* qs, int64_t i) { return i < 16 ? qs[i] & 0xF : qs[i - 16] >> 4; }
 
-// specgen_pack_blocks  blocks uint8 [n, k / 32, GGUF block bytes] (Q4_0: 18, Q4_1: 20, Q8_0: 34), int8_product,
+// specgen_pack_blocks  blocks uint8 [n, k / 32, GGUF block bytes] (Q4_0: 18, Q4_1: 20, Q8_0: 34; or K-quant
+//                      super-blocks [n, k / 256, bytes], Q4_K: 144, Q6_K: 210: pack_super), int8_product,
 //                      with_bound -> (panels [ceil(n / 32), k / 32, panel bytes], bound): the layouts described
 // at the top of this file (uint8 for the float32 products, int8 for the integer ones); columns past n are all-zero
 // GGUF blocks. The same bytes as the numpy code of specgen.kernels (_pack_quantized_numpy, pack_screen without
 // the kernels), its reference, in one pass instead of numpy's several.
+// GGUF K-quant super-blocks [n, k / 256, 144 (Q4_K) | 210 (Q6_K)] -> their panels (block_at's layout; with
+// int8_product the quants as the integer products take them, Q6_K's as q + 32): the same bytes as
+// specgen.kernels' _pack_super.
+paddle::Tensor pack_super(const paddle::Tensor& blocks, bool int8_product) {
+  const int64_t n = blocks.shape()[0], nsb = blocks.shape()[1], src_bytes = blocks.shape()[2];
+  const Quant q = src_bytes == 144 ? Quant::kQ4_K : Quant::kQ6_K;
+  const int64_t kb = nsb * kSuper, bytes = quant_bytes(q), panels = (n + kPanel - 1) / kPanel;
+  auto out = paddle::empty({panels, kb, bytes}, int8_product ? paddle::DataType::INT8 : paddle::DataType::UINT8,
+                           blocks.place());
+  const uint8_t* src = blocks.data<uint8_t>();
+  uint8_t* dst = reinterpret_cast<uint8_t*>(out.data());
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      uint8_t* sup = dst + (p * kb + sb * kSuper) * bytes;
+      std::memset(sup, 0, kSuper * bytes);
+      for (int64_t c = 0; c < kPanel && p * kPanel + c < n; ++c) {  // columns past n stay zero
+        const uint8_t* g = src + ((p * kPanel + c) * nsb + sb) * src_bytes;
+        const int64_t h = c / 16, l = c % 16;
+        if (q == Quant::kQ4_K) {
+          std::memcpy(sup + 2 * c, g, 2);            // d
+          std::memcpy(sup + 64 + 2 * c, g + 2, 2);   // dmin
+        } else {
+          std::memcpy(sup + 2 * c, g + 208, 2);      // d
+        }
+        for (int64_t j = 0; j < kSuper; ++j) {
+          uint8_t* blk = sup + super_head(q) + j * block_stride(q);
+          uint8_t* quants = blk + quant_head(q);
+          if (q == Quant::kQ4_K) {  // gguf.quants' scales: 6-bit sc and m of sub-block j
+            const uint8_t* sc = g + 4;
+            blk[c] = j < 4 ? sc[j] & 63 : (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
+            blk[kPanel + c] = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+          } else {  // int8 scales of inputs 0-15 and 16-31
+            blk[c] = g[192 + 2 * j];
+            blk[kPanel + c] = g[192 + 2 * j + 1];
+          }
+          for (int64_t i = 0; i < kBlock; ++i) {
+            if (q == Quant::kQ4_K) {  // 32 bytes per pair of sub-blocks: the even one's low nibbles, the odd one's high
+              const uint8_t nib = (g[16 + 32 * (j / 2) + i] >> (4 * (j % 2))) & 0xF;
+              if (int8_product) quants[(i / 4) * 64 + l * 4 + i % 4] |= static_cast<uint8_t>(nib << (4 * h));
+              else quants[(i / 8) * 128 + h * 64 + l * 4 + (i % 8) / 2] |= static_cast<uint8_t>(nib << (4 * (i % 2)));
+            } else {  // low 4 bits in ql, high 2 in qh; q - 32 (float products) or q (integer ones, u = q - 32 + 32)
+              const int64_t t = (j % 2) * 32 + i;
+              const int low = (g[(j / 4) * 64 + t] >> (4 * ((j % 4) / 2))) & 0xF;
+              const int high = (g[128 + (j / 4) * 32 + i] >> (2 * (j % 4))) & 3;
+              const int u = low | (high << 4);
+              if (int8_product) quants[(i / 4) * 128 + h * 64 + l * 4 + i % 4] = static_cast<uint8_t>(u);
+              else quants[i * kPanel + c] = static_cast<uint8_t>(static_cast<int8_t>(u - 32));
+            }
+          }
+        }
+      }
+    }
+  }
+  return out;
+}
+
 std::vector<paddle::Tensor> PackBlocks(const paddle::Tensor& blocks, bool int8_product, bool with_bound) {
   PD_CHECK(blocks.is_cpu() && blocks.dtype() == paddle::DataType::UINT8 && blocks.shape().size() == 3,
            "specgen_pack_blocks: uint8 GGUF blocks [n, k / 32, block bytes]");
   const int64_t n = blocks.shape()[0], kb = blocks.shape()[1], src_bytes = blocks.shape()[2];
-  PD_CHECK(src_bytes == 18 || src_bytes == 20 || src_bytes == 34, "specgen_pack_blocks: not Q4_0 / Q4_1 / Q8_0");
+  if (src_bytes == 144 || src_bytes == 210) {  // Q4_K, Q6_K super-blocks [n, k / 256, bytes]
+    PD_CHECK(!with_bound, "specgen_pack_blocks: no screen bound for K-quants");
+    return {pack_super(blocks, int8_product), paddle::empty({0}, paddle::DataType::FLOAT32, blocks.place())};
+  }
+  PD_CHECK(src_bytes == 18 || src_bytes == 20 || src_bytes == 34,
+           "specgen_pack_blocks: not Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K");
   const Quant q = src_bytes == 18 ? Quant::kQ4_0 : src_bytes == 20 ? Quant::kQ4_1 : Quant::kQ8_0;
   const int64_t bytes = static_cast<int64_t>(q), head = q == Quant::kQ4_1 ? 128 : 64;
   const int64_t panels = (n + kPanel - 1) / kPanel;

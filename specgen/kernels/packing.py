@@ -125,15 +125,16 @@ def pack_quantized(kind: str, blocks: np.ndarray, int8_product: bool = False,
 
     if kind not in QUANT_PANEL_BYTES:
         raise ValueError(f"unsupported quantization {kind!r}")
-    if kind in SUPER_KINDS:
-        return _pack_super(kind, blocks, int8_product)
     if kind not in INT8_KINDS:  # Q5_K and QX: float32 products only
         return _pack_k_numpy(kind, blocks)
     if ops is not None:  # the same bytes in one C++ pass (numpy's below: ~0.5 s for the default model)
         from specgen.kernels.args import pack_blocks
 
         panels, _ = pack_blocks(ops, cpu_view(blocks), int8_product, False)
-        return Packed(panels, blocks.shape[1] * 32, blocks.shape[0], kind, int8_product=int8_product)
+        k = blocks.shape[1] * (256 if kind in SUPER_KINDS else 32)
+        return Packed(panels, k, blocks.shape[0], kind, int8_product=int8_product)
+    if kind in SUPER_KINDS:
+        return _pack_super(kind, blocks, int8_product)
     return _pack_quantized_numpy(kind, blocks, int8_product)
 
 
@@ -322,7 +323,7 @@ def _pack_super(kind: str, blocks: np.ndarray, int8_product: bool = False) -> Pa
     cols = by_panel(q).swapaxes(2, 3)  # [panels, kb, 32 inputs, 32 columns]
     panels = cols.shape[0]
     if int8_product:  # [panels, kb, 32 columns, 32 inputs], unsigned
-        u = by_panel(q).astype(np.uint8) if kind == "Q4_K" else (by_panel(q) + np.int8(32)).view(np.uint8)
+        u = by_panel(q.view(np.uint8) if kind == "Q4_K" else (q + np.int8(32)).view(np.uint8))  # padding: 0
         quants = _int8_lanes(u, nibbles=kind == "Q4_K")
     else:
         quants = (_q4_lanes(cols.astype(np.uint8)) if kind == "Q4_K"

@@ -760,20 +760,21 @@ def test_screened_argmax_keeps_a_column_its_integer_product_misses_by_nearly_the
         assert got == target, side
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("int8", [False, True])
 def test_blocks_are_packed_in_cpp_as_in_numpy(kind, int8):
     """specgen_pack_blocks (what pack_quantized runs with the kernels) gives the bytes of the numpy reference,
-    for both layouts, with a partial last panel."""
+    for both layouts, with a partial last panel (K-quants: 2 super-blocks of 256 inputs)."""
     from specgen.kernels.packing import pack_quantized
     from specgen.models.checkpoint import QUANT_BLOCK_BYTES
 
-    blocks = np.random.default_rng(7).integers(0, 256, (77, 3, QUANT_BLOCK_BYTES[kind]), dtype=np.uint8)
+    per_row = 2 if kind in ("Q4_K", "Q6_K") else 3
+    blocks = np.random.default_rng(7).integers(0, 256, (77, per_row, QUANT_BLOCK_BYTES[kind]), dtype=np.uint8)
     fast, ref = pack_quantized(kind, blocks, int8, K), pack_quantized(kind, blocks, int8)
     assert (fast.panels.dtype == ref.panels.dtype
             and (fast.k, fast.n, fast.int8_product) == (ref.k, ref.n, int8))
     assert np.array_equal(fast.panels.numpy(), ref.panels.numpy())
-    if kind != "Q4_1" and int8:  # the greedy screen's panels and bound, both ways
+    if kind in ("Q4_0", "Q8_0") and int8:  # the greedy screen's panels and bound, both ways
         from specgen.kernels import pack_screen
 
         screen = pack_screen(kind, blocks, K)
