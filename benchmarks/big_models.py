@@ -345,7 +345,7 @@ def main() -> None:
     ap.add_argument("--matmul", nargs="+", default=["float32"], choices=["float32", "int8"],
                     help="specgen's products, each its own run (int8: AVX-512 VNNI, as llama.cpp)")
     ap.add_argument("--rates", action="store_true",
-                    help="also the product's G weights/s over a Q4_K weight in L2 and from memory")
+                    help="also the product's G weights/s over Q4_K weights in cache and from memory")
     a = ap.parse_args()
     if a.child:
         print(json.dumps({"specgen": child_specgen, "llama": child_llama, "rates": child_rates}[a.child](a)))

@@ -236,8 +236,8 @@ def linear(ops: ModuleType, x: Tensor, panels: Tensor, n: int) -> Tensor:
 
 def pack_blocks(ops: ModuleType, blocks: Tensor, int8_product: bool,
                 with_bound: bool) -> tuple[Tensor, Tensor]:
-    """GGUF Q4_0 / Q4_1 / Q8_0 blocks uint8 [n, k / 32, bytes] -> (packed panels, the greedy screen's bound or
-    an empty tensor)."""
+    """GGUF Q4_0 / Q4_1 / Q8_0 blocks uint8 [n, k / 32, bytes] (or Q4_K / Q6_K super-blocks [n, k / 256,
+    bytes]) -> (packed panels, the greedy screen's bound or an empty tensor)."""
     panels, bound = ops.specgen_pack_blocks(blocks, int8_product, with_bound)
     return panels, bound
 

@@ -8,10 +8,12 @@
 // below) or, for a checkpoint stored block-quantized (GGUF Q4_0, Q4_1, Q8_0), uint8 panels [ceil(n / 32),
 // k / 32, bytes]: for each panel of 32 output columns and each block of 32 inputs, the 32 columns' fp16 scales d
 // (and, Q4_1, fp16 minimums m), then the 32 x 32 quants (Q8_0: row by row, one int8 per column; Q4: per group of 8
-// inputs, each column's 8 nibbles in one 32-bit lane, q4_nibble).
+// inputs, each column's 8 nibbles in one 32-bit lane, q4_nibble). K-quants (Q4_K, Q6_K) keep their super-blocks
+// of 256 inputs (the layout below: Quant), QX holds any of them; a weight of parts (kParts, a 1-D uint8 tensor)
+// holds runs of columns in different formats.
 // The kernel rebuilds each weight as the GGUF reader does, w = d * q (+ m) in float32 (d * q is exact, so one
 // FMA gives the same bits), and feeds it to the same FMA chains: the product equals, bit for bit, the float32
-// product over the dequantized weight, while reading 5-8.5 bits per weight instead of 32. The same blocks
+// product over the dequantized weight, while reading 4.6-12 bits per weight instead of 32. The same blocks
 // repacked as int8 panels (EngineConfig.matmul "int8") are multiplied by the inputs quantized to int8 per block
 // instead, with integer products (see "Integer products" below): not float32's bits, but still a function of
 // each row alone. A greedy step's LM head uses both: the integer products screen the columns, float32 decides
@@ -33,6 +35,7 @@
 // with std::fma.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -905,7 +908,7 @@ void qpanel_any(const float* x, int64_t m, int64_t k, const uint8_t* p, Quant q,
 //
 // Each input row is quantized per block of 32 as a GGUF Q8_0 block would be: dx = max |x| / 127,
 // xq = round-to-even(x * (1 / dx)) (a float32 reciprocal), with sxq = sum xq and sx = sum x (in input order). Then for every output column
-//   acc = fma(float(sum u * xq - offset * sxq), d * dx, acc)   (then Q4_1: acc = fma(m, sx, acc))
+//   acc = fma(float(sum u * xq - offset * sxq), d * dx, acc)   (then Q4_1, Q4_K: acc = fma(m, sx, acc))
 // block after block. The integer sums are exact, so a row's result depends only on that row (speculation on or
 // off still gives the same bits), but not the same bits as the float32 product: the inputs lose precision, as
 // in llama.cpp's quantized matrix products. With AVX-512 VNNI one instruction does 64 of the byte products.
@@ -1284,30 +1287,40 @@ namespace specgen {
 
 // One part of a weight of parts (see kParts), its header checked against the tensor's `size` bytes; PD_CHECKs
 // name `name`.
-PackedWeight packed_part(const uint8_t* base, int64_t size, const int64_t* h, int64_t k, const char* name) {
+// The header's values are checked without arithmetic that could overflow (a file's tensor is not trusted): the
+// kind among the quantized ones, the offset past the header and 64-aligned, the panels within the tensor.
+PackedWeight packed_part(const uint8_t* base, int64_t size, int64_t header, const int64_t* h, int64_t k,
+                         int64_t max_panels, const char* name) {
   const int64_t panels = h[0], kind = h[1], offset = h[3];
   const bool int8_product = h[2] != 0;
-  const Quant q = static_cast<Quant>(kind);
   const bool known = kind == static_cast<int64_t>(Quant::kQ4_0) || kind == static_cast<int64_t>(Quant::kQ4_1) ||
-                     kind == static_cast<int64_t>(Quant::kQ8_0) || is_super(q) ||
+                     kind == static_cast<int64_t>(Quant::kQ8_0) || kind == static_cast<int64_t>(Quant::kQ4_K) ||
+                     kind == static_cast<int64_t>(Quant::kQ6_K) ||
                      (kind == static_cast<int64_t>(Quant::kQX) && !int8_product);
-  PD_CHECK(known && panels > 0 && k % kBlock == 0 && (!is_super(q) || (k / kBlock) % kSuper == 0) && offset % 64 == 0 &&
-               offset >= 0 && offset + panels * (k / kBlock) * quant_bytes(q) <= size,
-           name, ": a part of a weight of parts that is not a quantized weight of ", k, " inputs within it");
+  PD_CHECK(known && k > 0 && k % kBlock == 0 && (h[2] == 0 || h[2] == 1), name,
+           ": a part of a weight of parts that is not a quantized weight of ", k, " inputs");
+  const Quant q = static_cast<Quant>(kind);
+  const int64_t panel_bytes = k / kBlock * quant_bytes(q);  // k is a checked shape: no overflow
+  PD_CHECK((!is_super(q) || (k / kBlock) % kSuper == 0) && offset >= header && offset <= size && offset % 64 == 0 &&
+               panels > 0 && panels <= max_panels && panels <= (size - offset) / panel_bytes,
+           name, ": a part of a weight of parts that is not within it");
   return {base + offset, panels, kind, int8_product};
 }
 
 PackedWeight packed_weight(const paddle::Tensor& w, int64_t k, int64_t n, const char* name) {
   if (w.is_cpu() && w.shape().size() == 1 && w.dtype() == paddle::DataType::UINT8) {  // kParts
-    const int64_t size = w.shape()[0];
-    const int64_t* h = reinterpret_cast<const int64_t*>(w.data<uint8_t>());
-    PD_CHECK(size >= 8 && h[0] >= 1 && h[0] <= kMaxParts && size >= 8 * (1 + 4 * h[0]), name,
-             ": not a packed weight of parts");
-    int64_t panels = 0;
-    for (int64_t i = 0; i < h[0]; ++i) panels += packed_part(w.data<uint8_t>(), size, h + 1 + 4 * i, k, name).panels;
-    PD_CHECK(panels == (n + kPanel - 1) / kPanel, name, ": a weight of parts of ", panels * kPanel,
-             " output columns, not ", n);
-    return {w.data<uint8_t>(), panels, kParts, false, h};
+    const int64_t size = w.shape()[0], want = (n + kPanel - 1) / kPanel;
+    const uint8_t* base = w.data<uint8_t>();
+    const int64_t* h = reinterpret_cast<const int64_t*>(base);
+    // (the aligned loads need a 64-aligned base: a tensor of its own, not a slice of one)
+    PD_CHECK(reinterpret_cast<uintptr_t>(base) % 64 == 0 && size >= 8 && h[0] >= 1 && h[0] <= kMaxParts &&
+                 size >= 8 * (1 + 4 * h[0]),
+             name, ": not a packed weight of parts");
+    int64_t panels = 0;  // each part's at most `want`: the sum cannot overflow
+    for (int64_t i = 0; i < h[0]; ++i)
+      panels += packed_part(base, size, 8 * (1 + 4 * h[0]), h + 1 + 4 * i, k, want, name).panels;
+    PD_CHECK(panels == want, name, ": a weight of parts of ", panels * kPanel, " output columns, not ", n);
+    return {base, panels, kParts, false, h};
   }
   PD_CHECK(w.is_cpu() && w.shape().size() == 3 && w.shape()[0] == (n + kPanel - 1) / kPanel, name,
            ": not a packed weight of ", n, " output columns");
@@ -1341,9 +1354,10 @@ PackedWeight packed_weight(const paddle::Tensor& w, int64_t k, int64_t n, const 
   return {w.data(), w.shape()[0], bytes, int8_product};
 }
 
-// y[:, c_base .. c_base + 32 w.panels) of x @ W for a weight of one format (a whole weight, or a part of one).
+// y[:, c_base .. c_base + 32 w.panels) of x @ W for a weight of one format (a whole weight, or a part of one);
+// integer products over x's rows quantized in `a` (the caller's, shared by a weight's parts) or here.
 void packed_columns(const float* x, int64_t m, int64_t k, const PackedWeight& w, float* y, int64_t n,
-                    int64_t c_base) {
+                    int64_t c_base, const QuantRows* a = nullptr) {
 #if defined(__AVX512F__)
   if (m >= kWideMin && !w.int8_product) return wide_linear(x, m, k, w.data, w.panels, w.kind, y, n, c_base);
 #endif
@@ -1357,9 +1371,9 @@ void packed_columns(const float* x, int64_t m, int64_t k, const PackedWeight& w,
   const Quant kind = static_cast<Quant>(w.kind);
   const int64_t panel_bytes = k / kBlock * quant_bytes(kind);
   if (w.int8_product) {
-    const QuantRows a = quantize_rows(x, m, k);
+    const QuantRows rows = a != nullptr ? *a : quantize_rows(x, m, k);
 #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < w.panels; ++p) ipanel_any(a, m, q + p * panel_bytes, kind, y, n, c_base + p * kPanel);
+    for (int64_t p = 0; p < w.panels; ++p) ipanel_any(rows, m, q + p * panel_bytes, kind, y, n, c_base + p * kPanel);
     return;
   }
 #pragma omp parallel for schedule(static)
@@ -1371,9 +1385,13 @@ void packed_linear(const float* x, int64_t m, int64_t k, const PackedWeight& w, 
   if (m == 0) return;
   if (w.kind != kParts) return packed_columns(x, m, k, w, y, n, 0);
   const uint8_t* base = static_cast<const uint8_t*>(w.data);
+  bool any_int8 = false;
+  for (int64_t i = 0; i < w.parts[0]; ++i) any_int8 = any_int8 || w.parts[1 + 4 * i + 2] != 0;
+  QuantRows a{};
+  if (any_int8) a = quantize_rows(x, m, k);  // once for every part with integer products
   for (int64_t i = 0, c_base = 0; i < w.parts[0]; ++i) {  // each part's columns, in its own format
     const int64_t* h = w.parts + 1 + 4 * i;
-    packed_columns(x, m, k, {base + h[3], h[0], h[1], h[2] != 0}, y, n, c_base);
+    packed_columns(x, m, k, {base + h[3], h[0], h[1], h[2] != 0}, y, n, c_base, any_int8 ? &a : nullptr);
     c_base += h[0] * kPanel;
   }
 }

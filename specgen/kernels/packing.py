@@ -113,7 +113,8 @@ def cpu_view(a: np.ndarray):
 
 def pack_quantized(kind: str, blocks: np.ndarray, int8_product: bool = False,
                    ops: ModuleType | None = None) -> Packed:
-    """A GGUF block-quantized weight, uint8 blocks [n (out), k / 32, block bytes], -> Packed [k, n] for
+    """A GGUF block-quantized weight, uint8 blocks [n (out), k / 32, block bytes] (K-quants: super-blocks
+    [n, k / 256, block bytes]), -> Packed [k, n] for
     specgen_linear, which multiplies by it without dequantizing it in memory. Zero blocks pad n to a multiple
     of 32 (d = m = 0: zero weights). With int8_product the quants are regrouped for integer products
     (linear.cc, "Integer products") and the panels are int8: specgen_linear then quantizes its inputs to int8

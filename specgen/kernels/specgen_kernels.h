@@ -12,9 +12,9 @@ namespace specgen {
 
 // A packed weight W [k, n] (linear.cc): float32 panels [panels, k, 32] (kind 0), float64 panels of the same layout
 // for float64 activations (kind kFloat64Panels), or panels of blocks of 32 inputs [panels, k / 32, block]:
-// GGUF-quantized (kind: the block's size in bytes), uint8 for float32 products over the rebuilt weights, int8 for
-// integer products with the inputs quantized to 8 bits (int8_product); or exactly 16-bit weights, bfloat16 /
-// float16 [panels, k / 32, 1024] (kind: linear.cc's Quant::kBF16 / kF16).
+// GGUF-quantized (kind: the block's size in bytes, K-quants' on average), uint8 for float32 products over the
+// rebuilt weights, int8 for integer products with the inputs quantized to 8 bits (int8_product); or exactly
+// 16-bit weights, bfloat16 / float16 [panels, k / 32, 1024] (kind: linear.cc's Quant::kBF16 / kF16).
 constexpr int64_t kFloat64Panels = 1;  // below every block kind's size in bytes (576 and up)
 // A weight of parts: runs of output columns in different block formats (a QKV projection fused from Q4_K and
 // Q6_K rows), one uint8 tensor: int64 count, then per part its panels, kind, int8_product and the byte offset

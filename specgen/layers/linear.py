@@ -9,7 +9,7 @@ import paddle
 
 from specgen.kernels.packing import Packed
 from specgen.layers.quant import DeviceBlocks
-from specgen.models.checkpoint import QuantRows, StoredRows
+from specgen.models.checkpoint import MixedRows, QuantRows, StoredRows
 
 
 @dataclass
@@ -21,7 +21,7 @@ class Linear:
     # paddle.Tensor [in, out], a kernels.Packed, a quant.DeviceBlocks, or None before a backend prepares it
     weight: Any
     bias: paddle.Tensor | None = None  # [out]
-    blocks: QuantRows | StoredRows | None = None  # HF layout [out, in / block, block bytes]
+    blocks: QuantRows | MixedRows | StoredRows | None = None  # HF layout [out, in / block, block bytes]
 
     @property
     def packed(self) -> bool:

@@ -23,12 +23,30 @@ QUANT_BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 
 class QuantRows:
     """A Linear weight [out, in] as its GGUF file stores it (or, fused from rows of several formats, as QX):
     uint8 blocks [out, in / QUANT_BLOCK_WEIGHTS[kind], QUANT_BLOCK_BYTES[kind]] of `kind`. Dequantized, they
-    are the float32 weight the checkpoint also holds. Fused from rows of several formats, `parts` also holds
-    the runs of rows of one format as stored, in order (the fused kernels multiply each in its own format)."""
+    are the float32 weight the checkpoint also holds."""
 
     kind: str
     blocks: np.ndarray  # [out, in / QUANT_BLOCK_WEIGHTS[kind], QUANT_BLOCK_BYTES[kind]] uint8
-    parts: tuple["QuantRows", ...] = ()
+
+
+class MixedRows:
+    """QuantRows of rows fused from runs stored in different formats: `parts`, the runs as stored (in row
+    order), which the fused kernels multiply each in its own format; `blocks`, their union converted to QX
+    (the reference backend's), made only when asked for."""
+
+    kind = "QX"
+
+    def __init__(self, parts: tuple[QuantRows, ...]):
+        self.parts = parts
+        self._blocks: np.ndarray | None = None
+
+    @property
+    def blocks(self) -> np.ndarray:  # [out, in / 32, 48] uint8
+        if self._blocks is None:
+            from specgen.kernels.packing import qx_rows
+
+            self._blocks = np.concatenate([qx_rows(p.kind, p.blocks) for p in self.parts])
+        return self._blocks
 
 
 class StoredRows:

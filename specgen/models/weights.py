@@ -10,11 +10,19 @@ import numpy as np
 import paddle
 
 from specgen.errors import CheckpointError
-from specgen.kernels.packing import MAX_PARTS, PANEL, qx_rows
+from specgen.kernels.packing import MAX_PARTS, PANEL
 from specgen.layers.block import DecoderBlock
 from specgen.layers.linear import Linear
 from specgen.layers.moe import Expert, MoeExperts
-from specgen.models.checkpoint import Checkpoint, Lazy, QuantRows, StoredRows, block_kind, tensor_shape
+from specgen.models.checkpoint import (
+    Checkpoint,
+    Lazy,
+    MixedRows,
+    QuantRows,
+    StoredRows,
+    block_kind,
+    tensor_shape,
+)
 from specgen.models.config import ModelConfig
 
 
@@ -67,7 +75,7 @@ class TensorReader:
     def param(self, name: str, shape: tuple[int, ...]) -> paddle.Tensor:
         return self.to_paddle(self.get(name, shape))
 
-    def blocks(self, names: list[str], permute=None) -> QuantRows | None:
+    def blocks(self, names: list[str], permute=None) -> QuantRows | MixedRows | None:
         """The raw blocks of HF [out, in] weights `names`, each reordered by `permute` (None: kept) and
         concatenated along out; rows of different formats are converted to QX, with the runs of one format
         kept as `parts` where the fused kernels can take them (at most MAX_PARTS runs, each but the last of
@@ -86,10 +94,10 @@ class TensorReader:
                 runs[-1][1].append(b)
             else:
                 runs.append((q.kind, [b]))
-        parts = tuple(QuantRows(kind, np.concatenate(bs)) for kind, bs in runs)
-        if len(parts) > MAX_PARTS or any(len(p.blocks) % PANEL for p in parts[:-1]):
-            parts = ()
-        return QuantRows("QX", np.concatenate([qx_rows(q.kind, b) for q, b in zip(rows, blocks)]), parts)
+        mixed = MixedRows(tuple(QuantRows(kind, np.concatenate(bs)) for kind, bs in runs))
+        if len(mixed.parts) > MAX_PARTS or any(len(p.blocks) % PANEL for p in mixed.parts[:-1]):
+            return QuantRows("QX", mixed.blocks)  # the fused kernels take no such parts
+        return mixed
 
     def linear(self, names: list[str], shapes: list[tuple[int, int]], bias: list[str] | None = None,
                permute=None, blocks_only: bool = False, head: bool = False) -> Linear:

@@ -437,6 +437,7 @@ def test_a_fused_projection_of_mixed_formats_is_multiplied_in_parts(tmp_path, qt
     weight); the other projections keep their own format; logits and hidden states are bit-identical to
     float32 panels over the dequantized weights, and the loaded blocks still hold the QX union (the
     reference backend's)."""
+    from specgen import kernels
     from specgen.runtime.batch import build_forward_batch
 
     path = tmp_path / "mixed.gguf"
@@ -462,6 +463,10 @@ def test_a_fused_projection_of_mixed_formats_is_multiplied_in_parts(tmp_path, qt
     names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
     rows = reader.blocks(names)
     assert rows.kind == "QX" and "+".join(p.kind for p in rows.parts) == qkv.replace("QX", "Q5_K")
+    assert rows._blocks is None  # the QX union only when asked for (the reference backend's)
+    union = kernels.pack_quantized("QX", rows.blocks).numpy()
+    assert np.array_equal(union, np.concatenate([kernels.pack_quantized(p.kind, p.blocks).numpy()
+                                                 for p in rows.parts], axis=1))
 
 
 def test_k_quants_take_integer_products_with_matmul_int8(tmp_path):

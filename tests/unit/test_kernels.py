@@ -311,7 +311,7 @@ def _int8_product_reference(x: np.ndarray, blocks: np.ndarray, kind: str) -> np.
 
 
 @pytest.mark.parametrize("kind,k,n", [("Q4_1", 576, 70), ("Q4_0", 96, 45), ("Q8_0", 160, 33),
-                                      ("Q4_1", 64, 32), ("Q4_K", 512, 70), ("Q6_K", 256, 45)])
+                                      ("Q4_1", 64, 32), ("Q4_K", 512, 70), ("Q6_K", 768, 45)])
 def test_int8_products_equal_their_definition(kind, k, n):
     """specgen_linear over blocks packed for integer products (pack_quantized(..., int8_product=True)): the
     repacked quants still rebuild the GGUF reader's float32 weight, every product equals the definition in
@@ -383,10 +383,21 @@ def test_a_weight_of_parts_multiplies_each_run_in_its_own_format():
             for kind, b in parts], axis=1))
     with pytest.raises(OSError, match="output columns"):
         K.specgen_linear(paddle.to_tensor(x[:1]), p.panels, n + 32)
-    bad = p.panels.numpy().copy()
-    bad[8 * 4:8 * 5] = np.array([7], np.int64).view(np.uint8)  # the first part's offset: not 64-aligned
-    with pytest.raises(OSError, match="part of a weight of parts"):
-        K.specgen_linear(paddle.to_tensor(x[:1]), paddle.to_tensor(bad), n)
+    good = p.panels.numpy()
+    head = good[:8 * 13].view(np.int64)  # count 3, then panels, kind, int8, offset of each part
+    for at, value in [(4, 7),  # the first part's offset: not 64-aligned
+                      (4, 0),  # ... over the header
+                      (4, (2**63 - 1) // 64 * 64),  # ... past the end (offset + bytes would overflow)
+                      (1, 2**55 * 255), (5, 2**55 * 255),  # panels whose bytes wrap to 0
+                      (9, 3),  # 6 panels in all, not 5
+                      (2, 592 + 2**32),  # a kind that truncates to Q4_K's
+                      (3, 2)]:  # an int8 flag of 2
+        bad = good.copy()
+        bad[8 * at:8 * at + 8] = np.array([value], np.int64).view(np.uint8)
+        with pytest.raises(OSError, match="part of a weight of parts|output columns"):
+            K.specgen_linear(paddle.to_tensor(x[:1]), paddle.to_tensor(bad), n)
+    assert head[0] == 3 and np.array_equal(head[1:].reshape(3, 4)[:, :3],
+                                           [[2, 592, 0], [1, 1096, 0], [2, 1088, 0]])
     with pytest.raises(ValueError, match="whole panels"):
         pack_parts([parts[2], parts[0]])  # a first run of 45 rows
 
@@ -801,6 +812,63 @@ def test_build_target_hides_features_it_lacks():
     assert build.build_dir("x86-64-v3", root) != build.build_dir("native", root)
     assert not any(build.cpu_has(f, "x86-64") for f in build.FEATURE_MACROS)
     assert not build.packs("x86-64")
+
+
+_AVX2_PRODUCTS = """
+import sys
+import numpy as np
+import paddle
+from specgen.kernels import ops
+K = ops("x86-64-v3")
+panels = np.load(sys.argv[1])
+x = np.load(sys.argv[2])
+out = {}
+for name in panels.files:
+    kind, n = name.split(":")
+    w = panels[name].view(np.int8) if kind.endswith("int8") else panels[name]
+    for m in (1, 3, 4, 9, 41):
+        out[f"{name}:{m}"] = K.specgen_linear(paddle.to_tensor(x[:m]), paddle.to_tensor(w), int(n)).numpy()
+np.savez(sys.argv[3], **out)
+"""
+
+
+def test_avx2_build_multiplies_k_quants_and_parts_as_the_native_build(tmp_path):
+    """The AVX2 build (cpu_target x86-64-v3, in a process of its own: one process holds one build) multiplies
+    Q4_K and Q6_K panels and a weight of parts to the bits this build gives over float32 panels of the
+    dequantized weights, for 1 to 41 rows (its one-row, few-row and whole-panel paths)."""
+    import subprocess
+    import sys
+
+    import gguf
+    from gguf.quants import dequantize
+
+    from specgen.kernels import build, pack_linear, pack_parts, pack_quantized
+
+    if not build.packs("x86-64-v3"):
+        pytest.skip("no AVX2 build here")
+    rng = np.random.default_rng(9)
+    k = 512
+    runs = [(kind, _random_blocks(rng, kind, k, n, tiny=0.1)) for kind, n in (("Q4_K", 64), ("Q6_K", 45))]
+
+    def dense(kind, b):
+        return dequantize(b.reshape(len(b), -1), gguf.GGMLQuantizationType[kind]).reshape(len(b), k).T
+
+    weights = {f"{kind}:{len(b)}": (pack_quantized(kind, b).panels.numpy(), dense(kind, b))
+               for kind, b in runs}
+    weights[f"parts:{64 + 45}"] = (pack_parts(runs).panels.numpy(),
+                                   np.concatenate([dense(kind, b) for kind, b in runs], axis=1))
+    x = rng.standard_normal((41, k)).astype(np.float32)
+    np.savez(tmp_path / "panels.npz", **{name: p for name, (p, _) in weights.items()})
+    np.save(tmp_path / "x.npy", x)
+    (tmp_path / "run.py").write_text(_AVX2_PRODUCTS)
+    files = [str(tmp_path / f) for f in ("run.py", "panels.npz", "x.npy", "out.npz")]
+    subprocess.run([sys.executable, *files], check=True, capture_output=True, timeout=600)
+    got = np.load(tmp_path / "out.npz")
+    for name, (_, w) in weights.items():
+        f = pack_linear(w.astype(np.float32), halves=False)
+        for m in (1, 3, 4, 9, 41):
+            want = K.specgen_linear(paddle.to_tensor(x[:m]), f.panels, f.n).numpy()
+            assert np.array_equal(got[f"{name}:{m}"], want), (name, m)
 
 
 def _two_chains(x: np.ndarray, w: np.ndarray) -> np.ndarray:
