@@ -48,7 +48,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #include <omp.h>
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#elif (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)) || defined(__BMI2__)
 #include <immintrin.h>
 #endif
 
@@ -1525,6 +1525,31 @@ inline int gguf_nibble(const uint8_t* qs, int64_t i) { return i < 16 ? qs[i] & 0
 // GGUF K-quant super-blocks [n, k / 256, 144 (Q4_K) | 210 (Q6_K)] -> their panels (block_at's layout; with
 // int8_product the quants as the integer products take them, Q6_K's as q + 32): the same bytes as
 // specgen.kernels' _pack_super.
+inline uint64_t load64(const uint8_t* a) {
+  uint64_t v;
+  std::memcpy(&v, a, sizeof v);
+  return v;
+}
+inline uint32_t load32(const uint8_t* a) {
+  uint32_t v;
+  std::memcpy(&v, a, sizeof v);
+  return v;
+}
+inline void store32(uint8_t* a, uint32_t v) { std::memcpy(a, &v, sizeof v); }
+
+constexpr uint64_t kLowNibbles = 0x0F0F0F0F0F0F0F0FULL;
+
+// The low nibbles of x's 8 bytes (little-endian), byte t's at bits 4t .. 4t + 3.
+inline uint32_t gather_nibbles(uint64_t x) {
+#if defined(__BMI2__)
+  return static_cast<uint32_t>(_pext_u64(x, kLowNibbles));
+#else
+  uint32_t r = 0;
+  for (int t = 0; t < 8; ++t) r |= static_cast<uint32_t>((x >> (8 * t)) & 0xF) << (4 * t);
+  return r;
+#endif
+}
+
 paddle::Tensor pack_super(const paddle::Tensor& blocks, bool int8_product) {
   const int64_t n = blocks.shape()[0], nsb = blocks.shape()[1], src_bytes = blocks.shape()[2];
   const Quant q = src_bytes == 144 ? Quant::kQ4_K : Quant::kQ6_K;
@@ -1533,6 +1558,7 @@ paddle::Tensor pack_super(const paddle::Tensor& blocks, bool int8_product) {
                            blocks.place());
   const uint8_t* src = blocks.data<uint8_t>();
   uint8_t* dst = reinterpret_cast<uint8_t*>(out.data());
+  // Eight quants at a time as the bytes of one 64-bit word (four for Q4_K's integer layout), little-endian.
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < panels; ++p) {
     for (int64_t sb = 0; sb < nsb; ++sb) {
@@ -1550,26 +1576,43 @@ paddle::Tensor pack_super(const paddle::Tensor& blocks, bool int8_product) {
         for (int64_t j = 0; j < kSuper; ++j) {
           uint8_t* blk = sup + super_head(q) + j * block_stride(q);
           uint8_t* quants = blk + quant_head(q);
-          if (q == Quant::kQ4_K) {  // gguf.quants' scales: 6-bit sc and m of sub-block j
+          if (q == Quant::kQ4_K) {
+            // gguf.quants' scales: 6-bit sc and m of sub-block j
             const uint8_t* sc = g + 4;
             blk[c] = j < 4 ? sc[j] & 63 : (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
             blk[kPanel + c] = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-          } else {  // int8 scales of inputs 0-15 and 16-31
-            blk[c] = g[192 + 2 * j];
+            // 32 bytes per pair of sub-blocks: the even one's inputs in the low nibbles, the odd one's high
+            const uint8_t* qs = g + 16 + 32 * (j / 2);
+            const int shift = 4 * (j % 2);
+            if (int8_product) {  // group of 4 inputs: a byte each, column c + 16's in the high nibble
+              for (int64_t i = 0; i < kBlock; i += 4) {
+                const uint32_t nibs = (load32(qs + i) >> shift) & 0x0F0F0F0Fu;
+                uint8_t* at = quants + (i / 4) * 64 + l * 4;
+                store32(at, load32(at) | nibs << (4 * h));
+              }
+            } else {  // group of 8 inputs: the column's 32-bit lane (q4_nibble)
+              for (int64_t i = 0; i < kBlock; i += 8)
+                store32(quants + (i / 8) * 128 + h * 64 + l * 4,
+                        gather_nibbles((load64(qs + i) >> shift) & kLowNibbles));
+            }
+          } else {
+            blk[c] = g[192 + 2 * j];  // int8 scales of inputs 0-15 and 16-31
             blk[kPanel + c] = g[192 + 2 * j + 1];
-          }
-          for (int64_t i = 0; i < kBlock; ++i) {
-            if (q == Quant::kQ4_K) {  // 32 bytes per pair of sub-blocks: the even one's low nibbles, the odd one's high
-              const uint8_t nib = (g[16 + 32 * (j / 2) + i] >> (4 * (j % 2))) & 0xF;
-              if (int8_product) quants[(i / 4) * 64 + l * 4 + i % 4] |= static_cast<uint8_t>(nib << (4 * h));
-              else quants[(i / 8) * 128 + h * 64 + l * 4 + (i % 8) / 2] |= static_cast<uint8_t>(nib << (4 * (i % 2)));
-            } else {  // low 4 bits in ql, high 2 in qh; q - 32 (float products) or q (integer ones, u = q - 32 + 32)
-              const int64_t t = (j % 2) * 32 + i;
-              const int low = (g[(j / 4) * 64 + t] >> (4 * ((j % 4) / 2))) & 0xF;
-              const int high = (g[128 + (j / 4) * 32 + i] >> (2 * (j % 4))) & 3;
-              const int u = low | (high << 4);
-              if (int8_product) quants[(i / 4) * 128 + h * 64 + l * 4 + i % 4] = static_cast<uint8_t>(u);
-              else quants[i * kPanel + c] = static_cast<uint8_t>(static_cast<int8_t>(u - 32));
+            // low 4 bits in ql, high 2 in qh: u = q + 32, 0 .. 63
+            const uint8_t* ql = g + (j / 4) * 64 + (j % 2) * 32;
+            const uint8_t* qh = g + 128 + (j / 4) * 32;
+            const int low_shift = 4 * ((j % 4) / 2), high_shift = 2 * (j % 4);
+            for (int64_t i = 0; i < kBlock; i += 8) {
+              const uint64_t u = ((load64(ql + i) >> low_shift) & kLowNibbles) |
+                                 (((load64(qh + i) >> high_shift) & 0x0303030303030303ULL) << 4);
+              if (int8_product) {  // u, Q8_0's integer layout: inputs i .. i + 3, then i + 4 .. i + 7
+                store32(quants + (i / 4) * 128 + h * 64 + l * 4, static_cast<uint32_t>(u));
+                store32(quants + (i / 4 + 1) * 128 + h * 64 + l * 4, static_cast<uint32_t>(u >> 32));
+              } else {  // q = u - 32 as int8, one per input row: bit 5 flipped, then sign-extended
+                uint64_t v = u ^ 0x2020202020202020ULL;
+                v |= (v & 0x2020202020202020ULL) * 6;
+                for (int b = 0; b < 8; ++b) quants[(i + b) * kPanel + c] = static_cast<uint8_t>(v >> (8 * b));
+              }
             }
           }
         }

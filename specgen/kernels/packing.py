@@ -359,18 +359,16 @@ def pack_parts(parts: list[tuple[str, np.ndarray]], int8_product: bool = False,
               for kind, blocks in parts]
     header = 8 * (1 + 4 * len(packed))
     offset = -(-header // 64) * 64
-    head, chunks = [len(packed)], []
-    for p in packed:
-        raw = p.panels.numpy().view(np.uint8).reshape(-1)
+    head, pieces = [len(packed)], []
+    for p in packed:  # each part's bytes from a 64-aligned offset; one copy of them all (paddle.concat)
+        size = int(np.prod(p.panels.shape))
         head += [p.panels.shape[0], KIND_CODES[p.kind], int(p.int8_product), offset]
-        chunks.append(raw)
-        offset += -(-raw.size // 64) * 64
-    out = np.zeros(offset, np.uint8)
-    out[:header] = np.array(head, np.int64).view(np.uint8)
-    for chunk, at in zip(chunks, head[4::4]):
-        out[at:at + chunk.size] = chunk
-    return Packed(paddle.to_tensor(out), packed[0].k, sum(len(b) for _, b in parts),
-                  "+".join(p.kind for p in packed))
+        pieces += [p.panels.view(paddle.uint8).reshape([-1]), paddle.zeros([-size % 64], dtype="uint8")]
+        offset += size + -size % 64
+    start = np.zeros(-(-header // 64) * 64, np.uint8)
+    start[:header] = np.array(head, np.int64).view(np.uint8)
+    out = paddle.concat([paddle.to_tensor(start), *pieces])
+    return Packed(out, packed[0].k, sum(len(b) for _, b in parts), "+".join(p.kind for p in packed))
 
 
 def _parts(raw: np.ndarray, k: int) -> list[Packed]:
