@@ -70,17 +70,19 @@ constexpr int64_t kBlock = 32;    // inputs per quantization block
 // of inputs 16-31, per column, then q - 32 as int8 (Q8_0's rows); w = (d * sc) q. Each scale product is exact in
 // float32 (an fp16 times an integer below 2^8), so the weights are the ones gguf.quants dequantizes, bit for
 // bit. A K-quant's code is its bytes per block of 32 inputs on average (block_stride + the super-block's
-// scales / 8); its blocks are found with block_at.
+// scales / 8); its blocks are found with block_at. Q6_K's integer-product panels (kQ6_K8) keep its 6.6 bits a
+// weight: per block the scale bytes, the low 4 bits as Q4's integer layout, then the high 2 bits (ipanel_rows).
 // kQX, any of these formats (specgen.kernels.block_parts): float32 d and m of each half of the inputs, int8 q,
 // w = fma(d, q, m) (m = -0 where the format has no offset), for Q5_K and for fused projections of mixed formats.
 enum class Quant {
   kQ4_0 = 64 + 512, kQ4_1 = 128 + 512, kQ8_0 = 64 + 1024, kQ4_K = 64 + 512 + 128 / 8, kQ6_K = 64 + 1024 + 64 / 8,
-  kQX = 512 + 1024, kBF16 = 2048, kF16 = 2048 + 1
+  kQ6_K8 = 64 + 512 + 256 + 64 / 8, kQX = 512 + 1024, kBF16 = 2048, kF16 = 2048 + 1
 };
 
 constexpr int64_t quant_bytes(Quant q) { return q == Quant::kF16 ? 2048 : static_cast<int64_t>(q); }
 constexpr bool is_half(Quant q) { return q == Quant::kBF16 || q == Quant::kF16; }
-constexpr bool is_super(Quant q) { return q == Quant::kQ4_K || q == Quant::kQ6_K; }  // K-quant super-blocks
+constexpr bool is_q6(Quant q) { return q == Quant::kQ6_K || q == Quant::kQ6_K8; }
+constexpr bool is_super(Quant q) { return q == Quant::kQ4_K || is_q6(q); }  // K-quant super-blocks
 constexpr int64_t kSuper = 8;  // blocks of 32 inputs per K-quant super-block
 // f(std::integral_constant<Quant, Q>) for the format q of the float32 products (not F32 panels): the one switch
 // the paths' run-time dispatches share.
@@ -102,7 +104,7 @@ constexpr int64_t quant_head(Quant q) {
   return is_half(q) ? 0 : q == Quant::kQX ? 512 : q == Quant::kQ4_1 ? 128 : 64;
 }
 // Bytes of a K-quant super-block's own scales (fp16 per column: Q4_K d and dmin, Q6_K d), before its blocks.
-constexpr int64_t super_head(Quant q) { return q == Quant::kQ4_K ? 128 : q == Quant::kQ6_K ? 64 : 0; }
+constexpr int64_t super_head(Quant q) { return q == Quant::kQ4_K ? 128 : is_q6(q) ? 64 : 0; }
 // Bytes from one block of 32 inputs to the next within a panel (a K-quant's, within its super-block).
 constexpr int64_t block_stride(Quant q) { return quant_bytes(q) - super_head(q) / kSuper; }
 // Block b of the panel at p (all its blocks: k / 32 of them), and its super-block's scales (K-quants).
@@ -314,7 +316,7 @@ inline void block_scales(const uint8_t* p, const uint8_t* sup, __m512& d0, __m51
     m1 = _mm512_fnmadd_ps(half16(sup + 96), byte16(p + 48), z);
     return;
   }
-  if constexpr (Q == Quant::kQ6_K) {
+  if constexpr (is_q6(Q)) {
     const __m512 s0 = half16(sup), s1 = half16(sup + 32);
     d0 = _mm512_mul_ps(s0, byte16(p)), d1 = _mm512_mul_ps(s1, byte16(p + 16));
     m0 = _mm512_mul_ps(s0, byte16(p + 32)), m1 = _mm512_mul_ps(s1, byte16(p + 48));
@@ -963,28 +965,32 @@ QuantRows quantize_rows(const float* x, int64_t m, int64_t k) {
 }
 
 constexpr int32_t quant_offset(Quant q) {
-  return q == Quant::kQ4_0 ? 8 : q == Quant::kQ8_0 ? 128 : q == Quant::kQ6_K ? 32 : 0;
+  return q == Quant::kQ4_0 ? 8 : q == Quant::kQ8_0 ? 128 : q == Quant::kQ6_K8 ? 32 : 0;
 }
-constexpr bool byte_quants(Quant q) { return q == Quant::kQ8_0 || q == Quant::kQ6_K; }  // a byte each, else nibbles
 
-// Unsigned quant of input i (of 32), column c (of 32) in a block's repacked quants.
+// Unsigned quant of input i (of 32), column c (of 32) in a block's repacked quants. kQ6_K8: the low 4 bits as
+// Q4's, then per group of 4 inputs 32 bytes of high 2 bits: position b = 4 (c % 16) + j of a group's 64 bytes
+// (those of columns c < 16, or of c >= 16) at bits 2 (b / 32) + 4 (c / 16) of byte b % 32.
 inline int32_t repacked_quant(const uint8_t* qs, Quant q, int64_t i, int64_t c) {
   const int64_t g = i / 4, j = i % 4;
-  if (byte_quants(q)) return qs[g * 128 + (c / 16) * 64 + (c % 16) * 4 + j];
+  if (q == Quant::kQ8_0) return qs[g * 128 + (c / 16) * 64 + (c % 16) * 4 + j];
   const uint8_t byte = qs[g * 64 + (c % 16) * 4 + j];
-  return c < 16 ? byte & 0xF : byte >> 4;
+  const int32_t low = c < 16 ? byte & 0xF : byte >> 4;
+  if (q != Quant::kQ6_K8) return low;
+  const int64_t b = (c % 16) * 4 + j;
+  return low | ((qs[512 + g * 32 + b % 32] >> (2 * (b / 32) + 4 * (c / 16))) & 3) << 4;
 }
 
 // The integer sum's offset term of row r's block b: -offset * sxq of the block's inputs (Q6_K: of half h's).
 inline int32_t offset_sum(const QuantRows& a, Quant q, int64_t r, int64_t b, int h) {
   const int64_t at = r * (a.k / kBlock) + b;
-  const int32_t sxq = q != Quant::kQ6_K ? a.s[at] : h == 0 ? a.h[at] : a.s[at] - a.h[at];
+  const int32_t sxq = q != Quant::kQ6_K8 ? a.s[at] : h == 0 ? a.h[at] : a.s[at] - a.h[at];
   return -quant_offset(q) * sxq;
 }
 
 // y[r, c0 .. c0 + 32) for the m rows of a, in scalar code (builds without AVX-512 VNNI).
 void ipanel_ref(const QuantRows& a, int64_t m, const uint8_t* p, Quant q, float* y, int64_t n, int64_t c0) {
-  const int64_t kb = a.k / kBlock, halves = q == Quant::kQ6_K ? 2 : 1, width = std::min<int64_t>(kPanel, n - c0);
+  const int64_t kb = a.k / kBlock, halves = q == Quant::kQ6_K8 ? 2 : 1, width = std::min<int64_t>(kPanel, n - c0);
   float acc[kPanel];
   for (int64_t r = 0; r < m; ++r) {
     std::fill(acc, acc + kPanel, 0.f);
@@ -1048,7 +1054,7 @@ template <Quant Q, int G, bool Screen = false>
 inline void ipanel_rows(const QuantRows& a, int64_t r0, const uint8_t* p, float* y, int64_t n, int64_t c0,
                         int64_t width, const ScreenPanel* sp = nullptr) {
   constexpr int64_t bytes = quant_bytes(Q);  // on average, per block
-  constexpr int halves = Q == Quant::kQ6_K ? 2 : 1;  // Q6_K: a sum and a scale per 16 inputs
+  constexpr int halves = Q == Quant::kQ6_K8 ? 2 : 1;  // Q6_K: a sum and a scale per 16 inputs
   constexpr bool offsets = Q == Quant::kQ4_1 || Q == Quant::kQ4_K;  // acc += m sx
   const int64_t kb = a.k / kBlock;
   __m512 acc0[G], acc1[G], e0[Screen ? G : 1], e1[Screen ? G : 1];
@@ -1069,13 +1075,22 @@ inline void ipanel_rows(const QuantRows& a, int64_t r0, const uint8_t* p, float*
       for (int r = 0; r < G; ++r) s0[r] = s1[r] = _mm512_set1_epi32(offset_sum(a, Q, r0 + r, b, h));
       for (int64_t g = h * 8 / halves; g < (h + 1) * 8 / halves; ++g) {
         __m512i w0, w1;
-        if constexpr (byte_quants(Q)) {
+        if constexpr (Q == Quant::kQ8_0) {
           w0 = _mm512_loadu_si512(qs + g * 128);
           w1 = _mm512_loadu_si512(qs + g * 128 + 64);
         } else {
           const __m512i v = _mm512_loadu_si512(qs + g * 64);
           w0 = _mm512_and_si512(v, nibble);
           w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+          if constexpr (Q == Quant::kQ6_K8) {  // the high 2 bits into bits 4-5 (repacked_quant)
+            const __m512i hv = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 512 + g * 32)));
+            const __m512i high = _mm512_set1_epi8(0x30);
+            // bytes 0-31 of w0 from bits 0-1, 32-63 from bits 2-3; w1's from bits 4-5 and 6-7
+            const __m512i h0 = _mm512_mask_blend_epi64(0xF0, _mm512_slli_epi16(hv, 4), _mm512_slli_epi16(hv, 2));
+            const __m512i h1 = _mm512_mask_blend_epi64(0xF0, hv, _mm512_srli_epi16(hv, 2));
+            w0 = _mm512_or_si512(w0, _mm512_and_si512(h0, high));
+            w1 = _mm512_or_si512(w1, _mm512_and_si512(h1, high));
+          }
         }
         for (int r = 0; r < G; ++r) {
           int32_t four;
@@ -1151,8 +1166,8 @@ void ipanel_any(const QuantRows& a, int64_t m, const uint8_t* p, Quant q, float*
                 : ipanel_all<Quant::kQ8_0, false>(a, m, p, y, n, c0, sp);
     case Quant::kQ4_K:  // (K-quants are not screened)
       return ipanel_all<Quant::kQ4_K, false>(a, m, p, y, n, c0, sp);
-    case Quant::kQ6_K:
-      return ipanel_all<Quant::kQ6_K, false>(a, m, p, y, n, c0, sp);
+    case Quant::kQ6_K8:
+      return ipanel_all<Quant::kQ6_K8, false>(a, m, p, y, n, c0, sp);
     default:
       PD_THROW("integer products of this block format are not built");
   }
@@ -1287,17 +1302,23 @@ namespace specgen {
 
 // One part of a weight of parts (see kParts), its header checked against the tensor's `size` bytes; PD_CHECKs
 // name `name`.
+// Whether block kind `kind` (its bytes) is one the products take, for integer products or float32 ones: Q4_0,
+// Q4_1, Q8_0 and Q4_K both; Q6_K's own layouts (kQ6_K for float32 products, kQ6_K8 for integer ones); QX for
+// float32 products only.
+bool known_kind(int64_t kind, bool int8_product) {
+  for (Quant q : {Quant::kQ4_0, Quant::kQ4_1, Quant::kQ8_0, Quant::kQ4_K})
+    if (kind == static_cast<int64_t>(q)) return true;
+  return kind == static_cast<int64_t>(int8_product ? Quant::kQ6_K8 : Quant::kQ6_K) ||
+         (kind == static_cast<int64_t>(Quant::kQX) && !int8_product);
+}
+
 // The header's values are checked without arithmetic that could overflow (a file's tensor is not trusted): the
 // kind among the quantized ones, the offset past the header and 64-aligned, the panels within the tensor.
 PackedWeight packed_part(const uint8_t* base, int64_t size, int64_t header, const int64_t* h, int64_t k,
                          int64_t max_panels, const char* name) {
   const int64_t panels = h[0], kind = h[1], offset = h[3];
   const bool int8_product = h[2] != 0;
-  const bool known = kind == static_cast<int64_t>(Quant::kQ4_0) || kind == static_cast<int64_t>(Quant::kQ4_1) ||
-                     kind == static_cast<int64_t>(Quant::kQ8_0) || kind == static_cast<int64_t>(Quant::kQ4_K) ||
-                     kind == static_cast<int64_t>(Quant::kQ6_K) ||
-                     (kind == static_cast<int64_t>(Quant::kQX) && !int8_product);
-  PD_CHECK(known && k > 0 && k % kBlock == 0 && (h[2] == 0 || h[2] == 1), name,
+  PD_CHECK(known_kind(kind, int8_product) && k > 0 && k % kBlock == 0 && (h[2] == 0 || h[2] == 1), name,
            ": a part of a weight of parts that is not a quantized weight of ", k, " inputs");
   const Quant q = static_cast<Quant>(kind);
   const int64_t panel_bytes = k / kBlock * quant_bytes(q);  // k is a checked shape: no overflow
@@ -1342,15 +1363,12 @@ PackedWeight packed_weight(const paddle::Tensor& w, int64_t k, int64_t n, const 
   }
   const int64_t bytes = w.shape()[2];
   const bool int8_product = w.dtype() == paddle::DataType::INT8;
-  const bool super = is_super(static_cast<Quant>(bytes));  // K-quants: whole super-blocks of 8 blocks
-  const bool k_quant = super || bytes == static_cast<int64_t>(Quant::kQX);
+  const bool super = known_kind(bytes, int8_product) && is_super(static_cast<Quant>(bytes));  // whole super-blocks
   PD_CHECK((w.dtype() == paddle::DataType::UINT8 || int8_product) && k % kBlock == 0 && w.shape()[1] == k / kBlock &&
-               (!super || (k / kBlock) % kSuper == 0) &&
-               (bytes == static_cast<int64_t>(Quant::kQ4_0) || bytes == static_cast<int64_t>(Quant::kQ4_1) ||
-                bytes == static_cast<int64_t>(Quant::kQ8_0) || super || (k_quant && !int8_product)),
+               (!super || (k / kBlock) % kSuper == 0) && known_kind(bytes, int8_product),
            name, ": not a quantized [ceil(n / 32), ", k / kBlock,
-           ", 576 | 640 | 1088 | 592 | 1096 | 1536] uint8 (or, but the last, int8) weight (592, 1096: k a "
-           "multiple of 256)");
+           ", 576 | 640 | 1088 | 592 | 1096 | 1536] uint8 or [.., 576 | 640 | 1088 | 592 | 840] int8 weight (592, "
+           "1096, 840: k a multiple of 256)");
   return {w.data(), w.shape()[0], bytes, int8_product};
 }
 
@@ -1552,7 +1570,7 @@ inline uint32_t gather_nibbles(uint64_t x) {
 
 paddle::Tensor pack_super(const paddle::Tensor& blocks, bool int8_product) {
   const int64_t n = blocks.shape()[0], nsb = blocks.shape()[1], src_bytes = blocks.shape()[2];
-  const Quant q = src_bytes == 144 ? Quant::kQ4_K : Quant::kQ6_K;
+  const Quant q = src_bytes == 144 ? Quant::kQ4_K : int8_product ? Quant::kQ6_K8 : Quant::kQ6_K;
   const int64_t kb = nsb * kSuper, bytes = quant_bytes(q), panels = (n + kPanel - 1) / kPanel;
   auto out = paddle::empty({panels, kb, bytes}, int8_product ? paddle::DataType::INT8 : paddle::DataType::UINT8,
                            blocks.place());
@@ -1605,9 +1623,14 @@ paddle::Tensor pack_super(const paddle::Tensor& blocks, bool int8_product) {
             for (int64_t i = 0; i < kBlock; i += 8) {
               const uint64_t u = ((load64(ql + i) >> low_shift) & kLowNibbles) |
                                  (((load64(qh + i) >> high_shift) & 0x0303030303030303ULL) << 4);
-              if (int8_product) {  // u, Q8_0's integer layout: inputs i .. i + 3, then i + 4 .. i + 7
-                store32(quants + (i / 4) * 128 + h * 64 + l * 4, static_cast<uint32_t>(u));
-                store32(quants + (i / 4 + 1) * 128 + h * 64 + l * 4, static_cast<uint32_t>(u >> 32));
+              if (int8_product) {  // kQ6_K8 (repacked_quant): groups i / 4 and i / 4 + 1, 4 inputs each
+                for (int64_t g4 = 0; g4 < 2; ++g4) {
+                  const uint32_t four = static_cast<uint32_t>(u >> (32 * g4));
+                  uint8_t* low = quants + (i / 4 + g4) * 64 + l * 4;
+                  store32(low, load32(low) | (four & 0x0F0F0F0Fu) << (4 * h));
+                  uint8_t* high = quants + 512 + (i / 4 + g4) * 32 + (l % 8) * 4;
+                  store32(high, load32(high) | ((four >> 4) & 0x03030303u) << (2 * (l / 8) + 4 * h));
+                }
               } else {  // q = u - 32 as int8, one per input row: bit 5 flipped, then sign-extended
                 uint64_t v = u ^ 0x2020202020202020ULL;
                 v |= (v & 0x2020202020202020ULL) * 6;

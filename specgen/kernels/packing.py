@@ -97,6 +97,13 @@ QUANT_PANEL_BYTES = {"Q4_0": 64 + 512, "Q4_1": 128 + 512, "Q8_0": 64 + 1024, "Q4
                      "Q6_K": 64 + 1024 + 64 // 8,
                      "QX": 512 + 1024, "Q5_K": 512 + 1024}  # QX: d of each half, m of each half, int8 quants
 SUPER_KINDS = {"Q4_K": 128, "Q6_K": 64}  # K-quant kinds packed by super-block: bytes of its own scales
+# Integer-product panels of another size: Q6_K's keep its 6 bits (the low 4 as Q4's, the high 2: _q6_high).
+INT8_PANEL_BYTES = {"Q6_K": 64 + 512 + 256 + 64 // 8}
+
+
+def panel_bytes(kind: str, int8_product: bool) -> int:
+    """Bytes per panel and block of 32 inputs (on average, for K-quants) of `kind`'s layout."""
+    return INT8_PANEL_BYTES.get(kind, QUANT_PANEL_BYTES[kind]) if int8_product else QUANT_PANEL_BYTES[kind]
 INT8_KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")  # kinds with integer products (int8_product)
 
 
@@ -305,6 +312,29 @@ def _int8_lanes(u: np.ndarray, nibbles: bool) -> np.ndarray:
     return u.reshape(panels, kb, -1)
 
 
+def _q6_high(high: np.ndarray) -> np.ndarray:
+    """Q6_K's high 2 bits [panels, kb, 32 columns, 32 inputs] -> the integer layout's 256 bytes per block: per
+    group g of 4 inputs, 32 bytes; position b = 4 (c % 16) + j of the group's bytes of columns c < 16 (h = 0)
+    or c >= 16 (h = 1) at bits 2 (b // 32) + 4 h of byte b % 32 (linear.cc, repacked_quant)."""
+    panels, kb = high.shape[:2]
+    x = high.reshape(panels, kb, 2, 16, 8, 4).transpose(0, 1, 4, 2, 3, 5)  # [.., g, h, c % 16, j]
+    x = x.reshape(panels, kb, 8, 2, 2, 32).astype(np.uint8)  # [.., g, h, b // 32, b % 32]
+    shift = (2 * np.arange(2)[None, :] + 4 * np.arange(2)[:, None]).astype(np.uint8)  # [h, b // 32]
+    return (x << shift[:, :, None]).sum(axis=(3, 4), dtype=np.uint8).reshape(panels, kb, 256)
+
+
+def _q6_unsigned(quants: np.ndarray) -> np.ndarray:
+    """_pack_super's integer Q6_K quants [panels, kb, 768] -> u = q + 32 [panels, kb, 32 inputs, 32
+    columns]."""
+    panels, kb = quants.shape[:2]
+    raw = quants[..., :512].reshape(panels, kb, 8, 16, 4)  # [.., g, c, j]
+    low = np.stack([raw & 0xF, raw >> 4], axis=3)  # [.., g, h, c, j]
+    h = quants[..., 512:].reshape(panels, kb, 8, 1, 1, 32)
+    shift = (2 * np.arange(2)[None, :] + 4 * np.arange(2)[:, None]).astype(np.uint8)[:, :, None]
+    high = ((h >> shift) & 3).reshape(panels, kb, 8, 2, 16, 4)  # [.., g, h, c, j]
+    return (low | high << 4).transpose(0, 1, 2, 5, 3, 4).reshape(panels, kb, 32, 32)
+
+
 def _pack_super(kind: str, blocks: np.ndarray, int8_product: bool = False) -> Packed:
     """GGUF Q4_K / Q6_K super-blocks [n, k / 256, bytes] -> Packed [k, n] whose panels keep them: per panel
     and super-block, SUPER_KINDS[kind] bytes of the 32 columns' fp16 scales (Q4_K: d, then dmin), then 8
@@ -312,7 +342,7 @@ def _pack_super(kind: str, blocks: np.ndarray, int8_product: bool = False) -> Pa
     of inputs 0-15, then of 16-31) and the quants (Q4_K: 512 bytes of nibbles as _q4_lanes; Q6_K: q - 32 as
     int8, 32 inputs x 32 columns). The array is [panels, k / 32, QUANT_PANEL_BYTES[kind]]: 8 of its rows
     are a super-block. With int8_product the quants are laid out for integer products (_int8_lanes; Q6_K's
-    as q + 32) and the array is int8."""
+    u = q + 32 as its low 4 bits, then _q6_high) and the array is int8 [panels, k / 32, panel_bytes]."""
     import paddle
 
     supers, scales, q = _k_pieces(kind, blocks)
@@ -325,14 +355,15 @@ def _pack_super(kind: str, blocks: np.ndarray, int8_product: bool = False) -> Pa
     panels = cols.shape[0]
     if int8_product:  # [panels, kb, 32 columns, 32 inputs], unsigned
         u = by_panel(q.view(np.uint8) if kind == "Q4_K" else (q + np.int8(32)).view(np.uint8))  # padding: 0
-        quants = _int8_lanes(u, nibbles=kind == "Q4_K")
+        quants = (_int8_lanes(u, nibbles=True) if kind == "Q4_K"
+                  else np.concatenate([_int8_lanes(u & 0xF, nibbles=True), _q6_high(u >> 4)], axis=-1))
     else:
         quants = (_q4_lanes(cols.astype(np.uint8)) if kind == "Q4_K"
                   else cols.reshape(panels, kb, 1024).view(np.uint8))
     sc = by_panel(scales).swapaxes(2, 3).reshape(panels, kb, 64)  # [.., scale j, column c]
     blk = np.concatenate([sc, quants], axis=-1).reshape(panels, nb, -1)  # 8 blocks a super-block
     packed = np.ascontiguousarray(np.concatenate([*[h.reshape(panels, nb, 64) for h in head], blk], axis=-1))
-    packed = packed.reshape(panels, kb, QUANT_PANEL_BYTES[kind])
+    packed = packed.reshape(panels, kb, panel_bytes(kind, int8_product))
     return Packed(paddle.to_tensor(packed.view(np.int8) if int8_product else packed), kb * 32, n, kind,
                   int8_product=int8_product)
 
@@ -341,7 +372,7 @@ def _pack_super(kind: str, blocks: np.ndarray, int8_product: bool = False) -> Pa
 # header of int64 count, then per part panels, kind (its block bytes), int8_product and the byte offset of its
 # panels, then each part's panels from a 64-aligned offset.
 MAX_PARTS = 4
-KIND_CODES = {kind: size for kind, size in QUANT_PANEL_BYTES.items() if kind != "Q5_K"}
+KIND_CODES = {kind: size for kind, size in QUANT_PANEL_BYTES.items() if kind != "Q5_K"}  # float32 products
 
 
 def pack_parts(parts: list[tuple[str, np.ndarray]], int8_product: bool = False,
@@ -362,7 +393,7 @@ def pack_parts(parts: list[tuple[str, np.ndarray]], int8_product: bool = False,
     head, pieces = [len(packed)], []
     for p in packed:  # each part's bytes from a 64-aligned offset; one copy of them all (paddle.concat)
         size = int(np.prod(p.panels.shape))
-        head += [p.panels.shape[0], KIND_CODES[p.kind], int(p.int8_product), offset]
+        head += [p.panels.shape[0], panel_bytes(p.kind, p.int8_product), int(p.int8_product), offset]
         pieces += [p.panels.view(paddle.uint8).reshape([-1]), paddle.zeros([-size % 64], dtype="uint8")]
         offset += size + -size % 64
     start = np.zeros(-(-header // 64) * 64, np.uint8)
@@ -378,7 +409,7 @@ def _parts(raw: np.ndarray, k: int) -> list[Packed]:
 
     count = int(raw[:8].view(np.int64)[0])
     head = raw[8:8 * (1 + 4 * count)].view(np.int64).reshape(count, 4)
-    kinds = {code: kind for kind, code in KIND_CODES.items()}
+    kinds = {code: kind for kind, code in [*KIND_CODES.items(), *INT8_PANEL_BYTES.items()]}
     out = []
     for panels, code, int8, at in head.tolist():
         kind = kinds[code]
@@ -455,12 +486,17 @@ def _float_layout(p: np.ndarray, kind: str) -> np.ndarray:
         head = SUPER_KINDS[kind]
         s = p.reshape(panels, kb // 8, -1)
         blk = s[..., head:].reshape(panels, kb, -1)
-        blk = _float_layout(blk, "Q4_0" if kind == "Q4_K" else "Q6_K blocks")
-        return np.concatenate([s[..., :head], blk.reshape(panels, kb // 8, -1)], axis=-1).reshape(p.shape)
+        if kind == "Q4_K":
+            blk = _float_layout(blk, "Q4_0")
+        else:  # q = u - 32, one int8 per input row
+            q = (_q6_unsigned(blk[..., 64:]).astype(np.int16) - 32).astype(np.int8).view(np.uint8)
+            blk = np.concatenate([blk[..., :64], q.reshape(panels, kb, 1024)], axis=-1)
+        out = np.concatenate([s[..., :head], blk.reshape(panels, kb // 8, -1)], axis=-1)
+        return out.reshape(panels, kb, QUANT_PANEL_BYTES[kind])
     head = p[..., :128 if kind == "Q4_1" else 64]
-    if kind in ("Q8_0", "Q6_K blocks"):
+    if kind == "Q8_0":
         u = p[..., 64:].reshape(panels, kb, 8, 2, 16, 4)  # [.., g, h, c, j]
-        q = (u.astype(np.int16) - (128 if kind == "Q8_0" else 32)).astype(np.int8).view(np.uint8)
+        q = (u.astype(np.int16) - 128).astype(np.int8).view(np.uint8)
         q = q.transpose(0, 1, 2, 5, 3, 4).reshape(panels, kb, 1024)  # [.., input 4g + j, column 16h + c]
         return np.concatenate([head, q], axis=-1)
     raw = p[..., -512:].reshape(panels, kb, 8, 16, 4)  # [.., g, c, j]
