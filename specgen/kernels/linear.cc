@@ -48,7 +48,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #include <omp.h>
-#elif (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)) || defined(__BMI2__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -149,12 +149,12 @@ inline float rebuilt_weight(const uint8_t* qs, Quant q, float d, float m, int64_
 // super-block whose scales are at sup), as the weights use them: w = fma(d, q, m), m = 0 where the format has
 // no offset (Q4_0's q is the nibble - 8; 16-bit formats have no scales).
 inline void block_scale_ref(Quant q, const uint8_t* blk, const uint8_t* sup, int64_t c, int h, float& d, float& m) {
-  const uint16_t* halfs = reinterpret_cast<const uint16_t*>(q == Quant::kQ4_K || q == Quant::kQ6_K ? sup : blk);
+  const uint16_t* halfs = reinterpret_cast<const uint16_t*>(q == Quant::kQ4_K || is_q6(q) ? sup : blk);
   d = m = 0.f;
   if (q == Quant::kQ4_K) {  // d * sc and -(dmin * m), exact
     d = specgen::half_to_float(halfs[c]) * static_cast<float>(blk[c]);
     m = -(specgen::half_to_float(halfs[kPanel + c]) * static_cast<float>(blk[kPanel + c]));
-  } else if (q == Quant::kQ6_K) {
+  } else if (is_q6(q)) {  // (kQ6_K8: the same scales)
     d = specgen::half_to_float(halfs[c]) * static_cast<float>(static_cast<int8_t>(blk[h * kPanel + c]));
   } else if (q == Quant::kQX) {
     float wide[2];
@@ -905,8 +905,9 @@ void qpanel_any(const float* x, int64_t m, int64_t k, const uint8_t* p, Quant q,
 // nibble itself, q + 8; Q8_0: q + 128; Q4_1: q), grouped by 4 consecutive inputs: group g (inputs 4g .. 4g + 3)
 // is 128 bytes, column c's 4 bytes at 4c (c < 16) and 64 + 4 (c - 16). Q4 kinds store a group in 64 bytes,
 // columns c and c + 16 in the low and high nibble of one byte. K-quants keep their super-blocks and scale bytes
-// (block_at, block_scales) with these quants (Q4_K: as Q4_1's; Q6_K: q + 32 as Q8_0's); Q6_K's two halves of
-// a block are two sums, each with its own scale and offset 32 times its half's sxq.
+// (block_at, block_scales) with these quants (Q4_K: as Q4_1's; Q6_K, kQ6_K8: u = q + 32's low 4 bits as Q4's,
+// then 256 bytes of its high 2, repacked_quant); Q6_K's two halves of a block are two sums, each with its own
+// scale and offset 32 times its half's sxq.
 //
 // Each input row is quantized per block of 32 as a GGUF Q8_0 block would be: dx = max |x| / 127,
 // xq = round-to-even(x * (1 / dx)) (a float32 reciprocal), with sxq = sum xq and sx = sum x (in input order). Then for every output column
@@ -1300,8 +1301,6 @@ void f64_tail(const double* x, int64_t rows, int64_t k, const double* p, double*
 
 namespace specgen {
 
-// One part of a weight of parts (see kParts), its header checked against the tensor's `size` bytes; PD_CHECKs
-// name `name`.
 // Whether block kind `kind` (its bytes) is one the products take, for integer products or float32 ones: Q4_0,
 // Q4_1, Q8_0 and Q4_K both; Q6_K's own layouts (kQ6_K for float32 products, kQ6_K8 for integer ones); QX for
 // float32 products only.
@@ -1312,8 +1311,9 @@ bool known_kind(int64_t kind, bool int8_product) {
          (kind == static_cast<int64_t>(Quant::kQX) && !int8_product);
 }
 
-// The header's values are checked without arithmetic that could overflow (a file's tensor is not trusted): the
-// kind among the quantized ones, the offset past the header and 64-aligned, the panels within the tensor.
+// One part of a weight of parts (see kParts), its header checked against the tensor's `size` bytes (PD_CHECKs
+// name `name`) without arithmetic that could overflow, whatever the tensor holds: the kind among the quantized
+// ones, the offset past the header and 64-aligned, the panels within the tensor.
 PackedWeight packed_part(const uint8_t* base, int64_t size, int64_t header, const int64_t* h, int64_t k,
                          int64_t max_panels, const char* name) {
   const int64_t panels = h[0], kind = h[1], offset = h[3];
@@ -1534,15 +1534,6 @@ PD_BUILD_OP(specgen_screened_argmax)
 // Input i's nibble in a GGUF Q4 block's 16 quant bytes: byte j holds input j (low) and input j + 16 (high).
 inline int gguf_nibble(const uint8_t* qs, int64_t i) { return i < 16 ? qs[i] & 0xF : qs[i - 16] >> 4; }
 
-// specgen_pack_blocks  blocks uint8 [n, k / 32, GGUF block bytes] (Q4_0: 18, Q4_1: 20, Q8_0: 34; or K-quant
-//                      super-blocks [n, k / 256, bytes], Q4_K: 144, Q6_K: 210: pack_super), int8_product,
-//                      with_bound -> (panels [ceil(n / 32), k / 32, panel bytes], bound): the layouts described
-// at the top of this file (uint8 for the float32 products, int8 for the integer ones); columns past n are all-zero
-// GGUF blocks. The same bytes as the numpy code of specgen.kernels (_pack_quantized_numpy, pack_screen without
-// the kernels), its reference, in one pass instead of numpy's several.
-// GGUF K-quant super-blocks [n, k / 256, 144 (Q4_K) | 210 (Q6_K)] -> their panels (block_at's layout; with
-// int8_product the quants as the integer products take them, Q6_K's as q + 32): the same bytes as
-// specgen.kernels' _pack_super.
 inline uint64_t load64(const uint8_t* a) {
   uint64_t v;
   std::memcpy(&v, a, sizeof v);
@@ -1557,17 +1548,18 @@ inline void store32(uint8_t* a, uint32_t v) { std::memcpy(a, &v, sizeof v); }
 
 constexpr uint64_t kLowNibbles = 0x0F0F0F0F0F0F0F0FULL;
 
-// The low nibbles of x's 8 bytes (little-endian), byte t's at bits 4t .. 4t + 3.
+// The low nibbles of x's 8 bytes (little-endian), byte t's at bits 4t .. 4t + 3 (BMI2's pext with mask
+// kLowNibbles, in shifts: pext is microcoded on some AMD CPUs).
 inline uint32_t gather_nibbles(uint64_t x) {
-#if defined(__BMI2__)
-  return static_cast<uint32_t>(_pext_u64(x, kLowNibbles));
-#else
-  uint32_t r = 0;
-  for (int t = 0; t < 8; ++t) r |= static_cast<uint32_t>((x >> (8 * t)) & 0xF) << (4 * t);
-  return r;
-#endif
+  x &= kLowNibbles;
+  x = (x | x >> 4) & 0x00FF00FF00FF00FFULL;
+  x = (x | x >> 8) & 0x0000FFFF0000FFFFULL;
+  return static_cast<uint32_t>(x | x >> 16);
 }
 
+// GGUF K-quant super-blocks [n, k / 256, 144 (Q4_K) | 210 (Q6_K)] -> their panels (block_at's layout; with
+// int8_product the quants as the integer products take them: Q4_K's as Q4_1's, Q6_K's kQ6_K8): the same bytes
+// as specgen.kernels' _pack_super.
 paddle::Tensor pack_super(const paddle::Tensor& blocks, bool int8_product) {
   const int64_t n = blocks.shape()[0], nsb = blocks.shape()[1], src_bytes = blocks.shape()[2];
   const Quant q = src_bytes == 144 ? Quant::kQ4_K : int8_product ? Quant::kQ6_K8 : Quant::kQ6_K;
@@ -1645,6 +1637,12 @@ paddle::Tensor pack_super(const paddle::Tensor& blocks, bool int8_product) {
   return out;
 }
 
+// specgen_pack_blocks  blocks uint8 [n, k / 32, GGUF block bytes] (Q4_0: 18, Q4_1: 20, Q8_0: 34; or K-quant
+//                      super-blocks [n, k / 256, bytes], Q4_K: 144, Q6_K: 210: pack_super), int8_product,
+//                      with_bound -> (panels [ceil(n / 32), k / 32, panel bytes], bound): the layouts described
+// at the top of this file (uint8 for the float32 products, int8 for the integer ones); columns past n are all-zero
+// GGUF blocks. The same bytes as the numpy code of specgen.kernels (_pack_quantized_numpy, pack_screen without
+// the kernels), its reference, in one pass instead of numpy's several.
 std::vector<paddle::Tensor> PackBlocks(const paddle::Tensor& blocks, bool int8_product, bool with_bound) {
   PD_CHECK(blocks.is_cpu() && blocks.dtype() == paddle::DataType::UINT8 && blocks.shape().size() == 3,
            "specgen_pack_blocks: uint8 GGUF blocks [n, k / 32, block bytes]");

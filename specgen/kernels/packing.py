@@ -14,7 +14,8 @@ PANEL = 32  # output columns per panel of a packed weight (linear.cc)
 class Packed:
     """A weight W [k, n] for specgen_linear: float32 (or float64) panels [ceil(n / 32), k, 32]; bfloat16 /
     float16 panels [ceil(n / 32), k / 32, 32 x 32] of a weight whose every value is one (see pack_linear); or
-    block-quantized uint8 panels [ceil(n / 32), k / 32, QUANT_PANEL_BYTES[kind]] (see pack_quantized)."""
+    block-quantized uint8 panels [ceil(n / 32), k / 32, QUANT_PANEL_BYTES[kind]] (int8 for integer products:
+    [.., panel_bytes(kind, True)]; see pack_quantized), or a weight of parts (pack_parts)."""
 
     panels: object  # paddle.Tensor
     k: int
@@ -104,6 +105,7 @@ INT8_PANEL_BYTES = {"Q6_K": 64 + 512 + 256 + 64 // 8}
 def panel_bytes(kind: str, int8_product: bool) -> int:
     """Bytes per panel and block of 32 inputs (on average, for K-quants) of `kind`'s layout."""
     return INT8_PANEL_BYTES.get(kind, QUANT_PANEL_BYTES[kind]) if int8_product else QUANT_PANEL_BYTES[kind]
+
 INT8_KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")  # kinds with integer products (int8_product)
 
 

@@ -824,10 +824,9 @@ panels = np.load(sys.argv[1])
 x = np.load(sys.argv[2])
 out = {}
 for name in panels.files:
-    kind, n = name.split(":")
-    w = panels[name].view(np.int8) if kind.endswith("int8") else panels[name]
+    w = paddle.to_tensor(panels[name])  # (uint8, or int8 for integer products; a weight of parts: uint8)
     for m in (1, 3, 4, 9, 41):
-        out[f"{name}:{m}"] = K.specgen_linear(paddle.to_tensor(x[:m]), paddle.to_tensor(w), int(n)).numpy()
+        out[f"{name}:{m}"] = K.specgen_linear(paddle.to_tensor(x[:m]), w, int(name.split(":")[1])).numpy()
 np.savez(sys.argv[3], **out)
 """
 
@@ -835,7 +834,8 @@ np.savez(sys.argv[3], **out)
 def test_avx2_build_multiplies_k_quants_and_parts_as_the_native_build(tmp_path):
     """The AVX2 build (cpu_target x86-64-v3, in a process of its own: one process holds one build) multiplies
     Q4_K and Q6_K panels and a weight of parts to the bits this build gives over float32 panels of the
-    dequantized weights, for 1 to 41 rows (its one-row, few-row and whole-panel paths)."""
+    dequantized weights, for 1 to 41 rows (its one-row, few-row and whole-panel paths); their integer-product
+    panels (its scalar reference, ipanel_ref) to the bits of this build's (VNNI, where it has it)."""
     import subprocess
     import sys
 
@@ -857,6 +857,10 @@ def test_avx2_build_multiplies_k_quants_and_parts_as_the_native_build(tmp_path):
                for kind, b in runs}
     weights[f"parts:{64 + 45}"] = (pack_parts(runs).panels.numpy(),
                                    np.concatenate([dense(kind, b) for kind, b in runs], axis=1))
+    if has_vnni():
+        weights |= {f"{kind}_int8:{len(b)}": (pack_quantized(kind, b, True).panels.numpy(), None)
+                    for kind, b in runs}
+        weights[f"parts_int8:{64 + 45}"] = (pack_parts(runs, int8_product=True).panels.numpy(), None)
     x = rng.standard_normal((41, k)).astype(np.float32)
     np.savez(tmp_path / "panels.npz", **{name: p for name, (p, _) in weights.items()})
     np.save(tmp_path / "x.npy", x)
@@ -864,10 +868,14 @@ def test_avx2_build_multiplies_k_quants_and_parts_as_the_native_build(tmp_path):
     files = [str(tmp_path / f) for f in ("run.py", "panels.npz", "x.npy", "out.npz")]
     subprocess.run([sys.executable, *files], check=True, capture_output=True, timeout=600)
     got = np.load(tmp_path / "out.npz")
-    for name, (_, w) in weights.items():
-        f = pack_linear(w.astype(np.float32), halves=False)
+    for name, (p, w) in weights.items():
+        n = int(name.split(":")[1])
+        if w is None:  # integer products: this build's over the same panels
+            panels = paddle.to_tensor(p)
+        else:
+            panels = pack_linear(w.astype(np.float32), halves=False).panels
         for m in (1, 3, 4, 9, 41):
-            want = K.specgen_linear(paddle.to_tensor(x[:m]), f.panels, f.n).numpy()
+            want = K.specgen_linear(paddle.to_tensor(x[:m]), panels, n).numpy()
             assert np.array_equal(got[f"{name}:{m}"], want), (name, m)
 
 
