@@ -1113,7 +1113,7 @@ inline void ipanel_rows(const QuantRows& a, int64_t r0, const uint8_t* p, float*
         }
       }
     }
-    if constexpr (Screen) {  // (Q4_0, Q8_0)
+    if constexpr (Screen) {  // (Q4_0, Q8_0, Q6_K: C per block of 32 inputs, both halves)
       const __m512 cb0 = _mm512_loadu_ps(sp->bound + b * kPanel), cb1 = _mm512_loadu_ps(sp->bound + b * kPanel + 16);
       for (int r = 0; r < G; ++r) {
         const __m512 dx = _mm512_set1_ps(a.d[(r0 + r) * kb + b]);
@@ -1168,7 +1168,8 @@ void ipanel_any(const QuantRows& a, int64_t m, const uint8_t* p, Quant q, float*
     case Quant::kQ4_K:  // (K-quants are not screened)
       return ipanel_all<Quant::kQ4_K, false>(a, m, p, y, n, c0, sp);
     case Quant::kQ6_K8:
-      return ipanel_all<Quant::kQ6_K8, false>(a, m, p, y, n, c0, sp);
+      return sp ? ipanel_all<Quant::kQ6_K8, true>(a, m, p, y, n, c0, sp)
+                : ipanel_all<Quant::kQ6_K8, false>(a, m, p, y, n, c0, sp);
     default:
       PD_THROW("integer products of this block format are not built");
   }
@@ -1199,15 +1200,16 @@ void ipanel_any(const QuantRows& a, int64_t m, const uint8_t* p, Quant q, float*
 
 // ---- Greedy tokens without the logits (screened_argmax) ----
 //
-// A greedy step needs only the argmax of each logit row, not the row. For an LM head of Q8_0 or Q4_0 blocks the
+// A greedy step needs only the argmax of each logit row, not the row. For an LM head of Q8_0, Q4_0 or Q6_K blocks the
 // integer products above give every logit cheaply but inexactly; a bound on their error then rules out all but a
 // few columns, and only those get the float32 product (the FMA chains qpanel_rows runs), so the argmax is the
 // float32 logits' argmax, ties to the lowest index included. The bound, for row x and column j:
 //   |x . w_j - A_j| <= 0.50005 sum_b dx_b C_jb        (each input is within 0.50005 dx_b of dx_b xq, and w = d q:
 //                                                       C_jb = |d_jb| sum_i |q_ij| over block b, the "bound" array)
-//   |A_j - its float32 evaluation| <= 127 (kb + 2) u sum_b dx_b C_jb,
+//   |A_j - its float32 evaluation| <= 127 (kb + 2) u sum_b dx_b C_jb (Q6_K: 2 kb terms, a sum per half block,
+//                                                       C_jb = sum over both halves of |d sc_h| sum_i |q_ij|),
 //   |x . w_j - float32 chain over k| <= 127 k u / (1 - k u) sum_b dx_b C_jb   (|x_i| <= 127 dx_b (1 + u)),
-// so z_j lies within s * E_j of A_j, E_j = sum_b dx_b C_jb, s = 1.01 (0.50005 + 128 (k + kb + 4) u) (the 1%
+// so z_j lies within s * E_j of A_j, E_j = sum_b dx_b C_jb, s = 1.01 (0.50005 + 128 (k + terms + 4) u) (the 1%
 // covers E's own rounding), plus 2^-20 (|A_j| + 1) for rounding the sums A_j -/+ s E_j. Every column j whose
 // A_j + s E_j reaches max_l (A_l - s E_l) is a candidate (the argmax and every column tied with it are); the
 // rest are below some candidate's float32 logit. On the default model's LM head a row keeps ~5 candidates of
@@ -1221,29 +1223,28 @@ void ipanel_any(const QuantRows& a, int64_t m, const uint8_t* p, Quant q, float*
 constexpr int kChains = 8;
 
 void exact_columns(const float* x, int64_t k, const uint8_t* panels, Quant q, const int64_t* js, int count, float* z) {
-  const int64_t bytes = static_cast<int64_t>(q), qoff = q == Quant::kQ4_1 ? 128 : 64;
   const uint8_t* base[kChains];
   int64_t col[kChains];
   for (int t = 0; t < kChains; ++t) {
     const int64_t j = js[t < count ? t : 0];  // spare chains repeat the first column
-    base[t] = panels + (j / kPanel) * (k / kBlock) * bytes;
+    base[t] = panels + (j / kPanel) * (k / kBlock) * quant_bytes(q);
     col[t] = j % kPanel;
   }
   float acc[2][kChains] = {};  // per column, the even inputs' chain and the odd ones'
   for (int64_t b = 0; b < k / kBlock; ++b) {
-    float d[kChains], m[kChains];
+    float d[2][kChains], m[2][kChains];  // the scales of inputs 0-15 and of 16-31
     const uint8_t* qs[kChains];
     for (int t = 0; t < kChains; ++t) {
-      const uint8_t* p = base[t] + b * bytes;
-      d[t] = specgen::half_to_float(reinterpret_cast<const uint16_t*>(p)[col[t]]);
-      m[t] = q == Quant::kQ4_1 ? specgen::half_to_float(reinterpret_cast<const uint16_t*>(p)[kPanel + col[t]]) : 0.f;
-      qs[t] = p + qoff;
+      const uint8_t* blk = block_at(q, base[t], b);
+      for (int h = 0; h < 2; ++h) block_scale_ref(q, blk, super_at(q, base[t], b), col[t], h, d[h][t], m[h][t]);
+      qs[t] = blk + quant_head(q);
     }
     for (int64_t i = 0; i < kBlock; ++i) {
       const float xi = x[b * kBlock + i];
       float* a = acc[i % 2];
+      const int h = i < 16 ? 0 : 1;
       for (int t = 0; t < kChains; ++t)
-        a[t] = std::fma(xi, rebuilt_weight(qs[t], q, d[t], m[t], i, col[t]), a[t]);
+        a[t] = std::fma(xi, rebuilt_weight(qs[t], q, d[h][t], m[h][t], i, col[t]), a[t]);
     }
   }
   for (int t = 0; t < count; ++t) z[t] = acc[0][t] + acc[1][t];
@@ -1428,12 +1429,15 @@ void packed_linear(const double* x, int64_t m, int64_t k, const PackedWeight& w,
 
 void screened_argmax(const float* x, int64_t m, int64_t k, const PackedWeight& w, const PackedWeight& screen,
                      const float* bound, int64_t n, int64_t* out) {
-  const Quant q = static_cast<Quant>(w.kind);
-  PD_CHECK(!w.int8_product && screen.int8_product && screen.kind == w.kind &&
-               screen.panels == w.panels && (q == Quant::kQ8_0 || q == Quant::kQ4_0),
-           "screened_argmax: a Q8_0 / Q4_0 weight and its integer-product panels");
-  const int64_t kb = k / kBlock, panel_bytes = kb * quant_bytes(q), panels = w.panels;
-  const float s = 1.01f * (0.50005f + 128.f * static_cast<float>(k + kb + 4) * 0x1p-24f);
+  const Quant q = static_cast<Quant>(w.kind), qs = static_cast<Quant>(screen.kind);
+  PD_CHECK(!w.int8_product && screen.int8_product && screen.panels == w.panels &&
+               ((q == qs && (q == Quant::kQ8_0 || q == Quant::kQ4_0)) || (q == Quant::kQ6_K && qs == Quant::kQ6_K8)),
+           "screened_argmax: a Q8_0 / Q4_0 / Q6_K weight and its integer-product panels");
+  const int64_t kb = k / kBlock, panels = w.panels;
+  const int64_t panel_bytes = kb * quant_bytes(q), screen_bytes = kb * quant_bytes(qs);
+  // the integer sums' terms: one per block (Q6_K: per half block)
+  const int64_t terms = qs == Quant::kQ6_K8 ? 2 * kb : kb;
+  const float s = 1.01f * (0.50005f + 128.f * static_cast<float>(k + terms + 4) * 0x1p-24f);
   const uint8_t* exact = static_cast<const uint8_t*>(w.data);
   const uint8_t* ints = static_cast<const uint8_t*>(screen.data);
   static thread_local std::vector<float> hi, low, top;
@@ -1448,7 +1452,7 @@ void screened_argmax(const float* x, int64_t m, int64_t k, const PackedWeight& w
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
       const ScreenPanel sp{bound + p * kb * kPanel, s, L, T, panels, p};
-      ipanel_any(a, mc, ints + p * panel_bytes, q, H, n, p * kPanel, &sp);  // A + margin [mc, n], bounds
+      ipanel_any(a, mc, ints + p * screen_bytes, qs, H, n, p * kPanel, &sp);  // A + margin [mc, n], bounds
     }
 #pragma omp parallel for schedule(dynamic) if (mc > 1)
     for (int64_t r = 0; r < mc; ++r) {
@@ -1560,7 +1564,9 @@ inline uint32_t gather_nibbles(uint64_t x) {
 // GGUF K-quant super-blocks [n, k / 256, 144 (Q4_K) | 210 (Q6_K)] -> their panels (block_at's layout; with
 // int8_product the quants as the integer products take them: Q4_K's as Q4_1's, Q6_K's kQ6_K8): the same bytes
 // as specgen.kernels' _pack_super.
-paddle::Tensor pack_super(const paddle::Tensor& blocks, bool int8_product) {
+// With `bound` (Q6_K's integer panels: the greedy screen's), also each column's C per block of 32 inputs,
+// [panels, k / 32, 32]: |d sc_0| sum |q| over inputs 0-15 + |d sc_1| sum |q| over 16-31, in float32.
+paddle::Tensor pack_super(const paddle::Tensor& blocks, bool int8_product, float* bound = nullptr) {
   const int64_t n = blocks.shape()[0], nsb = blocks.shape()[1], src_bytes = blocks.shape()[2];
   const Quant q = src_bytes == 144 ? Quant::kQ4_K : int8_product ? Quant::kQ6_K8 : Quant::kQ6_K;
   const int64_t kb = nsb * kSuper, bytes = quant_bytes(q), panels = (n + kPanel - 1) / kPanel;
@@ -1612,9 +1618,12 @@ paddle::Tensor pack_super(const paddle::Tensor& blocks, bool int8_product) {
             const uint8_t* ql = g + (j / 4) * 64 + (j % 2) * 32;
             const uint8_t* qh = g + 128 + (j / 4) * 32;
             const int low_shift = 4 * ((j % 4) / 2), high_shift = 2 * (j % 4);
+            int32_t magnitude[2] = {0, 0};  // sum |q| of inputs 0-15 and 16-31
             for (int64_t i = 0; i < kBlock; i += 8) {
               const uint64_t u = ((load64(ql + i) >> low_shift) & kLowNibbles) |
                                  (((load64(qh + i) >> high_shift) & 0x0303030303030303ULL) << 4);
+              if (bound != nullptr)
+                for (int b = 0; b < 8; ++b) magnitude[i / 16] += std::abs(static_cast<int>((u >> (8 * b)) & 0xFF) - 32);
               if (int8_product) {  // kQ6_K8 (repacked_quant): groups i / 4 and i / 4 + 1, 4 inputs each
                 for (int64_t g4 = 0; g4 < 2; ++g4) {
                   const uint32_t four = static_cast<uint32_t>(u >> (32 * g4));
@@ -1628,6 +1637,19 @@ paddle::Tensor pack_super(const paddle::Tensor& blocks, bool int8_product) {
                 v |= (v & 0x2020202020202020ULL) * 6;
                 for (int b = 0; b < 8; ++b) quants[(i + b) * kPanel + c] = static_cast<uint8_t>(v >> (8 * b));
               }
+            }
+            if (bound != nullptr) {  // |d sc_h| is exact in float32; each term and their sum round once
+              uint16_t dh;
+              std::memcpy(&dh, g + 208, 2);
+              const float d = specgen::half_to_float(dh);
+              float c0 = std::fabs(d * static_cast<float>(static_cast<int8_t>(g[192 + 2 * j]))) *
+                         static_cast<float>(magnitude[0]);
+              float c1 = std::fabs(d * static_cast<float>(static_cast<int8_t>(g[192 + 2 * j + 1]))) *
+                         static_cast<float>(magnitude[1]);
+#if defined(__GNUC__) && defined(__x86_64__)
+              asm volatile("" : "+x"(c0), "+x"(c1));  // both products rounded, as numpy's: no FMA contracted
+#endif
+              bound[((p * nsb + sb) * kSuper + j) * kPanel + c] = c0 + c1;
             }
           }
         }
@@ -1648,8 +1670,13 @@ std::vector<paddle::Tensor> PackBlocks(const paddle::Tensor& blocks, bool int8_p
            "specgen_pack_blocks: uint8 GGUF blocks [n, k / 32, block bytes]");
   const int64_t n = blocks.shape()[0], kb = blocks.shape()[1], src_bytes = blocks.shape()[2];
   if (src_bytes == 144 || src_bytes == 210) {  // Q4_K, Q6_K super-blocks [n, k / 256, bytes]
-    PD_CHECK(!with_bound, "specgen_pack_blocks: no screen bound for K-quants");
-    return {pack_super(blocks, int8_product), paddle::empty({0}, paddle::DataType::FLOAT32, blocks.place())};
+    PD_CHECK(!with_bound || (src_bytes == 210 && int8_product),
+             "specgen_pack_blocks: a screen bound for Q6_K's integer panels only (Q4_K has offsets)");
+    const int64_t panels = (n + kPanel - 1) / kPanel;
+    auto bound = paddle::empty({with_bound ? panels * kb * kSuper * kPanel : 0}, paddle::DataType::FLOAT32,
+                               blocks.place());
+    if (with_bound) std::memset(bound.data<float>(), 0, sizeof(float) * panels * kb * kSuper * kPanel);
+    return {pack_super(blocks, int8_product, with_bound ? bound.data<float>() : nullptr), bound};
   }
   PD_CHECK(src_bytes == 18 || src_bytes == 20 || src_bytes == 34,
            "specgen_pack_blocks: not Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K");

@@ -424,7 +424,7 @@ def _parts(raw: np.ndarray, k: int) -> list[Packed]:
 
 # Block kinds whose LM head specgen_forward can screen for greedy tokens (linear.cc, "Greedy tokens without
 # the logits"): weights d * q, with no offset term, so the integer products' error has a bound per block.
-SCREENED_KINDS = ("Q8_0", "Q4_0")
+SCREENED_KINDS = ("Q8_0", "Q4_0", "Q6_K")
 
 
 @dataclass
@@ -438,30 +438,39 @@ class Screen:
 
 
 def pack_screen(kind: str, blocks: np.ndarray, ops: ModuleType | None = None) -> Screen:
-    """A GGUF Q8_0 / Q4_0 weight, uint8 blocks [n (out), k / 32, block bytes] -> its Screen (in one C++ pass
-    with `ops`, else in numpy: the same bytes)."""
+    """A GGUF Q8_0 / Q4_0 weight, uint8 blocks [n (out), k / 32, block bytes], or Q6_K super-blocks [n,
+    k / 256, bytes], -> its Screen (in one C++ pass with `ops`, else in numpy: the same bytes). Q6_K's C sums
+    both halves of a block: |d sc_0| sum |q| + |d sc_1| sum |q|."""
     import paddle
 
     if kind not in SCREENED_KINDS:
         raise ValueError(f"no greedy screen for {kind!r} blocks (only {', '.join(SCREENED_KINDS)})")
-    n, kb, _ = blocks.shape
+    n = blocks.shape[0]
+    kb = blocks.shape[1] * (8 if kind in SUPER_KINDS else 1)  # blocks of 32 inputs
     # panels and bound in one C++ pass (the numpy below: ~0.4 s for the default model's head)
     if ops is not None:
         from specgen.kernels.args import pack_blocks
 
         panels, bound = pack_blocks(ops, cpu_view(blocks), True, True)
         return Screen(Packed(panels, kb * 32, n, kind, int8_product=True), bound.reshape([-1, kb, PANEL]))
-    d = np.abs(np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32))  # [n, kb]
-    byte = np.arange(256)
-    if kind == "Q8_0":  # |q| of each quant byte (int8)
-        table = np.abs(byte.astype(np.uint8).view(np.int8).astype(np.int32))
-    else:  # |low nibble - 8| + |high nibble - 8|
-        table = np.abs((byte & 0xF) - 8) + np.abs((byte >> 4) - 8)
-    bound = d * table.astype(np.uint8)[blocks[..., 2:]].sum(-1, dtype=np.int32).astype(np.float32)  # [n, kb]
-    panels = -(-n // PANEL)
+    if kind == "Q6_K":
+        d, _, q = block_parts(kind, blocks)  # [n, kb, 2] exact d sc, [n, kb, 32]
+        sums = np.abs(q.astype(np.int32)).reshape(n, kb, 2, 16).sum(-1).astype(np.float32)  # [n, kb, 2]
+        bound = np.abs(d[..., 0]) * sums[..., 0] + np.abs(d[..., 1]) * sums[..., 1]
+        ints = _pack_super(kind, blocks, int8_product=True)
+    else:
+        d = np.abs(np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32))
+        byte = np.arange(256)
+        if kind == "Q8_0":  # |q| of each quant byte (int8)
+            table = np.abs(byte.astype(np.uint8).view(np.int8).astype(np.int32))
+        else:  # |low nibble - 8| + |high nibble - 8|
+            table = np.abs((byte & 0xF) - 8) + np.abs((byte >> 4) - 8)
+        bound = d * table.astype(np.uint8)[blocks[..., 2:]].sum(-1, dtype=np.int32).astype(np.float32)
+        ints = _pack_quantized_numpy(kind, blocks, int8_product=True)
+    panels = -(-n // PANEL)  # bound [n, kb] -> [panels, kb, 32]
     bound = np.concatenate([bound, np.zeros((panels * PANEL - n, kb), np.float32)])
     bound = np.ascontiguousarray(bound.reshape(panels, PANEL, kb).transpose(0, 2, 1))  # [panels, kb, 32]
-    return Screen(_pack_quantized_numpy(kind, blocks, int8_product=True), paddle.to_tensor(bound))
+    return Screen(ints, paddle.to_tensor(bound))
 
 
 def _q4_lanes(q: np.ndarray) -> np.ndarray:

@@ -731,6 +731,51 @@ def test_screened_argmax_equals_the_float32_logits_argmax(kind, k, n):
 
 
 @pytest.mark.skipif(not has_vnni(), reason="the greedy screen's integer products need AVX-512 VNNI")
+@pytest.mark.skipif(not has_vnni(), reason="the greedy screen's integer products need AVX-512 VNNI")
+def test_screened_argmax_of_a_q6_k_head_equals_the_float32_logits_argmax():
+    """A Q6_K LM head (llama.cpp's Q4_K_M keeps its output in Q6_K) is screened as Q8_0 / Q4_0 heads are: its
+    6.6-bit integer panels score every column with a bound over both halves of each block, float32 decides
+    among the candidates; the tokens equal the float32 logits' argmax for near-ties (a column copying a larger
+    one with one quant moved), an exact tie (the lower index), outlier inputs, NaN / infinite rows, and rows
+    alone or in other chunks."""
+    from specgen.kernels import pack_quantized, pack_screen
+
+    rng = np.random.default_rng(11)
+    k, n = 512, 700
+    blocks = _random_blocks(rng, "Q6_K", k, n)
+    for base in (5, 17, 30, 12):  # larger weights: a row along one of them has its top logit there
+        blocks[base, :, 208:210] = np.full((k // 256, 1), 0.2, np.float16).view(np.uint8)
+    for base, copy, sb, byte in [(5, 6, 0, 3), (17, 40, 1, 70), (30, 31, 0, 127)]:
+        blocks[copy] = blocks[base]
+        low = int(blocks[copy, sb, byte])
+        blocks[copy, sb, byte] = (low & 0xF0) | ((low & 0xF) ^ 1)  # one quant moved by one step
+    blocks[n - 1] = blocks[12]  # an exact tie
+    w = pack_quantized("Q6_K", blocks, ops=K)
+    screen = pack_screen("Q6_K", blocks, K)
+    assert screen.panels.panels.shape[-1] == 840 and screen.bound.shape == [-(-n // 32), k // 32, 32]
+    wd = w.numpy()
+    x = rng.standard_normal((140, k)).astype(np.float32)
+    for r, col in enumerate([5, 17, 30, 12, 6, 40] * 10):
+        x[r] = wd[:, col] * rng.uniform(0.5, 40) + rng.standard_normal(k).astype(np.float32) * 1e-3
+    x[80:140, ::32] *= 300
+    x[70, 3], x[71, 0], x[72] = np.nan, np.inf, 0.0
+    xt = paddle.to_tensor(x)
+    logits = K.specgen_linear(xt, w.panels, n)
+    want = K.specgen_argmax(logits).numpy()
+    got = K.specgen_screened_argmax(xt, w.panels, screen.panels.panels, screen.bound, n).numpy()
+    assert np.array_equal(got, want), np.nonzero(got != want)[0]
+    z = logits.numpy()[:60]
+    top2 = np.sort(z, axis=1)[:, -2:]
+    assert (top2[:, 1] - top2[:, 0] < 1e-3 * np.abs(top2[:, 1])).sum() >= 10  # near-ties
+    tied = (z[:, 12] == z[:, n - 1]) & (z[:, 12] == z.max(axis=1))
+    assert tied.sum() >= 5 and (want[:60][tied] == 12).all()
+    for m, at in [(1, 0), (3, 12), (64, 5), (65, 1)]:
+        part = K.specgen_screened_argmax(paddle.to_tensor(x[at:at + m]), w.panels, screen.panels.panels,
+                                         screen.bound, n).numpy()
+        assert np.array_equal(part, want[at:at + m]), (m, at)
+    assert want[72] == 0
+
+
 def test_screened_argmax_keeps_a_column_its_integer_product_misses_by_nearly_the_bound():
     """A row built so that one column's integer product errs by 0.98 of the bound on it: every input but each
     block's first sits at 0.49 of a quantization step, with the sign of that column's weight, and rounds to 0;
@@ -785,14 +830,14 @@ def test_blocks_are_packed_in_cpp_as_in_numpy(kind, int8):
     assert (fast.panels.dtype == ref.panels.dtype
             and (fast.k, fast.n, fast.int8_product) == (ref.k, ref.n, int8))
     assert np.array_equal(fast.panels.numpy(), ref.panels.numpy())
-    if kind in ("Q4_0", "Q8_0") and int8:  # the greedy screen's panels and bound, both ways
+    if kind in ("Q4_0", "Q8_0", "Q6_K") and int8:  # the greedy screen's panels and bound, both ways
         from specgen.kernels import pack_screen
 
         screen = pack_screen(kind, blocks, K)
-        with np.errstate(invalid="ignore"):  # (random scales: some are NaN)
+        with np.errstate(invalid="ignore", over="ignore"):  # (random scales: some are NaN or huge)
             numpy_screen = pack_screen(kind, blocks)
         assert np.array_equal(screen.panels.panels.numpy(), numpy_screen.panels.panels.numpy())
-        assert screen.bound.shape == numpy_screen.bound.shape == [3, 3, 32]
+        assert screen.bound.shape == numpy_screen.bound.shape == [3, 16 if kind == "Q6_K" else 3, 32]
         # (random d: some NaN)
         assert np.array_equal(screen.bound.numpy(), numpy_screen.bound.numpy(), equal_nan=True)
 
