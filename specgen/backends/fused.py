@@ -8,9 +8,9 @@ speculation on or off.
 Weights are packed for the kernels' products (specgen/kernels/packing.py): projections a GGUF file stores as
 blocks stay in them (rebuilt exactly in registers: the dequantized weights' bits, a fraction of the bytes
 read); float32 weights that are all exactly bfloat16 / float16 as 16-bit panels; with matmul int8 the blocks'
-integer products (inputs quantized per block of 32, AVX-512 VNNI). A greedy step over a Q8_0 / Q4_0 LM head
-skips the logits: integer products screen every column with an error bound, float32 products settle the few
-left.
+integer products (inputs quantized per block of 32, AVX-512 VNNI). A greedy step over a Q8_0 / Q4_0 / Q6_K LM
+head skips the logits: integer products screen every column with an error bound, float32 products settle the
+few left.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 // Small-M matrix product over a packed weight (see specgen/kernels/__init__.py: pack_linear / pack_quantized).
 //
 //   specgen_linear            x [m, k] float32 (or float64, with float64 panels), w packed, n -> x @ W [m, n]
-//   specgen_screened_argmax   the argmax of each row of x @ W for a Q8_0 / Q4_0 W, without the product's rows
+//   specgen_screened_argmax   the argmax of each row of x @ W for a Q8_0 / Q4_0 / Q6_K W, without the product's rows
 //   specgen_pack_blocks       GGUF blocks -> the packed layouts below (pack_quantized, pack_screen)
 //
 // w is either float32 panels [ceil(n / 32), k, 32] (float64 x: float64 panels of that layout, "Float64 panels"
@@ -1025,6 +1025,9 @@ struct ScreenPanel {
   int64_t panels, p;
 };
 
+// |A| + margin at or past this (or not a number): the column is a candidate whatever its bound (screen_store).
+constexpr float kHuge = 0x1p110f;
+
 #if defined(__AVX512F__)
 // Row r's screen of one panel from its accumulators: h [width] = A + margin, margin = s E + 2^-20 (|A| + 1).
 inline void screen_store(__m512 a0, __m512 a1, __m512 e0, __m512 e1, float* h, int64_t width, const ScreenPanel& sp,
@@ -1034,12 +1037,19 @@ inline void screen_store(__m512 a0, __m512 a1, __m512 e0, __m512 e1, float* h, i
   const __m512 s = _mm512_set1_ps(sp.s), tiny = _mm512_set1_ps(0x1p-20f), one = _mm512_set1_ps(1.f);
   const __m512 g0 = _mm512_fmadd_ps(s, e0, _mm512_mul_ps(tiny, _mm512_add_ps(_mm512_abs_ps(a0), one)));
   const __m512 g1 = _mm512_fmadd_ps(s, e1, _mm512_mul_ps(tiny, _mm512_add_ps(_mm512_abs_ps(a1), one)));
-  const __m512 h0 = _mm512_add_ps(a0, g0), h1 = _mm512_add_ps(a1, g1);
+  // A column whose A or margin is not finite or so large that a sum could have overflowed (a corrupt scale,
+  // inputs near float32's range) is always a candidate: h = +inf, and it sets no threshold.
+  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), huge = _mm512_set1_ps(kHuge);
+  const __mmask16 ok0 = _mm512_cmp_ps_mask(_mm512_add_ps(_mm512_abs_ps(a0), g0), huge, _CMP_LT_OQ);
+  const __mmask16 ok1 = _mm512_cmp_ps_mask(_mm512_add_ps(_mm512_abs_ps(a1), g1), huge, _CMP_LT_OQ);
+  const __m512 plus = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  const __m512 h0 = _mm512_mask_mov_ps(plus, ok0, _mm512_add_ps(a0, g0));
+  const __m512 h1 = _mm512_mask_mov_ps(plus, ok1, _mm512_add_ps(a1, g1));
+  const __m512 l0 = _mm512_mask_mov_ps(lowest, ok0, _mm512_sub_ps(a0, g0));
+  const __m512 l1 = _mm512_mask_mov_ps(lowest, ok1, _mm512_sub_ps(a1, g1));
   _mm512_mask_storeu_ps(h, m0, h0);
   _mm512_mask_storeu_ps(h + 16, m1, h1);
-  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512 low = _mm512_mask_max_ps(_mm512_mask_mov_ps(lowest, m0, _mm512_sub_ps(a0, g0)), m1,
-                                        _mm512_mask_mov_ps(lowest, m0, _mm512_sub_ps(a0, g0)), _mm512_sub_ps(a1, g1));
+  const __m512 low = _mm512_mask_max_ps(_mm512_mask_mov_ps(lowest, m0, l0), m1, _mm512_mask_mov_ps(lowest, m0, l0), l1);
   const __m512 top = _mm512_mask_max_ps(_mm512_mask_mov_ps(lowest, m0, h0), m1, _mm512_mask_mov_ps(lowest, m0, h0), h1);
   sp.low[r * sp.panels + sp.p] = _mm512_reduce_max_ps(low);
   sp.top[r * sp.panels + sp.p] = _mm512_reduce_max_ps(top);
@@ -1165,7 +1175,7 @@ void ipanel_any(const QuantRows& a, int64_t m, const uint8_t* p, Quant q, float*
     case Quant::kQ8_0:
       return sp ? ipanel_all<Quant::kQ8_0, true>(a, m, p, y, n, c0, sp)
                 : ipanel_all<Quant::kQ8_0, false>(a, m, p, y, n, c0, sp);
-    case Quant::kQ4_K:  // (K-quants are not screened)
+    case Quant::kQ4_K:  // (never screened: its offsets m, as Q4_1's)
       return ipanel_all<Quant::kQ4_K, false>(a, m, p, y, n, c0, sp);
     case Quant::kQ6_K8:
       return sp ? ipanel_all<Quant::kQ6_K8, true>(a, m, p, y, n, c0, sp)
@@ -1187,6 +1197,10 @@ void ipanel_any(const QuantRows& a, int64_t m, const uint8_t* p, Quant q, float*
       float e = 0.f;
       for (int64_t b = 0; b < kb; ++b) e = std::fma(a.d[r * kb + b], sp->bound[b * kPanel + c], e);
       const float v = h[c], margin = std::fma(sp->s, e, 0x1p-20f * (std::fabs(v) + 1.f));
+      if (!(std::fabs(v) + margin < kHuge)) {  // always a candidate (screen_store)
+        h[c] = top = std::numeric_limits<float>::infinity();
+        continue;
+      }
       low = std::max(low, v - margin);
       h[c] = v + margin;
       top = std::max(top, h[c]);
@@ -1214,7 +1228,8 @@ void ipanel_any(const QuantRows& a, int64_t m, const uint8_t* p, Quant q, float*
 // A_j + s E_j reaches max_l (A_l - s E_l) is a candidate (the argmax and every column tied with it are); the
 // rest are below some candidate's float32 logit. On the default model's LM head a row keeps ~5 candidates of
 // 49,152 (62 at most in a sample of 234 rows of Spec-Bench prompts). Rows with a NaN or infinite input take the
-// full product (the screen's arithmetic assumes finite inputs).
+// full product (the screen's arithmetic assumes finite inputs); a column whose |A_j| + s E_j is not below 2^110
+// (a non-finite scale, or sums that could overflow) is a candidate whatever its bound; NaN logits never win.
 
 // z[t] = the float32 product of x [k] with output column js[t] (t < count <= 8) of quantized panels in the float32
 // layout: for each, the two FMA chains qpanel_rows (and, past kGroup rows, panel_rows over the panel it kept)
@@ -1468,7 +1483,7 @@ void screened_argmax(const float* x, int64_t m, int64_t k, const PackedWeight& w
         auto flush = [&]() {  // candidates arrive in increasing j: a later one must be strictly larger
           exact_columns(xr, k, exact, q, cand, count, z);
           for (int t = 0; t < count; ++t)
-            if (best < 0 || z[t] > best_z) best = cand[t], best_z = z[t];
+            if (!std::isnan(z[t]) && (best < 0 || z[t] > best_z)) best = cand[t], best_z = z[t];  // NaN never wins
           count = 0;
         };
         for (int64_t p = 0; p < panels; ++p) {
@@ -1512,7 +1527,7 @@ std::vector<paddle::Tensor> Linear(const paddle::Tensor& x, const paddle::Tensor
 
 PD_BUILD_OP(specgen_linear).Inputs({"X", "W"}).Outputs({"Out"}).Attrs({"n: int64_t"}).SetKernelFn(PD_KERNEL(Linear));
 
-// specgen_screened_argmax  x [m, k] float32, w (a Q8_0 / Q4_0 weight's panels), screen (its integer-product
+// specgen_screened_argmax  x [m, k] float32, w (a Q8_0 / Q4_0 / Q6_K weight's panels), screen (its integer-product
 // panels), bound, n -> int64 [m]: the argmax of each row of x @ W, lowest index on a tie (specgen_forward's
 // greedy tokens with a screen; on its own for tests and benchmarks).
 std::vector<paddle::Tensor> ScreenedArgmax(const paddle::Tensor& x, const paddle::Tensor& w,
@@ -1685,7 +1700,7 @@ std::vector<paddle::Tensor> PackBlocks(const paddle::Tensor& blocks, bool int8_p
   const int64_t panels = (n + kPanel - 1) / kPanel;
   auto out = paddle::empty({panels, kb, bytes}, int8_product ? paddle::DataType::INT8 : paddle::DataType::UINT8,
                            blocks.place());
-  // with_bound (Q8_0 / Q4_0): the screen's bound [panels, k / 32, 32] |d| * sum |q| (screened_argmax), else [0]
+  // with_bound (Q8_0 / Q4_0; Q6_K: pack_super): the screen's bound [panels, k / 32, 32] |d| * sum |q| (screened_argmax), else [0]
   auto bound = paddle::empty({with_bound ? panels * kb * kPanel : 0}, paddle::DataType::FLOAT32, blocks.place());
   PD_CHECK(!with_bound || q != Quant::kQ4_1, "specgen_pack_blocks: no screen bound for Q4_1");
   const uint8_t* src = blocks.data<uint8_t>();

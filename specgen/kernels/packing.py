@@ -431,7 +431,8 @@ SCREENED_KINDS = ("Q8_0", "Q4_0", "Q6_K")
 class Screen:
     """What specgen_forward needs to give a quantized LM head's greedy tokens without its logits: the same
     blocks as integer-product panels, and per panel, block of 32 inputs and column, |d| * sum |q| (float32
-    [panels, k / 32, 32]; exact: an fp16 scale times an integer below 2^12)."""
+    [panels, k / 32, 32]; exact: an fp16 scale times an integer below 2^12; Q6_K: |d sc| sum |q| of each half
+    block, summed, rounded as numpy rounds them)."""
 
     panels: Packed
     bound: object  # paddle.Tensor

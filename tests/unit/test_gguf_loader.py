@@ -404,8 +404,8 @@ def test_quantized_weights_stay_blocks_and_give_the_same_bits(tmp_path, qtype, q
         results.append([t.numpy() for b in (pre, ver) for out in [m.forward(b, cache)]
                         for t in (out.logits, out.hidden)]
                        + [c.numpy()[written] for c in cache.k])  # (rows past them are uninitialized)
-        # greedy steps of a Q8_0 / Q4_0 head skip its logits (the backend's screen): the same tokens as their
-        # argmax
+        # greedy steps of a Q8_0 / Q4_0 / Q6_K head skip its logits (the backend's screen): the same tokens as
+        # their argmax
         screens = keep == "1" and kinds["lm_head"] in kernels.SCREENED_KINDS and kernels.has_vnni()
         assert (m.backend.screen is not None) == screens
         if screens:

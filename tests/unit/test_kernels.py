@@ -731,7 +731,6 @@ def test_screened_argmax_equals_the_float32_logits_argmax(kind, k, n):
 
 
 @pytest.mark.skipif(not has_vnni(), reason="the greedy screen's integer products need AVX-512 VNNI")
-@pytest.mark.skipif(not has_vnni(), reason="the greedy screen's integer products need AVX-512 VNNI")
 def test_screened_argmax_of_a_q6_k_head_equals_the_float32_logits_argmax():
     """A Q6_K LM head (llama.cpp's Q4_K_M keeps its output in Q6_K) is screened as Q8_0 / Q4_0 heads are: its
     6.6-bit integer panels score every column with a bound over both halves of each block, float32 decides
@@ -776,6 +775,44 @@ def test_screened_argmax_of_a_q6_k_head_equals_the_float32_logits_argmax():
     assert want[72] == 0
 
 
+@pytest.mark.skipif(not has_vnni(), reason="the greedy screen's integer products need AVX-512 VNNI")
+def test_screened_argmax_takes_columns_its_bound_cannot_cover():
+    """Columns whose screen is not finite or could have overflowed are candidates whatever their bound: a Q6_K
+    column of +inf weights whose first half block's integer sum is 0 (0 x inf: NaN; its logit is +inf), and
+    a Q8_0 column whose integer products overflow float32 while its float32 chains do not (inputs of 2^104):
+    the screened token is the float32 logits' argmax in both; a NaN logit never wins."""
+    from specgen.kernels import pack_quantized, pack_screen
+
+    rng = np.random.default_rng(5)
+    k, n, j = 256, 64, 40
+    blocks = _random_blocks(rng, "Q6_K", k, n)
+    blocks[j, :, :128], blocks[j, :, 128:192], blocks[j, :, 192:208] = 0x11, 0xAA, 1  # every q = 1, scales 1
+    blocks[j, :, 208:210] = np.full((1, 1), np.inf, np.float16).view(np.uint8)  # d = +inf
+    blocks[j + 1, :, 208:210] = np.full((1, 1), np.nan, np.float16).view(np.uint8)  # a NaN column
+    x = np.full((1, k), 1e-3, np.float32)
+    x[0, 16::32] = 1.0  # inputs 0-15 of every block quantize to 0
+    cases = [("Q6_K", blocks, x)]
+    q8 = np.zeros((n, 2, 32), np.int8)
+    q8[:, 0, 5] = 1 + np.arange(n) % 7  # the other columns: logits -0.01 q < 0
+    q8[9] = 0
+    q8[9, 0, :3], q8[9, 1, :3] = -127, 127  # +-3 * 127 * 60000 * 2^104 per block: past float32's range
+    d8 = np.full((n, 2), 0.01, np.float16)
+    d8[9] = 60000
+    blocks8 = np.concatenate([d8[..., None].view(np.uint8), q8.view(np.uint8)], axis=-1)
+    x8 = np.zeros((1, 64), np.float32)
+    x8[0, [0, 1, 2, 32, 33, 34]], x8[0, 5] = 2.0 ** 104, -1.0
+    cases.append(("Q8_0", blocks8, x8))
+    for kind, b, xs in cases:
+        w, screen = pack_quantized(kind, b, ops=K), pack_screen(kind, b, K)
+        xt = paddle.to_tensor(xs)
+        logits = K.specgen_linear(xt, w.panels, n).numpy()
+        want = int(np.nanargmax(logits[0]))
+        assert want == (j if kind == "Q6_K" else 9), (kind, logits[0, want])
+        got = K.specgen_screened_argmax(xt, w.panels, screen.panels.panels, screen.bound, n).numpy()
+        assert got[0] == want, (kind, got, want)
+
+
+@pytest.mark.skipif(not has_vnni(), reason="the greedy screen's integer products need AVX-512 VNNI")
 def test_screened_argmax_keeps_a_column_its_integer_product_misses_by_nearly_the_bound():
     """A row built so that one column's integer product errs by 0.98 of the bound on it: every input but each
     block's first sits at 0.49 of a quantization step, with the sign of that column's weight, and rounds to 0;
