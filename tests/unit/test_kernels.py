@@ -711,6 +711,16 @@ def test_screened_argmax_equals_the_float32_logits_argmax(kind, k, n):
     x[70, 3] = np.nan
     x[71, 0] = np.inf
     x[72] = 0.0  # every logit 0: index 0
+    want = _screened_as_float32(x, w, screen, n, near_ties=20)
+    approx = K.specgen_argmax(K.specgen_linear(paddle.to_tensor(x), screen.panels.panels, n)).numpy()
+    assert (approx[80:] != want[80:]).sum() >= 5  # where the integer products alone pick another token
+
+
+def _screened_as_float32(x: np.ndarray, w, screen, n: int, near_ties: int) -> np.ndarray:
+    """specgen_screened_argmax of rows x over LM head w (Packed) and its Screen equals the argmax of the
+    float32 logits (returned): on every row; at least `near_ties` of rows 0-59 are near-ties; where column 12
+    ties exactly with column n - 1 (at least 5 rows) the lower index wins; rows alone and in other chunks of
+    64 give the same tokens; row 72 (all zeros) gives 0."""
     xt = paddle.to_tensor(x)
     logits = K.specgen_linear(xt, w.panels, n)
     want = K.specgen_argmax(logits).numpy()
@@ -718,9 +728,7 @@ def test_screened_argmax_equals_the_float32_logits_argmax(kind, k, n):
     assert np.array_equal(got, want), np.nonzero(got != want)[0]
     z = logits.numpy()[:60]
     top2 = np.sort(z, axis=1)[:, -2:]
-    assert (top2[:, 1] - top2[:, 0] < 1e-3 * np.abs(top2[:, 1])).sum() >= 20  # the rows are near-ties
-    approx = K.specgen_argmax(K.specgen_linear(xt, screen.panels.panels, n)).numpy()
-    assert (approx[80:] != want[80:]).sum() >= 5  # where the integer products alone pick another token
+    assert (top2[:, 1] - top2[:, 0] < 1e-3 * np.abs(top2[:, 1])).sum() >= near_ties  # the rows are near-ties
     tied = (z[:, 12] == z[:, n - 1]) & (z[:, 12] == z.max(axis=1))
     assert tied.sum() >= 5 and (want[:60][tied] == 12).all()  # exact ties: the lower index
     for m, at in [(1, 0), (3, 12), (64, 5), (65, 1)]:  # rows alone and in other chunks: the same tokens
@@ -728,6 +736,7 @@ def test_screened_argmax_equals_the_float32_logits_argmax(kind, k, n):
                                          screen.bound, n).numpy()
         assert np.array_equal(part, want[at:at + m]), (m, at)
     assert want[72] == 0
+    return want
 
 
 @pytest.mark.skipif(not has_vnni(), reason="the greedy screen's integer products need AVX-512 VNNI")
@@ -758,21 +767,7 @@ def test_screened_argmax_of_a_q6_k_head_equals_the_float32_logits_argmax():
         x[r] = wd[:, col] * rng.uniform(0.5, 40) + rng.standard_normal(k).astype(np.float32) * 1e-3
     x[80:140, ::32] *= 300
     x[70, 3], x[71, 0], x[72] = np.nan, np.inf, 0.0
-    xt = paddle.to_tensor(x)
-    logits = K.specgen_linear(xt, w.panels, n)
-    want = K.specgen_argmax(logits).numpy()
-    got = K.specgen_screened_argmax(xt, w.panels, screen.panels.panels, screen.bound, n).numpy()
-    assert np.array_equal(got, want), np.nonzero(got != want)[0]
-    z = logits.numpy()[:60]
-    top2 = np.sort(z, axis=1)[:, -2:]
-    assert (top2[:, 1] - top2[:, 0] < 1e-3 * np.abs(top2[:, 1])).sum() >= 10  # near-ties
-    tied = (z[:, 12] == z[:, n - 1]) & (z[:, 12] == z.max(axis=1))
-    assert tied.sum() >= 5 and (want[:60][tied] == 12).all()
-    for m, at in [(1, 0), (3, 12), (64, 5), (65, 1)]:
-        part = K.specgen_screened_argmax(paddle.to_tensor(x[at:at + m]), w.panels, screen.panels.panels,
-                                         screen.bound, n).numpy()
-        assert np.array_equal(part, want[at:at + m]), (m, at)
-    assert want[72] == 0
+    _screened_as_float32(x, w, screen, n, near_ties=10)
 
 
 @pytest.mark.skipif(not has_vnni(), reason="the greedy screen's integer products need AVX-512 VNNI")
