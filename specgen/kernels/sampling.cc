@@ -144,13 +144,31 @@ void block_sums(const float* w, int64_t v, std::vector<double>& blocks) {
   }
 }
 
+// The largest of x[0, v): x[0], or a later value above every one before it, as a scan from x[0] takes it (a NaN
+// is never above, so a NaN x[0] is the result and a NaN elsewhere is skipped). In 16 lanes, each scanning from
+// x[0], then the lanes' largest: a loop the compiler vectorizes (one maximum after another waited on each
+// comparison: 75 us of a 49,152-token row's ~200). The same value as the scan; where +0 and -0 tie, either
+// may be taken, and x - max is the same for both.
+template <typename T>
+T row_max(const T* x, int64_t v) {
+  T lanes[16];
+  for (int l = 0; l < 16; ++l) lanes[l] = x[0];
+  int64_t i = 0;
+  for (; i + 16 <= v; i += 16) {
+    for (int l = 0; l < 16; ++l) lanes[l] = x[i + l] > lanes[l] ? x[i + l] : lanes[l];
+  }
+  T m = x[0];
+  for (int l = 0; l < 16; ++l) m = lanes[l] > m ? lanes[l] : m;
+  for (; i < v; ++i) m = x[i] > m ? x[i] : m;
+  return m;
+}
+
 template <typename T>
 int64_t sample_row(const T* x, int64_t v, const double* prm, std::vector<float>& w, std::vector<double>& blocks,
                    std::vector<T>& scratch, std::vector<float>& cand) {
   const double temperature = prm[0], top_p = prm[2], min_p = prm[3], u = prm[4];
   const int64_t top_k = static_cast<int64_t>(prm[1]);
-  T m = x[0];
-  for (int64_t i = 1; i < v; ++i) m = x[i] > m ? x[i] : m;
+  const T m = row_max(x, v);
   // top_k: logits below the k-th largest weigh nothing
   const bool by_k = top_k > 0 && top_k < v;
   const T kth = by_k ? kth_largest(x, v, top_k, scratch) : m;
