@@ -3,8 +3,10 @@
     python benchmarks/sampler.py --batch-sizes 1 32 --max-tokens 128 --repeats 3
 
 1. The sampler on the default model's own logits (a Spec-Bench prompt's next-token rows): the fused operator
-   (kernels/sampling.cc) and the Paddle reference (layers/sampling.py), at 1 and 32 rows, T --temperature,
-   top-p --top-p; beside a greedy decoding step's time at that batch (one token a slot), as a share of it.
+   (kernels/sampling.cc) as the engine calls it, alone (its settings already a tensor), and that call with
+   every row greedy (Paddle's cost of a call, no row's work), and the Paddle reference
+   (layers/sampling.py), at 1 and 32 rows, T --temperature, top-p --top-p; beside a greedy decoding step's
+   time at that batch (one token a slot), as a share of it.
 2. Whole jobs on the fused backend: sampled (T --temperature, top-p --top-p) against greedy plain decoding, at
    each batch size, the same prompts and exactly --max-tokens tokens each (ignore_eos); the two arms
    alternated within each repeat, the ratio the median of the repeats' ratios. The first repeat is a warm-up.
@@ -24,6 +26,8 @@ def median_us(f, n: int) -> float:
 
 def sampler_costs(lm, temperature: float, top_p: float, repeats: int) -> list[list]:
     """Rows: (sampler, rows, us, share of a greedy one-token-a-slot step at that batch)."""
+    import paddle
+
     from specgen.backends.base import RowSampling
     from specgen.layers.sampling import sample
     from specgen.runtime.batch import build_forward_batch
@@ -42,7 +46,13 @@ def sampler_costs(lm, temperature: float, top_p: float, repeats: int) -> list[li
         step_us = median_us(lambda: model.forward(step, cache, logits=False), 5 * repeats)
         s = RowSampling(np.full(n, temperature), np.zeros(n, np.int64), np.full(n, top_p), np.zeros(n),
                         np.linspace(0.01, 1.0, n))
+        # the operator alone, its settings already a tensor; that call with every row greedy (no row's work)
+        params = [paddle.to_tensor(np.stack([s.temperature * on, s.top_k, s.top_p, s.min_p, s.u, out.greedy],
+                                            axis=1).astype(np.float64)) for on in (1.0, 0.0)]
+        ops = model.backend.ops
         arms = {"fused": lambda: model.sample(out.logits, s, out.greedy),
+                "fused operator alone": lambda: ops.specgen_sample(out.logits, params[0]),
+                "its call, rows greedy": lambda: ops.specgen_sample(out.logits, params[1]),
                 "reference": lambda: sample(out.logits, s.temperature, s.top_k, s.top_p, s.u, out.greedy,
                                             s.min_p)}
         for name, f in arms.items():

@@ -146,9 +146,9 @@ void block_sums(const float* w, int64_t v, std::vector<double>& blocks) {
 
 // The largest of x[0, v): x[0], or a later value above every one before it, as a scan from x[0] takes it (a NaN
 // is never above, so a NaN x[0] is the result and a NaN elsewhere is skipped). In 16 lanes, each scanning from
-// x[0], then the lanes' largest: a loop the compiler vectorizes (one maximum after another waited on each
-// comparison: 75 us of a 49,152-token row's ~200). The same value as the scan; where +0 and -0 tie, either
-// may be taken, and x - max is the same for both.
+// x[0], then the lanes' largest: a loop the compiler vectorizes (with the scan, each maximum waiting on the one
+// before, a 49,152-token row took the operator 1.5-2x as long: BENCHMARKS.md, "Sampling"). The same
+// value as the scan; where +0 and -0 tie, either may be taken, and x - max is the same for both.
 template <typename T>
 T row_max(const T* x, int64_t v) {
   T lanes[16];

@@ -119,19 +119,21 @@ def test_fused_operator_gives_the_references_tokens(dtype):
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_fused_operator_finds_the_maximum_anywhere_in_the_row(dtype):
     """The row's maximum (scanned in 16 lanes) wherever it lies: first, at a lane's edge, in the tail past the
-    last whole 16, last; vocabularies shorter than 16 and not multiples of it. One logit far above the rest at
-    a low temperature takes all the weight, so the token is its id (a maximum found too low would give weights
-    above 1), as the reference's."""
+    last whole 16, last; vocabularies shorter than 16 and not multiples of it. One logit 10 above the rest at
+    temperature 0.05 takes all the weight, so the token is its id, as the reference's. A maximum found wrong
+    breaks it: one too low by >= 4.4 leaves (x - max) / T above ~88, past exp's range; one too high (a lane
+    started at 0 over a row of negative logits) puts every weight at exp's floor, the same for all."""
     for vocab in (7, 16, 17, 3000, 49157):
         for at in sorted({0, min(15, vocab - 1), min(16, vocab - 1), vocab // 2, vocab - 1}):
             rng = np.random.default_rng(vocab + at)
-            x = rng.uniform(-1.0, 1.0, (3, vocab))
-            x[:, at] = 4.0
-            x[2, (at + 1) % vocab] = -np.inf if vocab > 1 else x[2, 0]  # a masked token beside it
+            x = rng.uniform(-1.0, 1.0, (4, vocab))
+            x[:, at] = 10.0
+            x[1] -= 20.0  # every logit negative
+            x[2, (at + 1) % vocab] = -np.inf  # a masked token beside it
             logits = paddle.to_tensor(x.astype(dtype))
-            settings = (np.array([0.05, 0.05, 0.05]), np.zeros(3, np.int64), np.array([1.0, 0.9, 1.0]),
-                        np.array([0.5, 0.999, 1e-9]))
-            assert fused(logits, *settings).tolist() == sample(logits, *settings).tolist() == [at] * 3, (
+            settings = (np.full(4, 0.05), np.zeros(4, np.int64), np.array([1.0, 1.0, 0.9, 1.0]),
+                        np.array([0.999, 0.3, 0.5, 1e-9]))
+            assert fused(logits, *settings).tolist() == sample(logits, *settings).tolist() == [at] * 4, (
                 vocab, at)
 
 
