@@ -299,24 +299,6 @@ inline bool before(const Scored& a, const Scored& b) {
 
 constexpr int64_t kMaxBlock = 64;  // tokens per block of the row's block maxima (logprob_row)
 
-// The largest of x[0..len), 16 lanes at a time where the block is whole (a loop the compiler vectorizes; the
-// largest value is the same in any order).
-template <typename T>
-T block_max(const T* x, int64_t len) {
-  T best = x[0];
-  if (len == kMaxBlock) {
-    T lanes[16];
-    for (int l = 0; l < 16; ++l) lanes[l] = x[l];
-    for (int64_t i = 16; i < kMaxBlock; i += 16) {
-      for (int l = 0; l < 16; ++l) lanes[l] = x[i + l] > lanes[l] ? x[i + l] : lanes[l];
-    }
-    for (int l = 0; l < 16; ++l) best = lanes[l] > best ? lanes[l] : best;
-    return best;
-  }
-  for (int64_t i = 1; i < len; ++i) best = x[i] > best ? x[i] : best;
-  return best;
-}
-
 // One row's log-softmax at `token` and its `top` most likely tokens (most likely first, the lower id first on a
 // tie), in double: the maximum of every block of 64 tokens (the row's max is theirs), then the sum of
 // exp(x - max) in token order, 8 partial sums; the top by a heap of the best so far, whose worst is on top (a
@@ -328,11 +310,11 @@ double logprob_row(const T* x, int64_t v, int64_t token, int64_t top, int64_t* t
   const int64_t num_blocks = (v + kMaxBlock - 1) / kMaxBlock;
   maxima.resize(num_blocks);
   for (int64_t b = 0; b < num_blocks; ++b) {
-    maxima[b] = block_max<T>(x + b * kMaxBlock, std::min(kMaxBlock, v - b * kMaxBlock));
+    maxima[b] = row_max<T>(x + b * kMaxBlock, std::min(kMaxBlock, v - b * kMaxBlock));
   }
-  T row_max = maxima[0];
-  for (int64_t b = 1; b < num_blocks; ++b) row_max = maxima[b] > row_max ? maxima[b] : row_max;
-  const double m = static_cast<double>(row_max);
+  T largest = maxima[0];
+  for (int64_t b = 1; b < num_blocks; ++b) largest = maxima[b] > largest ? maxima[b] : largest;
+  const double m = static_cast<double>(largest);
   double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;
   for (; i + 8 <= v; i += 8) {
