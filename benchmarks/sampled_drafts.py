@@ -6,8 +6,8 @@ model's token, on greedy text and on sampled text, under every drafting rule tha
 Per set, each prompt is completed twice by plain decoding (greedy; then sampled, seed 1), then read back in
 one forward of the main model and one pass of the head (the reference backend, float32; the head's prompt
 window as the engine feeds it). At each output position after the first, p is the main model's distribution of
-the next token and q the head's (each filtered by the job's temperature and top-p, as layers/sampling.py
-samples), and the expected share of first drafts accepted is, exactly (no sampling noise):
+the next token and q the head's (each filtered by the job's temperature and top-p by layers/sampling.py's
+rule), and the expected share of first drafts accepted is, exactly (no sampling noise):
 - greedy text, greedy job: the head's argmax is the model's (what greedy speculation accepts);
 - sampled text, sampled job, for the rules a drafter could follow:
   - "argmax draft": the head's argmax, accepted with probability p(argmax q) (what specgen drafts);
@@ -27,14 +27,15 @@ from common import load_sets, machine, print_table
 
 
 def filtered(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
-    """[rows, vocab] -> the rows' probabilities after temperature and top-p (ties at the threshold kept), as
-    layers/sampling.py defines them."""
-    w = np.exp((logits - logits.max(axis=-1, keepdims=True)) / temperature)
-    s = -np.sort(-w, axis=-1)
-    before = np.cumsum(s, axis=-1) - s
-    kept = (before < top_p * s.sum(axis=-1, keepdims=True)).sum(axis=-1)  # >= 1
-    threshold = np.take_along_axis(s, kept[:, None] - 1, axis=-1)
-    w = np.where(w >= threshold, w, 0.0)
+    """[rows, vocab] -> the rows' probabilities after temperature and top-p, renormalized: the distribution
+    the sampler draws from (layers/sampling.py's filtered_probs)."""
+    import paddle
+
+    from specgen.layers.sampling import filtered_probs
+
+    n = len(logits)
+    w = filtered_probs(paddle.to_tensor(logits), np.full(n, temperature), np.zeros(n, np.int64),
+                       np.full(n, top_p)).numpy()
     return w / w.sum(axis=-1, keepdims=True)
 
 

@@ -73,31 +73,43 @@ def sample(
     sampled_rows = np.nonzero(temperature > 0)[0]
     if len(sampled_rows) == 0:
         return greedy
-    rows = paddle.to_tensor(sampled_rows)
-    dtype = "float64"  # in double whatever the model's dtype, as the fused operator: the same tokens
-    x = paddle.gather(logits, rows).astype(dtype)
-    x = x / paddle.to_tensor(temperature[sampled_rows], dtype=dtype).unsqueeze(-1)
-    ks = top_k[sampled_rows]
-    if (ks > 0).any():
-        kmax = int(min(ks.max(), x.shape[-1]))
-        vals, _ = paddle.topk(x, kmax, axis=-1)  # [n, kmax]
-        kth = paddle.take_along_axis(vals, paddle.to_tensor(np.clip(ks, 1, kmax) - 1).unsqueeze(-1), axis=-1)
-        kth = paddle.where(paddle.to_tensor(ks > 0).unsqueeze(-1), kth, paddle.full_like(kth, -np.inf))
-        x = paddle.where(x < kth, paddle.full_like(x, -np.inf), x)
-    probs = paddle.nn.functional.softmax(x, axis=-1)  # [n, vocab]
-    ps = top_p[sampled_rows]
-    if (ps < 1).any():
-        thr = _top_p_threshold(probs, paddle.to_tensor(ps, dtype=dtype))
-        thr = paddle.where(paddle.to_tensor(ps < 1).unsqueeze(-1), thr, paddle.zeros_like(thr))
-        probs = paddle.where(probs < thr, paddle.zeros_like(probs), probs)
     mp = None if min_p is None else min_p[sampled_rows]
-    if mp is not None and (mp > 0).any():
-        floor = paddle.max(probs, axis=-1, keepdim=True) * paddle.to_tensor(mp, dtype=dtype).unsqueeze(-1)
-        probs = paddle.where(probs < floor, paddle.zeros_like(probs), probs)
+    probs = filtered_probs(paddle.gather(logits, paddle.to_tensor(sampled_rows)), temperature[sampled_rows],
+                           top_k[sampled_rows], top_p[sampled_rows], mp)
     cdf = paddle.cumsum(probs, axis=-1)  # [n, vocab]
-    target = cdf[:, -1:] * paddle.to_tensor(u[sampled_rows], dtype=dtype).unsqueeze(-1)
+    target = cdf[:, -1:] * paddle.to_tensor(u[sampled_rows], dtype=probs.dtype).unsqueeze(-1)
     idx = paddle.sum((cdf < target).astype("int64"), axis=-1)  # first index where cdf >= target
     idx = paddle.clip(idx, max=probs.shape[-1] - 1)
     out = greedy.copy()
     out[sampled_rows] = idx.numpy()
     return out
+
+
+def filtered_probs(
+    logits: paddle.Tensor,  # [n, vocab] sampled rows
+    temperature: np.ndarray,  # [n] float64 > 0
+    top_k: np.ndarray,  # [n] int64, 0 = off
+    top_p: np.ndarray,  # [n] float64, 1 = off
+    min_p: np.ndarray | None = None,  # [n] float64, 0 = off; None: off everywhere
+) -> paddle.Tensor:
+    """[n, vocab] float64: each row's softmax at its temperature, the tokens top-k, top-p and min-p leave out
+    set to 0 (not renormalized): the distribution `sample` draws from."""
+    dtype = "float64"  # in double whatever the model's dtype, as the fused operator: the same tokens
+    x = logits.astype(dtype)
+    x = x / paddle.to_tensor(temperature, dtype=dtype).unsqueeze(-1)
+    if (top_k > 0).any():
+        kmax = int(min(top_k.max(), x.shape[-1]))
+        vals, _ = paddle.topk(x, kmax, axis=-1)  # [n, kmax]
+        at = paddle.to_tensor(np.clip(top_k, 1, kmax) - 1).unsqueeze(-1)  # [n, 1] the k-th largest's column
+        kth = paddle.take_along_axis(vals, at, axis=-1)
+        kth = paddle.where(paddle.to_tensor(top_k > 0).unsqueeze(-1), kth, paddle.full_like(kth, -np.inf))
+        x = paddle.where(x < kth, paddle.full_like(x, -np.inf), x)
+    probs = paddle.nn.functional.softmax(x, axis=-1)  # [n, vocab]
+    if (top_p < 1).any():
+        thr = _top_p_threshold(probs, paddle.to_tensor(top_p, dtype=dtype))
+        thr = paddle.where(paddle.to_tensor(top_p < 1).unsqueeze(-1), thr, paddle.zeros_like(thr))
+        probs = paddle.where(probs < thr, paddle.zeros_like(probs), probs)
+    if min_p is not None and (min_p > 0).any():
+        floor = paddle.max(probs, axis=-1, keepdim=True) * paddle.to_tensor(min_p, dtype=dtype).unsqueeze(-1)
+        probs = paddle.where(probs < floor, paddle.zeros_like(probs), probs)
+    return probs

@@ -8,7 +8,7 @@ from specgen import kernels
 from specgen.config import SamplingParams
 from specgen.errors import ConfigError
 from specgen.kernels import args
-from specgen.layers.sampling import request_key, sample, uniforms
+from specgen.layers.sampling import filtered_probs, request_key, sample, uniforms
 
 OPS = kernels.ops()
 needs_ops = pytest.mark.skipif(OPS is None, reason="specgen's CPU kernels could not be built here")
@@ -71,6 +71,16 @@ def test_frequencies_match_filtered_softmax(sampler, temperature, top_k, top_p, 
     expected = n * p[support]
     chi2 = ((counts[support] - expected) ** 2 / expected).sum()
     assert chi2 < chi2_critical(support.sum() - 1)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    (1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.3, 4, 1.0, 0.0), (1.0, 0, 0.8, 0.0), (0.8, 8, 0.9, 0.1)])
+def test_filtered_probs_are_the_distribution_sample_draws_from(temperature, top_k, top_p, min_p):
+    """The distribution `sample` draws from (benchmarks read it): renormalized, the filtered softmax."""
+    w = filtered_probs(paddle.to_tensor(LOGITS[None, :]), np.array([temperature]), np.array([top_k]),
+                       np.array([top_p]), np.array([min_p])).numpy()[0]
+    np.testing.assert_allclose(w / w.sum(), target_probs(temperature, top_k, top_p, min_p), rtol=1e-12,
+                               atol=1e-15)
 
 
 def test_seeded_draws_repeat_and_seeds_differ():
