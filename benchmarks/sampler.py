@@ -47,8 +47,8 @@ def sampler_costs(lm, temperature: float, top_p: float, repeats: int) -> list[li
         s = RowSampling(np.full(n, temperature), np.zeros(n, np.int64), np.full(n, top_p), np.zeros(n),
                         np.linspace(0.01, 1.0, n))
         # the operator alone, its settings already a tensor; that call with every row greedy (no row's work)
-        params = [paddle.to_tensor(np.stack([s.temperature * on, s.top_k, s.top_p, s.min_p, s.u, out.greedy],
-                                            axis=1).astype(np.float64)) for on in (1.0, 0.0)]
+        params = [paddle.to_tensor(np.stack([s.temperature * on, s.top_k, s.top_p, s.min_p, s.u, out.greedy]
+                                            ).astype(np.float64)) for on in (1.0, 0.0)]
         ops = model.backend.ops
         arms = {"fused": lambda: model.sample(out.logits, s, out.greedy),
                 "fused operator alone": lambda: ops.specgen_sample(out.logits, params[0]),

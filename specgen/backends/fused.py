@@ -43,30 +43,32 @@ from specgen.runtime.kv_cache import KVCache
 
 
 class KeptIndex:
-    """int64 index tensors for a kernel call, kept per shape (the lengths of its parts) and overwritten by the
-    next call of that shape. Making a tensor right after a forward costs ~90 us here, and a view of one ~10 us
-    more (paddle's allocation path runs cold once the weights have streamed through the caches), so each
-    shape's tensors are made once over views of one kept numpy buffer (zero copy) and a call only copies its
-    integers in. The kernels read the indices during the call and keep no reference. Past max_shapes shapes
-    the kept ones are dropped and made again."""
+    """CPU tensors for a kernel call's small inputs (int64 indices, or the sampler's float64 params), kept per
+    shape (the lengths of its parts) and overwritten by the next call of that shape. Making a tensor right
+    after a forward costs ~90 us here, and a view of one ~10 us more (paddle's allocation path runs cold once
+    the weights have streamed through the caches), so each shape's tensors are made once over views of one
+    kept numpy buffer (zero copy) and a call only copies its values in. The kernels read them during the call
+    and keep no reference. Past max_shapes shapes the kept ones are dropped and made again."""
 
-    def __init__(self, max_shapes: int):
-        self.max_shapes = max_shapes
-        self._kept: dict[tuple[int, ...], tuple[np.ndarray, list[paddle.Tensor]]] = {}
+    def __init__(self, max_shapes: int, dtype: type = np.int64):
+        self.max_shapes, self.dtype = max_shapes, dtype
+        self._kept: dict[tuple[tuple[int, ...], bool], tuple[np.ndarray, list[paddle.Tensor]]] = {}
 
-    def tensors(self, parts: tuple[np.ndarray, ...]) -> list[paddle.Tensor]:
-        """One CPU tensor per part, holding its integers."""
+    def tensors(self, parts: tuple[np.ndarray, ...], stacked: bool = False) -> list[paddle.Tensor]:
+        """One CPU tensor per part, holding its values; stacked (parts of one length): one tensor
+        [len(parts), length]."""
         lengths = tuple(len(p) for p in parts)
-        kept = self._kept.get(lengths)
+        kept = self._kept.get((lengths, stacked))
         if kept is None:
             if len(self._kept) >= self.max_shapes:
                 self._kept.clear()
-            buf = np.empty(sum(lengths), np.int64)
+            buf = np.empty(sum(lengths), self.dtype)
             ends = np.cumsum(lengths)
-            kept = (buf, [paddle.base.core.eager.Tensor(buf[e - n:e], paddle.CPUPlace(), False, True,
-                                                        "specgen_index", True)
-                          for n, e in zip(lengths, ends.tolist())])
-            self._kept[lengths] = kept
+            views = ([buf.reshape(len(parts), -1)] if stacked
+                     else [buf[e - n:e] for n, e in zip(lengths, ends.tolist())])
+            kept = (buf, [paddle.base.core.eager.Tensor(v, paddle.CPUPlace(), False, True, "specgen_kept",
+                                                        True) for v in views])
+            self._kept[(lengths, stacked)] = kept
         np.concatenate(parts, out=kept[0])
         return kept[1]
 
@@ -88,6 +90,7 @@ class FusedBackend:
         self._moe_args: args.MoeArgs | None = None  # a mixture-of-experts model's routed blocks, once bound
         self._counts_handle: paddle.Tensor | None = None
         self._indices = KeptIndex(self.INDEX_REUSE_SIZES)
+        self._params = KeptIndex(self.INDEX_REUSE_SIZES, np.float64)  # the sampler's, per row count
         self._no_screen = paddle.zeros([0], dtype="float32")
 
     @property
@@ -229,8 +232,8 @@ class FusedBackend:
         """specgen_sample: every row in one operator (the reference's rule: layers/sampling.py)."""
         if s.u is None:
             return greedy
-        return args.sample(self.ops, logits, args.SampleArgs(s.temperature, s.top_k, s.top_p, s.min_p, s.u,
-                                                             greedy)).numpy()
+        rows = args.sample_rows(args.SampleArgs(s.temperature, s.top_k, s.top_p, s.min_p, s.u, greedy))
+        return args.sample(self.ops, logits, self._params.tensors(rows, stacked=True)[0]).numpy()
 
     def logprobs(self, logits: paddle.Tensor, rows: np.ndarray, tokens: np.ndarray,
                  top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -244,7 +244,8 @@ def pack_blocks(ops: ModuleType, blocks: Tensor, int8_product: bool,
 
 @dataclass(frozen=True)
 class SampleArgs:
-    """specgen_sample's per-row settings (sampling.cc), each [rows]; laid out as float64 [rows, 6]."""
+    """specgen_sample's per-row settings (sampling.cc), each [rows]; laid out as float64 [6, rows]
+    (sample_rows)."""
 
     temperature: Any  # float64, 0 = greedy
     top_k: Any  # int64, 0 = off
@@ -254,13 +255,15 @@ class SampleArgs:
     greedy: Any  # int64 the row's argmax (the token of a greedy row)
 
 
-def sample(ops: ModuleType, logits: Tensor, a: SampleArgs) -> Tensor:
-    """int64 [rows]: each logits row's token (sampling.cc; logits [rows, vocab] float32 or float64)."""
-    import numpy as np
-    import paddle
+def sample_rows(a: SampleArgs) -> tuple[Any, ...]:
+    """The operator's params, one [rows] array per setting in its order (stacked: float64 [6, rows])."""
+    return a.temperature, a.top_k, a.top_p, a.min_p, a.u, a.greedy
 
-    params = np.stack([a.temperature, a.top_k, a.top_p, a.min_p, a.u, a.greedy], axis=1).astype(np.float64)
-    return _first(ops.specgen_sample(logits, paddle.to_tensor(params)))
+
+def sample(ops: ModuleType, logits: Tensor, params: Tensor) -> Tensor:
+    """int64 [rows]: each logits row's token (sampling.cc; logits [rows, vocab] float32 or float64, params
+    float64 [6, rows]: sample_rows stacked)."""
+    return _first(ops.specgen_sample(logits, params))
 
 
 def logprobs(ops: ModuleType, logits: Tensor, tokens: Tensor, top: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -44,7 +44,8 @@ def fused(logits, temperature, top_k, top_p, u, greedy=None, min_p=None):
     greedy = paddle.argmax(logits, axis=-1).numpy() if greedy is None else greedy
     min_p = np.zeros(len(temperature)) if min_p is None else min_p
     u = np.ones(len(temperature)) if u is None else u
-    return args.sample(OPS, logits, args.SampleArgs(temperature, top_k, top_p, min_p, u, greedy)).numpy()
+    params = np.stack(args.sample_rows(args.SampleArgs(temperature, top_k, top_p, min_p, u, greedy)))
+    return args.sample(OPS, logits, paddle.to_tensor(params.astype(np.float64))).numpy()
 
 
 SAMPLERS = {"reference": sample, "fused": pytest.param(fused, marks=needs_ops)}
