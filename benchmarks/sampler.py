@@ -6,7 +6,9 @@
    (kernels/sampling.cc) as the engine calls it, alone (its settings already a tensor), and that call with
    every row greedy (Paddle's cost of a call, no row's work), and the Paddle reference
    (layers/sampling.py), at 1 and 32 rows, T --temperature, top-p --top-p; beside a greedy decoding step's
-   time at that batch (one token a slot), as a share of it.
+   time at that batch (one token a slot), as a share of it; and that step computing every row's logits (a
+   sampled step's forward: the greedy one's screened LM head skips them), which with the sampler bounds
+   sampled against greedy plain decoding at that batch.
 2. Whole jobs on the fused backend: sampled (T --temperature, top-p --top-p) against greedy plain decoding, at
    each batch size, the same prompts and exactly --max-tokens tokens each (ignore_eos); the two arms
    alternated within each repeat, the ratio the median of the repeats' ratios. The first repeat is a warm-up.
@@ -43,7 +45,13 @@ def sampler_costs(lm, temperature: float, top_p: float, repeats: int) -> list[li
         out = model.forward(prompt, cache, logits=True)  # logits [n, vocab]: each slot's next-token row
         step = build_forward_batch(slots, np.full(n, len(ids)), np.ones(n, np.int64), out.greedy,
                                    np.zeros(n, bool))
-        step_us = median_us(lambda: model.forward(step, cache, logits=False), 5 * repeats)
+        # a greedy step (a screened LM head: no logits) and the same step with every row's logits (a sampled
+        # step's forward), alternated
+        greedy_s, logits_s = [], []
+        for _ in range(repeats):
+            greedy_s += repeat_times(lambda: model.forward(step, cache, logits=False), 5)
+            logits_s += repeat_times(lambda: model.forward(step, cache, logits=True), 5)
+        step_us, logits_us = float(np.median(greedy_s)) * 1e6, float(np.median(logits_s)) * 1e6
         s = RowSampling(np.full(n, temperature), np.zeros(n, np.int64), np.full(n, top_p), np.zeros(n),
                         np.linspace(0.01, 1.0, n))
         # the operator alone, its settings already a tensor; that call with every row greedy (no row's work)
@@ -58,7 +66,12 @@ def sampler_costs(lm, temperature: float, top_p: float, repeats: int) -> list[li
         for name, f in arms.items():
             us = median_us(f, 10 * repeats)
             rows.append([name, n, us, us / step_us])
+            if name == "fused":
+                fused_us = us
         rows.append(["greedy step", n, step_us, 1.0])
+        rows.append(["step with logits", n, logits_us, logits_us / step_us])
+        # what sampled plain decoding could reach against greedy at this batch, the host aside
+        rows.append(["bound: greedy / (logits + fused)", n, None, step_us / (logits_us + fused_us)])
     return rows
 
 

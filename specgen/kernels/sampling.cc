@@ -25,6 +25,10 @@
 
 #include "paddle/extension.h"
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 namespace {
 
 constexpr int64_t kBlock = 64;  // tokens per block of the running sum
@@ -78,19 +82,15 @@ T kth_largest(const T* x, int64_t v, int64_t k, std::vector<T>& scratch) {
   return scratch.front();
 }
 
-// The smallest weight kept by top_p among the weights w [v] (zero: filtered out) whose total is `total`: walking
-// the weights from the largest down, the last one whose mass before it is below top_p * total (ties at it all
-// kept). Only weights of at least (1 - top_p) * total / v can be kept (the mass above any smaller one exceeds
-// top_p * total), and among those a selection by mass finds it in linear time: split around a pivot into larger,
-// equal and smaller weights; the answer lies in the larger part if their mass (with what lies above the range)
-// reaches the bound, at the pivot if the equal ones reach it, else in the smaller part.
-double top_p_threshold(const float* w, int64_t v, double total, double top_p, std::vector<float>& cand) {
-  const double floor = (1.0 - top_p) * total / static_cast<double>(v);
-  cand.resize(v + 16);  // without a branch per token: the candidates packed to the front
-  int64_t n = 0, i = 0;
+// Appends to cand the weights of w[lo, hi) that top_p may keep: those of at least floor = (1 - top_p) * total / v
+// (the mass above any smaller one exceeds top_p * total), above 0. With lo a multiple of 16, ranges one after
+// another pack what one range from 0 packs, in the same order.
+void top_p_candidates(const float* w, int64_t lo, int64_t hi, double floor, std::vector<float>& cand) {
+  int64_t n = static_cast<int64_t>(cand.size()), i = lo;
+  cand.resize(n + (hi - lo) + 16);  // without a branch per token: the candidates packed to the front
 #ifdef __AVX512F__
   const __m512 lowest = _mm512_set1_ps(std::max(static_cast<float>(floor), std::numeric_limits<float>::min()));
-  for (; i + 16 <= v; i += 16) {  // (a weight of at least the smallest normal float is above 0)
+  for (; i + 16 <= hi; i += 16) {  // (a weight of at least the smallest normal float is above 0)
     const __m512 x = _mm512_loadu_ps(w + i);
     const __mmask16 keep = _mm512_cmp_ps_mask(x, lowest, _CMP_GE_OQ);
     // compressed in a register and stored whole (a compressing store to memory is slow on some CPUs)
@@ -98,11 +98,19 @@ double top_p_threshold(const float* w, int64_t v, double total, double top_p, st
     n += __builtin_popcount(keep);
   }
 #endif
-  for (; i < v; ++i) {
+  for (; i < hi; ++i) {
     cand[n] = w[i];
     n += w[i] > 0.0f && w[i] >= floor;
   }
   cand.resize(n);
+}
+
+// The smallest weight kept by top_p, from the candidates (top_p_candidates) of weights whose total is `total`:
+// walking the weights from the largest down, the last one whose mass before it is below top_p * total (ties at
+// it all kept). A selection by mass finds it in linear time: split around a pivot into larger, equal and smaller
+// weights; the answer lies in the larger part if their mass (with what lies above the range) reaches the bound,
+// at the pivot if the equal ones reach it, else in the smaller part.
+double top_p_select(std::vector<float>& cand, double total, double top_p) {
   const double bound = top_p * total;
   double above = 0.0;  // the mass of the candidates larger than every one in [lo, hi)
   auto lo = cand.begin(), hi = cand.end();
@@ -125,12 +133,11 @@ double top_p_threshold(const float* w, int64_t v, double total, double top_p, st
   return cand.empty() ? 0.0 : *std::min_element(cand.begin(), cand.end());
 }
 
-// Each block's sum of w [v] (blocks of kBlock tokens, each summed in token order from 0), eight blocks at a time
-// so that their additions overlap.
-void block_sums(const float* w, int64_t v, std::vector<double>& blocks) {
-  const int64_t nb = (v + kBlock - 1) / kBlock, full = v / kBlock;
-  blocks.assign(nb, 0.0);
-  int64_t b = 0;
+// Blocks [b0, b1)'s sums of w [v] (blocks of kBlock tokens, each summed in token order from 0, into blocks[b]),
+// eight blocks at a time so that their additions overlap.
+void block_sums(const float* w, int64_t v, int64_t b0, int64_t b1, double* blocks) {
+  const int64_t full = std::min(b1, v / kBlock);
+  int64_t b = b0;
   for (; b + 8 <= full; b += 8) {
     double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int64_t t = 0; t < kBlock; ++t) {
@@ -138,10 +145,32 @@ void block_sums(const float* w, int64_t v, std::vector<double>& blocks) {
     }
     for (int lane = 0; lane < 8; ++lane) blocks[b + lane] = s[lane];
   }
-  for (; b < nb; ++b) {
+  for (; b < b1; ++b) {
     double s = 0.0;
     for (int64_t i = b * kBlock, end = std::min(v, (b + 1) * kBlock); i < end; ++i) s += w[i];
     blocks[b] = s;
+  }
+}
+
+// Blocks [b0, b1) of w [v] with the weights below thr set to 0, and their sums as block_sums takes them (a sum
+// in token order from 0 over the block's weights, its zeros included, which add nothing); a block none of
+// whose weights is kept sums to 0 without that pass. (thr > 0 in double, compared in float as the least float
+// at or above it: the same test for every float weight.)
+void mask_blocks(float* w, int64_t v, int64_t b0, int64_t b1, double thr, double* blocks) {
+  float f = static_cast<float>(thr);
+  if (static_cast<double>(f) < thr) f = std::nextafter(f, std::numeric_limits<float>::infinity());
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t lo = b * kBlock, hi = std::min(v, lo + kBlock);
+    int kept = 0;
+    for (int64_t i = lo; i < hi; ++i) {
+      kept |= w[i] >= f;
+      w[i] = w[i] >= f ? w[i] : 0.0f;
+    }
+    double sum = 0.0;
+    if (kept) {
+      for (int64_t i = lo; i < hi; ++i) sum += w[i];
+    }
+    blocks[b] = sum;
   }
 }
 
@@ -153,72 +182,109 @@ void block_sums(const float* w, int64_t v, std::vector<double>& blocks) {
 // vmaxps(x, lanes), which is x > lanes ? x : lanes to the bit (NaN and signed zeros included): the compiler
 // left the plain loop's 16 lanes scalar (12 against 4 us a row here).
 template <typename T>
-T row_max(const T* x, int64_t v) {
+T row_max(const T* x, int64_t lo, int64_t hi, T first) {
   T lanes[16];
-  int64_t i = 0;
+  int64_t i = lo;
 #ifdef __AVX512F__
   if constexpr (std::is_same_v<T, float>) {
-    __m512 acc = _mm512_set1_ps(x[0]);
-    for (; i + 16 <= v; i += 16) acc = _mm512_max_ps(_mm512_loadu_ps(x + i), acc);
+    __m512 acc = _mm512_set1_ps(first);
+    for (; i + 16 <= hi; i += 16) acc = _mm512_max_ps(_mm512_loadu_ps(x + i), acc);
     _mm512_storeu_ps(lanes, acc);
   } else
 #endif
   {
-    for (int l = 0; l < 16; ++l) lanes[l] = x[0];
-    for (; i + 16 <= v; i += 16) {
+    for (int l = 0; l < 16; ++l) lanes[l] = first;
+    for (; i + 16 <= hi; i += 16) {
       for (int l = 0; l < 16; ++l) lanes[l] = x[i + l] > lanes[l] ? x[i + l] : lanes[l];
     }
   }
-  T m = x[0];
+  T m = first;
   for (int l = 0; l < 16; ++l) m = lanes[l] > m ? lanes[l] : m;
-  for (; i < v; ++i) m = x[i] > m ? x[i] : m;
+  for (; i < hi; ++i) m = x[i] > m ? x[i] : m;
   return m;
 }
 
 template <typename T>
+T row_max(const T* x, int64_t v) {
+  return row_max(x, 0, v, x[0]);
+}
+
+constexpr int kMaxParts = 64;        // threads one row's passes are split over, at most
+constexpr int64_t kSplitMin = 8192;  // tokens in a row below which its passes are not split
+
+// f(p, b0, b1) over `parts` consecutive ranges [b0, b1) of the nb blocks, part p on its own thread (parts > 1),
+// or f(0, 0, nb).
+template <typename F>
+void over_parts(int parts, int64_t nb, F f) {
+  if (parts <= 1) {
+    f(0, int64_t(0), nb);
+    return;
+  }
+#pragma omp parallel for num_threads(parts) schedule(static, 1)
+  for (int p = 0; p < parts; ++p) f(p, nb * p / parts, nb * (p + 1) / parts);
+}
+
+// One row's token. With parts > 1 its passes over the vocabulary (the maximum, the weights and their block sums,
+// top_p's candidates, the filters' mask) run split over that many threads, block ranges apart; every value is
+// computed as in one pass (a part's maximum scans from x[0] as the whole row's does, and the parts' maxima and
+// candidates are taken in order), so the token is the same. The selection among top_p's candidates and the
+// running sum stay on the calling thread. cand: [parts] buffers.
+template <typename T>
 int64_t sample_row(const T* x, int64_t v, const double* prm, std::vector<float>& w, std::vector<double>& blocks,
-                   std::vector<T>& scratch, std::vector<float>& cand) {
+                   std::vector<T>& scratch, std::vector<float>* cand, int parts = 1) {
   const double temperature = prm[0], top_p = prm[2], min_p = prm[3], u = prm[4];
   const int64_t top_k = static_cast<int64_t>(prm[1]);
-  const T m = row_max(x, v);
+  const int64_t nb = (v + kBlock - 1) / kBlock;
+  auto tokens = [v](int64_t b) { return std::min(v, b * kBlock); };  // the first token of block b
+  T part_max[kMaxParts];
+  over_parts(parts, nb, [&](int p, int64_t b0, int64_t b1) { part_max[p] = row_max(x, tokens(b0), tokens(b1), x[0]); });
+  T m = x[0];
+  for (int p = 0; p < parts; ++p) m = part_max[p] > m ? part_max[p] : m;
   // top_k: logits below the k-th largest weigh nothing
   const bool by_k = top_k > 0 && top_k < v;
   const T kth = by_k ? kth_largest(x, v, top_k, scratch) : m;
   // (x - max) / temperature in double, its exp in single precision: weights in (0, 1], summed in double
   const double inv_t = 1.0 / temperature, mx = static_cast<double>(m);
   w.resize(v);
+  blocks.resize(nb);
   float* wp = w.data();
-  if (by_k) {
-    for (int64_t i = 0; i < v; ++i) {
-      const float e = exp_nonpositive(static_cast<float>((static_cast<double>(x[i]) - mx) * inv_t));
-      wp[i] = x[i] >= kth ? e : 0.0f;
+  double* bs = blocks.data();
+  over_parts(parts, nb, [&](int, int64_t b0, int64_t b1) {
+    const int64_t lo = tokens(b0), hi = tokens(b1);
+    if (by_k) {
+      for (int64_t i = lo; i < hi; ++i) {
+        const float e = exp_nonpositive(static_cast<float>((static_cast<double>(x[i]) - mx) * inv_t));
+        wp[i] = x[i] >= kth ? e : 0.0f;
+      }
+    } else {
+      for (int64_t i = lo; i < hi; ++i) {
+        wp[i] = exp_nonpositive(static_cast<float>((static_cast<double>(x[i]) - mx) * inv_t));
+      }
     }
-  } else {
-    for (int64_t i = 0; i < v; ++i) {
-      wp[i] = exp_nonpositive(static_cast<float>((static_cast<double>(x[i]) - mx) * inv_t));
-    }
-  }
-  block_sums(wp, v, blocks);
-  const int64_t nb = static_cast<int64_t>(blocks.size());
+    block_sums(wp, v, b0, b1, bs);
+  });
   // the filters' thresholds on weights (the most likely token weighs 1)
   double thr = 0.0;
   if (top_p < 1.0) {
     double total = 0.0;
-    for (int64_t b = 0; b < nb; ++b) total += blocks[b];
-    thr = top_p_threshold(wp, v, total, top_p, cand);
+    for (int64_t b = 0; b < nb; ++b) total += bs[b];
+    const double floor = (1.0 - top_p) * total / static_cast<double>(v);
+    over_parts(parts, nb, [&](int p, int64_t b0, int64_t b1) {
+      cand[p].clear();
+      top_p_candidates(wp, tokens(b0), tokens(b1), floor, cand[p]);
+    });
+    for (int p = 1; p < parts; ++p) cand[0].insert(cand[0].end(), cand[p].begin(), cand[p].end());
+    thr = top_p_select(cand[0], total, top_p);
   }
   thr = std::max(thr, min_p);
-  if (thr > 0.0) {
-    for (int64_t i = 0; i < v; ++i) wp[i] = wp[i] >= thr ? wp[i] : 0.0f;
-    block_sums(wp, v, blocks);
-  }
+  if (thr > 0.0) over_parts(parts, nb, [&](int, int64_t b0, int64_t b1) { mask_blocks(wp, v, b0, b1, thr, bs); });
   // the running sum: blocks in order, each block's tokens in order
   double sum = 0.0;
-  for (int64_t b = 0; b < nb; ++b) sum += blocks[b];
+  for (int64_t b = 0; b < nb; ++b) sum += bs[b];
   const double target = u * sum;
   double before = 0.0;
   for (int64_t b = 0; b < nb; ++b) {
-    const double after = before + blocks[b];
+    const double after = before + bs[b];
     if (after >= target || b == nb - 1) {
       const int64_t end = std::min(v, (b + 1) * kBlock);
       double s = 0.0;
@@ -238,17 +304,30 @@ int64_t sample_row(const T* x, int64_t v, const double* prm, std::vector<float>&
 
 template <typename T>
 void sample_rows(const T* x, int64_t n, int64_t v, const double* prm, int64_t* tok) {
+  // each thread's buffers, kept between rows and calls: a row's (196 KB for 49,152 tokens) freshly mapped pages
+  // cost about as much to fault in as the sampling itself
+  static thread_local std::vector<float> w, cand[kMaxParts];  // cand: top_p's candidates, per part of a row
+  static thread_local std::vector<double> blocks;
+  static thread_local std::vector<T> scratch;
+  auto row = [&](int64_t r, int parts) {
+    double p[kParams];
+    for (int c = 0; c < kParams; ++c) p[c] = prm[c * n + r];
+    tok[r] = p[0] > 0.0 ? sample_row<T>(x + r * v, v, p, w, blocks, scratch, cand, parts)
+                        : static_cast<int64_t>(p[5]);
+  };
+#ifdef _OPENMP
+  const int threads = std::min(omp_get_max_threads(), kMaxParts);
+#else
+  const int threads = 1;
+#endif
+  if (n < threads && v >= kSplitMin) {
+    // fewer rows than threads (a batch-1 step): each row's passes split over the threads
+    for (int64_t r = 0; r < n; ++r) row(r, threads);
+    return;
+  }
   // rows round robin over the threads (a dynamic schedule ran the rows on one thread inside Paddle's process)
 #pragma omp parallel for schedule(static, 1) if (n > 1)
-  for (int64_t r = 0; r < n; ++r) {
-    // each thread's buffers, kept between rows and calls: a row's (196 KB for 49,152 tokens) freshly mapped
-    // pages cost about as much to fault in as the sampling itself
-    static thread_local std::vector<float> w, cand;
-    static thread_local std::vector<double> blocks;
-    static thread_local std::vector<T> scratch;
-    const double p[kParams] = {prm[r], prm[n + r], prm[2 * n + r], prm[3 * n + r], prm[4 * n + r], prm[5 * n + r]};
-    tok[r] = p[0] > 0.0 ? sample_row<T>(x + r * v, v, p, w, blocks, scratch, cand) : static_cast<int64_t>(p[5]);
-  }
+  for (int64_t r = 0; r < n; ++r) row(r, 1);
 }
 
 std::vector<paddle::Tensor> Sample(const paddle::Tensor& logits, const paddle::Tensor& params) {

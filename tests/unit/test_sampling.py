@@ -149,6 +149,36 @@ def test_fused_operator_finds_the_maximum_anywhere_in_the_row(dtype):
 
 
 @needs_ops
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_one_row_split_over_the_threads_gives_the_batched_rows_tokens(dtype):
+    """A step with fewer rows than threads (batch 1) splits each row's passes over the threads: a row alone
+    samples the token it samples among 64 rows (one row a thread), for 64 uniforms, under each filter, on a
+    vocabulary of 49,157 (the default model's 49,152 and a tail past the last block); the likely tokens late
+    in the row (a maximum taken from the first part alone fails it); and a row whose first logit is NaN (a
+    broken row: every weight NaN), the same garbage both ways."""
+    rng = np.random.default_rng(11)
+    vocab, n = 49157, 64
+    cases = [(0.8, 0, 1.0, 0.0, ""), (0.8, 0, 0.95, 0.0, ""), (1.0, 30, 0.9, 0.02, ""),
+             (0.05, 0, 1.0, 0.0, "late top"), (0.05, 0, 0.9, 0.0, "late top"), (0.7, 0, 0.8, 0.0, "nan")]
+    for temperature, top_k, top_p, min_p, how in cases:
+        x = rng.standard_normal(vocab) * 1.5
+        if how == "late top":  # likely tokens past the row's first half, > 100 T above every earlier logit
+            x[30000:30010] = 14.0 + 0.05 * rng.standard_normal(10)  # (from a part's maximum: they overflow)
+        nan = how == "nan"
+        if nan:
+            x[0] = np.nan
+        logits = paddle.to_tensor(np.tile(x, (n, 1)).astype(dtype))
+        u = np.sort(rng.uniform(1e-9, 1.0, n))
+        settings = (np.full(n, temperature), np.full(n, top_k, np.int64), np.full(n, top_p), u, None,
+                    np.full(n, min_p))
+        batched = fused(logits, *settings)
+        alone = [int(fused(logits[i:i + 1], *(a if a is None else a[i:i + 1] for a in settings))[0])
+                 for i in range(n)]
+        assert alone == batched.tolist(), (temperature, top_k, top_p, min_p, how)
+        assert nan or len(set(alone)) > 3  # the uniforms reach several tokens: a wrong weight moves some
+
+
+@needs_ops
 def test_fused_operator_at_the_edges_of_u():
     """u = 1 takes the last kept token; a tiny u the first kept one (in id order)."""
     logits = paddle.to_tensor(np.tile(LOGITS, (2, 1)).astype("float32"))
