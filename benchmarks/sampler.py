@@ -31,6 +31,7 @@ def sampler_costs(lm, temperature: float, top_p: float, repeats: int) -> list[li
     import paddle
 
     from specgen.backends.base import RowSampling
+    from specgen.kernels import args
     from specgen.layers.sampling import sample
     from specgen.runtime.batch import build_forward_batch
 
@@ -53,16 +54,17 @@ def sampler_costs(lm, temperature: float, top_p: float, repeats: int) -> list[li
             logits_s += repeat_times(lambda: model.forward(step, cache, logits=True), 5)
         step_us, logits_us = float(np.median(greedy_s)) * 1e6, float(np.median(logits_s)) * 1e6
         s = RowSampling(np.full(n, temperature), np.zeros(n, np.int64), np.full(n, top_p), np.zeros(n),
-                        np.linspace(0.01, 1.0, n))
+                        np.arange(n, dtype=np.uint64), np.full(n, 7))
         # the operator alone, its settings already a tensor; that call with every row greedy (no row's work)
-        params = [paddle.to_tensor(np.stack([s.temperature * on, s.top_k, s.top_p, s.min_p, s.u, out.greedy]
-                                            ).astype(np.float64)) for on in (1.0, 0.0)]
+        params = [paddle.to_tensor(np.stack(args.sample_rows(args.SampleArgs(
+            s.temperature * on, s.top_k, s.top_p, s.min_p, s.key, s.position, out.greedy))).astype(
+            np.float64)) for on in (1.0, 0.0)]
         ops = model.backend.ops
         arms = {"fused": lambda: model.sample(out.logits, s, out.greedy),
                 "fused operator alone": lambda: ops.specgen_sample(out.logits, params[0]),
                 "its call, rows greedy": lambda: ops.specgen_sample(out.logits, params[1]),
-                "reference": lambda: sample(out.logits, s.temperature, s.top_k, s.top_p, s.u, out.greedy,
-                                            s.min_p)}
+                "reference": lambda: sample(out.logits, s.temperature, s.top_k, s.top_p, s.uniforms(),
+                                            out.greedy, s.min_p)}
         for name, f in arms.items():
             us = median_us(f, 10 * repeats)
             rows.append([name, n, us, us / step_us])

@@ -230,9 +230,10 @@ class FusedBackend:
 
     def sample(self, logits: paddle.Tensor | None, s: RowSampling, greedy: np.ndarray) -> np.ndarray:
         """specgen_sample: every row in one operator (the reference's rule: layers/sampling.py)."""
-        if s.u is None:
+        if s.key is None:
             return greedy
-        rows = args.sample_rows(args.SampleArgs(s.temperature, s.top_k, s.top_p, s.min_p, s.u, greedy))
+        rows = args.sample_rows(args.SampleArgs(s.temperature, s.top_k, s.top_p, s.min_p, s.key, s.position,
+                                                greedy))
         return args.sample(self.ops, logits, self._params.tensors(rows, stacked=True)[0]).numpy()
 
     def logprobs(self, logits: paddle.Tensor, rows: np.ndarray, tokens: np.ndarray,

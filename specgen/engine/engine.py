@@ -26,7 +26,6 @@ from specgen.engine.types import DraftTokens, Request, RequestOutput, SlotSampli
 from specgen.engine.verify import accept_lengths, first_stop
 from specgen.errors import ConfigError
 from specgen.layers.logprobs import processed_logprobs
-from specgen.layers.sampling import uniforms
 from specgen.models.model import Model
 from specgen.models.tokenizer import TextTokenizer
 from specgen.runtime.batch import build_forward_batch
@@ -654,10 +653,11 @@ class Engine:
         row_tok = batch.logit_rows  # [num_logits]
         row_slot = batch.token_slots[row_tok]
         temperature = t.temperature[row_slot]
-        u = None
-        if temperature.any():  # sampled rows: their uniforms
-            u = uniforms(t.rng_key[row_slot], batch.model_positions[row_tok] + 1 - t.prompt_len[row_slot])
-        rows = RowSampling(temperature, t.top_k[row_slot], t.top_p[row_slot], t.min_p[row_slot], u)
+        key = position = None
+        if temperature.any():  # sampled rows: their uniforms' (request key, output position)
+            key, position = t.rng_key[row_slot], batch.model_positions[row_tok] + 1 - t.prompt_len[row_slot]
+        rows = RowSampling(temperature, t.top_k[row_slot], t.top_p[row_slot], t.min_p[row_slot], key,
+                           position)
         return self.model.sample(logits, rows, greedy), logits
 
     def _commit(self, plan: StepPlan, slots: np.ndarray, emitted: np.ndarray, kept: np.ndarray) -> np.ndarray:

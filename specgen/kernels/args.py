@@ -244,25 +244,31 @@ def pack_blocks(ops: ModuleType, blocks: Tensor, int8_product: bool,
 
 @dataclass(frozen=True)
 class SampleArgs:
-    """specgen_sample's per-row settings (sampling.cc), each [rows]; laid out as float64 [6, rows]
+    """specgen_sample's per-row settings (sampling.cc), each [rows]; laid out as float64 [8, rows]
     (sample_rows)."""
 
     temperature: Any  # float64, 0 = greedy
     top_k: Any  # int64, 0 = off
     top_p: Any  # float64, 1 = off
     min_p: Any  # float64, 0 = off
-    u: Any  # float64 in (0, 1], the row's counter-based uniform (read at sampled rows)
+    key: Any  # uint64 the row's request key, and
+    position: Any  # int64 its output position: the row's counter-based uniform (layers/sampling.uniforms)
     greedy: Any  # int64 the row's argmax (the token of a greedy row)
 
 
 def sample_rows(a: SampleArgs) -> tuple[Any, ...]:
-    """The operator's params, one [rows] array per setting in its order (stacked: float64 [6, rows])."""
-    return a.temperature, a.top_k, a.top_p, a.min_p, a.u, a.greedy
+    """The operator's params, one [rows] array per setting in its order (stacked: float64 [8, rows]): the key
+    as its high and low 32 bits (each exact in a double)."""
+    import numpy as np
+
+    key = np.asarray(a.key, np.uint64)
+    return (a.temperature, a.top_k, a.top_p, a.min_p, key >> np.uint64(32), key & np.uint64(0xFFFFFFFF),
+            a.position, a.greedy)
 
 
 def sample(ops: ModuleType, logits: Tensor, params: Tensor) -> Tensor:
     """int64 [rows]: each logits row's token (sampling.cc; logits [rows, vocab] float32 or float64, params
-    float64 [6, rows]: sample_rows stacked)."""
+    float64 [8, rows]: sample_rows stacked)."""
     return _first(ops.specgen_sample(logits, params))
 
 

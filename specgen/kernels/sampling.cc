@@ -32,7 +32,24 @@
 namespace {
 
 constexpr int64_t kBlock = 64;  // tokens per block of the running sum
-constexpr int kParams = 6;      // params [kParams, rows]: temperature, top_k, top_p, min_p, u, greedy token
+// params [kParams, rows]: temperature, top_k, top_p, min_p, the request key's high and low 32 bits, the output
+// position, the greedy token (kernels/args.py's sample_rows)
+constexpr int kParams = 8;
+
+// splitmix64's finalizer (layers/sampling.py's _splitmix64)
+inline uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// The counter-based uniform in (0, 1] of (request key, output position): layers/sampling.py's uniforms, to the
+// bit (53 bits of the mix, plus one, times 2^-53: each step exact).
+inline double uniform(uint64_t key, int64_t position) {
+  const uint64_t x = splitmix64(key ^ splitmix64(static_cast<uint64_t>(position)));
+  return (static_cast<double>(x >> 11) + 1.0) * (1.0 / 9007199254740992.0);
+}
 
 // exp(x) for x <= 0 in single precision (x below -87 is taken as -87: its exp, ~2e-38, next to the largest
 // weight's 1), within about 2 ulp: x = k ln2 + r, |r| <= ln2 / 2, exp(r) by its Taylor series to degree 7, scaled by
@@ -310,10 +327,15 @@ void sample_rows(const T* x, int64_t n, int64_t v, const double* prm, int64_t* t
   static thread_local std::vector<double> blocks;
   static thread_local std::vector<T> scratch;
   auto row = [&](int64_t r, int parts) {
-    double p[kParams];
-    for (int c = 0; c < kParams; ++c) p[c] = prm[c * n + r];
-    tok[r] = p[0] > 0.0 ? sample_row<T>(x + r * v, v, p, w, blocks, scratch, cand, parts)
-                        : static_cast<int64_t>(p[5]);
+    auto at = [&](int c) { return prm[c * n + r]; };
+    if (at(0) <= 0.0) {
+      tok[r] = static_cast<int64_t>(at(7));  // greedy: the forward's argmax
+      return;
+    }
+    const uint64_t key = (static_cast<uint64_t>(at(4)) << 32) | static_cast<uint64_t>(at(5));
+    // sample_row's settings: temperature, top_k, top_p, min_p, u
+    const double p[5] = {at(0), at(1), at(2), at(3), uniform(key, static_cast<int64_t>(at(6)))};
+    tok[r] = sample_row<T>(x + r * v, v, p, w, blocks, scratch, cand, parts);
   };
 #ifdef _OPENMP
   const int threads = std::min(omp_get_max_threads(), kMaxParts);
@@ -336,7 +358,7 @@ std::vector<paddle::Tensor> Sample(const paddle::Tensor& logits, const paddle::T
   const int64_t n = logits.shape()[0], v = logits.shape()[1];
   PD_CHECK(params.dtype() == paddle::DataType::FLOAT64 && params.shape().size() == 2 &&
                params.shape()[0] == kParams && params.shape()[1] == n,
-           "specgen_sample: params must be float64 [6, rows]");
+           "specgen_sample: params must be float64 [8, rows]");
   PD_CHECK(v > 0 && v < (int64_t(1) << 31), "specgen_sample: vocabulary size out of range");
   auto out = paddle::empty({n}, paddle::DataType::INT64, logits.place());
   const double* prm = params.data<double>();

@@ -39,12 +39,55 @@ def chi2_critical(df, z=3.09):  # Wilson-Hilferty: the 0.999 quantile of chi-squ
     return df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
 
 
+M64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:  # splitmix64's finalizer (layers/sampling.py's), on Python ints
+    x = (x + 0x9E3779B97F4A7C15) & M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
+    return x ^ (x >> 31)
+
+
+def _unshift(y: int, s: int) -> int:  # x with x ^ (x >> s) == y
+    x = y
+    for _ in range(64 // s + 1):
+        x = y ^ (x >> s)
+    return x
+
+
+def _unmix(x: int) -> int:  # _mix's inverse (each step is a bijection of 64-bit words)
+    x = _unshift(x, 31)
+    x = (x * pow(0x94D049BB133111EB, -1, 1 << 64)) & M64
+    x = _unshift(x, 27)
+    x = (x * pow(0xBF58476D1CE4E5B9, -1, 1 << 64)) & M64
+    x = _unshift(x, 30)
+    return (x - 0x9E3779B97F4A7C15) & M64
+
+
+def on_grid(u):
+    """u rounded to the uniforms' grid, (m + 1) / 2^53."""
+    return np.maximum(np.round(np.asarray(u, np.float64) * 2.0 ** 53), 1.0) / 2.0 ** 53
+
+
+def key_for(u: float, position: int) -> int:
+    """A request key whose uniform at `position` is u (on the grid): the fused operator computes the uniform
+    from (key, position), so a test that picks u picks the key."""
+    m = int(round(u * 2.0 ** 53)) - 1
+    assert 0 <= m < 1 << 53 and (m + 1) / 2.0 ** 53 == u, u
+    return _unmix(m << 11) ^ _mix(position)
+
+
 def fused(logits, temperature, top_k, top_p, u, greedy=None, min_p=None):
-    """The fused operator, called as the reference `sample` is."""
+    """The fused operator, called as the reference `sample` is (u on the grid: each row's key is picked for
+    it)."""
     greedy = paddle.argmax(logits, axis=-1).numpy() if greedy is None else greedy
     min_p = np.zeros(len(temperature)) if min_p is None else min_p
     u = np.ones(len(temperature)) if u is None else u
-    params = np.stack(args.sample_rows(args.SampleArgs(temperature, top_k, top_p, min_p, u, greedy)))
+    keys = np.array([key_for(float(x), 3) for x in u], np.uint64)
+    assert np.array_equal(uniforms(keys, np.full(len(u), 3)), u)
+    params = np.stack(args.sample_rows(args.SampleArgs(temperature, top_k, top_p, min_p, keys,
+                                                       np.full(len(u), 3), greedy)))
     return args.sample(OPS, logits, paddle.to_tensor(params.astype(np.float64))).numpy()
 
 
@@ -119,7 +162,8 @@ def test_fused_operator_gives_the_references_tokens(dtype):
         logits = paddle.to_tensor(x.astype(dtype))
         temp = np.full(rows, temperature)
         temp[::7] = 0.0  # greedy rows keep the forward's argmax
-        settings = (temp, np.full(rows, top_k, np.int64), np.full(rows, top_p), rng.uniform(1e-12, 1, rows))
+        settings = (temp, np.full(rows, top_k, np.int64), np.full(rows, top_p),
+                    on_grid(rng.uniform(1e-12, 1, rows)))
         greedy = paddle.argmax(logits, axis=-1).numpy()
         min_ps = np.full(rows, min_p)
         ref = sample(logits, *settings, greedy, min_ps)
@@ -143,7 +187,7 @@ def test_fused_operator_finds_the_maximum_anywhere_in_the_row(dtype):
             x[2, (at + 1) % vocab] = -np.inf  # a masked token beside it
             logits = paddle.to_tensor(x.astype(dtype))
             settings = (np.full(4, 0.05), np.zeros(4, np.int64), np.array([1.0, 1.0, 0.9, 1.0]),
-                        np.array([0.999, 0.3, 0.5, 1e-9]))
+                        on_grid([0.999, 0.3, 0.5, 1e-9]))
             assert fused(logits, *settings).tolist() == sample(logits, *settings).tolist() == [at] * 4, (
                 vocab, at)
 
@@ -168,7 +212,7 @@ def test_one_row_split_over_the_threads_gives_the_batched_rows_tokens(dtype):
         if nan:
             x[0] = np.nan
         logits = paddle.to_tensor(np.tile(x, (n, 1)).astype(dtype))
-        u = np.sort(rng.uniform(1e-9, 1.0, n))
+        u = on_grid(np.sort(rng.uniform(1e-9, 1.0, n)))
         settings = (np.full(n, temperature), np.full(n, top_k, np.int64), np.full(n, top_p), u, None,
                     np.full(n, min_p))
         batched = fused(logits, *settings)
@@ -182,7 +226,7 @@ def test_one_row_split_over_the_threads_gives_the_batched_rows_tokens(dtype):
 def test_fused_operator_at_the_edges_of_u():
     """u = 1 takes the last kept token; a tiny u the first kept one (in id order)."""
     logits = paddle.to_tensor(np.tile(LOGITS, (2, 1)).astype("float32"))
-    settings = (np.ones(2), np.array([3, 3]), np.ones(2), np.array([1e-15, 1.0]))
+    settings = (np.ones(2), np.array([3, 3]), np.ones(2), on_grid([1e-15, 1.0]))
     assert fused(logits, *settings).tolist() == sample(logits, *settings).tolist() == [0, 2]
 
 

@@ -83,7 +83,7 @@ def _step(model, cache, batch, sampled: tuple[float, int, float, float] | None) 
     n = len(batch.logit_rows)
     temperature, top_k, top_p, min_p = sampled
     rows = RowSampling(np.full(n, temperature), np.full(n, top_k, np.int64), np.full(n, top_p),
-                       np.full(n, min_p), np.full(n, 0.5))
+                       np.full(n, min_p), np.arange(n, dtype=np.uint64), np.zeros(n, np.int64))
     model.sample(out.logits, rows, out.greedy)
 
 

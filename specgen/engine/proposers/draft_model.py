@@ -27,7 +27,6 @@ from specgen.config import EngineConfig
 from specgen.engine.proposers.base import Drafting, SlotView, checkpoint_key, prepared_once
 from specgen.engine.types import DraftTokens, SlotSampling, StepUpdate
 from specgen.errors import CheckpointError
-from specgen.layers.sampling import uniforms
 from specgen.models.loaded import load_model
 from specgen.models.model import Model
 from specgen.models.tokenizer import TextTokenizer
@@ -222,9 +221,9 @@ class _DraftChoice:
         if not self.sampled:
             return greedy
         s, sel = self.sampling, self.sel
-        u = uniforms(s.rng_key[sel], token_index - self.prompt_lens)
         min_p = np.zeros(len(sel)) if s.min_p is None else s.min_p[sel]
-        rows = RowSampling(s.temperature[sel], s.top_k[sel], s.top_p[sel], min_p, u)
+        rows = RowSampling(s.temperature[sel], s.top_k[sel], s.top_p[sel], min_p, s.rng_key[sel],
+                           token_index - self.prompt_lens)
         return self.draft.sample(logits, rows, greedy)
 
 
