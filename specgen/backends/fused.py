@@ -58,6 +58,8 @@ class KeptIndex:
         """One CPU tensor per part, holding its values; stacked (parts of one length): one tensor
         [len(parts), length]."""
         lengths = tuple(len(p) for p in parts)
+        if stacked and len(set(lengths)) > 1:
+            raise ValueError(f"stacked parts must have one length, got {lengths}")
         kept = self._kept.get((lengths, stacked))
         if kept is None:
             if len(self._kept) >= self.max_shapes:

@@ -319,32 +319,44 @@ int64_t sample_row(const T* x, int64_t v, const double* prm, std::vector<float>&
   return v - 1;
 }
 
+// A thread's buffers for the rows it samples, kept between rows and calls: a row's (196 KB for 49,152 tokens)
+// freshly mapped pages cost about as much to fault in as the sampling itself. (Reached through this function
+// by the thread that samples the row, so that each thread's are constructed; a split row's parts write into
+// its thread's.)
+template <typename T>
+struct RowBuffers {
+  std::vector<float> w, cand[kMaxParts];  // cand: top_p's candidates, per part of a row
+  std::vector<double> blocks;
+  std::vector<T> scratch;
+};
+
+template <typename T>
+RowBuffers<T>& row_buffers() {
+  static thread_local RowBuffers<T> buffers;
+  return buffers;
+}
+
 template <typename T>
 void sample_rows(const T* x, int64_t n, int64_t v, const double* prm, int64_t* tok) {
-  // each thread's buffers, kept between rows and calls: a row's (196 KB for 49,152 tokens) freshly mapped pages
-  // cost about as much to fault in as the sampling itself
-  static thread_local std::vector<float> w, cand[kMaxParts];  // cand: top_p's candidates, per part of a row
-  static thread_local std::vector<double> blocks;
-  static thread_local std::vector<T> scratch;
   auto row = [&](int64_t r, int parts) {
     auto at = [&](int c) { return prm[c * n + r]; };
-    if (at(0) <= 0.0) {
-      tok[r] = static_cast<int64_t>(at(7));  // greedy: the forward's argmax
+    if (!(at(0) > 0.0)) {
+      tok[r] = static_cast<int64_t>(at(7));  // greedy (NaN included, as the reference): the forward's argmax
       return;
     }
     const uint64_t key = (static_cast<uint64_t>(at(4)) << 32) | static_cast<uint64_t>(at(5));
     // sample_row's settings: temperature, top_k, top_p, min_p, u
     const double p[5] = {at(0), at(1), at(2), at(3), uniform(key, static_cast<int64_t>(at(6)))};
-    tok[r] = sample_row<T>(x + r * v, v, p, w, blocks, scratch, cand, parts);
+    RowBuffers<T>& b = row_buffers<T>();
+    tok[r] = sample_row<T>(x + r * v, v, p, b.w, b.blocks, b.scratch, b.cand, parts);
   };
 #ifdef _OPENMP
   const int threads = std::min(omp_get_max_threads(), kMaxParts);
 #else
   const int threads = 1;
 #endif
-  if (n < threads && v >= kSplitMin) {
-    // fewer rows than threads (a batch-1 step): each row's passes split over the threads
-    for (int64_t r = 0; r < n; ++r) row(r, threads);
+  if (n == 1 && threads > 1 && v >= kSplitMin) {  // one row (a batch-1 step): its passes split over the threads
+    row(0, threads);
     return;
   }
   // rows round robin over the threads (a dynamic schedule ran the rows on one thread inside Paddle's process)

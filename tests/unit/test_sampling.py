@@ -84,10 +84,11 @@ def fused(logits, temperature, top_k, top_p, u, greedy=None, min_p=None):
     greedy = paddle.argmax(logits, axis=-1).numpy() if greedy is None else greedy
     min_p = np.zeros(len(temperature)) if min_p is None else min_p
     u = np.ones(len(temperature)) if u is None else u
-    keys = np.array([key_for(float(x), 3) for x in u], np.uint64)
-    assert np.array_equal(uniforms(keys, np.full(len(u), 3)), u)
-    params = np.stack(args.sample_rows(args.SampleArgs(temperature, top_k, top_p, min_p, keys,
-                                                       np.full(len(u), 3), greedy)))
+    positions = 3 + 7919 * np.arange(len(u))  # (output positions up to ~500,000 in the tests)
+    keys = np.array([key_for(float(x), int(p)) for x, p in zip(u, positions)], np.uint64)
+    assert np.array_equal(uniforms(keys, positions), u)
+    params = np.stack(args.sample_rows(args.SampleArgs(temperature, top_k, top_p, min_p, keys, positions,
+                                                       greedy)))
     return args.sample(OPS, logits, paddle.to_tensor(params.astype(np.float64))).numpy()
 
 
@@ -195,8 +196,8 @@ def test_fused_operator_finds_the_maximum_anywhere_in_the_row(dtype):
 @needs_ops
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_one_row_split_over_the_threads_gives_the_batched_rows_tokens(dtype):
-    """A step with fewer rows than threads (batch 1) splits each row's passes over the threads: a row alone
-    samples the token it samples among 64 rows (one row a thread), for 64 uniforms, under each filter, on a
+    """A step of one row (batch 1) splits the row's passes over the threads: a row alone samples the token it
+    samples among 64 rows (one row a thread) and the reference's, for 64 uniforms, under each filter, on a
     vocabulary of 49,157 (the default model's 49,152 and a tail past the last block); the likely tokens late
     in the row (a maximum taken from the first part alone fails it); and a row whose first logit is NaN (a
     broken row: every weight NaN), the same garbage both ways."""
@@ -219,7 +220,16 @@ def test_one_row_split_over_the_threads_gives_the_batched_rows_tokens(dtype):
         alone = [int(fused(logits[i:i + 1], *(a if a is None else a[i:i + 1] for a in settings))[0])
                  for i in range(n)]
         assert alone == batched.tolist(), (temperature, top_k, top_p, min_p, how)
+        if not nan:
+            assert alone == sample(logits, *settings).tolist(), (temperature, top_k, top_p, min_p, how)
         assert nan or len(set(alone)) > 3  # the uniforms reach several tokens: a wrong weight moves some
+
+
+@needs_ops
+def test_a_nan_temperature_row_is_greedy_in_both_samplers():
+    logits = paddle.to_tensor(np.tile(LOGITS[::-1], (2, 1)).astype("float32"))
+    settings = (np.array([np.nan, 0.0]), np.zeros(2, np.int64), np.ones(2), on_grid([0.5, 0.5]))
+    assert fused(logits, *settings).tolist() == sample(logits, *settings).tolist() == [VOCAB - 1] * 2
 
 
 @needs_ops
