@@ -364,10 +364,11 @@ class Engine:
             self._compact(plan.dec, root_rows, path, kept[: len(plan.dec)])
         done = (by_eos | by_stop | (t.seq_len[slots] >= t.max_len[slots]) | broken
                 | (np.isin(slots, list(failed)) if failed else False))
-        if not plan.idle:
+        # (a step between probes tells the proposer only of finished requests: the n-gram pool takes them)
+        if not plan.idle or plan.quiet and done.any():
             feats = out.hidden if out.features is None else out.features  # the drafter's catch-up input
             observe_seconds = self._observe(plan, blocks, produced, kept, done, feats, broken, path)
-            if self.controller is not None:
+            if self.controller is not None and not plan.idle:
                 self._report(plan, blocks, emitted, kept, accepted, forward_seconds, observe_seconds)
         return self._finished(slots, done, broken, by_eos | by_stop, texts, position, failed)
 
@@ -548,13 +549,17 @@ class Engine:
         view = SlotView(dec, t.tokens, t.seq_len[dec], np.minimum(room[dec] - 1, MAX_DRAFT))
         forced = self._forced(view)
         # Nothing to draft: speculation is ruled out for good (copies included), or every slot is detached
-        # from a drafter that then offers nothing (with copies, detached slots still copy); a grammar's forced
-        # tokens are still drafted.
-        if c is not None and (c.off or getattr(self.proposer, "idle_when_detached", False)
-                              and c.detached(np.concatenate([dec, new])).all()):
+        # from a drafter that then offers nothing (with copies, detached slots still copy), or from an n-gram
+        # job whose drafts do not pay, between the controller's probes (Controller.probing); a grammar's
+        # forced tokens are still drafted.
+        detached = c is not None and bool(c.detached(np.concatenate([dec, new])).all())
+        probe = c is None or c.probing(detached and getattr(self.proposer, "probes_when_detached", False))
+        idle_detached = detached and getattr(self.proposer, "idle_when_detached", False)
+        if c is not None and (c.off or idle_detached or not probe):
             drafts = DraftTokens.none(len(dec), 0) if forced is None else DraftTokens(forced.ids, forced.num)
             return StepPlan(dec, new, chunk, final, room, drafts, drafts.num_draft, drafts.num_draft, 0.0,
-                            idle=True, forced=None if forced is None else forced.num)
+                            idle=True, forced=None if forced is None else forced.num,
+                            quiet=not (c.off or idle_detached))
         draft_start = time.perf_counter()
         if forced is None:
             drafts = self.proposer.propose(view)

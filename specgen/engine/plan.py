@@ -30,8 +30,9 @@ class StepPlan:
     forced: np.ndarray | None = None  # [num_dec] int64 leading drafts a grammar forced (None: none)
     # a plain step, the proposer and the controller not called: speculation ruled out for good
     # (Controller.off), or every slot detached from a drafter idle for detached slots
-    # (Proposer.idle_when_detached)
+    # (Proposer.idle_when_detached), or a step between the controller's probes (Controller.probing)
     idle: bool = False
+    quiet: bool = False  # a step between probes: the proposer is told only of requests that finished
 
 
 @dataclass(frozen=True)

@@ -181,6 +181,9 @@ def test_budget_zero_keeps_the_tree_for_shadow_acceptance(tiny_model64, prompts)
         def detached(self, slots):
             return np.zeros(len(slots), bool)
 
+        def probing(self, all_detached):
+            return True
+
         def reset(self, slot):
             return None
 

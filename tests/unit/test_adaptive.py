@@ -656,3 +656,66 @@ def test_a_sampled_job_prices_its_steps_with_the_sampler(monkeypatch):
     tokens, seconds = calibration.measured(stub)[(1, 2, (0.8, 0, 0.95, 0.0))]
     np.testing.assert_allclose(seconds, [0.012, 0.015, 0.018])  # + 2 ms per verified row
     assert seen[0] == ([0.8], [0.95]) and (1, 2) not in calibration.measured(stub)
+
+
+def test_probing_asks_the_drafter_on_two_steps_in_eight_only_while_the_job_does_not_pay():
+    """An n-gram job whose drafts are accepted 0.1 of the time (a second token per slot costs 1.7x): with
+    every slot detached, the proposer and the controller run on PROBE_STEPS steps in a row of every
+    PROBE_EVERY; a step with a slot attached, or after a choice where the job's drafts pay, is a probe."""
+    n = 4
+    ctl = Controller(CostModel(np.array([4, 8, 16]), np.array([1.0, 1.7, 3.0])), max_draft=3, num_slots=n)
+    slots = np.arange(n)
+    drafts, avail, kept = np.tile([7, 8, 9], (n, 1)), np.full(n, 3), np.full(n, 4)
+    for _ in range(30):
+        ctl.end_step(_report(slots, drafts, avail, np.tile([1, 2, 3, 4], (n, 1)), kept))
+    ctl.choose(slots, avail, 0)
+    assert ctl.unpaying
+    pattern = [ctl.probing(True) for _ in range(3 * Controller.PROBE_EVERY)]
+    every = [False] * (Controller.PROBE_EVERY - Controller.PROBE_STEPS) + [True] * Controller.PROBE_STEPS
+    assert pattern == every * 3
+    assert ctl.probing(False) and ctl.quiet == 0  # a slot attached: every step drafts, the count starts over
+    assert not ctl.probing(True)
+    for _ in range(60):  # the job's drafts turn right
+        ctl.end_step(_report(slots, drafts, avail, np.tile([7, 8, 9, 4], (n, 1)), kept))
+    ctl.choose(slots, avail, 0)
+    assert not ctl.unpaying and all(ctl.probing(True) for _ in range(20))
+
+
+def test_ngram_between_probes_is_not_asked_and_its_pool_still_takes_finished_text(tiny_dir, monkeypatch):
+    """Every slot detached from an n-gram job whose drafts do not pay: the proposer drafts on about
+    PROBE_STEPS / PROBE_EVERY of the steps, the outputs are plain decoding's, and every finished request's
+    text still reaches the job's pool (told on the steps between probes too)."""
+    from specgen import SamplingParams, SpecConfig, generate, load_model
+    from specgen.engine.proposers.ngram import NgramProposer
+    from specgen.engine.proposers.ngram_pool import NgramPool
+
+    lm = load_model(tiny_dir, dtype="float32")
+    prompts = [[5, 6, 7], [9, 10, 11, 12], [3, 4], [20, 21, 22]]
+    sp = SamplingParams(max_tokens=21, ignore_eos=True)  # (requests end between probes)
+    plain = [o.token_ids for o in generate(prompts, model=lm, sampling=sp)]
+    monkeypatch.setattr(Controller, "detached", lambda self, s: np.ones(len(s), bool))
+
+    def choose(self, s, avail, *a, **k):  # nothing verified, and the job's drafts known not to pay
+        self.unpaying = True
+        return np.zeros(len(avail), np.int64)
+
+    monkeypatch.setattr(Controller, "choose", choose)
+    calls = {"propose": 0, "pooled": 0}
+    propose, add_batch = NgramProposer.propose, NgramPool.add_batch
+
+    def counted_propose(self, view):
+        calls["propose"] += 1
+        return propose(self, view)
+
+    def counted_add(self, tokens, lens):
+        calls["pooled"] += len(lens)
+        return add_batch(self, tokens, lens)
+
+    monkeypatch.setattr(NgramProposer, "propose", counted_propose)
+    monkeypatch.setattr(NgramPool, "add_batch", counted_add)
+    outs = generate(prompts, model=lm, sampling=sp, speculative=SpecConfig(method="ngram"),
+                    engine=EngineConfig(batch_size=2))
+    assert [o.token_ids for o in outs] == plain
+    steps = sum(o.stats.num_steps for o in outs) // 2  # two slots a step
+    assert 0 < calls["propose"] <= steps * Controller.PROBE_STEPS // Controller.PROBE_EVERY + 4
+    assert calls["pooled"] == len(prompts)

@@ -89,6 +89,7 @@ class MtpProposer:
         # the head's held-out position-1 accuracy, when training recorded it
         self.acceptance_hint = acceptance_hint
         self.idle_when_detached = copy_min == 0  # with copies, detached slots still copy
+        self.probes_when_detached = False  # copies do not count toward detaching
         self.copy_min = copy_min
         self._lib = lib if copy_min and max(k, self.COPY_MAX, copy_min) <= host.NATIVE_MAX else None
         self.cache: KVCache | None = None

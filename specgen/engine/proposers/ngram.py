@@ -97,6 +97,7 @@ class NgramProposer:
 
     acceptance_hint = None
     idle_when_detached = False  # drafts from the text, whatever the controller detached
+    probes_when_detached = True  # every draft counts toward detaching
     clone_safe = True  # its state is the slot's tokens: a sample may copy another's prompt rows
     context_only = True  # drafts from the slot's tokens (and the pool): it may draft after forced tokens
     SOURCE_DECAY = 0.998  # per step: the estimates follow a job whose kind of text changes
@@ -171,6 +172,7 @@ class NgramProposer:
             return  # the token buffer is all the state lookup in a slot's own text needs
         if self._pending is not None:
             self._score(update)
+            self._pending = None  # (a step between the controller's probes observes without a propose)
         if update.finished.any():
             lens = update.seq_lens[update.finished]  # [num_finished]
             self.pool.add_batch(update.tokens[update.slots[update.finished], : lens.max()], lens)
