@@ -28,9 +28,9 @@ class StepPlan:
     # None: chains
     mask: np.ndarray | None = None  # [num_dec, width + 1] int64 a tree block's attention masks
     forced: np.ndarray | None = None  # [num_dec] int64 leading drafts a grammar forced (None: none)
-    # a plain step, the proposer and the controller not called: speculation ruled out for good
+    # a plain step, the proposer's propose and the controller not called: speculation ruled out for good
     # (Controller.off), or every slot detached from a drafter idle for detached slots
-    # (Proposer.idle_when_detached), or a step between the controller's probes (Controller.probing)
+    # (Proposer.idle_when_detached), or a step between the controller's probes (Controller.probing: quiet)
     idle: bool = False
     quiet: bool = False  # a step between probes: the proposer is told only of requests that finished
 
