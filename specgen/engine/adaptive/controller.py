@@ -10,8 +10,8 @@ stops drafting for it); a new request starts detached when the drafter's accepta
 not pay for it at the batch's size, but for one request in EXPLORE_EVERY, which keeps that figure current (and
 once the job's drafts are known not to pay, a slot that verifies nothing detaches at once, explorers aside);
 and a drafter whose own measured acceptance
-could not pay for one draft per slot at this batch size is ruled out before the first step. While every slot is
-detached from an n-gram job whose drafts do not pay, the drafter is asked only on probe steps (probing).
+could not pay for one draft per slot at this batch size is ruled out before the first step. While every slot
+is detached from an n-gram job whose drafts do not pay, the drafter is asked only on probe steps (probing).
 """
 from __future__ import annotations
 
