@@ -63,7 +63,7 @@ def sampler_costs(lm, temperature: float, top_p: float, repeats: int) -> list[li
         arms = {"fused": lambda: model.sample(out.logits, s, out.greedy),
                 "fused operator alone": lambda: ops.specgen_sample(out.logits, params[0]),
                 "its call, rows greedy": lambda: ops.specgen_sample(out.logits, params[1]),
-                "reference": lambda: sample(out.logits, s.temperature, s.top_k, s.top_p, s.uniforms(),
+                "reference": lambda: sample(out.logits, s.temperature, s.top_k, s.top_p, s.streams(),
                                             out.greedy, s.min_p)}
         for name, f in arms.items():
             us = median_us(f, 10 * repeats)

@@ -65,16 +65,16 @@ class RowSampling:
     top_k: np.ndarray  # [num_logits] int64, 0 = off
     top_p: np.ndarray  # [num_logits] float64, 1 = off
     min_p: np.ndarray  # [num_logits] float64, 0 = off
-    # each row's counter-based uniform is that of (its request's key, its output position)
-    # (layers/sampling.uniforms: the fused operator computes it itself); None: every row greedy
+    # each row's noise stream is that of (its request's key, its output position) (layers/sampling.streams: the
+    # fused operator computes it itself); None: every row greedy
     key: np.ndarray | None  # [num_logits] uint64
     position: np.ndarray | None  # [num_logits] int64 output positions (>= 0)
 
-    def uniforms(self) -> np.ndarray | None:
-        """[num_logits] float64 in (0, 1] each row's uniform; None where every row is greedy."""
-        from specgen.layers.sampling import uniforms
+    def streams(self) -> np.ndarray | None:
+        """[num_logits] uint64 each row's noise stream; None where every row is greedy."""
+        from specgen.layers.sampling import streams
 
-        return None if self.key is None else uniforms(self.key, self.position)
+        return None if self.key is None else streams(self.key, self.position)
 
 
 class PreparedHead(Protocol):

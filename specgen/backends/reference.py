@@ -93,7 +93,7 @@ class ReferenceBackend:
         return model.weights.lm_head(hidden)
 
     def sample(self, logits: paddle.Tensor | None, s: RowSampling, greedy: np.ndarray) -> np.ndarray:
-        return sample(logits, s.temperature, s.top_k, s.top_p, s.uniforms(), greedy, s.min_p)
+        return sample(logits, s.temperature, s.top_k, s.top_p, s.streams(), greedy, s.min_p)
 
     def logprobs(self, logits: paddle.Tensor, rows: np.ndarray, tokens: np.ndarray,
                  top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -12,7 +12,7 @@ an Engine (PrefillEngine, DecodeEngine) with its own scheduler over its own slot
 
 The parent reads and tokenizes the input and writes every record, as for --data-parallel-size: one output
 file, resumable, each id once. Tokens are the colocated engine's: the KV rows and the first token are what the
-colocated engine computes, and each output position samples with its own counter-based uniform."""
+colocated engine computes, and each output position samples with its own counter-based noise."""
 from __future__ import annotations
 
 import dataclasses

@@ -659,7 +659,7 @@ class Engine:
         row_slot = batch.token_slots[row_tok]
         temperature = t.temperature[row_slot]
         key = position = None
-        if temperature.any():  # sampled rows: their uniforms' (request key, output position)
+        if temperature.any():  # sampled rows: their noise streams' (request key, output position)
             key, position = t.rng_key[row_slot], batch.model_positions[row_tok] + 1 - t.prompt_len[row_slot]
         rows = RowSampling(temperature, t.top_k[row_slot], t.top_p[row_slot], t.min_p[row_slot], key,
                            position)

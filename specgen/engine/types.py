@@ -94,7 +94,7 @@ class StepUpdate:
 @dataclass(frozen=True)
 class SlotSampling:
     """Each sequence's sampling settings, as the main model samples its tokens (layers/sampling.py): a
-    drafter that samples its drafts with the same uniforms proposes the main model's token whenever its
+    drafter that samples its drafts with the same noise proposes the main model's token whenever its
     distribution is close enough."""
 
     temperature: np.ndarray  # [num_seqs] float64, 0 = greedy

@@ -252,7 +252,7 @@ class SampleArgs:
     top_p: Any  # float64, 1 = off
     min_p: Any  # float64, 0 = off
     key: Any  # uint64 the row's request key, and
-    position: Any  # int64 its output position: the row's counter-based uniform (layers/sampling.uniforms)
+    position: Any  # int64 its output position: the row's noise stream (layers/sampling.streams)
     greedy: Any  # int64 the row's argmax (the token of a greedy row)
 
 

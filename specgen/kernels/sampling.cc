@@ -1,16 +1,20 @@
 // The sampling operator: each logit row's token, in one pass over the vocabulary where the row's filters allow.
 // And the log-probabilities operator (specgen_logprobs, below): each row's log-softmax at a token and its top K.
-// Its reference is specgen/layers/sampling.py's `sample` (Paddle's operators), which computes the same rule:
+// Its reference is specgen/layers/sampling.py's `sample` (Paddle's operators and numpy), which computes the same
+// rule:
 //   greedy rows (temperature 0) keep the argmax the forward computed (the lowest id on a tie);
 //   sampled rows weigh each token by exp((x - max) / temperature), keep the top_k largest logits (ties kept),
 //   then the smallest set of most likely tokens whose mass before the last reaches top_p (ties at the threshold
-//   kept), then the tokens whose weight is at least min_p of the most likely one's, and take the first token in
-//   id order where the kept weights' running sum reaches u times their total, u the row's counter-based uniform.
+//   kept), then the tokens whose weight is at least min_p of the most likely one's; of the kept tokens the row
+//   takes the one whose key x_j (1 / temperature) + g_j is largest (the lowest id on a tie), g_j the Gumbel
+//   variable of token j in the row's counter-based stream (the Gumbel-max draw).
 // Each weight is exp in single precision of (x - max) / temperature taken in double (a polynomial exp the compiler
-// vectorizes), the sums are in double, the running sum block by block (blocks of 64 tokens, each summed in order,
-// the blocks' sums added in order), so the result is a function of the row alone: the same in a verify block as in
-// plain decoding, at any batch size. The reference computes in double throughout: the two agree but where u falls
-// within about 1e-7 of a boundary between two tokens' shares.
+// vectorizes), the filters' sums in double, so the kept set is a function of the row alone: the same in a verify
+// block as in plain decoding, at any batch size. The reference computes the weights in double: the kept sets agree
+// but where a weight lies within about 1e-7 of a filter's threshold.
+// A row with no filter needs no weight at all. Its keys need not all be computed either: g_j <= -log(1 - u_j),
+// bounded from the leading zeros of the integer behind 1 - u_j, so one vectorized pass bounds every key from the
+// hash alone, and only tokens whose bound reaches the best key so far get theirs exactly (a handful a row).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -31,7 +35,7 @@
 
 namespace {
 
-constexpr int64_t kBlock = 64;  // tokens per block of the running sum
+constexpr int64_t kBlock = 64;  // tokens per block of the weights' sums (top_p's total) and of a row's parts
 // params [kParams, rows]: temperature, top_k, top_p, min_p, the request key's high and low 32 bits, the output
 // position, the greedy token (kernels/args.py's sample_rows)
 constexpr int kParams = 8;
@@ -44,11 +48,97 @@ inline uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// The counter-based uniform in (0, 1] of (request key, output position): layers/sampling.py's uniforms, to the
-// bit (53 bits of the mix, plus one, times 2^-53: each step exact).
-inline double uniform(uint64_t key, int64_t position) {
-  const uint64_t x = splitmix64(key ^ splitmix64(static_cast<uint64_t>(position)));
-  return (static_cast<double>(x >> 11) + 1.0) * (1.0 / 9007199254740992.0);
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;  // splitmix64's increment
+
+// The noise stream of (request key, output position): layers/sampling.py's streams, to the bit.
+inline uint64_t stream_of(uint64_t key, int64_t position) {
+  return splitmix64(key ^ splitmix64(static_cast<uint64_t>(position)));
+}
+
+// Token j's Gumbel variable in `stream` (layers/sampling.py's gumbels): u = (m + 1/2) 2^-52, m the top 52 bits of
+// splitmix64 at counter j (each step exact), -log(-log u) in double.
+inline double gumbel(uint64_t stream, int64_t j) {
+  const uint64_t h = splitmix64(stream + static_cast<uint64_t>(j) * kGolden);
+  const double u = (static_cast<double>(h >> 12) + 0.5) * (1.0 / 4503599627370496.0);
+  return -std::log(-std::log(u));
+}
+
+// Token j's key, x_j (1 / temperature) + g_j, in double (two roundings, as the reference takes them).
+template <typename T>
+inline double gumbel_key(const T* x, int64_t j, double inv_t, uint64_t stream) {
+  const double a = static_cast<double>(x[j]) * inv_t;
+  return a + gumbel(stream, j);
+}
+
+// An upper bound on the key gumbel_key computes, from the hash's bits: -log u >= 1 - u, so g <= -log(1 - u); with
+// K = 2^52 - m (1 <= K <= 2^52), 1 - u = (K - 1/2) 2^-52 >= 2^(floor(log2 K) - 53), so g <= (clz64(K) - 10) ln 2
+// (36.7 at most). The margin, 1e-9 (|a| + 64), covers the roundings of both sides many times over.
+inline double key_margin(double a) { return 1e-9 * (std::fabs(a) + 64.0); }
+constexpr double kLn2 = 0.6931471805599453;
+
+// The best (largest key, lowest id on a tie) of the tokens of [lo, hi) that `kept` keeps (nullptr: all), against
+// (best, win) from before: each token's key bounded in one pass, the exact key computed where the bound reaches
+// the best so far. Tokens in id order, so a tie keeps the lower id.
+struct Pick {
+  double key;
+  int64_t id;  // -1: none
+};
+
+inline void take(Pick& p, double key, int64_t j) {
+  if (key > p.key || (key == p.key && p.id >= 0 && j < p.id)) p = {key, j};
+}
+
+template <typename T>
+Pick gumbel_max(const T* x, const float* kept, int64_t lo, int64_t hi, double inv_t, uint64_t stream, Pick p) {
+  int64_t i = lo;
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512CD__)
+  {
+    const __m512i lane = _mm512_set_epi64(8, 7, 6, 5, 4, 3, 2, 1);
+    __m512i ctr = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(stream + static_cast<uint64_t>(lo) * kGolden)),
+                                   _mm512_mullo_epi64(lane, _mm512_set1_epi64(static_cast<int64_t>(kGolden))));
+    const __m512i step = _mm512_set1_epi64(static_cast<int64_t>(8 * kGolden));
+    const __m512i c1 = _mm512_set1_epi64(static_cast<int64_t>(0xBF58476D1CE4E5B9ull));
+    const __m512i c2 = _mm512_set1_epi64(static_cast<int64_t>(0x94D049BB133111EBull));
+    const __m512i two52 = _mm512_set1_epi64(int64_t(1) << 52), ten = _mm512_set1_epi64(10);
+    const __m512d ln2 = _mm512_set1_pd(kLn2), scale = _mm512_set1_pd(inv_t), tiny = _mm512_set1_pd(1e-9),
+                  pad = _mm512_set1_pd(64.0);
+    for (; i + 8 <= hi; i += 8) {
+      __m512i z = ctr;  // splitmix64 at counters i .. i + 7 (its increment already added)
+      ctr = _mm512_add_epi64(ctr, step);
+      z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 30)), c1);
+      z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)), c2);
+      z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
+      const __m512i k = _mm512_sub_epi64(two52, _mm512_srli_epi64(z, 12));
+      const __m512d b = _mm512_mul_pd(_mm512_cvtepi64_pd(_mm512_sub_epi64(_mm512_lzcnt_epi64(k), ten)), ln2);
+      __m512d a;
+      if constexpr (std::is_same_v<T, float>) {
+        a = _mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(x + i)), scale);
+      } else {
+        a = _mm512_mul_pd(_mm512_loadu_pd(x + i), scale);
+      }
+      const __m512d margin = _mm512_mul_pd(tiny, _mm512_add_pd(_mm512_abs_pd(a), pad));
+      const __m512d bound = _mm512_add_pd(_mm512_add_pd(a, b), margin);
+      __mmask8 hit = _mm512_cmp_pd_mask(bound, _mm512_set1_pd(p.key), _CMP_GE_OQ);
+      if (kept != nullptr && hit) {
+        hit &= static_cast<__mmask8>(_mm256_cmp_ps_mask(_mm256_loadu_ps(kept + i), _mm256_setzero_ps(), _CMP_NEQ_OQ));
+      }
+      while (hit) {
+        const int64_t j = i + __builtin_ctz(hit);
+        hit &= hit - 1;
+        take(p, gumbel_key(x, j, inv_t, stream), j);
+      }
+    }
+  }
+#endif
+  for (; i < hi; ++i) {
+    if (kept != nullptr && !(kept[i] != 0.0f)) continue;
+    const uint64_t h = splitmix64(stream + static_cast<uint64_t>(i) * kGolden);
+    const uint64_t k = (uint64_t(1) << 52) - (h >> 12);
+    const double a = static_cast<double>(x[i]) * inv_t;
+    const double bound = a + static_cast<double>(__builtin_clzll(k) - 10) * kLn2 + key_margin(a);
+    if (bound >= p.key) take(p, gumbel_key(x, i, inv_t, stream), i);
+  }
+  return p;
 }
 
 // exp(x) for x <= 0 in single precision (x below -87 is taken as -87: its exp, ~2e-38, next to the largest
@@ -169,26 +259,12 @@ void block_sums(const float* w, int64_t v, int64_t b0, int64_t b1, double* block
   }
 }
 
-// Blocks [b0, b1) of w [v] with the weights below thr set to 0, and their sums as block_sums takes them (a sum
-// in token order from 0 over the block's weights, its zeros included, which add nothing); a block none of
-// whose weights is kept sums to 0 without that pass. (thr > 0 in double, compared in float as the least float
-// at or above it: the same test for every float weight.)
-void mask_blocks(float* w, int64_t v, int64_t b0, int64_t b1, double thr, double* blocks) {
+// Blocks [b0, b1) of w [v] with the weights below thr set to 0. (thr > 0 in double, compared in float as the least
+// float at or above it: the same test for every float weight.)
+void mask_blocks(float* w, int64_t v, int64_t b0, int64_t b1, double thr) {
   float f = static_cast<float>(thr);
   if (static_cast<double>(f) < thr) f = std::nextafter(f, std::numeric_limits<float>::infinity());
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t lo = b * kBlock, hi = std::min(v, lo + kBlock);
-    int kept = 0;
-    for (int64_t i = lo; i < hi; ++i) {
-      kept |= w[i] >= f;
-      w[i] = w[i] >= f ? w[i] : 0.0f;
-    }
-    double sum = 0.0;
-    if (kept) {
-      for (int64_t i = lo; i < hi; ++i) sum += w[i];
-    }
-    blocks[b] = sum;
-  }
+  for (int64_t i = b0 * kBlock, end = std::min(v, b1 * kBlock); i < end; ++i) w[i] = w[i] >= f ? w[i] : 0.0f;
 }
 
 // The largest of x[0, v): x[0], or a later value above every one before it, as a scan from x[0] takes it (a NaN
@@ -241,15 +317,34 @@ void over_parts(int parts, int64_t nb, F f) {
   for (int p = 0; p < parts; ++p) f(p, nb * p / parts, nb * (p + 1) / parts);
 }
 
-// One row's token. With parts > 1 its passes over the vocabulary (the maximum, the weights and their block sums,
-// top_p's candidates, the filters' mask) run split over that many threads, block ranges apart; every value is
-// computed as in one pass (a part's maximum scans from x[0] as the whole row's does, and the parts' maxima and
-// candidates are taken in order), so the token is the same. The selection among top_p's candidates and the
-// running sum stay on the calling thread. cand: [parts] buffers.
+// The first index of x[0, v) holding m (-1: none, as for a NaN m).
 template <typename T>
-int64_t sample_row(const T* x, int64_t v, const double* prm, std::vector<float>& w, std::vector<double>& blocks,
-                   std::vector<T>& scratch, std::vector<float>* cand, int parts = 1) {
-  const double temperature = prm[0], top_p = prm[2], min_p = prm[3], u = prm[4];
+int64_t first_equal(const T* x, int64_t v, T m) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  if constexpr (std::is_same_v<T, float>) {
+    const __m512 target = _mm512_set1_ps(m);
+    for (; i + 16 <= v; i += 16) {
+      const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), target, _CMP_EQ_OQ);
+      if (eq) return i + __builtin_ctz(eq);
+    }
+  }
+#endif
+  for (; i < v; ++i) {
+    if (x[i] == m) return i;
+  }
+  return -1;
+}
+
+// One row's token. With parts > 1 its passes over the vocabulary (the maximum, the weights and their block sums,
+// top_p's candidates, the filters' mask, the keys' bounds) run split over that many threads, block ranges apart;
+// every value is computed as in one pass (a part's maximum scans from x[0] as the whole row's does, the parts'
+// maxima, candidates and best keys are taken in order), so the token is the same. The selection among top_p's
+// candidates stays on the calling thread. cand: [parts] buffers.
+template <typename T>
+int64_t sample_row(const T* x, int64_t v, const double* prm, uint64_t stream, int64_t greedy, std::vector<float>& w,
+                   std::vector<double>& blocks, std::vector<T>& scratch, std::vector<float>* cand, int parts = 1) {
+  const double temperature = prm[0], top_p = prm[2], min_p = prm[3];
   const int64_t top_k = static_cast<int64_t>(prm[1]);
   const int64_t nb = (v + kBlock - 1) / kBlock;
   auto tokens = [v](int64_t b) { return std::min(v, b * kBlock); };  // the first token of block b
@@ -259,64 +354,61 @@ int64_t sample_row(const T* x, int64_t v, const double* prm, std::vector<float>&
   for (int p = 0; p < parts; ++p) m = part_max[p] > m ? part_max[p] : m;
   // top_k: logits below the k-th largest weigh nothing
   const bool by_k = top_k > 0 && top_k < v;
-  const T kth = by_k ? kth_largest(x, v, top_k, scratch) : m;
-  // (x - max) / temperature in double, its exp in single precision: weights in (0, 1], summed in double
-  const double inv_t = 1.0 / temperature, mx = static_cast<double>(m);
-  w.resize(v);
-  blocks.resize(nb);
-  float* wp = w.data();
-  double* bs = blocks.data();
-  over_parts(parts, nb, [&](int, int64_t b0, int64_t b1) {
-    const int64_t lo = tokens(b0), hi = tokens(b1);
-    if (by_k) {
-      for (int64_t i = lo; i < hi; ++i) {
-        const float e = exp_nonpositive(static_cast<float>((static_cast<double>(x[i]) - mx) * inv_t));
-        wp[i] = x[i] >= kth ? e : 0.0f;
+  const bool filtered = by_k || top_p < 1.0 || min_p > 0.0;
+  const double inv_t = 1.0 / temperature;
+  const float* kept = nullptr;  // the filters' weights, 0 where a token is not kept (nullptr: every token kept)
+  if (filtered) {
+    const T kth = by_k ? kth_largest(x, v, top_k, scratch) : m;
+    // (x - max) / temperature in double, its exp in single precision: weights in (0, 1], summed in double
+    const double mx = static_cast<double>(m);
+    w.resize(v);
+    blocks.resize(nb);
+    float* wp = w.data();
+    double* bs = blocks.data();
+    over_parts(parts, nb, [&](int, int64_t b0, int64_t b1) {
+      const int64_t lo = tokens(b0), hi = tokens(b1);
+      if (by_k) {
+        for (int64_t i = lo; i < hi; ++i) {
+          const float e = exp_nonpositive(static_cast<float>((static_cast<double>(x[i]) - mx) * inv_t));
+          wp[i] = x[i] >= kth ? e : 0.0f;
+        }
+      } else {
+        for (int64_t i = lo; i < hi; ++i) {
+          wp[i] = exp_nonpositive(static_cast<float>((static_cast<double>(x[i]) - mx) * inv_t));
+        }
       }
-    } else {
-      for (int64_t i = lo; i < hi; ++i) {
-        wp[i] = exp_nonpositive(static_cast<float>((static_cast<double>(x[i]) - mx) * inv_t));
-      }
-    }
-    block_sums(wp, v, b0, b1, bs);
-  });
-  // the filters' thresholds on weights (the most likely token weighs 1)
-  double thr = 0.0;
-  if (top_p < 1.0) {
-    double total = 0.0;
-    for (int64_t b = 0; b < nb; ++b) total += bs[b];
-    const double floor = (1.0 - top_p) * total / static_cast<double>(v);
-    over_parts(parts, nb, [&](int p, int64_t b0, int64_t b1) {
-      cand[p].clear();
-      top_p_candidates(wp, tokens(b0), tokens(b1), floor, cand[p]);
+      if (top_p < 1.0) block_sums(wp, v, b0, b1, bs);
     });
-    for (int p = 1; p < parts; ++p) cand[0].insert(cand[0].end(), cand[p].begin(), cand[p].end());
-    thr = top_p_select(cand[0], total, top_p);
-  }
-  thr = std::max(thr, min_p);
-  if (thr > 0.0) over_parts(parts, nb, [&](int, int64_t b0, int64_t b1) { mask_blocks(wp, v, b0, b1, thr, bs); });
-  // the running sum: blocks in order, each block's tokens in order
-  double sum = 0.0;
-  for (int64_t b = 0; b < nb; ++b) sum += bs[b];
-  const double target = u * sum;
-  double before = 0.0;
-  for (int64_t b = 0; b < nb; ++b) {
-    const double after = before + bs[b];
-    if (after >= target || b == nb - 1) {
-      const int64_t end = std::min(v, (b + 1) * kBlock);
-      double s = 0.0;
-      int64_t last = b * kBlock;
-      for (int64_t i = b * kBlock; i < end; ++i) {
-        if (wp[i] == 0.0f) continue;
-        s += wp[i];
-        last = i;
-        if (before + s >= target) return i;
-      }
-      return last;
+    // the filters' thresholds on weights (the most likely token weighs 1)
+    double thr = 0.0;
+    if (top_p < 1.0) {
+      double total = 0.0;
+      for (int64_t b = 0; b < nb; ++b) total += bs[b];
+      const double floor = (1.0 - top_p) * total / static_cast<double>(v);
+      over_parts(parts, nb, [&](int p, int64_t b0, int64_t b1) {
+        cand[p].clear();
+        top_p_candidates(wp, tokens(b0), tokens(b1), floor, cand[p]);
+      });
+      for (int p = 1; p < parts; ++p) cand[0].insert(cand[0].end(), cand[p].begin(), cand[p].end());
+      thr = top_p_select(cand[0], total, top_p);
     }
-    before = after;
+    thr = std::max(thr, min_p);
+    if (thr > 0.0) over_parts(parts, nb, [&](int, int64_t b0, int64_t b1) { mask_blocks(wp, v, b0, b1, thr); });
+    kept = wp;
   }
-  return v - 1;
+  // the Gumbel-max draw, from the most likely token's key (every filter keeps it)
+  const int64_t top = first_equal(x, v, m);
+  const Pick first = top >= 0 ? Pick{gumbel_key(x, top, inv_t, stream), top}
+                              : Pick{-std::numeric_limits<double>::infinity(), -1};
+  Pick part_pick[kMaxParts];
+  over_parts(parts, nb, [&](int p, int64_t b0, int64_t b1) {
+    part_pick[p] = gumbel_max(x, kept, tokens(b0), tokens(b1), inv_t, stream, first);
+  });
+  Pick best = first;
+  for (int p = 0; p < parts; ++p) {
+    if (part_pick[p].id >= 0) take(best, part_pick[p].key, part_pick[p].id);
+  }
+  return best.id >= 0 && best.key > -std::numeric_limits<double>::infinity() ? best.id : greedy;
 }
 
 // A thread's buffers for the rows it samples, kept between rows and calls: a row's (196 KB for 49,152 tokens)
@@ -345,10 +437,11 @@ void sample_rows(const T* x, int64_t n, int64_t v, const double* prm, int64_t* t
       return;
     }
     const uint64_t key = (static_cast<uint64_t>(at(4)) << 32) | static_cast<uint64_t>(at(5));
-    // sample_row's settings: temperature, top_k, top_p, min_p, u
-    const double p[5] = {at(0), at(1), at(2), at(3), uniform(key, static_cast<int64_t>(at(6)))};
+    // sample_row's settings: temperature, top_k, top_p, min_p
+    const double p[4] = {at(0), at(1), at(2), at(3)};
     RowBuffers<T>& b = row_buffers<T>();
-    tok[r] = sample_row<T>(x + r * v, v, p, b.w, b.blocks, b.scratch, b.cand, parts);
+    tok[r] = sample_row<T>(x + r * v, v, p, stream_of(key, static_cast<int64_t>(at(6))),
+                           static_cast<int64_t>(at(7)), b.w, b.blocks, b.scratch, b.cand, parts);
   };
 #ifdef _OPENMP
   const int threads = std::min(omp_get_max_threads(), kMaxParts);

@@ -1,10 +1,13 @@
-"""Temperature / top-k / top-p / min-p sampling driven by counter-based per-(seed, request, position)
-uniforms: the reference of the fused backend's sampling operator (kernels/sampling.cc), in Paddle's operators.
+"""Temperature / top-k / top-p / min-p sampling driven by counter-based per-(seed, request, position) noise:
+the reference of the fused backend's sampling operator (kernels/sampling.cc), in Paddle's operators and numpy.
 
-Every output position of every request owns one uniform u in (0, 1], a pure function of (seed, request id,
-position): no global RNG state. A token is sampled by filtering, normalizing, and taking the first token
-(in token-id order) where the cumulative probability reaches u. Plain and speculative decoding apply the same
-rule to the same logits row, so a draft is accepted exactly when it equals the token plain decoding samples.
+Every output position of every request owns a stream, a pure function of (seed, request id, position): no global
+RNG state. The stream gives each token j a Gumbel variable g_j = -log(-log u_j), u_j in (0, 1) from splitmix64
+at counter j. A row's token is the one the filters (top-k, top-p, min-p) keep whose x_j / temperature + g_j is
+largest (the lowest id on a tie): the Gumbel-max draw, distributed as the filtered softmax. Plain and speculative
+decoding apply the same rule to the same logits row, so a draft is accepted exactly when it equals the token
+plain decoding samples. The draw needs each logit only where its key could be the largest, which lets the fused
+operator bound most keys without computing them exactly (kernels/sampling.cc).
 """
 from __future__ import annotations
 
@@ -14,9 +17,11 @@ import numpy as np
 import paddle
 
 # The sampling rule's version, stored in each output's manifest (a resume across versions is refused): 1, the
-# first, in the model's dtype; 2, in double, with min_p (as kernels/sampling.cc computes it).
-SAMPLER_VERSION = 2
+# first, in the model's dtype; 2, in double, with min_p (as kernels/sampling.cc computes it): the inverse CDF in
+# token order at one uniform per row; 3, the Gumbel-max draw over the kept tokens.
+SAMPLER_VERSION = 3
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _TOPP_CANDIDATES = 256  # top-p looks at this many most likely tokens first; falls back to a full sort
 
 
@@ -33,11 +38,19 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def uniforms(keys: np.ndarray, out_positions: np.ndarray) -> np.ndarray:
-    """u in (0, 1] for each (request key, output position); [num_rows] float64."""
+def streams(keys: np.ndarray, out_positions: np.ndarray) -> np.ndarray:
+    """[num_rows] uint64: the noise stream of each (request key, output position)."""
     with np.errstate(over="ignore"):
-        x = _splitmix64(keys.astype(np.uint64) ^ _splitmix64(out_positions.astype(np.uint64)))
-    return ((x >> np.uint64(11)).astype(np.float64) + 1.0) * (1.0 / 9007199254740992.0)
+        return _splitmix64(keys.astype(np.uint64) ^ _splitmix64(out_positions.astype(np.uint64)))
+
+
+def gumbels(stream: np.ndarray, vocab: int) -> np.ndarray:
+    """[num_rows, vocab] float64: token j's Gumbel variable in each row's stream: u_j = (m + 1/2) / 2^52 for m the
+    top 52 bits of splitmix64 at counter j (each step exact: u in [2^-53, 1 - 2^-53]), g_j = -log(-log u_j)."""
+    with np.errstate(over="ignore"):
+        h = _splitmix64(stream.astype(np.uint64)[:, None] + np.arange(vocab, dtype=np.uint64)[None, :] * _GOLDEN)
+    u = ((h >> np.uint64(12)).astype(np.float64) + 0.5) * (1.0 / 4503599627370496.0)
+    return -np.log(-np.log(u))
 
 
 def _top_p_threshold(probs: paddle.Tensor, top_p: paddle.Tensor) -> paddle.Tensor:
@@ -61,27 +74,36 @@ def sample(
     temperature: np.ndarray,  # [rows] float64, 0 = greedy
     top_k: np.ndarray,  # [rows] int64, 0 = off
     top_p: np.ndarray,  # [rows] float64, 1 = off
-    u: np.ndarray | None,  # [rows] float64 in (0, 1]; only read at sampled rows (None: every row is greedy)
+    stream: np.ndarray | None,  # [rows] uint64 (streams); only read at sampled rows (None: every row is greedy)
     greedy: np.ndarray | None = None,  # [rows] int64 the logits' argmax, where the forward computed it
     # already
     min_p: np.ndarray | None = None,  # [rows] float64, 0 = off: keep tokens at least min_p as likely as the
     # most likely one (after top-k and top-p); None: off everywhere
 ) -> np.ndarray:
-    """Token per row; [rows] int64. Greedy rows take the argmax (lowest id on a tie)."""
+    """Token per row; [rows] int64. Greedy rows take the argmax (lowest id on a tie); a temperature that is not
+    above 0 (NaN included) is greedy. Sampled rows take the kept token with the largest x * (1 / temperature) + g
+    in double (NaN keys never win; a row with no key above -inf keeps its argmax)."""
     if greedy is None:
         greedy = paddle.argmax(logits, axis=-1).numpy()  # [rows] the lowest id on a tie
-    sampled_rows = np.nonzero(temperature > 0)[0]
-    if len(sampled_rows) == 0:
+    rows = np.nonzero(temperature > 0)[0]
+    if len(rows) == 0:
         return greedy
-    mp = None if min_p is None else min_p[sampled_rows]
-    probs = filtered_probs(paddle.gather(logits, paddle.to_tensor(sampled_rows)), temperature[sampled_rows],
-                           top_k[sampled_rows], top_p[sampled_rows], mp)
-    cdf = paddle.cumsum(probs, axis=-1)  # [n, vocab]
-    target = cdf[:, -1:] * paddle.to_tensor(u[sampled_rows], dtype=probs.dtype).unsqueeze(-1)
-    idx = paddle.sum((cdf < target).astype("int64"), axis=-1)  # first index where cdf >= target
-    idx = paddle.clip(idx, max=probs.shape[-1] - 1)
+    picked = paddle.gather(logits, paddle.to_tensor(rows))
+    x = picked.astype("float64").numpy()  # [n, vocab]
+    mp = np.zeros(len(rows)) if min_p is None else min_p[rows]
+    filtered = (top_k[rows] > 0) | (top_p[rows] < 1) | (mp > 0)  # [n] (top_k >= vocab keeps every token)
+    kept = np.ones(x.shape, bool)
+    if filtered.any():
+        f = np.nonzero(filtered)[0]
+        probs = filtered_probs(paddle.gather(picked, paddle.to_tensor(f)), temperature[rows][f], top_k[rows][f],
+                               top_p[rows][f], mp[f])
+        kept[f] = probs.numpy() > 0
+    keys = x * (1.0 / temperature[rows])[:, None] + gumbels(stream[rows], x.shape[1])
+    keys = np.where(kept & ~np.isnan(keys), keys, -np.inf)
     out = greedy.copy()
-    out[sampled_rows] = idx.numpy()
+    best = keys.argmax(axis=-1)  # the lowest id on a tie
+    found = keys[np.arange(len(rows)), best] > -np.inf
+    out[rows[found]] = best[found]
     return out
 
 
@@ -105,6 +127,8 @@ def filtered_probs(
         kth = paddle.where(paddle.to_tensor(top_k > 0).unsqueeze(-1), kth, paddle.full_like(kth, -np.inf))
         x = paddle.where(x < kth, paddle.full_like(x, -np.inf), x)
     probs = paddle.nn.functional.softmax(x, axis=-1)  # [n, vocab]
+    # (Paddle's softmax gives -inf a weight of ~1e-28 on the CPU: the tokens top-k leaves out weigh exactly 0)
+    probs = paddle.where(x == -np.inf, paddle.zeros_like(probs), probs)
     if (top_p < 1).any():
         thr = _top_p_threshold(probs, paddle.to_tensor(top_p, dtype=dtype))
         thr = paddle.where(paddle.to_tensor(top_p < 1).unsqueeze(-1), thr, paddle.zeros_like(thr))

@@ -18,6 +18,7 @@ from specgen.errors import EXIT_RECORD_ERRORS
 from specgen.io.lock import OutputLock, lock_path
 from specgen.io.manifest import PARQUET_KEY, sidecar_path
 from specgen.io.outputs import iter_output_records, journal_path
+from specgen.layers.sampling import SAMPLER_VERSION
 
 NUM = 24
 ARGS = ["--max-tokens", "6", "--batch-size", "4", "--ignore-eos", "-q"]
@@ -182,20 +183,26 @@ def test_resume_with_other_settings_is_refused(tmp_path, inputs, ext):
             and "model.sha256" in stats.stdout)
 
 
-def test_resume_of_an_output_of_the_first_sampler_is_refused(tmp_path, inputs):
-    """An output whose manifest predates the sampler's version (and min_p) was sampled by version 1: a resume
-    with this sampler is refused, unless --allow-mismatch; min_p at its default is no difference."""
-    out = tmp_path / "out.jsonl"
-    assert invoke("run", inputs, "-o", out, *ARGS[:-1], "--max-tokens", "3").exit_code == 0
-    stored = json.loads(sidecar_path(out).read_text())
-    assert stored["sampling"]["sampler"] == 2 and stored["sampling"]["min_p"] == 0.0
-    del stored["sampling"]["sampler"], stored["sampling"]["min_p"]
-    sidecar_path(out).write_text(json.dumps(stored))
-    result = invoke("run", inputs, "-o", out, *ARGS[:-1], "--max-tokens", "3", "--resume")
-    assert result.exit_code == 2 and "sampling.sampler: 1 (output) -> 2 (this run)" in result.stderr
-    assert "min_p" not in result.stderr
-    result = invoke("run", inputs, "-o", out, *ARGS[:-1], "--max-tokens", "3", "--resume", "--allow-mismatch")
-    assert result.exit_code == 0
+def test_resume_of_an_output_of_an_older_sampler_is_refused(tmp_path, inputs):
+    """An output whose manifest predates the sampler's version (and min_p) was sampled by version 1, one that
+    records 2 by the inverse CDF: a resume with this sampler (3, the Gumbel-max draw) is refused, unless
+    --allow-mismatch; min_p at its default is no difference."""
+    for old in (1, 2):
+        out = tmp_path / f"out{old}.jsonl"
+        assert invoke("run", inputs, "-o", out, *ARGS[:-1], "--max-tokens", "3").exit_code == 0
+        stored = json.loads(sidecar_path(out).read_text())
+        assert stored["sampling"]["sampler"] == SAMPLER_VERSION == 3 and stored["sampling"]["min_p"] == 0.0
+        if old == 1:
+            del stored["sampling"]["sampler"], stored["sampling"]["min_p"]
+        else:
+            stored["sampling"]["sampler"] = 2
+        sidecar_path(out).write_text(json.dumps(stored))
+        result = invoke("run", inputs, "-o", out, *ARGS[:-1], "--max-tokens", "3", "--resume")
+        assert result.exit_code == 2 and f"sampling.sampler: {old} (output) -> 3 (this run)" in result.stderr
+        assert "min_p" not in result.stderr
+        result = invoke("run", inputs, "-o", out, *ARGS[:-1], "--max-tokens", "3", "--resume",
+                        "--allow-mismatch")
+        assert result.exit_code == 0
 
 
 def test_allow_mismatch_needs_resume(tmp_path, inputs):

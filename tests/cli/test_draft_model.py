@@ -41,7 +41,7 @@ def test_draft_model_outputs_equal_plain_decoding(tiny_model, tiny_model64, cut,
                             engine=EngineConfig(batch_size=batch, dtype=dtype), speculative=spec)
             assert [o.token_ids for o in outs] == ref, (draft, temperature, batch)
             # the model drafting for itself: every draft right, sampled ones too (drafts are sampled with the
-            # uniforms verification uses)
+            # noise verification uses)
             if draft == "self" and not adaptive:
                 assert all(o.stats.num_accepted_tokens == o.stats.num_draft_tokens > 0 for o in outs)
 

@@ -1,5 +1,5 @@
 """Draft-model drafting: a smaller model with the main model's vocabulary proposes k tokens per slot (greedy,
-or for sampled requests sampled with the main model's own uniforms), one forward per draft position over every
+or for sampled requests sampled with the main model's own noise), one forward per draft position over every
 drafting slot at once; the main model verifies them in its own step.
 
 Cache invariant: the draft keeps its own KV cache in the main model's slot layout. After each step, for a slot
@@ -208,7 +208,7 @@ class DraftModelProposer:
 
 class _DraftChoice:
     """How the draft picks each draft: greedy for greedy requests; for sampled ones, the counter-based sample
-    of its own distribution with the uniform the main model will use at that output position
+    of its own distribution with the noise the main model will use at that output position
     (layers/sampling.py's rule, by the draft's backend's sampler), so that where the two distributions are
     close the draft proposes the very token verification will sample."""
 
