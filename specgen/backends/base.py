@@ -65,8 +65,8 @@ class RowSampling:
     top_k: np.ndarray  # [num_logits] int64, 0 = off
     top_p: np.ndarray  # [num_logits] float64, 1 = off
     min_p: np.ndarray  # [num_logits] float64, 0 = off
-    # each row's noise stream is that of (its request's key, its output position) (layers/sampling.streams: the
-    # fused operator computes it itself); None: every row greedy
+    # each row's noise stream is that of (its request's key, its output position) (layers/sampling.streams:
+    # the fused operator computes it itself); None: every row greedy
     key: np.ndarray | None  # [num_logits] uint64
     position: np.ndarray | None  # [num_logits] int64 output positions (>= 0)
 

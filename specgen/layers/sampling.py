@@ -1,13 +1,15 @@
-"""Temperature / top-k / top-p / min-p sampling driven by counter-based per-(seed, request, position) noise:
-the reference of the fused backend's sampling operator (kernels/sampling.cc), in Paddle's operators and numpy.
+"""Temperature / top-k / top-p / min-p sampling driven by counter-based per-(seed, request, position)
+noise: the reference of the fused backend's sampling operator (kernels/sampling.cc), in Paddle's operators and
+numpy.
 
-Every output position of every request owns a stream, a pure function of (seed, request id, position): no global
-RNG state. The stream gives each token j a Gumbel variable g_j = -log(-log u_j), u_j in (0, 1) from splitmix64
-at counter j. A row's token is the one the filters (top-k, top-p, min-p) keep whose x_j / temperature + g_j is
-largest (the lowest id on a tie): the Gumbel-max draw, distributed as the filtered softmax. Plain and speculative
-decoding apply the same rule to the same logits row, so a draft is accepted exactly when it equals the token
-plain decoding samples. The draw needs each logit only where its key could be the largest, which lets the fused
-operator bound most keys without computing them exactly (kernels/sampling.cc).
+Every output position of every request owns a stream, a pure function of (seed, request id, position): no
+global RNG state. The stream gives each token j a Gumbel variable g_j = -log(-log u_j), u_j in (0, 1) from
+splitmix64 at counter j. A row's token is the one the filters (top-k, top-p, min-p) keep whose
+x_j / temperature + g_j is largest (the lowest id on a tie): the Gumbel-max draw, distributed as the filtered
+softmax. Plain and speculative decoding apply the same rule to the same logits row, so a draft is accepted
+exactly when it equals the token plain decoding samples. The draw needs each logit only where its key could be
+the largest, which lets the fused operator bound most keys without computing them exactly
+(kernels/sampling.cc).
 """
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ import numpy as np
 import paddle
 
 # The sampling rule's version, stored in each output's manifest (a resume across versions is refused): 1, the
-# first, in the model's dtype; 2, in double, with min_p (as kernels/sampling.cc computes it): the inverse CDF in
-# token order at one uniform per row; 3, the Gumbel-max draw over the kept tokens.
+# first, in the model's dtype; 2, in double, with min_p (as kernels/sampling.cc computes it): the inverse CDF
+# in token order at one uniform per row; 3, the Gumbel-max draw over the kept tokens.
 SAMPLER_VERSION = 3
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -45,10 +47,12 @@ def streams(keys: np.ndarray, out_positions: np.ndarray) -> np.ndarray:
 
 
 def gumbels(stream: np.ndarray, vocab: int) -> np.ndarray:
-    """[num_rows, vocab] float64: token j's Gumbel variable in each row's stream: u_j = (m + 1/2) / 2^52 for m the
-    top 52 bits of splitmix64 at counter j (each step exact: u in [2^-53, 1 - 2^-53]), g_j = -log(-log u_j)."""
+    """[num_rows, vocab] float64: token j's Gumbel variable in each row's stream: u_j = (m + 1/2) / 2^52 for m
+    the top 52 bits of splitmix64 at counter j (each step exact: u in [2^-53, 1 - 2^-53]),
+    g_j = -log(-log u_j)."""
+    counters = np.arange(vocab, dtype=np.uint64)[None, :] * _GOLDEN  # [1, vocab]
     with np.errstate(over="ignore"):
-        h = _splitmix64(stream.astype(np.uint64)[:, None] + np.arange(vocab, dtype=np.uint64)[None, :] * _GOLDEN)
+        h = _splitmix64(stream.astype(np.uint64)[:, None] + counters)
     u = ((h >> np.uint64(12)).astype(np.float64) + 0.5) * (1.0 / 4503599627370496.0)
     return -np.log(-np.log(u))
 
@@ -74,15 +78,16 @@ def sample(
     temperature: np.ndarray,  # [rows] float64, 0 = greedy
     top_k: np.ndarray,  # [rows] int64, 0 = off
     top_p: np.ndarray,  # [rows] float64, 1 = off
-    stream: np.ndarray | None,  # [rows] uint64 (streams); only read at sampled rows (None: every row is greedy)
+    stream: np.ndarray | None,  # [rows] uint64 (streams); read at sampled rows only (None: every row greedy)
     greedy: np.ndarray | None = None,  # [rows] int64 the logits' argmax, where the forward computed it
     # already
     min_p: np.ndarray | None = None,  # [rows] float64, 0 = off: keep tokens at least min_p as likely as the
     # most likely one (after top-k and top-p); None: off everywhere
 ) -> np.ndarray:
-    """Token per row; [rows] int64. Greedy rows take the argmax (lowest id on a tie); a temperature that is not
-    above 0 (NaN included) is greedy. Sampled rows take the kept token with the largest x * (1 / temperature) + g
-    in double (NaN keys never win; a row with no key above -inf keeps its argmax)."""
+    """Token per row; [rows] int64. Greedy rows take the argmax (lowest id on a tie); a temperature that is
+    not above 0 (NaN included) is greedy. Sampled rows take the kept token with the largest
+    x * (1 / temperature) + g in double (NaN keys never win; a row with no key above -inf keeps its
+    argmax)."""
     if greedy is None:
         greedy = paddle.argmax(logits, axis=-1).numpy()  # [rows] the lowest id on a tie
     rows = np.nonzero(temperature > 0)[0]
@@ -95,8 +100,8 @@ def sample(
     kept = np.ones(x.shape, bool)
     if filtered.any():
         f = np.nonzero(filtered)[0]
-        probs = filtered_probs(paddle.gather(picked, paddle.to_tensor(f)), temperature[rows][f], top_k[rows][f],
-                               top_p[rows][f], mp[f])
+        probs = filtered_probs(paddle.gather(picked, paddle.to_tensor(f)), temperature[rows][f],
+                               top_k[rows][f], top_p[rows][f], mp[f])
         kept[f] = probs.numpy() > 0
     keys = x * (1.0 / temperature[rows])[:, None] + gumbels(stream[rows], x.shape[1])
     keys = np.where(kept & ~np.isnan(keys), keys, -np.inf)

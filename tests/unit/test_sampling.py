@@ -244,9 +244,10 @@ def test_a_nan_temperature_row_is_greedy_in_both_samplers():
 @needs_ops
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_the_largest_noise_a_hair_either_side_of_the_most_likely_tokens_key(dtype):
-    """Token j's noise at its largest (u = 1 - 2^-53, g = 36.74: where the operator's bound on it is tightest),
-    its logit set so that its key lies just above, or just below, the most likely token's: the operator finds the
-    reference's token either way, on a row longer than a vector and in the tail past the last whole 8."""
+    """Token j's noise at its largest (u = 1 - 2^-53, g = 36.74: where the operator's bound on it is
+    tightest), its logit set so that its key lies just above, or just below, the most likely token's: the
+    operator finds the reference's token either way, on a row longer than a vector and in the tail past the
+    last whole 8."""
     temperature, vocab = 0.5, 1003
     for j in (517, 1001):
         for gap in (1e-6, -1e-6, 1e-3, -1e-3):
@@ -258,10 +259,11 @@ def test_the_largest_noise_a_hair_either_side_of_the_most_likely_tokens_key(dtyp
             assert g_max > 36.7
             x[j] = (x[7] / temperature + g_top - g_max + gap) * temperature
             logits = paddle.to_tensor(x[None, :].astype(dtype))
-            settings = (np.array([temperature]), np.zeros(1, np.int64), np.ones(1), np.array([key], np.uint64),
-                        np.array([11]))
+            settings = (np.array([temperature]), np.zeros(1, np.int64), np.ones(1),
+                        np.array([key], np.uint64), np.array([11]))
             want = reference(logits, *settings).tolist()
-            assert want == ([j] if gap > 0 else [7]) or (dtype == "float32" and abs(gap) < 1e-4)  # (rounded x[j])
+            # (float32 rounds x[j] by more than the smaller gap)
+            assert want == ([j] if gap > 0 else [7]) or (dtype == "float32" and abs(gap) < 1e-4)
             assert fused(logits, *settings).tolist() == want, (j, gap, dtype)
 
 
