@@ -34,11 +34,13 @@ class ForwardOutput:
 
     logits: paddle.Tensor | None  # [num_logits, vocab]; None when not asked for and the backend skipped them
     hidden: paddle.Tensor  # [num_tokens, hidden] final normed hidden states
-    greedy: np.ndarray  # [num_logits] int64 each logit row's argmax (the lowest id on a tie)
+    greedy: np.ndarray  # [num_logits] int64 each logit row's argmax (the lowest id on a tie); with `sampled`
+    # each row's token, its sampled rows sampled
     expert_counts: np.ndarray | None = None  # [num_routed_blocks, num_experts] int64 tokens each expert took
     # ... (MoE)
     features: paddle.Tensor | None = None  # [num_tokens, C hidden] the inputs of the C blocks asked for (the
     # last block's output for index num_layers), side by side: EAGLE-3's features; None when none were asked
+    sampled: bool = False  # the forward sampled the rows RowSampling asked for (Backend.samples_in_forward)
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,14 @@ class RowSampling:
     # the fused operator computes it itself); None: every row greedy
     key: np.ndarray | None  # [num_logits] uint64
     position: np.ndarray | None  # [num_logits] int64 output positions (>= 0)
+
+    def unfiltered(self) -> bool:
+        """Whether no sampled row has a filter on (top_k, top_p, min_p): the rows a backend that samples in
+        its forward takes (their kept set is every token, so no logit is needed beyond the keys' bounds)."""
+        s = self.temperature > 0
+        if not s.any():
+            return True
+        return bool((self.top_k[s] <= 0).all() and (self.top_p[s] >= 1).all() and (self.min_p[s] <= 0).all())
 
     def streams(self) -> np.ndarray | None:
         """[num_logits] uint64 each row's noise stream; None where every row is greedy."""
@@ -102,11 +112,17 @@ class Backend(Protocol):
     def prepare(self, model: ModelView) -> None:
         """Bring the model's weights into the form this backend's products read (in place)."""
 
+    @property
+    def samples_in_forward(self) -> bool:
+        """Whether forward, given `sampling` and no logits asked for, samples the rows itself (rows whose
+        filters are off: RowSampling.unfiltered), without the logits."""
+
     def forward(self, model: ModelView, batch: ForwardBatch, cache: KVCache, logits: bool,
-                features: tuple[int, ...] = ()) -> ForwardOutput:
+                features: tuple[int, ...] = (), sampling: RowSampling | None = None) -> ForwardOutput:
         """One packed forward; writes the tokens' K/V. With `logits` False the caller needs the greedy tokens
-        only (the logits may then be skipped); `features`: the blocks whose inputs ForwardOutput.features
-        holds."""
+        only (the logits may then be skipped), or with `sampling` the tokens those rows sample, where the
+        backend samples in its forward (ForwardOutput.sampled); `features`: the blocks whose inputs
+        ForwardOutput.features holds."""
 
     def logits(self, model: ModelView, hidden: paddle.Tensor) -> paddle.Tensor:
         """The LM head over final normed hidden rows [rows, hidden] -> [rows, vocab]."""

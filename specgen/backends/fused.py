@@ -94,6 +94,7 @@ class FusedBackend:
         self._indices = KeptIndex(self.INDEX_REUSE_SIZES)
         self._params = KeptIndex(self.INDEX_REUSE_SIZES, np.float64)  # the sampler's, per row count
         self._no_screen = paddle.zeros([0], dtype="float32")
+        self._no_sample = paddle.zeros([0], dtype="float64")
 
     @property
     def keeps_blocks(self) -> bool:
@@ -205,8 +206,13 @@ class FusedBackend:
             return paddle.to_tensor(index.astype(np.int64, copy=False))
         return self._indices.tensors((index,))[0]
 
+    @property
+    def samples_in_forward(self) -> bool:
+        return self.screen is not None  # (the screen's bounds give the sampled rows' keys: linear.cc)
+
     def forward(self, model: ModelView, batch: ForwardBatch, cache: KVCache,
-                logits: bool = True, features: tuple[int, ...] = ()) -> ForwardOutput:
+                logits: bool = True, features: tuple[int, ...] = (),
+                sampling: RowSampling | None = None) -> ForwardOutput:
         reserve(batch, cache)
         n = len(batch.token_ids)
         plen = batch.token_prefix_len
@@ -217,14 +223,21 @@ class FusedBackend:
                                 batch.logit_rows])
         screened = not logits and self.screen is not None
         screen, bound = (self.screen.panels.panels, self.screen.bound) if screened else (self._no_screen,) * 2
+        sampled = screened and sampling is not None and sampling.key is not None
+        sample = self._no_sample
+        if sampled:
+            sample = self._params.tensors(args.sample_rows(args.SampleArgs(
+                sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.key,
+                sampling.position, np.zeros(len(sampling.temperature), np.int64))), stacked=True)[0]
         pre = cache.prefix
         out, hidden, greedy, feats = args.forward_bound(self.ops, args.StepArgs(
             index=self._index(index), num_tokens=n, weights=self._weights(model),
             caches=self._caches(model, cache),
             capacity=cache.capacity, prefix_capacity=pre.capacity if pre is not None else 0, screen=screen,
-            bound=bound, geometry=self._geometry, vocab=model.weights.lm_head.weight.n, tree=tree), features)
+            bound=bound, sample=sample, geometry=self._geometry, vocab=model.weights.lm_head.weight.n,
+            tree=tree), features)
         counts = args.take_expert_counts(self.ops, self._counts_handle).numpy() if self._moe_args else None
-        return ForwardOutput(None if screened else out, hidden, greedy.numpy(), counts, feats)
+        return ForwardOutput(None if screened else out, hidden, greedy.numpy(), counts, feats, sampled)
 
     def logits(self, model: ModelView, hidden: paddle.Tensor) -> paddle.Tensor:
         lm = model.weights.lm_head.weight

@@ -50,8 +50,11 @@ class ReferenceBackend:
         for lin in model.weights.linears():
             self.prepare_linear(lin)
 
+    samples_in_forward = False  # (forward computes every logit; `sampling` is not read)
+
     def forward(self, model: ModelView, batch: ForwardBatch, cache: KVCache,
-                logits: bool = True, features: tuple[int, ...] = ()) -> ForwardOutput:
+                logits: bool = True, features: tuple[int, ...] = (),
+                sampling: RowSampling | None = None) -> ForwardOutput:
         w = model.weights
         reserve(batch, cache)
         att = AttentionIndex(batch, cache, model.rope, model.shape.num_heads, self.dtype)

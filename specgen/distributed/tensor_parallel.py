@@ -200,7 +200,7 @@ class TensorParallelBackend(ReferenceBackend):
         self._send(CACHE_CALL, cache_id, (method, args))
 
     def forward(self, model: ModelView, batch: ForwardBatch, cache: ShardCache,
-                logits: bool = True, features: tuple[int, ...] = ()) -> ForwardOutput:
+                logits: bool = True, features: tuple[int, ...] = (), sampling=None) -> ForwardOutput:
         """The reference forward over this rank's shard, every rank's hooks meeting in the same collectives;
         rank 0 first sends the forward to the others."""
         prefix = cache.prefix.cache_id if cache.prefix is not None else -1

@@ -335,10 +335,17 @@ class Engine:
         blocks = self._blocks(plan)
         slots, t = blocks.slots, self.table
         # A step whose slots are all greedy, unpenalized and want no log-probabilities needs no logits (a
-        # screened LM head skips them; a grammar's rows that refuse the greedy token get theirs: rows.py).
-        wants = t.temperature[slots].any() or t.logprobs[slots].any() or t.penalized[slots].any()
-        out = self.model.forward(blocks.batch, self.cache, logits=bool(wants), features=self.features)
-        targets, sampled_from = self._sample(plan, blocks, out)
+        # screened LM head skips them; a grammar's rows that refuse the greedy token get theirs: rows.py); nor
+        # does one whose sampled rows have no filter on, where the backend samples in its forward (from the
+        # screen's bounds: the same tokens).
+        rows = self._row_sampling(blocks)
+        sampled = bool(t.temperature[slots].any())
+        other = bool(t.logprobs[slots].any() or t.penalized[slots].any())
+        in_forward = (sampled and not other and self.model.samples_in_forward and rows.unfiltered()
+                      and not self._constrained(slots))
+        out = self.model.forward(blocks.batch, self.cache, logits=(sampled and not in_forward) or other,
+                                 features=self.features, sampling=rows if in_forward else None)
+        targets, sampled_from = self._sample(plan, blocks, out, rows)
         forward_seconds = time.perf_counter() - start
         self._tally(out)
         # NaN / Inf: these end in error
@@ -645,24 +652,32 @@ class Engine:
             seq, d = np.nonzero(move)
             self.cache.move_rows(dec[seq], root_rows[seq] + path[seq, d], root_rows[seq] + d)
 
-    def _sample(self, plan: StepPlan, blocks: StepBlocks, out):
-        """The main model's own choice at every logit row ([num_logits] int64): greedy, or the counter-based
-        sample of the row's (request, output position), by the backend's sampler; rows of penalized slots
-        processed first (engine/penalties.py), rows of constrained slots masked by their grammars. Returns
-        (the choices, the logits they were made from: processed where a slot's are)."""
+    def _row_sampling(self, blocks: StepBlocks) -> RowSampling:
+        """How each logit row of the step is sampled: its slot's settings, and for sampled rows the noise
+        stream's (request key, output position)."""
         t, batch = self.table, blocks.batch
-        logits, greedy = out.logits, out.greedy
-        if t.penalized[blocks.slots].any() or self._constrained(blocks.slots):
-            logits, greedy = processed(Processing(t, self.model.logits, self.eos_ids, self.bias_table,
-                                                  self.stop_table, self.grammars), plan, blocks, out)
         row_tok = batch.logit_rows  # [num_logits]
         row_slot = batch.token_slots[row_tok]
         temperature = t.temperature[row_slot]
         key = position = None
-        if temperature.any():  # sampled rows: their noise streams' (request key, output position)
+        if temperature.any():
             key, position = t.rng_key[row_slot], batch.model_positions[row_tok] + 1 - t.prompt_len[row_slot]
-        rows = RowSampling(temperature, t.top_k[row_slot], t.top_p[row_slot], t.min_p[row_slot], key,
+        return RowSampling(temperature, t.top_k[row_slot], t.top_p[row_slot], t.min_p[row_slot], key,
                            position)
+
+    def _sample(self, plan: StepPlan, blocks: StepBlocks, out, rows: RowSampling):
+        """The main model's own choice at every logit row ([num_logits] int64): greedy, or the counter-based
+        sample of the row's (request, output position), by the backend's sampler (or its forward's:
+        ForwardOutput.sampled); rows of penalized slots processed first (engine/penalties.py), rows of
+        constrained slots masked by their grammars. Returns (the choices, the logits they were made from:
+        processed where a slot's are; None where the forward sampled)."""
+        if out.sampled:
+            return out.greedy, out.logits
+        t = self.table
+        logits, greedy = out.logits, out.greedy
+        if t.penalized[blocks.slots].any() or self._constrained(blocks.slots):
+            logits, greedy = processed(Processing(t, self.model.logits, self.eos_ids, self.bias_table,
+                                                  self.stop_table, self.grammars), plan, blocks, out)
         return self.model.sample(logits, rows, greedy), logits
 
     def _commit(self, plan: StepPlan, slots: np.ndarray, emitted: np.ndarray, kept: np.ndarray) -> np.ndarray:

@@ -135,6 +135,8 @@ class StepArgs:
     prefix_capacity: int  # the shared prefix's positions (0: none)
     screen: Tensor  # the LM head's integer-product panels for greedy tokens without logits; empty: the logits
     bound: Tensor  # the screen's error bound [panels, hidden / 32, 32]; empty with an empty screen
+    sample: Tensor  # sample_rows stacked (float64 [8, num_logits]) for the screen's sampled rows (empty:
+    # greedy)
     geometry: Geometry
     vocab: int
     tree: bool = False  # the index holds ForwardBatch.rope_positions and tree_mask
@@ -143,10 +145,11 @@ class StepArgs:
 def forward_bound(ops: ModuleType, a: StepArgs,
                   capture: tuple[int, ...] = ()) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """-> (logits [num_logits, vocab] (screened: [0, vocab]), hidden [num_tokens, hidden], greedy
-    [num_logits], features [num_tokens, len(capture) hidden]: the inputs of blocks `capture`, or None)."""
+    [num_logits] (with `sample`, its sampled rows' tokens), features [num_tokens, len(capture) hidden]: the
+    inputs of blocks `capture`, or None)."""
     g = a.geometry
     logits, hidden, greedy, features = ops.specgen_forward_bound(
-        a.index, a.screen, a.bound, a.num_tokens, a.weights, a.caches, g.num_heads, g.num_kv_heads,
+        a.index, a.screen, a.bound, a.sample, a.num_tokens, a.weights, a.caches, g.num_heads, g.num_kv_heads,
         a.capacity, g.qk_norm, g.eps, a.prefix_capacity, a.vocab, a.tree, list(capture))
     return logits, hidden, greedy, features if capture else None
 

@@ -1293,7 +1293,8 @@ std::vector<paddle::Tensor> ForwardImpl(
     const paddle::Tensor& logit_rows, const paddle::Tensor& lm_head, const paddle::Tensor& lm_screen,
     const paddle::Tensor& lm_bound, int num_heads, int num_kv_heads, int64_t capacity, bool qk_norm, double eps,
     int64_t prefix_capacity, int64_t vocab, const std::vector<const specgen::ExpertBlock*>* moe,
-    const int64_t* tree = nullptr, const std::vector<int64_t>* capture = nullptr) {
+    const int64_t* tree = nullptr, const std::vector<int64_t>* capture = nullptr,
+    const paddle::Tensor* sample = nullptr) {
   check_cpu(embed, "embed");
   PD_CHECK(embed.shape().size() == 2, "specgen_forward: embedding [vocab, hidden]");
   return with_activations(embed, "specgen_forward", [&](auto type) -> std::vector<paddle::Tensor> {
@@ -1327,6 +1328,8 @@ std::vector<paddle::Tensor> ForwardImpl(
     }
     const specgen::PackedWeight lm = packed_for<T>(lm_head, hid, vocab, "lm_head");
     const bool screened = lm_screen.numel() > 0;  // greedy tokens only (specgen::screened_argmax), no logits
+    PD_CHECK(screened || sample == nullptr || sample->numel() == 0,
+             "specgen_forward: sampling in the forward needs the LM head's screen");
     if (screened) {
       PD_CHECK((std::is_same_v<T, float>), "specgen_forward: the screened LM head (lm_screen) is float32 only");
       PD_CHECK(lm_bound.dtype() == paddle::DataType::FLOAT32 &&
@@ -1357,8 +1360,12 @@ std::vector<paddle::Tensor> ForwardImpl(
     if constexpr (std::is_same_v<T, float>) {
       if (screened) {
         const specgen::PackedWeight screen = specgen::packed_weight(lm_screen, hid, vocab, "lm_screen");
+        const bool sampled = sample != nullptr && sample->numel() > 0;
+        if (sampled)
+          PD_CHECK(sample->dtype() == paddle::DataType::FLOAT64 && sample->numel() == 8 * m,
+                   "specgen_forward: sample params must be float64 [8, num_logit_rows]");
         specgen::screened_argmax(rows.data(), m, hid, lm, screen, lm_bound.data<float>(), vocab,
-                                 greedy.data<int64_t>());
+                                 greedy.data<int64_t>(), sampled ? sample->data<double>() : nullptr);
         return {logits, hidden, greedy, features};
       }
     }
@@ -1533,9 +1540,11 @@ std::vector<paddle::Tensor> Unbind(const paddle::Tensor& handle) {
 // index int64 [4 n + m]: the n tokens' ids, positions, slots and prefix lengths, then the m logit rows (one
 // tensor instead of five: each costs ~25 us to make on the Python side); with `tree` [6 n + m]: the tokens' tree
 // positions and masks after the prefix lengths (StepInputs); lm_screen / lm_bound as specgen_forward's (empty: the
-// logits).
+// logits); sample: specgen_sample's params [8, num_logit_rows] for rows sampled with the screen (temperature > 0,
+// no filter), or empty: the greedy tokens.
 std::vector<paddle::Tensor> ForwardBound(const paddle::Tensor& index, const paddle::Tensor& lm_screen,
-                                         const paddle::Tensor& lm_bound, int64_t num_tokens, int64_t weights,
+                                         const paddle::Tensor& lm_bound, const paddle::Tensor& sample,
+                                         int64_t num_tokens, int64_t weights,
                                          int64_t caches, int num_heads, int num_kv_heads, int64_t capacity,
                                          bool qk_norm, double eps, int64_t prefix_capacity, int64_t vocab, bool tree,
                                          const std::vector<int64_t>& capture) {
@@ -1575,7 +1584,7 @@ std::vector<paddle::Tensor> ForwardBound(const paddle::Tensor& index, const padd
                      prefix_len, c->prefix_k, c->prefix_v, w->final_norm, logit_rows, w->lm_head, lm_screen, lm_bound,
                      num_heads, num_kv_heads, capacity, qk_norm, eps, prefix_capacity, vocab,
                      w->experts ? &w->experts->blocks : nullptr,
-                     tree && n ? index.data<int64_t>() + 4 * n : nullptr, &capture);
+                     tree && n ? index.data<int64_t>() + 4 * n : nullptr, &capture, &sample);
 }
 
 // An MTP head's whole pass for a step (see MtpProposer in specgen/engine/proposers/mtp.py, which runs the same
@@ -1876,7 +1885,7 @@ PD_BUILD_OP(specgen_take_expert_counts)
 PD_BUILD_OP(specgen_unbind).Inputs({"Handle"}).Outputs({"Dropped"}).SetKernelFn(PD_KERNEL(Unbind));
 
 PD_BUILD_OP(specgen_forward_bound)
-    .Inputs({"Index", "LmScreen", "LmBound"})
+    .Inputs({"Index", "LmScreen", "LmBound", "Sample"})
     .Outputs({"Logits", "Hidden", "Greedy", "Features"})
     .Attrs({"num_tokens: int64_t", "weights: int64_t", "caches: int64_t", "num_heads: int", "num_kv_heads: int",
             "capacity: int64_t", "qk_norm: bool", "eps: double", "prefix_capacity: int64_t", "vocab: int64_t",

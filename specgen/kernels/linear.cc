@@ -1443,7 +1443,7 @@ void packed_linear(const double* x, int64_t m, int64_t k, const PackedWeight& w,
 }
 
 void screened_argmax(const float* x, int64_t m, int64_t k, const PackedWeight& w, const PackedWeight& screen,
-                     const float* bound, int64_t n, int64_t* out) {
+                     const float* bound, int64_t n, int64_t* out, const double* sample) {
   const Quant q = static_cast<Quant>(w.kind), qs = static_cast<Quant>(screen.kind);
   PD_CHECK(!w.int8_product && screen.int8_product && screen.panels == w.panels &&
                ((q == qs && (q == Quant::kQ8_0 || q == Quant::kQ4_0)) || (q == Quant::kQ6_K && qs == Quant::kQ6_K8)),
@@ -1475,8 +1475,9 @@ void screened_argmax(const float* x, int64_t m, int64_t k, const PackedWeight& w
       bool finite = true;
       for (int64_t i = 0; i < k; ++i) finite &= std::isfinite(xr[i]);
       int64_t best = -1;
+      float best_z = 0.f;  // the argmax's float32 logit
       if (finite) {
-        float thr = -std::numeric_limits<float>::infinity(), best_z = 0.f, z[kChains];
+        float thr = -std::numeric_limits<float>::infinity(), z[kChains];
         for (int64_t p = 0; p < panels; ++p) thr = std::max(thr, L[r * panels + p]);
         int64_t cand[kChains];
         int count = 0;
@@ -1498,14 +1499,51 @@ void screened_argmax(const float* x, int64_t m, int64_t k, const PackedWeight& w
         }
         if (count > 0) flush();
       }
+      const int64_t row = r0 + r;
+      const bool sampled = sample != nullptr && sample[row] > 0.0;  // (a NaN temperature: greedy)
+      if (sampled)
+        PD_CHECK((sample[m + row] <= 0.0 || sample[m + row] >= static_cast<double>(n)) && sample[2 * m + row] >= 1.0 &&
+                     sample[3 * m + row] <= 0.0,
+                 "screened_argmax: a sampled row's filters (top_k, top_p, min_p) need its logits");
+      const double inv_t = sampled ? 1.0 / sample[row] : 0.0;
+      const uint64_t stream =
+          sampled ? noise_stream((static_cast<uint64_t>(sample[4 * m + row]) << 32) |
+                                     static_cast<uint64_t>(sample[5 * m + row]),
+                                 static_cast<int64_t>(sample[6 * m + row]))
+                  : 0;
       if (best < 0) {  // a non-finite input (or no candidate): the full float32 product of this row
         std::vector<float> z(n);
         for (int64_t p = 0; p < panels; ++p) qpanel_any(xr, 1, k, exact + p * panel_bytes, q, z.data(), n, p * kPanel);
         for (int64_t j = 0; j < n; ++j)  // specgen_argmax's rule: NaN never wins, all NaN gives 0
           if (!std::isnan(z[j]) && (best < 0 || z[j] > z[best])) best = j;
         best = std::max<int64_t>(best, 0);
+        if (sampled) {  // every key from the logits (sampling.cc's rule, no bounds needed)
+          Pick p{-std::numeric_limits<double>::infinity(), -1};
+          for (int64_t j = 0; j < n; ++j) take(p, gumbel_key(static_cast<double>(z[j]), inv_t, stream, j), j);
+          if (p.id >= 0 && p.key > -std::numeric_limits<double>::infinity()) best = p.id;
+        }
+      } else if (sampled) {
+        // The Gumbel-max draw from the bounds: the argmax's exact key first (every logit is at most its A + margin,
+        // so every key at most that bound's), then the exact logits of the columns whose bounded key reaches the
+        // best so far, 8 at a time.
+        Pick p{gumbel_key(static_cast<double>(best_z), inv_t, stream, best), best};
+        int64_t cand[kChains];
+        float z[kChains];
+        int count = 0;
+        auto flush = [&]() {
+          exact_columns(xr, k, exact, q, cand, count, z);
+          for (int t = 0; t < count; ++t) take(p, gumbel_key(static_cast<double>(z[t]), inv_t, stream, cand[t]), cand[t]);
+          count = 0;
+        };
+        key_bounds(H + r * n, nullptr, 0, n, inv_t, stream, [&p]() { return p.key; }, [&](int64_t j) {
+          if (j == p.id) return;  // (its exact key is p's)
+          cand[count++] = j;
+          if (count == kChains) flush();
+        });
+        if (count > 0) flush();
+        if (p.key > -std::numeric_limits<double>::infinity()) best = p.id;
       }
-      out[r0 + r] = best;
+      out[row] = best;
     }
   }
 }
@@ -1528,10 +1566,12 @@ std::vector<paddle::Tensor> Linear(const paddle::Tensor& x, const paddle::Tensor
 PD_BUILD_OP(specgen_linear).Inputs({"X", "W"}).Outputs({"Out"}).Attrs({"n: int64_t"}).SetKernelFn(PD_KERNEL(Linear));
 
 // specgen_screened_argmax  x [m, k] float32, w (a Q8_0 / Q4_0 / Q6_K weight's panels), screen (its integer-product
-// panels), bound, n -> int64 [m]: the argmax of each row of x @ W, lowest index on a tie (specgen_forward's
-// greedy tokens with a screen; on its own for tests and benchmarks).
+// panels), bound, sample (specgen_sample's params float64 [8, m], or empty), n -> int64 [m]: the argmax of each row
+// of x @ W, lowest index on a tie, or where sample's temperature is above 0 the row's Gumbel-max draw
+// (specgen_forward's tokens with a screen; on its own for tests and benchmarks).
 std::vector<paddle::Tensor> ScreenedArgmax(const paddle::Tensor& x, const paddle::Tensor& w,
-                                           const paddle::Tensor& screen, const paddle::Tensor& bound, int64_t n) {
+                                           const paddle::Tensor& screen, const paddle::Tensor& bound,
+                                           const paddle::Tensor& sample, int64_t n) {
   PD_CHECK(x.is_cpu() && x.dtype() == paddle::DataType::FLOAT32 && x.shape().size() == 2,
            "specgen_screened_argmax: x must be a float32 CPU matrix");
   const int64_t m = x.shape()[0], k = x.shape()[1];
@@ -1540,12 +1580,17 @@ std::vector<paddle::Tensor> ScreenedArgmax(const paddle::Tensor& x, const paddle
   PD_CHECK(bound.dtype() == paddle::DataType::FLOAT32 && bound.numel() == pw.panels * k,
            "specgen_screened_argmax: bound must be float32 [panels, k / 32, 32]");
   auto out = paddle::empty({m}, paddle::DataType::INT64, x.place());
-  if (m > 0) specgen::screened_argmax(x.data<float>(), m, k, pw, ps, bound.data<float>(), n, out.data<int64_t>());
+  const bool sampled = sample.numel() > 0;
+  PD_CHECK(!sampled || (sample.dtype() == paddle::DataType::FLOAT64 && sample.numel() == 8 * m),
+           "specgen_screened_argmax: sample must be float64 [8, m] or empty");
+  if (m > 0)
+    specgen::screened_argmax(x.data<float>(), m, k, pw, ps, bound.data<float>(), n, out.data<int64_t>(),
+                             sampled ? sample.data<double>() : nullptr);
   return {out};
 }
 
 PD_BUILD_OP(specgen_screened_argmax)
-    .Inputs({"X", "W", "Screen", "Bound"})
+    .Inputs({"X", "W", "Screen", "Bound", "Sample"})
     .Outputs({"Out"})
     .Attrs({"n: int64_t"})
     .SetKernelFn(PD_KERNEL(ScreenedArgmax));

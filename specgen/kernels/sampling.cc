@@ -28,6 +28,7 @@
 #endif
 
 #include "paddle/extension.h"
+#include "specgen_kernels.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -40,104 +41,17 @@ constexpr int64_t kBlock = 64;  // tokens per block of the weights' sums (top_p'
 // position, the greedy token (kernels/args.py's sample_rows)
 constexpr int kParams = 8;
 
-// splitmix64's finalizer (layers/sampling.py's _splitmix64)
-inline uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
+using specgen::gumbel_key;
+using specgen::Pick;
+using specgen::take;
 
-constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;  // splitmix64's increment
-
-// The noise stream of (request key, output position): layers/sampling.py's streams, to the bit.
-inline uint64_t stream_of(uint64_t key, int64_t position) {
-  return splitmix64(key ^ splitmix64(static_cast<uint64_t>(position)));
-}
-
-// Token j's Gumbel variable in `stream` (layers/sampling.py's gumbels): u = (m + 1/2) 2^-52, m the top 52 bits of
-// splitmix64 at counter j (each step exact), -log(-log u) in double.
-inline double gumbel(uint64_t stream, int64_t j) {
-  const uint64_t h = splitmix64(stream + static_cast<uint64_t>(j) * kGolden);
-  const double u = (static_cast<double>(h >> 12) + 0.5) * (1.0 / 4503599627370496.0);
-  return -std::log(-std::log(u));
-}
-
-// Token j's key, x_j (1 / temperature) + g_j, in double (two roundings, as the reference takes them).
-template <typename T>
-inline double gumbel_key(const T* x, int64_t j, double inv_t, uint64_t stream) {
-  const double a = static_cast<double>(x[j]) * inv_t;
-  return a + gumbel(stream, j);
-}
-
-// An upper bound on the key gumbel_key computes, from the hash's bits: -log u >= 1 - u, so g <= -log(1 - u); with
-// K = 2^52 - m (1 <= K <= 2^52), 1 - u = (K - 1/2) 2^-52 >= 2^(floor(log2 K) - 53), so g <= (clz64(K) - 10) ln 2
-// (36.7 at most). The margin, 1e-9 (|a| + 64), covers the roundings of both sides many times over.
-inline double key_margin(double a) { return 1e-9 * (std::fabs(a) + 64.0); }
-constexpr double kLn2 = 0.6931471805599453;
-
-// The best (largest key, lowest id on a tie) of the tokens of [lo, hi) that `kept` keeps (nullptr: all), against
-// (best, win) from before: each token's key bounded in one pass, the exact key computed where the bound reaches
-// the best so far. Tokens in id order, so a tie keeps the lower id.
-struct Pick {
-  double key;
-  int64_t id;  // -1: none
-};
-
-inline void take(Pick& p, double key, int64_t j) {
-  if (key > p.key || (key == p.key && p.id >= 0 && j < p.id)) p = {key, j};
-}
-
+// The best (largest key, lowest id on a tie) of the tokens of [lo, hi) that `kept` keeps (nullptr: all),
+// against p from before: each token's key bounded (specgen::key_bounds), the exact key computed where the bound
+// reaches the best so far.
 template <typename T>
 Pick gumbel_max(const T* x, const float* kept, int64_t lo, int64_t hi, double inv_t, uint64_t stream, Pick p) {
-  int64_t i = lo;
-#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512CD__)
-  {
-    const __m512i lane = _mm512_set_epi64(8, 7, 6, 5, 4, 3, 2, 1);
-    __m512i ctr = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(stream + static_cast<uint64_t>(lo) * kGolden)),
-                                   _mm512_mullo_epi64(lane, _mm512_set1_epi64(static_cast<int64_t>(kGolden))));
-    const __m512i step = _mm512_set1_epi64(static_cast<int64_t>(8 * kGolden));
-    const __m512i c1 = _mm512_set1_epi64(static_cast<int64_t>(0xBF58476D1CE4E5B9ull));
-    const __m512i c2 = _mm512_set1_epi64(static_cast<int64_t>(0x94D049BB133111EBull));
-    const __m512i two52 = _mm512_set1_epi64(int64_t(1) << 52), ten = _mm512_set1_epi64(10);
-    const __m512d ln2 = _mm512_set1_pd(kLn2), scale = _mm512_set1_pd(inv_t), tiny = _mm512_set1_pd(1e-9),
-                  pad = _mm512_set1_pd(64.0);
-    for (; i + 8 <= hi; i += 8) {
-      __m512i z = ctr;  // splitmix64 at counters i .. i + 7 (its increment already added)
-      ctr = _mm512_add_epi64(ctr, step);
-      z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 30)), c1);
-      z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)), c2);
-      z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
-      const __m512i k = _mm512_sub_epi64(two52, _mm512_srli_epi64(z, 12));
-      const __m512d b = _mm512_mul_pd(_mm512_cvtepi64_pd(_mm512_sub_epi64(_mm512_lzcnt_epi64(k), ten)), ln2);
-      __m512d a;
-      if constexpr (std::is_same_v<T, float>) {
-        a = _mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(x + i)), scale);
-      } else {
-        a = _mm512_mul_pd(_mm512_loadu_pd(x + i), scale);
-      }
-      const __m512d margin = _mm512_mul_pd(tiny, _mm512_add_pd(_mm512_abs_pd(a), pad));
-      const __m512d bound = _mm512_add_pd(_mm512_add_pd(a, b), margin);
-      __mmask8 hit = _mm512_cmp_pd_mask(bound, _mm512_set1_pd(p.key), _CMP_GE_OQ);
-      if (kept != nullptr && hit) {
-        hit &= static_cast<__mmask8>(_mm256_cmp_ps_mask(_mm256_loadu_ps(kept + i), _mm256_setzero_ps(), _CMP_NEQ_OQ));
-      }
-      while (hit) {
-        const int64_t j = i + __builtin_ctz(hit);
-        hit &= hit - 1;
-        take(p, gumbel_key(x, j, inv_t, stream), j);
-      }
-    }
-  }
-#endif
-  for (; i < hi; ++i) {
-    if (kept != nullptr && !(kept[i] != 0.0f)) continue;
-    const uint64_t h = splitmix64(stream + static_cast<uint64_t>(i) * kGolden);
-    const uint64_t k = (uint64_t(1) << 52) - (h >> 12);
-    const double a = static_cast<double>(x[i]) * inv_t;
-    const double bound = a + static_cast<double>(__builtin_clzll(k) - 10) * kLn2 + key_margin(a);
-    if (bound >= p.key) take(p, gumbel_key(x, i, inv_t, stream), i);
-  }
+  specgen::key_bounds(x, kept, lo, hi, inv_t, stream, [&p]() { return p.key; },
+                      [&](int64_t j) { take(p, gumbel_key(static_cast<double>(x[j]), inv_t, stream, j), j); });
   return p;
 }
 
@@ -398,7 +312,7 @@ int64_t sample_row(const T* x, int64_t v, const double* prm, uint64_t stream, in
   }
   // the Gumbel-max draw, from the most likely token's key (every filter keeps it)
   const int64_t top = first_equal(x, v, m);
-  const Pick first = top >= 0 ? Pick{gumbel_key(x, top, inv_t, stream), top}
+  const Pick first = top >= 0 ? Pick{gumbel_key(static_cast<double>(x[top]), inv_t, stream, top), top}
                               : Pick{-std::numeric_limits<double>::infinity(), -1};
   Pick part_pick[kMaxParts];
   over_parts(parts, nb, [&](int p, int64_t b0, int64_t b1) {
@@ -440,7 +354,7 @@ void sample_rows(const T* x, int64_t n, int64_t v, const double* prm, int64_t* t
     // sample_row's settings: temperature, top_k, top_p, min_p
     const double p[4] = {at(0), at(1), at(2), at(3)};
     RowBuffers<T>& b = row_buffers<T>();
-    tok[r] = sample_row<T>(x + r * v, v, p, stream_of(key, static_cast<int64_t>(at(6))),
+    tok[r] = sample_row<T>(x + r * v, v, p, specgen::noise_stream(key, static_cast<int64_t>(at(6))),
                            static_cast<int64_t>(at(7)), b.w, b.blocks, b.scratch, b.cand, parts);
   };
 #ifdef _OPENMP

@@ -4,9 +4,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "paddle/extension.h"
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512CD__)
+#include <immintrin.h>
+#endif
 
 namespace specgen {
 
@@ -83,8 +89,110 @@ void packed_linear(const double* x, int64_t m, int64_t k, const PackedWeight& w,
 // out [m] = the argmax (lowest index on a tie) of each row of x [m, k] @ W for a Q8_0 or Q4_0 weight w, without
 // computing every float32 logit: screen is the same weight's integer-product panels, bound [panels, k / 32, 32]
 // float32 |d| * sum |q| per column and block (linear.cc, "Greedy tokens without the logits").
+// With `sample` (float64 [8, m], specgen_sample's params; nullptr: every row greedy) a row of temperature > 0
+// takes its Gumbel-max draw (layers/sampling.py's rule) instead, from the same bounds: its filters must be off.
 void screened_argmax(const float* x, int64_t m, int64_t k, const PackedWeight& w, const PackedWeight& screen,
-                     const float* bound, int64_t n, int64_t* out);
+                     const float* bound, int64_t n, int64_t* out, const double* sample = nullptr);
+
+// ---- The sampling rule's noise (sampling.cc; layers/sampling.py's streams and gumbels) ----
+
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;  // splitmix64's increment
+
+// splitmix64 (layers/sampling.py's _splitmix64)
+inline uint64_t splitmix64(uint64_t x) {
+  x += kGolden;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// The noise stream of (request key, output position): layers/sampling.py's streams, to the bit.
+inline uint64_t noise_stream(uint64_t key, int64_t position) {
+  return splitmix64(key ^ splitmix64(static_cast<uint64_t>(position)));
+}
+
+// Token j's Gumbel variable in `stream` (layers/sampling.py's gumbels): u = (m + 1/2) 2^-52, m the top 52 bits of
+// splitmix64 at counter j (each step exact), -log(-log u) in double.
+inline double gumbel(uint64_t stream, int64_t j) {
+  const uint64_t h = splitmix64(stream + static_cast<uint64_t>(j) * kGolden);
+  const double u = (static_cast<double>(h >> 12) + 0.5) * (1.0 / 4503599627370496.0);
+  return -std::log(-std::log(u));
+}
+
+// A token's key, x (1 / temperature) + g, in double: two roundings, as the reference takes them.
+inline double gumbel_key(double x, double inv_t, uint64_t stream, int64_t j) {
+  const double a = x * inv_t;
+  return a + gumbel(stream, j);
+}
+
+// The best key so far and its token (-1: none); take() keeps the larger key, the lower id on a tie.
+struct Pick {
+  double key;
+  int64_t id;
+};
+
+inline void take(Pick& p, double key, int64_t j) {
+  if (key > p.key || (key == p.key && p.id >= 0 && j < p.id)) p = {key, j};
+}
+
+// Calls hit(j) for each token j of [lo, hi) that `kept` keeps (nullptr: all) whose key could reach best(): an
+// upper bound on its key from x_j (an upper bound on its logit, or the logit) and its hash's bits alone. -log u
+// >= 1 - u, so g <= -log(1 - u); with K = 2^52 - m (1 <= K <= 2^52), 1 - u = (K - 1/2) 2^-52 >=
+// 2^(floor(log2 K) - 53), so g <= (clz64(K) - 10) ln 2 (36.7 at most); the margin 1e-9 (|a| + 64) covers the
+// roundings of both sides many times over. best() is read once per 8 tokens (it may rise inside hit). One
+// vectorized pass where AVX-512 (DQ, CD) is there: a 49,152-token row in ~40 us.
+constexpr double kLn2 = 0.6931471805599453;
+
+template <typename T, typename Best, typename Hit>
+void key_bounds(const T* x, const float* kept, int64_t lo, int64_t hi, double inv_t, uint64_t stream, Best best,
+                Hit hit) {
+  int64_t i = lo;
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512CD__)
+  const __m512i golden = _mm512_set1_epi64(static_cast<int64_t>(kGolden));
+  // counters i + 1 .. i + 8 times the increment: splitmix64's state at tokens i .. i + 7
+  __m512i ctr = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(stream + static_cast<uint64_t>(lo) * kGolden)),
+                                 _mm512_mullo_epi64(_mm512_set_epi64(8, 7, 6, 5, 4, 3, 2, 1), golden));
+  const __m512i step = _mm512_set1_epi64(static_cast<int64_t>(8 * kGolden));
+  const __m512i c1 = _mm512_set1_epi64(static_cast<int64_t>(0xBF58476D1CE4E5B9ull));
+  const __m512i c2 = _mm512_set1_epi64(static_cast<int64_t>(0x94D049BB133111EBull));
+  const __m512i two52 = _mm512_set1_epi64(int64_t(1) << 52), ten = _mm512_set1_epi64(10);
+  const __m512d ln2 = _mm512_set1_pd(kLn2), scale = _mm512_set1_pd(inv_t), tiny = _mm512_set1_pd(1e-9),
+                pad = _mm512_set1_pd(64.0);
+  for (; i + 8 <= hi; i += 8) {
+    __m512i z = ctr;
+    ctr = _mm512_add_epi64(ctr, step);
+    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 30)), c1);
+    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)), c2);
+    z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
+    const __m512i k = _mm512_sub_epi64(two52, _mm512_srli_epi64(z, 12));
+    const __m512d b = _mm512_mul_pd(_mm512_cvtepi64_pd(_mm512_sub_epi64(_mm512_lzcnt_epi64(k), ten)), ln2);
+    __m512d a;
+    if constexpr (std::is_same_v<T, float>) {
+      a = _mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(x + i)), scale);
+    } else {
+      a = _mm512_mul_pd(_mm512_loadu_pd(x + i), scale);
+    }
+    const __m512d bound =
+        _mm512_add_pd(_mm512_add_pd(a, b), _mm512_mul_pd(tiny, _mm512_add_pd(_mm512_abs_pd(a), pad)));
+    __mmask8 h = _mm512_cmp_pd_mask(bound, _mm512_set1_pd(best()), _CMP_GE_OQ);
+    if (kept != nullptr && h) {
+      h &= static_cast<__mmask8>(_mm256_cmp_ps_mask(_mm256_loadu_ps(kept + i), _mm256_setzero_ps(), _CMP_NEQ_OQ));
+    }
+    while (h) {
+      const int64_t j = i + __builtin_ctz(h);
+      h &= h - 1;
+      hit(j);
+    }
+  }
+#endif
+  for (; i < hi; ++i) {
+    if (kept != nullptr && !(kept[i] != 0.0f)) continue;
+    const uint64_t k = (uint64_t(1) << 52) - (splitmix64(stream + static_cast<uint64_t>(i) * kGolden) >> 12);
+    const double a = static_cast<double>(x[i]) * inv_t;
+    const double bound = a + static_cast<double>(__builtin_clzll(k) - 10) * kLn2 + 1e-9 * (std::fabs(a) + 64.0);
+    if (bound >= best()) hit(i);
+  }
+}
 
 // A routed (mixture-of-experts) block's weights as moe_mlp reads them: the router [hidden] -> [num_experts], and the
 // experts held here, ids [first_expert, first_expert + gate_up.size()), each gate_up [hidden] -> [2 inter] and

@@ -40,10 +40,17 @@ class Model:
         return self.backend.int8_product
 
     def forward(self, batch: ForwardBatch, cache: KVCache, logits: bool = True,
-                features: tuple[int, ...] = ()) -> ForwardOutput:
-        """One packed forward over `batch`; with `logits` False only the greedy tokens are needed; `features`:
-        the blocks whose inputs ForwardOutput.features holds (EAGLE-3's)."""
-        return self.backend.forward(self, batch, cache, logits, features)
+                features: tuple[int, ...] = (), sampling: RowSampling | None = None) -> ForwardOutput:
+        """One packed forward over `batch`; with `logits` False only the greedy tokens are needed, or with
+        `sampling` the sampled tokens, where the backend samples in its forward (Backend.samples_in_forward);
+        `features`: the blocks whose inputs ForwardOutput.features holds (EAGLE-3's)."""
+        return self.backend.forward(self, batch, cache, logits, features, sampling)
+
+    @property
+    def samples_in_forward(self) -> bool:
+        """Whether forward samples unfiltered rows itself, without their logits
+        (Backend.samples_in_forward)."""
+        return self.backend.samples_in_forward
 
     def new_cache(self, num_slots: int, max_capacity: int, kv_dtype: str = "auto",
                   num_layers: int | None = None) -> KVCache:

@@ -114,6 +114,35 @@ def test_greedy_steps_without_logits_give_the_same_tokens(real_model, spec_bench
     assert runs[True][0] == runs[True][1]
 
 
+def test_sampled_steps_without_logits_give_the_same_tokens(real_model, spec_bench):
+    """Sampled rows with no filter are drawn in the forward from the screen's bounds (only the logits whose
+    key could win are computed): whole sampled jobs, plain and speculative, at several temperatures, give the
+    tokens the sampler gives over every logit (the screen off), and a job whose requests ask for top-p (every
+    step then computes logits) the same tokens either way."""
+    m = real_model.model.backend
+    if getattr(m, "screen", None) is None:
+        pytest.skip("the screen needs the fused kernels, a Q8_0 / Q4_0 / Q6_K LM head and VNNI")
+    from specgen import SpecConfig
+
+    prompts = chat_prompts(real_model, spec_bench, 12)
+    params = [SamplingParams(max_tokens=32, temperature=(0.3, 0.8, 1.5)[i % 3], seed=i) for i in range(12)]
+    top_p = [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=i) for i in range(12)]
+    runs = {}
+    screen = m.screen
+    try:
+        for on in (True, False):
+            m.screen = screen if on else None
+            runs[on] = [[o.token_ids for o in generate(prompts, model=real_model, sampling=sp,
+                                                       engine=EngineConfig(batch_size=bs), speculative=spec)]
+                        for sp, bs, spec in [(params, 12, SpecConfig(method="none")),
+                                             (params, 5, SpecConfig("ngram", num_speculative_tokens=4)),
+                                             (top_p, 4, SpecConfig(method="none"))]]
+    finally:
+        m.screen = screen
+    assert runs[True] == runs[False]
+    assert runs[True][0] == runs[True][1]
+
+
 def test_float16_kv_cache_is_exact_across_batching_and_speculation(real_model, spec_bench):
     """A half KV cache rounds keys and values once, where they are written; every later read widens them
     exactly, so with packed weights (each row computed on its own) outputs still do not change with batch size

@@ -11,6 +11,7 @@ from specgen.layers.norm import rms_norm
 from specgen.runtime.batch import build_forward_batch
 
 K = ops()
+NO_SAMPLE = paddle.zeros([0], dtype="float64")  # specgen_screened_argmax: greedy rows
 pytestmark = pytest.mark.skipif(K is None,
                                 reason="fused CPU kernels not built (no C++ compiler or not on CPU)")
 
@@ -724,7 +725,7 @@ def _screened_as_float32(x: np.ndarray, w, screen, n: int, near_ties: int) -> np
     xt = paddle.to_tensor(x)
     logits = K.specgen_linear(xt, w.panels, n)
     want = K.specgen_argmax(logits).numpy()
-    got = K.specgen_screened_argmax(xt, w.panels, screen.panels.panels, screen.bound, n).numpy()
+    got = K.specgen_screened_argmax(xt, w.panels, screen.panels.panels, screen.bound, NO_SAMPLE, n).numpy()
     assert np.array_equal(got, want), np.nonzero(got != want)[0]
     z = logits.numpy()[:60]
     top2 = np.sort(z, axis=1)[:, -2:]
@@ -733,10 +734,40 @@ def _screened_as_float32(x: np.ndarray, w, screen, n: int, near_ties: int) -> np
     assert tied.sum() >= 5 and (want[:60][tied] == 12).all()  # exact ties: the lower index
     for m, at in [(1, 0), (3, 12), (64, 5), (65, 1)]:  # rows alone and in other chunks: the same tokens
         part = K.specgen_screened_argmax(paddle.to_tensor(x[at:at + m]), w.panels, screen.panels.panels,
-                                         screen.bound, n).numpy()
+                                         screen.bound, NO_SAMPLE, n).numpy()
         assert np.array_equal(part, want[at:at + m]), (m, at)
     assert want[72] == 0
+    _screened_samples_as_float32(xt, logits, w, screen, n)
     return want
+
+
+def _screened_samples_as_float32(xt, logits, w, screen, n: int) -> None:
+    """Sampled rows (temperature above 0, no filter) of specgen_screened_argmax, drawn from the screen's
+    bounds, against specgen_sample over the float32 logits: the same tokens, at temperatures from
+    near-greedy to near-uniform, greedy rows among them, rows alone and in other chunks of 64."""
+    from specgen.kernels import args
+
+    m = xt.shape[0]
+    rng = np.random.default_rng(m + n)
+    greedy = K.specgen_argmax(logits).numpy()
+    for temperature in (0.05, 0.7, 1.0, 3.0, 20.0):
+        temp = np.full(m, temperature)
+        temp[::9] = 0.0
+        keys = rng.integers(0, 2 ** 63, m).astype(np.uint64)
+        settings = args.SampleArgs(temp, np.zeros(m, np.int64), np.ones(m), np.zeros(m), keys,
+                                   1 + 7 * np.arange(m), greedy)
+        params = np.stack(args.sample_rows(settings)).astype(np.float64)
+        want = args.sample(K, logits, paddle.to_tensor(params)).numpy()
+        got = K.specgen_screened_argmax(xt, w.panels, screen.panels.panels, screen.bound,
+                                        paddle.to_tensor(params), n).numpy()
+        assert np.array_equal(got, want), (temperature, np.nonzero(got != want)[0])
+        assert temperature < 20 or (want != greedy).sum() > 3  # the noise moves tokens
+        for rows, at in [(1, 3), (65, 2)]:
+            part = np.ascontiguousarray(params[:, at:at + rows])
+            got = K.specgen_screened_argmax(paddle.to_tensor(xt.numpy()[at:at + rows]), w.panels,
+                                            screen.panels.panels, screen.bound, paddle.to_tensor(part),
+                                            n).numpy()
+            assert np.array_equal(got, want[at:at + rows]), (temperature, rows, at)
 
 
 @pytest.mark.skipif(not has_vnni(), reason="the greedy screen's integer products need AVX-512 VNNI")
@@ -803,7 +834,8 @@ def test_screened_argmax_takes_columns_its_bound_cannot_cover():
         logits = K.specgen_linear(xt, w.panels, n).numpy()
         want = int(np.nanargmax(logits[0]))
         assert want == (j if kind == "Q6_K" else 9), (kind, logits[0, want])
-        got = K.specgen_screened_argmax(xt, w.panels, screen.panels.panels, screen.bound, n).numpy()
+        got = K.specgen_screened_argmax(xt, w.panels, screen.panels.panels, screen.bound, NO_SAMPLE,
+                                        n).numpy()
         assert got[0] == want, (kind, got, want)
 
 
@@ -843,7 +875,8 @@ def test_screened_argmax_keeps_a_column_its_integer_product_misses_by_nearly_the
         xt = paddle.to_tensor(x[None])
         exact = K.specgen_argmax(K.specgen_linear(xt, w.panels, n)).numpy()[0]
         approx = K.specgen_argmax(K.specgen_linear(xt, screen.panels.panels, n)).numpy()[0]
-        got = K.specgen_screened_argmax(xt, w.panels, screen.panels.panels, screen.bound, n).numpy()[0]
+        got = K.specgen_screened_argmax(xt, w.panels, screen.panels.panels, screen.bound, NO_SAMPLE,
+                                        n).numpy()[0]
         assert exact == target and approx == b  # the integer products alone would always say b
         assert got == target, side
 

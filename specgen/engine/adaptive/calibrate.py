@@ -44,8 +44,8 @@ def controller_for(model, cache, max_draft: int, engine: EngineConfig, num_slots
     shared machine, and one bad point skews every choice). The one-token point anchors steps of fewer slots,
     once slots drain at a job's end (without it an 8-token step of 32 slots' table was extrapolated to 2 ms
     instead of the 18 ms it took). The forwards are greedy steps', or with `sampling` (a sampled job's
-    settings) its steps': logits for every row, sampled by the model's sampler, so the controller prices the
-    steps the job runs (at batch 1 the sampler is a few percent of a step, per row verified)."""
+    settings) its steps': logits for every row, sampled by the model's sampler (or a forward sampling its
+    rows, as the engine's step samples unfiltered ones), so the controller prices the steps the job runs."""
     num_slots = cache.num_slots if num_slots is None else num_slots
     sampled = None if sampling is None else _sampled(sampling)
     key = (num_slots, max_draft) if sampled is None else (num_slots, max_draft, sampled)
@@ -75,15 +75,19 @@ def _sampled(p: SamplingParams) -> tuple[float, int, float, float]:
 
 
 def _step(model, cache, batch, sampled: tuple[float, int, float, float] | None) -> None:
-    """One timed step: a greedy forward, or a forward with logits and the sampler over every logit row."""
+    """One timed step: a greedy forward, or a sampled one: a forward with logits and the sampler over every
+    logit row, or where the backend samples unfiltered rows in its forward, that forward."""
     if sampled is None:
         model.forward(batch, cache, logits=False)
         return
-    out = model.forward(batch, cache, logits=True)
     n = len(batch.logit_rows)
     temperature, top_k, top_p, min_p = sampled
     rows = RowSampling(np.full(n, temperature), np.full(n, top_k, np.int64), np.full(n, top_p),
                        np.full(n, min_p), np.arange(n, dtype=np.uint64), np.zeros(n, np.int64))
+    if model.samples_in_forward and rows.unfiltered():  # as the engine's step samples such rows
+        model.forward(batch, cache, logits=False, sampling=rows)
+        return
+    out = model.forward(batch, cache, logits=True)
     model.sample(out.logits, rows, out.greedy)
 
 
