@@ -8,7 +8,8 @@
    (layers/sampling.py), at 1 and 32 rows, T --temperature, top-p --top-p; beside a greedy decoding step's
    time at that batch (one token a slot), as a share of it; and that step computing every row's logits (a
    sampled step's forward: the greedy one's screened LM head skips them), which with the sampler bounds
-   sampled against greedy plain decoding at that batch.
+   sampled against greedy plain decoding at that batch. With --top-p 1 (no filter) also the step that samples
+   its rows in the forward, from the LM head's screen (the engine's path for such rows), and its bound.
 2. Whole jobs on the fused backend: sampled (T --temperature, top-p --top-p) against greedy plain decoding, at
    each batch size, the same prompts and exactly --max-tokens tokens each (ignore_eos); the two arms
    alternated within each repeat, the ratio the median of the repeats' ratios. The first repeat is a warm-up.
@@ -46,15 +47,19 @@ def sampler_costs(lm, temperature: float, top_p: float, repeats: int) -> list[li
         out = model.forward(prompt, cache, logits=True)  # logits [n, vocab]: each slot's next-token row
         step = build_forward_batch(slots, np.full(n, len(ids)), np.ones(n, np.int64), out.greedy,
                                    np.zeros(n, bool))
-        # a greedy step (a screened LM head: no logits) and the same step with every row's logits (a sampled
-        # step's forward), alternated
-        greedy_s, logits_s = [], []
+        s = RowSampling(np.full(n, temperature), np.zeros(n, np.int64), np.full(n, top_p), np.zeros(n),
+                        np.arange(n, dtype=np.uint64), np.full(n, 7))
+        # a greedy step (a screened LM head: no logits), the same step with every row's logits (a sampled
+        # step's forward), and, where the rows have no filter and the backend can, the step sampling its rows
+        # from the screen's bounds (no logits), alternated
+        in_forward = model.samples_in_forward and s.unfiltered()
+        greedy_s, logits_s, drawn_s = [], [], []
         for _ in range(repeats):
             greedy_s += repeat_times(lambda: model.forward(step, cache, logits=False), 5)
             logits_s += repeat_times(lambda: model.forward(step, cache, logits=True), 5)
+            if in_forward:
+                drawn_s += repeat_times(lambda: model.forward(step, cache, logits=False, sampling=s), 5)
         step_us, logits_us = float(np.median(greedy_s)) * 1e6, float(np.median(logits_s)) * 1e6
-        s = RowSampling(np.full(n, temperature), np.zeros(n, np.int64), np.full(n, top_p), np.zeros(n),
-                        np.arange(n, dtype=np.uint64), np.full(n, 7))
         # the operator alone, its settings already a tensor; that call with every row greedy (no row's work)
         params = [paddle.to_tensor(np.stack(args.sample_rows(args.SampleArgs(
             s.temperature * on, s.top_k, s.top_p, s.min_p, s.key, s.position, out.greedy))).astype(
@@ -72,6 +77,10 @@ def sampler_costs(lm, temperature: float, top_p: float, repeats: int) -> list[li
                 fused_us = us
         rows.append(["greedy step", n, step_us, 1.0])
         rows.append(["step with logits", n, logits_us, logits_us / step_us])
+        if in_forward:
+            drawn_us = float(np.median(drawn_s)) * 1e6
+            rows.append(["step sampling in the forward", n, drawn_us, drawn_us / step_us])
+            rows.append(["bound: greedy / that step", n, None, step_us / drawn_us])
         # what sampled plain decoding could reach against greedy at this batch, the host aside
         rows.append(["bound: greedy / (logits + fused)", n, None, step_us / (logits_us + fused_us)])
     return rows
