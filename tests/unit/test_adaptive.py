@@ -169,6 +169,7 @@ def _stub_model(monkeypatch, seconds_of):
         key = "model A"
         backend = types.SimpleNamespace(engine=EngineConfig())  # the settings it was loaded with
         config = types.SimpleNamespace(vocab_size=300)
+        samples_in_forward = False  # (a backend whose forward samples rows: the sampled table's test below)
 
         def cost_key(self):
             return self.key
@@ -656,6 +657,38 @@ def test_a_sampled_job_prices_its_steps_with_the_sampler(monkeypatch):
     tokens, seconds = calibration.measured(stub)[(1, 2, (0.8, 0, 0.95, 0.0))]
     np.testing.assert_allclose(seconds, [0.012, 0.015, 0.018])  # + 2 ms per verified row
     assert seen[0] == ([0.8], [0.95]) and (1, 2) not in calibration.measured(stub)
+
+
+def test_a_sampled_job_without_filters_prices_the_steps_that_sample_in_the_forward(monkeypatch):
+    """Where the backend samples rows with no filter in its forward (the fused backend's screen), a job
+    sampling at T alone times those forwards: no logits, no sampler call; one with top-p still pays for
+    both."""
+    from specgen.config import SamplingParams
+
+    stub, clock = _stub_model(monkeypatch, lambda call, tokens: 0.010 + 0.001 * (tokens - 1))
+    stub.samples_in_forward = True
+    calls = []
+
+    def forward(batch, cache, logits=True, sampling=None):
+        calls.append((logits, sampling is not None))
+        clock["t"] += 0.010 + 0.001 * (len(batch.token_ids) - 1) + (0.0 if sampling is None else 0.0005)
+        return types.SimpleNamespace(logits=None, greedy=np.zeros(len(batch.logit_rows), np.int64))
+
+    def sample(logits, rows, greedy):
+        clock["t"] += 0.002 * len(greedy)
+        return greedy
+
+    stub.forward, stub.sample = forward, sample
+    calibration.controller_for(stub, _Cache(1), 2, NO_DISK, sampling=SamplingParams(temperature=0.8))
+    tokens, seconds = calibration.measured(stub)[(1, 2, (0.8, 0, 1.0, 0.0))]
+    np.testing.assert_allclose(seconds, [0.0105, 0.0115, 0.0125])
+    assert calls and all(c == (False, True) for c in calls)
+    calls.clear()
+    top_p = SamplingParams(temperature=0.8, top_p=0.9)
+    calibration.controller_for(stub, _Cache(1), 2, NO_DISK, sampling=top_p)
+    tokens, seconds = calibration.measured(stub)[(1, 2, (0.8, 0, 0.9, 0.0))]
+    np.testing.assert_allclose(seconds, [0.012, 0.015, 0.018])
+    assert calls and all(c == (True, False) for c in calls)
 
 
 def test_probing_asks_the_drafter_on_two_steps_in_eight_only_while_the_job_does_not_pay():
