@@ -1523,24 +1523,24 @@ void screened_argmax(const float* x, int64_t m, int64_t k, const PackedWeight& w
           if (p.id >= 0 && p.key > -std::numeric_limits<double>::infinity()) best = p.id;
         }
       } else if (sampled) {
-        // The Gumbel-max draw from the bounds: the argmax's exact key first (every logit is at most its A + margin,
-        // so every key at most that bound's), then the exact logits of the columns whose bounded key reaches the
-        // best so far, 8 at a time.
+        // The Gumbel-max draw from the bounds: the argmax's exact key first (every logit is at most its A +
+        // margin, so every key at most that bound's), then the exact logits of the columns whose bounded key
+        // reaches the best so far: their whole panel's float32 product for this row (qpanel_any: the bits the
+        // full product gives; 32 columns in one vectorized pass, ~20x exact_columns' cost a column less).
+        static thread_local std::vector<float> zrow;
+        static thread_local std::vector<uint8_t> done;
+        zrow.resize(n);
+        done.assign(panels, 0);
         Pick p{gumbel_key(static_cast<double>(best_z), inv_t, stream, best), best};
-        int64_t cand[kChains];
-        float z[kChains];
-        int count = 0;
-        auto flush = [&]() {
-          exact_columns(xr, k, exact, q, cand, count, z);
-          for (int t = 0; t < count; ++t) take(p, gumbel_key(static_cast<double>(z[t]), inv_t, stream, cand[t]), cand[t]);
-          count = 0;
-        };
         key_bounds(H + r * n, nullptr, 0, n, inv_t, stream, [&p]() { return p.key; }, [&](int64_t j) {
-          if (j == p.id) return;  // (its exact key is p's)
-          cand[count++] = j;
-          if (count == kChains) flush();
+          if (j == best) return;  // (its exact key is p's first)
+          const int64_t pj = j / kPanel;
+          if (!done[pj]) {
+            qpanel_any(xr, 1, k, exact + pj * panel_bytes, q, zrow.data(), n, pj * kPanel);
+            done[pj] = 1;
+          }
+          take(p, gumbel_key(static_cast<double>(zrow[j]), inv_t, stream, j), j);
         });
-        if (count > 0) flush();
         if (p.key > -std::numeric_limits<double>::infinity()) best = p.id;
       }
       out[row] = best;

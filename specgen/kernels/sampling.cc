@@ -255,9 +255,33 @@ int64_t first_equal(const T* x, int64_t v, T m) {
 // every value is computed as in one pass (a part's maximum scans from x[0] as the whole row's does, the parts'
 // maxima, candidates and best keys are taken in order), so the token is the same. The selection among top_p's
 // candidates stays on the calling thread. cand: [parts] buffers.
+constexpr int64_t kExactKept = 2048;  // kept tokens up to which a filtered row's keys are all computed exactly
+
+// The ids of w[0, v)'s nonzero weights, ascending, appended to ids.
+void kept_ids(const float* w, int64_t v, std::vector<int32_t>& ids) {
+  int64_t n = static_cast<int64_t>(ids.size()), i = 0;
+  ids.resize(n + v + 16);
+#ifdef __AVX512F__
+  const __m512i step = _mm512_set1_epi32(16);
+  __m512i at = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (; i + 16 <= v; i += 16) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(_mm512_loadu_ps(w + i), _mm512_setzero_ps(), _CMP_NEQ_OQ);
+    _mm512_storeu_si512(ids.data() + n, _mm512_maskz_compress_epi32(keep, at));
+    n += __builtin_popcount(keep);
+    at = _mm512_add_epi32(at, step);
+  }
+#endif
+  for (; i < v; ++i) {
+    ids[n] = static_cast<int32_t>(i);
+    n += w[i] != 0.0f;
+  }
+  ids.resize(n);
+}
+
 template <typename T>
 int64_t sample_row(const T* x, int64_t v, const double* prm, uint64_t stream, int64_t greedy, std::vector<float>& w,
-                   std::vector<double>& blocks, std::vector<T>& scratch, std::vector<float>* cand, int parts = 1) {
+                   std::vector<double>& blocks, std::vector<T>& scratch, std::vector<float>* cand,
+                   std::vector<int32_t>& ids, int parts = 1) {
   const double temperature = prm[0], top_p = prm[2], min_p = prm[3];
   const int64_t top_k = static_cast<int64_t>(prm[1]);
   const int64_t nb = (v + kBlock - 1) / kBlock;
@@ -310,7 +334,17 @@ int64_t sample_row(const T* x, int64_t v, const double* prm, uint64_t stream, in
     if (thr > 0.0) over_parts(parts, nb, [&](int, int64_t b0, int64_t b1) { mask_blocks(wp, v, b0, b1, thr); });
     kept = wp;
   }
-  // the Gumbel-max draw, from the most likely token's key (every filter keeps it)
+  // the Gumbel-max draw. A filtered row keeps few tokens as a rule: their exact keys, in id order.
+  if (filtered) {
+    ids.clear();
+    kept_ids(w.data(), v, ids);
+    if (static_cast<int64_t>(ids.size()) <= kExactKept) {
+      Pick best{-std::numeric_limits<double>::infinity(), -1};
+      for (int32_t j : ids) take(best, gumbel_key(static_cast<double>(x[j]), inv_t, stream, j), j);
+      return best.id >= 0 && best.key > -std::numeric_limits<double>::infinity() ? best.id : greedy;
+    }
+  }
+  // Otherwise from the most likely token's key (every filter keeps it), the others bounded
   const int64_t top = first_equal(x, v, m);
   const Pick first = top >= 0 ? Pick{gumbel_key(static_cast<double>(x[top]), inv_t, stream, top), top}
                               : Pick{-std::numeric_limits<double>::infinity(), -1};
@@ -332,6 +366,7 @@ int64_t sample_row(const T* x, int64_t v, const double* prm, uint64_t stream, in
 template <typename T>
 struct RowBuffers {
   std::vector<float> w, cand[kMaxParts];  // cand: top_p's candidates, per part of a row
+  std::vector<int32_t> ids;  // a filtered row's kept tokens
   std::vector<double> blocks;
   std::vector<T> scratch;
 };
@@ -355,7 +390,7 @@ void sample_rows(const T* x, int64_t n, int64_t v, const double* prm, int64_t* t
     const double p[4] = {at(0), at(1), at(2), at(3)};
     RowBuffers<T>& b = row_buffers<T>();
     tok[r] = sample_row<T>(x + r * v, v, p, specgen::noise_stream(key, static_cast<int64_t>(at(6))),
-                           static_cast<int64_t>(at(7)), b.w, b.blocks, b.scratch, b.cand, parts);
+                           static_cast<int64_t>(at(7)), b.w, b.blocks, b.scratch, b.cand, b.ids, parts);
   };
 #ifdef _OPENMP
   const int threads = std::min(omp_get_max_threads(), kMaxParts);

@@ -166,7 +166,8 @@ def test_fused_operator_gives_the_references_tokens(dtype):
     rows, vocab = 48, 3000
     for temperature, top_k, top_p, min_p in [(0.8, 0, 1.0, 0.0), (1.0, 0, 0.9, 0.0), (0.7, 40, 1.0, 0.0),
                                              (1.0, 20, 0.8, 0.05), (0.6, 0, 1.0, 0.1), (1.3, 0, 0.95, 0.0),
-                                             (1.0, 1, 1.0, 0.0), (2.0, 5000, 0.5, 0.5)]:
+                                             (1.0, 1, 1.0, 0.0), (2.0, 5000, 0.5, 0.5),
+                                             (1.0, 0, 1.0, 1e-12), (0.9, 2500, 1.0, 0.0)]:  # > 2,048 kept
         x = rng.standard_normal((rows, vocab)) * 3
         x[::5, 100:110] = x[::5, 100:101]  # ties at the top of some rows
         logits = paddle.to_tensor(x.astype(dtype))
@@ -214,7 +215,8 @@ def test_one_row_split_over_the_threads_gives_the_batched_rows_tokens(dtype):
     rng = np.random.default_rng(11)
     vocab, n = 49157, 64
     cases = [(0.8, 0, 1.0, 0.0, ""), (0.8, 0, 0.95, 0.0, ""), (1.0, 30, 0.9, 0.02, ""),
-             (0.05, 0, 1.0, 0.0, "late top"), (0.05, 0, 0.9, 0.0, "late top"), (0.7, 0, 0.8, 0.0, "nan")]
+             (0.05, 0, 1.0, 0.0, "late top"), (0.05, 0, 0.9, 0.0, "late top"), (0.7, 0, 0.8, 0.0, "nan"),
+             (1.2, 0, 0.999, 0.0, "")]  # (thousands kept: their keys bounded, as an unfiltered row's)
     for temperature, top_k, top_p, min_p, how in cases:
         x = rng.standard_normal(vocab) * 1.5
         if how == "late top":  # likely tokens past the row's first half, > 100 T above every earlier logit
