@@ -46,15 +46,47 @@ def streams(keys: np.ndarray, out_positions: np.ndarray) -> np.ndarray:
         return _splitmix64(keys.astype(np.uint64) ^ _splitmix64(out_positions.astype(np.uint64)))
 
 
-def gumbels(stream: np.ndarray, vocab: int) -> np.ndarray:
-    """[num_rows, vocab] float64: token j's Gumbel variable in each row's stream: u_j = (m + 1/2) / 2^52 for m
-    the top 52 bits of splitmix64 at counter j (each step exact: u in [2^-53, 1 - 2^-53]),
-    g_j = -log(-log u_j)."""
-    counters = np.arange(vocab, dtype=np.uint64)[None, :] * _GOLDEN  # [1, vocab]
+def _as_int64(x: int) -> int:
+    """A 64-bit word as the int64 with its bits (Paddle's integer tensors are signed; they wrap)."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_MIX = [_as_int64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)]
+
+
+def _shr(x: paddle.Tensor, bits: int) -> paddle.Tensor:
+    """x >> bits, logical (the int64 tensor's bits as a uint64)."""
+    return paddle.bitwise_right_shift(x, paddle.full([1], bits, "int64"), is_arithmetic=False)
+
+
+def gumbel_noise(stream: np.ndarray, vocab: int, place=None) -> paddle.Tensor:
+    """[num_rows, vocab] float64 tensor (on `place`, in Paddle's operators): token j's Gumbel variable in
+    each row's stream: u_j = (m + 1/2) / 2^52 for m the top 52 bits of splitmix64 at counter j (each step
+    exact: u in [2^-53, 1 - 2^-53]), g_j = -log(-log u_j). splitmix64 in int64 operators, which wrap as uint64
+    ones do."""
+    s = paddle.to_tensor(stream.astype(np.uint64).view(np.int64), place=place).unsqueeze(-1)  # [rows, 1]
+    # (int64 tensors, not Python ints: Paddle scales a tensor by a Python number in floating point)
+    golden, c1, c2 = (paddle.full([1], c, "int64").to(s.place) for c in _MIX)
+    x = s + paddle.arange(vocab, dtype="int64").to(s.place).unsqueeze(0) * golden + golden  # [rows, vocab]
+    x = paddle.bitwise_xor(x, _shr(x, 30)) * c1
+    x = paddle.bitwise_xor(x, _shr(x, 27)) * c2
+    x = paddle.bitwise_xor(x, _shr(x, 31))
+    u = (_shr(x, 12).astype("float64") + 0.5) * (1.0 / 4503599627370496.0)
+    return -paddle.log(-paddle.log(u))
+
+
+def gumbels_at(stream: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """gumbel_noise's values in numpy (the CPU's faster path): token tokens[...] of stream stream[...] (the
+    two broadcast together) -> float64 of their shape."""
     with np.errstate(over="ignore"):
-        h = _splitmix64(stream.astype(np.uint64)[:, None] + counters)
+        h = _splitmix64(stream.astype(np.uint64) + tokens.astype(np.uint64) * _GOLDEN)
     u = ((h >> np.uint64(12)).astype(np.float64) + 0.5) * (1.0 / 4503599627370496.0)
     return -np.log(-np.log(u))
+
+
+def gumbels(stream: np.ndarray, vocab: int) -> np.ndarray:
+    """[num_rows, vocab] float64: every token's Gumbel variable in each row's stream (gumbel_noise's)."""
+    return gumbels_at(stream[:, None], np.arange(vocab)[None, :])
 
 
 def _top_p_threshold(probs: paddle.Tensor, top_p: paddle.Tensor) -> paddle.Tensor:
@@ -93,23 +125,50 @@ def sample(
     rows = np.nonzero(temperature > 0)[0]
     if len(rows) == 0:
         return greedy
-    picked = paddle.gather(logits, paddle.to_tensor(rows))
-    x = picked.astype("float64").numpy()  # [n, vocab]
+    picked = paddle.gather(logits, paddle.to_tensor(rows, place=logits.place))
     mp = np.zeros(len(rows)) if min_p is None else min_p[rows]
-    filtered = (top_k[rows] > 0) | (top_p[rows] < 1) | (mp > 0)  # [n] (top_k >= vocab keeps every token)
-    kept = np.ones(x.shape, bool)
-    if filtered.any():
-        f = np.nonzero(filtered)[0]
-        probs = filtered_probs(paddle.gather(picked, paddle.to_tensor(f)), temperature[rows][f],
-                               top_k[rows][f], top_p[rows][f], mp[f])
-        kept[f] = probs.numpy() > 0
-    keys = x * (1.0 / temperature[rows])[:, None] + gumbels(stream[rows], x.shape[1])
-    keys = np.where(kept & ~np.isnan(keys), keys, -np.inf)
+    unfiltered = (top_k[rows] <= 0) & (top_p[rows] >= 1) & (mp <= 0)  # [n] (top_k >= vocab keeps every token)
+    probs = None
+    if not unfiltered.all():
+        probs = filtered_probs(picked, temperature[rows], top_k[rows], top_p[rows], mp)
+    inv_t = 1.0 / temperature[rows]  # [n] float64
+    if logits.place.is_cpu_place():
+        best, found = _draw_numpy(picked.astype("float64").numpy(), inv_t, stream[rows], unfiltered,
+                                  None if probs is None else probs.numpy() > 0)
+    else:
+        best, found = _draw(picked.astype("float64"), inv_t, stream[rows], unfiltered, probs)
     out = greedy.copy()
-    best = keys.argmax(axis=-1)  # the lowest id on a tie
-    found = keys[np.arange(len(rows)), best] > -np.inf
     out[rows[found]] = best[found]
     return out
+
+
+def _draw(x: paddle.Tensor, inv_t: np.ndarray, stream: np.ndarray, unfiltered: np.ndarray,
+          probs: paddle.Tensor | None) -> tuple[np.ndarray, np.ndarray]:
+    """The Gumbel-max draw of rows x [n, vocab] (float64) in Paddle's operators, on x's device: (each row's
+    token, whether any key was above -inf); probs: filtered_probs's rows (None: no row filtered)."""
+    scale = paddle.to_tensor(inv_t, place=x.place).unsqueeze(-1)
+    keys = x * scale + gumbel_noise(stream, x.shape[1], x.place)
+    valid = ~paddle.isnan(keys)
+    if probs is not None:
+        valid = valid & ((probs > 0) | paddle.to_tensor(unfiltered, place=x.place).unsqueeze(-1))
+    keys = paddle.where(valid, keys, paddle.full_like(keys, -np.inf))
+    return paddle.argmax(keys, axis=-1).numpy(), paddle.max(keys, axis=-1).numpy() > -np.inf
+
+
+def _draw_numpy(x: np.ndarray, inv_t: np.ndarray, stream: np.ndarray, unfiltered: np.ndarray,
+                kept: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """_draw in numpy, for rows on the CPU (Paddle's int64 operators took ~4x as long): the keys of a filtered
+    row only at the tokens it keeps."""
+    keys = np.full(x.shape, -np.inf)
+    every = np.nonzero(unfiltered)[0]
+    if len(every):
+        keys[every] = x[every] * inv_t[every, None] + gumbels(stream[every], x.shape[1])
+    if kept is not None:
+        r, c = np.nonzero(kept & ~unfiltered[:, None])
+        keys[r, c] = x[r, c] * inv_t[r] + gumbels_at(stream[r], c)
+    keys = np.where(np.isnan(keys), -np.inf, keys)
+    best = keys.argmax(axis=-1)  # the lowest id on a tie
+    return best, keys[np.arange(len(x)), best] > -np.inf
 
 
 def filtered_probs(

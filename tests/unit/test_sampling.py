@@ -273,3 +273,23 @@ def test_min_p_is_checked():
     assert SamplingParams(min_p=0.05).min_p == 0.05
     with pytest.raises(ConfigError, match="min_p must be in"):
         SamplingParams(min_p=1.5)
+
+
+def test_the_device_draw_in_paddles_operators_is_the_cpu_draw_in_numpy():
+    """Off the CPU the reference draws in Paddle's operators (splitmix64 in wrapping int64 ones), on the CPU
+    in numpy: the same noise to the last bit or two (the two logs' roundings), the same tokens, filtered rows
+    and unfiltered ones."""
+    from specgen.layers.sampling import _draw, _draw_numpy, gumbel_noise
+
+    rng = np.random.default_rng(5)
+    stream = random_keys(rng, 6)
+    np.testing.assert_allclose(gumbel_noise(stream, 4000).numpy(), gumbels(stream, 4000), rtol=0, atol=4e-15)
+    x = rng.standard_normal((6, 4000)) * 3
+    x[0, 10] = np.nan
+    inv_t = np.array([1.25, 1.0, 0.5, 2.0, 1.0, 1.0])
+    unfiltered = np.array([True, True, False, False, True, False])
+    probs = filtered_probs(paddle.to_tensor(x), 1.0 / inv_t, np.array([0, 0, 40, 0, 0, 0]),
+                           np.array([1.0, 1.0, 1.0, 0.9, 1.0, 1.0]), np.array([0, 0, 0, 0, 0, 0.05]))
+    device = _draw(paddle.to_tensor(x), inv_t, stream, unfiltered, probs)
+    host = _draw_numpy(x, inv_t, stream, unfiltered, probs.numpy() > 0)
+    assert device[0].tolist() == host[0].tolist() and device[1].all() and host[1].all()
