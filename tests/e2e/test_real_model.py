@@ -88,17 +88,12 @@ def test_float32_packed_weights_are_exact_across_batching_and_speculation(real_m
         assert [o.token_ids for o in run] == [o.token_ids for o in plain], (bs, spec.method)
 
 
-def test_greedy_steps_without_logits_give_the_same_tokens(real_model, spec_bench):
-    """Greedy steps skip the LM head's logits (the fused backend's screen: integer products screen the
-    columns, float32 decides among the few left): the tokens of whole greedy jobs, plain and speculative, are
-    those of the logits' argmax."""
+def _screen_on_and_off(real_model, prompts, jobs) -> dict[bool, list]:
+    """{screen on: each job's tokens} for jobs [(sampling, batch size, SpecConfig)], run with the fused
+    backend's LM-head screen and without it (every step then computes the logits)."""
     m = real_model.model.backend
     if getattr(m, "screen", None) is None:
-        pytest.skip("the greedy screen needs the fused kernels, a Q8_0 / Q4_0 / Q6_K LM head and VNNI")
-    from specgen import SpecConfig
-
-    prompts = chat_prompts(real_model, spec_bench, 16)
-    sp = SamplingParams(max_tokens=40)
+        pytest.skip("the screen needs the fused kernels, a Q8_0 / Q4_0 / Q6_K LM head and VNNI")
     runs = {}
     screen = m.screen
     try:
@@ -106,10 +101,22 @@ def test_greedy_steps_without_logits_give_the_same_tokens(real_model, spec_bench
             m.screen = screen if on else None
             runs[on] = [[o.token_ids for o in generate(prompts, model=real_model, sampling=sp,
                                                        engine=EngineConfig(batch_size=bs), speculative=spec)]
-                        for bs, spec in [(16, SpecConfig(method="none")),
-                                         (5, SpecConfig(method="ngram", num_speculative_tokens=5))]]
+                        for sp, bs, spec in jobs]
     finally:
         m.screen = screen
+    return runs
+
+
+def test_greedy_steps_without_logits_give_the_same_tokens(real_model, spec_bench):
+    """Greedy steps skip the LM head's logits (the fused backend's screen: integer products screen the
+    columns, float32 decides among the few left): the tokens of whole greedy jobs, plain and speculative, are
+    those of the logits' argmax."""
+    from specgen import SpecConfig
+
+    sp = SamplingParams(max_tokens=40)
+    runs = _screen_on_and_off(real_model, chat_prompts(real_model, spec_bench, 16),
+                              [(sp, 16, SpecConfig(method="none")),
+                               (sp, 5, SpecConfig(method="ngram", num_speculative_tokens=5))])
     assert runs[True] == runs[False]
     assert runs[True][0] == runs[True][1]
 
@@ -119,26 +126,14 @@ def test_sampled_steps_without_logits_give_the_same_tokens(real_model, spec_benc
     key could win are computed): whole sampled jobs, plain and speculative, at several temperatures, give the
     tokens the sampler gives over every logit (the screen off), and a job whose requests ask for top-p (every
     step then computes logits) the same tokens either way."""
-    m = real_model.model.backend
-    if getattr(m, "screen", None) is None:
-        pytest.skip("the screen needs the fused kernels, a Q8_0 / Q4_0 / Q6_K LM head and VNNI")
     from specgen import SpecConfig
 
-    prompts = chat_prompts(real_model, spec_bench, 12)
     params = [SamplingParams(max_tokens=32, temperature=(0.3, 0.8, 1.5)[i % 3], seed=i) for i in range(12)]
     top_p = [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=i) for i in range(12)]
-    runs = {}
-    screen = m.screen
-    try:
-        for on in (True, False):
-            m.screen = screen if on else None
-            runs[on] = [[o.token_ids for o in generate(prompts, model=real_model, sampling=sp,
-                                                       engine=EngineConfig(batch_size=bs), speculative=spec)]
-                        for sp, bs, spec in [(params, 12, SpecConfig(method="none")),
-                                             (params, 5, SpecConfig("ngram", num_speculative_tokens=4)),
-                                             (top_p, 4, SpecConfig(method="none"))]]
-    finally:
-        m.screen = screen
+    runs = _screen_on_and_off(real_model, chat_prompts(real_model, spec_bench, 12),
+                              [(params, 12, SpecConfig(method="none")),
+                               (params, 5, SpecConfig("ngram", num_speculative_tokens=4)),
+                               (top_p, 4, SpecConfig(method="none"))])
     assert runs[True] == runs[False]
     assert runs[True][0] == runs[True][1]
 
