@@ -11,8 +11,9 @@ rule), and the expected share of first drafts accepted is, exactly (no sampling 
 - greedy text, greedy job: the head's argmax is the model's (what greedy speculation accepts);
 - sampled text, sampled job, for the rules a drafter could follow:
   - "argmax draft": the head's argmax, accepted with probability p(argmax q) (what specgen drafts);
-  - "same uniform": the head samples its own q with the uniform verification will use at that position
-    (inverse CDF in token-id order, as the sampler): accepted where both land on the same token;
+  - "same uniform": the head samples its own q with the uniform verification would use at that position
+    under sampler 2 (the inverse CDF in token-id order; sampler 3 draws with Gumbel noise instead): accepted
+    where both land on the same token;
   - "rejection sampling": Leviathan et al.'s rule, accepting min(1, p / q) of a draft from q: 1 - TV(p, q)
     (not seed-exact: shown as what the standard method would reach);
   - "argmax match": the head's argmax is the model's, for comparison with the greedy job.

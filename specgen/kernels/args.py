@@ -133,13 +133,19 @@ class StepArgs:
     caches: int  # bind_caches' handle
     capacity: int  # cache positions per (slot, kv head)
     prefix_capacity: int  # the shared prefix's positions (0: none)
-    screen: Tensor  # the LM head's integer-product panels for greedy tokens without logits; empty: the logits
+    screen: Tensor  # the LM head's integer-product panels for tokens without logits; empty: the logits
     bound: Tensor  # the screen's error bound [panels, hidden / 32, 32]; empty with an empty screen
-    sample: Tensor  # sample_rows stacked (float64 [8, num_logits]) for the screen's sampled rows (empty:
-    # greedy)
     geometry: Geometry
     vocab: int
     tree: bool = False  # the index holds ForwardBatch.rope_positions and tree_mask
+    # sample_rows stacked (float64 [8, num_logits]) for the rows the screen samples (None or empty: greedy)
+    sample: Tensor | None = None
+
+
+def _no_sample() -> Tensor:
+    import paddle
+
+    return paddle.zeros([0], dtype="float64")
 
 
 def forward_bound(ops: ModuleType, a: StepArgs,
@@ -148,8 +154,9 @@ def forward_bound(ops: ModuleType, a: StepArgs,
     [num_logits] (with `sample`, its sampled rows' tokens), features [num_tokens, len(capture) hidden]: the
     inputs of blocks `capture`, or None)."""
     g = a.geometry
+    sample = a.sample if a.sample is not None else _no_sample()
     logits, hidden, greedy, features = ops.specgen_forward_bound(
-        a.index, a.screen, a.bound, a.sample, a.num_tokens, a.weights, a.caches, g.num_heads, g.num_kv_heads,
+        a.index, a.screen, a.bound, sample, a.num_tokens, a.weights, a.caches, g.num_heads, g.num_kv_heads,
         a.capacity, g.qk_norm, g.eps, a.prefix_capacity, a.vocab, a.tree, list(capture))
     return logits, hidden, greedy, features if capture else None
 

@@ -1280,7 +1280,8 @@ std::vector<paddle::Tensor> Stack(const paddle::Tensor& x, const Tensors& attn_n
 // which after the blocks have streamed the weights through the caches costs ~0.2 ms a call, is gone. The logits'
 // argmax (specgen_argmax's) comes with them: the greedy token of every logit row, for the sampler. With a non-empty
 // lm_screen (the LM head's integer-product panels) and lm_bound, only the greedy tokens are computed, with the
-// same values (specgen::screened_argmax), and logits is [0, vocab] (float32 only). A float64 embedding makes the
+// same values (specgen::screened_argmax), and logits is [0, vocab] (float32 only); with `sample` too, the rows it
+// samples (temperature > 0, no filter) get their sampled token instead, drawn from the same bounds. A float64 embedding makes the
 // whole forward float64: float64 panels (the LM head's too), caches, tables and norms.
 // -> (logits [num_logits, vocab], hidden [n, hidden] in the embedding's type, greedy int64 [num_logits])
 std::vector<paddle::Tensor> ForwardImpl(
@@ -1327,7 +1328,7 @@ std::vector<paddle::Tensor> ForwardImpl(
       b.moe = *moe;
     }
     const specgen::PackedWeight lm = packed_for<T>(lm_head, hid, vocab, "lm_head");
-    const bool screened = lm_screen.numel() > 0;  // greedy tokens only (specgen::screened_argmax), no logits
+    const bool screened = lm_screen.numel() > 0;  // tokens only (specgen::screened_argmax), no logits
     PD_CHECK(screened || sample == nullptr || sample->numel() == 0,
              "specgen_forward: sampling in the forward needs the LM head's screen");
     if (screened) {

@@ -1456,6 +1456,12 @@ void screened_argmax(const float* x, int64_t m, int64_t k, const PackedWeight& w
   const uint8_t* exact = static_cast<const uint8_t*>(w.data);
   const uint8_t* ints = static_cast<const uint8_t*>(screen.data);
   static thread_local std::vector<float> hi, low, top;
+  if (sample != nullptr) {  // (checked here: an exception must not leave the parallel loops below)
+    for (int64_t row = 0; row < m; ++row)
+      PD_CHECK(!(sample[row] > 0.0) || ((sample[m + row] <= 0.0 || sample[m + row] >= static_cast<double>(n)) &&
+                                        sample[2 * m + row] >= 1.0 && sample[3 * m + row] <= 0.0),
+               "screened_argmax: a sampled row's filters (top_k, top_p, min_p) need its logits");
+  }
   for (int64_t r0 = 0; r0 < m; r0 += kScreenRows) {
     const int64_t mc = std::min(kScreenRows, m - r0);
     const float* xc = x + r0 * k;
@@ -1501,10 +1507,6 @@ void screened_argmax(const float* x, int64_t m, int64_t k, const PackedWeight& w
       }
       const int64_t row = r0 + r;
       const bool sampled = sample != nullptr && sample[row] > 0.0;  // (a NaN temperature: greedy)
-      if (sampled)
-        PD_CHECK((sample[m + row] <= 0.0 || sample[m + row] >= static_cast<double>(n)) && sample[2 * m + row] >= 1.0 &&
-                     sample[3 * m + row] <= 0.0,
-                 "screened_argmax: a sampled row's filters (top_k, top_p, min_p) need its logits");
       const double inv_t = sampled ? 1.0 / sample[row] : 0.0;
       const uint64_t stream =
           sampled ? noise_stream((static_cast<uint64_t>(sample[4 * m + row]) << 32) |

@@ -250,14 +250,9 @@ int64_t first_equal(const T* x, int64_t v, T m) {
   return -1;
 }
 
-// One row's token. With parts > 1 its passes over the vocabulary (the maximum, the weights and their block sums,
-// top_p's candidates, the filters' mask, the keys' bounds) run split over that many threads, block ranges apart;
-// every value is computed as in one pass (a part's maximum scans from x[0] as the whole row's does, the parts'
-// maxima, candidates and best keys are taken in order), so the token is the same. The selection among top_p's
-// candidates stays on the calling thread. cand: [parts] buffers.
 constexpr int64_t kExactKept = 2048;  // kept tokens up to which a filtered row's keys are all computed exactly
 
-// The ids of w[0, v)'s nonzero weights, ascending, appended to ids.
+// The ids of w[0, v)'s weights above 0 (a NaN weight is not kept), ascending, appended to ids.
 void kept_ids(const float* w, int64_t v, std::vector<int32_t>& ids) {
   int64_t n = static_cast<int64_t>(ids.size()), i = 0;
   ids.resize(n + v + 16);
@@ -265,7 +260,7 @@ void kept_ids(const float* w, int64_t v, std::vector<int32_t>& ids) {
   const __m512i step = _mm512_set1_epi32(16);
   __m512i at = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (; i + 16 <= v; i += 16) {
-    const __mmask16 keep = _mm512_cmp_ps_mask(_mm512_loadu_ps(w + i), _mm512_setzero_ps(), _CMP_NEQ_OQ);
+    const __mmask16 keep = _mm512_cmp_ps_mask(_mm512_loadu_ps(w + i), _mm512_setzero_ps(), _CMP_GT_OQ);
     _mm512_storeu_si512(ids.data() + n, _mm512_maskz_compress_epi32(keep, at));
     n += __builtin_popcount(keep);
     at = _mm512_add_epi32(at, step);
@@ -273,11 +268,17 @@ void kept_ids(const float* w, int64_t v, std::vector<int32_t>& ids) {
 #endif
   for (; i < v; ++i) {
     ids[n] = static_cast<int32_t>(i);
-    n += w[i] != 0.0f;
+    n += w[i] > 0.0f;
   }
   ids.resize(n);
 }
 
+// One row's token. With parts > 1 its passes over the vocabulary (the maximum, the weights and their block sums,
+// top_p's candidates, the filters' mask, the keys' bounds) run split over that many threads, block ranges apart;
+// every value is computed as in one pass (a part's maximum scans from x[0] as the whole row's does, the parts'
+// maxima, candidates and best keys are taken in order), so the token is the same. The selection among top_p's
+// candidates stays on the calling thread. cand: [parts] buffers. A filtered row whose weights are not all finite
+// (a NaN or infinite logit) keeps its greedy token, as the reference, whose filtered softmax keeps nothing then.
 template <typename T>
 int64_t sample_row(const T* x, int64_t v, const double* prm, uint64_t stream, int64_t greedy, std::vector<float>& w,
                    std::vector<double>& blocks, std::vector<T>& scratch, std::vector<float>* cand,
@@ -315,13 +316,14 @@ int64_t sample_row(const T* x, int64_t v, const double* prm, uint64_t stream, in
           wp[i] = exp_nonpositive(static_cast<float>((static_cast<double>(x[i]) - mx) * inv_t));
         }
       }
-      if (top_p < 1.0) block_sums(wp, v, b0, b1, bs);
+      block_sums(wp, v, b0, b1, bs);
     });
+    double total = 0.0;
+    for (int64_t b = 0; b < nb; ++b) total += bs[b];
+    if (!std::isfinite(total)) return greedy;
     // the filters' thresholds on weights (the most likely token weighs 1)
     double thr = 0.0;
     if (top_p < 1.0) {
-      double total = 0.0;
-      for (int64_t b = 0; b < nb; ++b) total += bs[b];
       const double floor = (1.0 - top_p) * total / static_cast<double>(v);
       over_parts(parts, nb, [&](int p, int64_t b0, int64_t b1) {
         cand[p].clear();

@@ -10,7 +10,8 @@
 
 #include "paddle/extension.h"
 
-#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512CD__)
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512CD__) && defined(__AVX512VL__)
+#define SPECGEN_KEY_BOUNDS_AVX512 1
 #include <immintrin.h>
 #endif
 
@@ -119,9 +120,13 @@ inline double gumbel(uint64_t stream, int64_t j) {
   return -std::log(-std::log(u));
 }
 
-// A token's key, x (1 / temperature) + g, in double: two roundings, as the reference takes them.
+// A token's key, x (1 / temperature) + g, in double: two roundings, as the reference takes them (the empty asm
+// keeps the compiler from fusing the product into the sum: GCC contracts a * b + c into one FMA by default).
 inline double gumbel_key(double x, double inv_t, uint64_t stream, int64_t j) {
-  const double a = x * inv_t;
+  double a = x * inv_t;
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  __asm__("" : "+x"(a));
+#endif
   return a + gumbel(stream, j);
 }
 
@@ -135,7 +140,8 @@ inline void take(Pick& p, double key, int64_t j) {
   if (key > p.key || (key == p.key && p.id >= 0 && j < p.id)) p = {key, j};
 }
 
-// Calls hit(j) for each token j of [lo, hi) that `kept` keeps (nullptr: all) whose key could reach best(): an
+// Calls hit(j) for each token j of [lo, hi) that `kept` keeps (a weight above 0; nullptr: all) whose key could
+// reach best(): an
 // upper bound on its key from x_j (an upper bound on its logit, or the logit) and its hash's bits alone. -log u
 // >= 1 - u, so g <= -log(1 - u); with K = 2^52 - m (1 <= K <= 2^52), 1 - u = (K - 1/2) 2^-52 >=
 // 2^(floor(log2 K) - 53), so g <= (clz64(K) - 10) ln 2 (36.7 at most); the margin 1e-9 (|a| + 64) covers the
@@ -147,7 +153,7 @@ template <typename T, typename Best, typename Hit>
 void key_bounds(const T* x, const float* kept, int64_t lo, int64_t hi, double inv_t, uint64_t stream, Best best,
                 Hit hit) {
   int64_t i = lo;
-#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512CD__)
+#if defined(SPECGEN_KEY_BOUNDS_AVX512)
   const __m512i golden = _mm512_set1_epi64(static_cast<int64_t>(kGolden));
   // counters i + 1 .. i + 8 times the increment: splitmix64's state at tokens i .. i + 7
   __m512i ctr = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(stream + static_cast<uint64_t>(lo) * kGolden)),
@@ -176,7 +182,7 @@ void key_bounds(const T* x, const float* kept, int64_t lo, int64_t hi, double in
         _mm512_add_pd(_mm512_add_pd(a, b), _mm512_mul_pd(tiny, _mm512_add_pd(_mm512_abs_pd(a), pad)));
     __mmask8 h = _mm512_cmp_pd_mask(bound, _mm512_set1_pd(best()), _CMP_GE_OQ);
     if (kept != nullptr && h) {
-      h &= static_cast<__mmask8>(_mm256_cmp_ps_mask(_mm256_loadu_ps(kept + i), _mm256_setzero_ps(), _CMP_NEQ_OQ));
+      h &= static_cast<__mmask8>(_mm256_cmp_ps_mask(_mm256_loadu_ps(kept + i), _mm256_setzero_ps(), _CMP_GT_OQ));
     }
     while (h) {
       const int64_t j = i + __builtin_ctz(h);
@@ -186,7 +192,7 @@ void key_bounds(const T* x, const float* kept, int64_t lo, int64_t hi, double in
   }
 #endif
   for (; i < hi; ++i) {
-    if (kept != nullptr && !(kept[i] != 0.0f)) continue;
+    if (kept != nullptr && !(kept[i] > 0.0f)) continue;
     const uint64_t k = (uint64_t(1) << 52) - (splitmix64(stream + static_cast<uint64_t>(i) * kGolden) >> 12);
     const double a = static_cast<double>(x[i]) * inv_t;
     const double bound = a + static_cast<double>(__builtin_clzll(k) - 10) * kLn2 + 1e-9 * (std::fabs(a) + 64.0);

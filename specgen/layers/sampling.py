@@ -56,7 +56,7 @@ _MIX = [_as_int64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049B
 
 def _shr(x: paddle.Tensor, bits: int) -> paddle.Tensor:
     """x >> bits, logical (the int64 tensor's bits as a uint64)."""
-    return paddle.bitwise_right_shift(x, paddle.full([1], bits, "int64"), is_arithmetic=False)
+    return paddle.bitwise_right_shift(x, paddle.full([1], bits, "int64").to(x.place), is_arithmetic=False)
 
 
 def gumbel_noise(stream: np.ndarray, vocab: int, place=None) -> paddle.Tensor:

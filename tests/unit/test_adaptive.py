@@ -654,7 +654,7 @@ def test_a_sampled_job_prices_its_steps_with_the_sampler(monkeypatch):
     stub.forward, stub.sample = forward, sample
     sampling = SamplingParams(temperature=0.8, top_p=0.95)
     calibration.controller_for(stub, _Cache(1), 2, NO_DISK, sampling=sampling)
-    tokens, seconds = calibration.measured(stub)[(1, 2, (0.8, 0, 0.95, 0.0))]
+    tokens, seconds = calibration.measured(stub)[(1, 2, (0.8, 0, 0.95, 0.0, False))]
     np.testing.assert_allclose(seconds, [0.012, 0.015, 0.018])  # + 2 ms per verified row
     assert seen[0] == ([0.8], [0.95]) and (1, 2) not in calibration.measured(stub)
 
@@ -680,13 +680,19 @@ def test_a_sampled_job_without_filters_prices_the_steps_that_sample_in_the_forwa
 
     stub.forward, stub.sample = forward, sample
     calibration.controller_for(stub, _Cache(1), 2, NO_DISK, sampling=SamplingParams(temperature=0.8))
-    tokens, seconds = calibration.measured(stub)[(1, 2, (0.8, 0, 1.0, 0.0))]
+    tokens, seconds = calibration.measured(stub)[(1, 2, (0.8, 0, 1.0, 0.0, False))]
     np.testing.assert_allclose(seconds, [0.0105, 0.0115, 0.0125])
     assert calls and all(c == (False, True) for c in calls)
     calls.clear()
     top_p = SamplingParams(temperature=0.8, top_p=0.9)
     calibration.controller_for(stub, _Cache(1), 2, NO_DISK, sampling=top_p)
-    tokens, seconds = calibration.measured(stub)[(1, 2, (0.8, 0, 0.9, 0.0))]
+    tokens, seconds = calibration.measured(stub)[(1, 2, (0.8, 0, 0.9, 0.0, False))]
+    np.testing.assert_allclose(seconds, [0.012, 0.015, 0.018])
+    assert calls and all(c == (True, False) for c in calls)
+    calls.clear()  # log-probabilities need the logits, filters or not
+    logprobs = SamplingParams(temperature=0.8, logprobs=True)
+    calibration.controller_for(stub, _Cache(1), 2, NO_DISK, sampling=logprobs)
+    tokens, seconds = calibration.measured(stub)[(1, 2, (0.8, 0, 1.0, 0.0, True))]
     np.testing.assert_allclose(seconds, [0.012, 0.015, 0.018])
     assert calls and all(c == (True, False) for c in calls)
 

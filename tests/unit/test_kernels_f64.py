@@ -185,7 +185,8 @@ class Bound:
         n = len(ids)
         index = np.concatenate([ids, positions, slots, np.zeros(n), np.arange(n)]).astype(np.int64)
         logits, hidden, greedy, _ = K.specgen_forward_bound(
-            paddle.to_tensor(index), self.no_screen, self.no_screen, n, self.weights, self.caches, self.m.H,
+            paddle.to_tensor(index), self.no_screen, self.no_screen, paddle.zeros([0], dtype="float64"), n,
+            self.weights, self.caches, self.m.H,
             self.m.KV, CAPACITY, False, EPS, 0, self.m.vocab, False, [])
         assert logits.dtype == hidden.dtype == paddle.float64
         return logits.numpy(), hidden.numpy(), greedy.numpy()

@@ -231,8 +231,9 @@ def test_one_row_split_over_the_threads_gives_the_batched_rows_tokens(dtype):
         alone = [int(fused(logits[i:i + 1], *(a if a is None else a[i:i + 1] for a in settings))[0])
                  for i in range(n)]
         assert alone == batched.tolist(), (temperature, top_k, top_p, min_p, how)
-        if not nan:
-            assert alone == reference(logits, *settings).tolist(), (temperature, top_k, top_p, min_p, how)
+        # (the NaN row: the reference's filtered softmax keeps nothing, the operator's weights are not finite:
+        # both keep the greedy token)
+        assert alone == reference(logits, *settings).tolist(), (temperature, top_k, top_p, min_p, how)
         assert nan or len(set(alone)) > 3  # the keys reach several tokens: a wrong weight moves some
 
 

@@ -69,22 +69,30 @@ def controller_for(model, cache, max_draft: int, engine: EngineConfig, num_slots
     return Controller(costs.CostModel(*table), max_draft, cache.num_slots)
 
 
-def _sampled(p: SamplingParams) -> tuple[float, int, float, float]:
-    """The settings a sampled step is timed with: (temperature, top_k, top_p, min_p)."""
-    return (p.temperature, p.top_k, p.top_p, p.min_p)
+# a sampled step's timed settings (_sampled)
+Sampled = tuple[float, int, float, float, bool]
 
 
-def _step(model, cache, batch, sampled: tuple[float, int, float, float] | None) -> None:
+def _sampled(p: SamplingParams) -> Sampled:
+    """The settings a sampled step is timed with: (temperature, top_k, top_p, min_p, whether its rows need
+    their logits whatever the filters: log-probabilities, penalties, a logit bias, min_tokens or a grammar, as
+    the engine's step decides)."""
+    other = (p.logprobs or p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+             or p.min_tokens > 0 or bool(p.logit_bias) or bool(p.response_format))
+    return (p.temperature, p.top_k, p.top_p, p.min_p, bool(other))
+
+
+def _step(model, cache, batch, sampled: Sampled | None) -> None:
     """One timed step: a greedy forward, or a sampled one: a forward with logits and the sampler over every
     logit row, or where the backend samples unfiltered rows in its forward, that forward."""
     if sampled is None:
         model.forward(batch, cache, logits=False)
         return
     n = len(batch.logit_rows)
-    temperature, top_k, top_p, min_p = sampled
+    temperature, top_k, top_p, min_p, other = sampled
     rows = RowSampling(np.full(n, temperature), np.full(n, top_k, np.int64), np.full(n, top_p),
                        np.full(n, min_p), np.arange(n, dtype=np.uint64), np.zeros(n, np.int64))
-    if model.samples_in_forward and rows.unfiltered():  # as the engine's step samples such rows
+    if model.samples_in_forward and rows.unfiltered() and not other:  # as the engine's step samples them
         model.forward(batch, cache, logits=False, sampling=rows)
         return
     out = model.forward(batch, cache, logits=True)
@@ -92,7 +100,7 @@ def _step(model, cache, batch, sampled: tuple[float, int, float, float] | None) 
 
 
 def _still_fits(model, cache, max_draft: int, num_slots: int, table: tuple[np.ndarray, np.ndarray],
-                sampled: tuple[float, int, float, float] | None = None) -> bool:
+                sampled: Sampled | None = None) -> bool:
     """Whether a stored table's first point is within 2x of the median of CHECKS timings of its step now
     (after a warm-up forward): a table timed on a stalled or differently loaded machine is timed again."""
     first = _blocks(model, max_draft, num_slots)[1][0]
@@ -123,7 +131,7 @@ def _blocks(model, max_draft: int, num_slots: int) -> tuple[list[int], list]:
 
 
 def _time_table(model, cache, max_draft: int, num_slots: int,
-                sampled: tuple[float, int, float, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                sampled: Sampled | None = None) -> tuple[np.ndarray, np.ndarray]:
     tokens, batches = _blocks(model, max_draft, num_slots)
     _step(model, cache, batches[0], sampled)  # warm-up
     timings: list[list[float]] = [[] for _ in batches]
