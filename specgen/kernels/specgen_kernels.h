@@ -11,7 +11,7 @@
 #include "paddle/extension.h"
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512CD__) && defined(__AVX512VL__)
-#define SPECGEN_KEY_BOUNDS_AVX512 1
+#define KEY_BOUNDS_AVX512 1
 #include <immintrin.h>
 #endif
 
@@ -153,7 +153,7 @@ template <typename T, typename Best, typename Hit>
 void key_bounds(const T* x, const float* kept, int64_t lo, int64_t hi, double inv_t, uint64_t stream, Best best,
                 Hit hit) {
   int64_t i = lo;
-#if defined(SPECGEN_KEY_BOUNDS_AVX512)
+#if defined(KEY_BOUNDS_AVX512)
   const __m512i golden = _mm512_set1_epi64(static_cast<int64_t>(kGolden));
   // counters i + 1 .. i + 8 times the increment: splitmix64's state at tokens i .. i + 7
   __m512i ctr = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(stream + static_cast<uint64_t>(lo) * kGolden)),
