@@ -1475,7 +1475,9 @@ void screened_argmax(const float* x, int64_t m, int64_t k, const PackedWeight& w
       const ScreenPanel sp{bound + p * kb * kPanel, s, L, T, panels, p};
       ipanel_any(a, mc, ints + p * screen_bytes, qs, H, n, p * kPanel, &sp);  // A + margin [mc, n], bounds
     }
-#pragma omp parallel for schedule(dynamic) if (mc > 1)
+    // rows round robin over the threads: with GCC's OpenMP calls served by Paddle's libiomp5 a dynamic schedule
+    // ran every row on every thread (cpu_ops.cc's attention saw the like), each row's work done twice over
+#pragma omp parallel for schedule(static, 1) if (mc > 1)
     for (int64_t r = 0; r < mc; ++r) {
       const float* xr = xc + r * k;
       bool finite = true;
