@@ -14,6 +14,9 @@ rule), and the expected share of first drafts accepted is, exactly (no sampling 
   - "same uniform": the head samples its own q with the uniform verification would use at that position
     under sampler 2 (the inverse CDF in token-id order; sampler 3 draws with Gumbel noise instead): accepted
     where both land on the same token;
+  - "same noise": the head draws its own q by the Gumbel-max rule with the noise verification uses at that
+    position (sampler 3's rule, the coupling it allows): accepted where both draws are the same token (a Monte
+    Carlo estimate, --draws noise draws a position over the tokens either keeps);
   - "rejection sampling": Leviathan et al.'s rule, accepting min(1, p / q) of a draft from q: 1 - TV(p, q)
     (not seed-exact: shown as what the standard method would reach);
   - "argmax match": the head's argmax is the model's, for comparison with the greedy job.
@@ -47,6 +50,19 @@ def same_uniform(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     return np.where((p > 0) & (q > 0), np.clip(overlap, 0.0, None), 0.0).sum(axis=-1)
 
 
+def same_noise(p: np.ndarray, q: np.ndarray, draws: int, rng) -> np.ndarray:
+    """[rows] P(argmax log p + g = argmax log q + g) over the tokens each keeps, one Gumbel g shared: the
+    Gumbel-max draws of p and q with the same noise (Monte Carlo, `draws` noise vectors a row)."""
+    out = np.zeros(len(p))
+    for i in range(len(p)):
+        support = np.nonzero((p[i] > 0) | (q[i] > 0))[0]
+        g = rng.gumbel(size=(draws, len(support)))
+        with np.errstate(divide="ignore"):
+            lp, lq = np.log(p[i, support]), np.log(q[i, support])
+        out[i] = np.mean((lp + g).argmax(-1) == (lq + g).argmax(-1))
+    return out
+
+
 def read_back(lm, head, window: int, prompt: list[int], output: list[int]):
     """(main logits of each next output token after the first [n, vocab], the head's at the same positions
     [n, draft vocab]) for one completed prompt."""
@@ -77,6 +93,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--draws", type=int, default=400)
     args = ap.parse_args()
     from specgen import load_model
     from specgen.api import generate
@@ -101,13 +118,14 @@ def main() -> None:
     t, top_p = args.temperature, args.top_p
     sets = load_sets(args.per_set, args.per_set)
     rows = []
+    rng = np.random.default_rng(0)
     for name in args.sets:
         prompts = sets[name]
         ids = [list(encode_prompt(lm, m)) for m in prompts]
         greedy = generate(prompts, lm, SamplingParams(max_tokens=args.max_tokens))
         sampled = generate(prompts, lm, SamplingParams(temperature=t, top_p=top_p, max_tokens=args.max_tokens,
                                                        seed=1))
-        match_greedy, sums, n_greedy, n = 0.0, np.zeros(4), 0, 0
+        match_greedy, sums, n_greedy, n = 0.0, np.zeros(5), 0, 0
         for prompt, g, s in zip(ids, greedy, sampled, strict=True):
             main, own = read_back(lm, head, window, prompt, list(g.token_ids))
             match_greedy += float((vocab[own.argmax(-1)] == main.argmax(-1)).sum())
@@ -118,14 +136,15 @@ def main() -> None:
             q[:, vocab] = filtered(own, t, top_p)
             draft = vocab[own.argmax(-1)]
             sums += [p[np.arange(len(p)), draft].sum(), same_uniform(p, q).sum(),
-                     (1.0 - 0.5 * np.abs(p - q).sum(-1)).sum(), float((draft == main.argmax(-1)).sum())]
+                     same_noise(p, q, args.draws, rng).sum(), (1.0 - 0.5 * np.abs(p - q).sum(-1)).sum(),
+                     float((draft == main.argmax(-1)).sum())]
             n += len(p)
         rows.append([name, n_greedy, match_greedy / n_greedy, n, *(sums / n)])
         print_table(["set", "greedy positions", "greedy job", "sampled positions", "argmax draft",
-                     "same uniform", "rejection sampling", "argmax match"], rows[-1:], digits=3)
+                     "same uniform", "same noise", "rejection sampling", "argmax match"], rows[-1:], digits=3)
     print()
     print_table(["set", "greedy positions", "greedy job", "sampled positions", "argmax draft", "same uniform",
-                 "rejection sampling", "argmax match"], rows, digits=3)
+                 "same noise", "rejection sampling", "argmax match"], rows, digits=3)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,10 @@ class MtpPass:
     seq_lens: np.ndarray  # [num_seqs] int64 catch-up tokens of each sequence (>= 1)
     last_rows: np.ndarray  # [num_wanted] int64 the last catch-up token of each sequence that wants drafts
     depth: int  # drafts per wanted sequence (>= 1)
+    # float64 [4, num_wanted]: each wanted sequence's 1 / temperature (0: greedy), request key (high, low 32
+    # bits) and the output position of its first draft; a sampled one's drafts are coupled to the tokens
+    # verification samples (layers/sampling.py's coupled_drafts). None: every draft the argmax
+    draw: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

@@ -365,7 +365,8 @@ class FusedHead:
              p.last_rows))
         drafts, rows = args.mtp_draft(self.backend.ops, self.args, args.MtpStepArgs(
             token_ids=tok, hidden=p.hidden, rows=row, positions=pos, slots=slot, prefix_len=pre,
-            last_rows=last, k_cache=cache.k[0], v_cache=cache.v[0], capacity=cache.capacity, depth=p.depth))
+            last_rows=last, k_cache=cache.k[0], v_cache=cache.v[0], capacity=cache.capacity, depth=p.depth,
+            draw=paddle.to_tensor(p.draw if p.draw is not None else np.zeros((4, 0)), dtype="float64")))
         return drafts.numpy(), rows
 
 

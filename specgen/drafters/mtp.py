@@ -27,6 +27,7 @@ from specgen.layers.attention import AttentionIndex
 from specgen.layers.block import DecoderBlock, block_forward
 from specgen.layers.linear import Linear
 from specgen.layers.norm import rms_norm
+from specgen.layers.sampling import coupled_drafts
 from specgen.models.checkpoint import Lazy, tensor_shape
 from specgen.models.config import ModelConfig
 from specgen.models.model import Model
@@ -297,10 +298,10 @@ class ReferenceHead:
             lm = Linear(paddle.gather(lm.dense(), paddle.to_tensor(head.draft_vocab), axis=1))
         self.lm_head = lm  # [hidden] -> [draft vocabulary]
 
-    def _pass(self, cache: KVCache, slots, starts, lens, token_ids, prev_hidden):
+    def _pass(self, cache: KVCache, slots, starts, lens, token_ids, prev_hidden, draw=None, depth: int = 0):
         """One packed pass of the head over blocks (slots, starts, lens): (block output at each block's end
-        [num_seqs, hidden], argmax token there [num_seqs], the block output of every token
-        [num_tokens, hidden])."""
+        [num_seqs, hidden], the draft there [num_seqs]: the argmax, or with `draw` (MtpPass.draw's, one column
+        a block) coupled_drafts' at that depth, the block output of every token [num_tokens, hidden])."""
         hd = self.head
         batch = build_forward_batch(slots, starts, lens, token_ids, np.zeros(len(slots), bool))
         reserve(batch, cache)
@@ -311,7 +312,11 @@ class ReferenceHead:
         att = AttentionIndex(batch, cache, self.rope, self.shape.num_heads, self.dtype)
         x = block_forward(x, hd.block, self.shape, att, 0, cache.k[0], cache.v[0])
         last = paddle.gather(x, paddle.to_tensor(batch.logit_rows))  # [num_seqs, hidden]
-        drafts = paddle.argmax(self.lm_head(rms_norm(last, hd.final_norm, eps)), axis=-1).numpy()
+        logits = self.lm_head(rms_norm(last, hd.final_norm, eps))
+        if draw is None or not (draw[0] > 0).any():
+            drafts = paddle.argmax(logits, axis=-1).numpy()
+        else:
+            drafts = coupled_drafts(logits.numpy(), hd.draft_vocab, draw, depth)
         return last, hd.token_ids(drafts), x
 
     def run(self, cache: KVCache, p: MtpPass) -> tuple[np.ndarray, paddle.Tensor]:
@@ -326,9 +331,13 @@ class ReferenceHead:
         wanted = np.searchsorted(first, p.last_rows, side="right") - 1  # [num_wanted] their sequence
         x = paddle.gather(x, paddle.to_tensor(wanted))
         out[:, 0] = d = d[wanted]
+        if p.draw is not None and (p.draw[0] > 0).any():  # the first drafts coupled to verification's draw
+            last = rms_norm(x, self.head.final_norm, self.shape.eps)
+            out[:, 0] = d = self.head.token_ids(coupled_drafts(self.lm_head(last).numpy(),
+                                                               self.head.draft_vocab, p.draw))
         slots, last_pos = p.token_slots[p.last_rows], p.positions[p.last_rows]
         ones = np.ones(len(slots), np.int64)
         for i in range(1, p.depth):
-            x, d, _ = self._pass(cache, slots, last_pos + i, ones, d, x)
+            x, d, _ = self._pass(cache, slots, last_pos + i, ones, d, x, p.draw, i)
             out[:, i] = d
         return out, rows

@@ -195,6 +195,8 @@ class MtpStepArgs:
     v_cache: Tensor
     capacity: int
     depth: int  # drafts per wanted sequence
+    # float64 [4, num_wanted] (MtpPass.draw), or empty: every draft the LM head's argmax
+    draw: Tensor
 
 
 def mtp_draft(ops: ModuleType, h: MtpHeadArgs, a: MtpStepArgs) -> tuple[Tensor, Tensor]:
@@ -204,7 +206,7 @@ def mtp_draft(ops: ModuleType, h: MtpHeadArgs, a: MtpStepArgs) -> tuple[Tensor, 
     drafts, rows = ops.specgen_mtp_draft(
         a.token_ids, a.hidden, a.rows, h.embed, h.enorm, h.hnorm, h.eh_proj, *b.projections(), h.cos, h.sin,
         a.positions, a.slots, [a.k_cache], [a.v_cache], b.q_norm, b.k_norm, a.prefix_len, [h.ones], [h.ones],
-        a.last_rows, h.final_norm, h.lm_head, h.draft_vocab, g.num_heads, g.num_kv_heads, a.capacity,
+        a.last_rows, h.final_norm, h.lm_head, h.draft_vocab, a.draw, g.num_heads, g.num_kv_heads, a.capacity,
         g.qk_norm, g.eps, 0, a.depth, h.vocab)[:2]
     return drafts, rows
 

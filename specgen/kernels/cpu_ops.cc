@@ -1588,6 +1588,28 @@ std::vector<paddle::Tensor> ForwardBound(const paddle::Tensor& index, const padd
                      tree && n ? index.data<int64_t>() + 4 * n : nullptr, &capture, &sample);
 }
 
+// A draft coupled to the token verification will sample (layers/sampling.py's coupled_drafts): the Gumbel-max draw
+// from logit row x [v] at inv_t, each column's noise that of its token id (ids[j], or j) in `stream` (the noise the
+// main model's sampler uses at that output position), among the columns whose scaled logit is within kDraftSpan of
+// the argmax's (`top`); the lowest column on a tie. Where the drafter's distribution is near the main model's the
+// two draws agree more often than its argmax is sampled (benchmarks/sampled_drafts.py). Drafts only: any rule is
+// exact.
+constexpr double kDraftSpan = 12.0;
+
+template <typename T>
+int64_t coupled_draft(const T* x, int64_t v, const int64_t* ids, double inv_t, uint64_t stream, int64_t top) {
+  const double floor = static_cast<double>(x[top]) * inv_t - kDraftSpan;
+  // (a float pre-test a little below the floor: the exact test in double decides)
+  const T pre = static_cast<T>(floor / inv_t) - static_cast<T>(1e-3) * (std::abs(static_cast<T>(floor / inv_t)) + 1);
+  specgen::Pick p{-std::numeric_limits<double>::infinity(), -1};
+  for (int64_t j = 0; j < v; ++j) {
+    if (!(x[j] >= pre) || !(static_cast<double>(x[j]) * inv_t >= floor)) continue;
+    specgen::take(p, specgen::gumbel_key(static_cast<double>(x[j]), inv_t, stream, ids ? ids[j] : j), j);
+  }
+  return p.id >= 0 ? p.id : top;
+}
+
+
 // An MTP head's whole pass for a step (see MtpProposer in specgen/engine/proposers/mtp.py, which runs the same
 // functions one op at a time): for each catch-up token t, input [rms_norm(embed[token_ids[t]], enorm);
 // rms_norm(hidden[rows[t]], hnorm)] @ eh_proj, the head's blocks (caches written), then at each sequence's last
@@ -1607,8 +1629,9 @@ std::vector<paddle::Tensor> MtpDraft(
     const paddle::Tensor& positions, const paddle::Tensor& slots, Tensors& k_cache, Tensors& v_cache,
     const Tensors& q_norm, const Tensors& k_norm, const paddle::Tensor& prefix_len, const Tensors& prefix_k,
     const Tensors& prefix_v, const paddle::Tensor& last_rows, const paddle::Tensor& final_norm,
-    const paddle::Tensor& lm_head, const paddle::Tensor& draft_vocab, int num_heads, int num_kv_heads,
-    int64_t capacity, bool qk_norm, double eps, int64_t prefix_capacity, int depth, int64_t vocab) {
+    const paddle::Tensor& lm_head, const paddle::Tensor& draft_vocab, const paddle::Tensor& draft_sample,
+    int num_heads, int num_kv_heads, int64_t capacity, bool qk_norm, double eps, int64_t prefix_capacity, int depth,
+    int64_t vocab) {
   check_cpu(hidden, "hidden");
   return with_activations(embed, "specgen_mtp_draft", [&](auto type) -> std::vector<paddle::Tensor> {
     using T = decltype(type);
@@ -1631,6 +1654,10 @@ std::vector<paddle::Tensor> MtpDraft(
     const specgen::PackedWeight lm = packed_for<T>(lm_head, hid, vocab, "lm_head");
     const int64_t nv = draft_vocab.numel();
     PD_CHECK(nv == 0 || nv == vocab, "specgen_mtp_draft: draft_vocab needs one token id per LM-head column");
+    const bool coupled = draft_sample.numel() > 0;
+    PD_CHECK(!coupled || (draft_sample.dtype() == paddle::DataType::FLOAT64 && draft_sample.numel() == 4 * S),
+             "specgen_mtp_draft: draft_sample must be float64 [4, num_wanted] or empty");
+    const double* ds = coupled ? draft_sample.data<double>() : nullptr;
     auto drafts = paddle::empty({S, depth}, paddle::DataType::INT64, hidden.place());
     auto out_rows = paddle::empty({n, hid}, hidden.dtype(), hidden.place());
     if (n == 0) return {drafts, out_rows};
@@ -1678,6 +1705,12 @@ std::vector<paddle::Tensor> MtpDraft(
       logits.resize(S * vocab);
       specgen::packed_linear(normed.data(), S, hid, lm, logits.data(), vocab);
       argmax_rows<T>(logits.data(), S, vocab, idx.data());
+      for (int64_t s = 0; s < S && coupled; ++s) {  // sampled sequences: drafts coupled to verification's draw
+        if (!(ds[s] > 0.0)) continue;
+        const uint64_t key = (static_cast<uint64_t>(ds[S + s]) << 32) | static_cast<uint64_t>(ds[2 * S + s]);
+        const uint64_t stream = specgen::noise_stream(key, static_cast<int64_t>(ds[3 * S + s]) + d);
+        idx[s] = coupled_draft<T>(logits.data() + s * vocab, vocab, ids, ds[s], stream, idx[s]);
+      }
       for (int64_t s = 0; s < S; ++s) {
         const int64_t r = d == 0 ? last[s] : s;
         out[s * depth + d] = ids ? ids[idx[s]] : idx[s];
@@ -1827,7 +1860,7 @@ PD_BUILD_OP(specgen_mtp_draft)
              paddle::Vec("WGateUp"), paddle::Vec("BGateUp"), paddle::Vec("WDown"), paddle::Vec("BDown"), "Cos", "Sin",
              "Positions", "Slots", paddle::Vec("KCache"), paddle::Vec("VCache"), paddle::Vec("QNorm"),
              paddle::Vec("KNorm"), "PrefixLen", paddle::Vec("PrefixK"), paddle::Vec("PrefixV"), "LastRows",
-             "FinalNorm", "LmHead", "DraftVocab"})
+             "FinalNorm", "LmHead", "DraftVocab", "DraftSample"})
     .Outputs({"Drafts", "BlockOut", paddle::Vec("KCacheOut"), paddle::Vec("VCacheOut")})
     .SetInplaceMap({{paddle::Vec("KCache"), paddle::Vec("KCacheOut")}, {paddle::Vec("VCache"), paddle::Vec("VCacheOut")}})
     .Attrs({"num_heads: int", "num_kv_heads: int", "capacity: int64_t", "qk_norm: bool", "eps: double",

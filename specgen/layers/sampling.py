@@ -89,6 +89,32 @@ def gumbels(stream: np.ndarray, vocab: int) -> np.ndarray:
     return gumbels_at(stream[:, None], np.arange(vocab)[None, :])
 
 
+DRAFT_SPAN = 12.0  # coupled_drafts: columns whose scaled logit is within this of the argmax's compete
+
+
+def coupled_drafts(logits: np.ndarray, ids: np.ndarray | None, draw: np.ndarray,
+                   depth: int = 0) -> np.ndarray:
+    """[n] LM-head columns: drafts coupled to the tokens verification will sample (the fused MTP pass's rule,
+    kernels/cpu_ops.cc coupled_draft). Row i of logits [n, v] (a drafter's LM head; its columns' token ids
+    `ids`, None: the column) with draw[:, i] (MtpPass.draw: 1 / temperature, key high and low 32 bits, first
+    draft's output position) above 0 takes the Gumbel-max draw with the noise the main model's sampler uses
+    at output position draw[3, i] + depth, among the columns whose scaled logit is within DRAFT_SPAN of the
+    argmax's (the lowest column on a tie); the others, the argmax. Where the drafter's distribution is near
+    the main model's the two draws agree more often than its argmax is sampled."""
+    x = logits.astype(np.float64)
+    top = x.argmax(axis=-1)
+    out = top.copy()
+    for i in np.nonzero(draw[0] > 0)[0]:
+        inv_t = float(draw[0, i])
+        key = np.uint64((int(draw[1, i]) << 32) | int(draw[2, i]))
+        stream = streams(np.array([key]), np.array([int(draw[3, i]) + depth]))[0]
+        scaled = x[i] * inv_t
+        cand = np.nonzero(scaled >= scaled[top[i]] - DRAFT_SPAN)[0]
+        keys = scaled[cand] + gumbels_at(np.full(len(cand), stream), cand if ids is None else ids[cand])
+        out[i] = cand[int(np.argmax(keys))]
+    return out
+
+
 def _top_p_threshold(probs: paddle.Tensor, top_p: paddle.Tensor) -> paddle.Tensor:
     """Smallest probability kept by top-p: keep the most likely tokens until their mass reaches top_p.
 

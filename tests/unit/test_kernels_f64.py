@@ -287,10 +287,13 @@ class TinyHead:
     lm_head: np.ndarray
 
 
-def np_drafts(h: TinyHead, ids: np.ndarray, hidden: np.ndarray, depth: int) -> tuple[list[int], float]:
+def np_drafts(h: TinyHead, ids: np.ndarray, hidden: np.ndarray, depth: int,
+              draw: np.ndarray | None = None) -> tuple[list[int], float]:
     """The head's drafts after catching up on one sequence (tokens ids [L], the main model's hidden rows [L,
-    hidden] at positions 0 .. L-1), as MtpProposer chains them; and the smallest gap between the top two
-    logits."""
+    hidden] at positions 0 .. L-1), as MtpProposer chains them: each the argmax, or with `draw` (one MtpPass.draw
+    column [4, 1]) coupled_drafts'; and the smallest gap between the top two logits."""
+    from specgen.layers.sampling import coupled_drafts
+
     m = h.m
 
     def head_input(token, row):
@@ -302,7 +305,8 @@ def np_drafts(h: TinyHead, ids: np.ndarray, hidden: np.ndarray, depth: int) -> t
         last = np_blocks(m, [h.block], np.stack(inputs))[-1]
         logits = _rms(last, h.final_norm) @ h.lm_head
         top = np.sort(logits)[-2:]
-        drafts.append(int(np.argmax(logits)))
+        drafts.append(int(np.argmax(logits)) if draw is None else
+                      int(coupled_drafts(logits[None], None, draw, len(drafts))[0]))
         gap = min(gap, top[1] - top[0])
         inputs.append(head_input(drafts[-1], last))
     return drafts, gap
@@ -311,7 +315,8 @@ def np_drafts(h: TinyHead, ids: np.ndarray, hidden: np.ndarray, depth: int) -> t
 def test_float64_mtp_draft_matches_numpy_and_catch_up_in_pieces():
     """specgen_mtp_draft in float64 with a one-block head: two sequences (slots 0 and 1) caught up in one call
     give numpy's drafts at depth 3 (the top two logits far apart next to float64's error); caught up in two
-    calls (the first without drafts), the same drafts."""
+    calls (the first without drafts), the same drafts. Sampled sequences (MtpPass.draw) draw drafts coupled to
+    verification's noise: numpy's coupled_drafts chain, at T 0.7 and 3 (moving drafts off the argmax)."""
     rng = np.random.default_rng(2)
     m = tiny_model(rng, num_blocks=1)
     donor = tiny_model(rng, num_blocks=1)
@@ -330,12 +335,12 @@ def test_float64_mtp_draft_matches_numpy_and_catch_up_in_pieces():
     t = paddle.to_tensor
     all_hidden = t(np.concatenate(hidden))  # [14, hidden]: sequence 0's rows, then sequence 1's
 
-    def draft(tokens, slots, positions, rows, last_rows, k, v):
+    def draft(tokens, slots, positions, rows, last_rows, k, v, draw=np.zeros((4, 0))):
         out = K.specgen_mtp_draft(
             t(tokens), all_hidden, t(rows), t(m.embed), t(head.enorm), t(head.hnorm), pack64(head.eh_proj),
             *c.weights, t(m.cos), t(m.sin), t(positions), t(slots), k, v, c.q_norm, c.k_norm,
             t(np.zeros(len(tokens), np.int64)), c.prefix, c.prefix, t(np.asarray(last_rows, np.int64)),
-            t(head.final_norm), pack64(head.lm_head), t(np.zeros(0, np.int64)), m.H, m.KV, CAPACITY,
+            t(head.final_norm), pack64(head.lm_head), t(np.zeros(0, np.int64)), t(draw), m.H, m.KV, CAPACITY,
             False, EPS, 0, depth, m.vocab)
         return _first(out).numpy()
 
@@ -349,3 +354,13 @@ def test_float64_mtp_draft_matches_numpy_and_catch_up_in_pieces():
     assert draft(tokens[first], slots[first], positions[first], rows[first], [], k, v).shape == (0, depth)
     rest = np.r_[6:9, 12:14]
     assert np.array_equal(draft(tokens[rest], slots[rest], positions[rest], rows[rest], [2, 4], k, v), whole)
+    moved = 0
+    for temperature in (0.7, 3.0):  # sequence 0 sampled (key, first draft at output position 4), 1 greedy
+        draw = np.array([[1 / temperature, 0.0], [12345.0, 0.0], [678.0, 0.0], [4.0, 0.0]])
+        k, v = c.caches(2, CAPACITY)
+        got = draft(tokens, slots, positions, rows, [8, 13], k, v, draw)
+        assert got[1].tolist() == want[1][0]
+        coupled = np_drafts(head, ids[0], hidden[0], depth, draw[:, :1])[0]
+        assert got[0].tolist() == coupled
+        moved += coupled != want[0][0]
+    assert moved  # the noise moved a draft off the argmax

@@ -60,6 +60,7 @@ class CatchUp:
     seq_lens: np.ndarray  # [num_seqs] int64 committed tokens
     want: np.ndarray  # [num_seqs] bool the sequence wants drafts (not copies)
     depth: int  # drafts worth preparing per sequence
+    draw: np.ndarray | None  # [4, num_seqs] float64 MtpPass.draw's columns for every sequence; None: argmax
 
 
 class MtpProposer:
@@ -266,7 +267,7 @@ class MtpProposer:
         want = ~copying
         self.num_drafts[slots] = np.where(want, depth, 0)
         return CatchUp(update.tokens, slots, seq, pos, rows, next_ids, hidden, start, total, shift, seq_lens,
-                       want, depth)
+                       want, depth, _draw(update, index, seq_lens))
 
     def _draft(self, c: CatchUp) -> None:
         """The head's pass over the catch-up, and its drafts for the slots that want them."""
@@ -274,19 +275,19 @@ class MtpProposer:
         drafts, out = self.heads[0].run(self.cache, MtpPass(
             token_slots=c.slots[c.seq], positions=c.pos - c.shift[c.seq], token_ids=c.next_ids, rows=c.rows,
             hidden=c.hidden, seq_lens=c.total, last_rows=(np.cumsum(c.total) - 1)[c.want],
-            depth=c.depth if single else 1))
+            depth=c.depth if single else 1, draw=None if c.draw is None else c.draw[:, c.want]))
         if single:
             self.drafts[c.slots[c.want], :c.depth] = drafts
             return
         chain = np.zeros((len(c.slots), len(self.heads) + c.depth), np.int64)  # [num_seqs, ..] drafts so far
         chain[c.want, :1] = drafts
         self._later_modules(c.tokens, c.slots, c.start, c.start + c.total - 1, c.seq_lens, c.shift, c.want,
-                            c.depth, out, chain)
+                            c.depth, out, chain, c.draw)
         self.drafts[c.slots[c.want], :c.depth] = chain[c.want, :c.depth]
 
     def _later_modules(self, tokens: np.ndarray, slots: np.ndarray, start: np.ndarray, end: np.ndarray,
                        seq_lens: np.ndarray, shift: np.ndarray, want: np.ndarray, depth: int, out,
-                       chain) -> None:
+                       chain, draw: np.ndarray | None = None) -> None:
         """Modules 1.. of a multi-layer head, after module 0 caught up positions [start, end] of each sequence
         (main positions; its block outputs `out`) and drafted chain[:, 0] for the wanted ones."""
         prev_start, prev_total = start, end - start + 1  # module i - 1's pass
@@ -310,9 +311,13 @@ class MtpProposer:
             drafting = want & (depth > i)
             last = i == len(self.heads) - 1
             d = max(1, depth - i) if last else 1  # the last module chains itself for the drafts past it
+            later = None  # module i drafts draft i + 1: one output position later
+            if draw is not None:
+                later = draw[:, drafting].copy()
+                later[3] += i
             drafts, new_out = self.heads[i].run(self.caches[i], MtpPass(
                 token_slots=slots[seq], positions=pos - shift[seq], token_ids=ids, rows=rows, hidden=hidden,
-                seq_lens=total, last_rows=(np.cumsum(total) - 1)[drafting], depth=d))
+                seq_lens=total, last_rows=(np.cumsum(total) - 1)[drafting], depth=d, draw=later))
             chain[drafting, i:i + d] = drafts
             # module i's new boundary; the row it will start from when module i - 1 starts one later
             valid = np.minimum(end + 1, seq_lens - 1 - i)
@@ -324,6 +329,21 @@ class MtpProposer:
             self.valid[i, slots] = valid
             out, prev_start, prev_total = new_out, begin, total
 
+
+
+def _draw(update: StepUpdate, index: np.ndarray, seq_lens: np.ndarray) -> np.ndarray | None:
+    """MtpPass.draw's columns for the update's sequences `index` ([num_seqs]; committed tokens seq_lens):
+    sampled ones draw their drafts coupled to the tokens verification will sample at output positions
+    seq_lens - prompt length on. None where none samples (or the prompt lengths are unknown)."""
+    s = update.sampling
+    if s is None or update.prompt_lens is None or not (s.temperature[index] > 0).any():
+        return None
+    t = s.temperature[index]
+    key = s.rng_key[index].astype(np.uint64)
+    inv_t = np.where(t > 0, 1.0 / np.where(t > 0, t, 1.0), 0.0)
+    return np.stack([inv_t, (key >> np.uint64(32)).astype(np.float64),
+                     (key & np.uint64(0xFFFFFFFF)).astype(np.float64),
+                     (seq_lens - update.prompt_lens[index]).astype(np.float64)])
 
 
 def build_mtp_proposer(d: Drafting) -> MtpProposer:
