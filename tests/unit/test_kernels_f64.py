@@ -290,8 +290,8 @@ class TinyHead:
 def np_drafts(h: TinyHead, ids: np.ndarray, hidden: np.ndarray, depth: int,
               draw: np.ndarray | None = None) -> tuple[list[int], float]:
     """The head's drafts after catching up on one sequence (tokens ids [L], the main model's hidden rows [L,
-    hidden] at positions 0 .. L-1), as MtpProposer chains them: each the argmax, or with `draw` (one MtpPass.draw
-    column [4, 1]) coupled_drafts'; and the smallest gap between the top two logits."""
+    hidden] at positions 0 .. L-1), as MtpProposer chains them: each the argmax, or with `draw` (one
+    MtpPass.draw column [4, 1]) coupled_drafts'; and the smallest gap between the top two logits."""
     from specgen.layers.sampling import coupled_drafts
 
     m = h.m
