@@ -14,9 +14,10 @@ rule), and the expected share of first drafts accepted is, exactly (no sampling 
   - "same uniform": the head samples its own q with the uniform verification would use at that position
     under sampler 2 (the inverse CDF in token-id order; sampler 3 draws with Gumbel noise instead): accepted
     where both land on the same token;
-  - "same noise": the head draws its own q by the Gumbel-max rule with the noise verification uses at that
-    position (sampler 3's rule, the coupling it allows): accepted where both draws are the same token (a Monte
-    Carlo estimate, --draws noise draws a position over the tokens either keeps);
+  - "same noise": the head's draft as MTP drafts for sampled requests (layers/sampling.coupled_drafts): the
+    Gumbel-max draw over its logits at the temperature (no top-p; the columns within DRAFT_SPAN of its best)
+    with the noise verification uses at that position: accepted where both draws are the same token (a Monte
+    Carlo estimate, --draws noise draws a position over the tokens either could take);
   - "rejection sampling": Leviathan et al.'s rule, accepting min(1, p / q) of a draft from q: 1 - TV(p, q)
     (not seed-exact: shown as what the standard method would reach);
   - "argmax match": the head's argmax is the model's, for comparison with the greedy job.
@@ -50,15 +51,24 @@ def same_uniform(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     return np.where((p > 0) & (q > 0), np.clip(overlap, 0.0, None), 0.0).sum(axis=-1)
 
 
-def same_noise(p: np.ndarray, q: np.ndarray, draws: int, rng) -> np.ndarray:
-    """[rows] P(argmax log p + g = argmax log q + g) over the tokens each keeps, one Gumbel g shared: the
-    Gumbel-max draws of p and q with the same noise (Monte Carlo, `draws` noise vectors a row)."""
+def same_noise(p: np.ndarray, own: np.ndarray, vocab: np.ndarray, temperature: float, draws: int,
+               rng) -> np.ndarray:
+    """[rows] P(the main model's draw from p = the head's coupled draft), one Gumbel g shared: argmax over p's
+    kept tokens of log p + g against argmax over the head's columns within DRAFT_SPAN of its best of
+    own / temperature + g (own [rows, draft vocab], its columns' token ids `vocab`; Monte Carlo, `draws`
+    noise vectors a row)."""
+    from specgen.layers.sampling import DRAFT_SPAN
+
     out = np.zeros(len(p))
     for i in range(len(p)):
-        support = np.nonzero((p[i] > 0) | (q[i] > 0))[0]
+        scaled = own[i] / temperature
+        cols = np.nonzero(scaled >= scaled.max() - DRAFT_SPAN)[0]
+        support = np.union1d(np.nonzero(p[i] > 0)[0], vocab[cols])
         g = rng.gumbel(size=(draws, len(support)))
         with np.errstate(divide="ignore"):
-            lp, lq = np.log(p[i, support]), np.log(q[i, support])
+            lp = np.log(p[i, support])
+        lq = np.full(len(support), -np.inf)
+        lq[np.searchsorted(support, vocab[cols])] = scaled[cols]
         out[i] = np.mean((lp + g).argmax(-1) == (lq + g).argmax(-1))
     return out
 
@@ -136,7 +146,8 @@ def main() -> None:
             q[:, vocab] = filtered(own, t, top_p)
             draft = vocab[own.argmax(-1)]
             sums += [p[np.arange(len(p)), draft].sum(), same_uniform(p, q).sum(),
-                     same_noise(p, q, args.draws, rng).sum(), (1.0 - 0.5 * np.abs(p - q).sum(-1)).sum(),
+                     same_noise(p, own, vocab, t, args.draws, rng).sum(),
+                     (1.0 - 0.5 * np.abs(p - q).sum(-1)).sum(),
                      float((draft == main.argmax(-1)).sum())]
             n += len(p)
         rows.append([name, n_greedy, match_greedy / n_greedy, n, *(sums / n)])

@@ -357,6 +357,7 @@ class FusedHead:
             geometry=args.Geometry(cfg.num_heads, cfg.num_kv_heads, cfg.qk_norm, cfg.rms_norm_eps),
             ones=backend.ones)
         self._indices = KeptIndex(256)  # the pass's index tensors, kept per (tokens, sequences) shape
+        self._no_draw = paddle.zeros([4, 0], dtype="float64")  # MtpPass.draw None: every draft the argmax
 
     def run(self, cache: KVCache, p: MtpPass) -> tuple[np.ndarray, paddle.Tensor]:
         cache.reserve(int(p.positions.max()) + p.depth)
@@ -366,7 +367,7 @@ class FusedHead:
         drafts, rows = args.mtp_draft(self.backend.ops, self.args, args.MtpStepArgs(
             token_ids=tok, hidden=p.hidden, rows=row, positions=pos, slots=slot, prefix_len=pre,
             last_rows=last, k_cache=cache.k[0], v_cache=cache.v[0], capacity=cache.capacity, depth=p.depth,
-            draw=paddle.to_tensor(p.draw if p.draw is not None else np.zeros((4, 0)), dtype="float64")))
+            draw=self._no_draw if p.draw is None else paddle.to_tensor(p.draw, dtype="float64")))
         return drafts.numpy(), rows
 
 

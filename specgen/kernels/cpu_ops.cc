@@ -36,7 +36,8 @@
 //   specgen_eagle_pass    an EAGLE layer's pass: fc over [embedding; feature], its block, its output features, and
 //                         the top-k of the LM head's log-softmax at the rows asked for (a token tree's depth)
 //   specgen_mtp_draft     an MTP head's pass for a step: input norms and eh_proj, its block(s) (specgen_stack's code),
-//                         final norm, LM head and argmax at each sequence's last token, then depth - 1 chained
+//                         final norm, LM head and argmax (or, with DraftSample, a draw coupled to verification's
+//                         noise) at each sequence's last token, then depth - 1 chained
 //                         passes on its own drafts; also the catch-up tokens' block outputs (the next MTP module's
 //                         input). The same functions in the same order as the reference head, in the embedding's
 //                         type, as specgen_forward.
@@ -1598,7 +1599,11 @@ constexpr double kDraftSpan = 12.0;
 
 template <typename T>
 int64_t coupled_draft(const T* x, int64_t v, const int64_t* ids, double inv_t, uint64_t stream, int64_t top) {
-  const double floor = static_cast<double>(x[top]) * inv_t - kDraftSpan;
+  double a = static_cast<double>(x[top]) * inv_t;
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  __asm__("" : "+x"(a));  // (rounded before the subtraction, as the reference: no fused multiply-add)
+#endif
+  const double floor = a - kDraftSpan;
   // (a float pre-test a little below the floor: the exact test in double decides)
   const T pre = static_cast<T>(floor / inv_t) - static_cast<T>(1e-3) * (std::abs(static_cast<T>(floor / inv_t)) + 1);
   specgen::Pick p{-std::numeric_limits<double>::infinity(), -1};
@@ -1613,8 +1618,10 @@ int64_t coupled_draft(const T* x, int64_t v, const int64_t* ids, double inv_t, u
 // An MTP head's whole pass for a step (see MtpProposer in specgen/engine/proposers/mtp.py, which runs the same
 // functions one op at a time): for each catch-up token t, input [rms_norm(embed[token_ids[t]], enorm);
 // rms_norm(hidden[rows[t]], hnorm)] @ eh_proj, the head's blocks (caches written), then at each sequence's last
-// token the final norm, the LM head and the argmax: draft 0. Drafts 1 .. depth-1 apply the head again to its own
-// output row and draft (mapped through draft_vocab when it is not empty), one position further on. Sequences
+// token the final norm, the LM head and the argmax: draft 0 (a sampled sequence of draft_sample, float64 [4, S]:
+// 1 / temperature (0: greedy), its request key's high and low 32 bits, its first draft's output position, takes
+// coupled_draft's column instead, at that position + d for draft d). Drafts 1 .. depth-1 apply the head again to
+// its own output row and draft (mapped through draft_vocab when it is not empty), one position further on. Sequences
 // whose drafts are not wanted (MTP's copies) are left out of last_rows: their tokens are only caught up. The
 // embedding's type (float32 or float64) is the pass's: hidden, norms, tables and caches in it, float64 panels for
 // float64 (eh_proj and the LM head included).
@@ -1655,7 +1662,8 @@ std::vector<paddle::Tensor> MtpDraft(
     const int64_t nv = draft_vocab.numel();
     PD_CHECK(nv == 0 || nv == vocab, "specgen_mtp_draft: draft_vocab needs one token id per LM-head column");
     const bool coupled = draft_sample.numel() > 0;
-    PD_CHECK(!coupled || (draft_sample.dtype() == paddle::DataType::FLOAT64 && draft_sample.numel() == 4 * S),
+    PD_CHECK(!coupled || (draft_sample.is_cpu() && draft_sample.dtype() == paddle::DataType::FLOAT64 &&
+                          draft_sample.numel() == 4 * S),
              "specgen_mtp_draft: draft_sample must be float64 [4, num_wanted] or empty");
     const double* ds = coupled ? draft_sample.data<double>() : nullptr;
     auto drafts = paddle::empty({S, depth}, paddle::DataType::INT64, hidden.place());
@@ -1705,11 +1713,16 @@ std::vector<paddle::Tensor> MtpDraft(
       logits.resize(S * vocab);
       specgen::packed_linear(normed.data(), S, hid, lm, logits.data(), vocab);
       argmax_rows<T>(logits.data(), S, vocab, idx.data());
-      for (int64_t s = 0; s < S && coupled; ++s) {  // sampled sequences: drafts coupled to verification's draw
+      // sampled sequences: drafts coupled to verification's draw (each row's scan its own: rows apart; the
+      // thread_local logits by pointer, as inside the parallel loop its name is each thread's own)
+      const T* lg = logits.data();
+      int64_t* ix = idx.data();
+#pragma omp parallel for schedule(static, 1) if (coupled && S > 1)
+      for (int64_t s = 0; s < (coupled ? S : 0); ++s) {
         if (!(ds[s] > 0.0)) continue;
         const uint64_t key = (static_cast<uint64_t>(ds[S + s]) << 32) | static_cast<uint64_t>(ds[2 * S + s]);
         const uint64_t stream = specgen::noise_stream(key, static_cast<int64_t>(ds[3 * S + s]) + d);
-        idx[s] = coupled_draft<T>(logits.data() + s * vocab, vocab, ids, ds[s], stream, idx[s]);
+        ix[s] = coupled_draft<T>(lg + s * vocab, vocab, ids, ds[s], stream, ix[s]);
       }
       for (int64_t s = 0; s < S; ++s) {
         const int64_t r = d == 0 ? last[s] : s;

@@ -102,7 +102,7 @@ def coupled_drafts(logits: np.ndarray, ids: np.ndarray | None, draw: np.ndarray,
     argmax's (the lowest column on a tie); the others, the argmax. Where the drafter's distribution is near
     the main model's the two draws agree more often than its argmax is sampled."""
     x = logits.astype(np.float64)
-    top = x.argmax(axis=-1)
+    top = np.where(np.isnan(x), -np.inf, x).argmax(axis=-1)  # (NaN never wins, as the fused argmax)
     out = top.copy()
     for i in np.nonzero(draw[0] > 0)[0]:
         inv_t = float(draw[0, i])
@@ -110,6 +110,8 @@ def coupled_drafts(logits: np.ndarray, ids: np.ndarray | None, draw: np.ndarray,
         stream = streams(np.array([key]), np.array([int(draw[3, i]) + depth]))[0]
         scaled = x[i] * inv_t
         cand = np.nonzero(scaled >= scaled[top[i]] - DRAFT_SPAN)[0]
+        if not len(cand):  # (a NaN argmax: none compares)
+            continue
         keys = scaled[cand] + gumbels_at(np.full(len(cand), stream), cand if ids is None else ids[cand])
         out[i] = cand[int(np.argmax(keys))]
     return out

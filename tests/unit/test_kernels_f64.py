@@ -287,11 +287,12 @@ class TinyHead:
     lm_head: np.ndarray
 
 
-def np_drafts(h: TinyHead, ids: np.ndarray, hidden: np.ndarray, depth: int,
-              draw: np.ndarray | None = None) -> tuple[list[int], float]:
+def np_drafts(h: TinyHead, ids: np.ndarray, hidden: np.ndarray, depth: int, draw: np.ndarray | None = None,
+              vocab: np.ndarray | None = None) -> tuple[list[int], float]:
     """The head's drafts after catching up on one sequence (tokens ids [L], the main model's hidden rows [L,
     hidden] at positions 0 .. L-1), as MtpProposer chains them: each the argmax, or with `draw` (one
-    MtpPass.draw column [4, 1]) coupled_drafts'; and the smallest gap between the top two logits."""
+    MtpPass.draw column [4, 1]) coupled_drafts', each LM-head column the token vocab[column] (None: the
+    column); and the smallest gap between the top two logits."""
     from specgen.layers.sampling import coupled_drafts
 
     m = h.m
@@ -305,8 +306,11 @@ def np_drafts(h: TinyHead, ids: np.ndarray, hidden: np.ndarray, depth: int,
         last = np_blocks(m, [h.block], np.stack(inputs))[-1]
         logits = _rms(last, h.final_norm) @ h.lm_head
         top = np.sort(logits)[-2:]
-        drafts.append(int(np.argmax(logits)) if draw is None else
-                      int(coupled_drafts(logits[None], None, draw, len(drafts))[0]))
+        if draw is None:
+            col = int(np.argmax(logits))
+        else:
+            col = int(coupled_drafts(logits[None], vocab, draw, len(drafts))[0])
+        drafts.append(col if vocab is None else int(vocab[col]))
         gap = min(gap, top[1] - top[0])
         inputs.append(head_input(drafts[-1], last))
     return drafts, gap
@@ -335,12 +339,13 @@ def test_float64_mtp_draft_matches_numpy_and_catch_up_in_pieces():
     t = paddle.to_tensor
     all_hidden = t(np.concatenate(hidden))  # [14, hidden]: sequence 0's rows, then sequence 1's
 
-    def draft(tokens, slots, positions, rows, last_rows, k, v, draw=np.zeros((4, 0))):
+    def draft(tokens, slots, positions, rows, last_rows, k, v, draw=np.zeros((4, 0)),
+              vocab=np.zeros(0, np.int64)):
         out = K.specgen_mtp_draft(
             t(tokens), all_hidden, t(rows), t(m.embed), t(head.enorm), t(head.hnorm), pack64(head.eh_proj),
             *c.weights, t(m.cos), t(m.sin), t(positions), t(slots), k, v, c.q_norm, c.k_norm,
             t(np.zeros(len(tokens), np.int64)), c.prefix, c.prefix, t(np.asarray(last_rows, np.int64)),
-            t(head.final_norm), pack64(head.lm_head), t(np.zeros(0, np.int64)), t(draw), m.H, m.KV, CAPACITY,
+            t(head.final_norm), pack64(head.lm_head), t(vocab), t(draw), m.H, m.KV, CAPACITY,
             False, EPS, 0, depth, m.vocab)
         return _first(out).numpy()
 
@@ -364,3 +369,10 @@ def test_float64_mtp_draft_matches_numpy_and_catch_up_in_pieces():
         assert got[0].tolist() == coupled
         moved += coupled != want[0][0]
     assert moved  # the noise moved a draft off the argmax
+    # a draft vocabulary (its columns' token ids shuffled): each column's noise is its token's
+    vocab = rng.permutation(m.vocab).astype(np.int64)
+    draw = np.array([[1 / 0.7, 1 / 0.7], [12345.0, 9.0], [678.0, 10.0], [4.0, 2.0]])
+    k, v = c.caches(2, CAPACITY)
+    got = draft(tokens, slots, positions, rows, [8, 13], k, v, draw, vocab)
+    for s in (0, 1):
+        assert got[s].tolist() == np_drafts(head, ids[s], hidden[s], depth, draw[:, s:s + 1], vocab)[0]

@@ -355,3 +355,32 @@ def test_head_beside_a_float_model_stays_float(tiny_model):
     head = MtpHeadWeights.read(random_mtp_weights(tiny_model.config, seed=4, std=0.3), "random", m)
     m.backend.prepare_drafter(m, head, True)
     assert {lin.weight.kind for lin in head.linears()} == {"F32"}
+
+
+def test_sampled_drafts_are_drawn_with_the_noise_of_the_position_verification_samples():
+    """MtpPass.draw for a step's sequences: a greedy one's 1 / temperature is 0 (its drafts the argmax); a
+    sampled one's carries its request key exactly (two 32-bit halves in float64) and, as its first draft's
+    output position, the one the next step's first verification row samples (the row at model position
+    seq_len - 1: position seq_len - prompt_len, as the engine's _row_sampling)."""
+    import dataclasses
+
+    from specgen.engine.proposers.mtp import _draw
+    from specgen.engine.types import SlotSampling, StepUpdate
+
+    keys = np.array([0xFEDCBA9876543210, 0x0123456789ABCDEF, 7], np.uint64)
+    seq_lens, prompt_lens = np.array([10, 12, 30]), np.array([4, 5, 9])
+    update = StepUpdate(
+        slots=np.arange(3), block_start=np.zeros(3, np.int64), first_pos=np.zeros(3, np.int64),
+        num_valid=np.ones(3, np.int64), finished=np.zeros(3, bool), tokens=np.zeros((3, 32), np.int64),
+        hidden=None, seq_lens=seq_lens, prompt_lens=prompt_lens,
+        sampling=SlotSampling(np.array([0.0, 0.5, 1.25]), np.zeros(3, np.int64), np.ones(3), keys))
+    draw = _draw(update, np.array([0, 1, 2]), seq_lens)
+    assert draw.shape == (4, 3) and draw[0].tolist() == [0.0, 2.0, 0.8]
+    rebuilt = (draw[1].astype(np.uint64) << np.uint64(32)) | draw[2].astype(np.uint64)
+    assert rebuilt.tolist() == keys.tolist()
+    model_position = seq_lens - 1  # the next step's first verification row of each sequence
+    assert draw[3].tolist() == (model_position + 1 - prompt_lens).tolist()
+    assert _draw(update, np.array([1]), seq_lens[1:2])[3].tolist() == [7.0]  # a subset of the sequences
+    greedy = dataclasses.replace(update, sampling=SlotSampling(np.zeros(3), np.zeros(3, np.int64), np.ones(3),
+                                                               keys))
+    assert _draw(greedy, np.arange(3), seq_lens) is None  # none samples: argmax drafts
