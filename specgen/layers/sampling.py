@@ -103,17 +103,19 @@ def coupled_drafts(logits: np.ndarray, ids: np.ndarray | None, draw: np.ndarray,
     the main model's the two draws agree more often than its argmax is sampled."""
     x = logits.astype(np.float64)
     top = np.where(np.isnan(x), -np.inf, x).argmax(axis=-1)  # (NaN never wins, as the fused argmax)
+    rows = np.nonzero(draw[0] > 0)[0]
+    if not len(rows):
+        return top
     out = top.copy()
-    for i in np.nonzero(draw[0] > 0)[0]:
-        inv_t = float(draw[0, i])
-        key = np.uint64((int(draw[1, i]) << 32) | int(draw[2, i]))
-        stream = streams(np.array([key]), np.array([int(draw[3, i]) + depth]))[0]
-        scaled = x[i] * inv_t
-        cand = np.nonzero(scaled >= scaled[top[i]] - DRAFT_SPAN)[0]
-        if not len(cand):  # (a NaN argmax: none compares)
-            continue
-        keys = scaled[cand] + gumbels_at(np.full(len(cand), stream), cand if ids is None else ids[cand])
-        out[i] = cand[int(np.argmax(keys))]
+    keys = draw[1, rows].astype(np.uint64) << np.uint64(32) | draw[2, rows].astype(np.uint64)
+    stream = streams(keys, draw[3, rows].astype(np.int64) + depth)  # [rows]
+    scaled = x[rows] * draw[0, rows, None]  # [rows, v]
+    best = scaled[np.arange(len(rows)), top[rows]]
+    cand = scaled >= (best - DRAFT_SPAN)[:, None]  # (a NaN argmax: none compares, the argmax stays)
+    token = np.arange(x.shape[1]) if ids is None else ids
+    g = gumbels_at(stream[:, None], token[None, :])
+    pick = np.where(cand, scaled + g, -np.inf).argmax(axis=-1)  # the lowest column on a tie
+    out[rows] = np.where(cand.any(axis=-1), pick, top[rows])
     return out
 
 
