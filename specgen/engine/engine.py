@@ -557,10 +557,12 @@ class Engine:
         forced = self._forced(view)
         # Nothing to draft: speculation is ruled out for good (copies included), or every slot is detached
         # from a drafter that then offers nothing (with copies, detached slots still copy), or from an n-gram
-        # job whose drafts do not pay, between the controller's probes (Controller.probing); a grammar's
-        # forced tokens are still drafted.
+        # job whose drafts do not pay, or from a head whose copies do not pay over the job, between the
+        # controller's probes (Controller.probing); a grammar's forced tokens are still drafted.
         detached = c is not None and bool(c.detached(np.concatenate([dec, new])).all())
-        probe = c is None or c.probing(detached and getattr(self.proposer, "probes_when_detached", False))
+        copies = getattr(self.proposer, "copies_when_detached", False)
+        probe = c is None or c.probing(detached and (copies or getattr(self.proposer, "probes_when_detached",
+                                                                         False)), copies=copies)
         idle_detached = detached and getattr(self.proposer, "idle_when_detached", False)
         if c is not None and (c.off or idle_detached or not probe):
             drafts = DraftTokens.none(len(dec), 0) if forced is None else DraftTokens(forced.ids, forced.num)

@@ -181,7 +181,7 @@ def test_budget_zero_keeps_the_tree_for_shadow_acceptance(tiny_model64, prompts)
         def detached(self, slots):
             return np.zeros(len(slots), bool)
 
-        def probing(self, all_detached):
+        def probing(self, all_detached, copies=False):
             return True
 
         def reset(self, slot):

@@ -720,6 +720,75 @@ def test_probing_asks_the_drafter_on_two_steps_in_eight_only_while_the_job_does_
     assert not ctl.unpaying and all(ctl.probing(True) for _ in range(20))
 
 
+def test_copies_of_detached_slots_are_asked_for_on_probes_only_while_they_do_not_pay_a_step():
+    """Every slot detached from the head, one slot's copies (source 1) offered each step: while the copies
+    accepted per detached slot a step could not pay for verifying them (a second token per slot costs 1.2x),
+    the proposer is asked on PROBE_STEPS steps of every PROBE_EVERY (with `copies`; n-gram's rule, the head's
+    own drafts, still asks every step); copies right often enough ask on every step again."""
+    n = 4
+    ctl = Controller(CostModel(np.array([4, 8, 16]), np.array([1.0, 1.2, 2.0])), max_draft=2, num_slots=n)
+    slots = np.arange(n)
+    for s in slots:
+        ctl.detach(int(s))
+    source = np.array([1, 0, 0, 0])
+    drafts, avail, kept = np.array([[7, 8], [0, 0], [0, 0], [0, 0]]), np.array([2, 0, 0, 0]), np.full(n, 3)
+    for _ in range(30):
+        ctl.end_step(_report(slots, drafts, avail, np.tile([1, 2, 3], (n, 1)), kept, source))
+    ctl.choose(slots, avail, 0, source)
+    assert ctl.copies_unpaying and not ctl.unpaying
+    every = [False] * (Controller.PROBE_EVERY - Controller.PROBE_STEPS) + [True] * Controller.PROBE_STEPS
+    assert [ctl.probing(True, copies=True) for _ in range(2 * Controller.PROBE_EVERY)] == every * 2
+    assert all(ctl.probing(True) for _ in range(10))
+    assert ctl.probing(False, copies=True)  # a slot attached: every step drafts
+    for _ in range(60):  # the copies turn right: 2 tokens a step for 1 slot in 4, verifying 2
+        ctl.end_step(_report(slots, drafts, avail, np.tile([7, 8, 3], (n, 1)), kept, source))
+    ctl.choose(slots, avail, 0, source)
+    assert not ctl.copies_unpaying and all(ctl.probing(True, copies=True) for _ in range(20))
+
+
+def test_mtp_copies_between_probes_are_not_asked_and_outputs_stay_plain(tiny_dir, tmp_path, monkeypatch):
+    """An MTP head with copies, every slot detached and its copies known not to pay: the proposer drafts on
+    about PROBE_STEPS / PROBE_EVERY of the steps, and the outputs are plain decoding's; a finished request
+    leaves its slot neither drafts nor copies (its next request's first steps may go untold)."""
+    from specgen import SamplingParams, SpecConfig, generate, load_model
+    from specgen.config import MtpConfig
+    from specgen.drafters.mtp import random_mtp_weights, save_mtp
+    from specgen.engine.proposers.mtp import MtpProposer
+
+    lm = load_model(tiny_dir, dtype="float32")
+    save_mtp(tmp_path, random_mtp_weights(lm.config, seed=3, std=0.3))
+    spec = SpecConfig(method="mtp", num_speculative_tokens=2, mtp=MtpConfig(model=str(tmp_path)))
+    prompts = [[5, 6, 7, 5, 6], [9, 10, 11, 12], [3, 4, 3, 4], [20, 21, 22]]
+    sp = SamplingParams(max_tokens=21, ignore_eos=True, temperature=0.8, seed=1)
+    plain = [o.token_ids for o in generate(prompts, model=lm, sampling=sp)]
+    monkeypatch.setattr(Controller, "detached", lambda self, s: np.ones(len(s), bool))
+
+    def choose(self, s, avail, *a, **k):  # nothing verified, and the copies known not to pay
+        self.copies_unpaying = True
+        return np.zeros(len(avail), np.int64)
+
+    monkeypatch.setattr(Controller, "choose", choose)
+    calls = {"propose": 0, "stale": 0}
+    propose, observe = MtpProposer.propose, MtpProposer.observe
+
+    def counted_propose(self, view):
+        calls["propose"] += 1
+        return propose(self, view)
+
+    def checked_observe(self, update):
+        observe(self, update)
+        done = update.slots[update.finished]
+        calls["stale"] += int((self.num_drafts[done] != 0).sum() + (self.copy_at[done] != -1).sum())
+
+    monkeypatch.setattr(MtpProposer, "propose", counted_propose)
+    monkeypatch.setattr(MtpProposer, "observe", checked_observe)
+    outs = generate(prompts, model=lm, sampling=sp, speculative=spec, engine=EngineConfig(batch_size=2))
+    assert [o.token_ids for o in outs] == plain
+    steps = sum(o.stats.num_steps for o in outs) // 2  # two slots a step
+    assert 0 < calls["propose"] <= steps * Controller.PROBE_STEPS // Controller.PROBE_EVERY + 4
+    assert calls["stale"] == 0
+
+
 def test_ngram_between_probes_is_not_asked_and_its_pool_still_takes_finished_text(tiny_dir, monkeypatch):
     """Every slot detached from an n-gram job whose drafts do not pay: the proposer drafts on about
     PROBE_STEPS / PROBE_EVERY of the steps, the outputs are plain decoding's, and every finished request's

@@ -11,10 +11,12 @@ not pay for it at the batch's size, but for one request in EXPLORE_EVERY, which 
 once the job's drafts are known not to pay, a slot that verifies nothing detaches at once, explorers aside);
 and a drafter whose own measured acceptance
 could not pay for one draft per slot at this batch size is ruled out before the first step. While every slot
-is detached from an n-gram job whose drafts do not pay, the drafter is asked only on probe steps (probing).
+is detached from an n-gram job whose drafts do not pay, or from an MTP head or EAGLE layer whose copies
+(source 1) do not pay over the job, the drafter is asked only on probe steps (probing).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,6 +103,15 @@ class Controller:
         # the drafter's held-out acceptance: the job's prior before its own drafts
         self.hint: float | None = None
         self.unpaying = False  # the job's drafts were known not to pay at the last choice
+        # Copies (DraftTokens.source 1) of a drafter whose detached slots copy, over the job, per decoding
+        # step of a detached slot: copies accepted (copy_gain) and verified (copy_verify); and whether, at
+        # the last choice that offered copies, they were known not to pay for the proposer's and the
+        # controller's time a step (own_seconds: choose and end_step, EMA)
+        self.copy_gain = AcceptanceEstimator(1, 1, self.JOB_DECAY)
+        self.copy_verify = AcceptanceEstimator(1, 1, self.JOB_DECAY)
+        self.copies_unpaying = False
+        self.own_seconds = 0.0
+        self._choose_seconds = 0.0  # the last choice's time (counted into own_seconds by end_step)
         self.quiet = 0  # steps in a row of every slot detached from such a job (probing)
 
     # ---- before a step ----
@@ -121,6 +132,14 @@ class Controller:
 
     def choose(self, slots: np.ndarray, num_avail: np.ndarray, other_tokens: int,
                source: np.ndarray | None = None, gains: np.ndarray | None = None) -> np.ndarray:
+        """_choose, its time kept for own_seconds."""
+        start = time.perf_counter()
+        k = self._choose(slots, num_avail, other_tokens, source, gains)
+        self._choose_seconds = time.perf_counter() - start
+        return k
+
+    def _choose(self, slots: np.ndarray, num_avail: np.ndarray, other_tokens: int,
+                source: np.ndarray | None = None, gains: np.ndarray | None = None) -> np.ndarray:
         """Drafts to verify per decoding slot ([num_seqs] int64 in [0, num_avail]) this step: a token tree's
         node budget, with gains [num_seqs, width] its nodes' expected tokens (tree.node_gains). A slot's idle
         count (detach) moves only on steps whose drafts are source 0's: the drafter that costs time per slot;
@@ -138,6 +157,8 @@ class Controller:
         idle = np.where((k == 0) | (not pays), self.idle[slots] + 1, np.maximum(self.idle[slots] - 1, 0))
         evidence = max(self.JOB_EVIDENCE, self.JOB_EVIDENCE_PER_SLOT * len(slots))
         self.unpaying = gains is None and self.job.seen[0, 0] >= evidence and not self._job_pays()
+        if source is not None and (np.asarray(source) == 1).any():
+            self.copies_unpaying = self.copy_gain.seen[0, 0] >= evidence and not self._copies_pay()
         if self.unpaying:
             idle = np.where((k == 0) & ~self.explorer[slots], np.maximum(idle, self.DETACH_AFTER), idle)
         self.idle[slots] = idle if source is None else np.where(source == 0, idle, self.idle[slots])
@@ -166,11 +187,13 @@ class Controller:
         request."""
         return (self.idle[slots] >= self.DETACH_AFTER) | self.off
 
-    def probing(self, all_detached: bool) -> bool:
+    def probing(self, all_detached: bool, copies: bool = False) -> bool:
         """Whether this step runs the proposer and the controller, for a drafter all of whose drafts count
-        toward detaching: always, but while every slot is detached from a job whose drafts do not pay, on
-        PROBE_STEPS steps in a row of every PROBE_EVERY."""
-        quiet = all_detached and self.unpaying
+        toward detaching (or, with `copies`, one whose detached slots still copy): always, but while every
+        slot is detached from a job whose drafts (copies) do not pay, on PROBE_STEPS steps in a row of every
+        PROBE_EVERY. (QA at batch 1, T 0.8: the MTP head and the EAGLE layer detached from nearly every step,
+        finding and offering copies, scoring them and pricing the step cost 0.25-0.4 ms of a ~6 ms step.)"""
+        quiet = all_detached and (self.copies_unpaying if copies else self.unpaying)
         self.quiet = self.quiet + 1 if quiet else 0
         return not quiet or (self.quiet - 1) % self.PROBE_EVERY >= self.PROBE_EVERY - self.PROBE_STEPS
 
@@ -199,21 +222,42 @@ class Controller:
         head's held-out hint: with HINT_HEADROOM a draft model right 0.36 of the time looked worth 0.54, and
         each request of a batch-1 job caught its prompt up and drafted until it detached: 0.93x of plain
         decoding on math.)"""
+        return self._pays(self._job_rate())
+
+    def _copies_pay(self) -> bool:
+        """Whether a step of detached slots that copy, at the job's copies accepted and verified per slot a
+        step so far, emits tokens faster than plain decoding, the proposer's and the controller's time
+        counted. (QA at batch 1, T 0.8: copies, accepted 0.38 of the time where the text repeated, added
+        0.03 tokens a step, and finding, offering and scoring them every step cost 0.25-0.4 ms of ~6 ms.)"""
         n = max(self.active, 1)
-        a = self._job_rate()
+        gain, verified = float(self.copy_gain.rate(0, 0, 0.0)), float(self.copy_verify.rate(0, 0, 0.0))
+        overhead = (self.draft_cost or 0.0) + self.own_seconds  # seconds a step
+        return bool(n * (1.0 + gain) / (self.cost.at(n + n * verified) + overhead) > n / self.cost.at(n))
+
+    def _pays(self, a: float) -> bool:
+        """Whether drafts accepted at rate a, up to max_draft per slot at the last step's batch size, would
+        pay for verifying them and the drafter's time."""
+        n = max(self.active, 1)
         return choose_drafts(np.full(n, a), np.full(n, self.max_draft, np.int64), 0, self.draft_cost or 0.0,
                              self.cost, self.MIN_GAIN)[1]
 
     # ---- after a step ----
 
     def end_step(self, r: StepReport) -> None:
-        """What the step taught: acceptance per (slot, source), the step's cost, the drafter's time."""
+        """What the step taught: acceptance per (slot, source), the step's cost, the drafter's time (and the
+        controller's own: this and the step's choice)."""
+        start = time.perf_counter()
         self.cost.observe(r.num_tokens, r.forward_seconds)
         self._count(r)
         if r.rated is not None and r.rated[1] > 0:
             self.calibration.update(0, np.zeros(1, np.int64), np.array([r.rated[0]]), np.array([r.rated[1]]))
         if len(r.slots) and (not self.detached(r.slots).all() or r.num_avail.any()):
             self._drafting(r.draft_seconds)  # (detached slots that still draft: MTP's copies)
+        own = time.perf_counter() - start + self._choose_seconds
+        self._choose_seconds = 0.0
+        old = self.own_seconds
+        self.own_seconds = own if not old else \
+            (1 - self.DRAFT_EMA) * old + self.DRAFT_EMA * min(own, self.DRAFT_OUTLIER * old)
 
     def _count(self, r: StepReport) -> None:
         """Every offered draft whose true token is known, verified or not, against the tokens
@@ -231,6 +275,14 @@ class Controller:
         if seen[mine].any():
             self.job.update(0, np.zeros(1, np.int64), hits[mine].sum(keepdims=True),
                             seen[mine].sum(keepdims=True))
+        if r.source is not None:  # copies of detached slots, per such slot a step
+            detached = self.detached(r.slots)
+            if detached.any():
+                copied = detached & (r.source == 1)
+                steps = np.array([float(detached.sum())])
+                key = np.zeros(1, np.int64)
+                self.copy_gain.update(0, key, np.minimum(hits, r.num_draft)[copied].sum(keepdims=True), steps)
+                self.copy_verify.update(0, key, r.num_draft[copied].sum(keepdims=True), steps)
 
     def _drafting(self, seconds: float) -> None:
         """The proposer's time in one step (drafting for the next step included), counted at most

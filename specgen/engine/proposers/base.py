@@ -37,6 +37,9 @@ class Proposer(Protocol):
     # detached from a job whose drafts do not pay, it is asked only on the controller's probes
     # (Controller.probing). MTP / EAGLE copies do not count (a slot detaches from the head's drafts).
     probes_when_detached: bool
+    # True where detached slots still copy (MTP / EAGLE with copies, DraftTokens.source 1): while every slot
+    # is detached and the job's copies do not pay, the drafter is asked only on the controller's probes.
+    copies_when_detached: bool
     # A later sample of a request may copy its sample 0's prompt rows (the engine's n samples): the drafter
     # keeps no state of the prompt, or gives the sample sample 0's by an optional
     # copy_prompt(src slot, dst slot, prompt length). False: each sample prefills its prompt.
@@ -72,6 +75,7 @@ class NoProposer:
     acceptance_hint = None
     idle_when_detached = False
     probes_when_detached = False
+    copies_when_detached = False
     clone_safe = True  # keeps no state of a slot's prompt: a sample may copy another's prompt rows
     context_only = True  # drafts from the slot's tokens alone: it may draft after a grammar's forced tokens
 

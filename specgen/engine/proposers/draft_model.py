@@ -40,6 +40,7 @@ class DraftModelProposer:
     acceptance_hint = None
     idle_when_detached = True  # a detached slot's draft neither catches up nor drafts
     probes_when_detached = False
+    copies_when_detached = False
 
     def __init__(self, draft: Model, k: int, prompt_window: int = 0):
         """prompt_window: a prompt's last positions the draft reads (0: all); its own positions start

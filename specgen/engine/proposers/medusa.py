@@ -46,6 +46,7 @@ class MedusaProposer:
     acceptance_hint = None
     idle_when_detached = True  # no head passes for detached slots
     probes_when_detached = False
+    copies_when_detached = False
 
     def __init__(self, heads: MedusaHeads, topk: int, paths: tuple[tuple[int, ...], ...],
                  lm_head: paddle.Tensor | None = None):

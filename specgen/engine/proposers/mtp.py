@@ -91,6 +91,9 @@ class MtpProposer:
         self.acceptance_hint = acceptance_hint
         self.idle_when_detached = copy_min == 0  # with copies, detached slots still copy
         self.probes_when_detached = False  # copies do not count toward detaching
+        # detached slots copy: while every slot is detached and the job's copies do not pay, the proposer is
+        # asked on the controller's probes only (Controller.probing)
+        self.copies_when_detached = copy_min > 0
         self.copy_min = copy_min
         self._lib = lib if copy_min and max(k, self.COPY_MAX, copy_min) <= host.NATIVE_MAX else None
         self.cache: KVCache | None = None
@@ -210,6 +213,10 @@ class MtpProposer:
             for slot in update.slots[update.broken]:
                 for cache in self.caches:
                     cache.clear_slot(int(slot))
+        if update.finished.any():  # a finished request's drafts and copies are not its slot's next request's
+            # (whose first steps the proposer may not be told of: Controller.probing)
+            done = update.slots[update.finished]
+            self.num_drafts[done], self.copy_at[done], self.copy_num[done] = 0, -1, 0
         live = ~update.finished & (update.num_valid > 0)
         # Slots whose next drafts are copies (found now, from the committed text, for propose) need the head's
         # pass only to catch its cache up: no LM head, no chained drafts (the fused pass leaves them out of

@@ -98,6 +98,7 @@ class NgramProposer:
     acceptance_hint = None
     idle_when_detached = False  # drafts from the text, whatever the controller detached
     probes_when_detached = True  # every draft counts toward detaching
+    copies_when_detached = False
     clone_safe = True  # its state is the slot's tokens: a sample may copy another's prompt rows
     context_only = True  # drafts from the slot's tokens (and the pool): it may draft after forced tokens
     SOURCE_DECAY = 0.998  # per step: the estimates follow a job whose kind of text changes
