@@ -746,6 +746,25 @@ def test_copies_of_detached_slots_are_asked_for_on_probes_only_while_they_do_not
     assert not ctl.copies_unpaying and all(ctl.probing(True, copies=True) for _ in range(20))
 
 
+def _quiet_job(monkeypatch, flag: str, proposer_cls, calls: dict) -> None:
+    """Every slot detached, nothing verified, and Controller.<flag> set (the job's drafts, or copies, known
+    not to pay); calls["propose"] counts proposer_cls.propose."""
+    monkeypatch.setattr(Controller, "detached", lambda self, s: np.ones(len(s), bool))
+
+    def choose(self, s, avail, *a, **k):
+        setattr(self, flag, True)
+        return np.zeros(len(avail), np.int64)
+
+    monkeypatch.setattr(Controller, "choose", choose)
+    propose = proposer_cls.propose
+
+    def counted_propose(self, view):
+        calls["propose"] += 1
+        return propose(self, view)
+
+    monkeypatch.setattr(proposer_cls, "propose", counted_propose)
+
+
 def test_mtp_copies_between_probes_are_not_asked_and_outputs_stay_plain(tiny_dir, tmp_path, monkeypatch):
     """An MTP head with copies, every slot detached and its copies known not to pay: the proposer drafts on
     about PROBE_STEPS / PROBE_EVERY of the steps, and the outputs are plain decoding's; a finished request
@@ -761,26 +780,15 @@ def test_mtp_copies_between_probes_are_not_asked_and_outputs_stay_plain(tiny_dir
     prompts = [[5, 6, 7, 5, 6], [9, 10, 11, 12], [3, 4, 3, 4], [20, 21, 22]]
     sp = SamplingParams(max_tokens=21, ignore_eos=True, temperature=0.8, seed=1)
     plain = [o.token_ids for o in generate(prompts, model=lm, sampling=sp)]
-    monkeypatch.setattr(Controller, "detached", lambda self, s: np.ones(len(s), bool))
-
-    def choose(self, s, avail, *a, **k):  # nothing verified, and the copies known not to pay
-        self.copies_unpaying = True
-        return np.zeros(len(avail), np.int64)
-
-    monkeypatch.setattr(Controller, "choose", choose)
     calls = {"propose": 0, "stale": 0}
-    propose, observe = MtpProposer.propose, MtpProposer.observe
-
-    def counted_propose(self, view):
-        calls["propose"] += 1
-        return propose(self, view)
+    _quiet_job(monkeypatch, "copies_unpaying", MtpProposer, calls)
+    observe = MtpProposer.observe
 
     def checked_observe(self, update):
         observe(self, update)
         done = update.slots[update.finished]
         calls["stale"] += int((self.num_drafts[done] != 0).sum() + (self.copy_at[done] != -1).sum())
 
-    monkeypatch.setattr(MtpProposer, "propose", counted_propose)
     monkeypatch.setattr(MtpProposer, "observe", checked_observe)
     outs = generate(prompts, model=lm, sampling=sp, speculative=spec, engine=EngineConfig(batch_size=2))
     assert [o.token_ids for o in outs] == plain
@@ -801,25 +809,14 @@ def test_ngram_between_probes_is_not_asked_and_its_pool_still_takes_finished_tex
     prompts = [[5, 6, 7], [9, 10, 11, 12], [3, 4], [20, 21, 22]]
     sp = SamplingParams(max_tokens=21, ignore_eos=True)  # (requests end between probes)
     plain = [o.token_ids for o in generate(prompts, model=lm, sampling=sp)]
-    monkeypatch.setattr(Controller, "detached", lambda self, s: np.ones(len(s), bool))
-
-    def choose(self, s, avail, *a, **k):  # nothing verified, and the job's drafts known not to pay
-        self.unpaying = True
-        return np.zeros(len(avail), np.int64)
-
-    monkeypatch.setattr(Controller, "choose", choose)
     calls = {"propose": 0, "pooled": 0}
-    propose, add_batch = NgramProposer.propose, NgramPool.add_batch
-
-    def counted_propose(self, view):
-        calls["propose"] += 1
-        return propose(self, view)
+    _quiet_job(monkeypatch, "unpaying", NgramProposer, calls)
+    add_batch = NgramPool.add_batch
 
     def counted_add(self, tokens, lens):
         calls["pooled"] += len(lens)
         return add_batch(self, tokens, lens)
 
-    monkeypatch.setattr(NgramProposer, "propose", counted_propose)
     monkeypatch.setattr(NgramPool, "add_batch", counted_add)
     outs = generate(prompts, model=lm, sampling=sp, speculative=SpecConfig(method="ngram"),
                     engine=EngineConfig(batch_size=2))
