@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+import numpy as np
+
 T = TypeVar("T")
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -87,3 +89,45 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], digits
     print(line(headers))
     for row in cells:
         print(line(row))
+
+
+class ForwardLog:
+    """Each forward of a loaded model (its tokens fed and seconds) while the log is attached: for ratios
+    that price every arm's forwards at one pooled cost per token count (normalized_seconds), so that the
+    machine's drift between arms (this shared VM's step time moved 20% within a minute) cancels."""
+
+    def __init__(self, loaded):
+        self.calls: list[tuple[int, float]] = []
+        model = loaded.model
+        inner = model.forward
+
+        def forward(batch, *args, **kwargs):
+            start = time.perf_counter()
+            out = inner(batch, *args, **kwargs)
+            self.calls.append((len(batch.token_ids), time.perf_counter() - start))
+            return out
+
+        model.forward = forward  # (the instance's: the engine calls model.forward)
+
+    def take(self) -> list[tuple[int, float]]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def normalized_seconds(runs: dict[str, list[tuple[float, list[tuple[int, float]]]]],
+                       small: int = 8) -> dict[str, float]:
+    """Per arm, from its runs [(wall seconds, ForwardLog calls)], the least over its runs of: the run's
+    forwards of at most `small` tokens priced at the median seconds of that token count over every arm's
+    runs, its larger forwards (prefills: the same prompts in every arm) at their median total over every
+    run, plus the run's host time (wall less its own forwards)."""
+    per_n: dict[int, list[float]] = {}
+    for arm_runs in runs.values():
+        for _, calls in arm_runs:
+            for n, dt in calls:
+                if n <= small:
+                    per_n.setdefault(n, []).append(dt)
+    cost = {n: float(np.median(v)) for n, v in per_n.items()}
+    big = float(np.median([sum(dt for n, dt in calls if n > small)
+                           for arm_runs in runs.values() for _, calls in arm_runs]))
+    return {arm: min(sum(cost[n] for n, _ in calls if n <= small) + big + wall - sum(dt for _, dt in calls)
+                     for wall, calls in arm_runs) for arm, arm_runs in runs.items()}

@@ -7,7 +7,9 @@ at the same verify budget (every node verified).
 
 Greedy (or --temperature T, seed 0), the default model, float32, the fused backend, batch --batch-size (1).
 Speed arms run with the adaptive controller (it picks each slot's k or node budget); they alternate within
-each repeat, tok/s are the best of the repeats and "x none" its ratio to plain decoding's. tok/step = tokens
+each repeat, tok/s are the best of the repeats and "x none" its ratio to plain decoding's; "x none norm" the
+same ratio with every arm's forwards priced at one cost per token count pooled over the set's runs, plus the
+arm's own host time (common.normalized_seconds: the machine's drift between arms cancels). tok/step = tokens
 emitted per step (accepted + 1), nodes/step = drafts verified per step. Budget arms (--budgets B...) verify
 every node offered: a chain of B drafts against a tree of B nodes of the same layer (EAGLE-2's most probable
 B, at most 32, with --budget-topk children per expanded node), without copies; past 5 drafts, the longest
@@ -19,7 +21,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from common import CATEGORIES, load_sets, machine, print_table, timed
+from common import CATEGORIES, ForwardLog, load_sets, machine, normalized_seconds, print_table, timed
 
 STATIC = ("0", "1", "2", "0,0", "0,1", "1,0", "0,0,0", "0,0,1", "0,0,0,0")  # 9 nodes, depth 4
 MAX_CHAIN = 5  # SpecConfig.num_speculative_tokens at most
@@ -114,30 +116,37 @@ def main() -> None:
     names = args.arms or list(all_arms)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
     rows = []
+    log = ForwardLog(model)
     for name in args.sets:
         prompts = sets[name]
         best: dict[str, float] = {}
         outs = {}
+        runs: dict[str, list] = {}  # speed arms: (wall, forwards) per repeat
         for repeat in range(args.repeats):
             for arm in names:
                 spec, speed = all_arms[arm]
                 if not speed and repeat:  # budget arms: counts only
                     continue
+                log.take()
                 out, wall = timed(lambda: generate(prompts, model=model, sampling=sampling, speculative=spec,
                                                    engine=EngineConfig(batch_size=args.batch_size)))
                 best[arm] = max(best.get(arm, 0.0), sum(len(o.token_ids) for o in out) / wall)
                 outs[arm] = out
+                if speed:
+                    runs.setdefault(arm, []).append((wall, log.take()))
+        norm = normalized_seconds(runs) if runs else {}
         for arm in names:
             out = outs[arm]
             steps = sum(o.stats.num_steps for o in out)
             speed = all_arms[arm][1]
             rows.append([name, arm, best[arm] if speed else None,
                          best[arm] / best["none"] if speed and "none" in best else None,
+                         norm["none"] / norm[arm] if speed and "none" in norm else None,
                          sum(len(o.token_ids) for o in out) / steps,
                          sum(o.stats.num_draft_tokens for o in out) / steps,
                          per_depth(out), [o.token_ids for o in out] == [o.token_ids for o in outs[names[0]]]])
-        print_table(["set", "arm", "tok/s", "x none", "tok/step", "nodes/step", "accepted per depth",
-                     "identical"], rows[-len(names):])
+        print_table(["set", "arm", "tok/s", "x none", "x none norm", "tok/step", "nodes/step",
+                     "accepted per depth", "identical"], rows[-len(names):])
         budget_rows = tree_against_chain(outs, args.budgets)
         if budget_rows:
             print_table(["B", "chain tok/step", "chain bound", "tree tok/step", "tree / chain"], budget_rows)
