@@ -114,20 +114,16 @@ class ForwardLog:
         return calls
 
 
-def normalized_seconds(runs: dict[str, list[tuple[float, list[tuple[int, float]]]]],
-                       small: int = 8) -> dict[str, float]:
+def normalized_seconds(runs: dict[str, list[tuple[float, list[tuple[int, float]]]]]) -> dict[str, float]:
     """Per arm, from its runs [(wall seconds, ForwardLog calls)], the least over its runs of: the run's
-    forwards of at most `small` tokens priced at the median seconds of that token count over every arm's
-    runs, its larger forwards (prefills: the same prompts in every arm) at their median total over every
-    run, plus the run's host time (wall less its own forwards)."""
+    forwards each priced at the median seconds of its token count over every arm's runs (prefills feed the
+    same counts in every arm), plus the run's host time (wall less its own forwards). Warm every arm up first:
+    an engine's first job times its controller's cost table with forwards of its own."""
     per_n: dict[int, list[float]] = {}
     for arm_runs in runs.values():
         for _, calls in arm_runs:
             for n, dt in calls:
-                if n <= small:
-                    per_n.setdefault(n, []).append(dt)
+                per_n.setdefault(n, []).append(dt)
     cost = {n: float(np.median(v)) for n, v in per_n.items()}
-    big = float(np.median([sum(dt for n, dt in calls if n > small)
-                           for arm_runs in runs.values() for _, calls in arm_runs]))
-    return {arm: min(sum(cost[n] for n, _ in calls if n <= small) + big + wall - sum(dt for _, dt in calls)
-                     for wall, calls in arm_runs) for arm, arm_runs in runs.items()}
+    return {arm: min(sum(cost[n] - dt for n, dt in calls) + wall for wall, calls in arm_runs)
+            for arm, arm_runs in runs.items()}

@@ -116,6 +116,10 @@ def main() -> None:
     names = args.arms or list(all_arms)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
     rows = []
+    warm = SamplingParams(max_tokens=2, temperature=args.temperature, seed=0)
+    for arm in names:  # each arm's engine times its controller's cost table once, before any timed run
+        generate(sets[args.sets[0]][:1], model=model, sampling=warm, speculative=all_arms[arm][0],
+                 engine=EngineConfig(batch_size=args.batch_size))
     log = ForwardLog(model)
     for name in args.sets:
         prompts = sets[name]

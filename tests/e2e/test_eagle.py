@@ -183,6 +183,7 @@ def test_copies_replace_the_tree_where_the_text_repeats(model64, tmp_path):
     p._ensure(2)
     (p.tree_ids[1, :3], p.tree_parents[1, :3], p.num_drafts[1],
      p.tree_probs[1, :3]) = [40, 41, 42], [0, 0, 1], 3, .5
+    p.drafts_at[:] = 6  # grown for the committed text
     tokens = np.zeros((2, 16), np.int64)
     tokens[0, :6], tokens[1, :6] = [5, 6, 7, 8, 5, 6], [9, 10, 11, 12, 13, 14]
     d = p.propose(SlotView(np.array([0, 1]), tokens, np.array([6, 6]), np.array([3, 3])))
@@ -196,6 +197,9 @@ def test_copies_replace_the_tree_where_the_text_repeats(model64, tmp_path):
     assert d.draft_ids[0].tolist() == [7, 8, 5]
     # state untouched
     assert p.tree_ids[1, :3].tolist() == [40, 41, 42] and p.tree_parents[0].tolist() == [0] * 6
+    p.num_drafts[1] = 3  # a tree grown for another length (a step the proposer was not told of): not offered
+    d = p.propose(SlotView(np.array([0, 1]), tokens, np.array([6, 7]), np.array([3, 3])))
+    assert d.parents is None and d.num_draft[1] == 0
     off = build_proposer(dataclasses.replace(spec, eagle=EagleConfig(topk=2, nodes=6, copy=0)),
                                model64.model)
     off._ensure(2)

@@ -746,6 +746,32 @@ def test_copies_of_detached_slots_are_asked_for_on_probes_only_while_they_do_not
     assert not ctl.copies_unpaying and all(ctl.probing(True, copies=True) for _ in range(20))
 
 
+def test_copies_that_gain_a_little_do_not_pay_for_a_costly_proposer():
+    """Copies of one slot in 4, 2 verified a step and 1 accepted: 5 tokens for a step of 6 (1.1x a 4-token
+    step) beat plain decoding's 4 when finding them is free, not when the proposer takes 0.2 of a step; slots
+    not detached count no copy steps."""
+    n = 4
+    slots = np.arange(n)
+    source = np.array([1, 0, 0, 0])
+    drafts, avail, kept = np.array([[7, 8], [0, 0], [0, 0], [0, 0]]), np.array([2, 0, 0, 0]), np.full(n, 3)
+    emitted = np.tile([7, 9, 3], (n, 1))
+    for draft_seconds, unpaying in ((0.0, False), (0.2, True)):
+        ctl = Controller(CostModel(np.array([4, 8, 16]), np.array([1.0, 1.2, 2.0])), max_draft=2, num_slots=n)
+        for s in slots:
+            ctl.detach(int(s))
+        for _ in range(30):
+            ctl.end_step(dataclasses.replace(_report(slots, drafts, avail, emitted, kept, source),
+                                              draft_seconds=draft_seconds))
+        np.testing.assert_allclose(ctl.copy_gain.rate(0, 0, 0.0) / ctl.copy_verify.rate(0, 0, 0.0), 0.5,
+                                   rtol=0.05)
+        ctl.choose(slots, avail, 0, source)
+        assert ctl.copies_unpaying == unpaying
+    attached = Controller(CostModel(np.array([4, 8, 16]), np.array([1.0, 1.2, 2.0])), max_draft=2,
+                          num_slots=n)
+    attached.end_step(_report(slots, drafts, avail, emitted, kept, source))
+    assert attached.copy_gain.seen[0, 0] == 0
+
+
 def _quiet_job(monkeypatch, flag: str, proposer_cls, calls: dict) -> None:
     """Every slot detached, nothing verified, and Controller.<flag> set (the job's drafts, or copies, known
     not to pay); calls["propose"] counts proposer_cls.propose."""

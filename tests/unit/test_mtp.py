@@ -302,13 +302,19 @@ def test_copied_drafts_replace_the_heads_where_the_tail_repeats(tiny_model64, na
     rows = [r + [0] * (15 - len(r)) for r in rows]
     view = SlotView(slots=np.array([0, 1, 2, 3, 4]), tokens=np.array(rows, np.int64),
                     seq_lens=np.array([7, 5, 9, 4, 15]), max_draft=np.array([3, 3, 2, 3, 3]))
+    p.drafts_at[:] = view.seq_lens  # the head's drafts were made for the committed text
     d = p.propose(view)
     assert d.draft_ids.tolist() == [[3, 4, 5], [93, 94, 95], [6, 4, 1], [99, 100, 101], [7, 8, 9]]
     assert d.num_draft.tolist() == [3, 2, 2, 3, 3]
     off = MtpProposer(tiny_model64.model, [head], 3)  # copy_min 0: the head's drafts everywhere
     off._ensure(5)
-    off.drafts[:], off.num_drafts[:] = p.drafts, p.num_drafts
+    off.drafts[:], off.num_drafts[:], off.drafts_at[:] = p.drafts, p.num_drafts, p.drafts_at
     assert off.propose(view).draft_ids.tolist() == p.drafts.tolist()
+    # drafts made for another length (steps the proposer was not told of) are not offered; copies still are
+    p.drafts_at[[1, 3]] -= 2
+    assert p.propose(view).num_draft.tolist() == [3, 0, 2, 0, 3]
+    off.drafts_at[:] = -1
+    assert off.propose(view).num_draft.tolist() == [0, 0, 0, 0, 0]
 
 
 def test_head_projections_are_q8_0_blocks_beside_a_quantized_main_model(real_model):

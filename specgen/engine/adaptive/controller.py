@@ -228,7 +228,9 @@ class Controller:
         """Whether a step of detached slots that copy, at the job's copies accepted and verified per slot a
         step so far, emits tokens faster than plain decoding, the proposer's and the controller's time
         counted. (QA at batch 1, T 0.8: copies, accepted 0.38 of the time where the text repeated, added
-        0.03 tokens a step, and finding, offering and scoring them every step cost 0.25-0.4 ms of ~6 ms.)"""
+        0.03 tokens a step, and finding, offering and scoring them every step cost 0.25-0.4 ms of ~6 ms.)
+        Lenient: no MIN_GAIN margin, and own_seconds leaves out the engine's own part of a drafting step (the
+        report, a tree's planning), so copies within the model's error keep running every step."""
         n = max(self.active, 1)
         gain, verified = float(self.copy_gain.rate(0, 0, 0.0)), float(self.copy_verify.rate(0, 0, 0.0))
         overhead = (self.draft_cost or 0.0) + self.own_seconds  # seconds a step

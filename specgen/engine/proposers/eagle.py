@@ -112,7 +112,7 @@ class EagleProposer(MtpProposer):
         use = self._copying(view) if self.copy_min and n else np.zeros(n, bool)  # [num_seqs] a copy,
         # not a tree
         source = use.astype(np.int64) if self.copy_min else None  # [num_seqs] 1: a copied chain
-        num = self.num_drafts[s]  # [num_seqs] tree nodes
+        num = self.head_drafts(view)  # [num_seqs] tree nodes
         if not (num[~use] > 0).any():  # [num_seqs, k] chains: the copies, none elsewhere
             return DraftTokens(np.where(use[:, None], self.copy_ids[s], 0),
                                np.where(use, self.copy_num[s], 0), source)

@@ -75,7 +75,7 @@ class MtpProposer:
     # step 1.69 -> 1.71 on summarization, 2.02 -> 2.06 on code rewriting, RAG unchanged).
     COPY_MAX = 8
     # per-slot arrays a hand-off carries as they are (export_slot)
-    SLOT_ARRAYS = ("shift", "drafts", "num_drafts", "copy_ids", "copy_num", "copy_at")
+    SLOT_ARRAYS = ("shift", "drafts", "num_drafts", "drafts_at", "copy_ids", "copy_num", "copy_at")
 
     def __init__(self, model: Model, heads: Sequence[PreparedHead], k: int,
                  acceptance_hint: float | None = None, copy_min: int = 0, prompt_window: int = 0, lib=None):
@@ -104,13 +104,19 @@ class MtpProposer:
         if self.cache is None:
             return DraftTokens.none(len(view.slots), self.k)
         slots = view.slots
-        drafts, num = self.drafts[slots], self.num_drafts[slots]  # [num_seqs, k], [num_seqs]
+        drafts, num = self.drafts[slots], self.head_drafts(view)  # [num_seqs, k], [num_seqs]
         if not self.copy_min or not len(slots):
             return DraftTokens(drafts, np.minimum(num, view.max_draft))
         use = self._copying(view)
         drafts = np.where(use[:, None], self.copy_ids[slots], drafts)
         num = np.where(use, self.copy_num[slots], num)
         return DraftTokens(drafts, np.minimum(num, view.max_draft), use.astype(np.int64))
+
+    def head_drafts(self, view: SlotView) -> np.ndarray:
+        """[num_seqs] the head's drafts ready for each slot's committed text: none where they were made for
+        another length (steps the proposer was not told of: Controller.probing's quiet steps after a PD
+        hand-off brought them in)."""
+        return np.where(self.drafts_at[view.slots] == view.seq_lens, self.num_drafts[view.slots], 0)
 
     def _copying(self, view: SlotView) -> np.ndarray:
         """[num_seqs] bool: slots whose next drafts are copies (a tail of >= copy_min tokens occurred before;
@@ -146,6 +152,7 @@ class MtpProposer:
             self.carry = [paddle.zeros([num_slots, hidden], self.model.dtype) for _ in self.heads]
             self.drafts = np.zeros((num_slots, self.k), np.int64)
             self.num_drafts = np.zeros(num_slots, np.int64)
+            self.drafts_at = np.full(num_slots, -1, np.int64)  # [num_slots] the length they were made for
             # copy_min > 0: each slot's copied drafts [num_slots, k], their count, and the length they are for
             self.copy_ids = np.zeros((num_slots, self.k), np.int64)
             self.copy_num = np.zeros(num_slots, np.int64)
@@ -273,6 +280,7 @@ class MtpProposer:
         depth = max(1, min(self.k, update.max_draft_next))  # chained drafts worth computing for the next step
         want = ~copying
         self.num_drafts[slots] = np.where(want, depth, 0)
+        self.drafts_at[slots] = seq_lens
         return CatchUp(update.tokens, slots, seq, pos, rows, next_ids, hidden, start, total, shift, seq_lens,
                        want, depth, _draw(update, index, seq_lens))
 
