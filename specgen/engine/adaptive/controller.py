@@ -191,8 +191,7 @@ class Controller:
         """Whether this step runs the proposer and the controller, for a drafter all of whose drafts count
         toward detaching (or, with `copies`, one whose detached slots still copy): always, but while every
         slot is detached from a job whose drafts (copies) do not pay, on PROBE_STEPS steps in a row of every
-        PROBE_EVERY. (QA at batch 1, T 0.8: the MTP head and the EAGLE layer detached from nearly every step,
-        finding and offering copies, scoring them and pricing the step cost 0.25-0.4 ms of a ~6 ms step.)"""
+        PROBE_EVERY (for copies: _copies_pay)."""
         quiet = all_detached and (self.copies_unpaying if copies else self.unpaying)
         self.quiet = self.quiet + 1 if quiet else 0
         return not quiet or (self.quiet - 1) % self.PROBE_EVERY >= self.PROBE_EVERY - self.PROBE_STEPS
@@ -222,7 +221,9 @@ class Controller:
         head's held-out hint: with HINT_HEADROOM a draft model right 0.36 of the time looked worth 0.54, and
         each request of a batch-1 job caught its prompt up and drafted until it detached: 0.93x of plain
         decoding on math.)"""
-        return self._pays(self._job_rate())
+        n = max(self.active, 1)
+        return choose_drafts(np.full(n, self._job_rate()), np.full(n, self.max_draft, np.int64), 0,
+                             self.draft_cost or 0.0, self.cost, self.MIN_GAIN)[1]
 
     def _copies_pay(self) -> bool:
         """Whether a step of detached slots that copy, at the job's copies accepted and verified per slot a
@@ -235,13 +236,6 @@ class Controller:
         gain, verified = float(self.copy_gain.rate(0, 0, 0.0)), float(self.copy_verify.rate(0, 0, 0.0))
         overhead = (self.draft_cost or 0.0) + self.own_seconds  # seconds a step
         return bool(n * (1.0 + gain) / (self.cost.at(n + n * verified) + overhead) > n / self.cost.at(n))
-
-    def _pays(self, a: float) -> bool:
-        """Whether drafts accepted at rate a, up to max_draft per slot at the last step's batch size, would
-        pay for verifying them and the drafter's time."""
-        n = max(self.active, 1)
-        return choose_drafts(np.full(n, a), np.full(n, self.max_draft, np.int64), 0, self.draft_cost or 0.0,
-                             self.cost, self.MIN_GAIN)[1]
 
     # ---- after a step ----
 
